@@ -1,0 +1,193 @@
+"""The figures of one measured span: the :class:`Measurement` dataclass.
+
+Every figure is a count of bytes on the measured device. Figures are absolute:
+they include ``start``, the bytes already allocated when the span began. What the
+span itself added is its *cost*: a figure minus ``start`` (see
+:meth:`Measurement.cost`). A figure the engine cannot know is ``None`` (shown as
+"n/a"), never 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CATEGORIES", "PHASES", "METRICS", "Phase", "Measurement"]
+
+#: Breakdown categories, in report order. They sum to the peak.
+CATEGORIES: tuple[str, ...] = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "other",
+)
+
+#: Phases of a training step, in order.
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+
+#: Figures that limits and baselines can name.
+METRICS: tuple[str, ...] = ("peak", "allocated", "reserved", "retained")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a training step inside a span (bytes, absolute).
+
+    ``start`` is allocated when the phase was first entered, ``peak`` the highest
+    allocated while in it, ``end`` allocated when it was last left.
+    """
+
+    name: str
+    start: int
+    peak: int
+    end: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"start": self.start, "peak": self.peak, "end": self.end}
+
+    @classmethod
+    def from_dict(cls, name: str, data: Mapping[str, Any]) -> Phase:
+        return cls(name=name, start=int(data["start"]), peak=int(data["peak"]), end=int(data["end"]))
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one span cost on its device. All sizes are bytes.
+
+    Attributes:
+        name: ``"call"`` for a whole test call, else the span's name.
+        engine: where bytes were read: ``"cuda"`` (the device's caching
+            allocator: CUDA, ROCm, XPU through ``torch.accelerator``) or ``"cpu"``
+            (the exact tensor-storage tracker).
+        device: the measured ``torch.device`` as a string, e.g. ``"cuda:0"``.
+        start: allocated bytes when the span began.
+        peak: highest allocated bytes during the span (everything alive on the
+            device, not only what the span created).
+        allocated: allocated bytes when the span ended.
+        reserved: highest bytes the caching allocator held from the driver
+            during the span; ``None`` on the CPU engine.
+        start_reserved: reserved bytes when the span began; ``None`` on CPU.
+        retained: allocated at the end of the test minus at its start, after
+            garbage collection (a leak indicator); only for the ``"call"`` span.
+        requested_peak: highest bytes the code asked for (before the allocator
+            rounded them); CUDA only.
+        num_alloc_retries: cudaMalloc retries after freeing cached blocks
+            during the span; CUDA only.
+        num_ooms: out-of-memory errors the allocator raised during the span.
+        driver_used: device memory in use according to the driver (NVML) at the
+            end of the span, all processes; ``None`` when unknown.
+        driver_process: device memory NVML attributes to this process at the
+            end of the span; ``None`` when NVML cannot attribute it (containers).
+        breakdown: bytes by category (:data:`CATEGORIES`) at the moment of the
+            peak; they sum to ``peak``. ``None`` when not measured.
+        phases: forward / backward / optimizer figures, in the order they ran;
+            empty when the span ran no tracked module or optimizer.
+        saved_activations: bytes of distinct storages saved for backward during
+            the span (parameters and their views excluded); ``None`` when not
+            measured.
+        psi: trainable parameter count of the objects tracked when the span
+            ended (shared parameters once); ``None`` when nothing was tracked.
+        cuda_rounding: True when the CPU engine rounded each storage up to the
+            CUDA caching allocator's 512-byte blocks.
+    """
+
+    name: str
+    engine: str
+    device: str
+    start: int
+    peak: int
+    allocated: int
+    reserved: int | None = None
+    start_reserved: int | None = None
+    retained: int | None = None
+    requested_peak: int | None = None
+    num_alloc_retries: int | None = None
+    num_ooms: int | None = None
+    driver_used: int | None = None
+    driver_process: int | None = None
+    breakdown: Mapping[str, int] | None = None
+    phases: Mapping[str, Phase] = field(default_factory=dict)
+    saved_activations: int | None = None
+    psi: int | None = None
+    cuda_rounding: bool = False
+
+    def figure(self, metric: str) -> int | None:
+        """The absolute figure named ``metric`` (one of :data:`METRICS`)."""
+        if metric not in METRICS:
+            raise KeyError(f"unknown metric {metric!r}; expected one of {', '.join(METRICS)}")
+        value: int | None = getattr(self, metric)
+        return value
+
+    def cost(self, metric: str) -> int | None:
+        """What the span itself added to ``metric``: the figure minus its start.
+
+        ``peak`` and ``allocated`` subtract ``start``; ``reserved`` subtracts
+        ``start_reserved``; ``retained`` is already a difference. ``None`` when
+        the figure is unknown.
+        """
+        value = self.figure(metric)
+        if value is None:
+            return None
+        if metric in ("peak", "allocated"):
+            return value - self.start
+        if metric == "reserved":
+            return None if self.start_reserved is None else value - self.start_reserved
+        return value
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (stable key order) that :meth:`from_dict` reads back."""
+        data: dict[str, Any] = {
+            "name": self.name,
+            "engine": self.engine,
+            "device": self.device,
+            "start": self.start,
+            "peak": self.peak,
+            "allocated": self.allocated,
+            "reserved": self.reserved,
+            "start_reserved": self.start_reserved,
+            "retained": self.retained,
+            "requested_peak": self.requested_peak,
+            "num_alloc_retries": self.num_alloc_retries,
+            "num_ooms": self.num_ooms,
+            "driver_used": self.driver_used,
+            "driver_process": self.driver_process,
+            "breakdown": None if self.breakdown is None else {c: int(self.breakdown.get(c, 0)) for c in CATEGORIES},
+            "phases": {name: phase.to_dict() for name, phase in self.phases.items()},
+            "saved_activations": self.saved_activations,
+            "psi": self.psi,
+            "cuda_rounding": self.cuda_rounding,
+        }
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
+        """Rebuild a measurement written by :meth:`to_dict`; unknown keys are ignored."""
+        breakdown = data.get("breakdown")
+        return cls(
+            name=str(data["name"]),
+            engine=str(data["engine"]),
+            device=str(data["device"]),
+            start=int(data["start"]),
+            peak=int(data["peak"]),
+            allocated=int(data["allocated"]),
+            reserved=_opt_int(data.get("reserved")),
+            start_reserved=_opt_int(data.get("start_reserved")),
+            retained=_opt_int(data.get("retained")),
+            requested_peak=_opt_int(data.get("requested_peak")),
+            num_alloc_retries=_opt_int(data.get("num_alloc_retries")),
+            num_ooms=_opt_int(data.get("num_ooms")),
+            driver_used=_opt_int(data.get("driver_used")),
+            driver_process=_opt_int(data.get("driver_process")),
+            breakdown=None if breakdown is None else {str(k): int(v) for k, v in breakdown.items()},
+            phases={str(k): Phase.from_dict(str(k), v) for k, v in (data.get("phases") or {}).items()},
+            saved_activations=_opt_int(data.get("saved_activations")),
+            psi=_opt_int(data.get("psi")),
+            cuda_rounding=bool(data.get("cuda_rounding", False)),
+        )
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)

@@ -1,0 +1,104 @@
+"""Parsing and formatting byte sizes.
+
+Sizes follow GPU spec sheets and pytest-memray: the multiples K, M, G and T are
+1024-based whether or not they are written with an ``i`` (``"4GB"`` and
+``"4GiB"`` are both 4 * 2**30 bytes). Units are case-insensitive and the
+trailing ``B`` is optional (``"512M"``). A plain number is a count of bytes and
+must be a whole number; a fractional count of a larger unit is rounded to the
+nearest byte (``"1.5KiB"`` is 1536 bytes, ``"0.1KB"`` is 102 bytes).
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+
+__all__ = ["SizeError", "UNITS", "parse_size", "format_size", "format_delta", "format_percent"]
+
+#: Multiplier of each unit prefix (1024-based).
+UNITS: dict[str, int] = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+_SIZE_RE = re.compile(
+    r"""^\s*(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*
+        (?P<prefix>[KMGT]?)(?P<i>I?)(?P<b>B?)\s*$""",
+    re.IGNORECASE | re.VERBOSE,
+)
+
+
+class SizeError(ValueError):
+    """A value that is not a valid byte size."""
+
+
+def parse_size(value: object) -> int:
+    """Return the number of bytes that ``value`` stands for.
+
+    ``value`` is a non-negative ``int`` (bytes) or a string such as ``"4GB"``,
+    ``"512 MiB"``, ``"1.5GiB"``, ``"300KB"`` or ``"0B"``. Raises
+    :class:`SizeError` for anything else: negative sizes, unknown units, trailing
+    garbage, empty strings, booleans and floats (a float number of bytes is
+    ambiguous: write ``"1.5KiB"`` or an ``int``).
+    """
+    if isinstance(value, bool):
+        raise SizeError(f"{value!r} is not a size: use an int number of bytes or a string like '4GiB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise SizeError(f"{value!r} is not a size: sizes cannot be negative")
+        return value
+    if isinstance(value, float):
+        raise SizeError(f"{value!r} is not a size: a float number of bytes is not allowed, use an int or a string like '1.5GiB'")
+    if not isinstance(value, str):
+        raise SizeError(f"{value!r} is not a size: expected an int or a string like '4GiB', got {type(value).__name__}")
+    text = value.strip()
+    if not text:
+        raise SizeError("'' is not a size: the string is empty")
+    if text.startswith(("-", "+")):
+        sign = "negative" if text.startswith("-") else "signed"
+        raise SizeError(f"{value!r} is not a size: {sign} sizes are not allowed")
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise SizeError(f"{value!r} is not a size: expected a number and a unit such as '4GiB', '512 MiB', '300KB' or '0B'")
+    prefix = match["prefix"].upper()
+    if match["i"] and not prefix:
+        raise SizeError(f"{value!r} is not a size: 'i' must follow K, M, G or T")
+    try:
+        number = Decimal(match["number"])
+    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
+        raise SizeError(f"{value!r} is not a size: {exc}") from None
+    if not prefix and number != number.to_integral_value():
+        raise SizeError(f"{value!r} is not a size: a number of bytes must be whole")
+    return int((number * UNITS[prefix]).to_integral_value(rounding=ROUND_HALF_UP))
+
+
+def format_size(nbytes: int | None, precision: int = 2) -> str:
+    """Format a byte count for people: ``"512 B"``, ``"1.50 KiB"``, ``"2.00 GiB"``.
+
+    ``None`` (a figure the engine cannot know) formats as ``"n/a"``. Negative
+    counts keep their sign. The largest unit whose value is at least 1 is used.
+    """
+    if nbytes is None:
+        return "n/a"
+    sign = "-" if nbytes < 0 else ""
+    magnitude = abs(nbytes)
+    if magnitude < UNITS["K"]:
+        return f"{sign}{magnitude} B"
+    for prefix in ("T", "G", "M", "K"):
+        if magnitude >= UNITS[prefix]:
+            return f"{sign}{magnitude / UNITS[prefix]:.{precision}f} {prefix}iB"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_delta(nbytes: int | None, precision: int = 2) -> str:
+    """Format a signed difference of bytes: ``"+1.50 MiB"``, ``"-512 B"``, ``"0 B"``."""
+    if nbytes is None:
+        return "n/a"
+    text = format_size(nbytes, precision)
+    return text if nbytes <= 0 else "+" + text
+
+
+def format_percent(numerator: int | None, denominator: int | None) -> str:
+    """Format ``numerator / denominator`` as a signed percentage, ``"n/a"`` when unknown."""
+    if numerator is None or denominator is None:
+        return "n/a"
+    if denominator == 0:
+        return "n/a" if numerator else "+0.0%"
+    return f"{100.0 * numerator / denominator:+.1f}%"
