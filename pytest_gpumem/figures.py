@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CATEGORIES", "PHASES", "METRICS", "Phase", "Measurement"]
+__all__ = ["CATEGORIES", "PHASES", "METRICS", "Phase", "Measurement", "Timeline"]
 
 #: Breakdown categories, in report order. They sum to the peak.
 CATEGORIES: tuple[str, ...] = (
@@ -51,6 +51,28 @@ class Phase:
     @classmethod
     def from_dict(cls, name: str, data: Mapping[str, Any]) -> Phase:
         return cls(name=name, start=int(data["start"]), peak=int(data["peak"]), end=int(data["end"]))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Allocated bytes by category over a span, for plots.
+
+    ``events`` are the indexes of allocation/free events (monotonic, starting at
+    0 at the span's start) at which a sample was kept; ``series`` maps each of
+    :data:`CATEGORIES` to the bytes of that category at each kept event (same
+    length as ``events``); summed over categories a sample is the allocated bytes
+    at that event. ``marks`` are ``(event, label)`` pairs for phase boundaries
+    (``"forward"``, ``"backward"``, ``"optimizer"``: the phase that begins there).
+    Long spans are downsampled; the samples of the highest event always stay.
+    """
+
+    events: tuple[int, ...]
+    series: Mapping[str, tuple[int, ...]]
+    marks: tuple[tuple[int, str], ...] = ()
+
+    def totals(self) -> tuple[int, ...]:
+        """Allocated bytes at each kept event (the sum over categories)."""
+        return tuple(sum(values) for values in zip(*(self.series[c] for c in CATEGORIES))) if self.events else ()
 
 
 @dataclass(frozen=True)
