@@ -1,0 +1,154 @@
+"""The CUDA engine: the device's caching allocator (CUDA, ROCm, XPU) and the driver (NVML).
+
+Readings come from ``torch.accelerator.memory_*`` where torch has it, else from
+``torch.cuda``. Peaks are read through windows: ``reset_peak_memory_stats`` sets
+every peak to its current value, so each window's peak is the stat's peak since
+the previous reset.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import torch
+
+from pytest_gpumem.engines.base import Reading
+from pytest_gpumem.engines.tracker import StorageTracker
+
+__all__ = ["CudaEngine", "cuda_available", "nvml_memory"]
+
+
+def cuda_available() -> bool:
+    """True when torch sees a CUDA (or ROCm) device."""
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken driver must read as "no device", not crash collection
+        return False
+
+
+def _memory_api() -> Any:
+    accelerator = getattr(torch, "accelerator", None)
+    memory = getattr(accelerator, "memory", None)
+    if memory is not None and hasattr(memory, "memory_stats") and hasattr(memory, "reset_peak_memory_stats"):
+        return memory
+    return torch.cuda
+
+
+class CudaEngine:
+    """Reads one CUDA-like device's caching allocator.
+
+    Args:
+        device: the device, e.g. ``torch.device("cuda", 0)``.
+        tracker: an optional storage tracker on the same device; when given, the
+            window's breakdown comes from it (the allocator's peak stays the peak,
+            and bytes the tracker cannot see, such as workspaces, count as "other").
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device, tracker: StorageTracker | None = None) -> None:
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device(self.device.type, torch.cuda.current_device())
+        self.tracker = tracker
+        self._api = _memory_api()
+
+    def clean(self) -> None:
+        """PyTorch's own leak-check protocol, before the start reading.
+
+        Synchronize, collect garbage, make sure the context, RNG and BLAS handle
+        exist (their first use allocates), free cuBLAS workspaces where torch
+        offers it, return cached blocks to the driver and reset peaks.
+        """
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            gc.collect()
+            torch.empty(1, device=self.device)
+            torch.cuda.current_blas_handle()
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
+            torch.cuda.synchronize(self.device)
+            gc.collect()
+            torch.cuda.empty_cache()
+            self._api.reset_peak_memory_stats(self.device)
+        if self.tracker is not None:
+            self.tracker.scan()
+            self.tracker.take_window()
+
+    def allocated(self) -> int:
+        return int(self._api.memory_allocated(self.device))
+
+    def reserved(self) -> int | None:
+        return int(self._api.memory_reserved(self.device))
+
+    def stats(self) -> dict[str, Any]:
+        """The allocator's raw ``memory_stats()`` for this device."""
+        return dict(self._api.memory_stats(self.device))
+
+    def take_window(self) -> Reading:
+        stats = self.stats()
+        self._api.reset_peak_memory_stats(self.device)
+        return reading_from_stats(stats, self.tracker)
+
+    def counters(self) -> dict[str, int]:
+        stats = self.stats()
+        return {key: int(stats.get(key, 0)) for key in ("num_alloc_retries", "num_ooms")}
+
+    def driver(self) -> tuple[int | None, int | None]:
+        return nvml_memory(self.device)
+
+
+def reading_from_stats(stats: dict[str, Any], tracker: StorageTracker | None = None) -> Reading:
+    """A window's :class:`Reading` from a ``memory_stats()`` dict read at its end.
+
+    With a tracker, its breakdown at its own peak is used and whatever the
+    allocator's peak holds beyond it (workspaces, rounding) is added to "other".
+    """
+    peak = int(stats.get("allocated_bytes.all.peak", 0))
+    breakdown: tuple[int, ...] | None = None
+    if tracker is not None:
+        window = tracker.take_window()
+        parts = list(window.breakdown)
+        parts[-1] += max(0, peak - sum(parts))
+        breakdown = tuple(parts)
+    return Reading(
+        peak=peak,
+        breakdown=breakdown,
+        reserved_peak=int(stats.get("reserved_bytes.all.peak", 0)),
+        requested_peak=int(stats["requested_bytes.all.peak"]) if "requested_bytes.all.peak" in stats else None,
+    )
+
+
+_nvml_state: dict[str, Any] = {}
+
+
+def nvml_memory(device: torch.device) -> tuple[int | None, int | None]:
+    """Device memory used (all processes) and used by this process, per NVML.
+
+    NVML indexes devices without regard to ``CUDA_VISIBLE_DEVICES``, so the
+    device is found by its UUID. Inside containers NVML often lists host PIDs
+    or no per-process figure at all: then the second value is None. Any NVML
+    failure gives (None, None).
+    """
+    try:
+        import pynvml
+
+        if not _nvml_state.get("initialised"):
+            pynvml.nvmlInit()
+            _nvml_state["initialised"] = True
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else "GPU-" + uuid)
+        used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    except Exception:
+        return None, None
+    mine: int | None = None
+    try:
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == os.getpid() and process.usedGpuMemory is not None:
+                mine = int(process.usedGpuMemory)
+    except Exception:
+        mine = None
+    return used, mine

@@ -1,0 +1,421 @@
+"""An exact tensor-storage tracker at the dispatcher level.
+
+The tracker counts the bytes of tensor *storages* on one device. Every storage is
+counted once however many tensors and views point to it. While the tracker is
+active a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every
+operator's outputs; a storage that an operator creates is an allocation, and a
+weak reference on the storage's Python object reports its death (the moment its
+bytes are freed). Storages that exist before tracking starts are found by a scan
+of the garbage collector's objects (:meth:`StorageTracker.scan`), so figures
+include everything alive on the device, as the CUDA caching allocator's do.
+
+Each storage also carries a category (see :data:`pytest_gpumem.figures.CATEGORIES`):
+parameters, gradients and optimizer state are recognised from the objects the
+user tracks, activations are storages saved for backward (seen through
+``saved_tensors_hooks``), everything else created while tracking is a temporary
+and everything else that existed before is "other".
+
+What it does not see: memory that kernels allocate internally without creating
+a tensor (workspaces) and storages that no Python-reachable tensor referenced at
+scan time and that no tracked operator created.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pytest_gpumem.figures import CATEGORIES
+
+__all__ = ["CUDA_BLOCK", "StorageTracker", "Window", "cuda_rounded"]
+
+#: The CUDA caching allocator rounds every block up to a multiple of 512 bytes.
+CUDA_BLOCK = 512
+
+PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
+
+#: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
+TIMELINE_LIMIT = 4096
+
+
+def cuda_rounded(nbytes: int) -> int:
+    """``nbytes`` rounded up as the CUDA caching allocator sizes a block (0 stays 0)."""
+    return 0 if nbytes <= 0 else -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+
+
+@dataclass
+class Window:
+    """Highest allocated bytes since the window opened, the breakdown then, and its event index."""
+
+    peak: int
+    breakdown: tuple[int, ...]
+    event: int = 0
+
+
+class _Entry:
+    """One tracked storage: its counted bytes, category and weak reference."""
+
+    __slots__ = ("category", "moved", "nbytes", "prior", "ref", "saves", "serial")
+
+    def __init__(self, nbytes: int, category: int, ref: weakref.ref[Any], serial: int) -> None:
+        self.nbytes = nbytes
+        self.category = category
+        self.ref = ref
+        self.serial = serial
+        self.moved = 0  # event index since which it has had its category
+        self.saves = 0  # how many autograd graphs hold it now
+        self.prior = category  # its category before it was saved for backward
+
+
+class _Saved:
+    """What autograd keeps for a saved tensor while tracking: the tensor and a release hook."""
+
+    __slots__ = ("entry", "tensor", "tracker")
+
+    def __init__(self, tensor: torch.Tensor, entry: _Entry | None, tracker: StorageTracker | None) -> None:
+        self.tensor = tensor
+        self.entry = entry
+        self.tracker = tracker
+
+    def __del__(self) -> None:
+        if self.entry is not None and self.tracker is not None:
+            self.tracker._unsave(self.entry)
+
+
+class OutOfMemory(torch.OutOfMemoryError):
+    """Raised by the tracker when an emulated device limit would be exceeded."""
+
+
+class _Mode(TorchDispatchMode):
+    """Sees each operator's outputs and reports new storages to the tracker."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.tracker._outputs(func, out)
+        return out
+
+
+class StorageTracker:
+    """Counts the bytes of tensor storages on one device, by category.
+
+    Use :meth:`scan` to register what already exists, then :meth:`start` /
+    :meth:`stop` around the code to watch. Frees are seen at any time, even while
+    stopped, so the count stays right across stop/start.
+
+    Args:
+        device: the device whose storages are counted (``cpu``, ``cuda:0``...).
+        cuda_rounding: count each storage as the CUDA caching allocator would:
+            rounded up to 512-byte blocks.
+    """
+
+    def __init__(self, device: torch.device, *, cuda_rounding: bool = False) -> None:
+        self.device = torch.device(device)
+        self.cuda_rounding = cuda_rounding
+        self._entries: dict[int, _Entry] = {}
+        self._serial = 0
+        self._by_category = [0] * len(CATEGORIES)
+        self.current = 0
+        self._window = Window(0, tuple(self._by_category), 0)
+        self._aliasing: dict[Any, bool] = {}
+        self._mode: _Mode | None = None
+        self._saved_hooks: Any = None
+        self._param_keys: set[int] = set()
+        #: (storage serial, bytes) of each storage saved for backward while active.
+        self.saved_log: list[tuple[int, int]] = []
+        #: number of allocation/free events seen so far.
+        self.events = 0
+        self.timeline: list[tuple[int, tuple[int, ...]]] | None = None
+        self._timeline_stride = 1
+        #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
+        self.limit: int | None = None
+        #: called with the request size (bytes) just before a limit OOM is raised.
+        self.on_oom: Callable[[int], None] | None = None
+        if self.device.type == "cpu":
+            self._on_device: Callable[[torch.Tensor], bool] = lambda t: t.is_cpu and t.layout == torch.strided
+        else:
+            dev_type, index = self.device.type, self.device.index or 0
+            self._on_device = lambda t: t.device.type == dev_type and t.get_device() == index
+
+    # -- what is counted -------------------------------------------------------
+
+    def _size(self, storage: torch.UntypedStorage) -> int:
+        nbytes = int(storage.nbytes())
+        return cuda_rounded(nbytes) if self.cuda_rounding else nbytes
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes alive now, by category."""
+        return dict(zip(CATEGORIES, self._by_category))
+
+    def _add(self, storage: torch.UntypedStorage, category: int) -> None:
+        key = storage._cdata
+        nbytes = self._size(storage)
+        if self.limit is not None and self.current + nbytes > self.limit:
+            self._refuse(nbytes)
+        self._serial += 1
+        entry = _Entry(nbytes, category, weakref.ref(storage, self._freed_callback(key)), self._serial)
+        self._entries[key] = entry
+        self._by_category[category] += nbytes
+        self.current += nbytes
+        self._event()
+        entry.moved = self.events
+
+    def _refuse(self, nbytes: int) -> None:
+        if self.on_oom is not None:
+            self.on_oom(nbytes)
+        raise OutOfMemory(
+            f"Tried to allocate {nbytes} bytes with {self.current} bytes allocated: "
+            f"over the emulated device limit of {self.limit} bytes (pytest-gpumem CPU engine)"
+        )
+
+    def _freed_callback(self, key: int) -> Callable[[weakref.ref[Any]], None]:
+        def freed(ref: weakref.ref[Any]) -> None:
+            entry = self._entries.get(key)
+            if entry is None or entry.ref is not ref:
+                return
+            del self._entries[key]
+            self._by_category[entry.category] -= entry.nbytes
+            self.current -= entry.nbytes
+            self._param_keys.discard(key)
+            self._event()
+
+        return freed
+
+    def _event(self) -> None:
+        self.events += 1
+        if self.current > self._window.peak:
+            self._window = Window(self.current, tuple(self._by_category), self.events)
+        if self.timeline is not None and self.events % self._timeline_stride == 0:
+            self.timeline.append((self.events, tuple(self._by_category)))
+            if len(self.timeline) >= TIMELINE_LIMIT:
+                self._halve_timeline()
+
+    def _halve_timeline(self) -> None:
+        assert self.timeline is not None
+        kept = []
+        for i in range(0, len(self.timeline), 2):
+            pair = self.timeline[i : i + 2]
+            kept.append(max(pair, key=lambda sample: sum(sample[1])))
+        self.timeline = kept
+        self._timeline_stride *= 2
+
+    def _outputs(self, func: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            self._output(func, out)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                if isinstance(item, torch.Tensor):
+                    self._output(func, item)
+                elif isinstance(item, (tuple, list)):
+                    for inner in item:
+                        if isinstance(inner, torch.Tensor):
+                            self._output(func, inner)
+
+    def _output(self, func: Any, tensor: torch.Tensor) -> None:
+        if not self._on_device(tensor):
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
+            return
+        entry = self._entries.get(storage._cdata)
+        if entry is None:
+            if not self._returns_alias(func):
+                self._add(storage, TEMPORARIES)
+        else:
+            nbytes = self._size(storage)
+            if nbytes != entry.nbytes:  # resize_ / out= that grew the storage
+                delta = nbytes - entry.nbytes
+                if delta > 0 and self.limit is not None and self.current + delta > self.limit:
+                    self._refuse(delta)
+                entry.nbytes = nbytes
+                self._by_category[entry.category] += delta
+                self.current += delta
+                self._event()
+
+    def _returns_alias(self, func: Any) -> bool:
+        aliasing = self._aliasing.get(func)
+        if aliasing is None:
+            try:
+                aliasing = any(r.alias_info is not None for r in func._schema.returns)
+            except AttributeError:
+                aliasing = False
+            self._aliasing[func] = aliasing
+        return aliasing
+
+    # -- registering what exists ----------------------------------------------
+
+    def register(self, tensors: Iterable[torch.Tensor], category: str | None = None) -> None:
+        """Count the storages of ``tensors`` (if not yet counted) and set their category.
+
+        ``category`` None keeps the category of known storages and counts unknown
+        ones as "other". Tensors on other devices are ignored.
+        """
+        index = None if category is None else CATEGORIES.index(category)
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or not self._on_device(tensor):
+                continue
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            entry = self._entries.get(storage._cdata)
+            if entry is None:
+                limit, self.limit = self.limit, None  # existing bytes never raise
+                try:
+                    self._add(storage, OTHER if index is None else index)
+                finally:
+                    self.limit = limit
+            elif index is not None and entry.category != index:
+                self._move(entry, index)
+            if index == PARAMETERS:
+                self._param_keys.add(storage._cdata)
+
+    def _move(self, entry: _Entry, index: int, *, discovered: bool = True) -> None:
+        """Give ``entry`` the category ``index``.
+
+        ``discovered``: the storage is found to *be* of that category (a gradient
+        becomes ``.grad`` only after AccumulateGrad, optimizer state is seen after
+        ``step()``), so the current window's peak breakdown is corrected too. False
+        for changes that happen now (saved for backward, released by autograd).
+        """
+        window = self._window
+        if discovered and entry.moved <= window.event:
+            # Alive at the window's peak with the same category since: it was part of
+            # that peak, and it is what it turns out to be now (a gradient is known as
+            # one only after AccumulateGrad, an optimizer state after step()).
+            parts = list(window.breakdown)
+            parts[entry.category] -= entry.nbytes
+            parts[index] += entry.nbytes
+            window.breakdown = tuple(parts)
+        self._by_category[entry.category] -= entry.nbytes
+        self._by_category[index] += entry.nbytes
+        entry.category = index
+        entry.moved = self.events
+
+    def scan(self) -> None:
+        """Register every tensor the garbage collector can see on this device.
+
+        Parameters count as "parameters", their ``.grad`` as "gradients", the rest
+        as "other" (known storages keep their category).
+        """
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        others: list[torch.Tensor] = []
+        tensor_type = torch.Tensor
+        parameter_type = torch.nn.Parameter
+        for obj in gc.get_objects():
+            cls = type(obj)
+            if cls is tensor_type:
+                others.append(obj)
+            elif cls is parameter_type:
+                params.append(obj)
+                if obj.grad is not None:
+                    grads.append(obj.grad)
+            elif issubclass(cls, tensor_type):
+                others.append(obj)
+        self.register(others)
+        self.register(params, "parameters")
+        self.register(grads, "gradients")
+
+    def category_of(self, tensor: torch.Tensor) -> str | None:
+        """The category of ``tensor``'s storage, or None when it is not counted."""
+        try:
+            entry = self._entries.get(tensor.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            return None
+        return None if entry is None else CATEGORIES[entry.category]
+
+    # -- windows ---------------------------------------------------------------
+
+    def take_window(self) -> Window:
+        """The window since the last call (or creation); opens a new one at the current count."""
+        window = self._window
+        self._window = Window(self.current, tuple(self._by_category), self.events)
+        return window
+
+    # -- activity --------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
+        """Begin watching operators (and saved tensors, unless ``saved_tensors`` is False)."""
+        if self._mode is not None:
+            raise RuntimeError("the storage tracker is already active")
+        self.timeline = [] if timeline else None
+        self._timeline_stride = 1
+        self.events = 0
+        if self.timeline is not None:
+            self.timeline.append((0, tuple(self._by_category)))
+        self._window = Window(self.current, tuple(self._by_category), self.events)
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        if saved_tensors:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            self._saved_hooks.__enter__()
+
+    def stop(self) -> None:
+        """Stop watching operators. Frees of counted storages are still seen."""
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        if not self._on_device(tensor):
+            return _Saved(tensor, None, None)
+        base = tensor._base
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter):
+            # a parameter or a view of one (Linear saves weight.t()): never an activation
+            self.register((tensor if base is None else base,), "parameters")
+            return _Saved(tensor, None, None)
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return _Saved(tensor, None, None)
+        key = storage._cdata
+        entry = self._entries.get(key)
+        if entry is None or key in self._param_keys:
+            return _Saved(tensor, None, None)
+        self.saved_log.append((entry.serial, entry.nbytes))
+        if entry.saves == 0 and entry.category in (TEMPORARIES, OTHER):
+            entry.prior = entry.category
+            self._move(entry, ACTIVATIONS, discovered=False)
+        entry.saves += 1
+        return _Saved(tensor, entry, self)
+
+    def _unsave(self, entry: _Entry) -> None:
+        entry.saves -= 1
+        # The holder keeps the tensor alive, so the storage is still counted here.
+        if entry.saves == 0 and entry.category == ACTIVATIONS and entry.ref() is not None:
+            self._move(entry, entry.prior, discovered=False)
+
+    def saved_bytes_since(self, index: int) -> int:
+        """Bytes of distinct storages saved for backward since ``saved_log[index]``."""
+        distinct: dict[int, int] = {}
+        for serial, nbytes in self.saved_log[index:]:
+            distinct[serial] = nbytes
+        return sum(distinct.values())
+
+
+def _unpack(saved: _Saved) -> torch.Tensor:
+    return saved.tensor

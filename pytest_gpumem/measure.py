@@ -1,0 +1,513 @@
+"""Spans, phases and breakdowns: turning engine readings into :class:`Measurement` objects.
+
+A :class:`Recorder` owns one engine for a stretch of time (a test, or a
+``with measure():`` block outside pytest). Inside it, spans can nest: the whole
+test call and any number of ``with recorder.span(name)`` blocks. Peaks are read
+through engine *windows*: at every span or phase boundary the window since the
+previous boundary is folded into every open span (and the running phase), so
+each span gets its own exact peak however they nest.
+
+Phases (forward, backward, optimizer) are found through hooks, not by the user:
+a forward pre-hook on each tracked module starts "forward", a pre-hook on the
+autograd node of the module's outputs starts "backward" when backward reaches
+it, and the optimizer's step pre/post hooks bracket "optimizer".
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from pytest_gpumem.engines.base import Engine, Reading
+from pytest_gpumem.figures import CATEGORIES, Measurement, Phase, Timeline
+
+__all__ = ["Recorder", "Span", "make_engine", "measure", "resolve_device", "trainable_parameters"]
+
+_ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pytest_gpumem_recorder", default=None)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device a spec names: ``"auto"``/None is CUDA when available, else CPU.
+
+    ``"cuda"`` without an index means the current CUDA device.
+    """
+    from pytest_gpumem.engines.cuda import cuda_available
+
+    if device is None or device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None and cuda_available():
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def make_engine(device: torch.device, *, breakdown: bool = False, cuda_rounding: bool = False) -> Engine:
+    """An engine reading ``device``: the storage tracker on CPU, the caching allocator elsewhere.
+
+    On CUDA-like devices the storage tracker runs only when ``breakdown`` is
+    True (it costs a Python call per operator); on CPU it is the engine.
+    """
+    from pytest_gpumem.engines.cpu import CpuEngine
+    from pytest_gpumem.engines.cuda import CudaEngine
+    from pytest_gpumem.engines.tracker import StorageTracker
+
+    if device.type == "cpu":
+        return CpuEngine(cuda_rounding=cuda_rounding)
+    tracker = StorageTracker(device, cuda_rounding=True) if breakdown else None
+    return CudaEngine(device, tracker=tracker)
+
+
+def trainable_parameters(objects: list[Any]) -> list[torch.nn.Parameter]:
+    """Distinct trainable parameters of tracked modules (or, failing those, optimizers)."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            for param in obj.parameters():
+                if param.requires_grad:
+                    seen.setdefault(id(param), param)
+    if not seen:
+        for obj in objects:
+            if isinstance(obj, torch.optim.Optimizer):
+                for group in obj.param_groups:
+                    for param in group["params"]:
+                        if param.requires_grad:
+                            seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+@dataclass
+class _PhaseState:
+    start: int
+    peak: int
+    end: int
+
+
+@dataclass
+class _SpanState:
+    name: str
+    start: int
+    start_reserved: int | None
+    counters: dict[str, int]
+    saved_index: int
+    start_event: int
+    peak: int
+    breakdown: tuple[int, ...] | None = None
+    reserved_peak: int | None = None
+    requested_peak: int | None = None
+    phases: dict[str, _PhaseState] = field(default_factory=dict)
+
+    def absorb(self, reading: Reading, phase: str | None) -> None:
+        if reading.peak > self.peak or (reading.peak == self.peak and self.breakdown is None):
+            self.peak = reading.peak
+            self.breakdown = reading.breakdown
+        if reading.reserved_peak is not None:
+            self.reserved_peak = max(self.reserved_peak or 0, reading.reserved_peak)
+        if reading.requested_peak is not None:
+            self.requested_peak = max(self.requested_peak or 0, reading.requested_peak)
+        if phase is not None and phase in self.phases:
+            state = self.phases[phase]
+            state.peak = max(state.peak, reading.peak)
+
+
+class Recorder:
+    """Measures spans on one engine. Not thread-safe; one per test.
+
+    Args:
+        engine: where bytes are read.
+        timeline: keep allocated-by-category samples for plots (needs a tracker).
+        saved_tensors: count bytes saved for backward (needs a tracker).
+    """
+
+    def __init__(self, engine: Engine, *, timeline: bool = False, saved_tensors: bool = True) -> None:
+        self.engine = engine
+        self.timeline = timeline and engine.tracker is not None
+        self.saved_tensors = saved_tensors
+        self.tracked: list[Any] = []
+        self._tracked_ids: set[int] = set()
+        self._open: list[_SpanState] = []
+        self._handles: list[Any] = []
+        self._phase: str | None = None
+        self._depth = 0
+        self._marks: list[tuple[int, str]] = []
+        self.active = False
+        #: the spans closed so far, in order (the fixture reports them).
+        self.spans: list[Span] = []
+
+    # -- life cycle ------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Clean the device and start watching (tracker, hooks)."""
+        self.engine.clean()
+        tracker = self.engine.tracker
+        if tracker is not None:
+            tracker.start(saved_tensors=self.saved_tensors, timeline=self.timeline)
+            self._classify()
+        self.active = True
+
+    def end(self) -> None:
+        """Stop watching; remove every hook this recorder installed."""
+        self.active = False
+        if self.engine.tracker is not None:
+            self.engine.tracker.stop()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._phase = None
+
+    # -- tracked objects -------------------------------------------------------
+
+    def track(self, *objects: Any) -> None:
+        """Register modules and optimizers for the breakdown, phases and Ψ.
+
+        Modules' parameters count as "parameters" and their ``.grad`` as
+        "gradients"; optimizers' state tensors as "optimizer_state". Tracking the
+        same object twice is harmless.
+        """
+        for obj in objects:
+            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                raise TypeError(
+                    f"gpumem.track() takes torch.nn.Module and torch.optim.Optimizer objects, got {type(obj).__name__}"
+                )
+            if id(obj) in self._tracked_ids:
+                continue
+            self._tracked_ids.add(id(obj))
+            self.tracked.append(obj)
+            if isinstance(obj, torch.nn.Module):
+                self._handles.append(obj.register_forward_pre_hook(self._forward_pre))
+                self._handles.append(obj.register_forward_hook(self._forward_post))
+                if self.engine.tracker is not None:
+                    for param in obj.parameters():
+                        if param.requires_grad:
+                            self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+            else:
+                self._handles.append(obj.register_step_pre_hook(self._optimizer_pre))
+                self._handles.append(obj.register_step_post_hook(self._optimizer_post))
+        if self.active:
+            self._classify()
+
+    def _classify(self) -> None:
+        tracker = self.engine.tracker
+        if tracker is None:
+            return
+        for obj in self.tracked:
+            if isinstance(obj, torch.nn.Module):
+                params = list(obj.parameters())
+                tracker.register(params, "parameters")
+                tracker.register([p.grad for p in params if p.grad is not None], "gradients")
+            else:
+                self._classify_optimizer(obj)
+
+    def _classify_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        tracker = self.engine.tracker
+        if tracker is None:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        tracker.register(params, "parameters")
+        tracker.register([p.grad for p in params if p.grad is not None], "gradients")
+        tracker.register(
+            [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)],
+            "optimizer_state",
+        )
+
+    @property
+    def psi(self) -> int | None:
+        """Trainable parameter count of the tracked objects; None when nothing is tracked."""
+        if not self.tracked:
+            return None
+        return sum(p.numel() for p in trainable_parameters(self.tracked))
+
+    # -- hooks -----------------------------------------------------------------
+
+    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            self.set_phase("forward")
+        self._depth += 1
+
+    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self.active and torch.is_grad_enabled():
+            for tensor in _tensors(output):
+                if tensor.grad_fn is not None:
+                    self._handles.append(tensor.grad_fn.register_prehook(self._backward_reached))
+
+    def _backward_reached(self, grad_outputs: Any) -> None:
+        if self._phase != "optimizer":
+            self.set_phase("backward")
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        tracker = self.engine.tracker
+        if tracker is not None and self.active and param.grad is not None:
+            tracker.register((param.grad,), "gradients")
+
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.set_phase("optimizer")
+
+    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._classify_optimizer(optimizer)
+        self.set_phase(None)
+
+    def set_phase(self, phase: str | None) -> None:
+        """Enter ``phase`` ("forward", "backward", "optimizer") or leave phases (None)."""
+        if phase == self._phase or not self.active:
+            return
+        self._fold()
+        now = self.engine.allocated()
+        if self._phase is not None:
+            for span in self._open:
+                if self._phase in span.phases:
+                    span.phases[self._phase].end = now
+        self._phase = phase
+        if phase is not None:
+            for span in self._open:
+                state = span.phases.setdefault(phase, _PhaseState(now, now, now))
+                state.peak = max(state.peak, now)
+            if self.engine.tracker is not None:
+                self._marks.append((self.engine.tracker.events, phase))
+
+    # -- spans -----------------------------------------------------------------
+
+    def _fold(self) -> None:
+        reading = self.engine.take_window()
+        for span in self._open:
+            span.absorb(reading, self._phase)
+
+    def open(self, name: str) -> _SpanState:
+        """Open a span; returns its state for :meth:`close`."""
+        if not self.active:
+            raise RuntimeError(f"cannot open span {name!r}: the recorder is not active")
+        self._fold()
+        tracker = self.engine.tracker
+        now = self.engine.allocated()
+        state = _SpanState(
+            name=name,
+            start=now,
+            start_reserved=self.engine.reserved(),
+            counters=self.engine.counters(),
+            saved_index=len(tracker.saved_log) if tracker is not None else 0,
+            start_event=tracker.events if tracker is not None else 0,
+            peak=now,
+            breakdown=None if tracker is None else tuple(tracker.breakdown().values()),
+        )
+        if self._phase is not None:
+            state.phases[self._phase] = _PhaseState(now, now, now)
+        self._open.append(state)
+        return state
+
+    def close(self, state: _SpanState, *, allocated: int | None = None) -> Measurement:
+        """Close a span opened by :meth:`open` and return its figures.
+
+        ``allocated`` overrides the end reading (the plugin reads it as the test
+        function returns, while its locals are alive).
+        """
+        self._fold()
+        now = self.engine.allocated()
+        if self._phase is not None and self._phase in state.phases:
+            state.phases[self._phase].end = now
+        self._open.remove(state)
+        tracker = self.engine.tracker
+        counters = self.engine.counters()
+        used, mine = self.engine.driver()
+        breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown))
+        return Measurement(
+            name=state.name,
+            engine=self.engine.name,
+            device=str(self.engine.device),
+            start=state.start,
+            peak=state.peak,
+            allocated=now if allocated is None else allocated,
+            reserved=state.reserved_peak,
+            start_reserved=state.start_reserved,
+            requested_peak=state.requested_peak,
+            num_alloc_retries=_diff(counters, state.counters, "num_alloc_retries"),
+            num_ooms=_diff(counters, state.counters, "num_ooms"),
+            driver_used=used,
+            driver_process=mine,
+            breakdown=breakdown,
+            phases={name: Phase(name, p.start, p.peak, p.end) for name, p in state.phases.items()},
+            saved_activations=None
+            if tracker is None or not self.saved_tensors
+            else tracker.saved_bytes_since(state.saved_index),
+            psi=self.psi,
+            cuda_rounding=bool(getattr(self.engine, "cuda_rounding", False)),
+        )
+
+    def timeline_since(self, start_event: int) -> Timeline | None:
+        """The tracker's samples from ``start_event`` on, as a :class:`Timeline`."""
+        tracker = self.engine.tracker
+        if tracker is None or tracker.timeline is None:
+            return None
+        samples = [(event, parts) for event, parts in tracker.timeline if event >= start_event]
+        if not samples or samples[-1][0] != tracker.events:
+            samples.append((tracker.events, tuple(tracker.breakdown().values())))
+        events = tuple(event - start_event for event, _ in samples)
+        series = {category: tuple(parts[i] for _, parts in samples) for i, category in enumerate(CATEGORIES)}
+        marks = tuple((event - start_event, label) for event, label in self._marks if event >= start_event)
+        return Timeline(events=events, series=series, marks=marks)
+
+    def span(self, name: str, **limits: Any) -> Span:
+        """A ``with`` block measured as a span named ``name``."""
+        return Span(self, name, limits)
+
+
+def _diff(now: Mapping[str, int], before: Mapping[str, int], key: str) -> int | None:
+    if key not in now or key not in before:
+        return None
+    return now[key] - before[key]
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            yield from _tensors(getattr(value, name, None))
+
+
+class Span:
+    """A measured ``with`` block. After the block, its figures are available.
+
+    ``span.measurement`` is the :class:`Measurement`; ``peak``, ``allocated``,
+    ``start``, ``reserved``, ``breakdown``, ``phases`` and ``saved_activations``
+    are shortcuts to it, and ``span.cost("peak")`` is what the span added.
+    Limits given as keyword arguments (``peak="1GiB"``) are checked by the
+    pytest plugin at the end of the test, or on leaving the block outside pytest.
+    """
+
+    def __init__(self, recorder: Recorder, name: str, limits: Mapping[str, Any]) -> None:
+        self.recorder = recorder
+        self.name = name
+        self.limits = dict(limits)
+        self._state: _SpanState | None = None
+        self._measurement: Measurement | None = None
+        self.timeline: Timeline | None = None
+
+    def __enter__(self) -> Span:
+        if self._state is not None or self._measurement is not None:
+            raise RuntimeError(f"span {self.name!r} cannot be entered twice")
+        self._state = self.recorder.open(self.name)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._state is not None
+        start_event = self._state.start_event
+        self._measurement = self.recorder.close(self._state)
+        self.timeline = self.recorder.timeline_since(start_event) if self.recorder.timeline else None
+        self._state = None
+        self.recorder.spans.append(self)
+
+    @property
+    def measurement(self) -> Measurement:
+        """The span's figures; raises if the block has not finished."""
+        if self._measurement is None:
+            raise RuntimeError(f"span {self.name!r} has no figures until its with-block ends")
+        return self._measurement
+
+    @property
+    def start(self) -> int:
+        return self.measurement.start
+
+    @property
+    def peak(self) -> int:
+        return self.measurement.peak
+
+    @property
+    def allocated(self) -> int:
+        return self.measurement.allocated
+
+    @property
+    def reserved(self) -> int | None:
+        return self.measurement.reserved
+
+    @property
+    def breakdown(self) -> Mapping[str, int] | None:
+        return self.measurement.breakdown
+
+    @property
+    def phases(self) -> Mapping[str, Phase]:
+        return self.measurement.phases
+
+    @property
+    def saved_activations(self) -> int | None:
+        return self.measurement.saved_activations
+
+    def cost(self, metric: str) -> int | None:
+        """What the span added to ``metric`` (figure minus start)."""
+        return self.measurement.cost(metric)
+
+    def __repr__(self) -> str:
+        state = "open" if self._measurement is None else f"peak={self._measurement.peak}"
+        return f"<Span {self.name!r} {state}>"
+
+
+@contextmanager
+def measure(
+    name: str = "span",
+    *,
+    device: str | torch.device | None = None,
+    track: tuple[Any, ...] | list[Any] = (),
+    breakdown: bool = False,
+    cuda_rounding: bool = False,
+    timeline: bool = False,
+    **limits: Any,
+) -> Iterator[Span]:
+    """Measure the memory a block of code costs, inside or outside pytest.
+
+    Inside a test that the plugin measures (or inside another ``measure``
+    block on the same device), the span joins that recording. Otherwise it
+    starts its own on ``device`` (default: CUDA when available, else CPU),
+    after the clean-state protocol. Limits (``peak="4GiB"``, ``allocated=...``)
+    are checked when the block ends: outside pytest a broken limit raises
+    :class:`pytest_gpumem.verdict.LimitExceeded`.
+
+    Example::
+
+        with measure("step", track=(model, opt)) as m:
+            train_step()
+        print(m.peak, m.breakdown)
+    """
+    active = _ACTIVE.get()
+    target = None if device is None else resolve_device(device)
+    if active is not None and active.active and (target is None or target == active.engine.device):
+        active.track(*track)
+        with active.span(name, **limits) as span:
+            yield span
+        return
+    engine = make_engine(target or resolve_device(None), breakdown=breakdown, cuda_rounding=cuda_rounding)
+    recorder = Recorder(engine, timeline=timeline)
+    recorder.track(*track)
+    recorder.begin()
+    token = _ACTIVE.set(recorder)
+    try:
+        with recorder.span(name, **limits) as span:
+            yield span
+    finally:
+        _ACTIVE.reset(token)
+        recorder.end()
+    if limits:
+        from pytest_gpumem.spec import check_span_limits
+
+        check_span_limits(span)
+
+
+@contextmanager
+def activate(recorder: Recorder) -> Iterator[Recorder]:
+    """Make ``recorder`` the one that :func:`measure` blocks join (the plugin uses this)."""
+    token = _ACTIVE.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE.reset(token)
