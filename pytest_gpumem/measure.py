@@ -151,7 +151,7 @@ class Recorder:
         self.active = True
 
     def end(self) -> None:
-        """Stop watching; remove every hook this recorder installed."""
+        """Stop watching; remove every hook this recorder installed and let go of tracked objects."""
         self.active = False
         if self.engine.tracker is not None:
             self.engine.tracker.stop()
@@ -159,6 +159,8 @@ class Recorder:
             handle.remove()
         self._handles.clear()
         self._phase = None
+        self.tracked.clear()
+        self._tracked_ids.clear()
 
     # -- tracked objects -------------------------------------------------------
 

@@ -1,0 +1,157 @@
+"""The object behind the ``gpumem`` fixture: the device, spans, tracking, and a training step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pytest_gpumem.figures import Measurement
+from pytest_gpumem.measure import Recorder, Span
+from pytest_gpumem.spec import parse_span_limits
+
+__all__ = ["AMP_MODES", "GpuMem", "run_step"]
+
+#: Values of ``train_step(amp=...)``.
+AMP_MODES: tuple[str | None, ...] = (None, "bf16", "fp16")
+
+
+class GpuMem:
+    """Measure memory inside a test. Given by the ``gpumem`` fixture.
+
+    Attributes:
+        device: the ``torch.device`` under test (put the model and batch there).
+        recorder: the recording of the test call (figures of every closed span).
+    """
+
+    def __init__(self, recorder: Recorder, nodeid: str) -> None:
+        self.recorder = recorder
+        self.device: torch.device = recorder.engine.device
+        self.nodeid = nodeid
+
+    def track(self, *objects: Any) -> None:
+        """Register modules and optimizers for the breakdown, the phases and Ψ."""
+        self.recorder.track(*objects)
+
+    def measure(self, name: str, **limits: Any) -> Span:
+        """A ``with`` block measured as the span ``name``.
+
+        Keyword limits (``peak``, ``allocated``, ``reserved`` as sizes or budget
+        expressions, and ``tolerance``) apply to this span; a broken one fails the
+        test at its end. After the block the returned span holds the figures.
+        """
+        parse_span_limits(name, limits)
+        if any(span.name == name for span in self.recorder.spans) or any(
+            state.name == name for state in self.recorder._open
+        ):
+            raise ValueError(f"{self.nodeid}: span name {name!r} is used twice in this test; give each span its own")
+        if not self.recorder.active:
+            raise RuntimeError(
+                f"{self.nodeid}: gpumem.measure({name!r}) can only run inside the test function "
+                "(the plugin measures the test call)"
+            )
+        return self.recorder.span(name, **limits)
+
+    @property
+    def psi(self) -> int | None:
+        """Trainable parameter count Ψ of the tracked objects (None when nothing is tracked)."""
+        return self.recorder.psi
+
+    @property
+    def spans(self) -> list[Measurement]:
+        """Figures of the spans closed so far, in order."""
+        return [span.measurement for span in self.recorder.spans]
+
+    def train_step(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batch: Any,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        amp: str | None = None,
+        warmup: int = 1,
+        name: str = "step",
+    ) -> Measurement:
+        """Run ``warmup`` unmeasured training steps, then one measured step; return its figures.
+
+        A step is: ``optimizer.zero_grad(set_to_none=True)``, forward, loss,
+        backward, ``optimizer.step()``. The model and optimizer are tracked; the
+        forward / backward / optimizer phases are marked by hooks. Warm-up steps
+        matter: optimizers create their state lazily at the first step.
+
+        ``batch``: a tensor (``model(batch)``), a tuple or list
+        (``model(*batch)``) or a mapping (``model(**batch)``). With ``loss_fn``,
+        ``batch`` must be an ``(inputs, target)`` pair and the loss is
+        ``loss_fn(model(inputs), target)`` (``inputs`` unpacked as above).
+        Without it the model's output must be the loss: a scalar tensor, or an
+        object with a ``loss`` attribute or key (Hugging Face outputs).
+
+        ``amp``: None (as the model is), ``"bf16"`` (autocast to bfloat16) or
+        ``"fp16"`` (autocast to float16 with a gradient scaler).
+        """
+        if amp not in AMP_MODES:
+            raise ValueError(f"{self.nodeid}: train_step(amp={amp!r}): expected None, 'bf16' or 'fp16'")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"{self.nodeid}: train_step(warmup={warmup!r}): expected an int >= 0")
+        self.track(model, optimizer)
+        scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
+        for _ in range(warmup):
+            run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=self.device)
+        with self.measure(name) as span:
+            run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=self.device)
+        return span.measurement
+
+
+def run_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    *,
+    amp: str | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """One training step as :meth:`GpuMem.train_step` describes it."""
+    optimizer.zero_grad(set_to_none=True)
+    device_type = (device or next(model.parameters()).device).type
+    if amp is None:
+        loss = _loss(model, batch, loss_fn)
+    else:
+        dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            loss = _loss(model, batch, loss_fn)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+    del loss
+
+
+def _call(model: torch.nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _loss(model: torch.nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+    if loss_fn is not None:
+        if not isinstance(batch, Sequence) or isinstance(batch, str) or len(batch) != 2:
+            raise ValueError("train_step: with loss_fn, batch must be an (inputs, target) pair")
+        inputs, target = batch
+        return loss_fn(_call(model, inputs), target)
+    output = _call(model, batch)
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", output)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(
+            "train_step: the model's output is not a scalar loss; pass loss_fn=... "
+            "(e.g. torch.nn.functional.cross_entropy) and batch=(inputs, target)"
+        )
+    return loss

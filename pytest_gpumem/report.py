@@ -1,0 +1,168 @@
+"""Findings and measurements → text: the terminal summary and the tables in failure messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from tabulate import tabulate
+
+from pytest_gpumem.figures import CATEGORIES, METRICS, PHASES, Measurement
+from pytest_gpumem.units import format_delta, format_percent, format_size
+from pytest_gpumem.verdict import Finding
+
+__all__ = ["breakdown_rows", "measurement_table", "summary_rows", "summary_table"]
+
+#: Order of statuses in the summary: problems first.
+STATUS_ORDER = ("exceeded", "regressed", "n/a", "stale", "improved", "new", "other-environment", "ok", "")
+
+SUMMARY_HEADERS = ("test", "span", "metric", "measured", "cost", "baseline", "Δ", "Δ%", "limit / budget", "status")
+
+
+class RecordLike(Protocol):
+    nodeid: str
+    measurements: list[Measurement]
+    findings: list[Finding]
+    errors: list[str]
+
+
+def _short(nodeid: str) -> str:
+    return nodeid.rsplit("/", 1)[-1]
+
+
+def _limit_text(finding: Finding) -> str:
+    text = format_size(finding.reference)
+    if finding.kind == "budget":
+        ratio = finding.ratio
+        ratio_text = "" if ratio is None else f", ×{ratio:.3f}"
+        return f"{finding.detail or ''} = {text}{ratio_text}".strip()
+    return text
+
+
+def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False) -> list[list[str]]:
+    """One row per test, span and metric: figures, baseline comparison, limit, status.
+
+    Rows with a problem come first. ``only_problems`` keeps only failing rows
+    (and errors).
+    """
+    rows: list[tuple[int, list[str]]] = []
+    for record in records:
+        test = _short(record.nodeid)
+        for error in record.errors:
+            rows.append((0, [test, "", "", "", "", "", "", "", error, "error"]))
+        for measurement in record.measurements:
+            findings = [f for f in record.findings if f.span == measurement.name]
+            for metric in METRICS:
+                value = measurement.figure(metric)
+                metric_findings = [f for f in findings if f.metric == metric]
+                if value is None and not metric_findings:
+                    continue
+                limit = next((f for f in metric_findings if f.kind in ("limit", "budget")), None)
+                baseline = next((f for f in metric_findings if f.kind == "baseline"), None)
+                statuses = [f.status for f in metric_findings]
+                status = min(statuses, key=STATUS_ORDER.index) if statuses else ""
+                failed = any(f.failed for f in metric_findings)
+                if only_problems and not failed:
+                    continue
+                cost = None if metric == "retained" else measurement.cost(metric)
+                rows.append(
+                    (
+                        0 if failed else STATUS_ORDER.index(status),
+                        [
+                            test,
+                            measurement.name,
+                            metric,
+                            format_size(value),
+                            "" if metric == "retained" else format_size(cost),
+                            "" if baseline is None or baseline.reference is None else format_size(baseline.reference),
+                            "" if baseline is None or baseline.delta is None else format_delta(baseline.delta),
+                            ""
+                            if baseline is None or baseline.delta is None
+                            else format_percent(baseline.delta, baseline.reference),
+                            "" if limit is None else _limit_text(limit),
+                            status,
+                        ],
+                    )
+                )
+    rows.sort(key=lambda pair: pair[0])
+    return [row for _, row in rows]
+
+
+def breakdown_rows(measurements: Sequence[tuple[str, Measurement]]) -> list[list[str]]:
+    """One row per (test, span) with a breakdown: bytes by category at the peak, phases' peaks."""
+    rows = []
+    for test, measurement in measurements:
+        if measurement.breakdown is None and not measurement.phases:
+            continue
+        breakdown = measurement.breakdown or {}
+        phases = measurement.phases
+        rows.append(
+            [
+                _short(test),
+                measurement.name,
+                *(format_size(breakdown.get(c)) if measurement.breakdown is not None else "n/a" for c in CATEGORIES),
+                *(format_size(phases[p].peak) if p in phases else "" for p in PHASES),
+                format_size(measurement.saved_activations),
+                "" if measurement.psi is None else f"{measurement.psi:,}",
+            ]
+        )
+    return rows
+
+
+BREAKDOWN_HEADERS = (
+    "test",
+    "span",
+    *CATEGORIES,
+    *(f"{phase} peak" for phase in PHASES),
+    "saved for backward",
+    "Ψ",
+)
+
+
+def summary_table(records: Iterable[RecordLike], *, only_problems: bool = False) -> str:
+    """The terminal summary: figures and verdicts, then (unless ``only_problems``) breakdowns."""
+    records = list(records)
+    text = tabulate(summary_rows(records, only_problems=only_problems), headers=SUMMARY_HEADERS, disable_numparse=True)
+    if only_problems:
+        return text
+    rows = breakdown_rows([(record.nodeid, m) for record in records for m in record.measurements])
+    if rows:
+        text += "\n\nbreakdown at peak, and phase peaks\n"
+        text += tabulate(rows, headers=BREAKDOWN_HEADERS, disable_numparse=True)
+    return text
+
+
+def measurement_table(measurements: Sequence[Measurement]) -> str:
+    """Figures, breakdown at peak and phases of one test's spans: for failure messages."""
+    figures = [
+        [
+            m.name,
+            m.engine,
+            format_size(m.start),
+            format_size(m.peak),
+            format_size(m.allocated),
+            format_size(m.reserved),
+            format_size(m.retained),
+            format_size(m.saved_activations),
+        ]
+        for m in measurements
+    ]
+    text = tabulate(
+        figures,
+        headers=("span", "engine", "start", "peak", "allocated", "reserved", "retained", "saved for backward"),
+        disable_numparse=True,
+    )
+    with_breakdown = [m for m in measurements if m.breakdown is not None]
+    if with_breakdown:
+        rows = [[m.name, *(format_size((m.breakdown or {}).get(c)) for c in CATEGORIES)] for m in with_breakdown]
+        text += "\n\nbreakdown at peak\n" + tabulate(rows, headers=("span", *CATEGORIES), disable_numparse=True)
+    phase_rows = [
+        [m.name, name, format_size(phase.start), format_size(phase.peak), format_size(phase.end)]
+        for m in measurements
+        for name, phase in m.phases.items()
+    ]
+    if phase_rows:
+        text += "\n\nphases\n" + tabulate(
+            phase_rows, headers=("span", "phase", "start", "peak", "end"), disable_numparse=True
+        )
+    return text

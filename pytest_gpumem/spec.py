@@ -1,0 +1,187 @@
+"""What a test asks for: the ``gpumem`` marker's keywords and span limits, validated.
+
+Everything here runs at collection time (marker) or when a span is created, so a
+bad value is an error that names the test and the value before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pytest_gpumem.expressions import BudgetError, BudgetExpr, parse_budget
+from pytest_gpumem.figures import METRICS
+from pytest_gpumem.units import SizeError, parse_size
+from pytest_gpumem.verdict import Limit, Tolerance, check_limits, failure_message, parse_tolerance
+
+if TYPE_CHECKING:
+    from pytest_gpumem.measure import Span
+
+__all__ = [
+    "MARKER_KEYWORDS",
+    "SPAN_KEYWORDS",
+    "GpumemSpec",
+    "LimitExceeded",
+    "LimitSpec",
+    "SpecError",
+    "check_span_limits",
+    "parse_device",
+    "parse_marker",
+    "parse_span_limits",
+]
+
+#: Keywords the ``gpumem`` marker accepts.
+MARKER_KEYWORDS: tuple[str, ...] = (*METRICS, "device", "breakdown", "tolerance")
+#: Keywords ``gpumem.measure(name, ...)`` accepts.
+SPAN_KEYWORDS: tuple[str, ...] = ("peak", "allocated", "reserved", "tolerance")
+
+
+class SpecError(ValueError):
+    """A marker or span keyword with a bad name or value."""
+
+
+class LimitExceeded(AssertionError):
+    """A span measured outside pytest broke one of its limits."""
+
+
+@dataclass(frozen=True)
+class LimitSpec:
+    """A limit as written: a size in bytes, or a budget expression using Ψ."""
+
+    metric: str
+    text: str
+    expression: BudgetExpr
+
+    @property
+    def uses_psi(self) -> bool:
+        return self.expression.uses_psi
+
+    def resolve(self, psi: int | None) -> Limit:
+        """The limit in bytes, Ψ being the tracked trainable parameter count."""
+        kind = "budget" if self.uses_psi else "limit"
+        return Limit(metric=self.metric, value=self.expression.evaluate(psi), source=self.text, kind=kind)
+
+
+@dataclass(frozen=True)
+class GpumemSpec:
+    """The validated ``gpumem`` marker of one test."""
+
+    limits: tuple[LimitSpec, ...] = ()
+    device: str | None = None
+    breakdown: bool | None = None
+    tolerance: Tolerance | None = None
+
+
+def parse_device(value: object) -> str:
+    """Validate a device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``."""
+    if isinstance(value, torch.device):
+        value = str(value)
+    if not isinstance(value, str):
+        raise SpecError(f"device={value!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if value == "auto":
+        return value
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise SpecError(f"device={value!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SpecError(f"device={value!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    return str(device)
+
+
+def _limit(metric: str, value: object) -> LimitSpec:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        try:
+            parse_size(value)  # produces the precise message (float, bool, other types)
+        except SizeError as exc:
+            raise SpecError(f"{metric}={value!r}: {exc}") from None
+    if isinstance(value, int):
+        try:
+            parse_size(value)
+        except SizeError as exc:
+            raise SpecError(f"{metric}={value!r}: {exc}") from None
+        return LimitSpec(metric, str(value), parse_budget(str(value)))
+    assert isinstance(value, str)
+    try:
+        expression = parse_budget(value)
+    except BudgetError as exc:
+        raise SpecError(f"{metric}={value!r}: {exc}") from None
+    if not expression.uses_psi:
+        bytes_ = expression.evaluate(None)
+        if bytes_ < 0:
+            raise SpecError(f"{metric}={value!r}: a limit cannot be negative")
+    return LimitSpec(metric, value, expression)
+
+
+def _tolerance(value: object) -> Tolerance:
+    if isinstance(value, Tolerance):
+        return value
+    if not isinstance(value, str):
+        raise SpecError(f"tolerance={value!r} is not a tolerance: use a string like '2%', '1MiB' or '2%,1MiB'")
+    try:
+        return parse_tolerance(value)
+    except ValueError as exc:
+        raise SpecError(f"tolerance={value!r}: {exc}") from None
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(f"{name}={value!r} must be True or False")
+    return value
+
+
+def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> GpumemSpec:
+    """Merge and validate ``gpumem`` markers, closest first (as ``item.iter_markers`` yields them).
+
+    A keyword on a closer marker (the function) wins over the same keyword on a
+    farther one (class, module). Raises :class:`SpecError` naming the bad
+    keyword or value.
+    """
+    merged: dict[str, Any] = {}
+    for args, kwargs in markers:
+        if args:
+            raise SpecError(
+                f"positional arguments {tuple(args)!r} are not accepted: use keywords ({', '.join(MARKER_KEYWORDS)})"
+            )
+        for key, value in kwargs.items():
+            merged.setdefault(key, value)
+    unknown = sorted(set(merged) - set(MARKER_KEYWORDS))
+    if unknown:
+        raise SpecError(f"unknown keyword {', '.join(map(repr, unknown))}; expected one of {', '.join(MARKER_KEYWORDS)}")
+    limits = tuple(_limit(metric, merged[metric]) for metric in METRICS if merged.get(metric) is not None)
+    return GpumemSpec(
+        limits=limits,
+        device=None if merged.get("device") is None else parse_device(merged["device"]),
+        breakdown=None if merged.get("breakdown") is None else _bool("breakdown", merged["breakdown"]),
+        tolerance=None if merged.get("tolerance") is None else _tolerance(merged["tolerance"]),
+    )
+
+
+def parse_span_limits(name: object, limits: Mapping[str, Any]) -> tuple[tuple[LimitSpec, ...], Tolerance | None]:
+    """Validate the keywords of ``gpumem.measure(name, **limits)``."""
+    if not isinstance(name, str) or not name or name == "call":
+        raise SpecError(f"span name {name!r} must be a non-empty string other than 'call' (the whole test)")
+    unknown = sorted(set(limits) - set(SPAN_KEYWORDS))
+    if unknown:
+        raise SpecError(
+            f"span {name!r}: unknown keyword {', '.join(map(repr, unknown))}; expected one of {', '.join(SPAN_KEYWORDS)}"
+        )
+    try:
+        specs = tuple(_limit(metric, value) for metric, value in limits.items() if metric != "tolerance" and value is not None)
+        tolerance = None if limits.get("tolerance") is None else _tolerance(limits["tolerance"])
+    except SpecError as exc:
+        raise SpecError(f"span {name!r}: {exc}") from None
+    return specs, tolerance
+
+
+def check_span_limits(span: Span) -> None:
+    """Outside pytest: raise :class:`LimitExceeded` when ``span`` broke a limit it was given."""
+    specs, _ = parse_span_limits(span.name, span.limits)
+    measurement = span.measurement
+    limits = [spec.resolve(measurement.psi) for spec in specs]
+    findings = check_limits(span.name, measurement, limits)
+    if any(finding.failed for finding in findings):
+        raise LimitExceeded(failure_message(findings))
