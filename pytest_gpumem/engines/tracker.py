@@ -79,7 +79,10 @@ class _Saved:
     __slots__ = ("entry", "tensor", "tracker")
 
     def __init__(self, tensor: torch.Tensor, entry: _Entry | None, tracker: StorageTracker | None) -> None:
-        self.tensor = tensor
+        # Detached: a node that saves its own output (ReLU, Tanh, exp) would otherwise
+        # hold a Python object that holds the output, whose grad_fn is that node: a
+        # cycle through C++ that the garbage collector cannot break.
+        self.tensor = tensor.detach()
         self.entry = entry
         self.tracker = tracker
 
