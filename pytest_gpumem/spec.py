@@ -110,9 +110,10 @@ def _limit(metric: str, value: object) -> LimitSpec:
     except BudgetError as exc:
         raise SpecError(f"{metric}={value!r}: {exc}") from None
     if not expression.uses_psi:
-        bytes_ = expression.evaluate(None)
-        if bytes_ < 0:
-            raise SpecError(f"{metric}={value!r}: a limit cannot be negative")
+        try:
+            expression.evaluate(None)  # constant limits must evaluate now: no negatives, no 1/0
+        except BudgetError as exc:
+            raise SpecError(f"{metric}={value!r}: {exc}") from None
     return LimitSpec(metric, value, expression)
 
 
@@ -150,7 +151,9 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
             merged.setdefault(key, value)
     unknown = sorted(set(merged) - set(MARKER_KEYWORDS))
     if unknown:
-        raise SpecError(f"unknown keyword {', '.join(map(repr, unknown))}; expected one of {', '.join(MARKER_KEYWORDS)}")
+        raise SpecError(
+            f"unknown keyword {', '.join(map(repr, unknown))}; expected one of {', '.join(MARKER_KEYWORDS)}"
+        )
     limits = tuple(_limit(metric, merged[metric]) for metric in METRICS if merged.get(metric) is not None)
     return GpumemSpec(
         limits=limits,
@@ -170,7 +173,9 @@ def parse_span_limits(name: object, limits: Mapping[str, Any]) -> tuple[tuple[Li
             f"span {name!r}: unknown keyword {', '.join(map(repr, unknown))}; expected one of {', '.join(SPAN_KEYWORDS)}"
         )
     try:
-        specs = tuple(_limit(metric, value) for metric, value in limits.items() if metric != "tolerance" and value is not None)
+        specs = tuple(
+            _limit(metric, value) for metric, value in limits.items() if metric != "tolerance" and value is not None
+        )
         tolerance = None if limits.get("tolerance") is None else _tolerance(limits["tolerance"])
     except SpecError as exc:
         raise SpecError(f"span {name!r}: {exc}") from None

@@ -1,0 +1,31 @@
+"""Shared test set-up.
+
+In-process pytester runs restore ``sys.modules`` afterwards, so a torch module first
+imported inside one (optimizers import parts of torch lazily at their first step)
+would be imported again by the next and register its operators twice. One real
+training step of each kind here imports them all before any pytester run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _warm_up_lazy_torch_imports() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    for optimizer in (
+        torch.optim.AdamW(model.parameters()),
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+    ):
+        for dtype in (torch.bfloat16, torch.float16):
+            scaler = torch.amp.GradScaler("cpu")
+            with torch.autocast("cpu", dtype=dtype):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+
+
+_warm_up_lazy_torch_imports()
