@@ -213,7 +213,12 @@ class Recorder:
         tracker.register(params, "parameters")
         tracker.register([p.grad for p in params if p.grad is not None], "gradients")
         tracker.register(
-            [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)],
+            [
+                value
+                for state in optimizer.state.values()
+                for value in state.values()
+                if isinstance(value, torch.Tensor)
+            ],
             "optimizer_state",
         )
 

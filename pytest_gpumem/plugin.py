@@ -250,7 +250,9 @@ class GpumemManager:
             specs, _ = parse_span_limits(span.name, span.limits)
             record.findings.extend(self._check(record, span.measurement, specs))
 
-    def _check(self, record: TestRecord, measurement: Measurement, specs: Iterator[Any] | tuple[Any, ...]) -> list[Finding]:
+    def _check(
+        self, record: TestRecord, measurement: Measurement, specs: Iterator[Any] | tuple[Any, ...]
+    ) -> list[Finding]:
         limits: list[Limit] = []
         for spec in specs:
             try:

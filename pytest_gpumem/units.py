@@ -45,7 +45,9 @@ def parse_size(value: object) -> int:
             raise SizeError(f"{value!r} is not a size: sizes cannot be negative")
         return value
     if isinstance(value, float):
-        raise SizeError(f"{value!r} is not a size: a float number of bytes is not allowed, use an int or a string like '1.5GiB'")
+        raise SizeError(
+            f"{value!r} is not a size: a float number of bytes is not allowed, use an int or a string like '1.5GiB'"
+        )
     if not isinstance(value, str):
         raise SizeError(f"{value!r} is not a size: expected an int or a string like '4GiB', got {type(value).__name__}")
     text = value.strip()
@@ -56,7 +58,9 @@ def parse_size(value: object) -> int:
         raise SizeError(f"{value!r} is not a size: {sign} sizes are not allowed")
     match = _SIZE_RE.match(text)
     if match is None:
-        raise SizeError(f"{value!r} is not a size: expected a number and a unit such as '4GiB', '512 MiB', '300KB' or '0B'")
+        raise SizeError(
+            f"{value!r} is not a size: expected a number and a unit such as '4GiB', '512 MiB', '300KB' or '0B'"
+        )
     prefix = match["prefix"].upper()
     if match["i"] and not prefix:
         raise SizeError(f"{value!r} is not a size: 'i' must follow K, M, G or T")
