@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem.budgets import Budget, model_states
 from pytest_gpumem.figures import Measurement
 from pytest_gpumem.measure import Recorder, Span
 from pytest_gpumem.spec import parse_span_limits
@@ -57,6 +58,31 @@ class GpuMem:
     def psi(self) -> int | None:
         """Trainable parameter count Ψ of the tracked objects (None when nothing is tracked)."""
         return self.recorder.psi
+
+    def budget(
+        self,
+        precision: str = "fp32",
+        *,
+        optimizer: torch.optim.Optimizer | str | None = None,
+        zero_stage: int = 0,
+        world_size: int = 1,
+    ) -> Budget:
+        """The theoretical model-state budget of the tracked objects (bytes; see ``budgets.model_states``).
+
+        The tracked modules are the model. The optimizer is ``optimizer`` when
+        given (an object or a registered name such as ``"adamw"``), else the one
+        tracked optimizer; with several tracked, pass one.
+        """
+        modules = [obj for obj in self.recorder.tracked if isinstance(obj, torch.nn.Module)]
+        optimizers = [obj for obj in self.recorder.tracked if isinstance(obj, torch.optim.Optimizer)]
+        if not modules:
+            raise ValueError(f"{self.nodeid}: gpumem.budget() needs a tracked model: call gpumem.track(model, ...)")
+        if optimizer is None and len(optimizers) > 1:
+            raise ValueError(f"{self.nodeid}: {len(optimizers)} optimizers are tracked: pass gpumem.budget(optimizer=...)")
+        chosen = optimizer if optimizer is not None else (optimizers[0] if optimizers else None)
+        return model_states(
+            modules, chosen, precision, zero_stage=zero_stage, world_size=world_size, device=self.device
+        )
 
     @property
     def spans(self) -> list[Measurement]:

@@ -42,8 +42,8 @@ def _limit_text(finding: Finding) -> str:
 def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False) -> list[list[str]]:
     """One row per test, span and metric: figures, baseline comparison, limit, status.
 
-    Rows with a problem come first. ``only_problems`` keeps only failing rows
-    (and errors).
+    Failing rows come first, the rest in test order. ``only_problems`` keeps only
+    failing rows (and errors).
     """
     rows: list[tuple[int, list[str]]] = []
     for record in records:
@@ -67,7 +67,7 @@ def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False) 
                 cost = None if metric == "retained" else measurement.cost(metric)
                 rows.append(
                     (
-                        0 if failed else STATUS_ORDER.index(status),
+                        0 if failed else 1,
                         [
                             test,
                             measurement.name,
