@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CATEGORIES", "PHASES", "METRICS", "Phase", "Measurement", "Timeline"]
+__all__ = ["CATEGORIES", "METRICS", "PHASES", "Measurement", "Phase", "Timeline"]
 
 #: Breakdown categories, in report order. They sum to the peak.
 CATEGORIES: tuple[str, ...] = (
@@ -72,7 +72,9 @@ class Timeline:
 
     def totals(self) -> tuple[int, ...]:
         """Allocated bytes at each kept event (the sum over categories)."""
-        return tuple(sum(values) for values in zip(*(self.series[c] for c in CATEGORIES))) if self.events else ()
+        if not self.events:
+            return ()
+        return tuple(sum(values) for values in zip(*(self.series[c] for c in CATEGORIES), strict=True))
 
 
 @dataclass(frozen=True)

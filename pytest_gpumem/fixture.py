@@ -78,7 +78,9 @@ class GpuMem:
         if not modules:
             raise ValueError(f"{self.nodeid}: gpumem.budget() needs a tracked model: call gpumem.track(model, ...)")
         if optimizer is None and len(optimizers) > 1:
-            raise ValueError(f"{self.nodeid}: {len(optimizers)} optimizers are tracked: pass gpumem.budget(optimizer=...)")
+            raise ValueError(
+                f"{self.nodeid}: {len(optimizers)} optimizers are tracked: pass gpumem.budget(optimizer=...)"
+            )
         chosen = optimizer if optimizer is not None else (optimizers[0] if optimizers else None)
         return model_states(
             modules, chosen, precision, zero_stage=zero_stage, world_size=world_size, device=self.device

@@ -320,7 +320,7 @@ class Recorder:
         tracker = self.engine.tracker
         counters = self.engine.counters()
         used, mine = self.engine.driver()
-        breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown))
+        breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
         return Measurement(
             name=state.name,
             engine=self.engine.name,

@@ -169,9 +169,8 @@ def parse_span_limits(name: object, limits: Mapping[str, Any]) -> tuple[tuple[Li
         raise SpecError(f"span name {name!r} must be a non-empty string other than 'call' (the whole test)")
     unknown = sorted(set(limits) - set(SPAN_KEYWORDS))
     if unknown:
-        raise SpecError(
-            f"span {name!r}: unknown keyword {', '.join(map(repr, unknown))}; expected one of {', '.join(SPAN_KEYWORDS)}"
-        )
+        names = ", ".join(map(repr, unknown))
+        raise SpecError(f"span {name!r}: unknown keyword {names}; expected one of {', '.join(SPAN_KEYWORDS)}")
     try:
         specs = tuple(
             _limit(metric, value) for metric, value in limits.items() if metric != "tolerance" and value is not None

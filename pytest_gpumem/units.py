@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 
-__all__ = ["SizeError", "UNITS", "parse_size", "format_size", "format_delta", "format_percent"]
+__all__ = ["UNITS", "SizeError", "format_delta", "format_percent", "format_size", "parse_size"]
 
 #: Multiplier of each unit prefix (1024-based).
 UNITS: dict[str, int] = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

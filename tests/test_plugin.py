@@ -264,7 +264,7 @@ def test_raises():
     )
     result = run(pytester)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*KeyError: \"the test's own error\"*"])
+    result.stdout.fnmatch_lines(['*KeyError: "the test\'s own error"*'])
     assert not any("exceeds the limit" in line for line in result.outlines)
 
 

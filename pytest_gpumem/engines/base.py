@@ -39,8 +39,10 @@ class Engine(Protocol):
     #: "cuda" (a caching allocator: CUDA, ROCm, XPU) or "cpu" (the storage tracker).
     name: str
     device: torch.device
-    #: the storage tracker giving breakdowns, activations and timelines, if any.
-    tracker: StorageTracker | None
+
+    @property
+    def tracker(self) -> StorageTracker | None:
+        """The storage tracker giving breakdowns, activations and timelines, if any."""
 
     def clean(self) -> None:
         """Bring the device to a clean, comparable state before a start reading."""

@@ -163,7 +163,7 @@ class StorageTracker:
 
     def breakdown(self) -> dict[str, int]:
         """Bytes alive now, by category."""
-        return dict(zip(CATEGORIES, self._by_category))
+        return dict(zip(CATEGORIES, self._by_category, strict=True))
 
     def _add(self, storage: torch.UntypedStorage, category: int) -> None:
         key = storage._cdata
