@@ -107,6 +107,9 @@ class Measurement:
             end of the span; ``None`` when NVML cannot attribute it (containers).
         breakdown: bytes by category (:data:`CATEGORIES`) at the moment of the
             peak; they sum to ``peak``. ``None`` when not measured.
+        allocated_breakdown: bytes by category when ``allocated`` was read; they
+            sum to ``allocated`` (CPU engine; on CUDA what the tracker cannot see
+            is "other"). ``None`` when not measured.
         phases: forward / backward / optimizer figures, in the order they ran;
             empty when the span ran no tracked module or optimizer.
         saved_activations: bytes of distinct storages saved for backward during
@@ -133,6 +136,7 @@ class Measurement:
     driver_used: int | None = None
     driver_process: int | None = None
     breakdown: Mapping[str, int] | None = None
+    allocated_breakdown: Mapping[str, int] | None = None
     phases: Mapping[str, Phase] = field(default_factory=dict)
     saved_activations: int | None = None
     psi: int | None = None
@@ -178,7 +182,8 @@ class Measurement:
             "num_ooms": self.num_ooms,
             "driver_used": self.driver_used,
             "driver_process": self.driver_process,
-            "breakdown": None if self.breakdown is None else {c: int(self.breakdown.get(c, 0)) for c in CATEGORIES},
+            "breakdown": _categories(self.breakdown),
+            "allocated_breakdown": _categories(self.allocated_breakdown),
             "phases": {name: phase.to_dict() for name, phase in self.phases.items()},
             "saved_activations": self.saved_activations,
             "psi": self.psi,
@@ -189,7 +194,6 @@ class Measurement:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
         """Rebuild a measurement written by :meth:`to_dict`; unknown keys are ignored."""
-        breakdown = data.get("breakdown")
         return cls(
             name=str(data["name"]),
             engine=str(data["engine"]),
@@ -205,7 +209,8 @@ class Measurement:
             num_ooms=_opt_int(data.get("num_ooms")),
             driver_used=_opt_int(data.get("driver_used")),
             driver_process=_opt_int(data.get("driver_process")),
-            breakdown=None if breakdown is None else {str(k): int(v) for k, v in breakdown.items()},
+            breakdown=_read_categories(data.get("breakdown")),
+            allocated_breakdown=_read_categories(data.get("allocated_breakdown")),
             phases={str(k): Phase.from_dict(str(k), v) for k, v in (data.get("phases") or {}).items()},
             saved_activations=_opt_int(data.get("saved_activations")),
             psi=_opt_int(data.get("psi")),
@@ -215,3 +220,11 @@ class Measurement:
 
 def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _categories(breakdown: Mapping[str, int] | None) -> dict[str, int] | None:
+    return None if breakdown is None else {c: int(breakdown.get(c, 0)) for c in CATEGORIES}
+
+
+def _read_categories(data: Any) -> dict[str, int] | None:
+    return None if data is None else {str(k): int(v) for k, v in data.items()}

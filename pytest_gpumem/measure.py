@@ -306,11 +306,27 @@ class Recorder:
         self._open.append(state)
         return state
 
-    def close(self, state: _SpanState, *, allocated: int | None = None) -> Measurement:
+    def allocated_now(self) -> tuple[int, dict[str, int] | None]:
+        """Allocated bytes now and, with a tracker, their breakdown by category."""
+        now = self.engine.allocated()
+        tracker = self.engine.tracker
+        if tracker is None:
+            return now, None
+        parts = tracker.breakdown()
+        parts["other"] += max(0, now - sum(parts.values()))
+        return now, parts
+
+    def close(
+        self,
+        state: _SpanState,
+        *,
+        allocated: tuple[int, dict[str, int] | None] | None = None,
+    ) -> Measurement:
         """Close a span opened by :meth:`open` and return its figures.
 
-        ``allocated`` overrides the end reading (the plugin reads it as the test
-        function returns, while its locals are alive).
+        ``allocated`` overrides the end reading with an earlier
+        :meth:`allocated_now` (the plugin reads it as the test function returns,
+        while its locals are alive).
         """
         self._fold()
         now = self.engine.allocated()
@@ -321,13 +337,14 @@ class Recorder:
         counters = self.engine.counters()
         used, mine = self.engine.driver()
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
+        end, end_breakdown = self.allocated_now() if allocated is None else allocated
         return Measurement(
             name=state.name,
             engine=self.engine.name,
             device=str(self.engine.device),
             start=state.start,
             peak=state.peak,
-            allocated=now if allocated is None else allocated,
+            allocated=end,
             reserved=state.reserved_peak,
             start_reserved=state.start_reserved,
             requested_peak=state.requested_peak,
@@ -336,6 +353,7 @@ class Recorder:
             driver_used=used,
             driver_process=mine,
             breakdown=breakdown,
+            allocated_breakdown=end_breakdown,
             phases={name: Phase(name, p.start, p.peak, p.end) for name, p in state.phases.items()},
             saved_activations=None
             if tracker is None or not self.saved_tensors

@@ -221,13 +221,13 @@ class GpumemManager:
         if recorder is None:
             yield
             return
-        returned: list[int] = []
+        returned: list[tuple[int, dict[str, int] | None]] = []
         recorder.begin()
         try:
             with activate(recorder):
                 state = recorder.open("call")
                 code = code_of(getattr(item, "obj", None))
-                with watch_return(code, lambda: returned.append(recorder.engine.allocated())):
+                with watch_return(code, lambda: returned.append(recorder.allocated_now())):
                     outcome = yield
                 call = recorder.close(state, allocated=returned[-1] if returned else None)
         finally:
