@@ -29,3 +29,15 @@ def _warm_up_lazy_torch_imports() -> None:
 
 
 _warm_up_lazy_torch_imports()
+
+
+def pytest_collection_modifyitems(config: object, items: list[object]) -> None:
+    """Tests marked ``cuda`` need a CUDA device: skipped with a reason without one."""
+    import pytest
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none is available here)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:  # type: ignore[attr-defined]
+            item.add_marker(skip)  # type: ignore[attr-defined]
