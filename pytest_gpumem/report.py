@@ -166,3 +166,98 @@ def measurement_table(measurements: Sequence[Measurement]) -> str:
             phase_rows, headers=("span", "phase", "start", "peak", "end"), disable_numparse=True
         )
     return text
+
+
+#: Version of the JSON report's layout (see README, "Reports").
+REPORT_SCHEMA = 1
+
+
+def finding_to_dict(finding: Finding) -> dict[str, object]:
+    """A finding as JSON-ready data (sizes in bytes)."""
+    return {
+        "test": finding.test,
+        "span": finding.span,
+        "metric": finding.metric,
+        "kind": finding.kind,
+        "status": finding.status,
+        "failed": finding.failed,
+        "measured": finding.measured,
+        "reference": finding.reference,
+        "delta": finding.delta,
+        "delta_pct": None if finding.delta_pct is None else round(finding.delta_pct, 4),
+        "ratio": None if finding.ratio is None else round(finding.ratio, 6),
+        "tolerance": None if finding.tolerance is None else str(finding.tolerance),
+        "grown": dict(finding.grown),
+        "detail": finding.detail,
+    }
+
+
+def json_report(
+    records: Iterable[RecordLike],
+    *,
+    environments: Sequence[dict[str, object]],
+    extra_findings: Sequence[Finding] = (),
+    generator: str = "",
+) -> dict[str, object]:
+    """The JSON report: environments, every measurement, every verdict.
+
+    ``environments`` are the environments' ``to_dict()`` with their ``key``;
+    ``extra_findings`` are findings that belong to no test that ran (stale
+    baselines).
+    """
+    tests = []
+    counts = dict.fromkeys(("tests", "failed", "exceeded", "regressed", "improved", "new", "n/a"), 0)
+    for record in records:
+        counts["tests"] += 1
+        counts["failed"] += int(bool(record.errors) or any(f.failed for f in record.findings))
+        for finding in record.findings:
+            if finding.status in counts:
+                counts[finding.status] += 1
+        tests.append(
+            {
+                "nodeid": record.nodeid,
+                "environment": getattr(record, "environment", None),
+                "measurements": [m.to_dict() for m in record.measurements],
+                "findings": [finding_to_dict(f) for f in record.findings],
+                "errors": list(record.errors),
+            }
+        )
+    counts["stale"] = sum(1 for f in extra_findings if f.status == "stale")
+    return {
+        "schema": REPORT_SCHEMA,
+        "generator": generator,
+        "environments": list(environments),
+        "tests": tests,
+        "other_findings": [finding_to_dict(f) for f in extra_findings],
+        "summary": counts,
+    }
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_report(
+    records: Iterable[RecordLike],
+    *,
+    header: str = "",
+    extra_findings: Sequence[Finding] = (),
+) -> str:
+    """A GitHub-flavoured Markdown report: a heading, the environment, one table."""
+    records = list(records)
+    rows = summary_rows(records)
+    failed = sum(1 for record in records if record.errors or any(f.failed for f in record.findings))
+    lines = ["## gpumem", ""]
+    if header:
+        lines += [f"Environment: `{header}`", ""]
+    lines.append(f"{len(records)} measured test(s), {failed} failing on memory.")
+    lines.append("")
+    lines.append("| " + " | ".join(SUMMARY_HEADERS) + " |")
+    lines.append("|" + "---|" * len(SUMMARY_HEADERS))
+    for row in rows:
+        lines.append("| " + " | ".join(_md(cell) for cell in row) + " |")
+    stale = [f for f in extra_findings if f.status == "stale"]
+    if stale:
+        lines += ["", "Stale baselines (their tests no longer exist):", ""]
+        lines += [f"- `{_md(f.test)}`" for f in stale]
+    return "\n".join(lines) + "\n"
