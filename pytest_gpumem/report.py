@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 from tabulate import tabulate
 
 from pytest_gpumem.figures import CATEGORIES, METRICS, PHASES, Measurement
 from pytest_gpumem.units import format_delta, format_percent, format_size
-from pytest_gpumem.verdict import Finding
+from pytest_gpumem.verdict import Finding, Tolerance
 
-__all__ = ["breakdown_rows", "measurement_table", "summary_rows", "summary_table"]
+__all__ = [
+    "breakdown_rows",
+    "finding_from_dict",
+    "finding_to_dict",
+    "json_report",
+    "markdown_report",
+    "measurement_table",
+    "summary_rows",
+    "summary_table",
+]
 
 #: Order of statuses in the summary: problems first.
 STATUS_ORDER = ("exceeded", "regressed", "n/a", "stale", "improved", "new", "other-environment", "ok", "")
@@ -119,10 +128,25 @@ BREAKDOWN_HEADERS = (
 )
 
 
+def environment_notes(records: Iterable[RecordLike]) -> list[str]:
+    """One line per test whose baselines exist only for other environments, naming them."""
+    notes = []
+    for record in records:
+        other = next((f for f in record.findings if f.status == "other-environment"), None)
+        if other is not None:
+            notes.append(
+                f"{_short(record.nodeid)}: no baseline in this environment; baselines only for: {other.detail}"
+            )
+    return notes
+
+
 def summary_table(records: Iterable[RecordLike], *, only_problems: bool = False) -> str:
     """The terminal summary: figures and verdicts, then (unless ``only_problems``) breakdowns."""
     records = list(records)
     text = tabulate(summary_rows(records, only_problems=only_problems), headers=SUMMARY_HEADERS, disable_numparse=True)
+    notes = environment_notes(records)
+    if notes:
+        text += "\n\n" + "\n".join(notes)
     if only_problems:
         return text
     rows = breakdown_rows([(record.nodeid, m) for record in records for m in record.measurements])
@@ -186,10 +210,32 @@ def finding_to_dict(finding: Finding) -> dict[str, object]:
         "delta": finding.delta,
         "delta_pct": None if finding.delta_pct is None else round(finding.delta_pct, 4),
         "ratio": None if finding.ratio is None else round(finding.ratio, 6),
-        "tolerance": None if finding.tolerance is None else str(finding.tolerance),
+        "tolerance": None
+        if finding.tolerance is None
+        else {"relative": finding.tolerance.relative, "absolute": finding.tolerance.absolute},
+        "tolerance_text": None if finding.tolerance is None else str(finding.tolerance),
         "grown": dict(finding.grown),
         "detail": finding.detail,
+        "strict": finding.strict,
     }
+
+
+def finding_from_dict(data: Mapping[str, Any]) -> Finding:
+    """Rebuild a finding written by :func:`finding_to_dict`."""
+    tolerance = data.get("tolerance")
+    return Finding(
+        test=str(data["test"]),
+        span=str(data["span"]),
+        metric=str(data["metric"]),
+        kind=data["kind"],
+        status=data["status"],
+        measured=data.get("measured"),
+        reference=data.get("reference"),
+        tolerance=None if tolerance is None else Tolerance(float(tolerance["relative"]), int(tolerance["absolute"])),
+        grown={str(k): int(v) for k, v in (data.get("grown") or {}).items()},
+        detail=str(data.get("detail", "")),
+        strict=bool(data.get("strict", False)),
+    )
 
 
 def json_report(
@@ -256,6 +302,9 @@ def markdown_report(
     lines.append("|" + "---|" * len(SUMMARY_HEADERS))
     for row in rows:
         lines.append("| " + " | ".join(_md(cell) for cell in row) + " |")
+    notes = environment_notes(records)
+    if notes:
+        lines += ["", *(f"- {_md(note)}" for note in notes)]
     stale = [f for f in extra_findings if f.status == "stale"]
     if stale:
         lines += ["", "Stale baselines (their tests no longer exist):", ""]

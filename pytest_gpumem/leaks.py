@@ -1,0 +1,442 @@
+"""Leak confirmation: is memory that a test left behind really leaked, and by what?
+
+``retained`` (allocated at test end minus at its start, after ``gc.collect()``)
+is a leak indicator; this module confirms it the way PyTorch's own
+``CudaMemoryLeakCheck`` does (``torch/testing/_internal/common_utils.py``):
+collect garbage, on CUDA synchronize, free cuBLAS workspaces and empty the
+cache, then re-read allocated memory up to ``tries`` times; on CUDA a leak is
+confirmed only when the driver (``mem_get_info``) sees the growth too. It then
+names the culprits: the live tensors whose storages did not exist at the start
+(found with :func:`snapshot_storages` taken at the start), with the name that
+holds each one (``"tests.test_x.CACHE[3]"``).
+
+Sizes are bytes throughout.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import CellType, FrameType, ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import pytest_gpumem.oom as _oom
+from pytest_gpumem.oom import LiveTensor, _describe, _Group, _storage_groups, frame_locals, live_table
+from pytest_gpumem.units import format_delta, format_size
+
+if TYPE_CHECKING:
+    from pytest_gpumem.engines.base import Engine
+
+__all__ = ["LeakCheck", "StorageSnapshot", "confirm_leak", "referrer_names", "snapshot_storages"]
+
+#: Leaked tensors a :class:`LeakCheck` lists by default.
+TOP = 20
+
+_THIS_FILES = (os.path.abspath(__file__), os.path.abspath(_oom.__file__ or ""))
+
+
+@dataclass(frozen=True)
+class StorageSnapshot:
+    """The storages alive on a device at a moment (a test's start), and the readings then.
+
+    Attributes:
+        device: the device, e.g. ``"cpu"``.
+        allocated: the engine's allocated bytes when the snapshot was taken.
+        driver_used: device memory in use per the driver (``total - free`` from
+            ``mem_get_info``, all processes) on CUDA-like devices; None on CPU.
+    """
+
+    device: str
+    allocated: int
+    driver_used: int | None
+    _refs: Mapping[int, weakref.ref[torch.UntypedStorage]] = field(repr=False, compare=False, default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def alive_at_start(self, storage: torch.UntypedStorage) -> bool:
+        """True when ``storage`` is the very storage seen at the snapshot (not a new one at the same address)."""
+        ref = self._refs.get(int(storage._cdata))
+        return ref is not None and ref() is storage
+
+
+def _driver_used(engine: Engine) -> int | None:
+    """Device memory in use per the driver (all processes); None on CPU or when unknown."""
+    if engine.name == "cpu":
+        return None
+    try:
+        backend = getattr(torch, engine.device.type)
+        free, total = backend.mem_get_info(engine.device)
+    except Exception:
+        return None
+    return int(total) - int(free)
+
+
+def snapshot_storages(engine: Engine) -> StorageSnapshot:
+    """Remember the storages alive on ``engine``'s device now (weak references only).
+
+    Call it at the test's start, after the engine's clean-state protocol, and only
+    when a leak check is enabled: it walks the garbage collector's objects (tens
+    of milliseconds in a large process). The snapshot keeps no storage alive.
+    """
+    if engine.name != "cpu":
+        torch_backend = getattr(torch, engine.device.type, None)
+        synchronize = getattr(torch_backend, "synchronize", None)
+        if synchronize is not None:
+            synchronize(engine.device)
+    groups = _storage_groups(engine.device, engine.tracker)
+    refs = {key: weakref.ref(group.storage) for key, group in groups.items()}
+    del groups
+    return StorageSnapshot(
+        device=str(engine.device), allocated=engine.allocated(), driver_used=_driver_used(engine), _refs=refs
+    )
+
+
+def _settle(engine: Engine) -> None:
+    """Collect garbage; on CUDA-like devices synchronize, free cuBLAS workspaces and empty the cache."""
+    if engine.name == "cpu":
+        gc.collect()
+        return
+    backend = getattr(torch, engine.device.type)
+    backend.synchronize(engine.device)
+    gc.collect()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and engine.device.type == "cuda":
+        clear()
+    backend.empty_cache()
+
+
+@dataclass(frozen=True)
+class LeakCheck:
+    """The verdict of :func:`confirm_leak`. All sizes are bytes.
+
+    Attributes:
+        device: the device, e.g. ``"cuda:0"``.
+        engine: ``"cpu"`` or ``"cuda"``.
+        start: allocated bytes at the start.
+        readings: allocated bytes at each try (after garbage collection).
+        retained: the last reading minus ``start``; may be negative.
+        confirmed: a leak: allocated stayed above ``start`` at every try and, on
+            CUDA, the driver saw device memory grow too.
+        driver_retained: CUDA: driver-reported used memory now minus at the
+            start (all processes: other processes move it); None on CPU or unknown.
+        driver_confirmed: CUDA: ``driver_retained > 0``; None on CPU or unknown.
+        leaked: the largest live tensors whose storages did not exist at the
+            start, largest first; ``held_by`` names what holds each one.
+        leaked_count: how many such storages there are.
+        leaked_bytes: their total bytes. Less than ``retained`` when some
+            retained bytes are held where Python cannot see them.
+        listed: False when no snapshot was given, so tensors could not be listed.
+    """
+
+    device: str
+    engine: str
+    start: int
+    readings: tuple[int, ...]
+    retained: int
+    confirmed: bool
+    driver_retained: int | None = None
+    driver_confirmed: bool | None = None
+    leaked: tuple[LiveTensor, ...] = ()
+    leaked_count: int = 0
+    leaked_bytes: int = 0
+    listed: bool = False
+
+    @property
+    def suspected(self) -> bool:
+        """Allocated memory stayed above the start at every try (confirmed by the driver or not)."""
+        return bool(self.readings) and all(reading > self.start for reading in self.readings)
+
+    def format(self) -> str:
+        """The verdict as text for a failure message, with a table of the leaked tensors."""
+        if self.confirmed:
+            head = f"memory leak confirmed on {self.device}: {format_size(self.retained)} ({self.retained} B) retained"
+        elif self.suspected:
+            head = (
+                f"possible memory leak on {self.device}: {format_size(self.retained)} ({self.retained} B) "
+                "retained, not confirmed by the driver"
+            )
+        else:
+            head = f"no leak on {self.device}: retained {format_delta(self.retained)} after garbage collection"
+        lines = [
+            head,
+            "  allocated at start: " + f"{self.start} B; after each try: " + ", ".join(map(str, self.readings)),
+        ]
+        if self.driver_retained is not None:
+            lines.append(f"  driver: used memory {format_delta(self.driver_retained)} since the start (all processes)")
+        text = "\n".join(lines)
+        if self.leaked:
+            unseen = max(0, self.retained - self.leaked_bytes)
+            title = (
+                f"tensors created during the test and still alive ({len(self.leaked)} of {self.leaked_count} "
+                f"storages, {format_size(self.leaked_bytes)})"
+            )
+            if unseen:
+                title += f"; {format_size(unseen)} retained is held by no Python-reachable tensor"
+            text += f"\n\n{title}\n" + live_table(self.leaked)
+        elif not self.listed and self.suspected:
+            text += "\n  (take a snapshot_storages() at the start to list the leaked tensors)"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "device": self.device,
+            "engine": self.engine,
+            "start": self.start,
+            "readings": list(self.readings),
+            "retained": self.retained,
+            "confirmed": self.confirmed,
+            "driver_retained": self.driver_retained,
+            "driver_confirmed": self.driver_confirmed,
+            "leaked": [t.to_dict() for t in self.leaked],
+            "leaked_count": self.leaked_count,
+            "leaked_bytes": self.leaked_bytes,
+        }
+
+
+def confirm_leak(
+    engine: Engine,
+    start_allocated: int,
+    *,
+    tries: int = 3,
+    snapshot: StorageSnapshot | None = None,
+    top: int = TOP,
+) -> LeakCheck:
+    """Confirm (or dismiss) a leak: is allocated memory still above ``start_allocated``?
+
+    Before each of up to ``tries`` readings: ``gc.collect()``, and on CUDA-like
+    devices ``synchronize``, free the cuBLAS workspaces and ``empty_cache``. A
+    reading at or below the start ends the check: no leak. On CUDA the driver's
+    used memory (``mem_get_info``) is compared with ``snapshot.driver_used``: as
+    in PyTorch's ``CudaMemoryLeakCheck``, the leak is confirmed only when the
+    driver sees growth too (a small leak inside an already reserved segment is
+    only ``suspected``). Without a snapshot on CUDA, the allocator alone decides.
+
+    With a ``snapshot`` (from :func:`snapshot_storages` at the start) and a
+    suspected leak, the live tensors whose storages are new are listed (the
+    ``top`` largest), each named by what holds it (see :func:`referrer_names`).
+    Costs a few garbage collections; walks the objects only when a leak is suspected.
+    """
+    if tries < 1:
+        raise ValueError(f"confirm_leak: tries must be >= 1, got {tries}")
+    readings: list[int] = []
+    for _ in range(tries):
+        _settle(engine)
+        reading = engine.allocated()
+        readings.append(reading)
+        if reading <= start_allocated:
+            break
+    suspected = all(reading > start_allocated for reading in readings)
+    driver_retained: int | None = None
+    driver_confirmed: bool | None = None
+    if engine.name != "cpu" and snapshot is not None and snapshot.driver_used is not None:
+        used = _driver_used(engine)
+        if used is not None:
+            driver_retained = used - snapshot.driver_used
+            driver_confirmed = driver_retained > 0
+    confirmed = suspected and driver_confirmed is not False
+    leaked: tuple[LiveTensor, ...] = ()
+    count = nbytes = 0
+    if suspected and snapshot is not None:
+        leaked, count, nbytes = _leaked_tensors(engine, snapshot, top)
+    return LeakCheck(
+        device=str(engine.device),
+        engine=engine.name,
+        start=start_allocated,
+        readings=tuple(readings),
+        retained=readings[-1] - start_allocated,
+        confirmed=confirmed,
+        driver_retained=driver_retained,
+        driver_confirmed=driver_confirmed,
+        leaked=leaked,
+        leaked_count=count,
+        leaked_bytes=nbytes,
+        listed=snapshot is not None,
+    )
+
+
+def _leaked_tensors(engine: Engine, snapshot: StorageSnapshot, top: int) -> tuple[tuple[LiveTensor, ...], int, int]:
+    groups = _storage_groups(engine.device, engine.tracker)
+    new = [group for group in groups.values() if not snapshot.alive_at_start(group.storage)]
+    del groups
+    new.sort(key=lambda g: g.nbytes, reverse=True)
+    chosen = new[:top]
+    total = sum(g.nbytes for g in new)
+    count = len(new)
+    del new
+    hints = _group_hints(chosen)
+    named = {id(tensor): (name, None) for tensor, name in hints.values()}
+    described = tuple(_describe(group, named, engine.tracker) for group in chosen)
+    del hints
+    return described, count, total
+
+
+#: Tensors per leaked storage whose holders are looked for (the largest views first).
+VIEWS_NAMED = 8
+
+
+def _group_hints(groups: list[_Group]) -> dict[int, tuple[torch.Tensor, str]]:
+    """For each group (by index) with a nameable holder: the tensor so held and the name.
+
+    A leaked view often outlives the tensor it was cut from only in C++ (its
+    ``_base``): that base has no Python holder, so the largest *named* view is used.
+    """
+    candidates = [sorted(group.tensors, key=lambda t: t.numel(), reverse=True)[:VIEWS_NAMED] for group in groups]
+    targets = [t for tensors in candidates for t in tensors]
+    names = referrer_names(targets, ignore=[candidates, *candidates, groups, *(g.tensors for g in groups)])
+    hints: dict[int, tuple[torch.Tensor, str]] = {}
+    for i, tensors in enumerate(candidates):
+        for tensor in tensors:
+            if id(tensor) in names:
+                hints[i] = (tensor, names[id(tensor)])
+                break
+    return hints
+
+
+# -- naming what holds an object ----------------------------------------------------------------------
+
+
+_DICT_OF = ".__dict__"
+
+
+def _module_dicts() -> dict[int, str]:
+    dicts: dict[int, str] = {}
+    for name, module in list(sys.modules.items()):
+        if isinstance(module, ModuleType):
+            dicts[id(module.__dict__)] = name
+    return dicts
+
+
+def _own_frame(obj: object) -> bool:
+    return isinstance(obj, FrameType) and os.path.abspath(obj.f_code.co_filename) in _THIS_FILES
+
+
+def _attribute_of(holder: object, target: object) -> str | None:
+    """The attribute name under which ``holder`` (an object with a ``__dict__``) holds ``target``."""
+    try:
+        attributes = vars(holder)
+    except TypeError:
+        return None
+    for key, value in attributes.items():
+        if value is target:
+            return str(key)
+    return None
+
+
+def _links(holder: object, target: object, module_dicts: Mapping[int, str]) -> list[tuple[str, bool]]:
+    """How ``holder`` refers to ``target``: ``(text, final)`` pairs.
+
+    ``final`` texts are complete names (a module-level name, a frame's local);
+    the others are accessors (``"[3]"``, ``".attr"``, ``"['key']"``) to append to
+    the name of whatever holds ``holder``.
+    """
+    found: list[tuple[str, bool]] = []
+    if isinstance(holder, dict):
+        module = module_dicts.get(id(holder))
+        for key, value in list(holder.items()):
+            if value is target:
+                found.append((f"{module}.{key}", True) if module is not None else (f"[{key!r}]", False))
+    elif isinstance(holder, (list, tuple)):
+        for index, value in enumerate(holder):
+            if value is target:
+                found.append((f"[{index}]", False))
+    elif isinstance(holder, FrameType):
+        where = f"{holder.f_code.co_name} ({os.path.basename(holder.f_code.co_filename)}:{holder.f_lineno})"
+        for var, value in frame_locals(holder).items():
+            if value is target:
+                found.append((f"local '{var}' in {where}", True))
+    elif isinstance(holder, CellType):
+        found.append(("a closure variable", True))
+    elif isinstance(holder, (set, frozenset)):
+        found.append(("{…}", False))
+    elif getattr(holder, "__dict__", None) is target:
+        found.append((_DICT_OF, False))
+    else:
+        attribute = _attribute_of(holder, target)
+        if attribute is not None:
+            found.append((f".{attribute}", False))
+    return found
+
+
+def _container_name(container: object) -> str:
+    name = type(container).__name__
+    return "saved for backward" if name == "_Saved" else name
+
+
+def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = ()) -> dict[int, str]:
+    """A name for what holds each of ``objects``, by ``id()``; objects nothing names are left out.
+
+    Looks two levels up with two ``gc.get_referrers`` passes in all, so the cost
+    does not grow with the number of objects: a module-level name
+    (``"tests.test_x.CACHE"``), an element of a module-level list or dict
+    (``"tests.test_x.CACHE[3]"``), an attribute (``"Holder.cache"`` then
+    ``"tests.test_x.HOLDER.cache"``), a local variable of a live frame. Objects
+    in ``ignore`` (the caller's own lists) and this module's frames are skipped.
+    Only the first name found for each object is kept.
+    """
+    targets = list(objects)
+    if not targets:
+        return {}
+    ignore = [objects, *ignore]
+    module_dicts = _module_dicts()
+    names: dict[int, str] = {}
+    pending: dict[int, list[tuple[int, str]]] = {}  # id(container) -> [(id(target), accessor)]
+    containers: list[object] = []
+    ignored = {id(obj) for obj in ignore} | {id(targets), id(containers)}
+    referrers = gc.get_referrers(*targets)
+    ignored.add(id(referrers))
+    for holder in referrers:
+        if id(holder) in ignored or _own_frame(holder):
+            continue
+        for target in targets:
+            if id(target) in names:
+                continue
+            for text, final in _links(holder, target, module_dicts):
+                if final:
+                    names[id(target)] = text
+                    break
+                if id(holder) not in pending:
+                    pending[id(holder)] = []
+                    containers.append(holder)
+                pending[id(holder)].append((id(target), text))
+    del referrers
+    if not containers or len(names) == len(targets):
+        return names
+    referrers = gc.get_referrers(*containers)
+    ignored.add(id(referrers))
+    for holder in referrers:
+        if id(holder) in ignored or _own_frame(holder):
+            continue
+        for container in containers:
+            links = _links(holder, container, module_dicts)
+            if not links:
+                continue
+            text, final = links[0]
+            prefix = text if final else _container_name(holder) + text
+            for target_id, accessor in pending[id(container)]:
+                names.setdefault(target_id, _join(prefix, accessor))
+    del referrers
+    for container in containers:  # held by nothing nameable: name the container by its type
+        for target_id, accessor in pending[id(container)]:
+            names.setdefault(target_id, _join(_container_name(container), accessor))
+    return names
+
+
+def _join(prefix: str, accessor: str) -> str:
+    """``prefix`` (what holds a container) followed by ``accessor`` (how the container holds the object)."""
+    if prefix.endswith(_DICT_OF):  # the container is an object's materialised __dict__: ['x'] reads .x
+        owner = prefix.removesuffix(_DICT_OF)
+        if accessor.startswith("['") and accessor.endswith("']"):
+            return f"{owner}.{accessor[2:-2]}"
+        return owner + accessor
+    if prefix.startswith("local '"):
+        var, _, where = prefix.partition("' in ")
+        return f"{var}{accessor}' in {where}"
+    return prefix + accessor

@@ -1,0 +1,306 @@
+"""End to end: baselines in the repo, the regression gate, reports (real pytest sessions, CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+SUITE = """
+import pytest, torch
+
+N = {n}
+
+@pytest.mark.gpumem
+def test_grows(gpumem):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, N)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 64)
+    gpumem.train_step(model, opt, (x, torch.zeros(8, N)), torch.nn.functional.mse_loss)
+
+@pytest.mark.gpumem
+def test_steady(gpumem):
+    with gpumem.measure("alloc"):
+        x = torch.ones(1024)
+"""
+
+
+def write_suite(pytester: pytest.Pytester, n: int = 64, extra: str = "") -> None:
+    pytester.makepyfile(test_suite=SUITE.format(n=n) + extra)
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-W", "ignore::UserWarning", *args)
+
+
+def baseline_file(pytester: pytest.Pytester) -> dict:  # type: ignore[type-arg]
+    return json.loads((pytester.path / "gpumem-baselines.json").read_text(encoding="utf-8"))
+
+
+def test_record_pass_regress_update_cycle(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpumem_tolerance = 1%\n")  # the model grows by ~200 KB: under the 1 MiB default
+    write_suite(pytester)
+    first = run(pytester)
+    first.assert_outcomes(passed=2)
+    assert "new" in first.stdout.str()
+    assert not (pytester.path / "gpumem-baselines.json").exists()  # only written on update
+
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=2)
+    data = baseline_file(pytester)
+    assert data["schema"] == 1
+    (env,) = data["environments"].values()
+    tests = env["tests"]
+    assert set(tests) == {"test_suite.py::test_grows", "test_suite.py::test_steady"}
+    assert set(tests["test_suite.py::test_grows"]["spans"]) == {"call", "step"}
+    assert tests["test_suite.py::test_steady"]["spans"]["alloc"]["peak"] == 4096
+
+    run(pytester).assert_outcomes(passed=2)
+
+    write_suite(pytester, n=256)  # the model grows: parameters, gradients, activations
+    regressed = run(pytester)
+    regressed.assert_outcomes(passed=1, failed=1)
+    text = regressed.stdout.str()
+    assert "regressed from baseline" in text
+    assert "grown: " in text and "parameters +" in text and "gradients +" in text
+    regressed.stdout.fnmatch_lines(["*[[]step[]] peak cost * regressed from baseline * by +* (+*%), tolerance*"])
+
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=2)  # updating records, never compares
+    run(pytester).assert_outcomes(passed=2)
+
+
+def test_improved_and_new_pass_unless_strict(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpumem_tolerance = 1%\n")
+    write_suite(pytester, n=256)
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=2)
+    write_suite(
+        pytester,
+        n=64,
+        extra="""
+@pytest.mark.gpumem
+def test_brand_new():
+    x = torch.ones(10)
+""",
+    )
+    result = run(pytester)
+    result.assert_outcomes(passed=3)
+    text = result.stdout.str()
+    assert "improved" in text and "new" in text
+    strict = run(pytester, "--gpumem-strict")
+    strict.assert_outcomes(passed=1, failed=2)
+    strict.stdout.fnmatch_lines(["*improved*"])
+
+
+def test_stale_entries_listed_pruned_and_deselected_kept(pytester: pytest.Pytester) -> None:
+    write_suite(
+        pytester,
+        extra="""
+@pytest.mark.gpumem
+def test_doomed():
+    x = torch.ones(10)
+""",
+    )
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=3)
+    # deselected tests keep their entries, and are not stale
+    run(pytester, "--gpumem-update-baselines", "--gpumem-prune", "-k", "steady").assert_outcomes(passed=1)
+    assert "test_suite.py::test_doomed" in baseline_file(pytester)["environments"].popitem()[1]["tests"]
+    # a run of one file names nothing stale elsewhere
+    write_suite(pytester)  # test_doomed is gone
+    pytester.makepyfile(test_other="import torch, pytest\n\n@pytest.mark.gpumem\ndef test_x():\n    pass\n")
+    partial = run(pytester, "test_other.py")
+    assert "stale baselines" not in partial.stdout.str()
+    listed = run(pytester)
+    listed.stdout.fnmatch_lines(["*stale baselines*", "*test_suite.py::test_doomed*"])
+    strict = run(pytester, "--gpumem-strict")
+    assert strict.ret == pytest.ExitCode.TESTS_FAILED
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=3)
+    assert "test_suite.py::test_doomed" in baseline_file(pytester)["environments"].popitem()[1]["tests"]
+    run(pytester, "--gpumem-update-baselines", "--gpumem-prune").assert_outcomes(passed=3)
+    tests = baseline_file(pytester)["environments"].popitem()[1]["tests"]
+    assert "test_suite.py::test_doomed" not in tests
+    assert "test_other.py::test_x" in tests
+
+
+TOLERANCE_SUITE = """
+import pytest, torch
+
+SIZE = {size}
+
+@pytest.mark.gpumem{marker}
+def test_alloc(gpumem):
+    with gpumem.measure("span"{span}):
+        x = torch.ones(SIZE // 4, dtype=torch.float32)
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "marker", "span", "grown", "outcome"),
+    [
+        ((), "", "", 2_000, "failed"),  # default 2% or 1 MiB: 1 MiB floor, +2 MB regresses
+        ((), "", "", 800_000, "passed"),  # within the 1 MiB floor
+        (("--gpumem-tolerance=10%",), "", "", 800_000, "failed"),  # 10% of 1 MB < 800 KB
+        (("--gpumem-tolerance=100%",), "", "", 800_000, "passed"),
+        (("--gpumem-tolerance=1KiB",), "", "", 800_000, "failed"),
+        ((), '(tolerance="100%")', "", 800_000, "passed"),  # per test
+        ((), '(tolerance="0")', "", 800_000, "failed"),
+        (("--gpumem-tolerance=0",), "", ', tolerance="100%"', 800_000, "failed"),  # the call still regresses
+    ],
+)
+def test_tolerance_by_percent_floor_test_and_span(
+    pytester: pytest.Pytester, args: tuple[str, ...], marker: str, span: str, grown: int, outcome: str
+) -> None:
+    size = 1_000_000
+    pytester.makepyfile(test_tol=TOLERANCE_SUITE.format(size=size, marker=marker, span=span))
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)
+    big = size + (grown if grown > 2000 else 2 * 2**20)
+    pytester.makepyfile(test_tol=TOLERANCE_SUITE.format(size=big, marker=marker, span=span))
+    result = run(pytester, *args)
+    result.assert_outcomes(**{outcome: 1})
+
+
+def test_span_tolerance_applies_to_its_span(pytester: pytest.Pytester) -> None:
+    suite = """
+import pytest, torch
+
+@pytest.mark.gpumem(tolerance="0")
+def test_alloc(gpumem):
+    with gpumem.measure("loose", tolerance="100%"):
+        x = torch.ones({n})
+"""
+    pytester.makepyfile(test_span=suite.format(n=1000))
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)
+    pytester.makepyfile(test_span=suite.format(n=1500))
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "[loose]" not in text.split("short test summary")[0].split("FAILURES")[1].split("span ")[0]
+    assert "peak cost 5.86 KiB regressed from baseline 3.91 KiB" in text
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ('{"schema": 1, "environments": {', "gpumem-baselines.json:1:32: not valid JSON"),
+        ('{\n<<<<<<< HEAD\n"schema": 1\n=======\n"schema": 1\n>>>>>>> other\n}\n', "conflict"),
+        ('{"schema": 99, "environments": {}}', "schema"),
+        ("[1, 2]", "gpumem-baselines.json"),
+    ],
+)
+def test_bad_baseline_files_are_clear_errors_and_never_overwritten(
+    pytester: pytest.Pytester, content: str, words: str
+) -> None:
+    write_suite(pytester)
+    path = pytester.path / "gpumem-baselines.json"
+    path.write_text(content, encoding="utf-8")
+    result = run(pytester, "--gpumem-update-baselines")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    err = result.stderr.str()
+    assert "gpumem-baselines.json" in err and words in err
+    assert path.read_text(encoding="utf-8") == content
+
+
+def test_baselines_option_and_ini_and_unknown_keys_kept(pytester: pytest.Pytester) -> None:
+    write_suite(pytester)
+    run(pytester, "--gpumem-update-baselines", "--gpumem-baselines=mem/base.json").assert_outcomes(passed=2)
+    path = pytester.path / "mem" / "base.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["added_by_a_newer_release"] = {"keep": True}
+    env = next(iter(data["environments"].values()))
+    env["tests"]["test_suite.py::test_steady"]["spans"]["alloc"]["future_metric"] = 7
+    env["tests"]["test_suite.py::test_gone_elsewhere"] = {"spans": {"call": {"peak": 1, "allocated": 1}}}
+    path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    pytester.makeini("[pytest]\ngpumem_baselines = mem/base.json\n")
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=2)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert data["added_by_a_newer_release"] == {"keep": True}
+    env = next(iter(data["environments"].values()))
+    assert env["tests"]["test_suite.py::test_steady"]["spans"]["alloc"]["future_metric"] == 7
+    assert "test_suite.py::test_gone_elsewhere" in env["tests"]
+
+
+def test_other_environment_is_named_never_compared(pytester: pytest.Pytester) -> None:
+    write_suite(pytester)
+    run(pytester, "--gpumem-update-baselines", "--gpumem-cuda-rounding").assert_outcomes(passed=2)
+    write_suite(pytester, n=4096)  # would regress, but the baselines are of another environment
+    result = run(pytester)
+    result.assert_outcomes(passed=2)
+    text = result.stdout.str()
+    assert "other-environment" in text
+    assert "cuda_rounding on" in text
+
+
+def test_json_markdown_and_step_summary(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_suite(pytester)
+    run(pytester, "--gpumem-update-baselines")
+    summary = pytester.path / "step-summary.md"
+    summary.write_text("# earlier step output\n", encoding="utf-8")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    run(pytester, "--gpumem-json=out/report.json", "--gpumem-markdown=out/report.md").assert_outcomes(passed=2)
+    report = json.loads((pytester.path / "out" / "report.json").read_text(encoding="utf-8"))
+    assert report["schema"] == 1
+    assert report["environments"][0]["engine"] == "cpu"
+    nodeids = [t["nodeid"] for t in report["tests"]]
+    assert nodeids == ["test_suite.py::test_grows", "test_suite.py::test_steady"]
+    steady = report["tests"][1]
+    assert [m["name"] for m in steady["measurements"]] == ["call", "alloc"]
+    assert steady["measurements"][1]["peak"] - steady["measurements"][1]["start"] == 4096
+    statuses = {(f["span"], f["metric"], f["status"]) for f in steady["findings"]}
+    assert ("alloc", "peak", "ok") in statuses
+    markdown = (pytester.path / "out" / "report.md").read_text(encoding="utf-8")
+    assert markdown.startswith("## gpumem")
+    assert "| test | span | metric |" in markdown
+    appended = summary.read_text(encoding="utf-8")
+    assert appended.startswith("# earlier step output\n## gpumem")
+    run(pytester, "--gpumem-no-step-summary")
+    assert summary.read_text(encoding="utf-8") == appended
+
+
+XDIST_SUITE = """
+import pytest, torch
+
+@pytest.mark.gpumem
+@pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 96, 112, 128])
+def test_step(gpumem, n):
+    torch.manual_seed(n)
+    model = torch.nn.Sequential(torch.nn.Linear(32, n), torch.nn.ReLU(), torch.nn.Linear(n, 32))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(4, 32)
+    gpumem.train_step(model, opt, (x, torch.zeros(4, 32)), torch.nn.functional.mse_loss)
+    extra = torch.ones(GROWTH) if n == 128 else None
+"""
+
+
+def test_xdist_update_writes_exactly_what_a_serial_run_writes(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
+    gone = "\n@pytest.mark.gpumem\ndef test_gone():\n    x = torch.ones(8)\n"
+    pytester.makepyfile(test_x=XDIST_SUITE.replace("GROWTH", "1") + gone)
+    args = ("-p", "no:cacheprovider", "-W", "ignore::UserWarning")
+    pytester.runpytest_subprocess(*args, "--gpumem-update-baselines").assert_outcomes(passed=9)
+    serial = (pytester.path / "gpumem-baselines.json").read_bytes()
+    (pytester.path / "gpumem-baselines.json").unlink()
+    pytester.runpytest_subprocess(*args, "--gpumem-update-baselines", "-n", "4").assert_outcomes(passed=9)
+    parallel = (pytester.path / "gpumem-baselines.json").read_bytes()
+    assert parallel == serial
+    # the gate works under xdist: one test grows by 4 MiB, one test is gone
+    pytester.makepyfile(test_x=XDIST_SUITE.replace("GROWTH", str(2**20)))
+    result = pytester.runpytest_subprocess(*args, "-n", "4")
+    result.assert_outcomes(passed=7, failed=1)
+    result.stdout.fnmatch_lines(["*FAILED test_x.py::test_step[[]128[]]*"])
+    result.stdout.fnmatch_lines(["*peak cost * regressed from baseline*"])
+    # the controller sees the workers' collection: the removed test is stale
+    assert "test_x.py::test_gone" in result.stdout.str().split("stale baselines")[1]
+
+
+def test_baseline_file_is_diffable(pytester: pytest.Pytester) -> None:
+    write_suite(pytester)
+    run(pytester, "--gpumem-update-baselines")
+    text = (pytester.path / "gpumem-baselines.json").read_text(encoding="utf-8")
+    assert text.endswith("}\n")
+    lines = text.splitlines()
+    # one figure per line, so a PR diff names the test, span and metric that changed
+    assert any(line.strip().startswith('"peak": ') for line in lines)
+    assert text.index('"test_suite.py::test_grows"') < text.index('"test_suite.py::test_steady"')
+    assert Path(pytester.path / "gpumem-baselines.json").stat().st_size > 0

@@ -1,0 +1,214 @@
+"""Leak confirmation on the CPU engine: real tensors kept by a module-level list, a cycle, a holder object."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_gpumem.engines.base import Engine
+from pytest_gpumem.leaks import LeakCheck, confirm_leak, referrer_names, snapshot_storages
+from pytest_gpumem.measure import make_engine
+
+F32 = 4
+
+#: What the leaking function keeps: a module-level cache, as real leaks often are.
+CACHE: list[torch.Tensor] = []
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.kept: torch.Tensor | None = None
+
+
+HOLDER = Holder()
+TABLE: dict[str, torch.Tensor] = {}
+
+
+def leaky_step(n: int) -> None:
+    for i in range(n):
+        CACHE.append(torch.full((100 * (i + 1),), float(i)))
+    scratch = torch.ones(10_000)  # freed on return: not a leak
+    del scratch
+
+
+def clean_step() -> None:
+    x = torch.randn(256, 64)
+    y = (x @ x.T).relu()
+    del x, y
+
+
+class Node:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.me: Any = self  # a reference cycle: only the garbage collector frees it
+
+
+def cyclic_step() -> None:
+    Node(torch.zeros(5_000))
+
+
+def forget_last_failure() -> None:
+    """Drop what pytest keeps of an earlier failure until the next test's call (its frames hold tensors)."""
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    forget_last_failure()
+    engine = make_engine(torch.device("cpu"))
+    engine.clean()
+    assert engine.tracker is not None
+    engine.tracker.start()
+    yield engine
+    engine.tracker.stop()
+    CACHE.clear()
+    HOLDER.kept = None
+    TABLE.clear()
+
+
+def run(engine: Engine, step: Any, *args: Any) -> LeakCheck:
+    """The plugin's call order: clean start reading and snapshot, the test, then the check."""
+    start = engine.allocated()
+    snapshot = snapshot_storages(engine)
+    step(*args)
+    return confirm_leak(engine, start, snapshot=snapshot)
+
+
+def test_module_level_cache_is_a_confirmed_leak(engine: Engine) -> None:
+    check = run(engine, leaky_step, 3)
+    expected = (100 + 200 + 300) * F32
+    assert check.confirmed and check.suspected
+    assert check.retained == expected
+    assert check.readings == (check.start + expected,) * 3
+    assert check.driver_retained is None and check.driver_confirmed is None  # CPU: no driver
+    assert check.leaked_count == 3
+    assert check.leaked_bytes == expected
+    assert [t.nbytes for t in check.leaked] == [1200, 800, 400]
+    assert [t.shape for t in check.leaked] == [(300,), (200,), (100,)]
+    assert all(t.dtype == "float32" and t.category == "temporaries" for t in check.leaked)
+    names = [t.held_by for t in check.leaked]
+    assert all(name is not None for name in names)
+    assert [str(name).rsplit(".", 1)[-1] for name in names] == ["CACHE[2]", "CACHE[1]", "CACHE[0]"]
+    assert str(names[0]).endswith("test_leaks.CACHE[2]")
+    text = check.format()
+    assert "memory leak confirmed on cpu: 2.34 KiB (2400 B) retained" in text
+    assert "test_leaks.CACHE[0]" in text
+
+
+def test_no_leak(engine: Engine) -> None:
+    check = run(engine, clean_step)
+    assert not check.confirmed and not check.suspected
+    assert check.retained <= 0
+    assert len(check.readings) == 1  # the first reading at or below the start ends the check
+    assert check.leaked == ()
+    assert "no leak" in check.format()
+
+
+def test_reference_cycle_is_freed_not_reported(engine: Engine) -> None:
+    start = engine.allocated()
+    snapshot = snapshot_storages(engine)
+    import gc
+
+    gc.disable()  # keep the cycle alive until confirm_leak collects
+    try:
+        cyclic_step()
+        assert engine.allocated() == start + 5_000 * F32  # the cycle still holds it
+        check = confirm_leak(engine, start, snapshot=snapshot)
+    finally:
+        gc.enable()
+    assert not check.confirmed
+    assert check.retained == 0
+    assert check.leaked == ()
+
+
+def test_attribute_and_dict_holders_are_named(engine: Engine) -> None:
+    def step() -> None:
+        HOLDER.kept = torch.zeros(3000)
+        TABLE["weights"] = torch.zeros(2000)
+
+    check = run(engine, step)
+    assert check.confirmed
+    assert check.retained == 5000 * F32
+    names = [str(t.held_by) for t in check.leaked]
+    assert names[0].endswith("test_leaks.HOLDER.kept")
+    assert names[1].endswith("test_leaks.TABLE['weights']")
+
+
+def test_views_of_one_leaked_storage_count_once(engine: Engine) -> None:
+    def step() -> None:
+        base = torch.zeros(4096)
+        CACHE.extend([base[:10], base.view(64, 64), base[100:]])
+
+    check = run(engine, step)
+    assert check.retained == 4096 * F32
+    assert check.leaked_count == 1
+    (leaked,) = check.leaked
+    assert leaked.nbytes == 4096 * F32
+    assert leaked.views >= 3  # the three views, and their base if torch keeps its Python object
+    # the base has no Python holder any more: the largest view that one has names the storage
+    assert leaked.shape == (64, 64)
+    assert str(leaked.held_by).endswith("test_leaks.CACHE[1]")
+
+
+def test_a_storage_alive_at_start_is_not_listed(engine: Engine) -> None:
+    before = torch.zeros(1000)
+    engine.clean()  # the tracker counts it from here on
+    start = engine.allocated()
+    snapshot = snapshot_storages(engine)
+    assert snapshot.alive_at_start(before.untyped_storage())
+    leaky_step(1)
+    check = confirm_leak(engine, start, snapshot=snapshot)
+    assert [t.nbytes for t in check.leaked] == [400]
+    del before
+
+
+def test_without_snapshot_the_leak_is_confirmed_but_not_listed(engine: Engine) -> None:
+    start = engine.allocated()
+    leaky_step(2)
+    check = confirm_leak(engine, start, tries=2)
+    assert check.confirmed
+    assert check.retained == 300 * F32
+    assert len(check.readings) == 2
+    assert check.leaked == () and not check.listed
+    assert "snapshot_storages" in check.format()
+    assert check.to_dict()["retained"] == 1200
+
+
+def test_tries_must_be_positive(engine: Engine) -> None:
+    with pytest.raises(ValueError):
+        confirm_leak(engine, 0, tries=0)
+
+
+def test_referrer_names_skip_the_argument_list() -> None:
+    local_tensor = torch.zeros(3)
+    in_list = torch.zeros(2)
+    box = [in_list]
+    names = referrer_names([local_tensor, in_list])
+    # locals of running frames are invisible to the garbage collector; the argument list is no holder
+    assert id(local_tensor) not in names
+    assert names[id(in_list)] == "list[0]"  # held by a list that nothing nameable holds
+    assert referrer_names([]) == {}
+    del box
+
+
+def test_attribute_of_an_object_with_a_materialised_dict(engine: Engine) -> None:
+    class Box:
+        pass
+
+    box = Box()
+    vars(box)  # the instance dict now exists as a dict object: it, not the object, holds the tensor
+    BOXES = [box]
+
+    def step() -> None:
+        box.kept = torch.zeros(1000)  # type: ignore[attr-defined]
+
+    check = run(engine, step)
+    assert check.confirmed
+    assert check.leaked[0].held_by == "Box.kept"
+    del BOXES
