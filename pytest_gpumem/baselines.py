@@ -408,7 +408,7 @@ class BaselineEntry:
         """The entry that records ``measurement``: ``measurement.cost(m)`` for each of ``metrics``.
 
         ``extra_costs`` adds figures that a :class:`Measurement` does not carry
-        (for a later metric such as ``min_microbatch``).
+        (for a later metric such as ``max_microbatch``).
         """
         costs: dict[str, int | None] = {metric: measurement.cost(metric) for metric in metrics}
         if extra_costs:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CATEGORIES", "METRICS", "PHASES", "Measurement", "Phase", "Timeline"]
+__all__ = ["CATEGORIES", "COUNT_METRICS", "METRICS", "PHASES", "Measurement", "Phase", "Timeline"]
 
 #: Breakdown categories, in report order. They sum to the peak.
 CATEGORIES: tuple[str, ...] = (
@@ -30,6 +30,9 @@ PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 #: Figures that limits and baselines can name.
 METRICS: tuple[str, ...] = ("peak", "allocated", "reserved", "retained")
+
+#: Figures that are not bytes: the largest microbatch that fits (a count; higher is better).
+COUNT_METRICS: tuple[str, ...] = ("max_microbatch",)
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,9 @@ class Measurement:
             ended (shared parameters once); ``None`` when nothing was tracked.
         cuda_rounding: True when the CPU engine rounded each storage up to the
             CUDA caching allocator's 512-byte blocks.
+        max_microbatch: the largest microbatch size whose step fits the device
+            (or the emulated device limit), when the test searched for it with
+            ``gpumem.max_microbatch()``; a count, not bytes.
     """
 
     name: str
@@ -141,11 +147,12 @@ class Measurement:
     saved_activations: int | None = None
     psi: int | None = None
     cuda_rounding: bool = False
+    max_microbatch: int | None = None
 
     def figure(self, metric: str) -> int | None:
-        """The absolute figure named ``metric`` (one of :data:`METRICS`)."""
-        if metric not in METRICS:
-            raise KeyError(f"unknown metric {metric!r}; expected one of {', '.join(METRICS)}")
+        """The absolute figure named ``metric`` (one of :data:`METRICS` or :data:`COUNT_METRICS`)."""
+        if metric not in METRICS and metric not in COUNT_METRICS:
+            raise KeyError(f"unknown metric {metric!r}; expected one of {', '.join(METRICS + COUNT_METRICS)}")
         value: int | None = getattr(self, metric)
         return value
 
@@ -153,8 +160,8 @@ class Measurement:
         """What the span itself added to ``metric``: the figure minus its start.
 
         ``peak`` and ``allocated`` subtract ``start``; ``reserved`` subtracts
-        ``start_reserved``; ``retained`` is already a difference. ``None`` when
-        the figure is unknown.
+        ``start_reserved``; ``retained`` is already a difference and
+        ``max_microbatch`` a count. ``None`` when the figure is unknown.
         """
         value = self.figure(metric)
         if value is None:
@@ -188,6 +195,7 @@ class Measurement:
             "saved_activations": self.saved_activations,
             "psi": self.psi,
             "cuda_rounding": self.cuda_rounding,
+            "max_microbatch": self.max_microbatch,
         }
         return data
 
@@ -215,6 +223,7 @@ class Measurement:
             saved_activations=_opt_int(data.get("saved_activations")),
             psi=_opt_int(data.get("psi")),
             cuda_rounding=bool(data.get("cuda_rounding", False)),
+            max_microbatch=_opt_int(data.get("max_microbatch")),
         )
 
 

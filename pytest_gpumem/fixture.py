@@ -10,7 +10,10 @@ import torch
 from pytest_gpumem.budgets import Budget, model_states
 from pytest_gpumem.figures import Measurement
 from pytest_gpumem.measure import Recorder, Span
+from pytest_gpumem.microbatch import Plan, plan_for
+from pytest_gpumem.microbatch import max_microbatch as search_microbatch
 from pytest_gpumem.spec import parse_span_limits
+from pytest_gpumem.units import parse_size
 
 __all__ = ["AMP_MODES", "GpuMem", "run_step"]
 
@@ -85,6 +88,47 @@ class GpuMem:
         return model_states(
             modules, chosen, precision, zero_stage=zero_stage, world_size=world_size, device=self.device
         )
+
+    def max_microbatch(
+        self,
+        step: Callable[[int], Any],
+        *,
+        start: int = 1,
+        limit: int | str | None = None,
+        upper: int | None = None,
+        cleanup: Callable[[], Any] | None = None,
+    ) -> int:
+        """The largest microbatch size whose training step fits the device.
+
+        ``step(size)`` runs one training step at that microbatch size. The search
+        doubles from ``start`` while the step fits, then bisects between the last
+        size that fit and the first that ran out of memory; each out-of-memory
+        error is caught and cleaned up (frames dropped, garbage collected, cache
+        emptied on CUDA), ``cleanup()`` runs after every try (zero the gradients
+        there). ``limit`` (bytes or a size) emulates a smaller device; the default
+        is the test's ``device_limit``. ``upper`` caps the search; on the CPU
+        engine, one of ``limit``/``upper`` is needed for the search to end.
+        Returns 0 when not even ``start`` fits. The largest size any search of
+        the test found is its ``max_microbatch`` figure (``min_microbatch=``
+        bounds it; baselines keep it).
+        """
+        bound = self.recorder.device_limit if limit is None else parse_size(limit)
+        found = search_microbatch(
+            step, start=start, limit=bound, upper=upper, engine=self.recorder.engine, cleanup=cleanup
+        )
+        previous = self.recorder.max_microbatch
+        self.recorder.max_microbatch = found if previous is None else max(previous, found)
+        return found
+
+    def plan_accumulation(self, global_batch: int, step: Callable[[int], Any], **kwargs: Any) -> Plan:
+        """Microbatch size and gradient-accumulation steps for ``global_batch``.
+
+        Searches with :meth:`max_microbatch` (capped at ``global_batch``; keyword
+        arguments pass through), then takes the largest size that divides
+        ``global_batch`` and fits.
+        """
+        kwargs.setdefault("upper", global_batch)
+        return plan_for(global_batch, self.max_microbatch(step, **kwargs))
 
     @property
     def spans(self) -> list[Measurement]:

@@ -138,6 +138,10 @@ class Recorder:
         self.active = False
         #: the spans closed so far, in order (the fixture reports them).
         self.spans: list[Span] = []
+        #: the emulated device size in bytes the test runs under, if any.
+        self.device_limit: int | None = None
+        #: the largest microbatch size found by ``gpumem.max_microbatch()``, if it ran.
+        self.max_microbatch: int | None = None
 
     # -- life cycle ------------------------------------------------------------
 
@@ -258,6 +262,11 @@ class Recorder:
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._classify_optimizer(optimizer)
         self.set_phase(None)
+
+    @property
+    def phase(self) -> str | None:
+        """The phase running now ("forward", "backward", "optimizer"), or None."""
+        return self._phase
 
     def set_phase(self, phase: str | None) -> None:
         """Enter ``phase`` ("forward", "backward", "optimizer") or leave phases (None)."""

@@ -11,10 +11,12 @@ baseline file once and the reports.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
-from collections.abc import Generator, Iterable
+import sys
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,13 +25,25 @@ import pytest
 import torch
 
 from pytest_gpumem import __version__
-from pytest_gpumem.baselines import BaselineFileError, BaselineStore, Environment, load, save
+from pytest_gpumem.artifacts import artifact_path, render_html, write_html
+from pytest_gpumem.baselines import (
+    BASELINE_METRICS,
+    BaselineEntry,
+    BaselineFileError,
+    BaselineStore,
+    Environment,
+    load,
+    save,
+)
 from pytest_gpumem.engines.base import Engine
 from pytest_gpumem.engines.cuda import cuda_available
 from pytest_gpumem.expressions import BudgetError
-from pytest_gpumem.figures import Measurement
+from pytest_gpumem.expressions import parse_budget as parse_budget_expr
+from pytest_gpumem.figures import CATEGORIES, COUNT_METRICS, METRICS, Measurement, Timeline
 from pytest_gpumem.fixture import GpuMem
+from pytest_gpumem.leaks import confirm_leak, snapshot_storages
 from pytest_gpumem.measure import Recorder, activate, make_engine, resolve_device
+from pytest_gpumem.oom import OomWatch, device_limit, is_oom, release_oom
 from pytest_gpumem.report import (
     finding_from_dict,
     finding_to_dict,
@@ -40,11 +54,12 @@ from pytest_gpumem.report import (
 )
 from pytest_gpumem.returnwatch import code_of, watch_return
 from pytest_gpumem.spec import GpumemSpec, LimitSpec, SpecError, parse_device, parse_marker, parse_span_limits
+from pytest_gpumem.units import SizeError, parse_size
 from pytest_gpumem.verdict import (
     Finding,
     Limit,
     Tolerance,
-    check_limits,
+    check_values,
     compare_baseline,
     failure_message,
     parse_tolerance,
@@ -52,7 +67,8 @@ from pytest_gpumem.verdict import (
 )
 
 MARKER_HELP = (
-    "gpumem(peak=None, allocated=None, reserved=None, retained=None, device=None, breakdown=None, tolerance=None): "
+    "gpumem(peak=None, allocated=None, reserved=None, retained=None, device=None, breakdown=None, tolerance=None, "
+    "device_limit=None, min_microbatch=None): "
     "measure the test's device memory and fail when a figure exceeds its limit or regresses from its baseline. "
     "Limits are bytes (int), sizes ('4GB' = 4 GiB, '512 MiB') or budget expressions ('16Ψ + 2GiB'). "
     "See pytest-gpumem's README."
@@ -60,6 +76,10 @@ MARKER_HELP = (
 
 DEFAULT_BASELINES = "gpumem-baselines.json"
 DEFAULT_TOLERANCE = "2%,1MiB"
+#: Most samples of a timeline kept in a test's record (for the HTML artifact).
+TIMELINE_SAMPLES = 512
+#: Entries of CUDA allocation history kept for a memory snapshot.
+SNAPSHOT_ENTRIES = 100_000
 
 SPEC_KEY = pytest.StashKey[GpumemSpec]()
 RECORDER_KEY = pytest.StashKey[Recorder]()
@@ -104,6 +124,11 @@ class Settings:
     json_path: Path | None
     markdown_path: Path | None
     step_summary: bool
+    device_limit: int | None
+    leak_check: bool
+    artifacts: Path
+    artifacts_all: bool
+    snapshot: bool
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -116,6 +141,15 @@ class Settings:
             tolerance = parse_tolerance(tolerance_text)
         except ValueError as exc:
             raise pytest.UsageError(f"--gpumem-tolerance / ini gpumem_tolerance: {exc}") from None
+        limit_text = _text(config, "gpumem_device_limit")
+        try:
+            limit = parse_size(limit_text) if limit_text else None
+        except SizeError as exc:
+            raise pytest.UsageError(f"--gpumem-device-limit / ini gpumem_device_limit: {exc}") from None
+        artifacts = _path(config, "gpumem_artifacts")
+        if artifacts is None:
+            cache = getattr(config, "cache", None)
+            artifacts = cache.mkdir("gpumem-artifacts") if cache is not None else config.rootpath / ".gpumem-artifacts"
         return cls(
             device=device,
             require_gpu=_flag(config, "gpumem_require_gpu"),
@@ -129,6 +163,11 @@ class Settings:
             json_path=_path(config, "gpumem_json"),
             markdown_path=_path(config, "gpumem_markdown"),
             step_summary=not _flag(config, "gpumem_no_step_summary"),
+            device_limit=limit,
+            leak_check=_flag(config, "gpumem_leak_check"),
+            artifacts=artifacts,
+            artifacts_all=_flag(config, "gpumem_artifacts_all"),
+            snapshot=_flag(config, "gpumem_snapshot"),
         )
 
 
@@ -148,6 +187,12 @@ class TestRecord:
     tolerances: dict[str, dict[str, float]] = field(default_factory=dict)
     #: whether the test's own code passed (before any memory verdict)
     passed: bool = True
+    #: text reports to add to the failure: the out-of-memory report, the leaked tensors
+    reports: list[str] = field(default_factory=list)
+    #: the call span's timeline (downsampled) for the HTML artifact
+    timeline: dict[str, Any] | None = None
+    #: a CUDA memory snapshot written for this test
+    snapshot: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -163,6 +208,9 @@ class TestRecord:
             environment=data["environment"],
             tolerances=dict(data["tolerances"]),
             passed=bool(data["passed"]),
+            reports=list(data.get("reports", ())),
+            timeline=data.get("timeline"),
+            snapshot=data.get("snapshot"),
         )
 
     @property
@@ -174,6 +222,7 @@ class TestRecord:
         broken = [finding for finding in self.findings if finding.failed]
         if broken:
             parts.append(failure_message(broken))
+        parts.extend(self.reports)
         if self.measurements:
             parts.append(measurement_table(self.measurements))
         return "\n\n".join(parts)
@@ -188,6 +237,9 @@ class TestRecord:
             "environment": self.environment,
             "tolerances": dict(self.tolerances),
             "passed": self.passed,
+            "reports": list(self.reports),
+            "timeline": self.timeline,
+            "snapshot": self.snapshot,
         }
 
 
@@ -232,6 +284,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     option("json", "write the JSON report (environment, measurements, verdicts) to PATH.", metavar="PATH")
     option("markdown", "write the Markdown report to PATH.", metavar="PATH")
     option("no-step-summary", "do not append the Markdown report to $GITHUB_STEP_SUMMARY.", flag=True)
+    option(
+        "device-limit",
+        "run every measured test as if the device had SIZE bytes (e.g. 24GiB); the marker's device_limit wins.",
+        metavar="SIZE",
+    )
+    option("leak-check", "check every measured test for leaks (as retained='0B' does).", flag=True)
+    option(
+        "artifacts",
+        "folder for the HTML memory timelines of failed tests (default: gpumem-artifacts in the pytest cache).",
+        metavar="DIR",
+    )
+    option("artifacts-all", "write artifacts for passing tests too.", flag=True)
+    option("snapshot", "CUDA: record allocation history and write a PyTorch memory snapshot per test.", flag=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -247,6 +312,43 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem:
     if recorder is None:
         raise pytest.UsageError(f"{request.node.nodeid}: the gpumem fixture works only in test functions")
     return GpuMem(recorder, request.node.nodeid)
+
+
+def _timeline_dict(timeline: Timeline, samples: int = TIMELINE_SAMPLES) -> dict[str, Any]:
+    """A timeline as JSON-ready data, thinned to at most ``samples`` samples (keeping each stretch's highest)."""
+    events = list(timeline.events)
+    totals = timeline.totals()
+    keep = list(range(len(events)))
+    if len(keep) > samples:
+        size = -(-len(keep) // samples)
+        keep = [max(range(i, min(i + size, len(events))), key=totals.__getitem__) for i in range(0, len(events), size)]
+    return {
+        "events": [events[i] for i in keep],
+        "series": {c: [timeline.series[c][i] for i in keep] for c in CATEGORIES},
+        "marks": [list(mark) for mark in timeline.marks],
+    }
+
+
+def _timeline_from(data: dict[str, Any]) -> Timeline:
+    return Timeline(
+        events=tuple(data["events"]),
+        series={c: tuple(data["series"][c]) for c in CATEGORIES},
+        marks=tuple((int(event), str(label)) for event, label in data["marks"]),
+    )
+
+
+def _append(report: pytest.TestReport, title: str, text: str) -> None:
+    """Add ``text`` to a failed report's message, keeping pytest's own rendering of its error."""
+    longrepr = report.longrepr
+    if hasattr(longrepr, "addsection"):
+        longrepr.addsection(title, text)
+    else:
+        report.longrepr = f"{longrepr}\n\n{text}"
+
+
+def _baseline_metrics(measurement: Measurement) -> tuple[str, ...]:
+    """The figures a baseline keeps: the byte costs, and the largest microbatch when the test searched it."""
+    return BASELINE_METRICS + (("max_microbatch",) if measurement.max_microbatch is not None else ())
 
 
 def _tolerance_dict(tolerance: Tolerance) -> dict[str, float]:
@@ -357,7 +459,12 @@ class GpumemManager:
         device = self._device_for(item, spec)
         breakdown = spec.breakdown if spec.breakdown is not None else self.settings.breakdown
         engine = self._engine(device, breakdown=device.type == "cpu" or breakdown)
-        item.stash[RECORDER_KEY] = Recorder(engine)
+        recorder = Recorder(engine, timeline=engine.tracker is not None)
+        recorder.device_limit = spec.device_limit if spec.device_limit is not None else self.settings.device_limit
+        item.stash[RECORDER_KEY] = recorder
+
+    def _leak_check(self, spec: GpumemSpec) -> bool:
+        return self.settings.leak_check or any(limit.metric == "retained" for limit in spec.limits)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, Any, None]:
@@ -365,28 +472,61 @@ class GpumemManager:
         if recorder is None:
             yield
             return
+        spec = item.stash[SPEC_KEY]
+        engine = recorder.engine
+        # pytest keeps the last failure (and the frames holding its tensors) in sys.last_*,
+        # and drops it only later in this hook: drop it now so this test starts clean.
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                delattr(sys, name)
         returned: list[tuple[int, dict[str, int] | None]] = []
         recorder.begin()
+        snapshot = snapshot_storages(engine) if self._leak_check(spec) else None
+        oom = None
         try:
             with activate(recorder):
                 state = recorder.open("call")
                 code = code_of(getattr(item, "obj", None))
-                with watch_return(code, lambda: returned.append(recorder.allocated_now())):
+                with contextlib.ExitStack() as stack:
+                    watch = stack.enter_context(OomWatch(engine, recorder))
+                    if recorder.device_limit is not None:
+                        stack.enter_context(device_limit(engine, recorder.device_limit))
+                    history = stack.enter_context(self._cuda_history(engine, item))
+                    stack.enter_context(watch_return(code, lambda: returned.append(recorder.allocated_now())))
                     outcome = yield
+                    exc = outcome.excinfo[1] if outcome.excinfo else None
+                    if exc is not None and is_oom(exc):
+                        oom = watch.report_for(exc)
                 call = recorder.close(state, allocated=returned[-1] if returned else None)
+                timeline = recorder.timeline_since(state.start_event)
         finally:
             recorder.end()
+        if oom is not None and exc is not None:
+            release_oom(exc, engine)  # what the failed test held goes, traceback frames included
         gc.collect()
         if call.engine == "cuda":
-            torch.cuda.synchronize(recorder.engine.device)
-        call = replace(call, retained=recorder.engine.allocated() - call.start)
-        spec = item.stash[SPEC_KEY]
+            torch.cuda.synchronize(engine.device)
+        call = replace(call, retained=engine.allocated() - call.start, max_microbatch=recorder.max_microbatch)
         record = TestRecord(
             item.nodeid,
-            [call] + [span.measurement for span in recorder.spans],
-            environment=self._environment(recorder.engine),
+            environment=self._environment(engine),
             passed=outcome.excinfo is None,
+            timeline=None if timeline is None else _timeline_dict(timeline),
+            snapshot=history[0] if history else None,
         )
+        if oom is not None:
+            record.reports.append(oom.format())
+        allowed = next((limit for limit in spec.limits if limit.metric == "retained"), None)
+        if snapshot is not None and record.passed and call.retained and call.retained > 0:
+            check = confirm_leak(engine, call.start, snapshot=snapshot)
+            call = replace(call, retained=check.retained)
+            bound = 0 if allowed is None else allowed.resolve(call.psi).value
+            if check.retained > bound:
+                record.reports.append(check.format())
+        limits = list(spec.limits)
+        if self.settings.leak_check and allowed is None:
+            limits.append(LimitSpec("retained", "0B (gpumem_leak_check)", parse_budget_expr("0")))
+        record.measurements = [call] + [span.measurement for span in recorder.spans]
         if spec.tolerance is not None:
             record.tolerances["call"] = _tolerance_dict(spec.tolerance)
         for span in recorder.spans:
@@ -396,8 +536,30 @@ class GpumemManager:
             if record.passed:
                 record.findings.extend(self._check(record, span.measurement, specs))
         if record.passed:
-            record.findings[:0] = self._check(record, call, spec.limits)
+            call_findings = self._check(record, call, limits)
+            if spec.min_microbatch is not None:
+                floor = Limit("max_microbatch", spec.min_microbatch, f"min_microbatch={spec.min_microbatch}")
+                call_findings += check_values(record.nodeid, "call", {"max_microbatch": call.max_microbatch}, [floor])
+            record.findings[:0] = call_findings
         item.stash[RECORD_KEY] = record
+
+    @contextlib.contextmanager
+    def _cuda_history(self, engine: Engine, item: pytest.Item) -> Iterator[list[str]]:
+        """With ``--gpumem-snapshot`` on CUDA: record allocation history, then dump a snapshot."""
+        written: list[str] = []
+        if not self.settings.snapshot or engine.name != "cuda":
+            yield written
+            return
+        memory = torch.cuda.memory
+        memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
+        try:
+            yield written
+        finally:
+            path = artifact_path(self.settings.artifacts, item.nodeid, ".snapshot.pickle")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            memory._dump_snapshot(str(path))
+            memory._record_memory_history(enabled=None)
+            written.append(str(path))
 
     def _check(self, record: TestRecord, measurement: Measurement, specs: Iterable[LimitSpec]) -> list[Finding]:
         limits: list[Limit] = []
@@ -408,7 +570,8 @@ class GpumemManager:
                 where = "marker" if measurement.name == "call" else f"span {measurement.name!r}"
                 hint = " (track the model with gpumem.track(model, optimizer))" if spec.uses_psi else ""
                 record.errors.append(f"{where}: {spec.metric}={spec.text!r}: {exc}{hint}")
-        return check_limits(record.nodeid, measurement, limits)
+        figures = {metric: measurement.figure(metric) for metric in METRICS + COUNT_METRICS}
+        return check_values(record.nodeid, measurement.name, figures, limits, engine=measurement.engine)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
@@ -426,6 +589,8 @@ class GpumemManager:
         if report.passed and record.failed:
             report.outcome = "failed"
             report.longrepr = record.message()
+        elif report.failed and record.reports:
+            _append(report, "gpumem", "\n\n".join(record.reports))
         report.gpumem = record.to_dict()  # type: ignore[attr-defined]  # travels to the xdist controller
 
     # -- judging (in the process that owns the run) -------------------------------------
@@ -438,9 +603,14 @@ class GpumemManager:
         record = TestRecord.from_dict(data)
         self.records[record.nodeid] = record
         limits_failed = record.failed
-        if not record.passed or record.environment is None:
-            return
-        if self.settings.update:
+        try:
+            self._judge_baselines(report, record, limits_failed)
+        finally:
+            self._artifacts(report, record)
+
+    def _judge_baselines(self, report: pytest.TestReport, record: TestRecord, limits_failed: bool) -> None:
+        assert self.store is not None
+        if not record.passed or record.environment is None or self.settings.update:
             return
         env = Environment.from_dict(record.environment)
         findings: list[Finding] = []
@@ -449,14 +619,18 @@ class GpumemManager:
             tolerance = (
                 self.settings.tolerance if given is None else Tolerance(given["relative"], int(given["absolute"]))
             )
+            metrics = _baseline_metrics(measurement)
+            # a tolerance's absolute floor is bytes: a count (max_microbatch) gets only its relative part
+            per_metric = {m: tolerance if m in BASELINE_METRICS else Tolerance(tolerance.relative, 0) for m in metrics}
             findings.extend(
                 compare_baseline(
                     record.nodeid,
                     measurement,
                     self.store.entry(env.key, record.nodeid, measurement.name),
-                    tolerance,
+                    per_metric,
                     other_environments=self.store.environments_with(record.nodeid, exclude=env.key),
                     strict=self.settings.strict,
+                    metrics=metrics,
                 )
             )
         record.findings.extend(findings)
@@ -465,7 +639,35 @@ class GpumemManager:
             report.outcome = "failed"
             report.longrepr = failure_message(broken) + "\n\n" + measurement_table(record.measurements)
         elif broken and limits_failed:
-            report.longrepr = f"{report.longrepr}\n\n{failure_message(broken)}"
+            _append(report, "gpumem baselines", failure_message(broken))
+
+    def _artifacts(self, report: pytest.TestReport, record: TestRecord) -> None:
+        """The HTML timeline of a failed test (of every test with --gpumem-artifacts-all)."""
+        keep = report.failed or self.settings.artifacts_all
+        if not keep:
+            if record.snapshot:
+                Path(record.snapshot).unlink(missing_ok=True)
+            return
+        call = record.measurements[0]
+        lines: dict[str, int] = {}
+        for finding in record.findings:
+            if finding.span != "call" or finding.reference is None or finding.metric not in ("peak", "allocated"):
+                continue
+            if finding.kind in ("limit", "budget"):
+                lines[f"{finding.kind} {finding.metric}"] = finding.reference
+            elif finding.kind == "baseline":
+                lines[f"baseline {finding.metric}"] = finding.reference + call.start
+        timeline = _timeline_from(record.timeline) if record.timeline else Timeline((), {c: () for c in CATEGORIES})
+        details = [failure_message([f for f in record.findings if f.failed])] if record.failed else []
+        details += record.reports
+        path = artifact_path(self.settings.artifacts, record.nodeid, ".html")
+        write_html(
+            path,
+            render_html(title=record.nodeid, measurement=call, timeline=timeline, lines=lines, details=details),
+        )
+        written = [str(path)] + ([record.snapshot] if record.snapshot else [])
+        if report.failed:
+            _append(report, "gpumem artifacts", "gpumem artifacts: " + ", ".join(written))
 
     # -- xdist: collected ids travel from the workers to the controller -----------------
 
@@ -503,7 +705,10 @@ class GpumemManager:
         if self.settings.update:
             for record in self.records.values():
                 if record.passed and not record.failed and record.environment is not None:
-                    store.record(Environment.from_dict(record.environment), record.nodeid, record.measurements)
+                    entries = {
+                        m.name: BaselineEntry.from_measurement(m, _baseline_metrics(m)) for m in record.measurements
+                    }
+                    store.record(Environment.from_dict(record.environment), record.nodeid, entries)
             try:
                 save(store, self.settings.baselines)
             except (BaselineFileError, OSError) as exc:

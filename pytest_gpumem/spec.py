@@ -34,7 +34,14 @@ __all__ = [
 ]
 
 #: Keywords the ``gpumem`` marker accepts.
-MARKER_KEYWORDS: tuple[str, ...] = (*METRICS, "device", "breakdown", "tolerance")
+MARKER_KEYWORDS: tuple[str, ...] = (
+    *METRICS,
+    "device",
+    "breakdown",
+    "tolerance",
+    "device_limit",
+    "min_microbatch",
+)
 #: Keywords ``gpumem.measure(name, ...)`` accepts.
 SPAN_KEYWORDS: tuple[str, ...] = ("peak", "allocated", "reserved", "tolerance")
 
@@ -73,6 +80,10 @@ class GpumemSpec:
     device: str | None = None
     breakdown: bool | None = None
     tolerance: Tolerance | None = None
+    #: emulated device size in bytes: the test runs as if the device had this much memory
+    device_limit: int | None = None
+    #: lower bound on the largest microbatch that fits (``gpumem.max_microbatch()``)
+    min_microbatch: int | None = None
 
 
 def parse_device(value: object) -> str:
@@ -128,6 +139,19 @@ def _tolerance(value: object) -> Tolerance:
         raise SpecError(f"tolerance={value!r}: {exc}") from None
 
 
+def _size(name: str, value: object) -> int:
+    try:
+        return parse_size(value)
+    except SizeError as exc:
+        raise SpecError(f"{name}={value!r}: {exc}") from None
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{name}={value!r} must be a positive int (a microbatch size)")
+    return value
+
+
 def _bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{name}={value!r} must be True or False")
@@ -160,6 +184,10 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
         device=None if merged.get("device") is None else parse_device(merged["device"]),
         breakdown=None if merged.get("breakdown") is None else _bool("breakdown", merged["breakdown"]),
         tolerance=None if merged.get("tolerance") is None else _tolerance(merged["tolerance"]),
+        device_limit=None if merged.get("device_limit") is None else _size("device_limit", merged["device_limit"]),
+        min_microbatch=None
+        if merged.get("min_microbatch") is None
+        else _positive_int("min_microbatch", merged["min_microbatch"]),
     )
 
 

@@ -84,7 +84,7 @@ class MetricInfo:
 #: Metrics this release knows how to compare; any other name is bytes, lower is better.
 METRIC_INFO: Mapping[str, MetricInfo] = {
     **{name: MetricInfo(name) for name in METRICS},
-    "min_microbatch": MetricInfo("min_microbatch", higher_is_better=True, unit="count"),
+    "max_microbatch": MetricInfo("max_microbatch", higher_is_better=True, unit="count"),
 }
 
 

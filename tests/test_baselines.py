@@ -282,7 +282,7 @@ def test_unknown_keys_survive_at_every_level(tmp_path: Path) -> None:
     env["environment"]["cpu_isa"] = "avx512"
     test = env["tests"]["t.py::a"]
     test["flaky"] = True
-    test["spans"]["call"]["min_microbatch"] = 16
+    test["spans"]["call"]["max_microbatch"] = 16
     test["spans"]["call"]["notes"] = {"why": "warm-up"}
     test["spans"]["step"]["requested"] = [1, 2]
     path.write_text(json.dumps(data, indent=2))
@@ -299,9 +299,9 @@ def test_unknown_keys_survive_at_every_level(tmp_path: Path) -> None:
     assert test["flaky"] is True
     assert list(test["spans"]) == ["call"]
     call = test["spans"]["call"]
-    assert call["peak"] == 7 * MiB and call["min_microbatch"] == 16 and call["notes"] == {"why": "warm-up"}
+    assert call["peak"] == 7 * MiB and call["max_microbatch"] == 16 and call["notes"] == {"why": "warm-up"}
     assert store.entry(CPU.key, "t.py::a") == BaselineEntry(
-        {"peak": 7 * MiB, "allocated": MiB, "reserved": None, "min_microbatch": 16},
+        {"peak": 7 * MiB, "allocated": MiB, "reserved": None, "max_microbatch": 16},
         start=0,
         extra={"notes": {"why": "warm-up"}},
     )
@@ -371,15 +371,15 @@ def test_record_rejects_duplicate_spans_and_bad_values() -> None:
 
 def test_record_entries_by_span_name() -> None:
     store = BaselineStore()
-    store.record(CPU, "t.py::a", {"call": BaselineEntry({"peak": 5, "min_microbatch": 8}, start=1)})
+    store.record(CPU, "t.py::a", {"call": BaselineEntry({"peak": 5, "max_microbatch": 8}, start=1)})
     entry = store.entry(CPU.key, "t.py::a")
-    assert entry is not None and entry.costs == {"peak": 5, "min_microbatch": 8} and entry.start == 1
+    assert entry is not None and entry.costs == {"peak": 5, "max_microbatch": 8} and entry.start == 1
 
 
 def test_entry_from_measurement_stores_costs() -> None:
     m = span(start=3 * MiB, peak=10 * MiB, allocated=4 * MiB)
-    entry = BaselineEntry.from_measurement(m, extra_costs={"min_microbatch": 4})
-    assert entry.costs == {"peak": 7 * MiB, "allocated": MiB, "reserved": None, "min_microbatch": 4}
+    entry = BaselineEntry.from_measurement(m, extra_costs={"max_microbatch": 4})
+    assert entry.costs == {"peak": 7 * MiB, "allocated": MiB, "reserved": None, "max_microbatch": 4}
     assert entry.start == 3 * MiB
 
 

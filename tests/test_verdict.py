@@ -209,13 +209,13 @@ def test_limit_kind_is_checked() -> None:
 
 
 def test_check_values_for_a_later_metric_where_higher_is_better() -> None:
-    limit = Limit("min_microbatch", 8, "8")
-    (low,) = check_values(TEST, "call", {"min_microbatch": 4}, [limit])
-    (high,) = check_values(TEST, "call", {"min_microbatch": 16}, [limit])
+    limit = Limit("max_microbatch", 8, "8")
+    (low,) = check_values(TEST, "call", {"max_microbatch": 4}, [limit])
+    (high,) = check_values(TEST, "call", {"max_microbatch": 16}, [limit])
     (missing,) = check_values(TEST, "call", {}, [limit])
     assert (low.status, high.status, missing.status) == ("exceeded", "ok", "n/a")
-    assert failure_message([low]) == "min_microbatch 4 is below the minimum limit 8 (8) by -4 (-50.0%)"
-    assert "no figure named 'min_microbatch'" in missing.detail
+    assert failure_message([low]) == "max_microbatch 4 is below the minimum limit 8 (8) by -4 (-50.0%)"
+    assert "no figure named 'max_microbatch'" in missing.detail
 
 
 def test_named_span_is_shown_in_messages() -> None:
@@ -357,15 +357,15 @@ def test_per_metric_tolerance() -> None:
 
 
 def test_later_metric_where_dropping_is_a_regression() -> None:
-    base = BaselineEntry({"min_microbatch": 16})
-    (dropped,) = compare_values(TEST, "call", {"min_microbatch": 8}, base, Tolerance(absolute=2))
-    (rose,) = compare_values(TEST, "call", {"min_microbatch": 32}, base, Tolerance(absolute=2))
-    (same,) = compare_values(TEST, "call", {"min_microbatch": 15}, base, Tolerance(absolute=2))
+    base = BaselineEntry({"max_microbatch": 16})
+    (dropped,) = compare_values(TEST, "call", {"max_microbatch": 8}, base, Tolerance(absolute=2))
+    (rose,) = compare_values(TEST, "call", {"max_microbatch": 32}, base, Tolerance(absolute=2))
+    (same,) = compare_values(TEST, "call", {"max_microbatch": 15}, base, Tolerance(absolute=2))
     assert (dropped.status, rose.status, same.status) == ("regressed", "improved", "ok")
     assert failure_message([dropped]) == (
-        "min_microbatch cost 8 regressed from baseline 16 by -8 (-50.0%), tolerance 2 (±2)"
+        "max_microbatch cost 8 regressed from baseline 16 by -8 (-50.0%), tolerance 2 (±2)"
     )
-    assert metric_info("min_microbatch").higher_is_better
+    assert metric_info("max_microbatch").higher_is_better
     assert not metric_info("some_future_bytes").higher_is_better
 
 
