@@ -31,6 +31,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+try:
+    from torch._ops import OpOverload
+except ImportError:  # pragma: no cover - torch moved it
+    OpOverload = None  # type: ignore[assignment,misc]
+
 from pytest_gpumem.figures import CATEGORIES
 
 __all__ = ["CUDA_BLOCK", "StorageTracker", "Window", "cuda_rounded"]
@@ -58,37 +63,107 @@ class Window:
     event: int = 0
 
 
-class _Entry:
-    """One tracked storage: its counted bytes, category and weak reference."""
-
-    __slots__ = ("category", "moved", "nbytes", "prior", "ref", "saves", "serial")
-
-    def __init__(self, nbytes: int, category: int, ref: weakref.ref[Any], serial: int) -> None:
-        self.nbytes = nbytes
-        self.category = category
-        self.ref = ref
-        self.serial = serial
-        self.moved = 0  # event index since which it has had its category
-        self.saves = 0  # how many autograd graphs hold it now
-        self.prior = category  # its category before it was saved for backward
+#: How the tracker treats an operator's outputs (cached per operator, from its schema).
+#: SKIP: every output is a view of an input, or the operator writes in place without
+#: resizing (``add_``, ``t``, ``detach``): no storage can appear or change size.
+#: FRESH: no output aliases an input: a storage not yet counted is an allocation.
+#: ALIAS: outputs that may alias and resize an input (``resize_``, ``set_``, ``out=``,
+#: mixed schemas): a known storage is re-measured, an unknown one is not counted.
+SKIP, FRESH, ALIAS = 0, 1, 2
 
 
-class _Saved:
-    """What autograd keeps for a saved tensor while tracking: the tensor and a release hook."""
+def _output_kind(func: Any) -> int:
+    """SKIP, FRESH or ALIAS for the operator ``func`` (see above), from its schema."""
+    try:
+        schema = func._schema
+        infos = [r.alias_info for r in schema.returns]
+        has_out = any(a.is_out for a in schema.arguments)
+        name = schema.name
+    except AttributeError:
+        return FRESH
+    if all(info is None for info in infos):
+        return FRESH
+    if any(info is None for info in infos) or has_out or "resize" in name or "set_" in name:
+        return ALIAS
+    # views (alias, no write) and in-place operators that keep their storage's size
+    return SKIP
 
-    __slots__ = ("entry", "tensor", "tracker")
 
-    def __init__(self, tensor: torch.Tensor, entry: _Entry | None, tracker: StorageTracker | None) -> None:
-        # Detached: a node that saves its own output (ReLU, Tanh, exp) would otherwise
-        # hold a Python object that holds the output, whose grad_fn is that node: a
-        # cycle through C++ that the garbage collector cannot break.
-        self.tensor = tensor.detach()
+def _operator(func: Any) -> tuple[Callable[..., Any], int]:
+    """How the mode calls ``func``, and its output kind.
+
+    A plain ``OpOverload`` is called through its C++ handle ``_op``, as its
+    ``__call__`` does: one Python frame less per operator.
+    """
+    call = func
+    if OpOverload is not None and type(func).__call__ is OpOverload.__call__:
+        call = getattr(func, "_op", func)
+    return call, _output_kind(func)
+
+
+class _Entry(weakref.ref):  # type: ignore[type-arg]
+    """One tracked storage: a weak reference to it, with its counted bytes and category.
+
+    Being the weak reference itself (rather than holding one and a callback closure)
+    makes registering a storage one object instead of three, and it has no Python
+    ``__init__``: :meth:`StorageTracker._add` sets the fields. That runs once per
+    allocation while tracking.
+
+    Fields: ``key`` (the storage's ``_cdata``), ``nbytes`` (counted bytes),
+    ``category``, ``serial`` (registration order), ``moved`` (event index since
+    which it has had its category), ``saves`` (how many autograd graphs hold it
+    now), ``prior`` (its category before it was saved for backward).
+    """
+
+    __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "serial")
+    key: int
+    nbytes: int
+    category: int
+    serial: int
+    moved: int
+    saves: int
+    prior: int
+
+
+#: Tensor types without a ``__torch_dispatch__`` of their own.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _detach(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach()``; for plain tensors without a round trip through the tracker's own mode.
+
+    Detached: a node that saves its own output (ReLU, Tanh, exp) would otherwise hold
+    a Python object that holds the output, whose grad_fn is that node: a cycle
+    through C++ that the garbage collector cannot break. This detach is the
+    tracker's own doing, so no dispatch mode (ours or the user's) needs to see it.
+    """
+    if type(tensor) in _PLAIN_TENSORS:
+        with torch._C._DisableTorchDispatch():
+            return tensor.detach()
+    return tensor.detach()
+
+
+class _Held:
+    """What autograd keeps for a saved tensor that is not counted as an activation."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = _detach(tensor)
+
+
+class _Saved(_Held):
+    """What autograd keeps for a saved activation: the tensor and a release hook."""
+
+    __slots__ = ("entry", "tracker")
+
+    def __init__(self, tensor: torch.Tensor, entry: _Entry, tracker: StorageTracker) -> None:
+        self.tensor = _detach(tensor)
         self.entry = entry
         self.tracker = tracker
 
     def __del__(self) -> None:
-        if self.entry is not None and self.tracker is not None:
-            self.tracker._unsave(self.entry)
+        self.tracker._unsave(self.entry)
 
 
 class OutOfMemory(torch.OutOfMemoryError):
@@ -96,11 +171,16 @@ class OutOfMemory(torch.OutOfMemoryError):
 
 
 class _Mode(TorchDispatchMode):
-    """Sees each operator's outputs and reports new storages to the tracker."""
+    """Sees each operator's outputs and reports new storages to the tracker.
+
+    This runs once per operator: views and in-place operators (a third of a
+    training step's operators) return at the first dictionary lookup.
+    """
 
     def __init__(self, tracker: StorageTracker) -> None:
         super().__init__()
         self.tracker = tracker
+        self.operators = tracker._operators
 
     def __torch_dispatch__(
         self,
@@ -109,8 +189,16 @@ class _Mode(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.tracker._outputs(func, out)
+        operator = self.operators.get(func)
+        if operator is None:
+            operator = self.operators[func] = _operator(func)
+        call, kind = operator
+        out = call(*args, **kwargs) if kwargs else call(*args)
+        if kind:
+            if isinstance(out, torch.Tensor):
+                self.tracker._output(out, kind == FRESH)
+            else:
+                self.tracker._outputs(out, kind == FRESH)
         return out
 
 
@@ -135,7 +223,12 @@ class StorageTracker:
         self._by_category = [0] * len(CATEGORIES)
         self.current = 0
         self._window = Window(0, tuple(self._by_category), 0)
-        self._aliasing: dict[Any, bool] = {}
+        # True while the count sits at the window's peak and the window's breakdown
+        # has not been copied yet: a rising count (a forward pass) then costs no copy
+        # per allocation; the copy is made before anything lowers or moves a count.
+        self._pending = False
+        self._operators: dict[Any, tuple[Callable[..., Any], int]] = {}
+        self._freed = self._on_freed  # one bound method for every weak reference
         self._mode: _Mode | None = None
         self._saved_hooks: Any = None
         self._param_keys: set[int] = set()
@@ -149,8 +242,10 @@ class StorageTracker:
         self.limit: int | None = None
         #: called with the request size (bytes) just before a limit OOM is raised.
         self.on_oom: Callable[[int], None] | None = None
-        if self.device.type == "cpu":
-            self._on_device: Callable[[torch.Tensor], bool] = lambda t: t.is_cpu and t.layout == torch.strided
+        strided = self._strided = torch.strided
+        self._cpu = self.device.type == "cpu"
+        if self._cpu:
+            self._on_device: Callable[[torch.Tensor], bool] = lambda t: t.is_cpu and t.layout == strided
         else:
             dev_type, index = self.device.type, self.device.index or 0
             self._on_device = lambda t: t.device.type == dev_type and t.get_device() == index
@@ -165,18 +260,32 @@ class StorageTracker:
         """Bytes alive now, by category."""
         return dict(zip(CATEGORIES, self._by_category, strict=True))
 
-    def _add(self, storage: torch.UntypedStorage, category: int) -> None:
-        key = storage._cdata
-        nbytes = self._size(storage)
-        if self.limit is not None and self.current + nbytes > self.limit:
+    def _add(self, storage: torch.UntypedStorage, key: int, category: int) -> None:
+        nbytes = storage.nbytes()
+        if self.cuda_rounding:
+            nbytes = cuda_rounded(nbytes)
+        current = self.current + nbytes
+        if self.limit is not None and current > self.limit:
             self._refuse(nbytes)
         self._serial += 1
-        entry = _Entry(nbytes, category, weakref.ref(storage, self._freed_callback(key)), self._serial)
+        self.events = events = self.events + 1
+        entry = _Entry(storage, self._freed)
+        entry.key = key
+        entry.nbytes = nbytes
+        entry.category = entry.prior = category
+        entry.serial = self._serial
+        entry.moved = events
+        entry.saves = 0
         self._entries[key] = entry
         self._by_category[category] += nbytes
-        self.current += nbytes
-        self._event()
-        entry.moved = self.events
+        self.current = current
+        window = self._window
+        if current > window.peak:
+            window.peak = current
+            window.event = events
+            self._pending = True
+        if self.timeline is not None:
+            self._sample()
 
     def _refuse(self, nbytes: int) -> None:
         if self.on_oom is not None:
@@ -186,24 +295,40 @@ class StorageTracker:
             f"over the emulated device limit of {self.limit} bytes (pytest-gpumem CPU engine)"
         )
 
-    def _freed_callback(self, key: int) -> Callable[[weakref.ref[Any]], None]:
-        def freed(ref: weakref.ref[Any]) -> None:
-            entry = self._entries.get(key)
-            if entry is None or entry.ref is not ref:
-                return
-            del self._entries[key]
-            self._by_category[entry.category] -= entry.nbytes
-            self.current -= entry.nbytes
-            self._param_keys.discard(key)
-            self._event()
+    def _on_freed(self, entry: _Entry) -> None:
+        """Weak-reference callback: the storage of ``entry`` is being freed."""
+        key = entry.key
+        if self._entries.get(key) is not entry:
+            return
+        if self._pending:
+            self._settle()
+        del self._entries[key]
+        self._by_category[entry.category] -= entry.nbytes
+        self.current -= entry.nbytes
+        self._param_keys.discard(key)
+        self.events += 1
+        if self.timeline is not None:
+            self._sample()
 
-        return freed
+    def _settle(self) -> None:
+        """Copy the breakdown into the window: the count is at its peak and is about to change."""
+        self._window.breakdown = tuple(self._by_category)
+        self._pending = False
 
     def _event(self) -> None:
+        """Count an event that may raise the count (the categories are already updated)."""
         self.events += 1
-        if self.current > self._window.peak:
-            self._window = Window(self.current, tuple(self._by_category), self.events)
-        if self.timeline is not None and self.events % self._timeline_stride == 0:
+        window = self._window
+        if self.current > window.peak:
+            window.peak = self.current
+            window.event = self.events
+            self._pending = True
+        if self.timeline is not None:
+            self._sample()
+
+    def _sample(self) -> None:
+        assert self.timeline is not None
+        if self.events % self._timeline_stride == 0:
             self.timeline.append((self.events, tuple(self._by_category)))
             if len(self.timeline) >= TIMELINE_LIMIT:
                 self._halve_timeline()
@@ -217,49 +342,49 @@ class StorageTracker:
         self.timeline = kept
         self._timeline_stride *= 2
 
-    def _outputs(self, func: Any, out: Any) -> None:
-        if isinstance(out, torch.Tensor):
-            self._output(func, out)
+    def _outputs(self, out: Any, fresh: bool) -> None:
+        """Count the storages of an operator's outputs; ``fresh``: it creates them (see FRESH)."""
+        tensor_type = torch.Tensor
+        if isinstance(out, tensor_type):
+            self._output(out, fresh)
         elif isinstance(out, (tuple, list)):
             for item in out:
-                if isinstance(item, torch.Tensor):
-                    self._output(func, item)
+                if isinstance(item, tensor_type):
+                    self._output(item, fresh)
                 elif isinstance(item, (tuple, list)):
                     for inner in item:
-                        if isinstance(inner, torch.Tensor):
-                            self._output(func, inner)
+                        if isinstance(inner, tensor_type):
+                            self._output(inner, fresh)
 
-    def _output(self, func: Any, tensor: torch.Tensor) -> None:
-        if not self._on_device(tensor):
+    def _output(self, tensor: torch.Tensor, fresh: bool) -> None:
+        if self._cpu:
+            if not tensor.is_cpu or tensor.layout != self._strided:
+                return
+        elif not self._on_device(tensor):
             return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
             return
-        entry = self._entries.get(storage._cdata)
+        key = storage._cdata
+        entry = self._entries.get(key)
         if entry is None:
-            if not self._returns_alias(func):
-                self._add(storage, TEMPORARIES)
-        else:
-            nbytes = self._size(storage)
-            if nbytes != entry.nbytes:  # resize_ / out= that grew the storage
-                delta = nbytes - entry.nbytes
-                if delta > 0 and self.limit is not None and self.current + delta > self.limit:
-                    self._refuse(delta)
-                entry.nbytes = nbytes
-                self._by_category[entry.category] += delta
-                self.current += delta
-                self._event()
-
-    def _returns_alias(self, func: Any) -> bool:
-        aliasing = self._aliasing.get(func)
-        if aliasing is None:
-            try:
-                aliasing = any(r.alias_info is not None for r in func._schema.returns)
-            except AttributeError:
-                aliasing = False
-            self._aliasing[func] = aliasing
-        return aliasing
+            if fresh:
+                self._add(storage, key, TEMPORARIES)
+            return
+        nbytes = storage.nbytes()
+        if self.cuda_rounding:
+            nbytes = cuda_rounded(nbytes)
+        if nbytes != entry.nbytes:  # resize_ / out= that grew the storage
+            delta = nbytes - entry.nbytes
+            if delta > 0 and self.limit is not None and self.current + delta > self.limit:
+                self._refuse(delta)
+            if self._pending and delta < 0:
+                self._settle()
+            entry.nbytes = nbytes
+            self._by_category[entry.category] += delta
+            self.current += delta
+            self._event()
 
     # -- registering what exists ----------------------------------------------
 
@@ -281,7 +406,7 @@ class StorageTracker:
             if entry is None:
                 limit, self.limit = self.limit, None  # existing bytes never raise
                 try:
-                    self._add(storage, OTHER if index is None else index)
+                    self._add(storage, storage._cdata, OTHER if index is None else index)
                 finally:
                     self.limit = limit
             elif index is not None and entry.category != index:
@@ -297,6 +422,8 @@ class StorageTracker:
         ``step()``), so the current window's peak breakdown is corrected too. False
         for changes that happen now (saved for backward, released by autograd).
         """
+        if self._pending:
+            self._settle()
         window = self._window
         if discovered and entry.moved <= window.event:
             # Alive at the window's peak with the same category since: it was part of
@@ -348,6 +475,8 @@ class StorageTracker:
 
     def take_window(self) -> Window:
         """The window since the last call (or creation); opens a new one at the current count."""
+        if self._pending:
+            self._settle()
         window = self._window
         self._window = Window(self.current, tuple(self._by_category), self.events)
         return window
@@ -368,6 +497,7 @@ class StorageTracker:
         if self.timeline is not None:
             self.timeline.append((0, tuple(self._by_category)))
         self._window = Window(self.current, tuple(self._by_category), self.events)
+        self._pending = False
         self._mode = _Mode(self)
         self._mode.__enter__()
         if saved_tensors:
@@ -383,22 +513,29 @@ class StorageTracker:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
 
-    def _pack(self, tensor: torch.Tensor) -> _Saved:
+    def _pack(self, tensor: torch.Tensor) -> _Held:
         if not self._on_device(tensor):
-            return _Saved(tensor, None, None)
+            return _Held(tensor)
         base = tensor._base
-        if isinstance(tensor, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter):
+        parameter_type = torch.nn.Parameter
+        if isinstance(tensor, parameter_type) or isinstance(base, parameter_type):
             # a parameter or a view of one (Linear saves weight.t()): never an activation
-            self.register((tensor if base is None else base,), "parameters")
-            return _Saved(tensor, None, None)
+            param = tensor if base is None else base
+            try:
+                known = self._entries.get(param.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                return _Held(tensor)
+            if known is None or known.category != PARAMETERS:  # else registering it changes nothing
+                self.register((param,), "parameters")
+            return _Held(tensor)
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return _Saved(tensor, None, None)
+            return _Held(tensor)
         key = storage._cdata
         entry = self._entries.get(key)
         if entry is None or key in self._param_keys:
-            return _Saved(tensor, None, None)
+            return _Held(tensor)
         self.saved_log.append((entry.serial, entry.nbytes))
         if entry.saves == 0 and entry.category in (TEMPORARIES, OTHER):
             entry.prior = entry.category
@@ -409,7 +546,7 @@ class StorageTracker:
     def _unsave(self, entry: _Entry) -> None:
         entry.saves -= 1
         # The holder keeps the tensor alive, so the storage is still counted here.
-        if entry.saves == 0 and entry.category == ACTIVATIONS and entry.ref() is not None:
+        if entry.saves == 0 and entry.category == ACTIVATIONS and entry() is not None:
             self._move(entry, entry.prior, discovered=False)
 
     def saved_bytes_since(self, index: int) -> int:
@@ -420,5 +557,5 @@ class StorageTracker:
         return sum(distinct.values())
 
 
-def _unpack(saved: _Saved) -> torch.Tensor:
+def _unpack(saved: _Held) -> torch.Tensor:
     return saved.tensor
