@@ -339,11 +339,11 @@ def _timeline_from(data: dict[str, Any]) -> Timeline:
 
 def _append(report: pytest.TestReport, title: str, text: str) -> None:
     """Add ``text`` to a failed report's message, keeping pytest's own rendering of its error."""
-    longrepr = report.longrepr
-    if hasattr(longrepr, "addsection"):
-        longrepr.addsection(title, text)
+    addsection = getattr(report.longrepr, "addsection", None)
+    if addsection is not None:
+        addsection(title, text)
     else:
-        report.longrepr = f"{longrepr}\n\n{text}"
+        report.longrepr = f"{report.longrepr}\n\n{text}"
 
 
 def _baseline_metrics(measurement: Measurement) -> tuple[str, ...]:
