@@ -193,6 +193,8 @@ class TestRecord:
     timeline: dict[str, Any] | None = None
     #: a CUDA memory snapshot written for this test
     snapshot: str | None = None
+    #: the emulated device size the test ran under (bytes)
+    device_limit: int | None = None
 
     @property
     def failed(self) -> bool:
@@ -211,6 +213,7 @@ class TestRecord:
             reports=list(data.get("reports", ())),
             timeline=data.get("timeline"),
             snapshot=data.get("snapshot"),
+            device_limit=data.get("device_limit"),
         )
 
     @property
@@ -240,6 +243,7 @@ class TestRecord:
             "reports": list(self.reports),
             "timeline": self.timeline,
             "snapshot": self.snapshot,
+            "device_limit": self.device_limit,
         }
 
 
@@ -513,6 +517,7 @@ class GpumemManager:
             passed=outcome.excinfo is None,
             timeline=None if timeline is None else _timeline_dict(timeline),
             snapshot=history[0] if history else None,
+            device_limit=recorder.device_limit,
         )
         if oom is not None:
             record.reports.append(oom.format())
@@ -649,7 +654,7 @@ class GpumemManager:
                 Path(record.snapshot).unlink(missing_ok=True)
             return
         call = record.measurements[0]
-        lines: dict[str, int] = {}
+        lines: dict[str, int] = {} if record.device_limit is None else {"device limit": record.device_limit}
         for finding in record.findings:
             if finding.span != "call" or finding.reference is None or finding.metric not in ("peak", "allocated"):
                 continue

@@ -58,7 +58,9 @@ def test_fits(gpumem):
     assert re.search(r"parameters\s+2\.00 MiB", text)
     assert "largest live tensors" in text
     assert re.search(r"1\.00 MiB\s+1024×256\s+float32\s+parameters\s+\S*0\.weight", text)
-    assert "gpumem artifacts:" in text
+    (line,) = [line for line in result.outlines if "gpumem artifacts:" in line]
+    page = open(line.split("gpumem artifacts:")[1].strip(), encoding="utf-8").read()
+    assert 'data-line="device limit"' in page
     result.stdout.fnmatch_lines(["FAILED *test_too_big - pytest_gpumem*"])  # the error, not source code
 
 
