@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
@@ -59,7 +60,7 @@ def test_fits(gpumem):
     assert "largest live tensors" in text
     assert re.search(r"1\.00 MiB\s+1024×256\s+float32\s+parameters\s+\S*0\.weight", text)
     (line,) = [line for line in result.outlines if "gpumem artifacts:" in line]
-    page = open(line.split("gpumem artifacts:")[1].strip(), encoding="utf-8").read()
+    page = Path(line.split("gpumem artifacts:")[1].strip()).read_text(encoding="utf-8")
     assert 'data-line="device limit"' in page
     result.stdout.fnmatch_lines(["FAILED *test_too_big - pytest_gpumem*"])  # the error, not source code
 
