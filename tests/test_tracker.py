@@ -173,3 +173,19 @@ def test_measuring_does_not_keep_graphs_alive(activation: type[torch.nn.Module])
     gc.collect()
     assert ref() is None
     assert span.saved_activations is not None and span.saved_activations > 0
+
+
+def test_inplace_modification_of_a_saved_tensor_still_raises() -> None:
+    """Saved-tensor accounting must not hide autograd's in-place check from a buggy step."""
+    x = torch.randn(8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y = x.exp()
+        y.add_(1)
+        y.sum().backward()
+    with measure("buggy", device="cpu"), pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y = x.exp()
+        y.add_(1)
+        y.sum().backward()
+    with measure("fine", device="cpu"):
+        y = x.exp()
+        y.sum().backward()

@@ -144,12 +144,18 @@ def _detach(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Held:
-    """What autograd keeps for a saved tensor that is not counted as an activation."""
+    """What autograd keeps for a saved tensor that is not counted as an activation.
 
-    __slots__ = ("tensor",)
+    Holding the tensor through a hook hides it from autograd's own check that a
+    saved tensor was not modified in place afterwards, so the version counter
+    (shared by the detached alias) is recorded here and checked on unpacking.
+    """
+
+    __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = _detach(tensor)
+        self.version = tensor._version
 
 
 class _Saved(_Held):
@@ -159,6 +165,7 @@ class _Saved(_Held):
 
     def __init__(self, tensor: torch.Tensor, entry: _Entry, tracker: StorageTracker) -> None:
         self.tensor = _detach(tensor)
+        self.version = tensor._version
         self.entry = entry
         self.tracker = tracker
 
@@ -558,4 +565,12 @@ class StorageTracker:
 
 
 def _unpack(saved: _Held) -> torch.Tensor:
-    return saved.tensor
+    tensor = saved.tensor
+    if tensor._version != saved.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected version "
+            f"{saved.version} instead. (The same error autograd raises; pytest-gpumem's saved-tensor "
+            "accounting keeps the check.)"
+        )
+    return tensor

@@ -1,0 +1,278 @@
+"""Session overhead of the plugin: a suite of small training-step tests, with and without pytest-gpumem.
+
+Run: ``python benchmarks/bench_overhead.py [--tests 200] [--repeat 3] [--keep DIR]``
+
+The script writes a suite into a temporary folder: ``--tests`` tests in 10 files,
+each marked ``@pytest.mark.gpumem(peak="1GiB")`` and running a tiny training step
+on the CPU: an MLP 64 → 256 → 64, batch 32, AdamW or SGD with momentum by turns, a
+warm-up step then a second step (about 1.5 ms a test). The suite's conftest runs one
+step of each optimizer at import, as the first test of a real suite would, so the
+lazy imports of torch (over a second) are outside the tests in every variant. Each
+variant runs the suite in a fresh interpreter:
+``python -m pytest -q -p no:cacheprovider [variant options]``:
+
+* ``off``: ``-p no:gpumem``, the plugin is not loaded. The reference.
+* ``on``: the plugin as installed, no option: every test is measured by the CPU
+  engine (the storage tracker's dispatch mode and ``saved_tensors_hooks``, the
+  clean-state protocol, the return watch).
+* ``on --gpumem-breakdown``: the breakdown flag. On CUDA it adds the storage tracker
+  beside the allocator; on the CPU engine the tracker *is* the engine, so the flag
+  changes nothing there, and this row shows it. "Breakdown off" in the target is
+  therefore the ``on`` row.
+* ``loaded, unmarked``: the plugin loaded, the markers dropped by the suite's
+  conftest (``GPUMEM_BENCH_UNMARKED=1``): the cost of importing the plugin and of
+  its hooks with nothing to measure.
+* ``on + gc.freeze (prototype)``: ``on`` with a change this script proposes for the
+  plugin, loaded as an extra plugin from the suite's folder (``-p gpumem_freeze``):
+  before the first test, one ``gc.collect()``, one scan of the CPU engine, then
+  ``gc.freeze()`` (``gc.unfreeze()`` after the last test). The collections and
+  scans of every test then skip the ~10^5 objects that importing torch and
+  collecting the suite created. The script checks that this variant reports the
+  same figures as ``on`` for every test (the ``gpumem.*`` junit properties).
+
+The variants run interleaved, ``--repeat`` rounds, the order reversed every other
+round, and each figure is the median of a variant's rounds, so a neighbour's load on
+a shared machine moves every variant alike. A variant that took over
+``--slow`` seconds in the first round is not run again: its ratio is far from the
+target and the noise of one run (a few %) does not change the verdict; this keeps
+the script under five minutes. ``× off`` is the session overhead; the target is
+``on`` ≤ 1.05 × ``off``. ``ms/test`` is ``(variant - off) / tests``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tabulate import tabulate
+
+FILES = 10
+
+CONFTEST = textwrap.dedent(
+    '''
+    """Suite written by benchmarks/bench_overhead.py."""
+
+    import os
+
+    import torch
+
+    torch.manual_seed(0)
+
+    # A first Linear, first backward and first optimizer step import parts of torch lazily
+    # (over a second): done here, once, as a real suite's first test would, so that every
+    # test below is a steady-state test.
+    _model = torch.nn.Linear(4, 4)
+    for _opt in (torch.optim.AdamW(_model.parameters()), torch.optim.SGD(_model.parameters(), lr=0.1, momentum=0.9)):
+        _model(torch.randn(2, 4)).pow(2).mean().backward()
+        _opt.step()
+    del _model, _opt
+
+
+    def pytest_configure(config):
+        # registered here too, so that -p no:gpumem runs without unknown-marker warnings
+        config.addinivalue_line("markers", "gpumem: pytest-gpumem marker")
+
+
+    def pytest_collection_modifyitems(config, items):
+        if os.environ.get("GPUMEM_BENCH_UNMARKED") == "1":
+            for item in items:
+                item.own_markers[:] = [m for m in item.own_markers if m.name != "gpumem"]
+    '''
+)
+
+TEST_FILE = textwrap.dedent(
+    '''
+    """Tiny training steps, each measured by pytest-gpumem."""
+
+    import pytest
+    import torch
+    from torch import nn
+
+
+    def step(model, opt, x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+
+    def train(optimizer):
+        model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        if optimizer == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x, y = torch.randn(32, 64), torch.randn(32, 64)
+        step(model, opt, x, y)  # warm-up: optimizer state
+        assert step(model, opt, x, y) > 0
+
+    {tests}
+    '''
+)
+
+TEST = textwrap.dedent(
+    """
+    @pytest.mark.gpumem(peak="1GiB")
+    def test_step_{index}():
+        train("{optimizer}")
+    """
+)
+
+#: The proposed change, as a plugin (see the module docstring). It reaches into the
+#: manager for the CPU engine, as plugin.py itself would.
+FREEZE_PLUGIN = textwrap.dedent(
+    '''
+    """Prototype: freeze what exists before the first test, so per-test collections skip it."""
+
+    import gc
+
+    import pytest
+    import torch
+
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtestloop(session):
+        manager = session.config.pluginmanager.get_plugin("gpumem-manager")
+        frozen = False
+        if manager is not None and gc.isenabled() and gc.get_freeze_count() == 0:
+            gc.collect()
+            # frozen objects are invisible to gc.get_objects(): count the tensors alive now first
+            manager._engine(torch.device("cpu"), True).tracker.scan()
+            gc.freeze()
+            frozen = True
+        try:
+            yield
+        finally:
+            if frozen:
+                gc.unfreeze()
+    '''
+)
+
+
+def write_suite(folder: Path, tests: int) -> None:
+    """Write ``tests`` marked training-step tests in ``FILES`` files, a conftest and the prototype plugin."""
+    (folder / "conftest.py").write_text(CONFTEST)
+    (folder / "gpumem_freeze.py").write_text(FREEZE_PLUGIN)
+    per_file = -(-tests // FILES)
+    for f in range(FILES):
+        indices = range(f * per_file, min(tests, (f + 1) * per_file))
+        body = "".join(TEST.format(index=i, optimizer="adamw" if i % 2 else "sgd-momentum") for i in indices)
+        (folder / f"test_steps_{f}.py").write_text(TEST_FILE.format(tests=body))
+
+
+@dataclass
+class Variant:
+    """One way of running the suite, and its wall times."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)
+    figures: dict[str, str] | None = None
+
+
+def variants() -> list[Variant]:
+    return [
+        Variant("off (-p no:gpumem)", ["-p", "no:gpumem"]),
+        Variant("on (default: CPU engine)", []),
+        Variant("on --gpumem-breakdown", ["--gpumem-breakdown"]),
+        Variant("loaded, unmarked", [], {"GPUMEM_BENCH_UNMARKED": "1"}),
+        Variant("on + gc.freeze (prototype)", ["-p", "gpumem_freeze"], {"GPUMEM_BENCH_PYTHONPATH": "1"}),
+    ]
+
+
+def junit_figures(path: Path) -> dict[str, str]:
+    """``{"nodeid property": value}`` of every ``gpumem.*`` junit property in ``path``."""
+    figures = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        for prop in case.iter("property"):
+            if prop.get("name", "").startswith("gpumem"):
+                figures[f"{case.get('name')} {prop.get('name')}"] = prop.get("value", "")
+    return figures
+
+
+def run_session(folder: Path, variant: Variant, junit: Path | None) -> float:
+    """Wall seconds of one pytest session over ``folder`` in a fresh interpreter."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTEST_ADDOPTS", None)
+    env.update({k: v for k, v in variant.env.items() if k != "GPUMEM_BENCH_PYTHONPATH"})
+    if "GPUMEM_BENCH_PYTHONPATH" in variant.env:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH", "")) if p)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *variant.args]
+    if junit is not None:
+        command.append(f"--junitxml={junit}")
+    started = time.perf_counter()
+    result = subprocess.run([*command, str(folder)], cwd=folder, env=env, capture_output=True, text=True, check=False)
+    elapsed = time.perf_counter() - started
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--tests", type=int, default=200, help="number of generated tests (default 200)")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; figures are medians (default 3)")
+    parser.add_argument("--slow", type=float, default=30.0, help="a variant slower than this (s) runs once")
+    parser.add_argument("--keep", type=Path, default=None, help="write the suite here and keep it")
+    options = parser.parse_args()
+
+    runs = variants()
+    with tempfile.TemporaryDirectory(prefix="gpumem-bench-") as tmp:
+        folder = options.keep or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_suite(folder, options.tests)
+        run_session(folder, runs[0], None)  # warm the file cache and torch's first import
+        for round_index in range(options.repeat):
+            order = runs if round_index % 2 == 0 else runs[::-1]
+            for variant in order:
+                if variant.times and variant.times[0] > options.slow:
+                    continue
+                junit = Path(tmp) / "junit.xml" if variant.figures is None else None
+                variant.times.append(run_session(folder, variant, junit))
+                if junit is not None:
+                    variant.figures = junit_figures(junit)
+
+    reference = statistics.median(runs[0].times)
+    rows = []
+    for variant in runs:
+        median = statistics.median(variant.times)
+        rows.append(
+            [
+                variant.name,
+                f"{median:.2f}",
+                " ".join(f"{s:.2f}" for s in variant.times),
+                f"{median / reference:.3f}",
+                f"{(median - reference) / options.tests * 1000:+.2f}",
+            ]
+        )
+    print(f"{options.tests} tests, up to {options.repeat} interleaved rounds, OMP_NUM_THREADS=1, torch threads 1")
+    print(tabulate(rows, headers=["variant", "wall s", "rounds", "× off", "ms/test"], disable_numparse=True))
+
+    on, frozen = runs[1], runs[4]
+    ratio = statistics.median(on.times) / reference
+    print(f"\nsession overhead, on / off: {ratio:.3f} (target ≤ 1.05: {'met' if ratio <= 1.05 else 'MISSED'})")
+    if on.figures is not None and frozen.figures is not None:
+        same = on.figures == frozen.figures
+        print(
+            f"gc.freeze prototype: {len(frozen.figures)} gpumem junit figures, "
+            f"{'identical to' if same else 'DIFFERENT from'} the default run's"
+        )
+        if not same:
+            for key in sorted(set(on.figures) | set(frozen.figures)):
+                if on.figures.get(key) != frozen.figures.get(key):
+                    print(f"  {key}: on={on.figures.get(key)} freeze={frozen.figures.get(key)}")
+
+
+if __name__ == "__main__":
+    main()
