@@ -22,14 +22,6 @@ variant runs the suite in a fresh interpreter:
 * ``loaded, unmarked``: the plugin loaded, the markers dropped by the suite's
   conftest (``GPUMEM_BENCH_UNMARKED=1``): the cost of importing the plugin and of
   its hooks with nothing to measure.
-* ``on + gc.freeze (prototype)``: ``on`` with a change this script proposes for the
-  plugin, loaded as an extra plugin from the suite's folder (``-p gpumem_freeze``):
-  before the first test, one ``gc.collect()``, one scan of the CPU engine, then
-  ``gc.freeze()`` (``gc.unfreeze()`` after the last test). The collections and
-  scans of every test then skip the ~10^5 objects that importing torch and
-  collecting the suite created. The script checks that this variant reports the
-  same figures as ``on`` for every test (the ``gpumem.*`` junit properties).
-
 The variants run interleaved, ``--repeat`` rounds, the order reversed every other
 round, and each figure is the median of a variant's rounds, so a neighbour's load on
 a shared machine moves every variant alike. A variant that took over
@@ -128,41 +120,10 @@ TEST = textwrap.dedent(
     """
 )
 
-#: The proposed change, as a plugin (see the module docstring). It reaches into the
-#: manager for the CPU engine, as plugin.py itself would.
-FREEZE_PLUGIN = textwrap.dedent(
-    '''
-    """Prototype: freeze what exists before the first test, so per-test collections skip it."""
-
-    import gc
-
-    import pytest
-    import torch
-
-
-    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
-    def pytest_runtestloop(session):
-        manager = session.config.pluginmanager.get_plugin("gpumem-manager")
-        frozen = False
-        if manager is not None and gc.isenabled() and gc.get_freeze_count() == 0:
-            gc.collect()
-            # frozen objects are invisible to gc.get_objects(): count the tensors alive now first
-            manager._engine(torch.device("cpu"), True).tracker.scan()
-            gc.freeze()
-            frozen = True
-        try:
-            yield
-        finally:
-            if frozen:
-                gc.unfreeze()
-    '''
-)
-
 
 def write_suite(folder: Path, tests: int) -> None:
-    """Write ``tests`` marked training-step tests in ``FILES`` files, a conftest and the prototype plugin."""
+    """Write ``tests`` marked training-step tests in ``FILES`` files and a conftest."""
     (folder / "conftest.py").write_text(CONFTEST)
-    (folder / "gpumem_freeze.py").write_text(FREEZE_PLUGIN)
     per_file = -(-tests // FILES)
     for f in range(FILES):
         indices = range(f * per_file, min(tests, (f + 1) * per_file))
@@ -187,7 +148,6 @@ def variants() -> list[Variant]:
         Variant("on (default: CPU engine)", []),
         Variant("on --gpumem-breakdown", ["--gpumem-breakdown"]),
         Variant("loaded, unmarked", [], {"GPUMEM_BENCH_UNMARKED": "1"}),
-        Variant("on + gc.freeze (prototype)", ["-p", "gpumem_freeze"], {"GPUMEM_BENCH_PYTHONPATH": "1"}),
     ]
 
 
@@ -259,19 +219,9 @@ def main() -> None:
     print(f"{options.tests} tests, up to {options.repeat} interleaved rounds, OMP_NUM_THREADS=1, torch threads 1")
     print(tabulate(rows, headers=["variant", "wall s", "rounds", "× off", "ms/test"], disable_numparse=True))
 
-    on, frozen = runs[1], runs[4]
+    on = runs[1]
     ratio = statistics.median(on.times) / reference
     print(f"\nsession overhead, on / off: {ratio:.3f} (target ≤ 1.05: {'met' if ratio <= 1.05 else 'MISSED'})")
-    if on.figures is not None and frozen.figures is not None:
-        same = on.figures == frozen.figures
-        print(
-            f"gc.freeze prototype: {len(frozen.figures)} gpumem junit figures, "
-            f"{'identical to' if same else 'DIFFERENT from'} the default run's"
-        )
-        if not same:
-            for key in sorted(set(on.figures) | set(frozen.figures)):
-                if on.figures.get(key) != frozen.figures.get(key):
-                    print(f"  {key}: on={on.figures.get(key)} freeze={frozen.figures.get(key)}")
 
 
 if __name__ == "__main__":

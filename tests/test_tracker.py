@@ -189,3 +189,20 @@ def test_inplace_modification_of_a_saved_tensor_still_raises() -> None:
     with measure("fine", device="cpu"):
         y = x.exp()
         y.sum().backward()
+
+
+def test_tensors_built_from_data_are_counted() -> None:
+    """torch.tensor(data) reaches the dispatcher only as aten::lift_fresh (Adam's step counters)."""
+    with measure("literal", device="cpu") as span:
+        scalar = torch.tensor(0.0)
+        vector = torch.tensor([1, 2, 3], dtype=torch.int64)
+    assert span.cost("allocated") == 4 + 24
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    with measure("first step", device="cpu") as first:
+        opt.step()
+    params = list(model.parameters())
+    # exp_avg + exp_avg_sq, and one float32 step counter per parameter tensor made by torch.tensor()
+    assert first.cost("allocated") == 2 * sum(p.numel() * 4 for p in params) + 4 * len(params)
+    del scalar, vector

@@ -81,7 +81,9 @@ def _output_kind(func: Any) -> int:
         name = schema.name
     except AttributeError:
         return FRESH
-    if all(info is None for info in infos):
+    # lift_fresh aliases a tensor that torch.tensor(data) built outside the dispatcher:
+    # its output is a new storage as far as anything here can see
+    if all(info is None for info in infos) or name == "aten::lift_fresh":
         return FRESH
     if any(info is None for info in infos) or has_out or "resize" in name or "set_" in name:
         return ALIAS

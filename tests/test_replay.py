@@ -1,0 +1,179 @@
+"""Replay of recorded GPU data on the CPU: the parts of the plugin that interpret it.
+
+``scripts/gpu-validate`` on a GPU machine writes ``fixtures/recorded/<gpu>-torch<x.y>/``:
+``record.json`` (the plugin's measurements, PyTorch's counters, the environment, the zoo
+table), ``memory_stats.json`` (raw ``memory_stats()`` dumps) and ``snapshot.pickle``. For every
+such folder the tests below check, in normal CI without a GPU, that
+
+* ``engines.cuda.reading_from_stats`` reads each raw dump as the figures the plugin recorded;
+* ``Environment.from_dict`` rebuilds the recorded environment and its key;
+* the report renders every recorded measurement (sizes formatted, n/a where unknown) and the
+  JSON round trip keeps it;
+* the zoo table's ratios and gap explanations follow from the recorded measurements;
+* the snapshot's segments add up to the stats read with it.
+
+Without recorded folders those tests do not exist (nothing is skipped). The loaders and
+checks themselves are tested on a record the script's ``--cpu-only`` mode writes here.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_validate_lib as lib  # noqa: E402
+
+RECORDED = lib.recorded_folders(ROOT / "fixtures" / "recorded")
+
+Replay = Callable[[lib.Loaded], list[lib.Check]]
+REPLAYS: dict[str, Replay] = {
+    "stats": lib.replay_stats,
+    "environment": lib.replay_environment,
+    "report": lib.replay_report,
+    "zoo": lib.replay_zoo,
+    "snapshot": lib.replay_snapshot,
+}
+
+
+def failures(checks: list[lib.Check]) -> list[str]:
+    return [f"{c.name}: {c.detail}" for c in checks if c.passed is not True]
+
+
+# Only real GPU runs write fixtures/recorded/; until one has, there is nothing to parametrize
+# over, and these tests are not defined (rather than skipped).
+if RECORDED:
+
+    @pytest.fixture(scope="module", params=RECORDED, ids=[folder.name for folder in RECORDED])
+    def recorded(request: pytest.FixtureRequest) -> lib.Loaded:
+        return lib.load_record(request.param)
+
+    @pytest.mark.parametrize("aspect", list(REPLAYS))
+    def test_recorded_data_replays(recorded: lib.Loaded, aspect: str) -> None:
+        """Each aspect of each GPU record: at least one check, and every check passes."""
+        assert recorded.gpu, f"{recorded.folder}: only GPU runs belong in fixtures/recorded/"
+        checks = REPLAYS[aspect](recorded)
+        assert checks
+        assert failures(checks) == []
+
+    def test_recorded_run_passed(recorded: lib.Loaded) -> None:
+        """The GPU run that wrote the record passed its own checks (suite, references, counters)."""
+        checks = [lib.Check.from_dict(c) for c in recorded.record["checks"]]
+        assert {"suite", "reference", "determinism", "counters", "replay"} <= {c.group for c in checks}
+        assert [c for c in checks if c.passed is False] == []
+        assert recorded.record["figures"]["cublas_workspace"] is not None
+
+
+# --------------------------------------------------------------------------- the loaders, on a CPU-only record
+
+
+@pytest.fixture(scope="module")
+def cpu_record(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A record written by ``scripts/gpu-validate --cpu-only`` (in-process, tiny zoo, MLP only)."""
+    out = tmp_path_factory.mktemp("cpu-record")
+    lib.main(["--cpu-only", "--out", str(out), "--size", "tiny", "--models", "mlp"])  # its checks: test_validate.py
+    (folder,) = lib.recorded_folders(out)
+    return folder
+
+
+@pytest.fixture
+def copy(cpu_record: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(cpu_record, tmp_path / cpu_record.name))
+
+
+def edit(folder: Path, change: Callable[[dict[str, Any]], None]) -> lib.Loaded:
+    path = folder / lib.RECORD_FILE
+    record = json.loads(path.read_text(encoding="utf-8"))
+    change(record)
+    path.write_text(json.dumps(record), encoding="utf-8")
+    return lib.load_record(folder)
+
+
+def test_loader_reads_a_cpu_only_record(cpu_record: Path) -> None:
+    loaded = lib.load_record(cpu_record)
+    assert not loaded.gpu and loaded.snapshot is None
+    assert loaded.stats == {"workloads": {}, "snapshot": None}
+    measurements = loaded.measurements()
+    assert {"zoo.mlp.fp32.cpu", "zoo.mlp.bf16.cpu", "reference.linear-init"} <= set(measurements)
+    for name, m in measurements.items():
+        assert m.name == name and m.engine == "cpu" and m.reserved is None
+        assert m.to_dict() == loaded.record["workloads"][name]["measurement"]
+
+
+def test_every_replay_of_a_cpu_only_record_passes(cpu_record: Path) -> None:
+    loaded = lib.load_record(cpu_record)
+    results = {aspect: replay(loaded) for aspect, replay in REPLAYS.items()}
+    assert results["stats"] == [] and results["snapshot"] == []  # no GPU: no dumps, no snapshot
+    assert [c.name for c in results["environment"]] == [
+        "cpu_environment: Environment.from_dict(...).key = recorded key"
+    ]
+    assert len(results["report"]) == 1 and len(results["zoo"]) == 2  # mlp × fp32, bf16
+    assert failures([c for checks in results.values() for c in checks]) == []
+    assert [c.to_dict() for c in lib.replay(cpu_record)] == [c.to_dict() for aspect in REPLAYS for c in results[aspect]]
+
+
+def test_replay_catches_a_key_that_does_not_match_its_environment(copy: Path) -> None:
+    loaded = edit(copy, lambda r: r.update(cpu_environment_key="cpu | torch 2.13 | cuda_rounding off"))
+    (check,) = lib.replay_environment(loaded)
+    assert check.passed is False and check.detail.endswith("cuda_rounding on")
+
+
+def test_replay_catches_zoo_figures_that_do_not_follow_from_the_measurements(copy: Path) -> None:
+    def grow(record: dict[str, Any]) -> None:
+        record["zoo"][0]["figures"]["cpu"]["peak"] += 512
+
+    checks = lib.replay_zoo(edit(copy, grow))
+    assert [c.passed for c in checks] == [False, True]
+    assert checks[0].detail == "figures"
+
+
+def test_replay_catches_a_report_that_loses_a_figure(copy: Path) -> None:
+    def unknown_reserved(record: dict[str, Any]) -> None:  # a CUDA-only figure on a CPU measurement
+        record["workloads"]["zoo.mlp.fp32.cpu"]["measurement"]["reserved"] = 3 * 2**20
+
+    (check,) = lib.replay_report(edit(copy, unknown_reserved))
+    assert check.passed  # shown as the 3.00 MiB it is
+    (check,) = lib.replay_report(edit(copy, lambda r: r.update(workloads={})))
+    assert check.passed is False and check.detail == "no measurements"
+
+
+def test_a_gpu_record_must_hold_its_gpu_data(copy: Path) -> None:
+    """A record that says it is a GPU run without dumps, environment or snapshot fails its replay."""
+    loaded = edit(copy, lambda r: r.update(mode="gpu"))
+    assert failures(lib.replay_stats(loaded)) == ["a GPU record holds memory_stats() dumps: none found"]
+    assert "a GPU record holds its environment: " in failures(lib.replay_environment(loaded))
+    assert failures(lib.replay_snapshot(loaded)) == ["a GPU record holds a memory snapshot: "]
+
+
+def test_a_dump_of_an_unknown_workload_fails(copy: Path) -> None:
+    stats = {"workloads": {"no-such-workload": {"allocated_bytes.all.peak": 0}}, "snapshot": None}
+    (copy / lib.STATS_FILE).write_text(json.dumps(stats), encoding="utf-8")
+    (check,) = lib.replay_stats(lib.load_record(copy))
+    assert check.passed is False and check.detail == "no such workload"
+
+
+def test_snapshot_loader_reads_plain_data_and_refuses_classes(tmp_path: Path) -> None:
+    plain = {"lists": [1, "two", 3.0, None, True], "nested": {"tuple": (4, 5)}}
+    (tmp_path / "plain.pickle").write_bytes(pickle.dumps(plain))
+    assert lib.load_snapshot(tmp_path / "plain.pickle") == plain
+    (tmp_path / "class.pickle").write_bytes(pickle.dumps({"lists": [Path("x")]}))
+    with pytest.raises(pickle.UnpicklingError, match="refusing pathlib"):
+        lib.load_snapshot(tmp_path / "class.pickle")
+
+
+def test_recorded_folders_are_those_with_a_record(tmp_path: Path) -> None:
+    for name in ("b-torch2.13", "a-torch2.13", "notes"):
+        (tmp_path / name).mkdir()
+    for name in ("b-torch2.13", "a-torch2.13"):
+        (tmp_path / name / lib.RECORD_FILE).write_text("{}")
+    assert lib.recorded_folders(tmp_path) == [tmp_path / "a-torch2.13", tmp_path / "b-torch2.13"]
+    assert lib.recorded_folders(tmp_path / "missing") == []

@@ -1,0 +1,260 @@
+"""``scripts/gpu-validate`` on the CPU: its CPU half, its record, and the reference workloads' CPU figures.
+
+The GPU half needs a CUDA device and runs on a GPU machine (see ``docs``: "Validating on a
+GPU"); here the script runs with ``--cpu-only`` on the tiny zoo, and the reference workloads
+run on the CPU engine with CUDA rounding, where their figures are known to the byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fixtures.zoo import PRECISIONS, zoo
+from pytest_gpumem import measure
+from pytest_gpumem.baselines import Environment
+from pytest_gpumem.fixture import run_step
+from pytest_gpumem.units import format_size
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu-validate"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_validate_lib as lib  # noqa: E402
+
+CPU = torch.device("cpu")
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def cpu_only_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``scripts/gpu-validate --cpu-only --size tiny`` run as a user would run it; its output and record folder."""
+    out = tmp_path_factory.mktemp("record")
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-only", "--out", str(out), "--size", "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=out,
+    )
+    folders = [path for path in out.iterdir() if path.is_dir()]
+    assert len(folders) == 1, (done.stdout, done.stderr)
+    return done, folders[0]
+
+
+def record_of(folder: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((folder / lib.RECORD_FILE).read_text(encoding="utf-8"))
+    return data
+
+
+def test_cpu_only_run_passes_and_writes_a_small_record(cpu_only_run: tuple[Any, Path]) -> None:
+    done, folder = cpu_only_run
+    assert done.returncode == 0, done.stdout + done.stderr
+    major, minor = torch.__version__.split(".")[:2]
+    assert folder.name == f"cpu-only-torch{major}.{minor}"
+    names = sorted(path.name for path in folder.iterdir())
+    # what the device tool brings back: at most 8 files of 16 MiB; a CPU-only record has no GPU files
+    assert names == sorted([lib.RECORD_FILE, lib.SUMMARY_FILE, lib.STATS_FILE])
+    assert all((folder / name).stat().st_size < MiB for name in names)
+    assert "allocated CPU" in done.stdout and "gap GPU − CPU explained" in done.stdout
+    assert "n/a (no GPU run)" in done.stdout
+    assert "FAILED" not in done.stdout
+
+
+def test_cpu_only_record_structure(cpu_only_run: tuple[Any, Path]) -> None:
+    _, folder = cpu_only_run
+    record = record_of(folder)
+    assert record["schema"] == lib.SCHEMA
+    assert record["mode"] == "cpu-only"
+    assert record["environment"] is None and record["environment_key"] is None
+    assert record["cpu_environment_key"] == Environment.detect("cpu", cuda_rounding=True).key
+    assert record["suite"] is None and record["snapshot"] is None
+    assert record["figures"]["cublas_workspace"] == 0  # the CPU engine counts tensors: no workspace
+    assert json.loads((folder / lib.STATS_FILE).read_text()) == {"workloads": {}, "snapshot": None}
+
+    checks = [lib.Check.from_dict(c) for c in record["checks"]]
+    assert [c for c in checks if c.passed is False] == []
+    groups = {c.group for c in checks}
+    assert {"reference", "determinism", "replay"} <= groups
+    assert "counters" not in groups  # PyTorch's CUDA counters exist only on a GPU
+
+    rows = {(row["model"], row["precision"]): row for row in record["zoo"]}
+    assert list(rows) == [(m.name, p) for m in zoo("tiny") for p in PRECISIONS]
+    for model in zoo("tiny"):
+        for precision in PRECISIONS:
+            row = rows[model.name, precision]
+            if not model.available:
+                assert row["skipped"] == f"{model.needs} is not installed" and row["cpu"] is None
+                continue
+            assert row["cpu"] == f"zoo.{model.name}.{precision}.cpu"
+            assert row["gpu"] is None and row["gpu_tensors"] is None
+            assert row["figures"]["gpu"] is None and row["ratio"] == {"allocated": None, "peak": None}
+            cpu = record["workloads"][row["cpu"]]["measurement"]
+            assert row["figures"]["cpu"] == {"allocated": cpu["allocated"], "peak": cpu["peak"], "reserved": None}
+            assert cpu["engine"] == "cpu" and cpu["cuda_rounding"] is True and cpu["psi"] == row["psi"]
+    summary = (folder / lib.SUMMARY_FILE).read_text(encoding="utf-8")
+    assert "| mlp | fp32 |" in summary and "n/a (no GPU run)" in summary
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", ["mlp", "block"])
+def test_cpu_figures_equal_what_measure_reports(cpu_only_run: tuple[Any, Path], name: str, precision: str) -> None:
+    """The record's CPU figures are ``measure(device="cpu", cuda_rounding=True)``'s for the same step."""
+    _, folder = cpu_only_run
+    recorded = record_of(folder)["workloads"][f"zoo.{name}.{precision}.cpu"]["measurement"]
+    (model,) = zoo("tiny", (name,))
+    step = model.build(CPU, precision)
+    run_step(step.model, step.optimizer, step.batch, step.loss_fn, amp=step.amp)  # warm-up: AdamW's state
+    with measure(recorded["name"], device="cpu", cuda_rounding=True, track=(step.model, step.optimizer)) as span:
+        run_step(step.model, step.optimizer, step.batch, step.loss_fn, amp=step.amp)
+    assert span.measurement.to_dict() == recorded
+    assert span.allocated % 512 == 0 and span.peak % 512 == 0
+
+
+# --------------------------------------------------------------------------- reference workloads on CPU
+
+
+def test_linear_reference_on_cpu() -> None:
+    run = lib.Run(CPU, "tiny")
+    lib.reference_linear(run)
+    assert [c for c in run.checks if not c.passed] == []
+    init = run.outcomes["reference.linear-init"].measurement
+    assert init.cost("allocated") == 256_000 + 1_024  # 256·250·4 bytes; 1,000 bias bytes take a 1,024-byte block
+    forward = run.outcomes["reference.linear-first-forward"].measurement
+    assert forward.cost("allocated") == 64 * 250 * 4  # the output alone: no workspace on the CPU engine
+    assert run.figures == {"cublas_workspace": 0, "linear_raw_retained": 0, "linear_retained": 0}
+
+
+def test_adam_reference_on_cpu() -> None:
+    """Adam's first step: exp_avg and exp_avg_sq, and the two step counters, which live on the CPU here."""
+    run = lib.Run(CPU, "tiny")
+    lib.reference_adam(run)
+    params = 1024 * 1024 * 4 + 1024 * 4
+    for label in ("default", "fused"):
+        step = run.outcomes[f"reference.adam-{label}-first-step"].measurement
+        assert step.cost("allocated") == 2 * params + 2 * 512, label
+    assert [c for c in run.checks if not c.passed] == []
+
+
+def test_mlp_reference_on_cpu() -> None:
+    """bf16 MLP: 18·b·s·d bytes saved with GELU, 10·b·s·d with ReLU, by both accountings."""
+    run = lib.Run(CPU, "tiny")
+    lib.reference_mlp(run)
+    b, s, d = lib.MLP_REFERENCE["tiny"]
+    assert run.outcomes["reference.mlp-gelu-forward"].measurement.saved_activations == 18 * b * s * d
+    assert run.outcomes["reference.mlp-relu-forward"].measurement.saved_activations == 10 * b * s * d
+    allocator = {c.name: c.measured for c in run.checks if "allocated after forward" in c.name}
+    assert sorted(allocator.values()) == [10 * b * s * d, 18 * b * s * d]
+    assert [c for c in run.checks if not c.passed] == []
+
+
+def test_determinism_on_cpu() -> None:
+    run = lib.Run(CPU, "tiny")
+    lib.reference_determinism(run, zoo("tiny", ("mlp",))[0])
+    (check,) = run.checks
+    assert check.passed, check.detail
+    first, second = (run.outcomes[f"determinism.run-{i}"].measurement for i in (1, 2))
+    assert first.to_dict() | {"name": ""} == second.to_dict() | {"name": ""}
+
+
+def test_gap_parts_account_for_every_byte() -> None:
+    """The gap split on real figures: the CPU engine without rounding stands for "CPU", with it for the other side.
+
+    Rounding adds bytes to tensors only: nothing is outside tensors, and the categories'
+    differences add up to the tensors' part.
+    """
+    (model,) = zoo("tiny", ("block",))
+    plain = measured_step(model, cuda_rounding=False)
+    rounded = measured_step(model, cuda_rounding=True)
+    for metric in ("allocated", "peak"):
+        parts = lib.gap_parts(plain, rounded, rounded, metric)
+        assert parts["total"] == getattr(rounded, metric) - getattr(plain, metric) > 0
+        assert parts["outside_tensors"] == 0
+        assert parts["tensors"] == parts["total"] == sum(parts["by_category"].values())
+    text = lib.explain_gap(plain, rounded, rounded)
+    assert text.startswith("allocated +") and "outside tensors + " in text and "; peak +" in text
+    assert lib.explain_gap(plain, None, None) == "n/a (no GPU run)"
+
+    # the zoo row and its table cells, as a GPU run fills them (here both sides are CPU figures)
+    row = {"model": "block", "precision": "fp32", "psi": plain.psi, "cpu": "plain", "gpu": "rounded"}
+    row |= {"gpu_tensors": "rounded", "skipped": None}
+    row |= lib.zoo_figures(row, {"plain": plain, "rounded": rounded})
+    assert row["ratio"]["peak"] == round(rounded.peak / plain.peak, 4) > 1
+    assert row["gap"]["allocated"] == lib.gap_parts(plain, rounded, rounded, "allocated")
+    (cells,) = lib.zoo_table_rows([row])
+    assert cells[:6] == [
+        "block",
+        "fp32",
+        f"{plain.psi:,}",
+        *map(format_size, (plain.allocated, rounded.allocated)),
+        f"{row['ratio']['allocated']:.3f}",
+    ]
+    assert cells[-1] == text
+
+
+def measured_step(model: Any, *, cuda_rounding: bool) -> Any:
+    step = model.build(CPU, "fp32")
+    run_step(step.model, step.optimizer, step.batch, step.loss_fn)
+    with measure("step", device="cpu", cuda_rounding=cuda_rounding, track=(step.model, step.optimizer)) as span:
+        run_step(step.model, step.optimizer, step.batch, step.loss_fn)
+    return span.measurement
+
+
+# --------------------------------------------------------------------------- the script's plumbing
+
+
+@pytest.mark.parametrize(
+    ("device", "torch_version", "name"),
+    [
+        ("NVIDIA H100 80GB HBM3", "2.13.0+cu128", "nvidia-h100-80gb-hbm3-torch2.13"),
+        ("NVIDIA H200", "2.11.0+cu130", "nvidia-h200-torch2.11"),
+        ("AMD Instinct MI300X (gfx942)", "2.6.0+rocm6.2", "amd-instinct-mi300x-gfx942-torch2.6"),
+        (None, "2.13.0+cpu", "cpu-only-torch2.13"),
+    ],
+)
+def test_record_name_is_filesystem_safe(device: str | None, torch_version: str, name: str) -> None:
+    assert lib.record_name(device, torch_version) == name
+
+
+def test_cpu_only_refuses_to_write_recorded_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert lib.main(["--cpu-only"]) == 2
+    assert lib.main(["--cpu-only", "--out", str(ROOT / "fixtures" / "recorded")]) == 2
+    assert "only a GPU run" in capsys.readouterr().err
+    assert lib.main(["--cpu-only", "--out", str(tmp_path), "--models", "mlp,resnet"]) == 2
+    assert "unknown zoo model(s) 'resnet'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_mode_without_a_gpu_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert lib.main(["--out", str(tmp_path)]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_suite_environment_loads_the_plugin_from_the_checkout() -> None:
+    """The checkout first on an absolute PYTHONPATH; the plugin through PYTEST_PLUGINS unless installed."""
+    env = lib.suite_environment({"PYTHONPATH": "elsewhere", "PYTEST_PLUGINS": "other"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "elsewhere"]
+    plugins = "other" if lib.plugin_installed() else "other,pytest_gpumem.plugin"
+    assert env["PYTEST_PLUGINS"] == plugins
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script's own run is the test")
+def test_suite_without_a_gpu_skips_everything_and_fails_the_check() -> None:
+    """The CUDA suite as the script runs it: here every test skips, which a GPU run must not accept."""
+    summary, output = lib.run_suite([], timeout=240)
+    assert summary["exit_code"] == 0, output
+    assert summary["tests"] == summary["skipped"] > 0, output
+    assert summary["failures"] == summary["errors"] == 0
+    assert summary["command"].startswith("python -m pytest tests -m cuda")
+    check = lib.suite_check(summary)
+    assert check.passed is False and f"{summary['skipped']} skipped" in check.detail
