@@ -381,6 +381,8 @@ class GpumemManager:
         self._collection_complete = True
         self._stale: list[Finding] = []
         self._freezing = False
+        self._xdist = False  # a controller that heard from xdist workers
+        self._save_error: str | None = None
         self.store: BaselineStore | None = None
         if not _is_worker(config):
             try:
@@ -731,7 +733,7 @@ class GpumemManager:
     def _finish(self, session: pytest.Session) -> None:
         assert self.store is not None
         store = self.store
-        complete = self._collection_complete and (getattr(self, "_xdist", False) or self._whole_suite())
+        complete = self._collection_complete and (self._xdist or self._whole_suite())
         env_keys = sorted({key for record in self.records.values() if (key := record.environment_key)})
         if complete and self._collected:
             stale = [entry for key in env_keys for entry in store.stale(self._collected, key)]
@@ -782,7 +784,7 @@ class GpumemManager:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if _is_worker(self.config):
             return
-        error = getattr(self, "_save_error", None)
+        error = self._save_error
         records = list(self.records.values())
         if not records and not self._stale and not error:
             return

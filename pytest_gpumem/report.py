@@ -36,7 +36,9 @@ class RecordLike(Protocol):
 
 
 def _short(nodeid: str) -> str:
-    return nodeid.rsplit("/", 1)[-1]
+    """The node id without the folders of its file (parametrize ids may hold "/" too)."""
+    path, sep, rest = nodeid.partition("::")
+    return path.rsplit("/", 1)[-1] + sep + rest
 
 
 def _limit_text(finding: Finding) -> str:
