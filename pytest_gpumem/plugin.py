@@ -540,9 +540,7 @@ class GpumemManager:
             recorder.end()
         if oom is not None and exc is not None:
             release_oom(exc, engine)  # what the failed test held goes, traceback frames included
-        gc.collect()
-        if call.engine == "cuda":
-            torch.cuda.synchronize(engine.device)
+        engine.settle()  # garbage and library caches (cuBLAS workspaces) are not the test's
         call = replace(call, retained=engine.allocated() - call.start, max_microbatch=recorder.max_microbatch)
         record = TestRecord(
             item.nodeid,

@@ -317,33 +317,15 @@ def check_values(
         info = metric_info(limit.metric)
         kind: Kind = "budget" if limit.kind == "budget" else "limit"
         measured = figures.get(limit.metric)
+        status: Status
         if measured is None:
-            findings.append(
-                Finding(
-                    test,
-                    span,
-                    limit.metric,
-                    kind,
-                    "n/a",
-                    None,
-                    limit.value,
-                    detail=_unknown_figure(limit.metric, span, engine, known=limit.metric in figures),
-                )
-            )
-            continue
-        broken = measured < limit.value if info.higher_is_better else measured > limit.value
-        findings.append(
-            Finding(
-                test,
-                span,
-                limit.metric,
-                kind,
-                "exceeded" if broken else "ok",
-                measured,
-                limit.value,
-                detail=limit.source,
-            )
-        )
+            status = "n/a"
+            detail = _unknown_figure(limit.metric, span, engine, known=limit.metric in figures)
+        else:
+            broken = measured < limit.value if info.higher_is_better else measured > limit.value
+            status = "exceeded" if broken else "ok"
+            detail = limit.source
+        findings.append(Finding(test, span, limit.metric, kind, status, measured, limit.value, detail=detail))
     return findings
 
 

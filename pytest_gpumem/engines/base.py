@@ -47,6 +47,9 @@ class Engine(Protocol):
     def clean(self) -> None:
         """Bring the device to a clean, comparable state before a start reading."""
 
+    def settle(self) -> None:
+        """Drop what only garbage and library caches hold (for end-of-test readings)."""
+
     def allocated(self) -> int:
         """Bytes allocated now."""
 

@@ -31,9 +31,12 @@ class CpuEngine:
         return self.tracker.cuda_rounding
 
     def clean(self) -> None:
-        gc.collect()
+        self.settle()
         self.tracker.scan()
         self.tracker.take_window()
+
+    def settle(self) -> None:
+        gc.collect()
 
     def allocated(self) -> int:
         return self.tracker.current
