@@ -25,6 +25,9 @@ __all__ = [
 #: Order of statuses in the summary: problems first.
 STATUS_ORDER = ("exceeded", "regressed", "n/a", "stale", "improved", "new", "other-environment", "ok", "")
 
+#: How a status reads in the summary, where it asks for something.
+STATUS_TEXT = {"improved": "improved: update baselines", "new": "new: no baseline yet"}
+
 SUMMARY_HEADERS = ("test", "span", "metric", "measured", "cost", "baseline", "Δ", "Δ%", "limit / budget", "status")
 
 
@@ -91,7 +94,7 @@ def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False) 
                             if baseline is None or baseline.delta is None
                             else format_percent(baseline.delta, baseline.reference),
                             "" if limit is None else _limit_text(limit),
-                            status,
+                            STATUS_TEXT.get(status, status),
                         ],
                     )
                 )

@@ -88,7 +88,7 @@ def test_brand_new():
     result = run(pytester)
     result.assert_outcomes(passed=3)
     text = result.stdout.str()
-    assert "improved" in text and "new" in text
+    assert "improved: update baselines" in text and "new: no baseline yet" in text
     strict = run(pytester, "--gpumem-strict")
     strict.assert_outcomes(passed=1, failed=2)
     strict.stdout.fnmatch_lines(["*improved*"])
