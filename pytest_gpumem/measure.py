@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem.budgets import count_parameters
 from pytest_gpumem.engines.base import Engine, Reading
 from pytest_gpumem.figures import CATEGORIES, Measurement, Phase, Timeline
 
-__all__ = ["Recorder", "Span", "make_engine", "measure", "resolve_device", "trainable_parameters"]
+__all__ = ["Recorder", "Span", "make_engine", "measure", "resolve_device"]
 
 _ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pytest_gpumem_recorder", default=None)
 
@@ -61,24 +62,6 @@ def make_engine(device: torch.device, *, breakdown: bool = False, cuda_rounding:
         return CpuEngine(cuda_rounding=cuda_rounding)
     tracker = StorageTracker(device, cuda_rounding=True) if breakdown else None
     return CudaEngine(device, tracker=tracker)
-
-
-def trainable_parameters(objects: list[Any]) -> list[torch.nn.Parameter]:
-    """Distinct trainable parameters of tracked modules (or, failing those, optimizers)."""
-    seen: dict[int, torch.nn.Parameter] = {}
-    for obj in objects:
-        if isinstance(obj, torch.nn.Module):
-            for param in obj.parameters():
-                if param.requires_grad:
-                    seen.setdefault(id(param), param)
-    if not seen:
-        for obj in objects:
-            if isinstance(obj, torch.optim.Optimizer):
-                for group in obj.param_groups:
-                    for param in group["params"]:
-                        if param.requires_grad:
-                            seen.setdefault(id(param), param)
-    return list(seen.values())
 
 
 @dataclass
@@ -231,7 +214,12 @@ class Recorder:
         """Trainable parameter count of the tracked objects; None when nothing is tracked."""
         if not self.tracked:
             return None
-        return sum(p.numel() for p in trainable_parameters(self.tracked))
+        modules = [obj for obj in self.tracked if isinstance(obj, torch.nn.Module)]
+        if modules:
+            return count_parameters(modules).psi
+        # only optimizers tracked: their distinct trainable parameters are the model
+        params = {id(p): p for o in self.tracked for group in o.param_groups for p in group["params"]}
+        return sum(int(p.numel()) for p in params.values() if p.requires_grad)
 
     # -- hooks -----------------------------------------------------------------
 

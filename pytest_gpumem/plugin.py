@@ -39,7 +39,7 @@ from pytest_gpumem.engines.base import Engine
 from pytest_gpumem.engines.cuda import cuda_available
 from pytest_gpumem.expressions import BudgetError
 from pytest_gpumem.expressions import parse_budget as parse_budget_expr
-from pytest_gpumem.figures import CATEGORIES, COUNT_METRICS, METRICS, Measurement, Timeline
+from pytest_gpumem.figures import CATEGORIES, Measurement, Timeline
 from pytest_gpumem.fixture import GpuMem
 from pytest_gpumem.leaks import confirm_leak, snapshot_storages
 from pytest_gpumem.measure import Recorder, activate, make_engine, resolve_device
@@ -59,7 +59,7 @@ from pytest_gpumem.verdict import (
     Finding,
     Limit,
     Tolerance,
-    check_values,
+    check_limits,
     compare_baseline,
     failure_message,
     parse_tolerance,
@@ -572,11 +572,10 @@ class GpumemManager:
             if record.passed:
                 record.findings.extend(self._check(record, span.measurement, specs))
         if record.passed:
-            call_findings = self._check(record, call, limits)
+            floors = []
             if spec.min_microbatch is not None:
-                floor = Limit("max_microbatch", spec.min_microbatch, f"min_microbatch={spec.min_microbatch}")
-                call_findings += check_values(record.nodeid, "call", {"max_microbatch": call.max_microbatch}, [floor])
-            record.findings[:0] = call_findings
+                floors.append(Limit("max_microbatch", spec.min_microbatch, f"min_microbatch={spec.min_microbatch}"))
+            record.findings[:0] = self._check(record, call, limits, floors)
         item.stash[RECORD_KEY] = record
 
     @contextlib.contextmanager
@@ -597,7 +596,14 @@ class GpumemManager:
             memory._record_memory_history(enabled=None)
             written.append(str(path))
 
-    def _check(self, record: TestRecord, measurement: Measurement, specs: Iterable[LimitSpec]) -> list[Finding]:
+    def _check(
+        self,
+        record: TestRecord,
+        measurement: Measurement,
+        specs: Iterable[LimitSpec],
+        resolved: Iterable[Limit] = (),
+    ) -> list[Finding]:
+        """Resolve ``specs`` (Ψ from the measurement) and check them, with already ``resolved`` limits."""
         limits: list[Limit] = []
         for spec in specs:
             try:
@@ -606,8 +612,7 @@ class GpumemManager:
                 where = "marker" if measurement.name == "call" else f"span {measurement.name!r}"
                 hint = " (track the model with gpumem.track(model, optimizer))" if spec.uses_psi else ""
                 record.errors.append(f"{where}: {spec.metric}={spec.text!r}: {exc}{hint}")
-        figures = {metric: measurement.figure(metric) for metric in METRICS + COUNT_METRICS}
-        return check_values(record.nodeid, measurement.name, figures, limits, engine=measurement.engine)
+        return check_limits(record.nodeid, measurement, [*limits, *resolved])
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:

@@ -24,7 +24,7 @@ from functools import cached_property
 from typing import Literal, cast
 
 from pytest_gpumem.baselines import BASELINE_METRICS, BaselineEntry, StaleEntry
-from pytest_gpumem.figures import CATEGORIES, METRICS, Measurement
+from pytest_gpumem.figures import CATEGORIES, COUNT_METRICS, METRICS, Measurement
 from pytest_gpumem.units import SizeError, format_delta, format_percent, format_size, parse_size
 
 __all__ = [
@@ -293,10 +293,11 @@ def check_limits(test: str, measurement: Measurement, limits: Iterable[Limit]) -
     """Compare the absolute figures of ``measurement`` with each limit or budget, in order.
 
     ``exceeded`` when the figure is above the limit (below it for a metric
-    where higher is better), ``ok`` otherwise; ``n/a`` (which fails) when the
-    figure is unknown. Apply ``retained`` limits to the ``"call"`` span only.
+    where higher is better, such as ``max_microbatch``), ``ok`` otherwise;
+    ``n/a`` (which fails) when the figure is unknown. Apply ``retained`` limits
+    to the ``"call"`` span only.
     """
-    figures = {metric: measurement.figure(metric) for metric in METRICS}
+    figures = {metric: measurement.figure(metric) for metric in METRICS + COUNT_METRICS}
     return check_values(test, measurement.name, figures, limits, engine=measurement.engine)
 
 
