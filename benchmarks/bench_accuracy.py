@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/bench_accuracy.py``
 
-Two families of cases, each measured with ``pytest_gpumem.measure(device="cpu")``:
+Two families of cases, each measured with ``pytest_gpumem.recorder(device="cpu")``:
 
 * Saved activations of a bf16 transformer MLP (``Linear(d, 4d)`` → activation →
   ``Linear(4d, d)``), forward only: ``span.saved_activations`` against

@@ -8,7 +8,7 @@ forward, MSE loss, backward, ``step()``. One warm-up step creates AdamW's state.
 The same model and batch are measured by:
 
 * ``untracked``: the step alone, the reference;
-* ``pytest-gpumem``: ``with pytest_gpumem.measure("step", device="cpu", track=(model, opt))``;
+* ``pytest-gpumem``: ``with pytest_gpumem.recorder("step", device="cpu", track=(model, opt))``;
 * ``MemTracker``: ``torch.distributed._tools.mem_tracker.MemTracker`` with
   ``track_external(model, opt, x, y)``;
 * ``profiler``: ``torch.profiler.profile(activities=[CPU], profile_memory=True)``.

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Union
 
-from pytest_gpumem.units import UNITS, SizeError, parse_size
+from pytest_gpumem.units import UNITS, SizeError, format_size, parse_size
 
 __all__ = ["BudgetError", "BudgetExpr", "parse_budget"]
 
@@ -403,12 +403,19 @@ class BudgetExpr:
         """
         value = self.exact(psi)
         if value < 0:
-            raise BudgetError(f"{self.text!r} is negative ({float(value):g} bytes) for Ψ={psi}")
+            raise negative(self.text, value, psi)
         return math.floor(value + Fraction(1, 2))
 
     def __str__(self) -> str:
         """The canonical form: ``Ψ`` for every spelling, units as ``KiB``/``MiB``/``GiB``, minimal parentheses."""
         return _format(self.root)
+
+
+def negative(text: str | int, value: Fraction, psi: int | None = None) -> BudgetError:
+    """The error for a size or budget below zero: one wording whether written as an int or a string."""
+    where = "" if psi is None else f" with Ψ={psi:,}"
+    shown = format_size(-math.ceil(-value))
+    return BudgetError(f"{text!r} is negative ({shown}{where}): a size or budget cannot be below 0 bytes")
 
 
 def parse_budget(text: str | int) -> BudgetExpr:
@@ -419,7 +426,7 @@ def parse_budget(text: str | int) -> BudgetExpr:
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
-            raise BudgetError(f"{text!r} is not a budget: sizes cannot be negative")
+            raise negative(text, Fraction(text))
         return BudgetExpr(str(text), Number(Fraction(text), str(text)))
     if not isinstance(text, str):
         raise BudgetError(f"{text!r} is not a budget: expected a string like '16Ψ + 2GiB'")

@@ -40,20 +40,29 @@ class Phase:
     """One phase of a training step inside a span (bytes, absolute).
 
     ``start`` is allocated when the phase was first entered, ``peak`` the highest
-    allocated while in it, ``end`` allocated when it was last left.
+    allocated while in it, ``end`` allocated when it was last left; ``count`` is
+    how many times the span entered it (2 for a span holding a warm-up step and a
+    measured step: its figures then cover both).
     """
 
     name: str
     start: int
     peak: int
     end: int
+    count: int = 1
 
     def to_dict(self) -> dict[str, int]:
-        return {"start": self.start, "peak": self.peak, "end": self.end}
+        return {"start": self.start, "peak": self.peak, "end": self.end, "count": self.count}
 
     @classmethod
     def from_dict(cls, name: str, data: Mapping[str, Any]) -> Phase:
-        return cls(name=name, start=int(data["start"]), peak=int(data["peak"]), end=int(data["end"]))
+        return cls(
+            name=name,
+            start=int(data["start"]),
+            peak=int(data["peak"]),
+            end=int(data["end"]),
+            count=int(data.get("count", 1)),
+        )
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,33 @@ class Timeline:
         if not self.events:
             return ()
         return tuple(sum(values) for values in zip(*(self.series[c] for c in CATEGORIES), strict=True))
+
+    def to_dict(self, samples: int | None = None) -> dict[str, Any]:
+        """JSON-ready data that :meth:`from_dict` reads back; with ``samples``, thinned to at most
+        that many samples, each stretch of events keeping its highest total."""
+        keep = list(range(len(self.events)))
+        if samples is not None and len(keep) > samples:
+            totals = self.totals()
+            size = -(-len(keep) // samples)
+            keep = [max(range(i, min(i + size, len(keep))), key=totals.__getitem__) for i in range(0, len(keep), size)]
+        return {
+            "events": [self.events[i] for i in keep],
+            "series": {c: [self.series[c][i] for i in keep] for c in CATEGORIES},
+            "marks": [list(mark) for mark in self.marks],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Timeline:
+        return cls(
+            events=tuple(int(e) for e in data["events"]),
+            series={c: tuple(int(v) for v in data["series"][c]) for c in CATEGORIES},
+            marks=tuple((int(event), str(label)) for event, label in data["marks"]),
+        )
+
+    @classmethod
+    def empty(cls) -> Timeline:
+        """A timeline without samples."""
+        return cls((), {c: () for c in CATEGORIES})
 
 
 @dataclass(frozen=True)
@@ -115,9 +151,10 @@ class Measurement:
             is "other"). ``None`` when not measured.
         phases: forward / backward / optimizer figures, in the order they ran;
             empty when the span ran no tracked module or optimizer.
-        saved_activations: bytes of distinct storages saved for backward during
-            the span (parameters and their views excluded); ``None`` when not
-            measured.
+        saved_activations: the most bytes that autograd held for backward at
+            one time during the span (distinct storages, parameters and their
+            views excluded; what was held when the span began counts, as in
+            ``peak``); ``None`` when not measured.
         psi: trainable parameter count of the objects tracked when the span
             ended (shared parameters once); ``None`` when nothing was tracked.
         cuda_rounding: True when the CPU engine rounded each storage up to the

@@ -9,13 +9,13 @@ import torch
 
 from pytest_gpumem.budgets import Budget, model_states
 from pytest_gpumem.figures import Measurement
-from pytest_gpumem.measure import Recorder, Span
 from pytest_gpumem.microbatch import Plan, plan_for
 from pytest_gpumem.microbatch import max_microbatch as search_microbatch
+from pytest_gpumem.recorder import Recorder, Span
 from pytest_gpumem.spec import parse_span_limits
 from pytest_gpumem.units import parse_size
 
-__all__ = ["AMP_MODES", "GpuMem", "run_step"]
+__all__ = ["AMP_MODES", "GpuMem", "describe", "run_step"]
 
 #: Values of ``train_step(amp=...)``.
 AMP_MODES: tuple[str | None, ...] = (None, "bf16", "fp16")
@@ -46,9 +46,7 @@ class GpuMem:
         test at its end. After the block the returned span holds the figures.
         """
         parse_span_limits(name, limits)
-        if any(span.name == name for span in self.recorder.spans) or any(
-            state.name == name for state in self.recorder._open
-        ):
+        if name in self.recorder.span_names:
             raise ValueError(f"{self.nodeid}: span name {name!r} is used twice in this test; give each span its own")
         if not self.recorder.active:
             raise RuntimeError(
@@ -154,19 +152,28 @@ class GpuMem:
         matter: optimizers create their state lazily at the first step.
 
         ``batch``: a tensor (``model(batch)``), a tuple or list
-        (``model(*batch)``) or a mapping (``model(**batch)``). With ``loss_fn``,
-        ``batch`` must be an ``(inputs, target)`` pair and the loss is
-        ``loss_fn(model(inputs), target)`` (``inputs`` unpacked as above).
-        Without it the model's output must be the loss: a scalar tensor, or an
-        object with a ``loss`` attribute or key (Hugging Face outputs).
+        (``model(*batch)``) or a mapping (``model(**batch)``). With ``loss_fn``
+        and an ``(inputs, target)`` pair the loss is
+        ``loss_fn(model(inputs), target)`` (``inputs`` unpacked as above); with
+        ``loss_fn`` and a tensor or a mapping (an unsupervised loss) it is
+        ``loss_fn(model(batch))``. Without ``loss_fn`` the model's output must
+        be the loss: a scalar tensor, or an object with a ``loss`` attribute or
+        key (Hugging Face outputs).
 
         ``amp``: None (as the model is), ``"bf16"`` (autocast to bfloat16) or
         ``"fp16"`` (autocast to float16 with a gradient scaler).
         """
+        __tracebackhide__ = True
         if amp not in AMP_MODES:
             raise ValueError(f"{self.nodeid}: train_step(amp={amp!r}): expected None, 'bf16' or 'fp16'")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"{self.nodeid}: train_step(warmup={warmup!r}): expected an int >= 0")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{self.nodeid}: train_step(model=...): expected a torch.nn.Module, got {describe(model)}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"{self.nodeid}: train_step(optimizer=...): expected a torch.optim.Optimizer, got {describe(optimizer)}"
+            )
         self.track(model, optimizer)
         scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
         for _ in range(warmup):
@@ -187,6 +194,7 @@ def run_step(
     device: torch.device | None = None,
 ) -> None:
     """One training step as :meth:`GpuMem.train_step` describes it."""
+    __tracebackhide__ = True
     optimizer.zero_grad(set_to_none=True)
     device_type = (device or next(model.parameters()).device).type
     if amp is None:
@@ -206,6 +214,7 @@ def run_step(
 
 
 def _call(model: torch.nn.Module, inputs: Any) -> Any:
+    __tracebackhide__ = True
     if isinstance(inputs, Mapping):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
@@ -214,16 +223,43 @@ def _call(model: torch.nn.Module, inputs: Any) -> Any:
 
 
 def _loss(model: torch.nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+    __tracebackhide__ = True
     if loss_fn is not None:
+        if isinstance(batch, (torch.Tensor, Mapping)):
+            return loss_fn(_call(model, batch))
         if not isinstance(batch, Sequence) or isinstance(batch, str) or len(batch) != 2:
-            raise ValueError("train_step: with loss_fn, batch must be an (inputs, target) pair")
+            raise ValueError(
+                "train_step: with loss_fn, batch must be an (inputs, target) pair, a tensor or a mapping; "
+                f"got {describe(batch)}"
+            )
         inputs, target = batch
         return loss_fn(_call(model, inputs), target)
     output = _call(model, batch)
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", output)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(
-            "train_step: the model's output is not a scalar loss; pass loss_fn=... "
+            f"train_step: the model's output is not a scalar loss (got {describe(loss)}); pass loss_fn=... "
             "(e.g. torch.nn.functional.cross_entropy) and batch=(inputs, target)"
         )
     return loss
+
+
+def describe(value: Any) -> str:
+    """``value`` for an error message, without dumping tensors: ``"a float32 tensor of shape (4, 32)"``,
+    ``"a tuple of 3: (a float32 tensor of shape (4, 32), 1, None)"``."""
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        where = "" if value.device.type == "cpu" else f" on {value.device}"
+        return f"a {dtype} tensor of shape {tuple(value.shape)}{where}"
+    if isinstance(value, (tuple, list)):
+        items = ", ".join(describe(item) if isinstance(item, torch.Tensor) else _short(item) for item in value[:4])
+        more = ", ..." if len(value) > 4 else ""
+        return f"a {type(value).__name__} of {len(value)}: ({items}{more})"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {', '.join(map(repr, list(value)[:6]))}"
+    return _short(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__}"

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import pytest_gpumem.oom as _oom
-from pytest_gpumem.oom import LiveTensor, _describe, _Group, _storage_groups, frame_locals, live_table
+import pytest_gpumem.census as _census
+from pytest_gpumem.census import LiveTensor, StorageGroup, describe, frame_locals, live_table, storage_groups
 from pytest_gpumem.units import format_delta, format_size
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ __all__ = ["LeakCheck", "StorageSnapshot", "confirm_leak", "referrer_names", "sn
 #: Leaked tensors a :class:`LeakCheck` lists by default.
 TOP = 20
 
-_THIS_FILES = (os.path.abspath(__file__), os.path.abspath(_oom.__file__ or ""))
+_THIS_FILES = (os.path.abspath(__file__), os.path.abspath(_census.__file__ or ""))
 
 
 @dataclass(frozen=True)
@@ -66,18 +66,6 @@ class StorageSnapshot:
         return ref is not None and ref() is storage
 
 
-def _driver_used(engine: Engine) -> int | None:
-    """Device memory in use per the driver (all processes); None on CPU or when unknown."""
-    if engine.name == "cpu":
-        return None
-    try:
-        backend = getattr(torch, engine.device.type)
-        free, total = backend.mem_get_info(engine.device)
-    except Exception:
-        return None
-    return int(total) - int(free)
-
-
 def snapshot_storages(engine: Engine) -> StorageSnapshot:
     """Remember the storages alive on ``engine``'s device now (weak references only).
 
@@ -85,31 +73,20 @@ def snapshot_storages(engine: Engine) -> StorageSnapshot:
     when a leak check is enabled: it walks the garbage collector's objects (tens
     of milliseconds in a large process). The snapshot keeps no storage alive.
     """
-    if engine.name != "cpu":
-        torch_backend = getattr(torch, engine.device.type, None)
-        synchronize = getattr(torch_backend, "synchronize", None)
-        if synchronize is not None:
-            synchronize(engine.device)
-    groups = _storage_groups(engine.device, engine.tracker)
+    engine.synchronize()
+    groups = storage_groups(engine.device, engine.tracker)
     refs = {key: weakref.ref(group.storage) for key, group in groups.items()}
     del groups
     return StorageSnapshot(
-        device=str(engine.device), allocated=engine.allocated(), driver_used=_driver_used(engine), _refs=refs
+        device=str(engine.device), allocated=engine.allocated(), driver_used=engine.device_used(), _refs=refs
     )
 
 
 def _settle(engine: Engine) -> None:
-    """Collect garbage; on CUDA-like devices synchronize, free cuBLAS workspaces and empty the cache."""
-    if engine.name == "cpu":
-        gc.collect()
-        return
-    backend = getattr(torch, engine.device.type)
-    backend.synchronize(engine.device)
-    gc.collect()
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None and engine.device.type == "cuda":
-        clear()
-    backend.empty_cache()
+    """Collect garbage, free library workspaces and empty the cache (PyTorch's leak-check protocol)."""
+    engine.settle()
+    engine.release_workspaces()
+    engine.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -236,8 +213,8 @@ def confirm_leak(
     suspected = all(reading > start_allocated for reading in readings)
     driver_retained: int | None = None
     driver_confirmed: bool | None = None
-    if engine.name != "cpu" and snapshot is not None and snapshot.driver_used is not None:
-        used = _driver_used(engine)
+    if snapshot is not None and snapshot.driver_used is not None:
+        used = engine.device_used()
         if used is not None:
             driver_retained = used - snapshot.driver_used
             driver_confirmed = driver_retained > 0
@@ -263,7 +240,7 @@ def confirm_leak(
 
 
 def _leaked_tensors(engine: Engine, snapshot: StorageSnapshot, top: int) -> tuple[tuple[LiveTensor, ...], int, int]:
-    groups = _storage_groups(engine.device, engine.tracker)
+    groups = storage_groups(engine.device, engine.tracker)
     new = [group for group in groups.values() if not snapshot.alive_at_start(group.storage)]
     del groups
     new.sort(key=lambda g: g.nbytes, reverse=True)
@@ -273,7 +250,7 @@ def _leaked_tensors(engine: Engine, snapshot: StorageSnapshot, top: int) -> tupl
     del new
     hints = _group_hints(chosen)
     named = {id(tensor): (name, None) for tensor, name in hints.values()}
-    described = tuple(_describe(group, named, engine.tracker) for group in chosen)
+    described = tuple(describe(group, named, engine.tracker) for group in chosen)
     del hints
     return described, count, total
 
@@ -282,7 +259,7 @@ def _leaked_tensors(engine: Engine, snapshot: StorageSnapshot, top: int) -> tupl
 VIEWS_NAMED = 8
 
 
-def _group_hints(groups: list[_Group]) -> dict[int, tuple[torch.Tensor, str]]:
+def _group_hints(groups: list[StorageGroup]) -> dict[int, tuple[torch.Tensor, str]]:
     """For each group (by index) with a nameable holder: the tensor so held and the name.
 
     A leaked view often outlives the tensor it was cut from only in C++ (its

@@ -20,7 +20,10 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.oom import _empty_cache, device_limit, is_oom, release_oom
+import torch
+
+from pytest_gpumem.oom import is_oom, release_oom
+from pytest_gpumem.units import parse_size
 
 if TYPE_CHECKING:
     from pytest_gpumem.engines.base import Engine
@@ -40,18 +43,13 @@ def _check_size(name: str, value: int | None, minimum: int) -> None:
 
 
 @contextmanager
-def _tracking(engine: Engine | None, limit: int | str | None) -> Iterator[None]:
-    """Start the CPU engine's tracker for a limited search if it is not running (it sees allocations only then)."""
-    tracker = engine.tracker if engine is not None and engine.name == "cpu" else None
-    if engine is None or tracker is None or tracker.active or (limit is None and tracker.limit is None):
+def _watching(engine: Engine | None, limit: int | None) -> Iterator[None]:
+    """Make sure ``engine`` sees the tries' allocations when a limit is in force (the CPU engine's tracker)."""
+    if engine is None or (limit is None and engine.memory_limit() is None):
         yield
         return
-    engine.clean()
-    tracker.start(saved_tensors=False)
-    try:
+    with engine.watching():
         yield
-    finally:
-        tracker.stop()
 
 
 def max_microbatch(
@@ -60,7 +58,7 @@ def max_microbatch(
     start: int = 1,
     limit: int | str | None = None,
     upper: int | None = None,
-    engine: Engine | None = None,
+    engine: Engine | str | torch.device | None = None,
     cleanup: Callable[[], Any] | None = None,
 ) -> int:
     """The largest microbatch size in ``[start, upper]`` that ``step`` runs without running out of memory.
@@ -76,9 +74,10 @@ def max_microbatch(
         upper: the largest size worth trying (say the global batch). Without it
             a step that never runs out of memory never stops growing, so on the
             CPU engine without a limit it is required.
-        engine: the engine of the device the step runs on: needed for ``limit``,
-            and on CUDA-like devices it lets the search empty the allocator's
-            cache between tries.
+        engine: the engine of the device the step runs on, or its name
+            (``"cpu"``, ``"cuda:0"``; see :func:`~pytest_gpumem.recorder.engine_for`):
+            needed for ``limit``, and on CUDA-like devices it lets the search
+            empty the allocator's cache between tries.
         cleanup: called after every try, successful or not, before garbage
             collection: reset what the step leaves on your objects, typically
             ``optimizer.zero_grad(set_to_none=True)`` so that a partial
@@ -103,16 +102,20 @@ def max_microbatch(
         raise ValueError(f"max_microbatch: upper ({upper}) is below start ({start})")
     if limit is not None and engine is None:
         raise ValueError("max_microbatch: limit needs the engine of the device the step runs on")
-    if upper is None and limit is None and engine is not None and engine.name == "cpu":
-        tracker = engine.tracker
-        if tracker is None or tracker.limit is None:
-            raise ValueError(
-                "max_microbatch: on the CPU engine without a limit the step never runs out of memory; give upper="
-            )
+    if isinstance(engine, (str, torch.device)):
+        from pytest_gpumem.recorder import engine_for
+
+        engine = engine_for(engine)
+    nbytes = None if limit is None else parse_size(limit)
+    if upper is None and nbytes is None and engine is not None and engine.exact and engine.memory_limit() is None:
+        raise ValueError(
+            "max_microbatch: on the CPU engine without a limit the step never runs out of memory; give upper="
+        )
+    searched = engine
 
     def fits(size: int) -> bool:
-        guard = device_limit(engine, limit) if engine is not None and limit is not None else nullcontext()
-        before = engine.allocated() if engine is not None else None
+        guard = searched.limit_memory(nbytes) if searched is not None and nbytes is not None else nullcontext()
+        before = searched.allocated() if searched is not None else None
         fitted = True
         try:
             with guard:
@@ -126,13 +129,13 @@ def max_microbatch(
             if cleanup is not None:
                 cleanup()
             # A full collection costs ~0.1 s in a large process: skip it when memory came back anyway.
-            if before is None or engine is None or engine.allocated() > before:
+            if before is None or searched is None or searched.allocated() > before:
                 gc.collect()
-            if engine is not None and engine.name != "cpu":
-                _empty_cache(engine.device)
+            if searched is not None:
+                searched.empty_cache()
         return fitted
 
-    with _tracking(engine, limit):
+    with _watching(searched, nbytes):
         if not fits(start):
             return 0
         fit = start

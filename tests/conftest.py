@@ -3,12 +3,18 @@
 In-process pytester runs restore ``sys.modules`` afterwards, so a torch module first
 imported inside one (optimizers import parts of torch lazily at their first step)
 would be imported again by the next and register its operators twice. One real
-training step of each kind here imports them all before any pytester run.
+training step of each kind here imports them all before any pytester run, and so
+does importing the plugin's measuring modules, which the plugin loads lazily.
 """
 
 from __future__ import annotations
 
 import torch
+
+# The plugin imports its measuring machinery (and the parts of torch it uses) only when a
+# test is measured; import it here, before any in-process pytester run, for the same reason.
+import pytest_gpumem.fixture
+import pytest_gpumem.runner  # noqa: F401
 
 
 def _warm_up_lazy_torch_imports() -> None:

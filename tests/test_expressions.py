@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pytest_gpumem.expressions import BudgetError, BudgetExpr, parse_budget
+from pytest_gpumem.spec import SpecError, parse_marker
 from pytest_gpumem.units import parse_size
 
 GiB = 1 << 30
@@ -73,7 +74,7 @@ def test_examples(text: str, psi: int | None, expected: int, canonical: str) -> 
 def test_int_is_a_number_of_bytes() -> None:
     assert parse_budget(4096).evaluate() == 4096
     assert not parse_budget(0).uses_psi
-    with pytest.raises(BudgetError, match="cannot be negative"):
+    with pytest.raises(BudgetError, match="cannot be below 0 bytes"):
         parse_budget(-1)
     with pytest.raises(BudgetError, match="expected a string"):
         parse_budget(True)
@@ -142,8 +143,8 @@ def test_errors(text: str, message: str) -> None:
         ("16Ψ", None, "'16Ψ' uses Ψ but the number of trainable parameters is unknown"),
         ("1GiB / (2 - 2)", None, "'1GiB / (2 - 2)': division by zero"),
         ("1 / (Ψ - 3)", 3, "'1 / (Ψ - 3)': division by zero"),
-        ("1MiB - 2MiB", None, "'1MiB - 2MiB' is negative (-1.04858e+06 bytes) for Ψ=None"),
-        ("Ψ - 1", 0, "'Ψ - 1' is negative (-1 bytes) for Ψ=0"),
+        ("1MiB - 2MiB", None, "'1MiB - 2MiB' is negative (-1.00 MiB): a size or budget cannot be below 0 bytes"),
+        ("Ψ - 1", 0, "'Ψ - 1' is negative (-1 B with Ψ=0): a size or budget cannot be below 0 bytes"),
         ("Ψ", -1, "Ψ must be a non-negative int, got -1"),
     ],
 )
@@ -341,3 +342,12 @@ def test_truncated_text_raises_or_parses(gen: Gen, cut: int) -> None:
         parse_budget(text)
     except BudgetError as exc:
         assert repr(text) in str(exc)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(-1, "-1 is negative (-1 B)"), ("-1GB", "'-1GB' is negative (-1.00 GiB)")]
+)
+def test_a_negative_limit_reads_the_same_as_an_int_and_as_a_string(value: object, shown: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_marker([((), {"peak": value})])
+    assert str(caught.value) == f"peak={value!r}: {shown}: a size or budget cannot be below 0 bytes"

@@ -49,7 +49,17 @@ def test_record_pass_regress_update_cycle(pytester: pytest.Pytester) -> None:
     assert "new" in first.stdout.str()
     assert not (pytester.path / "gpumem-baselines.json").exists()  # only written on update
 
-    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=2)
+    written = run(pytester, "--gpumem-update-baselines")
+    written.assert_outcomes(passed=2)
+    written.stdout.fnmatch_lines(["baselines written to *gpumem-baselines.json"])
+    path = pytester.path / "gpumem-baselines.json"
+    before = path.stat()
+    unchanged = run(pytester, "--gpumem-update-baselines")
+    unchanged.assert_outcomes(passed=2)
+    unchanged.stdout.fnmatch_lines(["baselines unchanged in *gpumem-baselines.json"])
+    assert "baselines written" not in unchanged.stdout.str()
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     data = baseline_file(pytester)
     assert data["schema"] == 1
     (env,) = data["environments"].values()

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from pytest_gpumem.engines import make_engine
 from pytest_gpumem.engines.base import Engine
 from pytest_gpumem.leaks import LeakCheck, confirm_leak, referrer_names, snapshot_storages
-from pytest_gpumem.measure import make_engine
 
 F32 = 4
 

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pytest_gpumem.devicelimit import device_limit
+from pytest_gpumem.engines import make_engine
 from pytest_gpumem.engines.base import Engine
-from pytest_gpumem.measure import make_engine
 from pytest_gpumem.microbatch import MicrobatchError, Plan, max_microbatch, plan_accumulation, plan_for
-from pytest_gpumem.oom import device_limit, release_oom
+from pytest_gpumem.oom import release_oom
 
 D_IN, HIDDEN, D_OUT = 32, 128, 4
 N = 64  # the brute-force scan covers sizes 1..N

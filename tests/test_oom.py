@@ -10,20 +10,21 @@ import pytest
 import torch
 from torch import nn
 
+from pytest_gpumem.census import live_tensors
+from pytest_gpumem.devicelimit import device_limit
+from pytest_gpumem.engines import make_engine
 from pytest_gpumem.engines.base import Engine
 from pytest_gpumem.engines.tracker import StorageTracker
 from pytest_gpumem.figures import CATEGORIES
-from pytest_gpumem.measure import Recorder, make_engine
 from pytest_gpumem.oom import (
     OomReport,
     OomWatch,
-    device_limit,
     is_oom,
-    live_tensors,
     oom_report,
     release_oom,
     requested_bytes,
 )
+from pytest_gpumem.recorder import Recorder
 
 D_IN, HIDDEN, D_OUT = 64, 256, 8
 F32 = 4
@@ -254,6 +255,24 @@ def test_report_names_locals_in_forward(recorder: Recorder, engine: Engine) -> N
     assert ref() is None
 
 
+def test_an_oom_after_backward_is_not_reported_as_during_backward(recorder: Recorder, engine: Engine) -> None:
+    model, _ = build()
+    recorder.track(model)
+    model(torch.randn(16, D_IN)).sum().backward()  # no optimizer: nothing else ends the backward phase
+    assert recorder.phase is None
+    start = engine.allocated()
+    with OomWatch(engine, recorder) as watch, device_limit(engine, start + 1024):
+        try:
+            torch.ones(1024)  # 4 KiB in the test body, after backward
+        except torch.OutOfMemoryError as exc:
+            report = watch.report_for(exc)
+            release_oom(exc, engine)
+        else:  # pragma: no cover
+            pytest.fail("no OOM")
+    assert report.phase is None
+    assert "during" not in report.format().splitlines()[0]
+
+
 def test_report_built_when_caught_parses_the_message(engine: Engine) -> None:
     engine.clean()
     kept = torch.zeros(1000)
@@ -334,7 +353,7 @@ def test_release_after_a_backward_oom_with_zero_grad(recorder: Recorder, engine:
             train_step(model, opt, 128)
         except torch.OutOfMemoryError as caught:
             exc = caught
-    assert recorder._phase in ("backward", "optimizer")
+    assert recorder.phase in ("backward", "optimizer")
     release_oom(exc, engine)
     opt.zero_grad(set_to_none=True)  # gradients of a partial backward are the caller's business
     assert tracker.current == before

@@ -80,10 +80,52 @@ def test_other():
 """
     )
     result = run(pytester)
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    text = result.stderr.str()
-    assert "test_bad_marker_values_are_collection_errors.py::test_marked: gpumem marker:" in text
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    text = result.stdout.str()
+    assert "invalid gpumem marker on test_bad_marker_values_are_collection_errors.py::test_marked: " in text
     assert words in text
+    result.stdout.fnmatch_lines(["ERROR *test_bad_marker_values_are_collection_errors.py - invalid gpumem marker*"])
+
+
+@pytest.mark.slow
+def test_bad_markers_under_xdist_are_the_same_collection_errors(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_unit="""
+import pytest
+
+@pytest.mark.gpumem(peak="4XB")
+def test_bad_unit():
+    pass
+
+def test_other():
+    pass
+""",
+        test_group="""
+import pytest
+
+class TestGroup:
+    @pytest.mark.gpumem(device="tpu")
+    def test_bad_device(self):
+        pass
+""",
+    )
+    result = run_fresh(pytester, "-n", "2")
+    text = result.stdout.str() + result.stderr.str()
+    assert "INTERNALERROR" not in text
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # xdist's exit status for collection errors
+    assert "invalid gpumem marker on test_unit.py::test_bad_unit: peak='4XB'" in text
+    assert "invalid gpumem marker on test_group.py::TestGroup::test_bad_device: device='tpu'" in text
+
+
+def test_help_lists_every_option(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_inprocess("--help")
+    assert result.ret == pytest.ExitCode.OK
+    text = result.stdout.str()
+    assert "GPU memory guards (pytest-gpumem)" in text
+    assert "'2%', '1MiB' or '2%,1MiB' (default 2%,1MiB)" in " ".join(text.split())
+    for option in ("device", "update-baselines", "tolerance", "device-limit", "snapshot", "artifacts-all"):
+        assert f"--gpumem-{option}" in text
+    assert "gpumem_tolerance" in text  # the ini settings
 
 
 def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester) -> None:
@@ -173,6 +215,46 @@ def test_not_a_loss(gpumem):
 """
     )
     run(pytester).assert_outcomes(passed=2)
+
+
+def test_train_step_usage_errors_show_the_test_not_the_plugin(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        MLP
+        + """
+def test_triple(gpumem):
+    model = mlp()
+    batch = (torch.randn(2, 32), torch.randn(2, 32), torch.randn(2, 32))
+    gpumem.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, torch.nn.functional.mse_loss)
+
+def test_not_a_model(gpumem):
+    gpumem.train_step(torch.randn(3, 3), None, torch.randn(2, 32))
+"""
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=2)
+    text = result.stdout.str()
+    assert "batch must be an (inputs, target) pair, a tensor or a mapping; got a tuple of 3: " in text
+    assert "(a float32 tensor of shape (2, 32), a float32 tensor of shape (2, 32), a float32 tensor" in text
+    assert "expected a torch.nn.Module, got a float32 tensor of shape (3, 3)" in text
+    assert "pytest_gpumem/" not in text and "fixture.py" not in text  # the plugin's frames are hidden
+    assert "tensor([[" not in text  # no tensor is dumped
+
+
+def test_train_step_with_an_unsupervised_loss(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        MLP
+        + """
+def test_step(gpumem):
+    model = mlp()
+    x = torch.randn(4, 32)
+    m = gpumem.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, lambda out: out.pow(2).mean())
+    assert list(m.phases) == ["forward", "backward", "optimizer"]
+    m = gpumem.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), {"input": x}, lambda out: out.sum(),
+                          name="mapping")
+    assert m.saved_activations > 0
+"""
+    )
+    run(pytester).assert_outcomes(passed=1)
 
 
 def test_spans_with_their_own_limits(pytester: pytest.Pytester) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pytest_gpumem import measure
 from pytest_gpumem.engines.tracker import StorageTracker, cuda_rounded
 from pytest_gpumem.figures import CATEGORIES
-from pytest_gpumem.measure import measure
 
 
 def mlp(d: int, activation: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

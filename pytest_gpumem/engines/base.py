@@ -1,8 +1,14 @@
-"""What every engine offers: readings of one device's memory."""
+"""What every engine offers: readings of one device's memory, and the few actions on it
+that the rest of the package needs (clean state, empty cache, emulated limits, history).
+
+Nothing outside :mod:`pytest_gpumem.engines` asks which engine it has: what differs
+between engines is a member of this protocol.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -18,18 +24,19 @@ class Reading:
 
     ``peak`` is the highest allocated bytes in the window, ``breakdown`` the bytes
     by category at that moment (None without a tracker), ``reserved_peak`` and
-    ``requested_peak`` the highest reserved / requested bytes (caching allocators).
+    ``requested_peak`` the highest reserved / requested bytes (caching allocators),
+    ``saved_peak`` the highest bytes held for backward at one time (needs saved-tensor hooks).
     """
 
     peak: int
     breakdown: tuple[int, ...] | None = None
     reserved_peak: int | None = None
     requested_peak: int | None = None
-    counters: dict[str, int] = field(default_factory=dict)
+    saved_peak: int | None = None
 
 
 class Engine(Protocol):
-    """Reads memory of one device.
+    """Reads the memory of one device, and acts on it where the rest of the package must.
 
     Peaks are read by windows: :meth:`take_window` returns the figures since the
     previous call and opens a new window, so nested spans and phases can all
@@ -41,14 +48,20 @@ class Engine(Protocol):
     device: torch.device
 
     @property
+    def exact(self) -> bool:
+        """True when figures are exact counts of tensor storages (the CPU engine: its tracker
+        *is* the engine, so allocations are seen only while it runs, and the device runs out
+        of memory only at an emulated limit); False for readings of a device's allocator."""
+
+    @property
+    def cuda_rounding(self) -> bool:
+        """True when the CPU engine counts every storage as the CUDA allocator's 512-byte blocks."""
+
+    @property
     def tracker(self) -> StorageTracker | None:
         """The storage tracker giving breakdowns, activations and timelines, if any."""
 
-    def clean(self) -> None:
-        """Bring the device to a clean, comparable state before a start reading."""
-
-    def settle(self) -> None:
-        """Drop what only garbage and library caches hold (for end-of-test readings)."""
+    # -- readings -------------------------------------------------------------------
 
     def allocated(self) -> int:
         """Bytes allocated now."""
@@ -63,4 +76,37 @@ class Engine(Protocol):
         """Cumulative event counters (``num_alloc_retries``, ``num_ooms``) where known."""
 
     def driver(self) -> tuple[int | None, int | None]:
-        """(device memory used by all processes, by this process) per the driver; None when unknown."""
+        """(device memory used by all processes, by this process) per NVML; None when unknown."""
+
+    def device_used(self) -> int | None:
+        """Device memory in use per the runtime (``total - free``, all processes); None on CPU."""
+
+    # -- actions --------------------------------------------------------------------
+
+    def clean(self) -> None:
+        """Bring the device to a clean, comparable state before a start reading."""
+
+    def settle(self) -> None:
+        """Collect garbage and wait for the device, so that a reading shows only what is alive."""
+
+    def release_workspaces(self) -> None:
+        """Free what libraries keep per thread (cuBLAS workspaces); a no-op where there is none."""
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work; a no-op on CPU."""
+
+    def empty_cache(self) -> None:
+        """Return the allocator's cached, unused blocks to the driver; a no-op on CPU."""
+
+    def memory_limit(self) -> int | None:
+        """The emulated device size in force now, in bytes; None when there is none."""
+
+    def limit_memory(self, nbytes: int) -> AbstractContextManager[int]:
+        """Run a block as if the device had only ``nbytes`` bytes; restores the previous limit."""
+
+    def watching(self) -> AbstractContextManager[None]:
+        """Make sure allocations are seen during the block (the CPU engine starts its tracker if stopped)."""
+
+    def record_history(self, path: str) -> AbstractContextManager[str | None]:
+        """Record allocation history during the block and write a memory snapshot to ``path`` at its
+        end; yields the path, or None (and writes nothing) where the engine keeps no history."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -17,10 +19,13 @@ class CpuEngine:
 
     ``cuda_rounding`` rounds every storage up to the CUDA caching allocator's
     512-byte blocks, so that figures compare with CUDA's allocated bytes.
-    There is no caching allocator, so ``reserved`` is None (n/a).
+    There is no caching allocator, so ``reserved`` is None (n/a). The device
+    runs out of memory only at an emulated limit (:meth:`limit_memory`), and the
+    tracker sees allocations only while it runs.
     """
 
     name = "cpu"
+    exact = True
 
     def __init__(self, *, cuda_rounding: bool = False, tracker: StorageTracker | None = None) -> None:
         self.device = torch.device("cpu")
@@ -30,13 +35,7 @@ class CpuEngine:
     def cuda_rounding(self) -> bool:
         return self.tracker.cuda_rounding
 
-    def clean(self) -> None:
-        self.settle()
-        self.tracker.scan()
-        self.tracker.take_window()
-
-    def settle(self) -> None:
-        gc.collect()
+    # -- readings -------------------------------------------------------------------
 
     def allocated(self) -> int:
         return self.tracker.current
@@ -46,10 +45,63 @@ class CpuEngine:
 
     def take_window(self) -> Reading:
         window = self.tracker.take_window()
-        return Reading(peak=window.peak, breakdown=window.breakdown)
+        return Reading(peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak)
 
     def counters(self) -> dict[str, int]:
         return {}
 
     def driver(self) -> tuple[int | None, int | None]:
         return None, None
+
+    def device_used(self) -> int | None:
+        return None
+
+    # -- actions --------------------------------------------------------------------
+
+    def clean(self) -> None:
+        self.settle()
+        self.tracker.scan()
+        self.tracker.take_window()
+
+    def settle(self) -> None:
+        gc.collect()
+
+    def release_workspaces(self) -> None:
+        """Nothing to release: CPU kernels keep no workspaces the tracker counts."""
+
+    def synchronize(self) -> None:
+        """CPU operators finish before they return."""
+
+    def empty_cache(self) -> None:
+        """No caching allocator on the CPU engine."""
+
+    def memory_limit(self) -> int | None:
+        return self.tracker.limit
+
+    @contextmanager
+    def limit_memory(self, nbytes: int) -> Iterator[int]:
+        """Refuse allocations that would take the tracker's allocated bytes over ``nbytes``
+        (only while the tracker runs: it sees allocations only then; existing bytes never raise)."""
+        previous = self.tracker.limit
+        self.tracker.limit = nbytes
+        try:
+            yield nbytes
+        finally:
+            self.tracker.limit = previous
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        if self.tracker.active:
+            yield
+            return
+        self.clean()
+        self.tracker.start(saved_tensors=False)
+        try:
+            yield
+        finally:
+            self.tracker.stop()
+
+    @contextmanager
+    def record_history(self, path: str) -> Iterator[str | None]:
+        """The CPU engine keeps no allocation history: writes nothing, yields None."""
+        yield None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,6 +28,18 @@ def cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # a broken driver must read as "no device", not crash collection
         return False
+
+
+#: Entries of allocation history kept for a memory snapshot.
+SNAPSHOT_ENTRIES = 100_000
+
+
+def _backend(device: torch.device) -> Any:
+    """``torch.cuda`` (CUDA and ROCm) or the module of another CUDA-like backend (``torch.xpu``)."""
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "synchronize"):
+        raise NotImplementedError(f"pytest-gpumem cannot read the memory of {device.type!r} devices")
+    return backend
 
 
 def _memory_api() -> Any:
@@ -47,6 +61,8 @@ class CudaEngine:
     """
 
     name = "cuda"
+    exact = False
+    cuda_rounding = False
 
     def __init__(self, device: torch.device, tracker: StorageTracker | None = None) -> None:
         self.device = torch.device(device)
@@ -54,6 +70,9 @@ class CudaEngine:
             self.device = torch.device(self.device.type, torch.cuda.current_device())
         self.tracker = tracker
         self._api = _memory_api()
+        self._backend = _backend(self.device)
+
+    # -- actions --------------------------------------------------------------------
 
     def clean(self) -> None:
         """PyTorch's own leak-check protocol, before the start reading.
@@ -63,30 +82,102 @@ class CudaEngine:
         offers it, return cached blocks to the driver and reset peaks.
         """
         with torch.cuda.device(self.device):
-            torch.cuda.synchronize(self.device)
+            self.synchronize()
             gc.collect()
             torch.empty(1, device=self.device)
             torch.cuda.current_blas_handle()
             self.settle()
-            torch.cuda.empty_cache()
+            self.release_workspaces()
+            self.empty_cache()
             self._api.reset_peak_memory_stats(self.device)
         if self.tracker is not None:
             self.tracker.scan()
             self.tracker.take_window()
 
     def settle(self) -> None:
-        """Synchronize, collect garbage and free cuBLAS workspaces (PyTorch's leak-check protocol).
+        """Synchronize and collect garbage, so that a reading shows only what is alive."""
+        self.synchronize()
+        gc.collect()
 
-        A test's first matmul creates a cuBLAS workspace (8.5 MiB by default, 32 MiB
-        on Hopper) that outlives it; it is not the test's leak.
+    def release_workspaces(self) -> None:
+        """Free the cuBLAS workspaces of every thread (PyTorch's leak-check protocol does).
+
+        A thread's first matmul creates one (8.5 MiB by default, 32 MiB on Hopper);
+        it outlives the operator. Torch versions without the function keep them.
         """
-        with torch.cuda.device(self.device):
-            torch.cuda.synchronize(self.device)
-            gc.collect()
-            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear is not None:
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None and self.device.type == "cuda":
+            with torch.cuda.device(self.device):
                 clear()
-            torch.cuda.synchronize(self.device)
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        self._backend.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        self.synchronize()
+        self._backend.empty_cache()
+
+    def device_used(self) -> int | None:
+        try:
+            free, total = self._backend.mem_get_info(self.device)
+        except Exception:
+            return None
+        return int(total) - int(free)
+
+    def memory_limit(self) -> int | None:
+        fraction = self._memory_fraction()
+        if fraction >= 1.0:
+            return None
+        return int(fraction * self._total_memory())
+
+    @contextmanager
+    def limit_memory(self, nbytes: int) -> Iterator[int]:
+        """Cap the caching allocator with ``set_per_process_memory_fraction(nbytes / total)``.
+
+        The fraction caps the allocator's *reserved* memory (segments from the
+        driver, so rounding and fragmentation count against it; memory outside
+        PyTorch, such as the CUDA context, does not). Under pressure the
+        allocator frees its cached blocks before it raises. A limit above the
+        card's memory is clamped to the whole card. The previous fraction is
+        restored on exit (read with ``get_per_process_memory_fraction`` on torch
+        2.8 and later; assumed 1.0, no cap, before).
+        """
+        fraction = min(1.0, nbytes / self._total_memory())
+        previous = self._memory_fraction()
+        self._backend.set_per_process_memory_fraction(fraction, self.device)
+        try:
+            yield nbytes
+        finally:
+            self._backend.set_per_process_memory_fraction(previous, self.device)
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """The allocator sees every allocation: nothing to start."""
+        yield
+
+    @contextmanager
+    def record_history(self, path: str) -> Iterator[str | None]:
+        """Record allocation history (Python stacks) and dump a snapshot pickle to ``path`` at the end."""
+        memory = torch.cuda.memory
+        memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
+        try:
+            yield path
+        finally:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            memory._dump_snapshot(path)
+            memory._record_memory_history(enabled=None)
+
+    def _total_memory(self) -> int:
+        return int(self._backend.get_device_properties(self.device).total_memory)
+
+    def _memory_fraction(self) -> float:
+        getter = getattr(self._backend, "get_per_process_memory_fraction", None)
+        if getter is None:
+            return 1.0  # torch < 2.8 has no getter: assume the default, no cap
+        return float(getter(self.device))
+
+    # -- readings -------------------------------------------------------------------
 
     def allocated(self) -> int:
         return int(self._api.memory_allocated(self.device))
@@ -119,14 +210,17 @@ def reading_from_stats(stats: dict[str, Any], tracker: StorageTracker | None = N
     """
     peak = int(stats.get("allocated_bytes.all.peak", 0))
     breakdown: tuple[int, ...] | None = None
+    saved_peak: int | None = None
     if tracker is not None:
         window = tracker.take_window()
         parts = list(window.breakdown)
         parts[-1] += max(0, peak - sum(parts))
         breakdown = tuple(parts)
+        saved_peak = window.saved_peak
     return Reading(
         peak=peak,
         breakdown=breakdown,
+        saved_peak=saved_peak,
         reserved_peak=int(stats.get("reserved_bytes.all.peak", 0)),
         requested_peak=int(stats["requested_bytes.all.peak"]) if "requested_bytes.all.peak" in stats else None,
     )

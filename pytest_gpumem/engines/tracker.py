@@ -56,11 +56,13 @@ def cuda_rounded(nbytes: int) -> int:
 
 @dataclass
 class Window:
-    """Highest allocated bytes since the window opened, the breakdown then, and its event index."""
+    """Highest allocated bytes since the window opened, the breakdown then, and its event index;
+    ``saved_peak``: the highest bytes held for backward at one time in the window."""
 
     peak: int
     breakdown: tuple[int, ...]
     event: int = 0
+    saved_peak: int = 0
 
 
 #: How the tracker treats an operator's outputs (cached per operator, from its schema).
@@ -241,8 +243,8 @@ class StorageTracker:
         self._mode: _Mode | None = None
         self._saved_hooks: Any = None
         self._param_keys: set[int] = set()
-        #: (storage serial, bytes) of each storage saved for backward while active.
-        self.saved_log: list[tuple[int, int]] = []
+        #: bytes of the distinct storages autograd holds for backward now (parameters excluded).
+        self.saved = 0
         #: number of allocation/free events seen so far.
         self.events = 0
         self.timeline: list[tuple[int, tuple[int, ...]]] | None = None
@@ -487,7 +489,7 @@ class StorageTracker:
         if self._pending:
             self._settle()
         window = self._window
-        self._window = Window(self.current, tuple(self._by_category), self.events)
+        self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
         return window
 
     # -- activity --------------------------------------------------------------
@@ -505,7 +507,7 @@ class StorageTracker:
         self.events = 0
         if self.timeline is not None:
             self.timeline.append((0, tuple(self._by_category)))
-        self._window = Window(self.current, tuple(self._by_category), self.events)
+        self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
         self._pending = False
         self._mode = _Mode(self)
         self._mode.__enter__()
@@ -545,25 +547,23 @@ class StorageTracker:
         entry = self._entries.get(key)
         if entry is None or key in self._param_keys:
             return _Held(tensor)
-        self.saved_log.append((entry.serial, entry.nbytes))
-        if entry.saves == 0 and entry.category in (TEMPORARIES, OTHER):
-            entry.prior = entry.category
-            self._move(entry, ACTIVATIONS, discovered=False)
+        if entry.saves == 0:
+            self.saved += entry.nbytes
+            if self.saved > self._window.saved_peak:
+                self._window.saved_peak = self.saved
+            if entry.category in (TEMPORARIES, OTHER):
+                entry.prior = entry.category
+                self._move(entry, ACTIVATIONS, discovered=False)
         entry.saves += 1
         return _Saved(tensor, entry, self)
 
     def _unsave(self, entry: _Entry) -> None:
         entry.saves -= 1
-        # The holder keeps the tensor alive, so the storage is still counted here.
-        if entry.saves == 0 and entry.category == ACTIVATIONS and entry() is not None:
-            self._move(entry, entry.prior, discovered=False)
-
-    def saved_bytes_since(self, index: int) -> int:
-        """Bytes of distinct storages saved for backward since ``saved_log[index]``."""
-        distinct: dict[int, int] = {}
-        for serial, nbytes in self.saved_log[index:]:
-            distinct[serial] = nbytes
-        return sum(distinct.values())
+        if entry.saves == 0:
+            self.saved -= entry.nbytes
+            # The holder keeps the tensor alive, so the storage is still counted here.
+            if entry.category == ACTIVATIONS and entry() is not None:
+                self._move(entry, entry.prior, discovered=False)
 
 
 def _unpack(saved: _Held) -> torch.Tensor:

@@ -15,6 +15,7 @@ it, and the optimizer's step pre/post hooks bracket "optimizer".
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -25,43 +26,30 @@ from typing import Any
 import torch
 
 from pytest_gpumem.budgets import count_parameters
+from pytest_gpumem.engines import make_engine, resolve_device
 from pytest_gpumem.engines.base import Engine, Reading
 from pytest_gpumem.figures import CATEGORIES, Measurement, Phase, Timeline
+from pytest_gpumem.spec import check_span_limits
+from pytest_gpumem.units import parse_size
 
-__all__ = ["Recorder", "Span", "make_engine", "measure", "resolve_device"]
+__all__ = ["Recorder", "Span", "activate", "engine_for", "measure"]
 
 _ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pytest_gpumem_recorder", default=None)
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device a spec names: ``"auto"``/None is CUDA when available, else CPU.
-
-    ``"cuda"`` without an index means the current CUDA device.
+def engine_for(target: Engine | str | torch.device | None) -> Engine:
+    """The engine for ``target``: ``target`` itself when it is an engine; for a device name
+    (``"cpu"``, ``"cuda:0"``, ``"auto"``) the engine measuring that device now (inside a
+    measured test or a :func:`measure` block), else a new one from
+    :func:`~pytest_gpumem.engines.make_engine`.
     """
-    from pytest_gpumem.engines.cuda import cuda_available
-
-    if device is None or device == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and resolved.index is None and cuda_available():
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
-
-
-def make_engine(device: torch.device, *, breakdown: bool = False, cuda_rounding: bool = False) -> Engine:
-    """An engine reading ``device``: the storage tracker on CPU, the caching allocator elsewhere.
-
-    On CUDA-like devices the storage tracker runs only when ``breakdown`` is
-    True (it costs a Python call per operator); on CPU it is the engine.
-    """
-    from pytest_gpumem.engines.cpu import CpuEngine
-    from pytest_gpumem.engines.cuda import CudaEngine
-    from pytest_gpumem.engines.tracker import StorageTracker
-
-    if device.type == "cpu":
-        return CpuEngine(cuda_rounding=cuda_rounding)
-    tracker = StorageTracker(device, cuda_rounding=True) if breakdown else None
-    return CudaEngine(device, tracker=tracker)
+    if target is not None and not isinstance(target, (str, torch.device)):
+        return target
+    device = resolve_device(target)
+    active = _ACTIVE.get()
+    if active is not None and active.active and active.engine.device == device:
+        return active.engine
+    return make_engine(device)
 
 
 @dataclass
@@ -69,6 +57,7 @@ class _PhaseState:
     start: int
     peak: int
     end: int
+    count: int = 1
 
 
 @dataclass
@@ -77,12 +66,12 @@ class _SpanState:
     start: int
     start_reserved: int | None
     counters: dict[str, int]
-    saved_index: int
     start_event: int
     peak: int
     breakdown: tuple[int, ...] | None = None
     reserved_peak: int | None = None
     requested_peak: int | None = None
+    saved_peak: int | None = None
     phases: dict[str, _PhaseState] = field(default_factory=dict)
 
     def absorb(self, reading: Reading, phase: str | None) -> None:
@@ -93,6 +82,8 @@ class _SpanState:
             self.reserved_peak = max(self.reserved_peak or 0, reading.reserved_peak)
         if reading.requested_peak is not None:
             self.requested_peak = max(self.requested_peak or 0, reading.requested_peak)
+        if reading.saved_peak is not None:
+            self.saved_peak = max(self.saved_peak or 0, reading.saved_peak)
         if phase is not None and phase in self.phases:
             state = self.phases[phase]
             state.peak = max(state.peak, reading.peak)
@@ -238,6 +229,12 @@ class Recorder:
     def _backward_reached(self, grad_outputs: Any) -> None:
         if self._phase != "optimizer":
             self.set_phase("backward")
+            # leave the phase when this backward pass ends (autograd runs queued callbacks then)
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        if self._phase == "backward":
+            self.set_phase(None)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         tracker = self.engine.tracker
@@ -269,8 +266,12 @@ class Recorder:
         self._phase = phase
         if phase is not None:
             for span in self._open:
-                state = span.phases.setdefault(phase, _PhaseState(now, now, now))
-                state.peak = max(state.peak, now)
+                state = span.phases.get(phase)
+                if state is None:
+                    span.phases[phase] = _PhaseState(now, now, now)
+                else:
+                    state.count += 1
+                    state.peak = max(state.peak, now)
             if self.engine.tracker is not None:
                 self._marks.append((self.engine.tracker.events, phase))
 
@@ -293,10 +294,10 @@ class Recorder:
             start=now,
             start_reserved=self.engine.reserved(),
             counters=self.engine.counters(),
-            saved_index=len(tracker.saved_log) if tracker is not None else 0,
             start_event=tracker.events if tracker is not None else 0,
             peak=now,
             breakdown=None if tracker is None else tuple(tracker.breakdown().values()),
+            saved_peak=None if tracker is None else tracker.saved,
         )
         if self._phase is not None:
             state.phases[self._phase] = _PhaseState(now, now, now)
@@ -351,12 +352,10 @@ class Recorder:
             driver_process=mine,
             breakdown=breakdown,
             allocated_breakdown=end_breakdown,
-            phases={name: Phase(name, p.start, p.peak, p.end) for name, p in state.phases.items()},
-            saved_activations=None
-            if tracker is None or not self.saved_tensors
-            else tracker.saved_bytes_since(state.saved_index),
+            phases={name: Phase(name, p.start, p.peak, p.end, p.count) for name, p in state.phases.items()},
+            saved_activations=None if tracker is None or not self.saved_tensors else state.saved_peak,
             psi=self.psi,
-            cuda_rounding=bool(getattr(self.engine, "cuda_rounding", False)),
+            cuda_rounding=self.engine.cuda_rounding,
         )
 
     def timeline_since(self, start_event: int) -> Timeline | None:
@@ -375,6 +374,11 @@ class Recorder:
     def span(self, name: str, **limits: Any) -> Span:
         """A ``with`` block measured as a span named ``name``."""
         return Span(self, name, limits)
+
+    @property
+    def span_names(self) -> list[str]:
+        """Names of the spans opened so far (closed and still open), in order."""
+        return [span.name for span in self.spans] + [state.name for state in self._open]
 
 
 def _diff(now: Mapping[str, int], before: Mapping[str, int], key: str) -> int | None:
@@ -401,8 +405,8 @@ class Span:
     """A measured ``with`` block. After the block, its figures are available.
 
     ``span.measurement`` is the :class:`Measurement`; ``peak``, ``allocated``,
-    ``start``, ``reserved``, ``breakdown``, ``phases`` and ``saved_activations``
-    are shortcuts to it, and ``span.cost("peak")`` is what the span added.
+    ``start``, ``reserved``, ``breakdown``, ``allocated_breakdown``, ``phases``,
+    ``saved_activations`` and ``psi`` are shortcuts to it, and ``span.cost("peak")`` is what the span added.
     Limits given as keyword arguments (``peak="1GiB"``) are checked by the
     pytest plugin at the end of the test, or on leaving the block outside pytest.
     """
@@ -466,6 +470,14 @@ class Span:
     def saved_activations(self) -> int | None:
         return self.measurement.saved_activations
 
+    @property
+    def allocated_breakdown(self) -> Mapping[str, int] | None:
+        return self.measurement.allocated_breakdown
+
+    @property
+    def psi(self) -> int | None:
+        return self.measurement.psi
+
     def cost(self, metric: str) -> int | None:
         """What the span added to ``metric`` (figure minus start)."""
         return self.measurement.cost(metric)
@@ -484,16 +496,19 @@ def measure(
     breakdown: bool = False,
     cuda_rounding: bool = False,
     timeline: bool = False,
+    device_limit: int | str | None = None,
     **limits: Any,
 ) -> Iterator[Span]:
     """Measure the memory a block of code costs, inside or outside pytest.
 
     Inside a test that the plugin measures (or inside another ``measure``
     block on the same device), the span joins that recording. Otherwise it
-    starts its own on ``device`` (default: CUDA when available, else CPU),
-    after the clean-state protocol. Limits (``peak="4GiB"``, ``allocated=...``)
-    are checked when the block ends: outside pytest a broken limit raises
-    :class:`pytest_gpumem.verdict.LimitExceeded`.
+    starts its own on ``device`` (``"cpu"``, ``"cuda:0"``; default: CUDA when
+    available, else CPU), after the clean-state protocol. ``device_limit``
+    (bytes or a size such as ``"24GiB"``) runs the block as if the device had
+    that much memory (see :func:`pytest_gpumem.device_limit`). Limits
+    (``peak="4GiB"``, ``allocated=...``) are checked when the block ends:
+    outside pytest a broken limit raises :class:`pytest_gpumem.LimitExceeded`.
 
     Example::
 
@@ -503,26 +518,31 @@ def measure(
     """
     active = _ACTIVE.get()
     target = None if device is None else resolve_device(device)
+    nbytes = None if device_limit is None else parse_size(device_limit)
     if active is not None and active.active and (target is None or target == active.engine.device):
         active.track(*track)
-        with active.span(name, **limits) as span:
+        with contextlib.ExitStack() as stack:
+            if nbytes is not None:
+                stack.enter_context(active.engine.limit_memory(nbytes))
+            span = stack.enter_context(active.span(name, **limits))
             yield span
         return
-    engine = make_engine(target or resolve_device(None), breakdown=breakdown, cuda_rounding=cuda_rounding)
+    engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding)
     recorder = Recorder(engine, timeline=timeline)
     recorder.track(*track)
     recorder.begin()
     token = _ACTIVE.set(recorder)
     try:
-        with recorder.span(name, **limits) as span:
+        with contextlib.ExitStack() as stack:
+            if nbytes is not None:
+                stack.enter_context(engine.limit_memory(nbytes))
+            span = stack.enter_context(recorder.span(name, **limits))
             yield span
     finally:
         _ACTIVE.reset(token)
         recorder.end()
     if limits:
-        from pytest_gpumem.spec import check_span_limits
-
-        check_span_limits(span)
+        check_span_limits(span.name, span.limits, span.measurement)
 
 
 @contextmanager

@@ -1,0 +1,199 @@
+"""The baseline gate: judging records against the baseline file, recording them, and the run's outputs.
+
+This runs in the process that owns the run (the only one without xdist, the
+controller with it). A :class:`Gate` loads the baseline file the first time it is
+needed, compares each arriving :class:`~pytest_gpumem.record.TestRecord` with its
+baselines, and at the end finds stale baselines, records what passed (with
+``--gpumem-update-baselines``), writes the file once, and writes the JSON and
+Markdown reports. No pytest, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_gpumem.artifacts import artifact_path, render_html, write_html
+from pytest_gpumem.baselines import (
+    BASELINE_METRICS,
+    BaselineEntry,
+    BaselineFileError,
+    BaselineStore,
+    Environment,
+    load,
+    save,
+)
+from pytest_gpumem.figures import Measurement
+from pytest_gpumem.record import TestRecord
+from pytest_gpumem.report import json_report, markdown_report
+from pytest_gpumem.verdict import Finding, Tolerance, compare_baseline, failure_message, stale_findings
+
+__all__ = ["Gate", "GateOptions", "baseline_metrics", "write_artifacts"]
+
+
+def baseline_metrics(measurement: Measurement) -> tuple[str, ...]:
+    """The figures a baseline keeps: the byte costs, and the largest microbatch when the test searched it."""
+    return BASELINE_METRICS + (("max_microbatch",) if measurement.max_microbatch is not None else ())
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    """The run's baseline and report options (see the plugin's ``--gpumem-*`` options)."""
+
+    baselines: Path
+    tolerance: Tolerance
+    update: bool = False
+    strict: bool = False
+    prune: bool = False
+    json_path: Path | None = None
+    markdown_path: Path | None = None
+    step_summary: bool = True
+    generator: str = ""
+
+
+class Gate:
+    """Judges records against the baseline file; records and writes it at the end."""
+
+    def __init__(self, options: GateOptions) -> None:
+        self.options = options
+        self.records: dict[str, TestRecord] = {}
+        self.stale: list[Finding] = []
+        self._store: BaselineStore | None = None
+        #: whether :meth:`finish` wrote the baseline file
+        self.written = False
+
+    @property
+    def store(self) -> BaselineStore:
+        """The baseline file, loaded on first use; raises :class:`BaselineFileError` when it cannot be read."""
+        if self._store is None:
+            self._store = load(self.options.baselines)
+        return self._store
+
+    @property
+    def loaded(self) -> bool:
+        return self._store is not None
+
+    def judge(self, record: TestRecord) -> list[Finding]:
+        """Compare ``record`` with its baselines; adds the findings to it and returns them.
+
+        Nothing is compared for a test whose own code failed, that did not measure,
+        or when baselines are being updated. Each span's tolerance is its own, else
+        the marker's, else the run's; a count (``max_microbatch``) gets only the
+        relative part of a tolerance (its absolute floor is bytes).
+        """
+        self.records[record.nodeid] = record
+        if not record.passed or record.environment is None or self.options.update:
+            return []
+        store = self.store
+        env = Environment.from_dict(record.environment)
+        others = store.environments_with(record.nodeid, exclude=env.key)
+        findings: list[Finding] = []
+        for measurement in record.measurements:
+            tolerance = record.tolerance(measurement.name) or self.options.tolerance
+            metrics = baseline_metrics(measurement)
+            per_metric = {m: tolerance if m in BASELINE_METRICS else Tolerance(tolerance.relative, 0) for m in metrics}
+            findings.extend(
+                compare_baseline(
+                    record.nodeid,
+                    measurement,
+                    store.entry(env.key, record.nodeid, measurement.name),
+                    per_metric,
+                    other_environments=others,
+                    strict=self.options.strict,
+                    metrics=metrics,
+                )
+            )
+        record.findings.extend(findings)
+        return findings
+
+    def finish(self, collected: Iterable[str] | None) -> None:
+        """End of the run: stale baselines (``collected``: every node id of a whole-suite
+        collection, None when the run collected only part of it), pruning, recording, saving.
+
+        Raises :class:`BaselineFileError` or ``OSError`` when the file cannot be written.
+        """
+        if not self.records and not self.loaded:
+            return  # nothing was measured: the file is neither read nor written
+        store = self.store
+        env_keys = self.environment_keys()
+        ids = set(collected) if collected is not None else set()
+        if ids:
+            stale = [entry for key in env_keys for entry in store.stale(ids, key)]
+            self.stale = stale_findings(stale, strict=self.options.strict)
+            if self.options.update and self.options.prune and stale:
+                store.prune(stale)
+        if self.options.update:
+            for record in self.records.values():
+                if record.recordable:
+                    assert record.environment is not None
+                    entries = {
+                        m.name: BaselineEntry.from_measurement(m, baseline_metrics(m)) for m in record.measurements
+                    }
+                    store.record(Environment.from_dict(record.environment), record.nodeid, entries)
+            self.written = save(store, self.options.baselines)
+
+    @property
+    def stale_failed(self) -> bool:
+        """Stale baselines fail the run (strict mode)."""
+        return any(f.failed for f in self.stale)
+
+    def environment_keys(self) -> list[str]:
+        return sorted({key for record in self.records.values() if (key := record.environment_key)})
+
+    def write_reports(self) -> None:
+        """The JSON report, the Markdown report, and the GitHub step summary, as the options ask."""
+        records = list(self.records.values())
+        if not records and not self.stale:
+            return
+        environments: list[dict[str, Any]] = []
+        for record in records:
+            if record.environment is not None and record.environment_key not in [e["key"] for e in environments]:
+                environments.append({"key": record.environment_key, **record.environment})
+        options = self.options
+        if options.json_path is not None:
+            data = json_report(
+                records, environments=environments, extra_findings=self.stale, generator=options.generator
+            )
+            options.json_path.parent.mkdir(parents=True, exist_ok=True)
+            options.json_path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        markdown = markdown_report(records, header=", ".join(self.environment_keys()), extra_findings=self.stale)
+        if options.markdown_path is not None:
+            options.markdown_path.parent.mkdir(parents=True, exist_ok=True)
+            options.markdown_path.write_text(markdown, encoding="utf-8")
+        summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if summary and options.step_summary:
+            with open(summary, "a", encoding="utf-8") as handle:
+                handle.write(markdown)
+
+
+def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
+    """Write the HTML memory timeline of ``record``'s call; returns the artifact paths (with its snapshot).
+
+    Lines drawn across the chart: the emulated device limit, and the call's limits,
+    budgets and baselines on ``peak`` and ``allocated`` (baselines as absolute figures:
+    cost plus the call's start).
+    """
+    call = record.measurements[0]
+    lines: dict[str, int] = {} if record.device_limit is None else {"device limit": record.device_limit}
+    for finding in record.findings:
+        if finding.span != "call" or finding.reference is None or finding.metric not in ("peak", "allocated"):
+            continue
+        if finding.kind in ("limit", "budget"):
+            lines[f"{finding.kind} {finding.metric}"] = finding.reference
+        elif finding.kind == "baseline":
+            lines[f"baseline {finding.metric}"] = finding.reference + call.start
+    details = [failure_message([f for f in record.findings if f.failed])] if record.failed else []
+    details += record.reports
+    path = artifact_path(directory, record.nodeid, ".html")
+    page = render_html(
+        title=record.nodeid, measurement=call, timeline=record.timeline_of_call(), lines=lines, details=details
+    )
+    write_html(path, page)
+    return [str(path)] + ([record.snapshot] if record.snapshot else [])
+
+
+__all__ += ["BaselineFileError"]

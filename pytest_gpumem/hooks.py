@@ -1,0 +1,24 @@
+"""Hooks pytest-gpumem adds to pytest: implement them in a ``conftest.py`` or a plugin."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from pytest_gpumem.baselines import Environment
+
+
+@pytest.hookspec(firstresult=True)
+def pytest_gpumem_environment(config: pytest.Config, environment: Environment) -> Environment | None:
+    """Adjust the environment that keys a test's baselines; return the one to use, or None to keep it.
+
+    Called once per engine and device in each process that measures. Baselines
+    recorded under one environment key are compared only with figures measured
+    under the same key, so this decides which runs compare with each other: add
+    a label (``dataclasses.replace(environment, labels=(("runner", "a100-pool"),))``)
+    to keep separate baselines per runner pool, or set a field to None to share
+    baselines across values of it (it then reads "unknown" in the key).
+    The first implementation that returns an environment wins.
+    """
