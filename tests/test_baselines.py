@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+import pytest_gpumem
 import pytest_gpumem.baselines as baselines
 from pytest_gpumem.baselines import (
     BaselineEntry,
@@ -44,7 +45,7 @@ H100 = Environment(
     cudnn_version="91002",
     allocator=(),
 )
-PACKAGE = Path(baselines.__file__).parent
+PACKAGE = Path(pytest_gpumem.__file__).parent
 
 
 def span(name: str = "call", *, start: int = 0, peak: int = 10 * MiB, allocated: int = MiB, **kw: Any) -> Measurement:
@@ -349,8 +350,9 @@ def test_environment_description_does_not_churn() -> None:
     # another runner: same key (memory shown in whole GiB) but 1 MiB less reported
     twin = Environment(**{**H100.__dict__, "total_memory": H100.total_memory - MiB})  # type: ignore[operator]
     assert twin.key == H100.key
-    later = BaselineStore._from_tree(json.loads(store.dumps()))
-    del later._envs[H100.key]["environment"]["cudnn_version"]  # as if written by a release without it
+    tree = store.to_dict()
+    del tree["environments"][H100.key]["environment"]["cudnn_version"]  # as if written by a release without it
+    later = BaselineStore.from_dict(tree)
     later.record(twin, "t.py::b", [span()])
     described = later.to_dict()["environments"][H100.key]["environment"]
     assert described["total_memory"] == H100.total_memory  # first recorded value kept
@@ -711,11 +713,12 @@ def test_sigkill_at_random_moments_never_leaves_a_broken_file(tmp_path: Path) ->
             store = bl.load(path)
             for i in range(5_000):
                 store.record(env, f"t.py::test_{i}", {"call": bl.BaselineEntry({"peak": i, "allocated": 1}, start=0)})
-            generation = store.to_dict().get("generation", 0)
+            tree = store.to_dict()
+            generation = tree.get("generation", 0)
             while True:
                 generation += 1
-                store._top["generation"] = generation
-                bl.save(store)
+                tree["generation"] = generation
+                bl.save(bl.BaselineStore.from_dict(tree), path, force=True)
                 open(marker, "w").close()
             """,
             str(path),
