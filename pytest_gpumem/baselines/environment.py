@@ -232,22 +232,22 @@ def check_label(name: object, value: object) -> None:
     must not contain ``=`` nor be one of :data:`ALLOCATOR_VARIABLES` (the key
     shows those already, in the same ``name=value`` form).
     """
-    shown = f"{name}={value}" if isinstance(name, str) and isinstance(value, str) else f"{name!r}: {value!r}"
+    shown = repr(f"{name}={value}") if isinstance(name, str) and isinstance(value, str) else f"{name!r}={value!r}"
     for what, text in (("name", name), ("value", value)):
         if not isinstance(text, str):
-            raise ValueError(f"invalid environment label {shown!r}: the {what} must be a string")
+            raise ValueError(f"invalid environment label {shown}: the {what} must be a string")
         if not text:
-            raise ValueError(f"invalid environment label {shown!r}: the {what} is empty")
+            raise ValueError(f"invalid environment label {shown}: the {what} is empty")
         for bad, why in (("|", "'|'"), ("\n", "a line break"), ("\r", "a line break")):
             if bad in text:
-                raise ValueError(f"invalid environment label {shown!r}: the {what} contains {why}")
+                raise ValueError(f"invalid environment label {shown}: the {what} contains {why}")
         if text != text.strip():
-            raise ValueError(f"invalid environment label {shown!r}: the {what} has leading or trailing spaces")
+            raise ValueError(f"invalid environment label {shown}: the {what} has leading or trailing spaces")
     assert isinstance(name, str)
     if "=" in name:
-        raise ValueError(f"invalid environment label {shown!r}: the name contains '='")
+        raise ValueError(f"invalid environment label {shown}: the name contains '='")
     if name in ALLOCATOR_VARIABLES:
-        raise ValueError(f"invalid environment label {shown!r}: {name} is an allocator variable, keyed already")
+        raise ValueError(f"invalid environment label {shown}: {name} is an allocator variable, keyed already")
 
 
 def _label_pairs(labels: Mapping[str, Any] | Iterable[Any]) -> tuple[tuple[str, str], ...]:
