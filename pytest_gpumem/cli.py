@@ -230,6 +230,8 @@ def _read_side(spec: str) -> BaselineStore:
     revision, colon, path = spec.partition(":")
     if not colon or not revision or not path:
         raise CommandError(f"{spec}: no such file (write REV:PATH for a file in git)")
+    if revision.startswith("-"):  # git would read it as an option
+        raise CommandError(f"{spec}: no such file, and {revision!r} is not a revision")
     try:
         shown = subprocess.run(["git", "show", spec], capture_output=True, check=False)
     except OSError as exc:
@@ -282,6 +284,8 @@ def _shown(metric: str, value: int | None, exact: bool) -> str:
 
 def _table(rows: list[list[str]], headers: list[str], right_from: int, markdown: bool) -> str:
     align = ["left"] * right_from + ["right"] * (len(headers) - right_from)
+    if markdown:  # a "|" in a node id (a parameter) would end the cell
+        rows = [[cell.replace("|", "\\|") for cell in row] for row in rows]
     return tabulate(
         rows,
         headers=headers,
@@ -492,7 +496,10 @@ def _prune(args: argparse.Namespace) -> int:
         print("nothing to prune")
         return 0
     if not args.dry_run:
-        save(store)
+        try:
+            save(store)
+        except OSError as exc:  # the file is as it was: save() writes a temporary file, then renames it
+            raise CommandError(f"{args.file}: cannot write: {exc.strerror or exc}; the file is unchanged") from None
     summary = f"{verb} the baselines of {_count(removed, 'test')} from {args.file}"
     print("\n".join([*lines, summary + (" (dry run: nothing written)" if args.dry_run else "")]))
     return 0
@@ -545,6 +552,6 @@ def _missing(store: BaselineStore, keys: Sequence[str], rootdir: Path) -> dict[s
     if exists and not any(exists.values()):
         raise CommandError(
             f"none of the {_count(len(exists), 'test file')} exists under {rootdir}: is it the rootdir? "
-            "Pass --rootdir (or remove an environment with --env); nothing removed"
+            "Pass --rootdir DIR, or name the tests to remove; nothing removed"
         )
     return doomed

@@ -130,6 +130,14 @@ def test_show_markdown(capsys: pytest.CaptureFixture[str], here: Path) -> None:
     assert f"| {TRAIN} | call   |" in out and "|-" in out
 
 
+def test_markdown_escapes_bars_in_node_ids(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    store = BaselineStore()
+    store.record(CPU, "t.py::test_mode[a|b]", {"call": entry(MiB)})
+    save(store, tmp_path / "b.json")
+    code, out, _ = run(capsys, "show", "--file", str(tmp_path / "b.json"), "--markdown")
+    assert code == 0 and "| t.py::test_mode[a\\|b] | call   |" in out
+
+
 def test_show_another_file_and_an_empty_one(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = baseline_file(tmp_path / "elsewhere.json")
     code, out, _ = run(capsys, "show", "--file", str(path), OLD)
@@ -243,6 +251,17 @@ def test_diff_exact_bytes_and_filters(capsys: pytest.CaptureFixture[str], here: 
     assert code == 2 and "TEST 'test_gone' matches no test" in err
 
 
+def test_diff_a_cost_known_on_one_side_only(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    before, after = BaselineStore(), BaselineStore()
+    before.record(H100, TRAIN, {"call": entry(MiB, 0, None)})
+    after.record(H100, TRAIN, {"call": entry(MiB, 0, 2 * MiB)})
+    save(before, tmp_path / "a.json")
+    save(after, tmp_path / "b.json")
+    code, out, _ = run(capsys, "diff", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--fail-on-growth")
+    assert code == 0  # unknown before: not a growth
+    assert rows(out) == [["changed", TRAIN, "call", "reserved", "n/a", "2.00 MiB"], ["costs: 1 changed"]]
+
+
 def test_diff_fail_on_growth_and_tolerance(capsys: pytest.CaptureFixture[str], here: Path) -> None:
     new = changed_file(here / "new.json")
     code, out, err = run(capsys, "diff", "gpumem-baselines.json", str(new), "--fail-on-growth")
@@ -315,6 +334,9 @@ def test_diff_against_a_git_revision(capsys: pytest.CaptureFixture[str], here: P
     assert code == 2 and "no-such-rev:gpumem-baselines.json: git show failed" in err
     code, _, err = run(capsys, "diff", "nothing.json", "gpumem-baselines.json")
     assert code == 2 and "nothing.json: no such file" in err
+    code, _, err = run(capsys, "diff", "gpumem-baselines.json", "--", "--output=x:y")  # never an option of git
+    assert code == 2 and "--output=x:y: no such file, and '--output=x' is not a revision" in err
+    assert not (here / "x").exists()
     # a broken file at a revision is named as REV:PATH
     (here / "gpumem-baselines.json").write_text("{")
     git(here, "commit", "-q", "-am", "broken")
@@ -456,6 +478,32 @@ def test_prune_missing_relative_to_the_rootdir(capsys: pytest.CaptureFixture[str
     code, out, _ = run(capsys, "prune", "--missing", "--file", str(path), "--rootdir", str(project))
     assert code == 0 and out.splitlines()[1:-1] == [f"  removed {OLDER}"]
     assert load(path).tests(CPU.key) == (MICRO, OLD_TOO, OLD, SMALL, TRAIN)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_a_failed_write_is_reported_and_keeps_the_file(here: Path) -> None:
+    path = here / "gpumem-baselines.json"
+    before = path.read_bytes()
+    code = textwrap.dedent(
+        f"""
+        import resource, signal, sys, types
+        package = types.ModuleType("pytest_gpumem")
+        package.__path__ = [{str(PACKAGE)!r}]
+        sys.modules["pytest_gpumem"] = package
+        from pytest_gpumem.cli import main
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # smaller than the file: even root cannot write it
+        sys.exit(main(["baselines", "prune", "tests/test_old.py"]))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(
+        "python -m pytest_gpumem baselines prune: error: gpumem-baselines.json: cannot write: File too large;"
+    )
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(here)) == ["gpumem-baselines.json"]  # no temporary file left
 
 
 # --------------------------------------------------------------------------- as a program
