@@ -173,6 +173,8 @@ def test_labels_are_sorted_and_come_last_in_the_key() -> None:
     assert LABELLED.labels == (("image", "cu128"), ("zone", "eu"))
     assert Environment(**{**CPU.__dict__, "labels": {"zone": "eu", "image": "cu128"}}) == LABELLED
     assert LABELLED.key == "cpu | torch 2.13 | cuda_rounding off | image=cu128 | zone=eu"
+    assert LABELLED.to_dict()["labels"] == {"image": "cu128", "zone": "eu"}
+    assert Environment.from_dict(json.loads(json.dumps(LABELLED.to_dict()))) == LABELLED  # as xdist workers send it
     tuned = Environment(**{**H100.__dict__, "allocator": (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)})
     labelled_gpu = Environment(**{**tuned.__dict__, "labels": (("cluster", "a"),)})
     assert labelled_gpu.key == tuned.key + " | cluster=a"
@@ -226,6 +228,8 @@ def test_labels_round_trip_through_the_file(tmp_path: Path) -> None:
         ((("team", 3),), "'team'=3: the value must be a string"),
         ((("team",),), "expected a (name, value) pair"),
         ((("team", "a"), ("team", "b")), "the name 'team' appears twice"),
+        (None, "None: expected (name, value) pairs or a mapping"),
+        ("team=a", "'team=a': expected (name, value) pairs or a mapping"),
     ],
 )
 def test_bad_labels_are_refused_by_name(labels: Any, words: str) -> None:

@@ -252,7 +252,12 @@ def check_label(name: object, value: object) -> None:
 
 def _label_pairs(labels: Mapping[str, Any] | Iterable[Any]) -> tuple[tuple[str, str], ...]:
     """``labels`` (pairs or a mapping) checked with :func:`check_label`, as pairs sorted by name."""
-    items = list(labels.items()) if isinstance(labels, Mapping) else list(labels)
+    if isinstance(labels, Mapping):
+        items: list[Any] = list(labels.items())
+    elif isinstance(labels, (tuple, list)):
+        items = list(labels)
+    else:
+        raise ValueError(f"invalid environment labels {labels!r}: expected (name, value) pairs or a mapping")
     pairs: dict[str, str] = {}
     for item in items:
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
