@@ -417,47 +417,16 @@ def compare_values(
             if grown is None:
                 grown = grown_categories(entry.breakdown, breakdown)
             changed = grown
-        findings.append(_finding(test, span, metric, "baseline", status, measured, reference, tol, changed, "", strict))
+        findings.append(Finding(test, span, metric, "baseline", status, measured, reference, tol, changed, "", strict))
     return findings
 
 
-def _finding(
-    test: str,
-    span: str,
-    metric: str,
-    kind: Kind,
-    status: Status,
-    measured: int | None,
-    reference: int | None,
-    tolerance: Tolerance | None,
-    grown: Mapping[str, int],
-    detail: str,
-    strict: bool,
-) -> Finding:
-    """``Finding(...)`` for the hot loop of :func:`compare_values`: the same object, built 2.5x faster.
-
-    A frozen dataclass's ``__init__`` pays for ``object.__setattr__`` on every
-    field; filling ``__dict__`` directly is equivalent (Finding has no
-    ``__post_init__`` and no slots) and matters at 100,000 comparisons.
-    """
-    finding = _new(Finding)
-    finding.__dict__.update(
-        test=test,
-        span=span,
-        metric=metric,
-        kind=kind,
-        status=status,
-        measured=measured,
-        reference=reference,
-        tolerance=tolerance,
-        grown=grown,
-        detail=detail,
-        strict=strict,
-    )
-    return finding
-
-
-_new = object.__new__
+# compare_values builds findings with ``Finding(...)``. A shortcut that filled a frozen Finding's
+# ``__dict__`` built them 2.5x faster, but measured at a realistic size that is 0.8 µs a finding:
+# 4.6 ms over the 6,000 comparisons of a 1,000-test suite (7.1 ms instead of 11.7 ms; 74 ms
+# instead of 118 ms for 10,000 tests; 2-core VM), not worth a second way to build a Finding.
+# ``_finding`` remains an alias only because tests/test_verdict.py imports it; drop both together.
+_finding = Finding
 
 
 def grown_categories(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:

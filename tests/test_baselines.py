@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+import pytest_gpumem
 import pytest_gpumem.baselines as baselines
 from pytest_gpumem.baselines import (
     BaselineEntry,
@@ -44,7 +45,7 @@ H100 = Environment(
     cudnn_version="91002",
     allocator=(),
 )
-PACKAGE = Path(baselines.__file__).parent
+PACKAGE = Path(pytest_gpumem.__file__).parent
 
 
 def span(name: str = "call", *, start: int = 0, peak: int = 10 * MiB, allocated: int = MiB, **kw: Any) -> Measurement:
@@ -159,6 +160,96 @@ def test_detect_without_a_device_shows_unknowns(monkeypatch: pytest.MonkeyPatch)
     environment = Environment.detect("cuda", torch.device("cuda"))
     assert (environment.device_name, environment.total_memory, environment.compute_capability) == (None, None, None)
     assert "| unknown | memory unknown | cc unknown |" in environment.key
+
+
+# --------------------------------------------------------------------------- environment labels
+
+LABELLED = Environment(
+    engine="cpu", torch_version="2.13", cuda_rounding=False, labels=(("zone", "eu"), ("image", "cu128"))
+)
+
+
+def test_labels_are_sorted_and_come_last_in_the_key() -> None:
+    assert LABELLED.labels == (("image", "cu128"), ("zone", "eu"))
+    assert Environment(**{**CPU.__dict__, "labels": {"zone": "eu", "image": "cu128"}}) == LABELLED
+    assert LABELLED.key == "cpu | torch 2.13 | cuda_rounding off | image=cu128 | zone=eu"
+    assert LABELLED.to_dict()["labels"] == {"image": "cu128", "zone": "eu"}
+    assert Environment.from_dict(json.loads(json.dumps(LABELLED.to_dict()))) == LABELLED  # as xdist workers send it
+    tuned = Environment(**{**H100.__dict__, "allocator": (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)})
+    labelled_gpu = Environment(**{**tuned.__dict__, "labels": (("cluster", "a"),)})
+    assert labelled_gpu.key == tuned.key + " | cluster=a"
+    assert Environment(**{**H100.__dict__, "labels": (("cluster", "a"),)}).key.endswith(
+        "| default allocator | cluster=a"
+    )
+
+
+def test_no_labels_leave_keys_and_dicts_as_they_were() -> None:
+    assert CPU.labels == () and "labels" not in CPU.to_dict() and "labels" not in H100.to_dict()
+    assert CPU.key == "cpu | torch 2.13 | cuda_rounding off"
+    assert Environment.from_dict(CPU.to_dict()).labels == ()
+
+
+def test_labels_round_trip_through_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "b.json"
+    store = BaselineStore()
+    store.record(LABELLED, "t.py::a", [span()])
+    store.record(CPU, "t.py::a", [span(peak=3 * MiB)])
+    save(store, path)
+    text = path.read_text()
+    described = json.loads(text)["environments"][LABELLED.key]["environment"]
+    assert list(described)[-1] == "labels" and list(described["labels"].items()) == [("image", "cu128"), ("zone", "eu")]
+    assert '"labels"' not in json.dumps(json.loads(text)["environments"][CPU.key])
+    again = load(path)
+    assert again.environment(LABELLED.key) == LABELLED
+    assert again.environment_keys() == (CPU.key, LABELLED.key)
+    entry = again.entry(LABELLED.key, "t.py::a")
+    assert entry is not None and entry.cost("peak") == 10 * MiB
+    # a hand-edited file with labels out of order is written back in canonical order
+    data = json.loads(text)
+    data["environments"][LABELLED.key]["environment"]["labels"] = {"zone": "eu", "image": "cu128"}
+    write(path, json.dumps(data, indent=2))
+    reordered = load(path)
+    assert save(reordered)
+    assert path.read_text() == text
+
+
+@pytest.mark.parametrize(
+    ("labels", "words"),
+    [
+        ((("", "x"),), "'=x': the name is empty"),
+        ((("team", ""),), "'team=': the value is empty"),
+        ((("a|b", "x"),), "'a|b=x': the name contains '|'"),
+        ((("team", "x | y"),), "'team=x | y': the value contains '|'"),
+        ((("team", "x\ny"),), "the value contains a line break"),
+        ((("team", "x\r"),), "the value contains a line break"),
+        ((("team ", "x"),), "leading or trailing spaces"),
+        ((("a=b", "x"),), "the name contains '='"),
+        ((("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),), "CUBLAS_WORKSPACE_CONFIG is an allocator variable"),
+        ((("team", 3),), "'team'=3: the value must be a string"),
+        ((("team",),), "expected a (name, value) pair"),
+        ((("team", "a"), ("team", "b")), "the name 'team' appears twice"),
+        (None, "None: expected (name, value) pairs or a mapping"),
+        ("team=a", "'team=a': expected (name, value) pairs or a mapping"),
+    ],
+)
+def test_bad_labels_are_refused_by_name(labels: Any, words: str) -> None:
+    with pytest.raises(ValueError, match="invalid environment label") as info:
+        Environment(engine="cpu", labels=labels)
+    assert words in str(info.value)
+
+
+def test_bad_labels_in_a_file_are_located(tmp_path: Path) -> None:
+    good = BaselineStore()
+    good.record(LABELLED, "t.py::a", [span()])
+    text = good.dumps().decode().replace('"zone": "eu"', '"zone": "eu|west"')
+    path = write(tmp_path / "b.json", text)
+    line = text.splitlines().index('          "zone": "eu|west"') + 1
+    error = assert_error(path, line, '["labels"]["zone"]', "the value contains '|'")
+    assert "Correct it by hand" in str(error)
+    data = json.loads(good.dumps())
+    data["environments"][LABELLED.key]["environment"]["labels"] = ["image=cu128"]
+    path = write(tmp_path / "c.json", json.dumps(data))
+    assert_error(path, 1, '["labels"]: expected an object of strings, found an array')
 
 
 # --------------------------------------------------------------------------- round trip and layout
@@ -349,8 +440,9 @@ def test_environment_description_does_not_churn() -> None:
     # another runner: same key (memory shown in whole GiB) but 1 MiB less reported
     twin = Environment(**{**H100.__dict__, "total_memory": H100.total_memory - MiB})  # type: ignore[operator]
     assert twin.key == H100.key
-    later = BaselineStore._from_tree(json.loads(store.dumps()))
-    del later._envs[H100.key]["environment"]["cudnn_version"]  # as if written by a release without it
+    tree = store.to_dict()
+    del tree["environments"][H100.key]["environment"]["cudnn_version"]  # as if written by a release without it
+    later = BaselineStore.from_dict(tree)
     later.record(twin, "t.py::b", [span()])
     described = later.to_dict()["environments"][H100.key]["environment"]
     assert described["total_memory"] == H100.total_memory  # first recorded value kept
@@ -381,6 +473,61 @@ def test_entry_from_measurement_stores_costs() -> None:
     entry = BaselineEntry.from_measurement(m, extra_costs={"max_microbatch": 4})
     assert entry.costs == {"peak": 7 * MiB, "allocated": MiB, "reserved": None, "max_microbatch": 4}
     assert entry.start == 3 * MiB
+
+
+def test_remove_environment() -> None:
+    store = recorded("t.py::a", "t.py::b")
+    store.record(H100, "t.py::a", [span()])
+    assert store.remove_environment(CPU.key) == 2
+    assert store.environment_keys() == (H100.key,)
+    assert store.remove_environment(CPU.key) == 0
+    assert store.remove_environment("no such environment") == 0
+    assert store.environment_keys() == (H100.key,)
+
+
+def test_from_dict_copies_and_round_trips() -> None:
+    store = recorded("t.py::a", "t.py::b")
+    tree = store.to_dict()
+    tree["generator"] = {"name": "x"}
+    again = BaselineStore.from_dict(tree)
+    assert again.dumps() == (json.dumps(tree, indent=2, ensure_ascii=False) + "\n").encode()
+    tree["environments"][CPU.key]["tests"].clear()  # the store holds a copy
+    assert again.tests(CPU.key) == ("t.py::a", "t.py::b")
+    assert again.path is None
+    assert BaselineStore.from_dict({"schema": 1}).environment_keys() == ()
+
+
+def test_to_dict_is_a_copy() -> None:
+    store = recorded("t.py::a")
+    store.to_dict()["environments"].clear()
+    assert store.tests(CPU.key) == ("t.py::a",)
+
+
+def one_span(**values: Any) -> dict[str, Any]:
+    return {"schema": 1, "environments": {"k": {"tests": {"t": {"spans": {"call": values}}}}}}
+
+
+@pytest.mark.parametrize(
+    ("tree", "words"),
+    [
+        ({"schema": 2, "environments": {}}, "schema version 2"),
+        (one_span(peak="1 MiB"), '["call"]["peak"]: expected an integer number of bytes'),
+        (one_span(peak=float("nan")), "not JSON data"),
+        (one_span(notes={1, 2}), "not JSON data"),
+    ],
+)
+def test_from_dict_refuses_what_load_refuses(tree: dict[str, Any], words: str) -> None:
+    with pytest.raises(BaselineFileError) as info:
+        BaselineStore.from_dict(tree, source="generated")
+    assert str(info.value).startswith("generated: ") and words in str(info.value)
+    assert "git checkout" not in str(info.value)  # no file to restore
+
+
+def test_dumps_refuses_nan_in_unknown_keys() -> None:
+    store = BaselineStore()
+    store.record(CPU, "t.py::a", {"call": BaselineEntry({"peak": 1}, extra={"ratio": float("nan")})})
+    with pytest.raises(ValueError, match="JSON"):
+        store.dumps()
 
 
 # --------------------------------------------------------------------------- stale and prune
@@ -711,11 +858,12 @@ def test_sigkill_at_random_moments_never_leaves_a_broken_file(tmp_path: Path) ->
             store = bl.load(path)
             for i in range(5_000):
                 store.record(env, f"t.py::test_{i}", {"call": bl.BaselineEntry({"peak": i, "allocated": 1}, start=0)})
-            generation = store.to_dict().get("generation", 0)
+            tree = store.to_dict()
+            generation = tree.get("generation", 0)
             while True:
                 generation += 1
-                store._top["generation"] = generation
-                bl.save(store)
+                tree["generation"] = generation
+                bl.save(bl.BaselineStore.from_dict(tree), path, force=True)
                 open(marker, "w").close()
             """,
             str(path),
@@ -738,3 +886,29 @@ def test_sigkill_at_random_moments_never_leaves_a_broken_file(tmp_path: Path) ->
     store.record(CPU, "t.py::after", [span()])
     save(store)
     assert temp_files(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- the package
+
+
+def test_the_package_imports_neither_torch_nor_pytest() -> None:
+    code = CHILD_PRELUDE.split("path, marker")[0] + textwrap.dedent(
+        """
+        import pytest_gpumem.baselines.environment, pytest_gpumem.baselines.saving
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "pytest", "_pytest", "numpy"))
+        assert not heavy, heavy
+        assert bl.Environment(engine="cpu", torch_version="2.13").key == "cpu | torch 2.13 | cuda_rounding unknown"
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_package_exports_what_the_module_did() -> None:
+    names = {
+        "ALLOCATOR_VARIABLES", "BASELINE_METRICS", "CALL_SPAN", "ENGINES", "ORPHAN_AGE_S", "SCHEMA_VERSION",
+        "BaselineEntry", "BaselineFileError", "BaselineStore", "Environment", "StaleEntry", "allocator_settings",
+        "load", "parse", "save",
+    }  # fmt: skip
+    assert names <= set(baselines.__all__)
+    assert all(getattr(baselines, name) is not None for name in baselines.__all__)
+    assert baselines.DEFAULT_FILENAME == "gpumem-baselines.json"

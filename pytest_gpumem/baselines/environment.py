@@ -1,0 +1,319 @@
+"""What makes memory figures comparable: :class:`Environment` and its key.
+
+Never imports torch at module level: only :meth:`Environment.detect` does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpumem.units import format_size
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ALLOCATOR_VARIABLES", "ENGINES", "Environment", "allocator_settings", "check_label"]
+
+#: Engines an :class:`Environment` can describe (see :class:`~pytest_gpumem.figures.Measurement`).
+ENGINES: tuple[str, ...] = ("cuda", "cpu")
+
+#: Environment variables that change what the caching allocator holds, in the
+#: order they appear in an environment key. Only the ones that are set are recorded.
+ALLOCATOR_VARIABLES: tuple[str, ...] = (
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_HIP_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "PYTORCH_NO_CUDA_MEMORY_CACHING",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "CUBLASLT_WORKSPACE_SIZE",
+    "TORCH_CUBLASLT_UNIFIED_WORKSPACE",
+    "TORCH_CUBLAS_WORKSPACE_CACHE",
+)
+
+_VERSION_RE = re.compile(r"^\s*(\d+)\.(\d+)")
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What makes memory figures comparable between two runs.
+
+    Two runs whose environments have the same :attr:`key` compare their figures
+    with each other; figures recorded under another key are kept side by side
+    and never compared. A value that could not be found out is ``None`` and
+    shows as ``unknown`` in the key.
+
+    Attributes:
+        engine: ``"cuda"`` (a device's caching allocator: CUDA, ROCm, XPU) or
+            ``"cpu"`` (the exact tensor-storage tracker).
+        device_name: the device model, e.g. ``"NVIDIA H100 80GB HBM3"``;
+            ``None`` on the CPU engine.
+        total_memory: device memory in bytes as the runtime reports it;
+            ``None`` on the CPU engine.
+        compute_capability: ``"9.0"`` on CUDA, the ``gfx`` architecture on ROCm
+            (``"gfx90a"``); ``None`` elsewhere.
+        torch_version: PyTorch ``major.minor`` (``"2.13"``).
+        cuda_version: the CUDA version PyTorch was built with (``"12.8"``);
+            ``None`` on ROCm, XPU and the CPU engine.
+        hip_version: the HIP version of a ROCm build (``"6.2"``); else ``None``.
+        cudnn_version: cuDNN's (MIOpen's on ROCm) integer version as PyTorch
+            reports it (``"91002"``); ``None`` when unavailable or on the CPU engine.
+        allocator: ``(name, value)`` of each :data:`ALLOCATOR_VARIABLES` that is
+            set, in that order; ``()`` means all defaults; ``None`` on the CPU
+            engine, where the caching allocator plays no part.
+        cuda_rounding: CPU engine only: whether each storage was rounded up to
+            the CUDA caching allocator's 512-byte blocks. ``None`` on ``"cuda"``.
+        labels: ``(name, value)`` pairs the user chose to tell apart runs that
+            the fields above cannot (a container image, a cluster, a build
+            flag), sorted by name. Each becomes part of the key as
+            ``name=value``. Names and values are non-empty strings without
+            ``|``, line breaks or surrounding spaces (see :func:`check_label`);
+            anything else raises ``ValueError`` naming the label. A mapping
+            ``{name: value}`` is accepted too.
+
+    The CPU engine counts tensor-storage bytes: they depend on PyTorch (which
+    tensors autograd saves, how optimizers lay out their state) and on the
+    rounding option, but not on the CPU model, its memory or the CUDA build of
+    torch. Its key therefore holds only the engine, torch ``major.minor`` and
+    ``cuda_rounding`` (and the labels, if any), so that baselines recorded on a
+    laptop hold on any CI runner.
+    """
+
+    engine: str
+    device_name: str | None = None
+    total_memory: int | None = None
+    compute_capability: str | None = None
+    torch_version: str | None = None
+    cuda_version: str | None = None
+    hip_version: str | None = None
+    cudnn_version: str | None = None
+    allocator: tuple[tuple[str, str], ...] | None = None
+    cuda_rounding: bool | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "labels", _label_pairs(self.labels))
+
+    @classmethod
+    def detect(cls, engine: str, device: torch.device | str | None = None, cuda_rounding: bool = False) -> Environment:
+        """Describe the environment of the running process for ``engine`` on ``device``.
+
+        ``cuda_rounding`` is the CPU engine's rounding option and is ignored
+        for ``"cuda"``. Properties that cannot be read are ``None``; this never
+        raises for a missing or broken device. Raises ``ValueError`` for an
+        unknown engine. The result has no labels.
+        """
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+        import torch
+
+        torch_version = _major_minor(torch.__version__)
+        if engine == "cpu":
+            return cls(engine="cpu", torch_version=torch_version, cuda_rounding=bool(cuda_rounding))
+        dev = torch.device(device if device is not None else "cuda")
+        hip = getattr(torch.version, "hip", None)
+        name, total, capability = _device_properties(dev, rocm=bool(hip))
+        cuda_like = dev.type == "cuda"
+        cuda_version = _major_minor(torch.version.cuda) if cuda_like and not hip else None
+        hip_version = _major_minor(hip) if cuda_like and hip else None
+        cudnn_version: str | None = None
+        if cuda_like:
+            cudnn_query: Callable[[], int | None] = torch.backends.cudnn.version
+            try:
+                number = cudnn_query()
+            except Exception:  # pragma: no cover - defensive: a broken cuDNN install
+                number = None
+            cudnn_version = None if number is None else str(number)
+        return cls(
+            engine="cuda",
+            device_name=name,
+            total_memory=total,
+            compute_capability=capability,
+            torch_version=torch_version,
+            cuda_version=cuda_version,
+            hip_version=hip_version,
+            cudnn_version=cudnn_version,
+            allocator=allocator_settings(os.environ),
+            cuda_rounding=None,
+        )
+
+    @property
+    def key(self) -> str:
+        """A stable, human-readable key: the parts that make figures comparable, joined by ``" | "``.
+
+        Examples: ``"cpu | torch 2.13 | cuda_rounding off"`` and
+        ``"cuda | NVIDIA H100 80GB HBM3 | 79 GiB | cc 9.0 | torch 2.13 | CUDA 12.8 | cuDNN 91002 |
+        default allocator"``; labels come last (``"... | default allocator | image=cu128-2025.06"``).
+        The key is a function of the fields above, so it can be recomputed
+        from the ``environment`` object stored in the file.
+        """
+        labels = [f"{name}={value}" for name, value in self.labels]
+        if self.engine == "cpu":
+            rounding = "unknown" if self.cuda_rounding is None else ("on" if self.cuda_rounding else "off")
+            return " | ".join(("cpu", f"torch {_shown(self.torch_version)}", f"cuda_rounding {rounding}", *labels))
+        parts = [
+            self.engine,
+            _shown(self.device_name),
+            "memory unknown" if self.total_memory is None else format_size(self.total_memory, precision=0),
+            f"cc {_shown(self.compute_capability)}",
+            f"torch {_shown(self.torch_version)}",
+        ]
+        if self.hip_version is not None:
+            parts += [f"HIP {self.hip_version}", f"MIOpen {_shown(self.cudnn_version)}"]
+        elif self.cuda_version is not None:
+            parts += [f"CUDA {self.cuda_version}", f"cuDNN {_shown(self.cudnn_version)}"]
+        if self.allocator is None:
+            parts.append("allocator unknown")
+        elif not self.allocator:
+            parts.append("default allocator")
+        else:
+            parts += [f"{name}={value}" for name, value in self.allocator]
+        return " | ".join(parts + labels)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict in field order; ``allocator`` and ``labels`` become objects ``{name: value}``.
+
+        ``labels`` is left out when there are none, so that files written
+        before labels existed keep their bytes.
+        """
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "labels":
+                if value:
+                    data["labels"] = dict(value)
+                continue
+            if f.name == "allocator" and value is not None:
+                value = dict(value)
+            data[f.name] = value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Environment:
+        """Rebuild an environment written by :meth:`to_dict`; missing keys are ``None``, unknown ones ignored.
+
+        Raises ``ValueError`` naming the label for a bad label (a file that
+        :func:`~pytest_gpumem.baselines.load` accepted has none).
+        """
+        allocator = data.get("allocator")
+        total = data.get("total_memory")
+        rounding = data.get("cuda_rounding")
+        labels = data.get("labels")
+        if not isinstance(allocator, Mapping):
+            allocator = None
+        return cls(
+            engine=str(data.get("engine", "unknown")),
+            device_name=_opt_str(data.get("device_name")),
+            total_memory=total if type(total) is int else None,
+            compute_capability=_opt_str(data.get("compute_capability")),
+            torch_version=_opt_str(data.get("torch_version")),
+            cuda_version=_opt_str(data.get("cuda_version")),
+            hip_version=_opt_str(data.get("hip_version")),
+            cudnn_version=_opt_str(data.get("cudnn_version")),
+            allocator=None if allocator is None else _allocator_pairs(allocator),
+            cuda_rounding=rounding if isinstance(rounding, bool) else None,
+            labels=_label_pairs(labels) if isinstance(labels, Mapping) else (),
+        )
+
+
+def allocator_settings(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The :data:`ALLOCATOR_VARIABLES` set (non-blank) in ``environ``, as ``(name, stripped value)`` pairs."""
+    return tuple((name, environ[name].strip()) for name in ALLOCATOR_VARIABLES if environ.get(name, "").strip())
+
+
+def check_label(name: object, value: object) -> None:
+    """Raise ``ValueError`` naming the label unless ``name=value`` can be part of an environment key.
+
+    Both must be non-empty strings without ``|``, line breaks or leading or
+    trailing spaces (they would make keys ambiguous or unreadable); the name
+    must not contain ``=`` nor be one of :data:`ALLOCATOR_VARIABLES` (the key
+    shows those already, in the same ``name=value`` form).
+    """
+    shown = repr(f"{name}={value}") if isinstance(name, str) and isinstance(value, str) else f"{name!r}={value!r}"
+    for what, text in (("name", name), ("value", value)):
+        if not isinstance(text, str):
+            raise ValueError(f"invalid environment label {shown}: the {what} must be a string")
+        if not text:
+            raise ValueError(f"invalid environment label {shown}: the {what} is empty")
+        for bad, why in (("|", "'|'"), ("\n", "a line break"), ("\r", "a line break")):
+            if bad in text:
+                raise ValueError(f"invalid environment label {shown}: the {what} contains {why}")
+        if text != text.strip():
+            raise ValueError(f"invalid environment label {shown}: the {what} has leading or trailing spaces")
+    assert isinstance(name, str)
+    if "=" in name:
+        raise ValueError(f"invalid environment label {shown}: the name contains '='")
+    if name in ALLOCATOR_VARIABLES:
+        raise ValueError(f"invalid environment label {shown}: {name} is an allocator variable, keyed already")
+
+
+def _label_pairs(labels: Mapping[str, Any] | Iterable[Any]) -> tuple[tuple[str, str], ...]:
+    """``labels`` (pairs or a mapping) checked with :func:`check_label`, as pairs sorted by name."""
+    if isinstance(labels, Mapping):
+        items: list[Any] = list(labels.items())
+    elif isinstance(labels, (tuple, list)):
+        items = list(labels)
+    else:
+        raise ValueError(f"invalid environment labels {labels!r}: expected (name, value) pairs or a mapping")
+    pairs: dict[str, str] = {}
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ValueError(f"invalid environment label {item!r}: expected a (name, value) pair")
+        name, value = item
+        check_label(name, value)
+        if name in pairs:
+            raise ValueError(f"invalid environment labels: the name {name!r} appears twice")
+        pairs[name] = value
+    return tuple(sorted(pairs.items()))
+
+
+def _allocator_pairs(settings: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """``settings`` as ``(name, value)`` pairs in :data:`ALLOCATOR_VARIABLES` order, other names after, sorted."""
+    return tuple((str(name), str(settings[name])) for name in sorted(settings, key=allocator_rank))
+
+
+def allocator_rank(name: str) -> tuple[int, str]:
+    """Sort key of an allocator variable: :data:`ALLOCATOR_VARIABLES` order, other names after, by name."""
+    return (ALLOCATOR_VARIABLES.index(name), "") if name in ALLOCATOR_VARIABLES else (len(ALLOCATOR_VARIABLES), name)
+
+
+def _device_properties(device: torch.device, *, rocm: bool) -> tuple[str | None, int | None, str | None]:
+    """Name, total memory (bytes) and compute capability of ``device``; ``None`` for what cannot be read."""
+    import torch
+
+    try:
+        module = getattr(torch, device.type)
+        props = module.get_device_properties(device)
+    except Exception:
+        return None, None, None
+    name = getattr(props, "name", None)
+    total = getattr(props, "total_memory", None)
+    capability: str | None = None
+    arch = getattr(props, "gcnArchName", None)
+    if rocm and arch:
+        capability = str(arch).split(":")[0]  # drop feature flags such as ":sramecc+:xnack-"
+    elif isinstance(getattr(props, "major", None), int) and isinstance(getattr(props, "minor", None), int):
+        capability = f"{props.major}.{props.minor}"
+    return (
+        None if name is None else str(name),
+        total if isinstance(total, int) else None,
+        capability,
+    )
+
+
+def _major_minor(version: str | None) -> str | None:
+    if not version:
+        return None
+    match = _VERSION_RE.match(str(version))
+    return f"{match[1]}.{match[2]}" if match else str(version)
+
+
+def _shown(value: str | None) -> str:
+    return "unknown" if value is None else value
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)

@@ -1,0 +1,362 @@
+"""The baselines of one file in memory: :class:`BaselineStore` and its entries."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pytest_gpumem.baselines.canonical import (
+    BASELINE_METRICS,
+    CALL_SPAN,
+    ENV_ORDER,
+    SCHEMA_VERSION,
+    canonical_span,
+    canonical_top,
+    render,
+    span_items,
+)
+from pytest_gpumem.baselines.environment import Environment
+from pytest_gpumem.baselines.validation import BaselineFileError, validate
+from pytest_gpumem.figures import CATEGORIES, Measurement
+
+__all__ = ["BaselineEntry", "BaselineStore", "StaleEntry"]
+
+
+@dataclass(frozen=True)
+class BaselineEntry:
+    """The baseline of one span of one test in one environment.
+
+    Attributes:
+        costs: metric name → recorded cost (bytes for the figures of
+            :data:`~pytest_gpumem.figures.METRICS`; another unit for metrics a
+            later feature adds), ``None`` where the engine could not know it.
+        start: allocated bytes when the span began (absolute; for information,
+            never compared).
+        breakdown: bytes by category at the peak (absolute, sums to the
+            absolute peak); ``None`` when not measured.
+        extra: keys of the span this release does not know, kept verbatim.
+    """
+
+    costs: Mapping[str, int | None]
+    start: int | None = None
+    breakdown: Mapping[str, int] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_measurement(
+        cls,
+        measurement: Measurement,
+        metrics: Iterable[str] = BASELINE_METRICS,
+        *,
+        extra_costs: Mapping[str, int | None] | None = None,
+    ) -> BaselineEntry:
+        """The entry that records ``measurement``: ``measurement.cost(m)`` for each of ``metrics``.
+
+        ``extra_costs`` adds figures that a :class:`Measurement` does not carry
+        (for a later metric such as ``max_microbatch``).
+        """
+        costs: dict[str, int | None] = {metric: measurement.cost(metric) for metric in metrics}
+        if extra_costs:
+            costs.update(extra_costs)
+        breakdown: dict[str, int] | None = None
+        if measurement.breakdown is not None:  # every category, 0 where absent, as Measurement.to_dict writes it
+            breakdown = {c: int(measurement.breakdown.get(c, 0)) for c in CATEGORIES}
+            breakdown.update((c, int(v)) for c, v in measurement.breakdown.items() if c not in breakdown)
+        return cls(costs=costs, start=measurement.start, breakdown=breakdown)
+
+    def cost(self, metric: str) -> int | None:
+        """The recorded cost of ``metric``; ``None`` when unknown or not recorded."""
+        return self.costs.get(metric)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The span object as the file stores it (canonical key order, ``breakdown`` absent when ``None``)."""
+        return canonical_span(self._raw())
+
+    def _raw(self) -> dict[str, Any]:
+        """:meth:`to_dict` without the canonical ordering (the store orders when it writes)."""
+        data: dict[str, Any] = dict(self.extra) if self.extra else {}
+        data.update(self.costs)
+        data["start"] = self.start
+        if self.breakdown is not None:
+            data["breakdown"] = dict(self.breakdown)
+        else:
+            data.pop("breakdown", None)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BaselineEntry:
+        """Read a span object: integer or null values are costs, ``start`` and ``breakdown`` are
+        themselves, anything else goes to :attr:`extra`."""
+        costs: dict[str, int | None] = {}
+        extra: dict[str, Any] = {}
+        start: int | None = None
+        breakdown: Mapping[str, int] | None = None
+        for key, value in data.items():
+            if key == "start":
+                start = value if type(value) is int else None
+            elif key == "breakdown":
+                breakdown = None if value is None else dict(value)
+            elif value is None or type(value) is int:
+                costs[key] = value
+            else:
+                extra[key] = value
+        return cls(costs, start, breakdown, extra)
+
+
+@dataclass(frozen=True)
+class StaleEntry:
+    """A test that has baselines in ``environment`` but no longer exists; ``spans`` are its recorded spans."""
+
+    environment: str
+    test: str
+    spans: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class BaselineStore:
+    """All baselines of one file, in memory.
+
+    The store keeps the JSON tree it was loaded from, so keys this release does
+    not know survive a rewrite; lookups build :class:`BaselineEntry` objects on
+    demand. Get one with :func:`load` (a missing file gives an empty store)
+    or ``BaselineStore()`` for a file that does not exist yet; write it with
+    :func:`save`.
+    """
+
+    def __init__(self) -> None:
+        self._top: dict[str, Any] = {"schema": SCHEMA_VERSION, "environments": {}}
+        self._envs: dict[str, Any] = self._top["environments"]
+        #: The file this store was loaded from or last saved to, if any.
+        self.path: Path | None = None
+        self._fingerprint: tuple[int, int, int, int] | None = None
+        self._digest: bytes | None = None
+        self._described: set[str] = set()  # environments whose description record() completed
+
+    # -- reading -----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Number of (environment, test) pairs with baselines."""
+        return sum(len(env.get("tests", {})) for env in self._envs.values())
+
+    def environment_keys(self) -> tuple[str, ...]:
+        """Keys of every environment in the store, sorted."""
+        return tuple(sorted(self._envs))
+
+    def environment(self, key: str) -> Environment | None:
+        """The environment stored under ``key``; ``None`` when there is none."""
+        env = self._envs.get(key)
+        return None if env is None else Environment.from_dict(env.get("environment") or {})
+
+    def tests(self, environment: str) -> tuple[str, ...]:
+        """Node ids with baselines in the environment keyed ``environment``, sorted."""
+        env = self._envs.get(environment)
+        return () if env is None else tuple(sorted(env.get("tests", {})))
+
+    def spans(self, environment: str, test: str) -> dict[str, BaselineEntry]:
+        """Every span baseline of ``test`` in ``environment``: span name → entry (empty when none)."""
+        raw = self._raw_test(environment, test)
+        if raw is None:
+            return {}
+        return {name: BaselineEntry.from_dict(span) for name, span in span_items(raw.get("spans", {}))}
+
+    def entry(self, environment: str, test: str, span: str = CALL_SPAN) -> BaselineEntry | None:
+        """The baseline of ``span`` of ``test`` in ``environment``; ``None`` when there is none."""
+        raw = self._raw_test(environment, test)
+        if raw is None:
+            return None
+        data = raw.get("spans", {}).get(span)
+        return None if data is None else BaselineEntry.from_dict(data)
+
+    def environments_with(self, test: str, *, exclude: str | None = None) -> tuple[str, ...]:
+        """Keys of the environments that have baselines for ``test`` (sorted), leaving out ``exclude``.
+
+        With ``exclude`` set to the current key this answers "baselines only for: ...".
+        """
+        return tuple(sorted(k for k, env in self._envs.items() if k != exclude and test in env.get("tests", {})))
+
+    def _raw_test(self, environment: str, test: str) -> dict[str, Any] | None:
+        env = self._envs.get(environment)
+        if env is None:
+            return None
+        raw: dict[str, Any] | None = env.get("tests", {}).get(test)
+        return raw
+
+    # -- updating ----------------------------------------------------------------------
+
+    def record(
+        self,
+        environment: Environment,
+        test: str,
+        spans: Iterable[Measurement] | Mapping[str, BaselineEntry],
+    ) -> None:
+        """Record the baselines of a test that ran: ``spans`` are its measurements (or entries by span name).
+
+        The test's span set is replaced: a span the test no longer measures (a
+        renamed ``measure()`` block) disappears. Everything else is left as it
+        was: other tests, other environments, and the keys this release does
+        not know at every level (including inside the spans recorded again).
+        Raises ``ValueError`` when two measurements share a span name.
+        """
+        entries: dict[str, BaselineEntry] = {}
+        if isinstance(spans, Mapping):
+            entries = dict(spans)
+        else:
+            for measurement in spans:
+                if measurement.name in entries:
+                    raise ValueError(f"{test}: two measurements of the span {measurement.name!r}")
+                entries[measurement.name] = BaselineEntry.from_measurement(measurement)
+        key = environment.key
+        env = self._envs.get(key)
+        if env is None:
+            env = self._envs[key] = {"environment": environment.to_dict(), "tests": {}}
+        elif key not in self._described:
+            # values already there win: machines that share a key may differ in what the key
+            # rounds (total memory in whole GiB), and rewriting it on every update would churn
+            env["environment"] = {**environment.to_dict(), **(env.get("environment") or {})}
+            env.setdefault("tests", {})
+        self._described.add(key)
+        tests: dict[str, Any] = env["tests"]
+        old_test: dict[str, Any] = tests.get(test) or {}
+        old_spans: dict[str, Any] = old_test.get("spans") or {}
+        new_spans: dict[str, Any] = {}
+        for name, entry in entries.items():
+            _check_entry(test, name, entry)
+            written = entry._raw()
+            old = old_spans.get(name)
+            if old:
+                # keep what this entry does not write; drop a breakdown it no longer has
+                kept = {k: v for k, v in old.items() if k not in written and k != "breakdown"}
+                if kept:
+                    written = {**kept, **written}
+            new_spans[name] = written
+        tests[test] = {**old_test, "spans": new_spans}
+
+    def remove(self, environment: str, test: str) -> bool:
+        """Remove every baseline of ``test`` in ``environment``; True when there was one.
+
+        An environment left without tests is removed too, unless it holds keys
+        this release does not know.
+        """
+        env = self._envs.get(environment)
+        if env is None or test not in env.get("tests", {}):
+            return False
+        del env["tests"][test]
+        if not env["tests"] and set(env) <= set(ENV_ORDER):
+            del self._envs[environment]
+        return True
+
+    def stale(
+        self, collected: Iterable[str], environment: str | None, *, roots: Iterable[str] | None = None
+    ) -> list[StaleEntry]:
+        """Baselines whose test no longer exists, sorted by environment then node id.
+
+        ``collected`` are the node ids of every test pytest collected, deselected
+        ones included. ``environment`` limits the search to one environment key;
+        ``None`` searches all of them. ``roots`` are node-id prefixes (paths
+        such as ``"tests/unit"`` or ``"tests/test_a.py"``) naming what this run
+        collected; a baseline outside them is never stale. ``None`` means the
+        whole suite was collected.
+
+        The plugin passes the current environment: a test may exist only where
+        it can be collected (parametrized over the available devices, or in a
+        module skipped at import on machines without a library), so a run in
+        one environment cannot tell that another environment's test is gone.
+        """
+        ids = collected if isinstance(collected, (set, frozenset)) else set(collected)
+        prefixes = None if roots is None else [_normalize_root(root) for root in roots]
+        keys = sorted(self._envs) if environment is None else [environment]
+        found: list[StaleEntry] = []
+        for key in keys:
+            env = self._envs.get(key)
+            if env is None:
+                continue
+            for test, raw in sorted(env.get("tests", {}).items()):
+                if test in ids or (prefixes is not None and not any(_under(test, p) for p in prefixes)):
+                    continue
+                found.append(StaleEntry(key, test, tuple(name for name, _ in span_items(raw.get("spans", {})))))
+        return found
+
+    def prune(self, stale: Iterable[StaleEntry]) -> int:
+        """Remove the baselines :meth:`stale` reported; returns how many tests were removed."""
+        return sum(self.remove(entry.environment, entry.test) for entry in stale)
+
+    def remove_environment(self, environment: str) -> int:
+        """Remove the environment keyed ``environment`` with everything in it; returns how many tests it had.
+
+        Returns 0 (and changes nothing) when there is no such environment.
+        """
+        env = self._envs.pop(environment, None)
+        return 0 if env is None else len(env.get("tests", {}))
+
+    # -- serialising -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole file as a new JSON-ready dict in canonical order (see :mod:`pytest_gpumem.baselines`)."""
+        return canonical_top(self._top)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> BaselineStore:
+        """A store holding a copy of ``data``, a tree as :meth:`to_dict` returns it or ``json.load`` reads it.
+
+        Checks ``data`` as :func:`~pytest_gpumem.baselines.load` checks a
+        file, and raises :class:`BaselineFileError` naming ``source`` for
+        anything it would refuse, or for values that are not JSON (NaN, sets).
+        """
+        try:
+            text = json.dumps(data, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise BaselineFileError(source, f"not JSON data: {exc}") from None
+        tree = json.loads(text)
+        validate(tree, "", source, hint="")
+        return cls._from_tree(tree)
+
+    def dumps(self) -> bytes:
+        """The file's bytes: canonical JSON, UTF-8, 2-space indent, newline at the end.
+
+        The same baselines give the same bytes whatever order they were
+        recorded in, which is how parallel workers reproduce a serial run.
+        Raises ``ValueError`` for a NaN or infinity in a key this release does
+        not know (a file cannot hold one).
+        """
+        return render(self.to_dict())
+
+    @classmethod
+    def _from_tree(cls, tree: dict[str, Any]) -> BaselineStore:
+        """A store that adopts ``tree`` (validated, not copied): for :func:`~pytest_gpumem.baselines.parse`."""
+        store = cls()
+        tree.setdefault("environments", {})
+        store._top = tree
+        store._envs = tree["environments"]
+        return store
+
+
+def _check_entry(test: str, span: str, entry: BaselineEntry) -> None:
+    """Refuse values the file could not hold as integer bytes (floats, bools, strings)."""
+    for metric, value in entry.costs.items():
+        if metric in ("start", "breakdown"):
+            raise ValueError(f"{test} [{span}]: {metric!r} is not a metric name")
+        if value is not None and type(value) is not int:
+            raise TypeError(f"{test} [{span}] {metric}: expected an int or None, got {value!r}")
+    if entry.start is not None and type(entry.start) is not int:
+        raise TypeError(f"{test} [{span}] start: expected an int or None, got {entry.start!r}")
+    if entry.breakdown is not None and not all(type(v) is int for v in entry.breakdown.values()):
+        raise TypeError(f"{test} [{span}] breakdown: expected int bytes per category, got {dict(entry.breakdown)!r}")
+
+
+def _normalize_root(root: str) -> str:
+    root = root.replace(os.sep, "/").strip()
+    while root.startswith("./"):
+        root = root[2:]
+    return "" if root in ("", ".") else root.rstrip("/")
+
+
+def _under(test: str, root: str) -> bool:
+    if not root or test == root:
+        return True
+    return test.startswith(root) and test[len(root)] in "/:["

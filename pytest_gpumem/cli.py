@@ -1,0 +1,557 @@
+"""The command line: ``python -m pytest_gpumem baselines show|diff|prune``.
+
+Reads and edits a baseline file without running pytest: ``show`` prints its
+baselines, ``diff`` compares two versions of it (a path or a git ``REV:PATH``
+on each side), ``prune`` removes baselines of tests, of a whole environment, or
+of tests whose file is gone. Every size is bytes, shown as KiB / MiB / GiB
+(1024-based) unless ``--bytes`` asks for exact counts.
+
+Exit status: 0 on success; 1 when ``diff --fail-on-growth`` found a cost that
+grew beyond the tolerance; 2 for a usage error, a file that cannot be read, a
+filter that matches nothing, or a failed ``git show``. Errors are one line on
+standard error (followed by a ``hint:`` line where the file error has advice),
+never a traceback.
+
+Imports neither torch nor pytest, so it starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tabulate import tabulate
+
+from pytest_gpumem.baselines import (
+    BASELINE_METRICS,
+    CALL_SPAN,
+    DEFAULT_FILENAME,
+    BaselineEntry,
+    BaselineFileError,
+    BaselineStore,
+    load,
+    parse,
+    save,
+)
+from pytest_gpumem.figures import METRICS
+from pytest_gpumem.units import format_percent
+from pytest_gpumem.verdict import Tolerance, metric_info, parse_tolerance
+
+__all__ = ["main"]
+
+PROG = "python -m pytest_gpumem"
+
+#: Exit status: a cost grew beyond the tolerance (``diff --fail-on-growth``).
+EXIT_GREW = 1
+#: Exit status: bad usage, an unreadable file, a filter that matches nothing, a failed ``git show``.
+EXIT_ERROR = 2
+
+
+class CommandError(Exception):
+    """A problem to report in one line (the message names the file or argument) before exiting with 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parser, actions = _parser()
+    try:
+        args, _ = parser.parse_known_args(arguments)
+        # Again with the action's own parser, intermixed: argparse alone takes no positional after an
+        # option once a command has several positionals (``diff OLD NEW --bytes TEST``).
+        start = arguments.index(args.command, arguments.index(args.group) + 1) + 1
+        namespace = argparse.Namespace(group=args.group, command=args.command)
+        args = actions[args.command].parse_intermixed_args(arguments[start:], namespace)
+    except SystemExit as exc:  # --help (0) or a usage error (2), already printed by argparse
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except BaselineFileError as exc:
+        message, _, hint = str(exc).partition("\n")
+        _error(f"{args.command}: error: {message}", hint)
+    except CommandError as exc:
+        _error(f"{args.command}: error: {exc}")
+    except BrokenPipeError:  # the reader went away (``| head``): not an error of ours
+        _quiet_stdout()
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    return EXIT_ERROR
+
+
+def _error(message: str, hint: str = "") -> None:
+    print(f"{PROG} baselines {message}", file=sys.stderr)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor
+        pass
+    finally:
+        os.close(devnull)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser of the whole command line, and each action's own parser by name."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Tools for pytest-gpumem's baseline file.",
+        epilog="Exit status: 0 success, 1 a cost grew (diff --fail-on-growth), 2 an error.",
+    )
+    commands = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
+    group = commands.add_parser(
+        "baselines",
+        help="show, compare or prune the baseline file",
+        description="Show, compare or prune the baseline file.",
+    )
+    sub = group.add_subparsers(dest="command", required=True, metavar="ACTION")
+
+    def common(p: argparse.ArgumentParser, *, tests_help: str, env_help: str) -> None:
+        p.add_argument("tests", nargs="*", metavar="TEST", help=tests_help)
+        p.add_argument("--env", metavar="TEXT", help=env_help)
+
+    def display(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--bytes", action="store_true", help="show exact byte counts instead of KiB / MiB / GiB")
+        p.add_argument("--markdown", action="store_true", help="print Markdown tables (for a pull-request comment)")
+
+    file_help = f"the baseline file (default: {DEFAULT_FILENAME} in the current folder)"
+
+    show = sub.add_parser(
+        "show",
+        help="print the baselines, one table per environment",
+        description="Print the recorded costs of every test and span, one table per environment.",
+    )
+    show.add_argument("--file", type=Path, default=Path(DEFAULT_FILENAME), metavar="PATH", help=file_help)
+    common(
+        show,
+        tests_help="only tests whose node id contains one of these texts",
+        env_help="only environments whose key contains TEXT (case-insensitive)",
+    )
+    display(show)
+    show.set_defaults(handler=_show)
+
+    diff = sub.add_parser(
+        "diff",
+        help="compare two versions of the baseline file",
+        description=(
+            "Compare two versions of the baseline file: what was added, removed or changed, per environment, "
+            "test, span and metric. Each side is a path or REV:PATH, read with `git show` "
+            "(main:gpumem-baselines.json; REV:./PATH for a path relative to the current folder)."
+        ),
+    )
+    diff.add_argument("old", metavar="OLD", help="the version before: a path or REV:PATH")
+    diff.add_argument("new", metavar="NEW", help="the version after: a path or REV:PATH")
+    common(
+        diff,
+        tests_help="only tests whose node id contains one of these texts",
+        env_help="only environments whose key contains TEXT (case-insensitive)",
+    )
+    diff.add_argument(
+        "--fail-on-growth",
+        action="store_true",
+        help="exit with 1 when a cost grew beyond the tolerance (for max_microbatch: when it fell)",
+    )
+    diff.add_argument(
+        "--tolerance",
+        type=_tolerance,
+        default=Tolerance(),
+        metavar="TOL",
+        help="growth that --fail-on-growth lets pass: '2%%', '1MiB' or '2%%,1MiB' (default: 0, any growth)",
+    )
+    display(diff)
+    diff.set_defaults(handler=_diff)
+
+    prune = sub.add_parser(
+        "prune",
+        help="remove baselines of tests, of an environment, or of tests whose file is gone",
+        description=(
+            "Remove baselines and write the file again (atomically). Name the tests (node ids, or path "
+            "prefixes such as tests/test_old.py), or use --missing; with --env alone, remove that "
+            "whole environment; with --env and tests or --missing, remove them from that environment only."
+        ),
+    )
+    prune.add_argument("--file", type=Path, default=Path(DEFAULT_FILENAME), metavar="PATH", help=file_help)
+    common(
+        prune,
+        tests_help="node ids, or path prefixes (tests/test_old.py, tests/legacy), to remove",
+        env_help="the environment: its whole key, or a part of it that only one key contains",
+    )
+    prune.add_argument(
+        "--missing",
+        action="store_true",
+        help="remove every test whose file no longer exists under the rootdir",
+    )
+    prune.add_argument(
+        "--rootdir",
+        type=Path,
+        metavar="DIR",
+        help="what node ids are relative to, for --missing (default: the baseline file's folder)",
+    )
+    prune.add_argument("--dry-run", action="store_true", help="print what would be removed; write nothing")
+    prune.set_defaults(handler=_prune)
+    return parser, {"show": show, "diff": diff, "prune": prune}
+
+
+def _tolerance(text: str) -> Tolerance:
+    try:
+        return parse_tolerance(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# --------------------------------------------------------------------------- reading and filtering
+
+
+def _read(path: Path) -> BaselineStore:
+    """The store in ``path``, which must exist (unlike for pytest, a missing file is an error here)."""
+    if not path.exists():
+        raise CommandError(f"{path}: no such file")
+    return load(path)
+
+
+def _read_side(spec: str) -> BaselineStore:
+    """One side of ``diff``: a file, or ``REV:PATH`` read with ``git show``."""
+    if os.path.exists(spec):
+        return _read(Path(spec))
+    revision, colon, path = spec.partition(":")
+    if not colon or not revision or not path:
+        raise CommandError(f"{spec}: no such file (write REV:PATH for a file in git)")
+    if revision.startswith("-"):  # git would read it as an option
+        raise CommandError(f"{spec}: no such file, and {revision!r} is not a revision")
+    try:
+        shown = subprocess.run(["git", "show", spec], capture_output=True, check=False)
+    except OSError as exc:
+        raise CommandError(f"{spec}: cannot run git: {exc.strerror or exc}") from None
+    if shown.returncode != 0:
+        problem = shown.stderr.decode(errors="replace").strip().splitlines()
+        raise CommandError(f"{spec}: git show failed: {problem[0] if problem else f'exit {shown.returncode}'}")
+    return parse(shown.stdout, spec)
+
+
+def _environments(stores: Iterable[BaselineStore], text: str | None) -> list[str]:
+    """The environment keys of ``stores`` whose key contains ``text`` (case-insensitive), sorted."""
+    keys = sorted({key for store in stores for key in store.environment_keys()})
+    if text is None:
+        return keys
+    chosen = [key for key in keys if text.casefold() in key.casefold()]
+    if not chosen:
+        raise CommandError(f"--env {text!r} matches no environment; the keys are: {_listed(keys)}")
+    return chosen
+
+
+def _listed(keys: Sequence[str]) -> str:
+    return "; ".join(repr(key) for key in keys) if keys else "(none: the file has no baselines)"
+
+
+def _matches(test: str, texts: Sequence[str]) -> bool:
+    return not texts or any(text in test for text in texts)
+
+
+def _check_texts(texts: Sequence[str], seen: Iterable[str]) -> None:
+    """Raise naming the first of ``texts`` that no node id in ``seen`` contains."""
+    tests = list(seen)
+    for text in texts:
+        if not any(text in test for test in tests):
+            raise CommandError(f"TEST {text!r} matches no test in the chosen environments")
+
+
+def _metrics(entries: Iterable[BaselineEntry]) -> list[str]:
+    """The metrics of ``entries``: :data:`BASELINE_METRICS`, then other figures, then the rest by name."""
+    names = {metric for entry in entries for metric in entry.costs}
+    known = [m for m in (*BASELINE_METRICS, *METRICS) if m in names or m in BASELINE_METRICS]
+    return list(dict.fromkeys(known)) + sorted(names.difference(known))
+
+
+def _shown(metric: str, value: int | None, exact: bool) -> str:
+    if value is None:
+        return "n/a"
+    return str(value) if exact else metric_info(metric).format(value)
+
+
+def _table(rows: list[list[str]], headers: list[str], right_from: int, markdown: bool) -> str:
+    align = ["left"] * right_from + ["right"] * (len(headers) - right_from)
+    if markdown:  # a "|" in a node id (a parameter) would end the cell
+        rows = [[cell.replace("|", "\\|") for cell in row] for row in rows]
+    return tabulate(
+        rows,
+        headers=headers,
+        tablefmt="github" if markdown else "simple",
+        colalign=align,
+        disable_numparse=True,
+    )
+
+
+def _heading(key: str, detail: str, markdown: bool) -> str:
+    return f"### `{key}` ({detail})" if markdown else f"{key} ({detail})"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+# --------------------------------------------------------------------------- show
+
+
+def _show(args: argparse.Namespace) -> int:
+    store = _read(args.file)
+    keys = _environments([store], args.env)
+    if not keys:
+        print(f"{args.file} has no baselines")
+        return 0
+    _check_texts(args.tests, (test for key in keys for test in store.tests(key)))
+    blocks: list[str] = []
+    for key in keys:
+        tests = [test for test in store.tests(key) if _matches(test, args.tests)]
+        if not tests:
+            continue
+        spans = {test: store.spans(key, test) for test in tests}
+        metrics = _metrics(entry for by_name in spans.values() for entry in by_name.values())
+        rows = [
+            [test, name, *(_cell(entry, metric, args.bytes) for metric in metrics)]
+            for test in tests
+            for name, entry in spans[test].items()
+        ]
+        table = _table(rows, ["test", "span", *metrics], 2, args.markdown)
+        blocks.append(f"{_heading(key, _count(len(tests), 'test'), args.markdown)}\n\n{table}")
+    print("\n\n".join(blocks))
+    return 0
+
+
+def _cell(entry: BaselineEntry, metric: str, exact: bool) -> str:
+    """The cost of ``metric``: ``n/a`` when unknown, empty when the entry does not record it."""
+    return _shown(metric, entry.cost(metric), exact) if metric in entry.costs else ""
+
+
+# --------------------------------------------------------------------------- diff
+
+
+_CHANGE_KINDS = ("grew", "shrank", "changed", "added", "removed")
+
+
+@dataclass(frozen=True)
+class _Change:
+    """One metric of one span that differs between the two sides (``None``: absent or unknown)."""
+
+    kind: str  # "added", "removed", "grew", "shrank" or "changed" (known on one side only)
+    test: str
+    span: str
+    metric: str
+    old: int | None
+    new: int | None
+
+    @property
+    def delta(self) -> int | None:
+        return None if self.old is None or self.new is None else self.new - self.old
+
+    def worse(self, tolerance: Tolerance) -> bool:
+        """Whether the cost grew beyond ``tolerance`` (fell, for a metric where higher is better)."""
+        delta = self.delta
+        if delta is None or self.old is None:
+            return False
+        worse = -delta if metric_info(self.metric).higher_is_better else delta
+        return worse > tolerance.allowed(self.old)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    old, new = _read_side(args.old), _read_side(args.new)
+    keys = _environments([old, new], args.env)
+    _check_texts(args.tests, (test for key in keys for store in (old, new) for test in store.tests(key)))
+    blocks: list[str] = []
+    changes: list[_Change] = []
+    environments = {"added": 0, "removed": 0}
+    for key in keys:
+        before, after = set(old.tests(key)), set(new.tests(key))
+        if not before or not after:
+            count = len([t for t in before | after if _matches(t, args.tests)])
+            if count:
+                what = "removed" if before else "added"
+                environments[what] += 1
+                blocks.append(_heading(key, f"{what} environment, {_count(count, 'test')}", args.markdown))
+            continue
+        found = [
+            change
+            for test in sorted(before | after)
+            if _matches(test, args.tests)
+            for change in _test_changes(test, old.spans(key, test), new.spans(key, test))
+        ]
+        if not found:
+            continue
+        changes += found
+        rows = [_change_row(change, args.bytes) for change in found]
+        table = _table(rows, ["change", "test", "span", "metric", "old", "new", "Δ", "Δ%"], 4, args.markdown)
+        tests = len({change.test for change in found})
+        blocks.append(f"{_heading(key, _count(tests, 'test') + ' changed', args.markdown)}\n\n{table}")
+    kinds = {kind: sum(change.kind == kind for change in changes) for kind in _CHANGE_KINDS}
+    summary = [
+        f"{label}: " + ", ".join(f"{number} {kind}" for kind, number in counts.items() if number)
+        for label, counts in (("environments", environments), ("costs", kinds))
+        if any(counts.values())
+    ]
+    blocks.append("; ".join(summary) or "no differences")
+    print("\n\n".join(blocks))
+    worse = [change for change in changes if change.worse(args.tolerance)]
+    if args.fail_on_growth and worse:
+        lines = [f"{_count(len(worse), 'cost')} got worse beyond the tolerance {args.tolerance.describe()}:"]
+        for change in worse:
+            was, now = (_shown(change.metric, value, args.bytes) for value in (change.old, change.new))
+            lines.append(f"  {change.test} [{change.span}] {change.metric}: {was} -> {now}")
+        print("\n".join(lines), file=sys.stderr)
+        return EXIT_GREW
+    return 0
+
+
+def _test_changes(test: str, old: Mapping[str, BaselineEntry], new: Mapping[str, BaselineEntry]) -> list[_Change]:
+    changes: list[_Change] = []
+    for span in sorted(old.keys() | new.keys(), key=lambda name: (name != CALL_SPAN, name)):
+        before, after = old.get(span), new.get(span)
+        before_costs: Mapping[str, int | None] = before.costs if before is not None else {}
+        after_costs: Mapping[str, int | None] = after.costs if after is not None else {}
+        for metric in _metrics(entry for entry in (before, after) if entry is not None):
+            if metric not in before_costs and metric not in after_costs:
+                continue
+            was, now = before_costs.get(metric), after_costs.get(metric)
+            if metric not in before_costs:
+                kind = "added"
+            elif metric not in after_costs:
+                kind = "removed"
+            elif was == now:
+                continue
+            elif was is None or now is None:
+                kind = "changed"
+            else:
+                kind = "grew" if now > was else "shrank"
+            changes.append(_Change(kind, test, span, metric, was, now))
+    return changes
+
+
+def _change_row(change: _Change, exact: bool) -> list[str]:
+    delta = change.delta
+    if delta is None:
+        shown_delta = percent = ""
+    else:
+        shown_delta = f"{delta:+d}" if exact else metric_info(change.metric).format_delta(delta)
+        percent = format_percent(delta, change.old)
+    return [
+        change.kind,
+        change.test,
+        change.span,
+        change.metric,
+        "" if change.kind == "added" else _shown(change.metric, change.old, exact),
+        "" if change.kind == "removed" else _shown(change.metric, change.new, exact),
+        shown_delta,
+        percent,
+    ]
+
+
+# --------------------------------------------------------------------------- prune
+
+
+def _prune(args: argparse.Namespace) -> int:
+    if not (args.tests or args.missing or args.env):
+        raise CommandError("name what to remove: TEST ..., --missing, or --env KEY for a whole environment")
+    if args.tests and args.missing:
+        raise CommandError("give either TEST ... or --missing, not both")
+    store = _read(args.file)
+    keys = list(store.environment_keys())
+    if args.env is not None:
+        keys = [_one_environment(store, args.env)]
+    verb = "would remove" if args.dry_run else "removed"
+    lines: list[str] = []
+    removed = 0
+    if args.env is not None and not (args.tests or args.missing):
+        (key,) = keys
+        count = len(store.tests(key))
+        store.remove_environment(key)
+        lines.append(f"{verb} environment {key!r} ({_count(count, 'test')})")
+        removed = count
+    else:
+        if args.missing:
+            rootdir = args.rootdir if args.rootdir is not None else args.file.resolve().parent
+            doomed = _missing(store, keys, rootdir)
+        else:
+            doomed = _named(store, keys, args.tests)
+        for key in keys:
+            tests = doomed.get(key, [])
+            if tests:
+                lines.append(f"{key}:")
+                lines += [f"  {verb} {test}" for test in tests]
+            for test in tests:
+                store.remove(key, test)
+            removed += len(tests)
+    if not removed:
+        print("nothing to prune")
+        return 0
+    if not args.dry_run:
+        try:
+            save(store)
+        except OSError as exc:  # the file is as it was: save() writes a temporary file, then renames it
+            raise CommandError(f"{args.file}: cannot write: {exc.strerror or exc}; the file is unchanged") from None
+    summary = f"{verb} the baselines of {_count(removed, 'test')} from {args.file}"
+    print("\n".join([*lines, summary + (" (dry run: nothing written)" if args.dry_run else "")]))
+    return 0
+
+
+def _one_environment(store: BaselineStore, text: str) -> str:
+    """The key ``text`` names: the key itself, or the only key that contains it (case-insensitive)."""
+    keys = store.environment_keys()
+    if text in keys:
+        return text
+    chosen = [key for key in keys if text.casefold() in key.casefold()]
+    if len(chosen) == 1:
+        return chosen[0]
+    if not chosen:
+        raise CommandError(f"--env {text!r} matches no environment; the keys are: {_listed(keys)}")
+    raise CommandError(f"--env {text!r} matches {len(chosen)} environments, name one: {_listed(chosen)}")
+
+
+def _named(store: BaselineStore, keys: Sequence[str], names: Sequence[str]) -> dict[str, list[str]]:
+    """Tests of ``keys`` that ``names`` name (node ids or path prefixes); raises for a name that matches none."""
+    doomed: dict[str, list[str]] = {}
+    for name in names:
+        found = [entry for key in keys for entry in store.stale((), key, roots=[name])]
+        if not found:
+            raise CommandError(f"TEST {name!r} matches no baseline (give a node id or a path prefix); nothing removed")
+        for entry in found:
+            tests = doomed.setdefault(entry.environment, [])
+            if entry.test not in tests:
+                tests.append(entry.test)
+    return {key: sorted(tests) for key, tests in doomed.items()}
+
+
+def _missing(store: BaselineStore, keys: Sequence[str], rootdir: Path) -> dict[str, list[str]]:
+    """Tests of ``keys`` whose file (the node id up to ``::``) does not exist under ``rootdir``.
+
+    Refuses when no test file exists at all: ``rootdir`` is then most likely
+    not the folder node ids are relative to, and pruning would empty the file.
+    """
+    if not rootdir.is_dir():
+        raise CommandError(f"--rootdir {str(rootdir)!r}: no such folder")
+    exists: dict[str, bool] = {}
+    doomed: dict[str, list[str]] = {}
+    for key in keys:
+        for test in store.tests(key):
+            path = test.split("::", 1)[0]
+            if path not in exists:
+                exists[path] = (rootdir / path).exists()
+            if not exists[path]:
+                doomed.setdefault(key, []).append(test)
+    if exists and not any(exists.values()):
+        raise CommandError(
+            f"none of the {_count(len(exists), 'test file')} exists under {rootdir}: is it the rootdir? "
+            "Pass --rootdir DIR, or name the tests to remove; nothing removed"
+        )
+    return doomed
