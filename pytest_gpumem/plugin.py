@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gpumem import __version__, hooks
-from pytest_gpumem.baselines import BaselineFileError, Environment
+from pytest_gpumem.baselines import DEFAULT_FILENAME, BaselineFileError, Environment
 from pytest_gpumem.gate import Gate, GateOptions, write_artifacts
 from pytest_gpumem.record import TestRecord
 from pytest_gpumem.report import summary_table
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.fixture import GpuMem
     from pytest_gpumem.runner import Engines, Freezer, TestRun
 
-DEFAULT_BASELINES = "gpumem-baselines.json"
+DEFAULT_BASELINES = DEFAULT_FILENAME
 DEFAULT_TOLERANCE = "2%,1MiB"
 
 SPEC_KEY = pytest.StashKey[GpumemSpec]()
@@ -339,8 +339,16 @@ class GpumemManager:
         key = f"{engine}:{device}:{cuda_rounding}"
         if key not in self._environments:
             detected = Environment.detect(engine, device, cuda_rounding)
-            adjusted = self.config.hook.pytest_gpumem_environment(config=self.config, environment=detected)
-            self._environments[key] = (adjusted or detected).to_dict()
+            problem = None
+            try:
+                adjusted = self.config.hook.pytest_gpumem_environment(config=self.config, environment=detected)
+                if adjusted is not None and not isinstance(adjusted, Environment):
+                    raise TypeError(f"expected an Environment or None, got {type(adjusted).__name__}")
+                self._environments[key] = (adjusted or detected).to_dict()
+            except (TypeError, ValueError) as exc:
+                problem = f"pytest_gpumem_environment hook: {exc}"
+            if problem is not None:
+                pytest.fail(problem, pytrace=False)
         return self._environments[key]
 
     @pytest.hookimpl(wrapper=True)

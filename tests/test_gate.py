@@ -314,3 +314,47 @@ def test_baseline_file_is_diffable(pytester: pytest.Pytester) -> None:
     assert any(line.strip().startswith('"peak": ') for line in lines)
     assert text.index('"test_suite.py::test_grows"') < text.index('"test_suite.py::test_steady"')
     assert Path(pytester.path / "gpumem-baselines.json").stat().st_size > 0
+
+
+def test_environment_hook_adds_a_label_to_the_key(pytester: pytest.Pytester) -> None:
+    write_suite(pytester)
+    pytester.makeconftest(
+        """
+import dataclasses
+
+def pytest_gpumem_environment(config, environment):
+    return dataclasses.replace(environment, labels=(("runner", "pool-a"),))
+"""
+    )
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=2)
+    (key,) = baseline_file(pytester)["environments"]
+    assert key.endswith(" | runner=pool-a")
+    assert baseline_file(pytester)["environments"][key]["environment"]["labels"] == {"runner": "pool-a"}
+    pytester.makeconftest(
+        """
+import dataclasses
+
+def pytest_gpumem_environment(config, environment):
+    return dataclasses.replace(environment, labels=(("runner", "pool-b"),))
+"""
+    )
+    other = run(pytester)
+    other.assert_outcomes(passed=2)
+    assert "other-environment" in other.stdout.str()
+
+
+def test_environment_hook_returning_a_bad_value_fails_the_test_clearly(pytester: pytest.Pytester) -> None:
+    write_suite(pytester)
+    pytester.makeconftest(
+        """
+import dataclasses
+
+def pytest_gpumem_environment(config, environment):
+    return dataclasses.replace(environment, labels=(("runner", "a|b"),))
+"""
+    )
+    result = run(pytester)
+    result.assert_outcomes(errors=2)
+    text = result.stdout.str()
+    assert "INTERNALERROR" not in text and "During handling" not in text
+    result.stdout.fnmatch_lines(["*pytest_gpumem_environment hook: invalid environment label 'runner=a|b'*"])
