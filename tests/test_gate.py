@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import run
 
 pytest_plugins = ["pytester"]
 
@@ -31,10 +32,6 @@ def test_steady(gpumem):
 
 def write_suite(pytester: pytest.Pytester, n: int = 64, extra: str = "") -> None:
     pytester.makepyfile(test_suite=SUITE.format(n=n) + extra)
-
-
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-W", "ignore::UserWarning", *args)
 
 
 def baseline_file(pytester: pytest.Pytester) -> dict:  # type: ignore[type-arg]

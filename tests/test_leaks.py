@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from pytest_gpumem.engines import make_engine
 from pytest_gpumem.engines.base import Engine
 from pytest_gpumem.leaks import LeakCheck, confirm_leak, referrer_names, snapshot_storages
 
@@ -51,22 +49,12 @@ def cyclic_step() -> None:
     Node(torch.zeros(5_000))
 
 
-def forget_last_failure() -> None:
-    """Drop what pytest keeps of an earlier failure until the next test's call (its frames hold tensors)."""
-    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-        if hasattr(sys, name):
-            delattr(sys, name)
-
-
 @pytest.fixture
-def engine() -> Iterator[Engine]:
-    forget_last_failure()
-    engine = make_engine(torch.device("cpu"))
-    engine.clean()
-    assert engine.tracker is not None
-    engine.tracker.start()
-    yield engine
-    engine.tracker.stop()
+def engine(cpu_engine: Engine) -> Iterator[Engine]:
+    assert cpu_engine.tracker is not None
+    cpu_engine.tracker.start()
+    yield cpu_engine
+    cpu_engine.tracker.stop()
     CACHE.clear()
     HOLDER.kept = None
     TABLE.clear()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from conftest import forget_last_failure
 from torch import nn
 from torch.nn import functional as F
 
@@ -41,13 +41,6 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
 
 
-def forget_last_failure() -> None:
-    """Drop what pytest keeps of an earlier failure until the next test's call (its frames hold tensors)."""
-    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-        if hasattr(sys, name):
-            delattr(sys, name)
-
-
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
     """Tiny matrices: intra-op threads only add synchronisation (and noise on a busy machine)."""
@@ -58,14 +51,11 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture
-def engine() -> Iterator[Engine]:
-    forget_last_failure()
-    engine = make_engine(torch.device("cpu"))
-    engine.clean()
-    assert engine.tracker is not None
-    engine.tracker.start(saved_tensors=False)
-    yield engine
-    engine.tracker.stop()
+def engine(cpu_engine: Engine) -> Iterator[Engine]:
+    assert cpu_engine.tracker is not None
+    cpu_engine.tracker.start(saved_tensors=False)
+    yield cpu_engine
+    cpu_engine.tracker.stop()
 
 
 @pytest.fixture

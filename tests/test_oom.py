@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Generator, Iterator
 
@@ -12,7 +11,6 @@ from torch import nn
 
 from pytest_gpumem.census import live_tensors
 from pytest_gpumem.devicelimit import device_limit
-from pytest_gpumem.engines import make_engine
 from pytest_gpumem.engines.base import Engine
 from pytest_gpumem.engines.tracker import StorageTracker
 from pytest_gpumem.figures import CATEGORIES
@@ -45,17 +43,9 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: int) -> None
     opt.zero_grad(set_to_none=True)
 
 
-def forget_last_failure() -> None:
-    """Drop what pytest keeps of an earlier failure until the next test's call (its frames hold tensors)."""
-    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-        if hasattr(sys, name):
-            delattr(sys, name)
-
-
 @pytest.fixture
-def engine() -> Engine:
-    forget_last_failure()
-    return make_engine(torch.device("cpu"))
+def engine(cpu_engine: Engine) -> Engine:
+    return cpu_engine
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from conftest import run, run_fresh
 
 pytest_plugins = ["pytester"]
 
@@ -21,14 +22,6 @@ def step(gpumem, width):
     x = torch.randn(64, 256)
     return gpumem.train_step(model, opt, (x, torch.zeros(64, 256)), torch.nn.functional.mse_loss)
 """
-
-
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-W", "ignore::UserWarning", *args)
-
-
-def run_fresh(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore::UserWarning", *args)
 
 
 def test_device_limit_oom_report_and_a_larger_limit_passes(

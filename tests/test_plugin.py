@@ -6,6 +6,7 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
+from conftest import run, run_fresh
 
 pytest_plugins = ["pytester"]
 
@@ -17,17 +18,6 @@ def mlp(d=32, act=torch.nn.GELU, dtype=torch.float32):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(d, 4 * d), act(), torch.nn.Linear(4 * d, d)).to(dtype)
 """
-
-
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    """A pytest session in this process: fast, but tensors that earlier sessions left
-    alive count in its figures; use :func:`run_fresh` to assert absolute figures."""
-    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-W", "ignore::UserWarning", *args)
-
-
-def run_fresh(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    """A pytest session in a new process: nothing else is allocated when it starts."""
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore::UserWarning", *args)
 
 
 def test_limits_pass_and_fail_with_exact_message(pytester: pytest.Pytester) -> None:
