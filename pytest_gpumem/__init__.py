@@ -50,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "mlp_activations": "pytest_gpumem.budgets",
     "transformer_layer_activations": "pytest_gpumem.budgets",
     "register_optimizer": "pytest_gpumem.budgets",
+    "OptimizerState": "pytest_gpumem.budgets",
     "parse_budget": "pytest_gpumem.expressions",
     # sizes and tolerances
     "Tolerance": "pytest_gpumem.verdict",
@@ -71,6 +72,7 @@ __all__ = [
     "MicrobatchError",
     "OomReport",
     "OomWatch",
+    "OptimizerState",
     "Phase",
     "Plan",
     "Span",
@@ -117,6 +119,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from pytest_gpumem.budgets import (
         Budget,
+        OptimizerState,
         count_parameters,
         mlp_activations,
         model_states,

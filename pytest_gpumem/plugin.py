@@ -16,104 +16,29 @@ never imports it nor reads the baseline file.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpumem import __version__, hooks
-from pytest_gpumem.baselines import DEFAULT_FILENAME, BaselineFileError, Environment
-from pytest_gpumem.gate import Gate, GateOptions, write_artifacts
+from pytest_gpumem import hooks
+from pytest_gpumem.baselines import BaselineFileError, Environment
+from pytest_gpumem.gate import Gate, write_artifacts
 from pytest_gpumem.record import TestRecord
 from pytest_gpumem.report import summary_table
-from pytest_gpumem.spec import GpumemSpec, SpecError, marker_help, parse_device, parse_marker
-from pytest_gpumem.units import SizeError, parse_size
-from pytest_gpumem.verdict import failure_message, parse_tolerance
+from pytest_gpumem.settings import OPTIONS, OptionError, Settings
+from pytest_gpumem.spec import GpumemSpec, SpecError, marker_help, parse_marker
+from pytest_gpumem.verdict import failure_message
 
 if TYPE_CHECKING:
     from pytest_gpumem.fixture import GpuMem
     from pytest_gpumem.runner import Engines, Freezer, TestRun
 
-DEFAULT_BASELINES = DEFAULT_FILENAME
-DEFAULT_TOLERANCE = "2%,1MiB"
-
 SPEC_KEY = pytest.StashKey[GpumemSpec]()
 SPEC_ERROR_KEY = pytest.StashKey[str]()
 RUN_KEY: pytest.StashKey[TestRun] = pytest.StashKey()
 RECORD_KEY = pytest.StashKey[TestRecord]()
-
-
-# -- settings -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The run's options, each from the command line or else its ini value."""
-
-    device: str
-    require_gpu: bool
-    breakdown: bool
-    cuda_rounding: bool
-    device_limit: int | None
-    leak_check: bool
-    artifacts: Path
-    artifacts_all: bool
-    snapshot: bool
-    gate: GateOptions
-
-    @classmethod
-    def from_config(cls, config: pytest.Config) -> Settings:
-        def text(name: str) -> str:
-            value = config.getoption(name)
-            return str(value if value is not None else config.getini(name)).strip()
-
-        def flag(name: str) -> bool:  # a store_true option falls back to its ini value when not given
-            value = config.getoption(name)
-            return bool(value) if value is not None else bool(config.getini(name))
-
-        def path(name: str) -> Path | None:
-            value = text(name)
-            if not value:
-                return None
-            found = Path(value).expanduser()
-            return found if found.is_absolute() else config.rootpath / found
-
-        def parsed(name: str, parse: Callable[[str], Any], default: str = "") -> Any:
-            value = text(name) or default
-            try:
-                return parse(value) if value else None
-            except (SpecError, SizeError, ValueError) as exc:
-                option = "--" + name.replace("_", "-")
-                raise pytest.UsageError(f"{option} / ini {name}: {exc}") from None
-
-        artifacts = path("gpumem_artifacts")
-        if artifacts is None:
-            cache = getattr(config, "cache", None)
-            artifacts = cache.mkdir("gpumem-artifacts") if cache is not None else config.rootpath / ".gpumem-artifacts"
-        return cls(
-            device=parsed("gpumem_device", parse_device, "auto"),
-            require_gpu=flag("gpumem_require_gpu"),
-            breakdown=flag("gpumem_breakdown"),
-            cuda_rounding=flag("gpumem_cuda_rounding"),
-            device_limit=parsed("gpumem_device_limit", parse_size),
-            leak_check=flag("gpumem_leak_check"),
-            artifacts=artifacts,
-            artifacts_all=flag("gpumem_artifacts_all"),
-            snapshot=flag("gpumem_snapshot"),
-            gate=GateOptions(
-                baselines=path("gpumem_baselines") or config.rootpath / DEFAULT_BASELINES,
-                tolerance=parsed("gpumem_tolerance", parse_tolerance, DEFAULT_TOLERANCE),
-                update=flag("gpumem_update_baselines"),
-                strict=flag("gpumem_strict"),
-                prune=flag("gpumem_prune"),
-                json_path=path("gpumem_json"),
-                markdown_path=path("gpumem_markdown"),
-                step_summary=not flag("gpumem_no_step_summary"),
-                generator=f"pytest-gpumem {__version__}",
-            ),
-        )
 
 
 # -- options, marker, fixture, hooks --------------------------------------------------
@@ -125,52 +50,28 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("gpumem", "GPU memory guards (pytest-gpumem)")
-
-    def option(name: str, help: str, *, flag: bool = False, default: str = "", metavar: str | None = None) -> None:
-        dest = "gpumem_" + name.replace("-", "_")
-        if flag:
-            group.addoption(f"--gpumem-{name}", dest=dest, action="store_true", default=None, help=help)
-            parser.addini(dest, f"default for --gpumem-{name}", type="bool", default=False)
+    for option in OPTIONS:
+        help = option.help.replace("%", "%%")  # argparse %-formats help texts
+        if option.flag:
+            group.addoption(option.flag_name, dest=option.dest, action="store_true", default=None, help=help)
+            parser.addini(option.dest, f"default for {option.flag_name}", type="bool", default=False)
         else:
-            group.addoption(f"--gpumem-{name}", dest=dest, default=None, metavar=metavar, help=help)
-            parser.addini(dest, f"default for --gpumem-{name}", default=default)
+            group.addoption(option.flag_name, dest=option.dest, default=None, metavar=option.metavar, help=help)
+            parser.addini(option.dest, f"default for {option.flag_name}", default=option.default)
 
-    # argparse %-formats help texts: a percent sign is written %%
-    option(
-        "device",
-        "device measured tests run on: auto (CUDA when available, else CPU), cpu, cuda or cuda:N. Default: auto.",
-        default="auto",
-        metavar="DEVICE",
-    )
-    option("require-gpu", "fail (instead of skip) measured tests when no CUDA device is available.", flag=True)
-    option("breakdown", "on CUDA, also run the storage tracker for the breakdown by category.", flag=True)
-    option("cuda-rounding", "CPU engine: round storages up to 512-byte blocks as CUDA does.", flag=True)
-    option("baselines", f"baseline file (default: {DEFAULT_BASELINES} at the rootdir).", metavar="PATH")
-    option("update-baselines", "record the figures of tests that ran and passed into the baseline file.", flag=True)
-    option(
-        "tolerance",
-        "default tolerance of baseline comparisons: '2%%', '1MiB' or '2%%,1MiB' (default 2%%,1MiB).",
-        default=DEFAULT_TOLERANCE,
-        metavar="TOL",
-    )
-    option("strict", "fail on new, improved, other-environment and stale baselines too (ratcheting CI).", flag=True)
-    option("prune", "with --gpumem-update-baselines: remove baselines of tests that no longer exist.", flag=True)
-    option("json", "write the JSON report (environment, measurements, verdicts) to PATH.", metavar="PATH")
-    option("markdown", "write the Markdown report to PATH.", metavar="PATH")
-    option("no-step-summary", "do not append the Markdown report to $GITHUB_STEP_SUMMARY.", flag=True)
-    option(
-        "device-limit",
-        "run every measured test as if the device had SIZE bytes (e.g. 24GiB); the marker's device_limit wins.",
-        metavar="SIZE",
-    )
-    option("leak-check", "check every measured test for leaks (as retained='0B' does).", flag=True)
-    option(
-        "artifacts",
-        "folder for the HTML memory timelines of failed tests (default: gpumem-artifacts in the pytest cache).",
-        metavar="DIR",
-    )
-    option("artifacts-all", "write artifacts for passing tests too.", flag=True)
-    option("snapshot", "CUDA: record allocation history and write a PyTorch memory snapshot per test.", flag=True)
+
+def _settings(config: pytest.Config) -> Settings:
+    """The run's settings: each option from the command line, else its ini value (flags too)."""
+
+    def value(name: str) -> Any:
+        given = config.getoption(name)
+        return given if given is not None else config.getini(name)
+
+    cache = getattr(config, "cache", None)
+    try:
+        return Settings.read(value, config.rootpath, None if cache is None else lambda: cache.mkdir("gpumem-artifacts"))
+    except OptionError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -221,7 +122,7 @@ class GpumemManager:
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
-        self.settings = Settings.from_config(config)
+        self.settings = _settings(config)
         self.gate = Gate(self.settings.gate)
         self.worker = _is_worker(config)
         self._engines: Engines | None = None

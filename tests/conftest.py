@@ -68,6 +68,16 @@ def cpu_engine() -> Engine:
     return engine
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what exists once collection is done, as the plugin does between measured tests:
+    the many full garbage collections the engines run then cover only what tests create.
+    Tests create their tensors after it, so the engines' scans of live objects see them."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``cuda`` need a CUDA device: skipped with a reason without one."""
     if torch.cuda.is_available():

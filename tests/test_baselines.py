@@ -802,6 +802,7 @@ def temp_files(folder: Path) -> list[str]:
     return sorted(name for name in os.listdir(folder) if name.endswith(".tmp"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
 @pytest.mark.parametrize("stall_in", ["fsync", "replace"])
 def test_sigkill_during_save_keeps_the_old_file(tmp_path: Path, stall_in: str) -> None:
@@ -846,6 +847,7 @@ def test_sigkill_during_save_keeps_the_old_file(tmp_path: Path, stall_in: str) -
     assert load(path).tests(CPU.key) == ("t.py::new", "t.py::old")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
 def test_sigkill_at_random_moments_never_leaves_a_broken_file(tmp_path: Path) -> None:
     path = tmp_path / "gpumem.json"

@@ -252,6 +252,7 @@ def test_the_import_check_sees_only_what_the_wheel_ships(tmp_path: Path) -> None
     assert results["README.md:3"][0] == ("ok" if importlib.util.find_spec("transformers") else "skipped")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", DOCUMENTS, ids=_ids(DOCUMENTS))
 def test_imports_work_outside_the_checkout(path: Path, import_results: dict[str, list[list[str]]]) -> None:
     errors = [
@@ -278,6 +279,7 @@ def _tests_in(block: Block) -> int:
     return sum(isinstance(node, ast.FunctionDef) and node.name.startswith("test") for node in tree.body)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", _TEST_FILES, ids=[f"{b.where}:{b.marker[1]}" for b in _TEST_FILES if b.marker])
 def test_documented_test_files_pass(pytester: pytest.Pytester, block: Block) -> None:
     """Each test file a document shows passes, on the CPU engine as the documents' outputs are."""
@@ -303,6 +305,7 @@ def _gpumem_section(lines: list[str]) -> list[str]:
     return [line.rstrip() for line in lines[start:end]]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not torch.__version__.startswith("2.13."), reason="the quick start's output was recorded with torch 2.13"
 )

@@ -298,6 +298,7 @@ def outcome(expr: BudgetExpr, psi: int | None) -> int | None:
         return None
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(expressions, psis)
 def test_evaluates_like_the_reference(gen: Gen, psi: int) -> None:
@@ -309,6 +310,7 @@ def test_evaluates_like_the_reference(gen: Gen, psi: int) -> None:
         assert outcome(expr, None) == outcome(expr, psi)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(expressions, psis)
 def test_canonical_form_round_trips(gen: Gen, psi: int) -> None:

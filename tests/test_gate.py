@@ -6,7 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run
+import torch
+from conftest import forget_last_failure, run
+
+from pytest_gpumem.baselines import Environment
+from pytest_gpumem.engines import make_engine
+from pytest_gpumem.gate import Gate, GateOptions
+from pytest_gpumem.record import TestRecord
+from pytest_gpumem.runner import TestRun
+from pytest_gpumem.spec import parse_marker
+from pytest_gpumem.verdict import Tolerance
 
 pytest_plugins = ["pytester"]
 
@@ -38,6 +47,87 @@ def baseline_file(pytester: pytest.Pytester) -> dict:  # type: ignore[type-arg]
     return json.loads((pytester.path / "gpumem-baselines.json").read_text(encoding="utf-8"))
 
 
+# --------------------------------------------------------------------------- the gate without pytest
+
+
+def measured(nodeid: str, elements: int, **marker: object) -> TestRecord:
+    """A real record: ``elements`` float32 values allocated in a test on the CPU engine."""
+    forget_last_failure()
+    spec = parse_marker([((), marker)])
+    test = TestRun(nodeid, spec, make_engine("cpu"), environment=Environment.detect("cpu").to_dict())
+    return test.run(lambda: torch.ones(elements))
+
+
+def gate(tmp_path: Path, **options: object) -> Gate:
+    return Gate(GateOptions(baselines=tmp_path / "base.json", tolerance=Tolerance(0.02, 0), **options))  # type: ignore[arg-type]
+
+
+def test_gate_records_then_judges(tmp_path: Path) -> None:
+    first = gate(tmp_path, update=True)
+    assert first.judge(measured("t.py::a", 1000)) == []  # updating never compares
+    first.finish(["t.py::a"])
+    assert first.written
+    again = gate(tmp_path, update=True)
+    again.judge(measured("t.py::a", 1000))
+    again.finish(["t.py::a"])
+    assert not again.written  # the same bytes: the file is left alone
+    judged = gate(tmp_path)
+    ok = judged.judge(measured("t.py::a", 1010))  # +1% is within 2%
+    assert {f.status for f in ok} == {"ok"}
+    grown = judged.judge(measured("t.py::a", 1100))
+    assert [(f.metric, f.status) for f in grown if f.failed] == [("peak", "regressed"), ("allocated", "regressed")]
+    assert [f.status for f in judged.judge(measured("t.py::b", 1000))] == ["new", "new"]  # reserved: n/a on CPU
+
+
+def test_a_record_tolerance_beats_the_runs(tmp_path: Path) -> None:
+    first = gate(tmp_path, update=True)
+    first.judge(measured("t.py::a", 1000))
+    first.finish(None)
+    judged = gate(tmp_path)
+    assert judged.judge(measured("t.py::a", 1100, tolerance="20%"))[0].status == "ok"
+
+
+def test_stale_baselines_are_found_and_pruned(tmp_path: Path) -> None:
+    first = gate(tmp_path, update=True)
+    for nodeid in ("t.py::a", "t.py::gone"):
+        first.judge(measured(nodeid, 100))
+    first.finish(None)
+    later = gate(tmp_path)
+    later.judge(measured("t.py::a", 100))
+    later.finish(["t.py::a"])
+    assert [(f.test, f.status) for f in later.stale] == [("t.py::gone", "stale")]
+    assert not later.stale_failed
+    partial = gate(tmp_path, update=True, prune=True)
+    partial.judge(measured("t.py::a", 100))
+    partial.finish(None)  # a partial collection never prunes
+    assert "t.py::gone" in json.loads((tmp_path / "base.json").read_text())["environments"].popitem()[1]["tests"]
+    pruning = gate(tmp_path, update=True, prune=True)
+    pruning.judge(measured("t.py::a", 100))
+    pruning.finish(["t.py::a"])
+    assert "t.py::gone" not in json.loads((tmp_path / "base.json").read_text())["environments"].popitem()[1]["tests"]
+
+
+def test_a_run_that_measured_nothing_never_reads_the_file(tmp_path: Path) -> None:
+    (tmp_path / "base.json").write_text("not json")
+    nothing = gate(tmp_path, update=True)
+    nothing.finish(["t.py::a"])
+    assert not nothing.loaded and not nothing.written
+    assert (tmp_path / "base.json").read_text() == "not json"
+
+
+def test_reports_are_written(tmp_path: Path) -> None:
+    reports = gate(tmp_path, json_path=tmp_path / "r" / "gpumem.json", markdown_path=tmp_path / "r" / "gpumem.md")
+    reports.judge(measured("t.py::a", 100, peak="1B"))
+    reports.write_reports()
+    data = json.loads((tmp_path / "r" / "gpumem.json").read_text())
+    assert data["summary"]["tests"] == 1 and data["summary"]["failed"] == 1
+    assert (tmp_path / "r" / "gpumem.md").read_text().startswith("## gpumem")
+
+
+# --------------------------------------------------------------------------- end to end (pytest sessions)
+
+
+@pytest.mark.slow
 def test_record_pass_regress_update_cycle(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\ngpumem_tolerance = 1%\n")  # the model grows by ~200 KB: under the 1 MiB default
     write_suite(pytester)
@@ -79,6 +169,7 @@ def test_record_pass_regress_update_cycle(pytester: pytest.Pytester) -> None:
     run(pytester).assert_outcomes(passed=2)
 
 
+@pytest.mark.slow
 def test_improved_and_new_pass_unless_strict(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\ngpumem_tolerance = 1%\n")
     write_suite(pytester, n=256)
@@ -101,6 +192,7 @@ def test_brand_new():
     strict.stdout.fnmatch_lines(["*improved*"])
 
 
+@pytest.mark.slow
 def test_stale_entries_listed_pruned_and_deselected_kept(pytester: pytest.Pytester) -> None:
     write_suite(
         pytester,
@@ -168,6 +260,7 @@ def test_tolerance_by_percent_floor_test_and_span(
     result.assert_outcomes(**{outcome: 1})
 
 
+@pytest.mark.slow
 def test_span_tolerance_applies_to_its_span(pytester: pytest.Pytester) -> None:
     suite = """
 import pytest, torch
@@ -209,6 +302,7 @@ def test_bad_baseline_files_are_clear_errors_and_never_overwritten(
     assert path.read_text(encoding="utf-8") == content
 
 
+@pytest.mark.slow
 def test_baselines_option_and_ini_and_unknown_keys_kept(pytester: pytest.Pytester) -> None:
     write_suite(pytester)
     run(pytester, "--gpumem-update-baselines", "--gpumem-baselines=mem/base.json").assert_outcomes(passed=2)
@@ -228,6 +322,7 @@ def test_baselines_option_and_ini_and_unknown_keys_kept(pytester: pytest.Pyteste
     assert "test_suite.py::test_gone_elsewhere" in env["tests"]
 
 
+@pytest.mark.slow
 def test_other_environment_is_named_never_compared(pytester: pytest.Pytester) -> None:
     write_suite(pytester)
     run(pytester, "--gpumem-update-baselines", "--gpumem-cuda-rounding").assert_outcomes(passed=2)
@@ -239,6 +334,7 @@ def test_other_environment_is_named_never_compared(pytester: pytest.Pytester) ->
     assert "cuda_rounding on" in text
 
 
+@pytest.mark.slow
 def test_json_markdown_and_step_summary(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     write_suite(pytester)
     run(pytester, "--gpumem-update-baselines")
@@ -280,6 +376,7 @@ def test_step(gpumem, n):
 """
 
 
+@pytest.mark.slow
 def test_xdist_update_writes_exactly_what_a_serial_run_writes(pytester: pytest.Pytester) -> None:
     pytest.importorskip("xdist")
     gone = "\n@pytest.mark.gpumem\ndef test_gone():\n    x = torch.ones(8)\n"
@@ -301,6 +398,7 @@ def test_xdist_update_writes_exactly_what_a_serial_run_writes(pytester: pytest.P
     assert "test_x.py::test_gone" in result.stdout.str().split("stale baselines")[1]
 
 
+@pytest.mark.slow
 def test_baseline_file_is_diffable(pytester: pytest.Pytester) -> None:
     write_suite(pytester)
     run(pytester, "--gpumem-update-baselines")
@@ -313,6 +411,7 @@ def test_baseline_file_is_diffable(pytester: pytest.Pytester) -> None:
     assert Path(pytester.path / "gpumem-baselines.json").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_environment_hook_adds_a_label_to_the_key(pytester: pytest.Pytester) -> None:
     write_suite(pytester)
     pytester.makeconftest(
@@ -340,6 +439,7 @@ def pytest_gpumem_environment(config, environment):
     assert "other-environment" in other.stdout.str()
 
 
+@pytest.mark.slow
 def test_environment_hook_returning_a_bad_value_fails_the_test_clearly(pytester: pytest.Pytester) -> None:
     write_suite(pytester)
     pytester.makeconftest(

@@ -12,6 +12,9 @@ from conftest import run, run_fresh
 
 pytest_plugins = ["pytester"]
 
+# Each test runs whole pytest sessions with real training steps.
+pytestmark = pytest.mark.slow
+
 STEP = """
 import pytest, torch
 

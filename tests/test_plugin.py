@@ -20,6 +20,7 @@ def mlp(d=32, act=torch.nn.GELU, dtype=torch.float32):
 """
 
 
+@pytest.mark.slow
 def test_limits_pass_and_fail_with_exact_message(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         MLP
@@ -285,6 +286,7 @@ def test_twice(gpumem):
     run(pytester).assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_allocated_is_read_as_the_test_returns(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
@@ -302,6 +304,7 @@ def test_keeps_a_local():
     assert not any("retained" in line and "exceeds" in line for line in result.outlines)
 
 
+@pytest.mark.slow
 def test_retained_catches_a_leak(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
@@ -340,6 +343,7 @@ def test_raises():
     assert not any("exceeds the limit" in line for line in result.outlines)
 
 
+@pytest.mark.slow
 def test_cuda_device_is_skipped_or_failed_without_a_gpu(pytester: pytest.Pytester) -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -380,6 +384,7 @@ def test_untracked():
     result.stdout.fnmatch_lines(["*allocated='16Ψ'*gpumem.track(model, optimizer)*"])
 
 
+@pytest.mark.slow
 def test_options_fall_back_to_ini(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
@@ -405,6 +410,7 @@ def test_rounding(gpumem):
     overridden.assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_junit_xml_shows_the_failure_and_the_figures(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
@@ -427,6 +433,7 @@ def test_big():
     assert properties["gpumem.retained"] == "0"
 
 
+@pytest.mark.slow
 def test_quiet_summary_shows_only_problems(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """

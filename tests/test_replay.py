@@ -98,6 +98,7 @@ def edit(folder: Path, change: Callable[[dict[str, Any]], None]) -> lib.Loaded:
     return lib.load_record(folder)
 
 
+@pytest.mark.slow
 def test_loader_reads_a_cpu_only_record(cpu_record: Path) -> None:
     loaded = lib.load_record(cpu_record)
     assert not loaded.gpu and loaded.snapshot is None
@@ -109,6 +110,7 @@ def test_loader_reads_a_cpu_only_record(cpu_record: Path) -> None:
         assert m.to_dict() == loaded.record["workloads"][name]["measurement"]
 
 
+@pytest.mark.slow
 def test_every_replay_of_a_cpu_only_record_passes(cpu_record: Path) -> None:
     loaded = lib.load_record(cpu_record)
     results = {aspect: replay(loaded) for aspect, replay in REPLAYS.items()}
@@ -121,12 +123,14 @@ def test_every_replay_of_a_cpu_only_record_passes(cpu_record: Path) -> None:
     assert [c.to_dict() for c in lib.replay(cpu_record)] == [c.to_dict() for aspect in REPLAYS for c in results[aspect]]
 
 
+@pytest.mark.slow
 def test_replay_catches_a_key_that_does_not_match_its_environment(copy: Path) -> None:
     loaded = edit(copy, lambda r: r.update(cpu_environment_key="cpu | torch 2.13 | cuda_rounding off"))
     (check,) = lib.replay_environment(loaded)
     assert check.passed is False and check.detail.endswith("cuda_rounding on")
 
 
+@pytest.mark.slow
 def test_replay_catches_zoo_figures_that_do_not_follow_from_the_measurements(copy: Path) -> None:
     def grow(record: dict[str, Any]) -> None:
         record["zoo"][0]["figures"]["cpu"]["peak"] += 512
@@ -136,6 +140,7 @@ def test_replay_catches_zoo_figures_that_do_not_follow_from_the_measurements(cop
     assert checks[0].detail == "figures"
 
 
+@pytest.mark.slow
 def test_replay_catches_a_report_that_loses_a_figure(copy: Path) -> None:
     def unknown_reserved(record: dict[str, Any]) -> None:  # a CUDA-only figure on a CPU measurement
         record["workloads"]["zoo.mlp.fp32.cpu"]["measurement"]["reserved"] = 3 * 2**20
@@ -146,6 +151,7 @@ def test_replay_catches_a_report_that_loses_a_figure(copy: Path) -> None:
     assert check.passed is False and check.detail == "no measurements"
 
 
+@pytest.mark.slow
 def test_a_gpu_record_must_hold_its_gpu_data(copy: Path) -> None:
     """A record that says it is a GPU run without dumps, environment or snapshot fails its replay."""
     loaded = edit(copy, lambda r: r.update(mode="gpu"))
@@ -154,6 +160,7 @@ def test_a_gpu_record_must_hold_its_gpu_data(copy: Path) -> None:
     assert failures(lib.replay_snapshot(loaded)) == ["a GPU record holds a memory snapshot: "]
 
 
+@pytest.mark.slow
 def test_a_dump_of_an_unknown_workload_fails(copy: Path) -> None:
     stats = {"workloads": {"no-such-workload": {"allocated_bytes.all.peak": 0}}, "snapshot": None}
     (copy / lib.STATS_FILE).write_text(json.dumps(stats), encoding="utf-8")

@@ -55,6 +55,7 @@ def record_of(folder: Path) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.slow
 def test_cpu_only_run_passes_and_writes_a_small_record(cpu_only_run: tuple[Any, Path]) -> None:
     done, folder = cpu_only_run
     assert done.returncode == 0, done.stdout + done.stderr
@@ -69,6 +70,7 @@ def test_cpu_only_run_passes_and_writes_a_small_record(cpu_only_run: tuple[Any, 
     assert "FAILED" not in done.stdout
 
 
+@pytest.mark.slow
 def test_cpu_only_record_structure(cpu_only_run: tuple[Any, Path]) -> None:
     _, folder = cpu_only_run
     record = record_of(folder)
@@ -104,6 +106,7 @@ def test_cpu_only_record_structure(cpu_only_run: tuple[Any, Path]) -> None:
     assert "| mlp | fp32 |" in summary and "n/a (no GPU run)" in summary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("name", ["mlp", "block"])
 def test_cpu_figures_equal_what_measure_reports(cpu_only_run: tuple[Any, Path], name: str, precision: str) -> None:
@@ -248,6 +251,7 @@ def test_suite_environment_loads_the_plugin_from_the_checkout() -> None:
     assert env["PYTEST_PLUGINS"] == plugins
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script's own run is the test")
 def test_suite_without_a_gpu_skips_everything_and_fails_the_check() -> None:
     """The CUDA suite as the script runs it: here every test skips, which a GPU run must not accept."""

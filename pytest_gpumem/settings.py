@@ -1,0 +1,161 @@
+"""The run's options: the table of ``--gpumem-*`` options (each with an ini setting it falls
+back to), and :class:`Settings`, the validated values. No pytest: the plugin registers the
+table and hands over a reader of the command line and ini file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_gpumem import __version__
+from pytest_gpumem.baselines import DEFAULT_FILENAME
+from pytest_gpumem.gate import GateOptions
+from pytest_gpumem.spec import SpecError, parse_device
+from pytest_gpumem.units import SizeError, parse_size
+from pytest_gpumem.verdict import parse_tolerance
+
+__all__ = ["DEFAULT_TOLERANCE", "OPTIONS", "Option", "OptionError", "Settings"]
+
+DEFAULT_TOLERANCE = "2%,1MiB"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``--gpumem-NAME`` option and its ini setting ``gpumem_NAME``.
+
+    ``flag`` options take no value (``store_true``); the others a value shown as ``metavar``.
+    """
+
+    name: str
+    help: str
+    flag: bool = False
+    default: str = ""
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        """The option's destination and its ini setting's name: ``gpumem_update_baselines``."""
+        return "gpumem_" + self.name.replace("-", "_")
+
+    @property
+    def flag_name(self) -> str:
+        return f"--gpumem-{self.name}"
+
+
+#: Every option, in ``--help`` order.
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "device",
+        "device measured tests run on: auto (CUDA when available, else CPU), cpu, cuda or cuda:N. Default: auto.",
+        default="auto",
+        metavar="DEVICE",
+    ),
+    Option("require-gpu", "fail (instead of skip) measured tests when no CUDA device is available.", flag=True),
+    Option("breakdown", "on CUDA, also run the storage tracker for the breakdown by category.", flag=True),
+    Option("cuda-rounding", "CPU engine: round storages up to 512-byte blocks as CUDA does.", flag=True),
+    Option("baselines", f"baseline file (default: {DEFAULT_FILENAME} at the rootdir).", metavar="PATH"),
+    Option("update-baselines", "record the figures of tests that ran and passed into the baseline file.", flag=True),
+    Option(
+        "tolerance",
+        f"default tolerance of baseline comparisons: '2%', '1MiB' or '2%,1MiB' (default {DEFAULT_TOLERANCE}).",
+        default=DEFAULT_TOLERANCE,
+        metavar="TOL",
+    ),
+    Option("strict", "fail on new, improved, other-environment and stale baselines too (ratcheting CI).", flag=True),
+    Option("prune", "with --gpumem-update-baselines: remove baselines of tests that no longer exist.", flag=True),
+    Option("json", "write the JSON report (environment, measurements, verdicts) to PATH.", metavar="PATH"),
+    Option("markdown", "write the Markdown report to PATH.", metavar="PATH"),
+    Option("no-step-summary", "do not append the Markdown report to $GITHUB_STEP_SUMMARY.", flag=True),
+    Option(
+        "device-limit",
+        "run every measured test as if the device had SIZE bytes (e.g. 24GiB); the marker's device_limit wins.",
+        metavar="SIZE",
+    ),
+    Option("leak-check", "check every measured test for leaks (as retained='0B' does).", flag=True),
+    Option(
+        "artifacts",
+        "folder for the HTML memory timelines of failed tests (default: gpumem-artifacts in the pytest cache).",
+        metavar="DIR",
+    ),
+    Option("artifacts-all", "write artifacts for passing tests too.", flag=True),
+    Option("snapshot", "CUDA: record allocation history and write a PyTorch memory snapshot per test.", flag=True),
+)
+
+
+class OptionError(ValueError):
+    """An option or ini value that cannot be used; the message names both and the value."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's options, each from the command line or else its ini value."""
+
+    device: str
+    require_gpu: bool
+    breakdown: bool
+    cuda_rounding: bool
+    device_limit: int | None
+    leak_check: bool
+    artifacts: Path
+    artifacts_all: bool
+    snapshot: bool
+    gate: GateOptions
+
+    @classmethod
+    def read(cls, value: Callable[[str], Any], rootpath: Path, cache_dir: Callable[[], Path] | None = None) -> Settings:
+        """The settings from ``value(dest)``: the command line's value, else the ini file's.
+
+        Relative paths are from ``rootpath``; artifacts go to ``cache_dir()`` (the pytest
+        cache) unless ``--gpumem-artifacts`` names a folder. Raises :class:`OptionError`.
+        """
+
+        def text(name: str) -> str:
+            got = value(name)
+            return "" if got is None else str(got).strip()
+
+        def flag(name: str) -> bool:
+            return bool(value(name))
+
+        def path(name: str) -> Path | None:
+            found = text(name)
+            if not found:
+                return None
+            where = Path(found).expanduser()
+            return where if where.is_absolute() else rootpath / where
+
+        def parsed(name: str, parse: Callable[[str], Any], default: str = "") -> Any:
+            given = text(name) or default
+            try:
+                return parse(given) if given else None
+            except (SpecError, SizeError, ValueError) as exc:
+                option = "--" + name.replace("_", "-")
+                raise OptionError(f"{option} / ini {name}: {exc}") from None
+
+        artifacts = path("gpumem_artifacts")
+        if artifacts is None:
+            artifacts = cache_dir() if cache_dir is not None else rootpath / ".gpumem-artifacts"
+        return cls(
+            device=parsed("gpumem_device", parse_device, "auto"),
+            require_gpu=flag("gpumem_require_gpu"),
+            breakdown=flag("gpumem_breakdown"),
+            cuda_rounding=flag("gpumem_cuda_rounding"),
+            device_limit=parsed("gpumem_device_limit", parse_size),
+            leak_check=flag("gpumem_leak_check"),
+            artifacts=artifacts,
+            artifacts_all=flag("gpumem_artifacts_all"),
+            snapshot=flag("gpumem_snapshot"),
+            gate=GateOptions(
+                baselines=path("gpumem_baselines") or rootpath / DEFAULT_FILENAME,
+                tolerance=parsed("gpumem_tolerance", parse_tolerance, DEFAULT_TOLERANCE),
+                update=flag("gpumem_update_baselines"),
+                strict=flag("gpumem_strict"),
+                prune=flag("gpumem_prune"),
+                json_path=path("gpumem_json"),
+                markdown_path=path("gpumem_markdown"),
+                step_summary=not flag("gpumem_no_step_summary"),
+                generator=f"pytest-gpumem {__version__}",
+            ),
+        )

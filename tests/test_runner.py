@@ -1,0 +1,151 @@
+"""One measured test without pytest: TestRun on the CPU engine with real torch steps."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import forget_last_failure
+
+from pytest_gpumem.baselines import Environment
+from pytest_gpumem.engines import make_engine
+from pytest_gpumem.engines.base import Engine
+from pytest_gpumem.record import TestRecord
+from pytest_gpumem.recorder import measure
+from pytest_gpumem.runner import DeviceUnavailable, Engines, Freezer, RunOptions, TestRun, choose_device
+from pytest_gpumem.spec import parse_marker
+
+F32 = 4
+ENV = Environment.detect("cpu").to_dict()
+
+
+@pytest.fixture
+def engine() -> Engine:
+    forget_last_failure()
+    return make_engine("cpu")
+
+
+def run(engine: Engine, function: object, options: RunOptions | None = None, **marker: object) -> TestRecord:
+    spec = parse_marker([((), marker)])
+    return TestRun("tests/test_x.py::test_y", spec, engine, environment=ENV, options=options).run(function)  # type: ignore[arg-type]
+
+
+def test_a_passing_test_gives_its_figures_and_checks_its_limits(engine: Engine) -> None:
+    def body() -> None:
+        kept = torch.ones(1024)  # 4 KiB alive as the test returns
+        torch.ones(2048)  # 8 KiB freed at once
+        assert kept.numel() == 1024
+
+    record = run(engine, body, peak="16KiB", allocated="2KiB")
+    call = record.measurements[0]
+    assert record.passed and record.environment == ENV
+    assert (call.cost("peak"), call.cost("allocated"), call.retained) == (12 * 1024, 4 * 1024, 0)
+    assert [(f.metric, f.status) for f in record.findings] == [("peak", "ok"), ("allocated", "exceeded")]
+    assert record.failed and not record.recordable
+    assert "allocated" in record.message() and "exceeds" in record.message()
+
+
+def test_a_failing_test_is_recorded_but_not_judged(engine: Engine) -> None:
+    def body() -> None:
+        raise ValueError("the test's own failure")
+
+    record = run(engine, body, peak="1B")
+    assert not record.passed and record.findings == [] and not record.failed
+
+
+def test_an_oom_under_the_device_limit_gets_a_report_and_is_released(engine: Engine) -> None:
+    holder: list[torch.Tensor] = []
+
+    def body() -> None:
+        holder.append(torch.ones(1024))  # 4 KiB: fits
+        torch.ones(1024 * 1024)  # 4 MiB: over the 64 KiB limit
+
+    record = run(engine, body, device_limit="64KiB")
+    assert not record.passed and record.device_limit == 64 * 1024
+    (report,) = record.reports
+    assert report.startswith("out of memory on cpu")
+    assert "limit:     64.00 KiB (65536 B)" in report
+    holder.clear()
+    gc.collect()
+    assert engine.memory_limit() is None  # the limit ends with the test
+
+
+def test_the_leak_check_names_what_a_test_left_behind(engine: Engine) -> None:
+    cache: list[torch.Tensor] = []
+
+    def body() -> None:
+        cache.append(torch.ones(4096))
+
+    record = run(engine, body, retained="0B")
+    call = record.measurements[0]
+    assert call.retained == 4096 * F32
+    assert [(f.metric, f.status) for f in record.findings] == [("retained", "exceeded")]
+    assert "memory leak confirmed on cpu: 16.00 KiB" in record.reports[0]
+    cache.clear()
+
+
+def test_leak_check_option_applies_to_every_test(engine: Engine) -> None:
+    cache: list[torch.Tensor] = []
+    record = run(engine, lambda: cache.append(torch.ones(256)), RunOptions(leak_check=True))
+    assert [(f.metric, f.detail, f.status) for f in record.findings] == [
+        ("retained", "0B (gpumem_leak_check)", "exceeded")
+    ]
+    cache.clear()
+
+
+def test_spans_and_their_tolerances_travel_in_the_record(engine: Engine) -> None:
+    def body() -> None:
+        with measure("step", peak="1KiB", tolerance="5%"):
+            torch.ones(1024)
+
+    record = run(engine, body, tolerance="1MiB")
+    assert [m.name for m in record.measurements] == ["call", "step"]
+    assert record.tolerances == {
+        "call": {"relative": 0.0, "absolute": 1048576},
+        "step": {"relative": 0.05, "absolute": 0},
+    }
+    assert [(f.span, f.status) for f in record.findings] == [("step", "exceeded")]
+    assert TestRecord.from_dict(record.to_dict()) == record
+
+
+def test_a_psi_budget_without_tracking_is_an_error_on_the_record(engine: Engine) -> None:
+    record = run(engine, lambda: None, allocated="16Ψ")
+    assert record.errors == [
+        "marker: allocated='16Ψ': '16Ψ' uses Ψ but the number of trainable parameters is unknown "
+        "(track the model with gpumem.track(model, optimizer))"
+    ]
+
+
+def test_choose_device() -> None:
+    assert choose_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert choose_device("auto") == torch.device("cpu")
+        with pytest.raises(DeviceUnavailable) as skipped:
+            choose_device("cuda:1")
+        assert not skipped.value.required and "not available (0 CUDA devices visible)" in skipped.value.reason
+        with pytest.raises(DeviceUnavailable) as failed:
+            choose_device("auto", require_gpu=True)
+        assert failed.value.required
+
+
+def test_engines_are_made_once_per_device() -> None:
+    engines = Engines()
+    cpu = engines.cpu()
+    assert engines.get(torch.device("cpu"), breakdown=True) is cpu
+    assert cpu.tracker is not None
+
+
+def test_the_freezer_keeps_older_objects_out_and_engines_still_see_frozen_tensors() -> None:
+    if gc.get_freeze_count():
+        pytest.skip("objects are frozen already in this process")
+    before = torch.ones(1000)  # alive before the freeze
+    freezer = Freezer()
+    freezer.start()
+    try:
+        assert freezer.active and gc.get_freeze_count() > 0
+        engine = Engines(freezer=freezer).cpu()
+        assert engine.tracker is not None and engine.tracker.category_of(before) == "other"
+    finally:
+        freezer.stop()
+    assert gc.get_freeze_count() == 0
