@@ -1,6 +1,7 @@
 """Session overhead of the plugin: a suite of small training-step tests, with and without pytest-gpumem.
 
-Run: ``python benchmarks/bench_overhead.py [--tests 200] [--repeat 3] [--keep DIR]``
+Run: ``python benchmarks/bench_overhead.py [--tests 200] [--repeat 3] [--keep DIR]``,
+or on a CUDA GPU ``python benchmarks/bench_overhead.py --cuda [--tests 60] [--repeat 3]``.
 
 The script writes a suite into a temporary folder: ``--tests`` tests in 10 files,
 each marked ``@pytest.mark.gpumem(peak="1GiB")`` and running a tiny training step
@@ -29,6 +30,13 @@ a shared machine moves every variant alike. A variant that took over
 target and the noise of one run (a few %) does not change the verdict; this keeps
 the script under five minutes. ``× off`` is the session overhead; the target is
 ``on`` ≤ 1.05 × ``off``. ``ms/test`` is ``(variant - off) / tests``.
+
+``--cuda`` writes a GPU suite instead: ``--tests`` tests (60 by default), each three
+AdamW training steps of a 2-layer ``nn.TransformerEncoder`` (d_model from 256 to 448
+by test, 8 heads, batch 8 × 128 tokens) on ``cuda``, marked
+``@pytest.mark.gpumem(peak="8GiB")``, with the variants off, on (the caching
+allocator, saved-tensor counting) and on ``--gpumem-breakdown`` (the storage tracker
+beside it). The target there is on ≤ 1.05 × off too.
 """
 
 from __future__ import annotations
@@ -120,15 +128,77 @@ TEST = textwrap.dedent(
     """
 )
 
+CUDA_CONFTEST = textwrap.dedent(
+    '''
+    """GPU suite written by benchmarks/bench_overhead.py --cuda."""
 
-def write_suite(folder: Path, tests: int) -> None:
-    """Write ``tests`` marked training-step tests in ``FILES`` files and a conftest."""
-    (folder / "conftest.py").write_text(CONFTEST)
+    import torch
+
+    torch.manual_seed(0)
+
+    # The first CUDA kernels, matmuls, backward and optimizer step load libraries and import
+    # parts of torch lazily: done once here, as a real suite's first test would.
+    _layer = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 1, enable_nested_tensor=False
+    ).cuda()
+    _opt = torch.optim.AdamW(_layer.parameters())
+    _layer(torch.randn(2, 8, 64, device="cuda")).pow(2).mean().backward()
+    _opt.step()
+    torch.cuda.synchronize()
+    del _layer, _opt
+
+
+    def pytest_configure(config):
+        config.addinivalue_line("markers", "gpumem: pytest-gpumem marker")
+    '''
+)
+
+CUDA_TEST_FILE = textwrap.dedent(
+    '''
+    """2-layer TransformerEncoder training steps on CUDA, each measured by pytest-gpumem."""
+
+    import pytest
+    import torch
+    from torch import nn
+
+
+    def train(d_model):
+        torch.manual_seed(d_model)
+        layer = nn.TransformerEncoderLayer(d_model, 8, 4 * d_model, batch_first=True)
+        model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(8, 128, d_model, device="cuda")
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+            opt.step()
+        torch.cuda.synchronize()
+
+    {tests}
+    '''
+)
+
+CUDA_TEST = textwrap.dedent(
+    """
+    @pytest.mark.gpumem(peak="8GiB")
+    def test_encoder_{index}():
+        train({d_model})
+    """
+)
+
+
+def write_suite(folder: Path, tests: int, *, cuda: bool = False) -> None:
+    """Write ``tests`` marked training-step tests in ``FILES`` files and a conftest (the GPU suite with ``cuda``)."""
+    (folder / "conftest.py").write_text(CUDA_CONFTEST if cuda else CONFTEST)
     per_file = -(-tests // FILES)
     for f in range(FILES):
         indices = range(f * per_file, min(tests, (f + 1) * per_file))
-        body = "".join(TEST.format(index=i, optimizer="adamw" if i % 2 else "sgd-momentum") for i in indices)
-        (folder / f"test_steps_{f}.py").write_text(TEST_FILE.format(tests=body))
+        if cuda:
+            body = "".join(CUDA_TEST.format(index=i, d_model=256 + 64 * (i % 4)) for i in indices)
+            (folder / f"test_steps_{f}.py").write_text(CUDA_TEST_FILE.format(tests=body))
+        else:
+            body = "".join(TEST.format(index=i, optimizer="adamw" if i % 2 else "sgd-momentum") for i in indices)
+            (folder / f"test_steps_{f}.py").write_text(TEST_FILE.format(tests=body))
 
 
 @dataclass
@@ -142,9 +212,19 @@ class Variant:
     figures: dict[str, str] | None = None
 
 
-def variants() -> list[Variant]:
+#: Not loading the plugin, whether installed (the ``gpumem`` entry point) or named in PYTEST_PLUGINS.
+OFF = ["-p", "no:gpumem", "-p", "no:pytest_gpumem.plugin"]
+
+
+def variants(*, cuda: bool = False) -> list[Variant]:
+    if cuda:
+        return [
+            Variant("off (-p no:gpumem)", OFF),
+            Variant("on (CUDA engine)", ["--gpumem-require-gpu"]),
+            Variant("on --gpumem-breakdown", ["--gpumem-require-gpu", "--gpumem-breakdown"]),
+        ]
     return [
-        Variant("off (-p no:gpumem)", ["-p", "no:gpumem"]),
+        Variant("off (-p no:gpumem)", OFF),
         Variant("on (default: CPU engine)", []),
         Variant("on --gpumem-breakdown", ["--gpumem-breakdown"]),
         Variant("loaded, unmarked", [], {"GPUMEM_BENCH_UNMARKED": "1"}),
@@ -181,17 +261,24 @@ def run_session(folder: Path, variant: Variant, junit: Path | None) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--tests", type=int, default=200, help="number of generated tests (default 200)")
+    parser.add_argument(
+        "--tests", type=int, default=None, help="number of generated tests (default 200; 60 with --cuda)"
+    )
+    parser.add_argument("--cuda", action="store_true", help="the GPU suite: TransformerEncoder steps on cuda")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; figures are medians (default 3)")
-    parser.add_argument("--slow", type=float, default=30.0, help="a variant slower than this (s) runs once")
+    parser.add_argument("--slow", type=float, default=None, help="slower than this (s): run once (30; 600 --cuda)")
     parser.add_argument("--keep", type=Path, default=None, help="write the suite here and keep it")
     options = parser.parse_args()
+    if options.tests is None:
+        options.tests = 60 if options.cuda else 200
+    if options.slow is None:
+        options.slow = 600.0 if options.cuda else 30.0
 
-    runs = variants()
+    runs = variants(cuda=options.cuda)
     with tempfile.TemporaryDirectory(prefix="gpumem-bench-") as tmp:
         folder = options.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        write_suite(folder, options.tests)
+        write_suite(folder, options.tests, cuda=options.cuda)
         run_session(folder, runs[0], None)  # warm the file cache and torch's first import
         for round_index in range(options.repeat):
             order = runs if round_index % 2 == 0 else runs[::-1]
@@ -216,7 +303,8 @@ def main() -> None:
                 f"{(median - reference) / options.tests * 1000:+.2f}",
             ]
         )
-    print(f"{options.tests} tests, up to {options.repeat} interleaved rounds, OMP_NUM_THREADS=1, torch threads 1")
+    suite = "TransformerEncoder steps on CUDA" if options.cuda else "MLP steps on the CPU"
+    print(f"{options.tests} tests ({suite}), up to {options.repeat} interleaved rounds, OMP_NUM_THREADS=1")
     print(tabulate(rows, headers=["variant", "wall s", "rounds", "× off", "ms/test"], disable_numparse=True))
 
     on = runs[1]

@@ -96,8 +96,11 @@ class LeakCheck:
     Attributes:
         device: the device, e.g. ``"cuda:0"``.
         engine: ``"cpu"`` or ``"cuda"``.
-        start: allocated bytes at the start.
-        readings: allocated bytes at each try (after garbage collection).
+        start: allocated bytes at the start, without the library workspaces the
+            engine keeps (they are freed before each reading, as PyTorch's leak
+            check does).
+        readings: allocated bytes at each try (after garbage collection, the
+            workspaces freed).
         retained: the last reading minus ``start``; may be negative.
         confirmed: a leak: allocated stayed above ``start`` at every try and, on
             CUDA, the driver saw device memory grow too.
@@ -188,13 +191,17 @@ def confirm_leak(
 ) -> LeakCheck:
     """Confirm (or dismiss) a leak: is allocated memory still above ``start_allocated``?
 
-    Before each of up to ``tries`` readings: ``gc.collect()``, and on CUDA-like
-    devices ``synchronize``, free the cuBLAS workspaces and ``empty_cache``. A
-    reading at or below the start ends the check: no leak. On CUDA the driver's
-    used memory (``mem_get_info``) is compared with ``snapshot.driver_used``: as
-    in PyTorch's ``CudaMemoryLeakCheck``, the leak is confirmed only when the
-    driver sees growth too (a small leak inside an already reserved segment is
-    only ``suspected``). Without a snapshot on CUDA, the allocator alone decides.
+    ``start_allocated`` was read after the engine's clean-state protocol, so it
+    holds the library workspaces the engine keeps (:attr:`Engine.workspaces`).
+    As PyTorch's ``CudaMemoryLeakCheck`` does, each of up to ``tries`` readings
+    follows ``gc.collect()``, and on CUDA-like devices ``synchronize``, freeing the
+    cuBLAS workspaces and ``empty_cache``; so the readings are compared with the
+    start without its workspaces (:attr:`LeakCheck.start`). A reading at or below
+    it ends the check: no leak. The workspaces are made again afterwards. On CUDA
+    the driver's used memory (``mem_get_info``) is then compared with
+    ``snapshot.driver_used``: the leak is confirmed only when the driver sees
+    growth too (a small leak inside an already reserved segment is only
+    ``suspected``). Without a snapshot on CUDA, the allocator alone decides.
 
     With a ``snapshot`` (from :func:`snapshot_storages` at the start) and a
     suspected leak, the live tensors whose storages are new are listed (the
@@ -203,14 +210,17 @@ def confirm_leak(
     """
     if tries < 1:
         raise ValueError(f"confirm_leak: tries must be >= 1, got {tries}")
+    start = start_allocated - (engine.workspaces or 0)
     readings: list[int] = []
     for _ in range(tries):
         _settle(engine)
         reading = engine.allocated()
         readings.append(reading)
-        if reading <= start_allocated:
+        if reading <= start:
             break
-    suspected = all(reading > start_allocated for reading in readings)
+    engine.warm_workspaces()  # back to the steady state the start reading saw
+    engine.empty_cache()
+    suspected = all(reading > start for reading in readings)
     driver_retained: int | None = None
     driver_confirmed: bool | None = None
     if snapshot is not None and snapshot.driver_used is not None:
@@ -226,9 +236,9 @@ def confirm_leak(
     return LeakCheck(
         device=str(engine.device),
         engine=engine.name,
-        start=start_allocated,
+        start=start,
         readings=tuple(readings),
-        retained=readings[-1] - start_allocated,
+        retained=readings[-1] - start,
         confirmed=confirmed,
         driver_retained=driver_retained,
         driver_confirmed=driver_confirmed,

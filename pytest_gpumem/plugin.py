@@ -29,6 +29,7 @@ from pytest_gpumem.record import TestRecord
 from pytest_gpumem.report import summary_table
 from pytest_gpumem.settings import OPTIONS, OptionError, Settings
 from pytest_gpumem.spec import GpumemSpec, SpecError, marker_help, parse_marker
+from pytest_gpumem.units import format_size
 from pytest_gpumem.verdict import failure_message
 
 if TYPE_CHECKING:
@@ -364,9 +365,9 @@ class GpumemManager:
         if quiet and not problems and not self._error:
             return
         terminalreporter.write_sep("=", "gpumem")
-        keys = self.gate.environment_keys()
-        if keys:
-            terminalreporter.write_line(f"environment: {' ; '.join(keys)}")
+        for key, workspaces in self.gate.environments().items():
+            held = "" if workspaces is None else f" (library workspaces kept on the device: {format_size(workspaces)})"
+            terminalreporter.write_line(f"environment: {key}{held}")
         if records:
             terminalreporter.write_line(summary_table(records, only_problems=quiet))
         shown = [f for f in stale if f.failed or not quiet]

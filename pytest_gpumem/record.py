@@ -40,6 +40,9 @@ class TestRecord:
         timeline: the call span's timeline (thinned) for the HTML artifact.
         snapshot: the path of a CUDA memory snapshot written for this test.
         device_limit: the emulated device size the test ran under.
+        workspaces: bytes of the library workspaces the device held in every reading of
+            the test (created by the clean-state protocol; in ``start``, never in a cost);
+            None where there are none (the CPU engine).
     """
 
     __test__ = False  # a name pytest would otherwise collect
@@ -55,6 +58,7 @@ class TestRecord:
     timeline: dict[str, Any] | None = None
     snapshot: str | None = None
     device_limit: int | None = None
+    workspaces: int | None = None
 
     @property
     def failed(self) -> bool:
@@ -109,6 +113,7 @@ class TestRecord:
             "timeline": self.timeline,
             "snapshot": self.snapshot,
             "device_limit": self.device_limit,
+            "workspaces": self.workspaces,
         }
 
     @classmethod
@@ -126,4 +131,5 @@ class TestRecord:
             timeline=data.get("timeline"),
             snapshot=data.get("snapshot"),
             device_limit=data.get("device_limit"),
+            workspaces=data.get("workspaces"),
         )

@@ -95,7 +95,7 @@ class Recorder:
     Args:
         engine: where bytes are read.
         timeline: keep allocated-by-category samples for plots (needs a tracker).
-        saved_tensors: count bytes saved for backward (needs a tracker).
+        saved_tensors: count the bytes autograd holds for backward (``saved_tensors_hooks``).
     """
 
     def __init__(self, engine: Engine, *, timeline: bool = False, saved_tensors: bool = True) -> None:
@@ -120,19 +120,16 @@ class Recorder:
     # -- life cycle ------------------------------------------------------------
 
     def begin(self) -> None:
-        """Clean the device and start watching (tracker, hooks)."""
+        """Clean the device and start watching (the engine's tracker or saved-tensor counter, hooks)."""
         self.engine.clean()
-        tracker = self.engine.tracker
-        if tracker is not None:
-            tracker.start(saved_tensors=self.saved_tensors, timeline=self.timeline)
-            self._classify()
+        self.engine.start(saved_tensors=self.saved_tensors, timeline=self.timeline)
+        self._classify()
         self.active = True
 
     def end(self) -> None:
         """Stop watching; remove every hook this recorder installed and let go of tracked objects."""
         self.active = False
-        if self.engine.tracker is not None:
-            self.engine.tracker.stop()
+        self.engine.stop()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -297,7 +294,7 @@ class Recorder:
             start_event=tracker.events if tracker is not None else 0,
             peak=now,
             breakdown=None if tracker is None else tuple(tracker.breakdown().values()),
-            saved_peak=None if tracker is None else tracker.saved,
+            saved_peak=self.engine.saved_bytes(),
         )
         if self._phase is not None:
             state.phases[self._phase] = _PhaseState(now, now, now)
@@ -331,7 +328,6 @@ class Recorder:
         if self._phase is not None and self._phase in state.phases:
             state.phases[self._phase].end = now
         self._open.remove(state)
-        tracker = self.engine.tracker
         counters = self.engine.counters()
         used, mine = self.engine.driver()
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
@@ -353,7 +349,7 @@ class Recorder:
             breakdown=breakdown,
             allocated_breakdown=end_breakdown,
             phases={name: Phase(name, p.start, p.peak, p.end, p.count) for name, p in state.phases.items()},
-            saved_activations=None if tracker is None or not self.saved_tensors else state.saved_peak,
+            saved_activations=state.saved_peak if self.saved_tensors else None,
             psi=self.psi,
             cuda_rounding=self.engine.cuda_rounding,
         )

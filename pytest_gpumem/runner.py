@@ -294,8 +294,7 @@ class TestRun:
             recorder.end()
         if oom is not None and exc is not None:
             release_oom(exc, engine)  # what the failed test held goes, traceback frames included
-        engine.settle()
-        engine.release_workspaces()  # library caches (cuBLAS workspaces) are not the test's
+        engine.settle()  # library workspaces stay: they were there at the start reading too
         call = replace(call, retained=engine.allocated() - call.start, max_microbatch=recorder.max_microbatch)
         record = TestRecord(
             self.nodeid,
@@ -304,6 +303,7 @@ class TestRun:
             timeline=None if timeline is None else timeline.to_dict(TIMELINE_SAMPLES),
             snapshot=self._history,
             device_limit=recorder.device_limit,
+            workspaces=engine.workspaces,
         )
         if oom is not None:
             record.reports.append(oom.format())

@@ -1,9 +1,11 @@
 """Verdicts: a measurement against limits, budgets and baselines, as :class:`Finding` objects.
 
 Pure functions, no I/O. Every size is bytes unless a metric says otherwise
-(:class:`MetricInfo`). Limits and budgets compare *absolute* figures (what was
-alive on the device); baselines compare *costs* (a figure minus its span's
-start), so test order and shared fixtures do not move them.
+(:class:`MetricInfo`). Limits, budgets and baselines all compare *costs*: a
+figure minus its span's start (:meth:`Measurement.cost`), what the test or span
+itself added, so test order, shared fixtures, the CUDA context and library
+workspaces do not move them. Whether the whole process fits a device of a given
+size is what an emulated device limit answers (``device_limit=``).
 
 A limit or budget on a figure the engine cannot know (``reserved`` on the CPU
 engine, ``retained`` on a named span) gives an ``"n/a"`` finding that FAILS:
@@ -28,6 +30,7 @@ from pytest_gpumem.figures import CATEGORIES, COUNT_METRICS, METRICS, Measuremen
 from pytest_gpumem.units import SizeError, format_delta, format_percent, format_size, parse_size
 
 __all__ = [
+    "COST_METRICS",
     "METRIC_INFO",
     "Finding",
     "Kind",
@@ -226,8 +229,8 @@ class Finding:
             (baselines exist only for other environments, named in
             ``detail``); ``"stale"`` (a baseline whose test is gone); ``"n/a"``
             (the figure or its reference is unknown).
-        measured: the compared figure: absolute for limits and budgets, the
-            cost for baselines; ``None`` when unknown.
+        measured: the compared figure: its cost (:meth:`Measurement.cost`) for
+            byte figures, ``retained`` and counts as they are; ``None`` when unknown.
         reference: the limit, budget or baseline value; ``None`` when none.
         tolerance: the tolerance a baseline comparison used.
         grown: for a regression where both sides have a breakdown: category →
@@ -290,14 +293,14 @@ class Finding:
 
 
 def check_limits(test: str, measurement: Measurement, limits: Iterable[Limit]) -> list[Finding]:
-    """Compare the absolute figures of ``measurement`` with each limit or budget, in order.
+    """Compare the costs of ``measurement`` with each limit or budget, in order.
 
-    ``exceeded`` when the figure is above the limit (below it for a metric
-    where higher is better, such as ``max_microbatch``), ``ok`` otherwise;
-    ``n/a`` (which fails) when the figure is unknown. Apply ``retained`` limits
-    to the ``"call"`` span only.
+    ``exceeded`` when the cost is above the limit (below it for a metric where
+    higher is better, such as ``max_microbatch``), ``ok`` otherwise; ``n/a``
+    (which fails) when the figure is unknown. Apply ``retained`` limits to the
+    ``"call"`` span only.
     """
-    figures = {metric: measurement.figure(metric) for metric in METRICS + COUNT_METRICS}
+    figures = {metric: measurement.cost(metric) for metric in METRICS + COUNT_METRICS}
     return check_values(test, measurement.name, figures, limits, engine=measurement.engine)
 
 
@@ -461,6 +464,15 @@ def stale_findings(stale: Iterable[StaleEntry], *, strict: bool = False) -> list
 # --------------------------------------------------------------------------- messages
 
 
+#: Figures whose limits and baselines compare the cost (figure minus the span's start).
+COST_METRICS: tuple[str, ...] = ("peak", "allocated", "reserved")
+
+
+def _compared(metric: str) -> str:
+    """How a message names what was compared: ``"peak cost"``; ``retained`` and counts as they are."""
+    return f"{metric} cost" if metric in COST_METRICS else metric
+
+
 def failure_message(findings: Iterable[Finding]) -> str:
     """The text attached to a failing test: one line per failed finding, in order ("" when none failed).
 
@@ -485,14 +497,14 @@ def _line(f: Finding) -> str:
                 "remove it where this figure cannot be measured"
             )
         verb = "is below the minimum" if info.higher_is_better else "exceeds the"
-        text = f"{where}{f.metric} {info.format(f.measured)} {verb} {bound} by {excess}"
+        text = f"{where}{_compared(f.metric)} {info.format(f.measured)} {verb} {bound} by {excess}"
         if f.kind == "budget" and f.ratio is not None:
             text += f", {f.ratio:.2f}x the theory"
         return text
     tolerance = ""
     if f.tolerance is not None and f.reference is not None:
         tolerance = f", tolerance {f.tolerance.describe(info)} (±{info.format(f.tolerance.allowed(f.reference))})"
-    cost = f"{where}{f.metric} cost {info.format(f.measured)}"
+    cost = f"{where}{_compared(f.metric)} {info.format(f.measured)}"
     if f.status == "regressed":
         text = f"{cost} regressed from baseline {info.format(f.reference)} by {excess}{tolerance}"
         if f.grown:

@@ -41,15 +41,24 @@ def _warm_up_lazy_torch_imports() -> None:
 _warm_up_lazy_torch_imports()
 
 
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+def _pinned(args: tuple[str, ...], device: str | None) -> tuple[str, ...]:
+    base = ("-p", "no:cacheprovider", "-W", "ignore::UserWarning")
+    return (*base, *(() if device is None else (f"--gpumem-device={device}",)), *args)
+
+
+def run(pytester: pytest.Pytester, *args: str, device: str | None = "cpu") -> pytest.RunResult:
     """A pytest session in this process: fast, but tensors that earlier sessions left
-    alive count in its figures; use :func:`run_fresh` to assert absolute figures."""
-    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-W", "ignore::UserWarning", *args)
+    alive count in its figures; use :func:`run_fresh` to assert absolute figures.
+
+    The session measures on ``device`` (the CPU engine, whatever the machine has: these
+    suites allocate CPU tensors); None leaves the device to the session's own options.
+    """
+    return pytester.runpytest_inprocess(*_pinned(args, device))
 
 
-def run_fresh(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    """A pytest session in a new process: nothing else is allocated when it starts (about 3 s more)."""
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore::UserWarning", *args)
+def run_fresh(pytester: pytest.Pytester, *args: str, device: str | None = "cpu") -> pytest.RunResult:
+    """:func:`run` in a new process: nothing else is allocated when it starts (about 3 s more)."""
+    return pytester.runpytest_subprocess(*_pinned(args, device))
 
 
 def forget_last_failure() -> None:

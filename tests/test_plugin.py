@@ -37,7 +37,7 @@ def test_too_big():
     result = run_fresh(pytester)
     result.assert_outcomes(passed=1, failed=1)
     # cost 103424 bytes over a start of 0 bytes: exceeds 102400 by 1024 bytes (1.0%)
-    result.stdout.fnmatch_lines(["*peak 101.00 KiB exceeds the limit 100.00 KiB (100KB) by +1.00 KiB (+1.0%)*"])
+    result.stdout.fnmatch_lines(["*peak cost 101.00 KiB exceeds the limit 100.00 KiB (100KB) by +1.00 KiB (+1.0%)*"])
     result.stdout.fnmatch_lines(["*breakdown at peak*", "*parameters*gradients*optimizer_state*"])
     result.stdout.fnmatch_lines(["*= gpumem =*"])
 
@@ -256,16 +256,16 @@ import torch
 def test_spans(gpumem):
     keep = torch.ones(1024)                       # 4 KiB alive before the spans
     with gpumem.measure("small", peak="8KiB") as small:
-        a = torch.ones(512)                       # 2 KiB more: peak 6 KiB
+        a = torch.ones(512)                       # costs 2 KiB (peak 6 KiB with what was there)
     with gpumem.measure("big", peak="8KiB") as big:
-        b = torch.ones(2048)                      # 8 KiB more: peak 14 KiB
+        b = torch.ones(2304)                      # costs 9 KiB: over its limit
     assert small.cost("peak") == 2048 and small.peak == small.start + 2048
-    assert big.cost("allocated") == 8192
+    assert big.cost("allocated") == 9216
 """
     )
     result = run(pytester)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*big*peak*exceeds the limit 8.00 KiB (8KiB) by +6.00 KiB*"])
+    result.stdout.fnmatch_lines(["*[[]big[]] peak cost 9.00 KiB exceeds the limit 8.00 KiB (8KiB) by +1.00 KiB*"])
     assert "small" not in "".join(line for line in result.outlines if "exceeds" in line)
 
 
@@ -299,7 +299,7 @@ def test_keeps_a_local():
     )
     result = run_fresh(pytester)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*allocated 128.00 KiB exceeds the limit 64.00 KiB (64KiB) by +64.00 KiB (+100.0%)*"])
+    result.stdout.fnmatch_lines(["*allocated cost 128.00 KiB exceeds the limit 64.00 KiB (64KiB) by +64.00 KiB (+100.0%)*"])
     # the local dies with the frame: nothing retained
     assert not any("retained" in line and "exceeds" in line for line in result.outlines)
 
@@ -361,10 +361,10 @@ def test_auto():
     pass
 """
     )
-    result = run(pytester, "-rs")
+    result = run(pytester, "-rs", device=None)
     result.assert_outcomes(skipped=1, passed=1)
     result.stdout.fnmatch_lines(["*gpumem: device 'cuda' is not available (0 CUDA devices visible)*"])
-    strict = run(pytester, "--gpumem-require-gpu")
+    strict = run(pytester, "--gpumem-require-gpu", device=None)
     strict.assert_outcomes(errors=2)
     strict.stdout.fnmatch_lines(["*--gpumem-require-gpu*"])
 
@@ -400,10 +400,10 @@ def test_rounding(gpumem):
     plain = run(pytester, "-s")
     plain.stdout.fnmatch_lines(["*COST 1 cpu"])
     pytester.makeini("[pytest]\ngpumem_cuda_rounding = true\ngpumem_device = cpu\n")
-    rounded = run(pytester, "-s")
+    rounded = run(pytester, "-s", device=None)
     rounded.stdout.fnmatch_lines(["*COST 512 cpu"])
     pytester.makeini("[pytest]\ngpumem_device = tpu\n")
-    bad = run(pytester)
+    bad = run(pytester, device=None)
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
     assert "--gpumem-device / ini gpumem_device: device='tpu'" in bad.stderr.str()
     overridden = run(pytester, "--gpumem-device=cpu")
@@ -427,7 +427,7 @@ def test_big():
     assert case is not None
     failure = case.find("failure")
     assert failure is not None
-    assert "peak 4.00 KiB exceeds the limit 1.00 KiB" in (failure.text or "") + failure.get("message", "")
+    assert "peak cost 4.00 KiB exceeds the limit 1.00 KiB" in (failure.text or "") + failure.get("message", "")
     properties = {p.get("name"): p.get("value") for p in case.iter("property")}
     assert properties["gpumem.peak"] == "4096"
     assert properties["gpumem.retained"] == "0"

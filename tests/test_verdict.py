@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from fractions import Fraction
 
@@ -161,10 +162,16 @@ def test_limit_at_exactly_the_value_passes() -> None:
     assert finding.status == "ok"
 
 
-def test_limits_compare_absolute_figures() -> None:
-    # start 3 GiB + cost 2 GiB: the absolute peak (5 GiB) breaks a 4 GiB limit
+def test_limits_compare_costs() -> None:
+    # start 3 GiB + cost 2 GiB: the absolute peak (5 GiB) is over 4 GiB, its cost (2 GiB) is not
     (finding,) = check_limits(TEST, measurement(start=3 * GiB, peak=5 * GiB), [Limit("peak", 4 * GiB, "4GiB")])
-    assert finding.status == "exceeded" and finding.measured == 5 * GiB
+    assert finding.status == "ok" and finding.measured == 2 * GiB
+    (finding,) = check_limits(TEST, measurement(start=3 * GiB, peak=5 * GiB), [Limit("peak", GiB, "1GiB")])
+    assert finding.status == "exceeded" and finding.measured == 2 * GiB
+    assert failure_message([finding]) == "peak cost 2.00 GiB exceeds the limit 1.00 GiB (1GiB) by +1.00 GiB (+100.0%)"
+    m = dataclasses.replace(measurement(peak=GiB, reserved=3 * GiB), start_reserved=GiB)
+    (finding,) = check_limits(TEST, m, [Limit("reserved", GiB, "1GiB")])
+    assert finding.measured == 2 * GiB and finding.status == "exceeded"
 
 
 def test_limit_on_unknowable_figure_is_na_and_fails() -> None:
@@ -198,7 +205,7 @@ def test_budget_finding_has_ratio_and_expression() -> None:
     assert finding.kind == "budget" and finding.status == "exceeded"
     assert finding.ratio == pytest.approx(17 / 16)
     assert failure_message([finding]) == (
-        "allocated 17.00 MiB exceeds the budget 16.00 MiB (16Ψ) by +1.00 MiB (+6.2%), 1.06x the theory"
+        "allocated cost 17.00 MiB exceeds the budget 16.00 MiB (16Ψ) by +1.00 MiB (+6.2%), 1.06x the theory"
     )
 
 
@@ -219,7 +226,7 @@ def test_check_values_for_a_later_metric_where_higher_is_better() -> None:
 
 def test_named_span_is_shown_in_messages() -> None:
     (finding,) = check_limits(TEST, measurement(name="step", peak=2 * MiB), [Limit("peak", MiB, "1MiB")])
-    assert failure_message([finding]).startswith("[step] peak 2.00 MiB exceeds the limit 1.00 MiB (1MiB)")
+    assert failure_message([finding]).startswith("[step] peak cost 2.00 MiB exceeds the limit 1.00 MiB (1MiB)")
 
 
 # --------------------------------------------------------------------------- baselines
@@ -362,7 +369,7 @@ def test_later_metric_where_dropping_is_a_regression() -> None:
     (same,) = compare_values(TEST, "call", {"max_microbatch": 15}, base, Tolerance(absolute=2))
     assert (dropped.status, rose.status, same.status) == ("regressed", "improved", "ok")
     assert failure_message([dropped]) == (
-        "max_microbatch cost 8 regressed from baseline 16 by -8 (-50.0%), tolerance 2 (±2)"
+        "max_microbatch 8 regressed from baseline 16 by -8 (-50.0%), tolerance 2 (±2)"
     )
     assert metric_info("max_microbatch").higher_is_better
     assert not metric_info("some_future_bytes").higher_is_better
@@ -416,7 +423,7 @@ def test_failure_message_lists_only_failures_in_order() -> None:
     baseline = compare_baseline(TEST, m, entry(peak=3 * GiB, allocated=GiB), TOL)
     message = failure_message(limits + baseline)
     assert message.splitlines() == [
-        "peak 5.00 GiB exceeds the limit 4.00 GiB (4GB) by +1.00 GiB (+25.0%)",
+        "peak cost 5.00 GiB exceeds the limit 4.00 GiB (4GB) by +1.00 GiB (+25.0%)",
         "peak cost 5.00 GiB regressed from baseline 3.00 GiB by +2.00 GiB (+66.7%), "
         "tolerance 2% or 1.00 MiB, whichever is larger (±61.44 MiB)",
     ]

@@ -61,6 +61,11 @@ class Engine(Protocol):
     def tracker(self) -> StorageTracker | None:
         """The storage tracker giving breakdowns, activations and timelines, if any."""
 
+    @property
+    def workspaces(self) -> int | None:
+        """Bytes of the library workspaces the clean-state protocol keeps on the device (cuBLAS,
+        per thread): part of every start reading, never a test's cost; None where there are none."""
+
     # -- readings -------------------------------------------------------------------
 
     def allocated(self) -> int:
@@ -81,16 +86,32 @@ class Engine(Protocol):
     def device_used(self) -> int | None:
         """Device memory in use per the runtime (``total - free``, all processes); None on CPU."""
 
+    def saved_bytes(self) -> int | None:
+        """Bytes autograd holds for backward now (distinct storages, parameters excluded); None
+        when they are not counted (the engine is not watching, or was asked not to)."""
+
     # -- actions --------------------------------------------------------------------
 
     def clean(self) -> None:
-        """Bring the device to a clean, comparable state before a start reading."""
+        """Bring the device to a clean, comparable state before a start reading (its steady state:
+        garbage collected, library workspaces created, the allocator's cache emptied, peaks reset)."""
+
+    def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
+        """Begin watching: the storage tracker when there is one, and what autograd saves
+        (unless ``saved_tensors`` is False); ``timeline`` keeps samples for plots (needs the tracker)."""
+
+    def stop(self) -> None:
+        """Stop watching (frees of what was counted are still seen)."""
 
     def settle(self) -> None:
         """Collect garbage and wait for the device, so that a reading shows only what is alive."""
 
+    def warm_workspaces(self) -> None:
+        """Create the library workspaces a training step's threads get (a no-op where there are none)."""
+
     def release_workspaces(self) -> None:
-        """Free what libraries keep per thread (cuBLAS workspaces); a no-op where there is none."""
+        """Free what libraries keep per thread (cuBLAS workspaces); a no-op where there is none.
+        Only the leak check does this: the next :meth:`clean` creates them again."""
 
     def synchronize(self) -> None:
         """Wait for the device's queued work; a no-op on CPU."""

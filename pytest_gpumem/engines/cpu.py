@@ -30,10 +30,15 @@ class CpuEngine:
     def __init__(self, *, cuda_rounding: bool = False, tracker: StorageTracker | None = None) -> None:
         self.device = torch.device("cpu")
         self.tracker: StorageTracker = tracker or StorageTracker(self.device, cuda_rounding=cuda_rounding)
+        self._saved_tensors = True
 
     @property
     def cuda_rounding(self) -> bool:
         return self.tracker.cuda_rounding
+
+    @property
+    def workspaces(self) -> int | None:
+        return None
 
     # -- readings -------------------------------------------------------------------
 
@@ -56,6 +61,9 @@ class CpuEngine:
     def device_used(self) -> int | None:
         return None
 
+    def saved_bytes(self) -> int | None:
+        return self.tracker.saved if self.tracker.active and self._saved_tensors else None
+
     # -- actions --------------------------------------------------------------------
 
     def clean(self) -> None:
@@ -63,8 +71,18 @@ class CpuEngine:
         self.tracker.scan()
         self.tracker.take_window()
 
+    def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
+        self._saved_tensors = saved_tensors
+        self.tracker.start(saved_tensors=saved_tensors, timeline=timeline)
+
+    def stop(self) -> None:
+        self.tracker.stop()
+
     def settle(self) -> None:
         gc.collect()
+
+    def warm_workspaces(self) -> None:
+        """Nothing to create: CPU kernels keep no workspaces the tracker counts."""
 
     def release_workspaces(self) -> None:
         """Nothing to release: CPU kernels keep no workspaces the tracker counts."""
@@ -95,11 +113,11 @@ class CpuEngine:
             yield
             return
         self.clean()
-        self.tracker.start(saved_tensors=False)
+        self.start(saved_tensors=False)
         try:
             yield
         finally:
-            self.tracker.stop()
+            self.stop()
 
     @contextmanager
     def record_history(self, path: str) -> Iterator[str | None]:

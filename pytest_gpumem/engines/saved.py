@@ -1,0 +1,139 @@
+"""What autograd holds for backward, counted through ``saved_tensors_hooks`` alone.
+
+The storage tracker counts saved tensors too (with categories); this counter is for
+an engine without it (the CUDA engine without ``breakdown``): a Python call per
+*saved tensor*, not per operator, so it is cheap enough to leave on. Each storage
+counts once however many tensors saved for backward view it; parameters and views
+of parameters (``Linear`` saves ``weight.t()``) are never counted. Bytes are the
+allocator's blocks (rounded up to 512 bytes) on CUDA-like devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pytest_gpumem.engines.tracker import cuda_rounded
+
+__all__ = ["SavedTensors"]
+
+_PARAMETER = torch.nn.Parameter
+
+
+class _Held:
+    """What autograd keeps instead of a saved tensor: a detached alias and its version.
+
+    Detached, so that a node saving its own output holds no Python object that holds
+    the node (a cycle through C++ the collector cannot break). The version counter
+    is shared with the saved tensor, so the in-place check autograd would make is made
+    on unpacking.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        with torch._C._DisableTorchDispatch():
+            self.tensor = tensor.detach()
+        self.version = tensor._version
+
+
+class _Counted(_Held):
+    """A saved tensor whose storage is counted: uncounted when autograd lets go of it."""
+
+    __slots__ = ("counter", "key")
+
+    def __init__(self, tensor: torch.Tensor, counter: SavedTensors, key: int) -> None:
+        super().__init__(tensor)
+        self.counter = counter
+        self.key = key
+
+    def __del__(self) -> None:
+        self.counter._release(self.key)
+
+
+def _unpack(held: _Held) -> torch.Tensor:
+    tensor = held.tensor
+    if tensor._version != held.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected version "
+            f"{held.version} instead. (The same error autograd raises; pytest-gpumem's saved-tensor "
+            "accounting keeps the check.)"
+        )
+    return tensor
+
+
+class SavedTensors:
+    """Bytes of the distinct storages autograd holds for backward on ``device``, and their peak.
+
+    Use :meth:`start` / :meth:`stop` around the code to watch; :meth:`take_peak` returns
+    the highest count since the previous call (a window, as engines read peaks).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._rounding = self.device.type != "cpu"
+        index = self.device.index or 0
+        dev_type = self.device.type
+        self._on_device = lambda t: t.device.type == dev_type and (dev_type == "cpu" or t.get_device() == index)
+        #: storage key → [tensors holding it, counted bytes]
+        self._held: dict[int, list[int]] = {}
+        #: bytes held for backward now
+        self.current = 0
+        self._peak = 0
+        self._hooks: Any = None
+
+    @property
+    def active(self) -> bool:
+        return self._hooks is not None
+
+    def start(self) -> None:
+        if self._hooks is not None:
+            raise RuntimeError("the saved-tensor counter is already active")
+        self._peak = self.current
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+
+    def stop(self) -> None:
+        """Stop counting new saves; releases of counted ones are still seen."""
+        if self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)
+
+    def take_peak(self) -> int:
+        """The highest bytes held for backward since the previous call; opens a new window."""
+        peak, self._peak = self._peak, self.current
+        return peak
+
+    def _pack(self, tensor: torch.Tensor) -> _Held:
+        if (
+            isinstance(tensor, _PARAMETER)
+            or isinstance(tensor._base, _PARAMETER)
+            or not self._on_device(tensor)
+            or tensor.layout != torch.strided
+        ):
+            return _Held(tensor)
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without storage
+            return _Held(tensor)
+        key = storage._cdata
+        held = self._held.get(key)
+        if held is None:
+            nbytes = int(storage.nbytes())
+            held = self._held[key] = [0, cuda_rounded(nbytes) if self._rounding else nbytes]
+            self.current += held[1]
+            if self.current > self._peak:
+                self._peak = self.current
+        held[0] += 1
+        return _Counted(tensor, self, key)
+
+    def _release(self, key: int) -> None:
+        held = self._held.get(key)
+        if held is None:
+            return
+        held[0] -= 1
+        if held[0] == 0:
+            del self._held[key]
+            self.current -= held[1]
