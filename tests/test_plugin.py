@@ -299,7 +299,9 @@ def test_keeps_a_local():
     )
     result = run_fresh(pytester)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*allocated cost 128.00 KiB exceeds the limit 64.00 KiB (64KiB) by +64.00 KiB (+100.0%)*"])
+    result.stdout.fnmatch_lines(
+        ["*allocated cost 128.00 KiB exceeds the limit 64.00 KiB (64KiB) by +64.00 KiB (+100.0%)*"]
+    )
     # the local dies with the frame: nothing retained
     assert not any("retained" in line and "exceeds" in line for line in result.outlines)
 
