@@ -454,3 +454,15 @@ def pytest_gpumem_environment(config, environment):
     text = result.stdout.str()
     assert "INTERNALERROR" not in text and "During handling" not in text
     result.stdout.fnmatch_lines(["*pytest_gpumem_environment hook: invalid environment label 'runner=a|b'*"])
+
+
+def test_reserved_is_compared_within_one_allocator_segment() -> None:
+    from pytest_gpumem.gate import RESERVED_TOLERANCE_FLOOR, metric_tolerances
+
+    tolerances = metric_tolerances(("peak", "allocated", "reserved", "max_microbatch"), Tolerance(0.02, 2**20))
+    assert tolerances["peak"] == tolerances["allocated"] == Tolerance(0.02, 2**20)
+    assert tolerances["reserved"] == Tolerance(0.02, RESERVED_TOLERANCE_FLOOR) == Tolerance(0.02, 20 * 2**20)
+    assert tolerances["max_microbatch"] == Tolerance(0.02, 0)  # a count: the byte floor does not apply
+    # the H100's two runs of one step in one process (recorded): 16 MiB apart, within one segment
+    assert tolerances["reserved"].allowed(419_430_400) >= 419_430_400 - 402_653_184
+    assert metric_tolerances(("reserved",), Tolerance(0.5, 0))["reserved"].allowed(2**30) == 2**29
