@@ -120,7 +120,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     sub = group.add_subparsers(dest="command", required=True, metavar="ACTION")
 
-    def common(p: argparse.ArgumentParser, *, tests_help: str, env_help: str) -> None:
+    def common(
+        p: argparse.ArgumentParser,
+        *,
+        tests_help: str = "only tests whose node id contains one of these texts",
+        env_help: str = "only environments whose key contains TEXT (case-insensitive)",
+    ) -> None:
         p.add_argument("tests", nargs="*", metavar="TEST", help=tests_help)
         p.add_argument("--env", metavar="TEXT", help=env_help)
 
@@ -136,11 +141,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         description="Print the recorded costs of every test and span, one table per environment.",
     )
     show.add_argument("--file", type=Path, default=Path(DEFAULT_FILENAME), metavar="PATH", help=file_help)
-    common(
-        show,
-        tests_help="only tests whose node id contains one of these texts",
-        env_help="only environments whose key contains TEXT (case-insensitive)",
-    )
+    common(show)
     display(show)
     show.set_defaults(handler=_show)
 
@@ -155,11 +156,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     diff.add_argument("old", metavar="OLD", help="the version before: a path or REV:PATH")
     diff.add_argument("new", metavar="NEW", help="the version after: a path or REV:PATH")
-    common(
-        diff,
-        tests_help="only tests whose node id contains one of these texts",
-        env_help="only environments whose key contains TEXT (case-insensitive)",
-    )
+    common(diff)
     diff.add_argument(
         "--fail-on-growth",
         action="store_true",

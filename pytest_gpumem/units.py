@@ -13,7 +13,16 @@ from __future__ import annotations
 import re
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 
-__all__ = ["UNITS", "SizeError", "format_delta", "format_percent", "format_size", "parse_size"]
+__all__ = [
+    "CUDA_BLOCK",
+    "UNITS",
+    "SizeError",
+    "cuda_rounded",
+    "format_delta",
+    "format_percent",
+    "format_size",
+    "parse_size",
+]
 
 #: Multiplier of each unit prefix (1024-based).
 UNITS: dict[str, int] = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -23,6 +32,15 @@ _SIZE_RE = re.compile(
         (?P<prefix>[KMGT]?)(?P<i>I?)(?P<b>B?)\s*$""",
     re.IGNORECASE | re.VERBOSE,
 )
+
+
+#: The CUDA caching allocator rounds every block up to a multiple of 512 bytes.
+CUDA_BLOCK = 512
+
+
+def cuda_rounded(nbytes: int) -> int:
+    """``nbytes`` rounded up as the CUDA caching allocator sizes a block (0 stays 0)."""
+    return 0 if nbytes <= 0 else -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
 
 
 class SizeError(ValueError):

@@ -18,6 +18,7 @@ import torch
 # test is measured; import it here, before any in-process pytester run, for the same reason.
 import pytest_gpumem.fixture
 import pytest_gpumem.runner  # noqa: F401
+from pytest_gpumem.baselines import Environment
 from pytest_gpumem.engines import Engine, make_engine
 
 
@@ -39,6 +40,20 @@ def _warm_up_lazy_torch_imports() -> None:
 
 
 _warm_up_lazy_torch_imports()
+
+
+#: Environments that baseline tests record under (as an H100 with torch 2.13 would describe itself).
+CPU_ENV = Environment(engine="cpu", torch_version="2.13", cuda_rounding=False)
+H100_ENV = Environment(
+    engine="cuda",
+    device_name="NVIDIA H100 80GB HBM3",
+    total_memory=85_045_870_592,
+    compute_capability="9.0",
+    torch_version="2.13",
+    cuda_version="12.8",
+    cudnn_version="91002",
+    allocator=(),
+)
 
 
 def _pinned(args: tuple[str, ...], device: str | None) -> tuple[str, ...]:

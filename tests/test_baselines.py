@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import CPU_ENV as CPU
+from conftest import H100_ENV as H100
 
 import pytest_gpumem
 import pytest_gpumem.baselines as baselines
@@ -33,18 +35,7 @@ from pytest_gpumem.baselines import (
 from pytest_gpumem.figures import CATEGORIES, Measurement
 
 MiB = 1 << 20
-CPU = Environment(engine="cpu", torch_version="2.13", cuda_rounding=False)
 CPU_ROUNDED = Environment(engine="cpu", torch_version="2.13", cuda_rounding=True)
-H100 = Environment(
-    engine="cuda",
-    device_name="NVIDIA H100 80GB HBM3",
-    total_memory=85_045_870_592,
-    compute_capability="9.0",
-    torch_version="2.13",
-    cuda_version="12.8",
-    cudnn_version="91002",
-    allocator=(),
-)
 PACKAGE = Path(pytest_gpumem.__file__).parent
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import CPU_ENV as CPU
+from conftest import H100_ENV as H100
 
 import pytest_gpumem
 from pytest_gpumem.baselines import BaselineEntry, BaselineStore, Environment, load, save
@@ -21,17 +23,6 @@ from pytest_gpumem.cli import main
 MiB = 1 << 20
 PACKAGE = Path(pytest_gpumem.__file__).parent
 ROOT = PACKAGE.parent
-CPU = Environment(engine="cpu", torch_version="2.13", cuda_rounding=False)
-H100 = Environment(
-    engine="cuda",
-    device_name="NVIDIA H100 80GB HBM3",
-    total_memory=85_045_870_592,
-    compute_capability="9.0",
-    torch_version="2.13",
-    cuda_version="12.8",
-    cudnn_version="91002",
-    allocator=(),
-)
 TRAIN = "tests/test_train.py::test_step[tiny]"
 SMALL = "tests/test_train.py::test_step[small]"
 OLD = "tests/test_old.py::test_legacy"

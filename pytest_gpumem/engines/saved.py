@@ -14,31 +14,45 @@ from typing import Any
 
 import torch
 
-from pytest_gpumem.engines.tracker import cuda_rounded
+from pytest_gpumem.units import cuda_rounded
 
-__all__ = ["SavedTensors"]
+__all__ = ["Held", "SavedTensors", "detached", "unpack"]
 
 _PARAMETER = torch.nn.Parameter
 
 
-class _Held:
-    """What autograd keeps instead of a saved tensor: a detached alias and its version.
+#: Tensor types without a ``__torch_dispatch__`` of their own.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
-    Detached, so that a node saving its own output holds no Python object that holds
-    the node (a cycle through C++ the collector cannot break). The version counter
-    is shared with the saved tensor, so the in-place check autograd would make is made
-    on unpacking.
+
+def detached(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach()``; for plain tensors without a round trip through a dispatch mode
+    (the storage tracker's, or the user's: this detach is pytest-gpumem's own doing)."""
+    if type(tensor) in _PLAIN_TENSORS:
+        with torch._C._DisableTorchDispatch():
+            return tensor.detach()
+    return tensor.detach()
+
+
+class Held:
+    """What autograd keeps instead of a saved tensor under pytest-gpumem's hooks: a detached
+    alias of it and its version.
+
+    Detached, so that a node saving its own output (ReLU, Tanh, exp) holds no Python
+    object that holds the node: a cycle through C++ the collector cannot break. Holding
+    the tensor through a hook hides it from autograd's check that a saved tensor was not
+    modified in place afterwards; the version counter, shared by the detached alias, is
+    recorded here and checked by :func:`unpack`.
     """
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        with torch._C._DisableTorchDispatch():
-            self.tensor = tensor.detach()
+        self.tensor = detached(tensor)
         self.version = tensor._version
 
 
-class _Counted(_Held):
+class _Counted(Held):
     """A saved tensor whose storage is counted: uncounted when autograd lets go of it."""
 
     __slots__ = ("counter", "key")
@@ -52,7 +66,8 @@ class _Counted(_Held):
         self.counter._release(self.key)
 
 
-def _unpack(held: _Held) -> torch.Tensor:
+def unpack(held: Held) -> torch.Tensor:
+    """The saved tensor back, after autograd's own in-place check."""
     tensor = held.tensor
     if tensor._version != held.version:
         raise RuntimeError(
@@ -92,7 +107,7 @@ class SavedTensors:
         if self._hooks is not None:
             raise RuntimeError("the saved-tensor counter is already active")
         self._peak = self.current
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
         self._hooks.__enter__()
 
     def stop(self) -> None:
@@ -106,18 +121,18 @@ class SavedTensors:
         peak, self._peak = self._peak, self.current
         return peak
 
-    def _pack(self, tensor: torch.Tensor) -> _Held:
+    def _pack(self, tensor: torch.Tensor) -> Held:
         if (
             isinstance(tensor, _PARAMETER)
             or isinstance(tensor._base, _PARAMETER)
             or not self._on_device(tensor)
             or tensor.layout != torch.strided
         ):
-            return _Held(tensor)
+            return Held(tensor)
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without storage
-            return _Held(tensor)
+            return Held(tensor)
         key = storage._cdata
         held = self._held.get(key)
         if held is None:

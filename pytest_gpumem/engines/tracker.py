@@ -36,22 +36,16 @@ try:
 except ImportError:  # pragma: no cover - torch moved it
     OpOverload = None  # type: ignore[assignment,misc]
 
+from pytest_gpumem.engines.saved import Held, unpack
 from pytest_gpumem.figures import CATEGORIES
+from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded
 
 __all__ = ["CUDA_BLOCK", "StorageTracker", "Window", "cuda_rounded"]
-
-#: The CUDA caching allocator rounds every block up to a multiple of 512 bytes.
-CUDA_BLOCK = 512
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
 
 #: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
 TIMELINE_LIMIT = 4096
-
-
-def cuda_rounded(nbytes: int) -> int:
-    """``nbytes`` rounded up as the CUDA caching allocator sizes a block (0 stays 0)."""
-    return 0 if nbytes <= 0 else -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
 
 
 @dataclass
@@ -129,47 +123,13 @@ class _Entry(weakref.ref):  # type: ignore[type-arg]
     prior: int
 
 
-#: Tensor types without a ``__torch_dispatch__`` of their own.
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def _detach(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor.detach()``; for plain tensors without a round trip through the tracker's own mode.
-
-    Detached: a node that saves its own output (ReLU, Tanh, exp) would otherwise hold
-    a Python object that holds the output, whose grad_fn is that node: a cycle
-    through C++ that the garbage collector cannot break. This detach is the
-    tracker's own doing, so no dispatch mode (ours or the user's) needs to see it.
-    """
-    if type(tensor) in _PLAIN_TENSORS:
-        with torch._C._DisableTorchDispatch():
-            return tensor.detach()
-    return tensor.detach()
-
-
-class _Held:
-    """What autograd keeps for a saved tensor that is not counted as an activation.
-
-    Holding the tensor through a hook hides it from autograd's own check that a
-    saved tensor was not modified in place afterwards, so the version counter
-    (shared by the detached alias) is recorded here and checked on unpacking.
-    """
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = _detach(tensor)
-        self.version = tensor._version
-
-
-class _Saved(_Held):
+class _Saved(Held):
     """What autograd keeps for a saved activation: the tensor and a release hook."""
 
     __slots__ = ("entry", "tracker")
 
     def __init__(self, tensor: torch.Tensor, entry: _Entry, tracker: StorageTracker) -> None:
-        self.tensor = _detach(tensor)
-        self.version = tensor._version
+        super().__init__(tensor)
         self.entry = entry
         self.tracker = tracker
 
@@ -512,7 +472,7 @@ class StorageTracker:
         self._mode = _Mode(self)
         self._mode.__enter__()
         if saved_tensors:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
             self._saved_hooks.__enter__()
 
     def stop(self) -> None:
@@ -524,9 +484,9 @@ class StorageTracker:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
 
-    def _pack(self, tensor: torch.Tensor) -> _Held:
+    def _pack(self, tensor: torch.Tensor) -> Held:
         if not self._on_device(tensor):
-            return _Held(tensor)
+            return Held(tensor)
         base = tensor._base
         parameter_type = torch.nn.Parameter
         if isinstance(tensor, parameter_type) or isinstance(base, parameter_type):
@@ -535,18 +495,18 @@ class StorageTracker:
             try:
                 known = self._entries.get(param.untyped_storage()._cdata)
             except (RuntimeError, NotImplementedError):
-                return _Held(tensor)
+                return Held(tensor)
             if known is None or known.category != PARAMETERS:  # else registering it changes nothing
                 self.register((param,), "parameters")
-            return _Held(tensor)
+            return Held(tensor)
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return _Held(tensor)
+            return Held(tensor)
         key = storage._cdata
         entry = self._entries.get(key)
         if entry is None or key in self._param_keys:
-            return _Held(tensor)
+            return Held(tensor)
         if entry.saves == 0:
             self.saved += entry.nbytes
             if self.saved > self._window.saved_peak:
@@ -564,15 +524,3 @@ class StorageTracker:
             # The holder keeps the tensor alive, so the storage is still counted here.
             if entry.category == ACTIVATIONS and entry() is not None:
                 self._move(entry, entry.prior, discovered=False)
-
-
-def _unpack(saved: _Held) -> torch.Tensor:
-    tensor = saved.tensor
-    if tensor._version != saved.version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"[{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected version "
-            f"{saved.version} instead. (The same error autograd raises; pytest-gpumem's saved-tensor "
-            "accounting keeps the check.)"
-        )
-    return tensor
