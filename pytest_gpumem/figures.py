@@ -40,20 +40,29 @@ class Phase:
     """One phase of a training step inside a span (bytes, absolute).
 
     ``start`` is allocated when the phase was first entered, ``peak`` the highest
-    allocated while in it, ``end`` allocated when it was last left.
+    allocated while in it, ``end`` allocated when it was last left. ``count`` is
+    how many times the phase was entered during the span (2 when the span holds
+    two training steps, e.g. a warm-up step and a measured one).
     """
 
     name: str
     start: int
     peak: int
     end: int
+    count: int = 1
 
     def to_dict(self) -> dict[str, int]:
-        return {"start": self.start, "peak": self.peak, "end": self.end}
+        return {"start": self.start, "peak": self.peak, "end": self.end, "count": self.count}
 
     @classmethod
     def from_dict(cls, name: str, data: Mapping[str, Any]) -> Phase:
-        return cls(name=name, start=int(data["start"]), peak=int(data["peak"]), end=int(data["end"]))
+        return cls(
+            name=name,
+            start=int(data["start"]),
+            peak=int(data["peak"]),
+            end=int(data["end"]),
+            count=int(data.get("count", 1)),
+        )
 
 
 @dataclass(frozen=True)
