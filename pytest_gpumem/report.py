@@ -115,8 +115,8 @@ def _elide_id(nodeid: str, width: int) -> str:
     """A node id in at most ``width`` characters, keeping its function name and parametrize id.
 
     The part before the name is elided first, in its middle
-    (``tests/mo…_llama.py::test_step[fp32]``); when the name alone does not fit,
-    the name is elided in its middle.
+    (``tests/mo…::TestLlama::test_step[fp32]``), then dropped (``…test_step[fp32]``);
+    when the name alone does not fit, the name is elided in its middle.
     """
     if len(nodeid) <= width:
         return nodeid
@@ -124,19 +124,29 @@ def _elide_id(nodeid: str, width: int) -> str:
     head, sep, function = base.rpartition("::")
     if not sep:
         return _elide_middle(nodeid, width)
-    name = sep + function + bracket + params
-    room = width - len(name)
+    name = function + bracket + params
+    room = width - len(sep + name)
     if room >= len(ELLIPSIS):
-        return _elide_middle(head, room) + name
-    return _elide_middle(function + bracket + params, width)
+        return _elide_middle(head, room) + sep + name
+    if width > len(name):
+        return ELLIPSIS + name
+    return _elide_middle(name, width)
+
+
+#: Fewest characters a wrapped line keeps for its text; below, indents give way.
+MIN_TEXT = 12
+
+
+def _indents(width: int, first: str, rest: str) -> tuple[str, str]:
+    """The indents of wrapped lines, or none where they would leave less than :data:`MIN_TEXT` for the text."""
+    return (first, rest) if width - max(len(first), len(rest)) >= MIN_TEXT else ("", "")
 
 
 def _wrap(text: str, width: int | None, first: str = "", rest: str = "") -> list[str]:
     """``text`` wrapped to ``width`` (no limit when None), with indents that give way at tiny widths."""
     if width is None:
         return [first + text]
-    if len(rest) >= width or len(first) >= width:
-        first = rest = ""
+    first, rest = _indents(width, first, rest)
     return textwrap.wrap(
         text,
         width=max(width, 1),
@@ -158,6 +168,7 @@ class _Col:
     min_width: int = 0  # narrowest an elastic column gets (never below its header)
     optional: bool = False  # left out when every cell is empty
     label: str | None = None  # its name in the one-record-per-block layout (None: the header)
+    joins: bool = False  # block layout: in parentheses after the previous pair ("Δ +1.00 MiB (+3.1%)")
 
 
 def _fit(text: str, width: int, col: _Col) -> str:
@@ -266,7 +277,10 @@ class _Table:
                     if i < self.lead or i == self.status or not cell:
                         continue
                     label = col.header if col.label is None else col.label
-                    pairs.append(f"{label} {cell}".strip())
+                    if col.joins and pairs:
+                        pairs[-1] += f" ({cell})"
+                    else:
+                        pairs.append(f"{label} {cell}".strip())
                 items = [item for item in head if item] + [pair + "," for pair in pairs[:-1]] + pairs[-1:]
                 if items and not pairs:
                     items[-1] = items[-1].rstrip(":;")
@@ -278,6 +292,7 @@ def _wrap_items(items: Sequence[str], width: int | None, first: str, rest: str) 
     """``items`` joined by spaces and wrapped to ``width`` between items (an item breaks only when it must)."""
     if width is None:
         return [first + " ".join(items)]
+    first, rest = _indents(width, first, rest)
     lines: list[str] = []
     line = first
     for item in items:
@@ -318,7 +333,7 @@ class _Notes:
             lines += _wrap(mark + first, width, "", indent)
             for paragraph in rest:
                 parts = paragraph.split(" | ")
-                lines += _wrap_items([part + " |" for part in parts[:-1]] + parts[-1:], width, indent, indent)
+                lines += _wrap_items([part + " |" for part in parts[:-1]] + parts[-1:], width, indent, indent + "  ")
         return lines
 
 
@@ -329,6 +344,11 @@ def _cost_text(metric: str, value: int | None) -> str:
     """A cost (or a baseline, which is a recorded cost): signed for net changes."""
     info = metric_info(metric)
     return info.format_delta(value) if metric in SIGNED_METRICS else info.format(value)
+
+
+def _percent(delta: int, reference: int | None) -> str:
+    """Δ as a percentage of the baseline's size: a cost that frees less than its baseline grew (+)."""
+    return format_percent(delta, None if reference is None else abs(reference))
 
 
 def _plain_size(text: str) -> bool:
@@ -411,7 +431,7 @@ def _metric_row(
         "" if limit is None else info.format(limit.reference),
         "" if baseline is None or baseline.reference is None else _cost_text(metric, baseline.reference),
         "" if baseline is None or baseline.delta is None else info.format_delta(baseline.delta),
-        "" if baseline is None or baseline.delta is None else format_percent(baseline.delta, baseline.reference),
+        "" if baseline is None or baseline.delta is None else _percent(baseline.delta, baseline.reference),
         status,
     ]
     notes: dict[int, str] = {}
@@ -520,7 +540,7 @@ def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markd
         _Col(limit, right=True, optional=True),
         _Col(baseline, right=True, optional=True),
         _Col(delta, right=True, optional=True),
-        _Col(percent, right=True, optional=True),
+        _Col(percent, right=True, optional=True, joins=True),
         _Col(status, label=""),
     )
     test = _Col(SUMMARY_HEADERS[0], elastic=True, node_id=True)
@@ -668,9 +688,9 @@ def _detail_tables(measurements: Sequence[tuple[str, Measurement]], width: int |
     id_col = _Col("test", elastic=True, node_id=True)
     lines: list[str] = []
     if breakdown:
-        lines += ["", "breakdown at peak", *_Table(_BREAKDOWN_COLS, breakdown, id_col).render(width)]
+        lines += ["", *_wrap("breakdown at peak", width), *_Table(_BREAKDOWN_COLS, breakdown, id_col).render(width)]
     if phases:
-        lines += ["", "phases", *_Table(_PHASE_COLS, phases, id_col, lead=2).render(width)]
+        lines += ["", *_wrap("phases", width), *_Table(_PHASE_COLS, phases, id_col, lead=2).render(width)]
         lines += _count_legend((m for _, m in measurements), width)
     return lines
 
@@ -723,7 +743,7 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
     span). Every line fits in ``width`` (``None``: no limit).
     """
     engines = sorted({f"{m.device} ({m.engine} engine)" for m in measurements})
-    lines = [f"figures on {', '.join(engines)}"] if engines else []
+    lines = _wrap(f"figures on {', '.join(engines)}", width) if engines else []
     lines += _Table(_FIGURE_COLS, [("", [row for m in measurements for row in _figure_rows(m)])], lead=2).render(width)
     unknown = [metric for metric in METRICS if measurements and all(m.figure(metric) is None for m in measurements)]
     legend = [LEGEND_COST.format(compared="limits and baselines")]
@@ -735,10 +755,10 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
         lines += _wrap(text, width, "", "  ")
     breakdown = [row for m in measurements for row in _breakdown_cells(m)]
     if breakdown:
-        lines += ["", "breakdown at peak", *_Table(_BREAKDOWN_COLS, [("", breakdown)]).render(width)]
+        lines += ["", *_wrap("breakdown at peak", width), *_Table(_BREAKDOWN_COLS, [("", breakdown)]).render(width)]
     phases = [row for m in measurements for row in _phase_cells(m)]
     if phases:
-        lines += ["", "phases", *_Table(_PHASE_COLS, [("", phases)], lead=2).render(width)]
+        lines += ["", *_wrap("phases", width), *_Table(_PHASE_COLS, [("", phases)], lead=2).render(width)]
         lines += _count_legend(measurements, width)
     return "\n".join(lines)
 
@@ -864,8 +884,8 @@ def markdown_report(
     for title, cells in _summary_table(rows, notes, 0, markdown=True).groups:
         for row in cells:
             lines.append("| " + " | ".join(_md(cell) for cell in [title, *row]) + " |")
-    below = [f"- [{number}] {_md(_one_line(text))}" for number, text in enumerate(notes.texts, 1)]
-    below += [f"- {_md(text)}" for text in _legend(rows, records)]
+    below = [f"- [{number}] {_one_line(text)}" for number, text in enumerate(notes.texts, 1)]
+    below += [f"- {text}" for text in _legend(rows, records)]
     if below:
         lines += ["", *below]
     stale = [f for f in extra_findings if f.status == "stale"]
