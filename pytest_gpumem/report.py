@@ -272,7 +272,7 @@ class _Table:
                 name = " ".join(cell for cell in row[: self.lead] if cell)
                 status = row[self.status] if self.status is not None else ""
                 head = [f"{name}:" if name else "", f"{status};" if status else ""]
-                pairs = []
+                pairs: list[str] = []
                 for i, (col, cell) in enumerate(zip(self.cols, row, strict=True)):
                     if i < self.lead or i == self.status or not cell:
                         continue

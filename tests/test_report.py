@@ -80,6 +80,12 @@ def steps() -> Steps:
     return Steps(call.measurement, step.measurement, backward.measurement)
 
 
+def cost(measurement: Measurement, metric: str) -> int:
+    value = measurement.cost(metric)
+    assert value is not None
+    return value
+
+
 def costs(measurement: Measurement) -> dict[str, int | None]:
     return {metric: measurement.cost(metric) for metric in METRICS}
 
@@ -103,7 +109,7 @@ def baseline_findings(
 def suite(steps: Steps) -> list[Record]:
     """Four tests: a long id with a budget exceeded, an AdamW step that regressed, a backward, a new test."""
     call = replace(steps.call, retained=0)
-    budget = Limit("peak", steps.call.cost("peak") - 1024, BUDGET, kind="budget")
+    budget = Limit("peak", cost(steps.call, "peak") - 1024, BUDGET, kind="budget")
     long = Record(LONG_ID, [call, steps.step])
     long.findings = limit_findings(LONG_ID, call, budget) + baseline_findings(LONG_ID, steps.step, None)
     adamw = Record(ADAMW_ID, [call, steps.step])
@@ -245,7 +251,7 @@ def test_columns_mean_one_thing_cost_is_figure_minus_start(steps: Steps) -> None
     peak = by_key[("test_steps.py::test_adamw_step", "step", "peak")]
     assert peak[header["measured"]] == format_size(step.peak)
     assert peak[header["cost"]] == format_size(step.peak - step.start)
-    assert peak[header["baseline"]] == format_size(int(step.cost("peak") * 0.5))  # type: ignore[operator]
+    assert peak[header["baseline"]] == format_size(cost(step, "peak") // 2)
     assert peak[header["status"]] == "regressed"
     # allocated is a net change: signed
     allocated = by_key[("test_steps.py::test_adamw_step", "call", "allocated")]
@@ -273,7 +279,7 @@ def test_a_negative_cost_reads_as_freed_everywhere(steps: Steps) -> None:
 def test_limits_are_compared_with_the_cost_next_to_it(steps: Steps) -> None:
     call = steps.call
     assert call.start > 0  # the model was alive before: figure and cost differ
-    limit = Limit("peak", call.cost("peak") - 1, "1KiB")  # type: ignore[operator]
+    limit = Limit("peak", cost(call, "peak") - 1, "1KiB")
     record = Record("t.py::test_x", [call], limit_findings("t.py::test_x", call, limit))
     text = summary_table([record], width=120)
     row = next(line for line in lines_of(text) if "exceeded" in line)
