@@ -21,6 +21,7 @@ table; a legend line explains what a table shows only when it shows it.
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ SEP = "  "
 ELLIPSIS = "…"
 
 LEGEND_COST = "cost = measured − the span's start: what {compared} compare"
+LEGEND_DELTA = "Δ\xa0=\xa0cost\xa0−\xa0baseline"  # no-break spaces: wrapped whole (shown as spaces)
 LEGEND_SIGNED = "a negative allocated or retained cost: the span freed more than it allocated"
 LEGEND_COUNT = "×N: the phase ran N times in the span (e.g. a warm-up step and the measured step)"
 
@@ -133,8 +135,16 @@ def _elide_id(nodeid: str, width: int) -> str:
     return _elide_middle(name, width)
 
 
+#: A size as :func:`~pytest_gpumem.units.format_size` writes it, for wrapping.
+_SIZE_RE = re.compile(r"(\d) ([KMGT]?i?B)\b")
+
 #: Fewest characters a wrapped line keeps for its text; below, indents give way.
 MIN_TEXT = 12
+
+
+def _plain(text: str) -> str:
+    """``text`` with its no-break spaces (what wrapping keeps together) as spaces."""
+    return text.replace("\xa0", " ")
 
 
 def _indents(width: int, first: str, rest: str) -> tuple[str, str]:
@@ -145,16 +155,17 @@ def _indents(width: int, first: str, rest: str) -> tuple[str, str]:
 def _wrap(text: str, width: int | None, first: str = "", rest: str = "") -> list[str]:
     """``text`` wrapped to ``width`` (no limit when None), with indents that give way at tiny widths."""
     if width is None:
-        return [first + text]
+        return [_plain(first + text)]
     first, rest = _indents(width, first, rest)
-    return textwrap.wrap(
-        text,
+    lines = textwrap.wrap(
+        _SIZE_RE.sub("\\1\xa0\\2", text),  # a size's number and unit stay on one line
         width=max(width, 1),
         initial_indent=first,
         subsequent_indent=rest,
         break_long_words=True,
         break_on_hyphens=False,
-    ) or [first.rstrip()]
+    )
+    return [_plain(line) for line in lines] or [first.rstrip()]
 
 
 @dataclass(frozen=True)
@@ -169,6 +180,7 @@ class _Col:
     optional: bool = False  # left out when every cell is empty
     label: str | None = None  # its name in the one-record-per-block layout (None: the header)
     joins: bool = False  # block layout: in parentheses after the previous pair ("Δ +1.00 MiB (+3.1%)")
+    drop: int = 0  # left out to fit a narrow width before falling back to blocks: 1 first, then 2; 0 never
 
 
 def _fit(text: str, width: int, col: _Col) -> str:
@@ -190,11 +202,11 @@ def _widths(cols: Sequence[_Col], rows: Sequence[Sequence[str]], width: int | No
     A node id column narrows only as far as every id keeps its function name and parametrize id.
     """
     natural = [max([len(col.header), *(len(row[i]) for row in rows)]) for i, col in enumerate(cols)]
+    excess = 0 if width is None else sum(natural) + len(SEP) * (len(cols) - 1) - width
     floors = [
         max([col.min_width, len(col.header), *((_id_floor(row[i]) for row in rows) if col.node_id else ())])
         for i, col in enumerate(cols)
     ]
-    excess = sum(natural) + len(SEP) * (len(cols) - 1) - (width if width is not None else sum(natural) + 10**6)
     widths = list(natural)
     for i, col in enumerate(cols):
         if excess <= 0:
@@ -224,42 +236,51 @@ class _Table:
     lead: int = 1  # block layout: how many cells name a record ("call peak")
     status: int | None = None  # block layout: the cell shown right after the name
 
-    def _kept(self) -> _Table:
-        rows = [row for _, rs in self.groups for row in rs]
-        keep = [i for i, col in enumerate(self.cols) if not col.optional or any(row[i] for row in rows)]
-        if len(keep) == len(self.cols):
-            return self
+    def _keep(self, keep: Sequence[int]) -> _Table:
+        """The table with only the columns at ``keep``; the naming columns and the status are always kept."""
         return _Table(
             [self.cols[i] for i in keep],
             [(title, [[row[i] for i in keep] for row in group]) for title, group in self.groups],
             self.title,
-            self.lead,  # the naming columns are never optional
-            None if self.status is None else keep.index(self.status),  # nor the status
+            self.lead,
+            None if self.status is None else list(keep).index(self.status),
         )
 
     def render(self, width: int | None) -> list[str]:
-        table = self._kept()
-        rows = [row for _, rs in table.groups for row in rs]
+        """The lines of the table in ``width``: one row per record, the test id in a column of its own if it fits,
+        else above its rows, with fewer columns if need be (named in a line below), else one record per block."""
+        rows = [row for _, group in self.groups for row in group]
+        table = self._keep([i for i, col in enumerate(self.cols) if not col.optional or any(row[i] for row in rows)])
         if table.title is not None:
             flat_cols = [table.title, *table.cols]
-            flat_rows = [[title, *row] for title, rs in table.groups for row in rs]
+            flat_rows = [[title, *row] for title, group in table.groups for row in group]
             widths = _widths(flat_cols, flat_rows, width)
             if widths is not None:
                 return _lines(flat_cols, flat_rows, widths)
-            inner = None if width is None else width - len(GROUP_INDENT)
-            widths = _widths(table.cols, rows, inner)
-            if widths is not None:
-                head, rule, *_ = _lines(table.cols, [], widths, GROUP_INDENT)
-                lines = [head, rule]
-                for title, rs in table.groups:
-                    lines.append(_elide_id(title, width) if width is not None else title)
-                    lines += _lines(table.cols, rs, widths, GROUP_INDENT)[2:]
+        for level in sorted({0, *(col.drop for col in table.cols)}):
+            keep = [i for i, col in enumerate(table.cols) if not 0 < col.drop <= level]
+            lines = table._keep(keep)._grouped(width)
+            if lines is not None:
+                left_out = [col.header for i, col in enumerate(table.cols) if i not in keep]
+                if left_out:
+                    lines += _wrap(f"(left out to fit {width} columns: {', '.join(left_out)})", width)
                 return lines
-        else:
-            widths = _widths(table.cols, rows, width)
-            if widths is not None:
-                return _lines(table.cols, rows, widths)
         return table._blocks(width)
+
+    def _grouped(self, width: int | None) -> list[str] | None:
+        """One row per record under its group's title (without titles: a plain table); None when too wide."""
+        rows = [row for _, group in self.groups for row in group]
+        if self.title is None:
+            widths = _widths(self.cols, rows, width)
+            return None if widths is None else _lines(self.cols, rows, widths)
+        widths = _widths(self.cols, rows, None if width is None else width - len(GROUP_INDENT))
+        if widths is None:
+            return None
+        lines = _lines(self.cols, [], widths, GROUP_INDENT)
+        for title, group in self.groups:
+            lines.append(title if width is None else _elide_id(title, width))
+            lines += _lines(self.cols, group, widths, GROUP_INDENT)[2:]
+        return lines
 
     def _blocks(self, width: int | None) -> list[str]:
         """One record per block: its name, then "label value" pairs, wrapped to ``width``."""
@@ -291,7 +312,7 @@ class _Table:
 def _wrap_items(items: Sequence[str], width: int | None, first: str, rest: str) -> list[str]:
     """``items`` joined by spaces and wrapped to ``width`` between items (an item breaks only when it must)."""
     if width is None:
-        return [first + " ".join(items)]
+        return [_plain(first + " ".join(items))]
     first, rest = _indents(width, first, rest)
     lines: list[str] = []
     line = first
@@ -498,6 +519,8 @@ def _legend(rows: Sequence[_Row], records: Sequence[RecordLike]) -> list[str]:
     if not rows:
         return []
     lines = [LEGEND_COST.format(compared=_compared(records))]
+    if any(row.cells[SUMMARY_HEADERS.index("Δ") - 1] for row in rows):
+        lines[0] += "; " + LEGEND_DELTA
     signed = {SUMMARY_HEADERS.index("cost") - 1, SUMMARY_HEADERS.index("baseline") - 1}
     if any(row.cells[1] in SIGNED_METRICS and any(row.cells[i].startswith("-") for i in signed) for row in rows):
         lines.append(LEGEND_SIGNED)
@@ -538,9 +561,9 @@ def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markd
         _Col(measured, right=True),
         _Col(cost, right=True),
         _Col(limit, right=True, optional=True),
-        _Col(baseline, right=True, optional=True),
+        _Col(baseline, right=True, optional=True, drop=2),
         _Col(delta, right=True, optional=True),
-        _Col(percent, right=True, optional=True, joins=True),
+        _Col(percent, right=True, optional=True, joins=True, drop=1),
         _Col(status, label=""),
     )
     test = _Col(SUMMARY_HEADERS[0], elastic=True, node_id=True)
@@ -885,7 +908,7 @@ def markdown_report(
         for row in cells:
             lines.append("| " + " | ".join(_md(cell) for cell in [title, *row]) + " |")
     below = [f"- [{number}] {_one_line(text)}" for number, text in enumerate(notes.texts, 1)]
-    below += [f"- {text}" for text in _legend(rows, records)]
+    below += [f"- {_plain(text)}" for text in _legend(rows, records)]
     if below:
         lines += ["", *below]
     stale = [f for f in extra_findings if f.status == "stale"]

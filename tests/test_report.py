@@ -143,6 +143,7 @@ def test_every_line_fits_the_width(steps: Steps, width: int, verbosity: int) -> 
     records = suite(steps)
     text = summary_table(records, width=width, verbosity=verbosity)
     assert_fits(text, width)
+    assert "\xa0" not in text  # what wrapping keeps together is shown with plain spaces
     # the test's function name and parametrize id stay whole, whatever is elided, where they fit
     name = "test_train_step[bf16-seq2048-batch16-grad_accumulation4-activation_checkpointing]"
     if width > len(name):
@@ -174,6 +175,20 @@ def test_a_wide_terminal_gets_one_row_per_figure_with_its_test_id(steps: Steps, 
         title = [line for line in table[: table.index(exceeded)] if not line.startswith(" ")][-1]
         assert title == _elide_id("test_transformer_memory.py::TestLlamaBlock::" + name, width)
         assert exceeded.startswith("  call")
+
+
+def test_a_narrow_terminal_leaves_out_baseline_and_percent_before_the_table_goes(steps: Steps) -> None:
+    records = suite(steps)[1:3]  # limits and baselines, short statuses
+    wide = summary_table(records, width=120)
+    assert re.match(r"  span +metric +measured +cost +limit +baseline +Δ +Δ% +status$", wide.splitlines()[0])
+    assert "left out" not in wide
+    narrow = summary_table(records, width=80)
+    assert_fits(narrow, 80)
+    assert re.match(r"  span +metric +measured +cost +limit +Δ +status$", narrow.splitlines()[0])
+    assert "(left out to fit 80 columns: baseline, Δ%)" in narrow
+    assert re.search(r"^  step +peak +[0-9.]+ KiB +[0-9.]+ KiB +\+[0-9.]+ KiB +regressed$", narrow, re.MULTILINE)
+    assert "Δ = cost − baseline" in narrow
+    assert "baseline 9.12 KiB" not in narrow and "9.12 KiB" in markdown_report(records)
 
 
 def test_long_test_ids_are_elided_in_the_middle_keeping_the_name(steps: Steps) -> None:
@@ -438,6 +453,7 @@ def test_markdown_is_the_same_table_unlimited(steps: Steps) -> None:
     assert any(line.startswith(f"| {LONG_ID} | call | peak |") for line in body)  # full ids, never elided
     assert "- [1] peak budget " + BUDGET in markdown
     assert f"- [2] no baseline in this environment; baselines only for: {CUDA_KEY}; {CPU_KEY}" in markdown
+    assert "\xa0" not in markdown
     assert "\\|" not in markdown  # nothing to escape: the keys' "|" are in a note, not in the table
 
 
