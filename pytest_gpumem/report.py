@@ -14,7 +14,8 @@ Every table gives its columns one meaning:
 Terminal tables fit a given width (``width=None``: no limit). A table that is too
 wide first elides its long cells in the middle (a test id keeps its function name
 and parametrize id), then puts each test's id on a line of its own above its rows,
-and at last shows one record per block. Long details (budget expressions, the
+then leaves out the baseline and Δ% columns (saying so below it), and at last
+shows one record per block. Long details (budget expressions, the
 other environments, errors, why a figure is n/a) are numbered notes below the
 table; a legend line explains what a table shows only when it shows it.
 """
@@ -66,6 +67,9 @@ STATUS_TEXT = {
 
 #: Columns of :func:`summary_rows`, the summary table and the Markdown report.
 SUMMARY_HEADERS = ("test", "span", "metric", "measured", "cost", "limit", "baseline", "Δ", "Δ%", "status")
+
+#: Index of each of a summary row's cells after the test id.
+_CELL = {name: i for i, name in enumerate(SUMMARY_HEADERS[1:])}
 
 #: Metrics whose cost is a net change, shown signed (they can be negative).
 SIGNED_METRICS = ("allocated", "retained")
@@ -421,7 +425,10 @@ class _Row:
     failed: bool
     cells: list[str]  # SUMMARY_HEADERS[1:]
     notes: dict[int, str] = field(default_factory=dict)  # cell index → what moved below the table
-    status: str = ""
+
+    @property
+    def status(self) -> str:
+        return self.cells[_CELL["status"]]
 
 
 def _status_of(findings: Sequence[Finding]) -> str:
@@ -458,20 +465,19 @@ def _metric_row(
     notes: dict[int, str] = {}
     note = None if limit is None else _limit_note(limit)
     if note:
-        notes[4] = note
+        notes[_CELL["limit"]] = note
     other = next((f for f in findings if f.status == "other-environment"), None)
     if other is not None:
-        notes[8] = _other_environments(other.detail)
-    return _Row(test, any(f.failed for f in findings), cells, notes, status)
+        notes[_CELL["status"]] = _other_environments(other.detail)
+    return _Row(test, any(f.failed for f in findings), cells, notes)
 
 
 def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int) -> list[_Row]:
     """The summary's rows: tests with a problem first, and in each test its problem rows first."""
     tests: list[tuple[bool, list[_Row]]] = []
     for record in records:
-        rows = [
-            _Row(record.nodeid, True, ["", "", "", "", "", "", "", "", "error"], {8: e}, "error") for e in record.errors
-        ]
+        error = [""] * (len(_CELL) - 1) + ["error"]
+        rows = [_Row(record.nodeid, True, list(error), {_CELL["status"]: text}) for text in record.errors]
         for measurement in record.measurements:
             findings = [f for f in record.findings if f.span == measurement.name]
             for metric in METRICS + COUNT_METRICS:
@@ -519,10 +525,13 @@ def _legend(rows: Sequence[_Row], records: Sequence[RecordLike]) -> list[str]:
     if not rows:
         return []
     lines = [LEGEND_COST.format(compared=_compared(records))]
-    if any(row.cells[SUMMARY_HEADERS.index("Δ") - 1] for row in rows):
+    if any(row.cells[_CELL["Δ"]] for row in rows):
         lines[0] += "; " + LEGEND_DELTA
-    signed = {SUMMARY_HEADERS.index("cost") - 1, SUMMARY_HEADERS.index("baseline") - 1}
-    if any(row.cells[1] in SIGNED_METRICS and any(row.cells[i].startswith("-") for i in signed) for row in rows):
+    signed = (_CELL["cost"], _CELL["baseline"])
+    if any(
+        row.cells[_CELL["metric"]] in SIGNED_METRICS and any(row.cells[i].startswith("-") for i in signed)
+        for row in rows
+    ):
         lines.append(LEGEND_SIGNED)
     shown = {row.status for row in rows}
     lines += [text for status, text in STATUS_TEXT.items() if status in shown]
@@ -530,7 +539,12 @@ def _legend(rows: Sequence[_Row], records: Sequence[RecordLike]) -> list[str]:
 
 
 def _compared(records: Sequence[RecordLike]) -> str:
-    """What limits compare, as the findings show it: costs, or (findings of an older rule) absolute figures."""
+    """Who compares costs, as the findings show it: limits and baselines, or only baselines.
+
+    A limit finding whose measured value is the absolute figure where figure
+    and cost differ was checked by the rule of limits on absolute figures (the
+    rule before limits compared costs); the legend then says so.
+    """
     for record in records:
         spans = {m.name: m for m in record.measurements}
         for finding in record.findings:
@@ -546,14 +560,13 @@ def _compared(records: Sequence[RecordLike]) -> str:
 
 
 def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markdown: bool = False) -> _Table:
-    groups: list[tuple[str, list[list[str]]]] = []
-    for row in rows:
-        cells = [cell + (f" {notes.ref(row.notes[i])}" if i in row.notes else "") for i, cell in enumerate(row.cells)]
-        title = row.test if markdown else _test_id(row.test, verbosity)
-        if groups and groups[-1][0] == title:
-            groups[-1][1].append(cells)
-        else:
-            groups.append((title, [cells]))
+    groups = _grouped(
+        (
+            row.test if markdown else _test_id(row.test, verbosity),
+            [[cell + (f" {notes.ref(row.notes[i])}" if i in row.notes else "") for i, cell in enumerate(row.cells)]],
+        )
+        for row in rows
+    )
     span, metric, measured, cost, limit, baseline, delta, percent, status = SUMMARY_HEADERS[1:]
     cols = (
         _Col(span, elastic=True, min_width=8),
@@ -567,7 +580,7 @@ def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markd
         _Col(status, label=""),
     )
     test = _Col(SUMMARY_HEADERS[0], elastic=True, node_id=True)
-    return _Table(cols, groups, test, lead=2, status=8)
+    return _Table(cols, groups, test, lead=2, status=_CELL["status"])
 
 
 def summary_table(
@@ -740,19 +753,22 @@ _FIGURE_COLS = (
 
 
 def _figure_rows(measurement: Measurement) -> list[list[str]]:
+    """Span, metric, start, measured, cost: one row per known figure (a difference or a count has no start)."""
     rows = []
     for metric in METRICS + COUNT_METRICS:
         value = measurement.figure(metric)
         if value is None:
             continue
-        info = metric_info(metric)
-        if metric in COST_ONLY_METRICS or metric in COUNT_METRICS:
-            start = measured = ""
-            measured = "" if metric in COST_ONLY_METRICS else info.format(value)
-        else:
-            origin = measurement.start_reserved if metric == "reserved" else measurement.start
-            start, measured = format_size(origin), info.format(value)
-        rows.append([measurement.name, metric, start, measured, _cost_text(metric, measurement.cost(metric))])
+        start = measurement.start_reserved if metric == "reserved" else measurement.start
+        rows.append(
+            [
+                measurement.name,
+                metric,
+                "" if metric in COST_ONLY_METRICS or metric in COUNT_METRICS else format_size(start),
+                "" if metric in COST_ONLY_METRICS else metric_info(metric).format(value),
+                _cost_text(metric, measurement.cost(metric)),
+            ]
+        )
     return rows
 
 
@@ -768,9 +784,13 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
     engines = sorted({f"{m.device} ({m.engine} engine)" for m in measurements})
     lines = _wrap(f"figures on {', '.join(engines)}", width) if engines else []
     lines += _Table(_FIGURE_COLS, [("", [row for m in measurements for row in _figure_rows(m)])], lead=2).render(width)
-    unknown = [metric for metric in METRICS if measurements and all(m.figure(metric) is None for m in measurements)]
+    unknown = [  # retained is the whole call's only: a test's named spans have none
+        metric
+        for metric in METRICS
+        if metric not in COST_ONLY_METRICS and measurements and all(m.figure(metric) is None for m in measurements)
+    ]
     legend = [LEGEND_COST.format(compared="limits and baselines")]
-    if any(m.cost(metric) is not None and (m.cost(metric) or 0) < 0 for m in measurements for metric in SIGNED_METRICS):
+    if any((m.cost(metric) or 0) < 0 for m in measurements for metric in SIGNED_METRICS):
         legend.append(LEGEND_SIGNED)
     if unknown:
         legend.append(f"not known on this engine: {', '.join(unknown)}")
