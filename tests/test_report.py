@@ -291,6 +291,15 @@ def test_a_negative_cost_reads_as_freed_everywhere(steps: Steps) -> None:
     assert legend not in summary_table(records[:2], width=100)
 
 
+def test_a_cost_that_frees_less_than_its_baseline_grew(steps: Steps) -> None:
+    """Δ% is relative to the baseline's size: -10 KiB against a baseline of -20 KiB is +50%, not -50%."""
+    backward = steps.backward
+    record = Record(BACKWARD_ID, [backward], baseline_findings(BACKWARD_ID, backward, 2.0))
+    (row,) = [row for row in summary_rows([record]) if row[2] == "allocated"]
+    freed = cost(backward, "allocated")
+    assert row[4] == format_size(freed) and row[6:9] == [format_size(2 * freed), "+" + format_size(-freed), "+50.0%"]
+
+
 def test_limits_are_compared_with_the_cost_next_to_it(steps: Steps) -> None:
     call = steps.call
     assert call.start > 0  # the model was alive before: figure and cost differ
@@ -347,6 +356,45 @@ def test_a_figure_nothing_checked_says_so_and_a_zero_retained_waits_for_v(steps:
     assert all(row[-1] for row in summary_rows([leaky, clean]))  # no row without a status
     verbose = summary_table([leaky, clean], width=100, verbosity=1)
     assert len([line for line in lines_of(verbose) if "retained" in line and "unchecked" in line]) == 2
+
+
+def test_a_limit_that_cannot_be_checked_says_why(steps: Steps) -> None:
+    limits = (Limit("reserved", 2**30, "1GiB"), Limit("retained", 0, "0B (gpumem_leak_check)"))
+    call = replace(steps.call, retained=0)
+    record = Record("t.py::test_cpu", [call], limit_findings("t.py::test_cpu", call, *limits))
+    assert [f.status for f in record.findings] == ["n/a", "ok"]
+    text = summary_table([record], width=80)
+    assert_fits(text, 80)
+    assert re.search(r"^t\.py::test_cpu +call +reserved +n/a +n/a +1\.00 GiB \[1\] +n/a$", text, re.MULTILINE)
+    words = " ".join(text.split())  # the notes wrapped at 80
+    assert "[1] reserved limit 1.00 GiB cannot be checked: the cpu engine has no caching allocator" in words
+    assert "[2] retained limit 0B (gpumem_leak_check)" in words  # where a limit nobody wrote came from
+
+
+def test_a_count_metric_has_its_own_row(steps: Steps) -> None:
+    call = replace(steps.call, max_microbatch=8)
+    floor = Limit("max_microbatch", 16, "min_microbatch=16")
+    record = Record("t.py::test_fits", [call], check_values("t.py::test_fits", "call", {"max_microbatch": 8}, [floor]))
+    (row,) = [row for row in summary_rows([record]) if row[2] == "max_microbatch"]
+    assert row[1:] == [
+        "call",
+        "max_microbatch",
+        "8",
+        "8",
+        "16 (max_microbatch limit min_microbatch=16)",
+        "",
+        "",
+        "",
+        "exceeded",
+    ]
+    assert re.search(r"^call +max_microbatch +8 +8$", measurement_table([call]), re.MULTILINE)
+
+
+def test_without_a_width_nothing_is_elided(steps: Steps) -> None:
+    text = summary_table(suite(steps))
+    assert text.splitlines()[0].startswith("test  ")
+    assert LONG_ID.replace("tests/integration/models/", "") + "  call" in text
+    assert "…" not in text and "left out" not in text
 
 
 def test_quiet_shows_only_problems_and_errors(steps: Steps) -> None:
