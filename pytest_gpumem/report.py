@@ -357,8 +357,7 @@ class _Notes:
             first, *rest = text.split("\n")
             lines += _wrap(mark + first, width, "", indent)
             for paragraph in rest:
-                parts = paragraph.split(" | ")
-                lines += _wrap_items([part + " |" for part in parts[:-1]] + parts[-1:], width, indent, indent + "  ")
+                lines += _wrap_items(_key_items(paragraph), width, indent, indent + "  ")
         return lines
 
 
@@ -589,6 +588,7 @@ def summary_table(
     only_problems: bool = False,
     width: int | None = None,
     verbosity: int = 0,
+    environments: Sequence[str] = (),
 ) -> str:
     """The terminal summary: one row per test, span and metric, notes and a legend below.
 
@@ -597,13 +597,16 @@ def summary_table(
     (``config.get_verbosity()``): below 0 only failing rows and errors (as
     ``only_problems``); 0 the compact table; above 0 full node ids, every
     ``retained`` row, then the breakdown at the peak and the phases of each span.
+    ``environments`` (their keys) head the summary, each key broken only between
+    its " | " parts. "" when there is nothing to show.
     """
     records = list(records)
+    lines = _environment_lines(environments, width)
     rows = _rows(records, only_problems=only_problems, verbosity=verbosity)
     if not rows:
-        return ""
+        return "\n".join(lines)
     notes = _Notes()
-    lines = _summary_table(rows, notes, verbosity).render(width)
+    lines += _summary_table(rows, notes, verbosity).render(width)
     below = notes.lines(width)
     for text in _legend(rows, records):
         below += _wrap(text, width, "", "  ")
@@ -613,6 +616,21 @@ def summary_table(
         measurements = [(record.nodeid, m) for record in records for m in record.measurements]
         lines += _detail_tables(measurements, width, verbosity)
     return "\n".join(lines)
+
+
+def _key_items(key: str) -> list[str]:
+    """An environment key's parts, for wrapping between them."""
+    parts = key.split(" | ")
+    return [part + " |" for part in parts[:-1]] + parts[-1:]
+
+
+def _environment_lines(keys: Sequence[str], width: int | None) -> list[str]:
+    if len(keys) == 1:
+        return _wrap_items(["environment:", *_key_items(keys[0])], width, "", "  ")
+    lines = ["environments:"] if keys else []
+    for key in keys:
+        lines += _wrap_items(_key_items(key), width, "  ", "    ")
+    return lines
 
 
 # --------------------------------------------------------------------------- breakdown and phases

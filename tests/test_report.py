@@ -346,6 +346,21 @@ def test_other_environments_named_once_each(steps: Steps) -> None:
     assert "for: baselines only for" not in markdown_report(records)
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+def test_environment_keys_head_the_summary_within_the_width(steps: Steps, width: int) -> None:
+    one = summary_table(suite(steps), width=width, environments=[CUDA_KEY])
+    assert_fits(one, width)
+    table = summary_table(suite(steps), width=width)
+    assert one.endswith("\n" + table)
+    head = one[: -len(table) - 1]
+    assert " ".join(head.split()) == f"environment: {CUDA_KEY}"
+    assert all(line.endswith((" |", "allocator")) for line in head.splitlines())  # broken between parts only
+    two = summary_table(suite(steps), width=width, environments=[CUDA_KEY, CPU_KEY])
+    assert_fits(two, width)
+    assert two.startswith("environments:\n  cuda | NVIDIA H100 80GB HBM3 |") and f"\n  {CPU_KEY}\n" in two
+    assert summary_table([], width=width, environments=[CPU_KEY]) == f"environment: {CPU_KEY}"
+
+
 def test_a_figure_nothing_checked_says_so_and_a_zero_retained_waits_for_v(steps: Steps) -> None:
     leaky = Record("t.py::test_leaky", [replace(steps.call, retained=4096)])
     clean = Record("t.py::test_clean", [replace(steps.call, retained=0)])
