@@ -14,8 +14,8 @@ Every table gives its columns one meaning:
 Terminal tables fit a given width (``width=None``: no limit). A table that is too
 wide first elides its long cells in the middle (a test id keeps its function name
 and parametrize id), then puts each test's id on a line of its own above its rows,
-then leaves out the baseline and Δ% columns (saying so below it), and at last
-shows one record per block. Long details (budget expressions, the
+then leaves out the baseline and Δ% columns (saying so below it), then narrows
+the space between columns, and at last shows one record per block. Long details (budget expressions, the
 other environments, errors, why a figure is n/a) are numbered notes below the
 table; a legend line explains what a table shows only when it shows it.
 """
@@ -79,8 +79,9 @@ COST_ONLY_METRICS = ("retained",)
 
 #: A test's rows under its id, when the test ids do not fit in a column.
 GROUP_INDENT = "  "
-#: Between two columns.
+#: Between two columns; :data:`TIGHT_SEP` where nothing else makes a table fit.
 SEP = "  "
+TIGHT_SEP = " "
 #: Marks what elision left out.
 ELLIPSIS = "…"
 
@@ -200,13 +201,13 @@ def _id_floor(nodeid: str) -> int:
     return len(nodeid) if not sep or not head else len(ELLIPSIS + sep + function + bracket + params)
 
 
-def _widths(cols: Sequence[_Col], rows: Sequence[Sequence[str]], width: int | None) -> list[int] | None:
+def _widths(cols: Sequence[_Col], rows: Sequence[Sequence[str]], width: int | None, sep: str = SEP) -> list[int] | None:
     """Column widths that fit ``width``, elastic columns narrowed in order; None when impossible.
 
     A node id column narrows only as far as every id keeps its function name and parametrize id.
     """
     natural = [max([len(col.header), *(len(row[i]) for row in rows)]) for i, col in enumerate(cols)]
-    excess = 0 if width is None else sum(natural) + len(SEP) * (len(cols) - 1) - width
+    excess = 0 if width is None else sum(natural) + len(sep) * (len(cols) - 1) - width
     floors = [
         max([col.min_width, len(col.header), *((_id_floor(row[i]) for row in rows) if col.node_id else ())])
         for i, col in enumerate(cols)
@@ -223,11 +224,13 @@ def _widths(cols: Sequence[_Col], rows: Sequence[Sequence[str]], width: int | No
     return widths if excess <= 0 else None
 
 
-def _lines(cols: Sequence[_Col], rows: Sequence[Sequence[str]], widths: Sequence[int], indent: str = "") -> list[str]:
+def _lines(
+    cols: Sequence[_Col], rows: Sequence[Sequence[str]], widths: Sequence[int], indent: str = "", sep: str = SEP
+) -> list[str]:
     def line(cells: Sequence[str]) -> str:
-        return (indent + SEP.join(_fit(c, w, col) for c, w, col in zip(cells, widths, cols, strict=True))).rstrip()
+        return (indent + sep.join(_fit(c, w, col) for c, w, col in zip(cells, widths, cols, strict=True))).rstrip()
 
-    return [line([col.header for col in cols]), indent + SEP.join("-" * w for w in widths), *(line(r) for r in rows)]
+    return [line([col.header for col in cols]), indent + sep.join("-" * w for w in widths), *(line(r) for r in rows)]
 
 
 @dataclass
@@ -252,7 +255,8 @@ class _Table:
 
     def render(self, width: int | None) -> list[str]:
         """The lines of the table in ``width``: one row per record, the test id in a column of its own if it fits,
-        else above its rows, with fewer columns if need be (named in a line below), else one record per block."""
+        else above its rows, with fewer columns if need be (named in a line below), then one space between
+        columns, else one record per block."""
         rows = [row for _, group in self.groups for row in group]
         table = self._keep([i for i, col in enumerate(self.cols) if not col.optional or any(row[i] for row in rows)])
         if table.title is not None:
@@ -261,9 +265,10 @@ class _Table:
             widths = _widths(flat_cols, flat_rows, width)
             if widths is not None:
                 return _lines(flat_cols, flat_rows, widths)
-        for level in sorted({0, *(col.drop for col in table.cols)}):
+        levels = sorted({0, *(col.drop for col in table.cols)})
+        for level, sep in [*((level, SEP) for level in levels), (levels[-1], TIGHT_SEP)]:
             keep = [i for i, col in enumerate(table.cols) if not 0 < col.drop <= level]
-            lines = table._keep(keep)._grouped(width)
+            lines = table._keep(keep)._grouped(width, sep)
             if lines is not None:
                 left_out = [col.header for i, col in enumerate(table.cols) if i not in keep]
                 if left_out:
@@ -271,19 +276,19 @@ class _Table:
                 return lines
         return table._blocks(width)
 
-    def _grouped(self, width: int | None) -> list[str] | None:
+    def _grouped(self, width: int | None, sep: str = SEP) -> list[str] | None:
         """One row per record under its group's title (without titles: a plain table); None when too wide."""
         rows = [row for _, group in self.groups for row in group]
         if self.title is None:
-            widths = _widths(self.cols, rows, width)
-            return None if widths is None else _lines(self.cols, rows, widths)
-        widths = _widths(self.cols, rows, None if width is None else width - len(GROUP_INDENT))
+            widths = _widths(self.cols, rows, width, sep)
+            return None if widths is None else _lines(self.cols, rows, widths, "", sep)
+        widths = _widths(self.cols, rows, None if width is None else width - len(GROUP_INDENT), sep)
         if widths is None:
             return None
-        lines = _lines(self.cols, [], widths, GROUP_INDENT)
+        lines = _lines(self.cols, [], widths, GROUP_INDENT, sep)
         for title, group in self.groups:
             lines.append(title if width is None else _elide_id(title, width))
-            lines += _lines(self.cols, group, widths, GROUP_INDENT)[2:]
+            lines += _lines(self.cols, group, widths, GROUP_INDENT, sep)[2:]
         return lines
 
     def _blocks(self, width: int | None) -> list[str]:

@@ -189,6 +189,15 @@ def test_a_narrow_terminal_leaves_out_baseline_and_percent_before_the_table_goes
     assert re.search(r"^  step +peak +[0-9.]+ KiB +[0-9.]+ KiB +\+[0-9.]+ KiB +regressed$", narrow, re.MULTILINE)
     assert "Δ = cost − baseline" in narrow
     assert "baseline 9.12 KiB" not in narrow and "9.12 KiB" in markdown_report(records)
+    # narrower still: one space between columns, then one record per block
+    rule = narrow.splitlines()[1]
+    assert re.fullmatch(r"  -+(  -+)+", rule)
+    tight = summary_table(records, width=len(rule) - 1)
+    assert_fits(tight, len(rule) - 1)
+    assert re.fullmatch(r"  -+( -+)+", tight.splitlines()[1]) and len(tight.splitlines()[1]) == len(rule) - 6
+    tightest = len(tight.splitlines()[1])
+    assert "---" in summary_table(records, width=tightest)
+    assert "---" not in summary_table(records, width=tightest - 1)
 
 
 def test_long_test_ids_are_elided_in_the_middle_keeping_the_name(steps: Steps) -> None:
