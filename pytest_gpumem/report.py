@@ -12,12 +12,14 @@ Every table gives its columns one meaning:
   recorded cost; **Δ**: cost − baseline.
 
 Terminal tables fit a given width (``width=None``: no limit). A table that is too
-wide first elides its long cells in the middle (a test id keeps its function name
-and parametrize id), then puts each test's id on a line of its own above its rows,
-then leaves out the baseline and Δ% columns (saying so below it), then narrows
-the space between columns, and at last shows one record per block. Long details (budget expressions, the
-other environments, errors, why a figure is n/a) are numbered notes below the
-table; a legend line explains what a table shows only when it shows it.
+wide first elides long span names in the middle, then puts each test's id on a
+line of its own above its rows (elided in the middle if it is wider than the
+terminal, keeping its function name and parametrize id), then leaves out the
+baseline and Δ% columns (saying so below it), then narrows the space between
+columns, and at last shows one record per block. Long details (budget
+expressions, the other environments, errors, why a figure is n/a) are numbered
+notes below the table; a legend line explains what a table shows only when it
+shows it.
 """
 
 from __future__ import annotations
@@ -180,7 +182,6 @@ class _Col:
     header: str
     right: bool = False
     elastic: bool = False  # cells may be elided to fit
-    node_id: bool = False  # elide as a node id (keep the function name)
     min_width: int = 0  # narrowest an elastic column gets (never below its header)
     optional: bool = False  # left out when every cell is empty
     label: str | None = None  # its name in the one-record-per-block layout (None: the header)
@@ -190,34 +191,21 @@ class _Col:
 
 def _fit(text: str, width: int, col: _Col) -> str:
     if len(text) > width:
-        text = _elide_id(text, width) if col.node_id else _elide_middle(text, width)
+        text = _elide_middle(text, width)
     return text.rjust(width) if col.right else text.ljust(width)
 
 
-def _id_floor(nodeid: str) -> int:
-    """The narrowest a node id gets with its function name and parametrize id whole: ``…::name[id]``."""
-    base, bracket, params = nodeid.partition("[")
-    head, sep, function = base.rpartition("::")
-    return len(nodeid) if not sep or not head else len(ELLIPSIS + sep + function + bracket + params)
-
-
 def _widths(cols: Sequence[_Col], rows: Sequence[Sequence[str]], width: int | None, sep: str = SEP) -> list[int] | None:
-    """Column widths that fit ``width``, elastic columns narrowed in order; None when impossible.
-
-    A node id column narrows only as far as every id keeps its function name and parametrize id.
-    """
+    """Column widths that fit ``width``, elastic columns narrowed in order (not below ``min_width`` nor their
+    header); None when impossible."""
     natural = [max([len(col.header), *(len(row[i]) for row in rows)]) for i, col in enumerate(cols)]
     excess = 0 if width is None else sum(natural) + len(sep) * (len(cols) - 1) - width
-    floors = [
-        max([col.min_width, len(col.header), *((_id_floor(row[i]) for row in rows) if col.node_id else ())])
-        for i, col in enumerate(cols)
-    ]
     widths = list(natural)
     for i, col in enumerate(cols):
         if excess <= 0:
             break
         if col.elastic:
-            floor = min(natural[i], floors[i])
+            floor = min(natural[i], max(col.min_width, len(col.header)))
             cut = min(excess, widths[i] - floor)
             widths[i] -= cut
             excess -= cut
@@ -239,7 +227,7 @@ class _Table:
 
     cols: Sequence[_Col]
     groups: list[tuple[str, list[list[str]]]]
-    title: _Col | None = None  # the column the group titles fill in the flat layout
+    title: _Col | None = None  # the column the group titles fill in the flat layout (only when they fit whole)
     lead: int = 1  # block layout: how many cells name a record ("call peak")
     status: int | None = None  # block layout: the cell shown right after the name
 
@@ -583,7 +571,7 @@ def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markd
         _Col(percent, right=True, optional=True, joins=True, drop=1),
         _Col(status, label=""),
     )
-    test = _Col(SUMMARY_HEADERS[0], elastic=True, node_id=True)
+    test = _Col(SUMMARY_HEADERS[0])
     return _Table(cols, groups, test, lead=2, status=_CELL["status"])
 
 
@@ -744,7 +732,7 @@ def _detail_tables(measurements: Sequence[tuple[str, Measurement]], width: int |
     """``-v``: the breakdown at the peak and the phases of every span, by test."""
     breakdown = _grouped((_test_id(test, verbosity), _breakdown_cells(m)) for test, m in measurements)
     phases = _grouped((_test_id(test, verbosity), _phase_cells(m)) for test, m in measurements)
-    id_col = _Col("test", elastic=True, node_id=True)
+    id_col = _Col("test")
     lines: list[str] = []
     if breakdown:
         lines += ["", *_wrap("breakdown at peak", width), *_Table(_BREAKDOWN_COLS, breakdown, id_col).render(width)]

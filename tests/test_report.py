@@ -20,6 +20,7 @@ from pytest_gpumem.fixture import run_step
 from pytest_gpumem.report import (
     SUMMARY_HEADERS,
     _elide_id,
+    _short,
     breakdown_rows,
     environment_notes,
     json_report,
@@ -200,16 +201,17 @@ def test_a_narrow_terminal_leaves_out_baseline_and_percent_before_the_table_goes
     assert "---" not in summary_table(records, width=tightest - 1)
 
 
-def test_long_test_ids_are_elided_in_the_middle_keeping_the_name(steps: Steps) -> None:
-    records = [
-        Record(ADAMW_ID.replace("tests/", "tests/" + "deeply/nested/" * 4), r.measurements, r.findings)
-        for r in suite(steps)[1:2]
-    ]
-    natural = max(map(len, lines_of(summary_table(records, verbosity=1))))
-    text = summary_table(records, width=natural - 20, verbosity=1)
-    assert_fits(text, natural - 20)
-    first = lines_of(text)[2]
-    assert "…" in first and "::test_adamw_step" in first and first.startswith("tests/deeply/")
+def test_a_test_id_wider_than_the_terminal_is_elided_in_the_middle_keeping_the_name(steps: Steps) -> None:
+    nested = ADAMW_ID.replace("tests/", "tests/" + "deeply/nested/" * 4)
+    records = [Record(nested, r.measurements, r.findings) for r in suite(steps)[1:2]]
+    assert len(nested) > 80
+    for verbosity, shown in ((0, _short(nested)), (1, nested)):
+        text = summary_table(records, width=80, verbosity=verbosity)
+        assert_fits(text, 80)
+        titles = [line for line in lines_of(text) if "::" in line]
+        assert titles == [_elide_id(shown, 80)] * (1 if verbosity == 0 else 3)  # -v: breakdown and phases too
+    title = _elide_id(nested, 80)
+    assert title.startswith("tests/deeply/") and "…" in title and title.endswith("::test_adamw_step")
 
 
 LLAMA = "tests/models/test_llama.py::TestLlama::test_step[fp32]"
