@@ -333,12 +333,15 @@ class _Notes:
     """Numbered notes below a table; the same text gets the same number."""
 
     def __init__(self) -> None:
-        self.texts: list[str] = []
+        self.numbers: dict[str, int] = {}
+
+    @property
+    def texts(self) -> list[str]:
+        return list(self.numbers)
 
     def ref(self, text: str) -> str:
-        if text not in self.texts:
-            self.texts.append(text)
-        return f"[{self.texts.index(text) + 1}]"
+        number = self.numbers.setdefault(text, len(self.numbers) + 1)
+        return f"[{number}]"
 
     def lines(self, width: int | None) -> list[str]:
         """``[n] text``, wrapped under its number; a line of its own per paragraph ("\\n"), whose " | " parts
