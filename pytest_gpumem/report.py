@@ -87,7 +87,7 @@ TIGHT_SEP = " "
 #: Marks what elision left out.
 ELLIPSIS = "…"
 
-LEGEND_COST = "cost = measured − the span's start: what {compared} compare"
+LEGEND_COST = "cost = measured − the span's start: what limits and baselines compare"
 LEGEND_DELTA = "Δ\xa0=\xa0cost\xa0−\xa0baseline"  # no-break spaces: wrapped whole (shown as spaces)
 LEGEND_SIGNED = "a negative allocated or retained cost: the span freed more than it allocated"
 LEGEND_COUNT = "×N: the phase ran N times in the span (e.g. a warm-up step and the measured step)"
@@ -516,10 +516,10 @@ def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False, 
     return table
 
 
-def _legend(rows: Sequence[_Row], records: Sequence[RecordLike]) -> list[str]:
+def _legend(rows: Sequence[_Row]) -> list[str]:
     if not rows:
         return []
-    lines = [LEGEND_COST.format(compared=_compared(records))]
+    lines = [LEGEND_COST]
     if any(row.cells[_CELL["Δ"]] for row in rows):
         lines[0] += "; " + LEGEND_DELTA
     signed = (_CELL["cost"], _CELL["baseline"])
@@ -531,27 +531,6 @@ def _legend(rows: Sequence[_Row], records: Sequence[RecordLike]) -> list[str]:
     shown = {row.status for row in rows}
     lines += [text for status, text in STATUS_TEXT.items() if status in shown]
     return lines
-
-
-def _compared(records: Sequence[RecordLike]) -> str:
-    """Who compares costs, as the findings show it: limits and baselines, or only baselines.
-
-    A limit finding whose measured value is the absolute figure where figure
-    and cost differ was checked by the rule of limits on absolute figures (the
-    rule before limits compared costs); the legend then says so.
-    """
-    for record in records:
-        spans = {m.name: m for m in record.measurements}
-        for finding in record.findings:
-            measurement = spans.get(finding.span)
-            if finding.kind == "baseline" or measurement is None or finding.measured is None:
-                continue
-            if finding.metric not in METRICS:
-                continue
-            figure, cost = measurement.figure(finding.metric), measurement.cost(finding.metric)
-            if figure != cost and finding.measured == figure:
-                return "baselines (limits compare the measured figure)"
-    return "limits and baselines"
 
 
 def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markdown: bool = False) -> _Table:
@@ -604,7 +583,7 @@ def summary_table(
     notes = _Notes()
     lines += _summary_table(rows, notes, verbosity).render(width)
     below = notes.lines(width)
-    for text in _legend(rows, records):
+    for text in _legend(rows):
         below += _wrap(text, width, "", "  ")
     if below:
         lines += ["", *below]
@@ -803,7 +782,7 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
         for metric in METRICS
         if metric not in COST_ONLY_METRICS and measurements and all(m.figure(metric) is None for m in measurements)
     ]
-    legend = [LEGEND_COST.format(compared="limits and baselines")]
+    legend = [LEGEND_COST]
     if any((m.cost(metric) or 0) < 0 for m in measurements for metric in SIGNED_METRICS):
         legend.append(LEGEND_SIGNED)
     if unknown:
@@ -942,7 +921,7 @@ def markdown_report(
         for row in cells:
             lines.append("| " + " | ".join(_md(cell) for cell in [title, *row]) + " |")
     below = [f"- [{number}] {_one_line(text)}" for number, text in enumerate(notes.texts, 1)]
-    below += [f"- {_plain(text)}" for text in _legend(rows, records)]
+    below += [f"- {_plain(text)}" for text in _legend(rows)]
     if below:
         lines += ["", *below]
     stale = [f for f in extra_findings if f.status == "stale"]
