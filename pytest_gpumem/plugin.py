@@ -16,6 +16,7 @@ never imports it nor reads the baseline file.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,10 +27,9 @@ from pytest_gpumem import hooks
 from pytest_gpumem.baselines import BaselineFileError, Environment
 from pytest_gpumem.gate import Gate, write_artifacts
 from pytest_gpumem.record import TestRecord
-from pytest_gpumem.report import summary_table
+from pytest_gpumem.report import terminal_summary
 from pytest_gpumem.settings import OPTIONS, OptionError, Settings
 from pytest_gpumem.spec import GpumemSpec, SpecError, marker_help, parse_marker
-from pytest_gpumem.units import format_size
 from pytest_gpumem.verdict import failure_message
 
 if TYPE_CHECKING:
@@ -90,6 +90,12 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem:
     if run is None:
         raise pytest.UsageError(f"{request.node.nodeid}: the gpumem fixture works only in test functions")
     return GpuMem(run.recorder, request.node.nodeid)
+
+
+def _terminal_width(config: pytest.Config) -> int:
+    """pytest's terminal width; the environment's (``COLUMNS``, else 80) where there is none (xdist workers)."""
+    writer = getattr(config.pluginmanager.get_plugin("terminalreporter"), "_tw", None)
+    return int(writer.fullwidth) if writer is not None else shutil.get_terminal_size().columns
 
 
 def _is_worker(config: pytest.Config) -> bool:
@@ -285,7 +291,7 @@ class GpumemManager:
                     item.user_properties.append((f"{prefix}.{metric}", value))
         if report.passed and record.failed:
             report.outcome = "failed"
-            report.longrepr = record.message()
+            report.longrepr = record.message(width=_terminal_width(self.config))
         elif report.failed and record.reports:
             _append(report, "gpumem", "\n\n".join(record.reports))
         report.gpumem = record.to_dict()  # type: ignore[attr-defined]  # travels to the xdist controller
@@ -308,7 +314,7 @@ class GpumemManager:
             broken = []
         if (record.errors and report.passed) or (broken and report.passed):
             report.outcome = "failed"
-            report.longrepr = record.message()
+            report.longrepr = record.message(width=_terminal_width(self.config))
         elif broken and limits_failed:
             _append(report, "gpumem baselines", failure_message(broken))
         if report.failed or self.settings.artifacts_all:
@@ -356,29 +362,19 @@ class GpumemManager:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.worker:
             return
-        records = list(self.gate.records.values())
-        stale = self.gate.stale
-        if not records and not stale and not self._error:
-            return
-        quiet = self.config.getoption("verbose") < 0
-        problems = any(record.failed for record in records) or any(f.failed for f in stale)
-        if quiet and not problems and not self._error:
-            return
-        terminalreporter.write_sep("=", "gpumem")
-        for key, workspaces in self.gate.environments().items():
-            held = "" if workspaces is None else f" (library workspaces kept on the device: {format_size(workspaces)})"
-            terminalreporter.write_line(f"environment: {key}{held}")
-        if records:
-            terminalreporter.write_line(summary_table(records, only_problems=quiet))
-        shown = [f for f in stale if f.failed or not quiet]
-        if shown:
-            prune = "" if self.settings.gate.prune else " (remove them with --gpumem-update-baselines --gpumem-prune)"
-            terminalreporter.write_line(f"stale baselines, their tests no longer exist{prune}:")
-            for finding in shown:
-                terminalreporter.write_line(f"  {finding.test}  [{finding.detail}]")
-        if self.gate.written:
-            terminalreporter.write_line(f"baselines written to {self.settings.gate.baselines}")
-        elif self.settings.gate.update and self._error is None:
-            terminalreporter.write_line(f"baselines unchanged in {self.settings.gate.baselines}")
+        gate = self.gate
+        update = self.settings.gate.update and self._error is None
+        text = terminal_summary(
+            list(gate.records.values()),
+            stale=gate.stale,
+            environments=gate.environments(),
+            width=terminalreporter._tw.fullwidth,
+            verbosity=int(self.config.getoption("verbose")),
+            baselines=None if not update else (self.settings.gate.baselines, gate.written),
+            pruning=self.settings.gate.prune,
+        )
+        if text is not None:
+            terminalreporter.write_sep("=", "gpumem")
+            terminalreporter.write_line(text)
         if self._error:
             terminalreporter.write_line(self._error, red=True)

@@ -94,7 +94,7 @@ class TestRecord:
             parts.append(failure_message(broken))
         parts.extend(self.reports)
         if self.measurements:
-            parts.append(measurement_table(self.measurements))
+            parts.append(measurement_table(self.measurements, width=width))
         return "\n\n".join(parts)
 
     # -- wire format ------------------------------------------------------------------

@@ -28,6 +28,7 @@ import re
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from pytest_gpumem.figures import CATEGORIES, COUNT_METRICS, METRICS, PHASES, Measurement, Phase
@@ -44,6 +45,7 @@ __all__ = [
     "measurement_table",
     "summary_rows",
     "summary_table",
+    "terminal_summary",
 ]
 
 #: Order of statuses in the summary: problems first. "unchecked": a figure no limit or baseline compared.
@@ -94,10 +96,16 @@ LEGEND_COUNT = "×N: the phase ran N times in the span (e.g. a warm-up step and 
 
 
 class RecordLike(Protocol):
+    """What the reports read of a test's record (:class:`pytest_gpumem.record.TestRecord`)."""
+
     nodeid: str
     measurements: list[Measurement]
     findings: list[Finding]
     errors: list[str]
+
+    @property
+    def failed(self) -> bool:
+        """The test fails on memory (the one rule: :attr:`TestRecord.failed`)."""
 
 
 # --------------------------------------------------------------------------- text fitting
@@ -599,6 +607,43 @@ def _key_items(key: str) -> list[str]:
     return [part + " |" for part in parts[:-1]] + parts[-1:]
 
 
+def terminal_summary(
+    records: Sequence[RecordLike],
+    *,
+    stale: Sequence[Finding] = (),
+    environments: Mapping[str, int | None] | None = None,
+    width: int | None = None,
+    verbosity: int = 0,
+    baselines: tuple[Path, bool] | None = None,
+    pruning: bool = False,
+) -> str | None:
+    """The gpumem section at the end of a run; None when there is nothing to say.
+
+    ``environments`` maps each key to the bytes of library workspaces its device kept
+    (None where there are none); ``baselines`` is ``(path, written)`` when the run
+    recorded baselines; ``pruning`` whether it removes stale ones. Below verbosity 0
+    only problems are shown, and nothing when there is none.
+    """
+    quiet = verbosity < 0
+    problems = any(record.failed for record in records) or any(f.failed for f in stale)
+    if (not records and not stale and baselines is None) or (quiet and not problems):
+        return None
+    keys = [
+        key if held is None else f"{key} (library workspaces kept on the device: {format_size(held)})"
+        for key, held in (environments or {}).items()
+    ]
+    lines = [summary_table(records, only_problems=quiet, width=width, verbosity=verbosity, environments=keys)]
+    shown = [f for f in stale if f.failed or not quiet]
+    if shown:
+        prune = "" if pruning else " (remove them with --gpumem-update-baselines --gpumem-prune)"
+        lines += _wrap(f"stale baselines, their tests no longer exist{prune}:", width)
+        lines += [f"  {finding.test}  [{finding.detail}]" for finding in shown]  # ids and paths are never broken
+    if baselines is not None:
+        path, written = baselines
+        lines.append(f"baselines {'written to' if written else 'unchanged in'} {path}")
+    return "\n".join(line for line in lines if line)
+
+
 def _environment_lines(keys: Sequence[str], width: int | None) -> list[str]:
     if len(keys) == 1:
         return _wrap_items(["environment:", *_key_items(keys[0])], width, "", "  ")
@@ -864,7 +909,7 @@ def json_report(
     counts = dict.fromkeys(("tests", "failed", "exceeded", "regressed", "improved", "new", "n/a"), 0)
     for record in records:
         counts["tests"] += 1
-        counts["failed"] += int(bool(record.errors) or any(f.failed for f in record.findings))
+        counts["failed"] += int(record.failed)
         for finding in record.findings:
             if finding.status in counts:
                 counts[finding.status] += 1
@@ -908,7 +953,7 @@ def markdown_report(
     """
     records = list(records)
     rows = _rows(records, only_problems=False, verbosity=0)
-    failed = sum(1 for record in records if record.errors or any(f.failed for f in record.findings))
+    failed = sum(1 for record in records if record.failed)
     lines = ["## gpumem", ""]
     if header:
         lines += [f"Environment: `{header}`", ""]

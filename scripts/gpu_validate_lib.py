@@ -71,6 +71,7 @@ from pytest_gpumem.figures import CATEGORIES, Measurement
 from pytest_gpumem.fixture import run_step
 from pytest_gpumem.gate import RESERVED_TOLERANCE_FLOOR
 from pytest_gpumem.leaks import confirm_leak, snapshot_storages
+from pytest_gpumem.record import TestRecord
 from pytest_gpumem.recorder import Recorder, Span, activate, measure
 from pytest_gpumem.report import markdown_report, measurement_table, summary_rows
 from pytest_gpumem.units import format_delta, format_size
@@ -1185,20 +1186,10 @@ def replay_environment(loaded: Loaded) -> list[Check]:
     return checks
 
 
-@dataclass
-class _Replayed:
-    """One workload as the report renderers take a test (``RecordLike``)."""
-
-    nodeid: str
-    measurements: list[Measurement]
-    findings: list[Any] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-
 def replay_report(loaded: Loaded) -> list[Check]:
     """The report renders the recorded measurements: every figure formatted, n/a where unknown."""
     measurements = loaded.measurements()
-    records = [_Replayed(f"gpu-validate::{name}", [m]) for name, m in measurements.items()]
+    records = [TestRecord(f"gpu-validate::{name}", [m]) for name, m in measurements.items()]
     rows = summary_rows(records)
     problems = []
     for record in records:

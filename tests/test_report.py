@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from pytest_gpumem import measure
 from pytest_gpumem.baselines import BaselineEntry
 from pytest_gpumem.figures import METRICS, Measurement, Phase
 from pytest_gpumem.fixture import run_step
+from pytest_gpumem.record import TestRecord as Record
 from pytest_gpumem.report import (
     SUMMARY_HEADERS,
     _elide_id,
@@ -43,16 +44,6 @@ BACKWARD_ID = "tests/test_steps.py::test_backward_frees_activations"
 CUDA_KEY = "cuda | NVIDIA H100 80GB HBM3 | 79 GiB | cc 9.0 | torch 2.13 | CUDA 12.8 | cuDNN 91002 | default allocator"
 CPU_KEY = "cpu | torch 2.13 | cuda_rounding on"
 BUDGET = "16Ψ + 2 * 4Ψ + 40MiB + activation_estimate(b=16, s=2048, d=4096, layers=32)"
-
-
-@dataclass
-class Record:
-    """What the plugin hands the report for one test (its ``TestRecord`` has these fields)."""
-
-    nodeid: str
-    measurements: list[Measurement] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
