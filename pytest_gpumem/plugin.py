@@ -175,8 +175,9 @@ class GpumemManager:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        """Markers added after collection (by a conftest): validated here, a bad one errors its test."""
-        for item in items:
+        """The final word on which tests are measured: markers a conftest added after collection are
+        validated here (a bad one errors its test), and a test whose markers were removed is not measured."""
+        for item in items:  # the markers as they are now: a conftest may have added or removed some
             try:
                 spec = _marker_spec(item)
             except SpecError as exc:
@@ -184,6 +185,8 @@ class GpumemManager:
                 continue
             if spec is not None:
                 item.stash[SPEC_KEY] = spec
+            elif SPEC_KEY in item.stash:
+                del item.stash[SPEC_KEY]
         if not self.worker and any(SPEC_KEY in item.stash for item in items):
             try:
                 self.gate.store  # noqa: B018 - read the baseline file now: a bad one stops the run before it starts

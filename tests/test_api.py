@@ -67,3 +67,25 @@ def test_device_limit_and_max_microbatch_take_a_device_name_inside_measure() -> 
 def test_device_limit_on_the_cpu_outside_a_measurement_is_an_error_not_a_silent_no_op() -> None:
     with pytest.raises(ValueError, match="sees allocations only while it measures"), device_limit("cpu", "1KiB"):
         pass
+
+
+def test_a_span_holding_two_steps_reports_what_one_step_held_for_backward() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 64)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    with measure("two", device="cpu", track=(model, opt)) as two:
+        step()
+        step()
+    with measure("one", device="cpu", track=(model, opt)) as one:
+        step()
+    assert one.saved_activations is not None and one.saved_activations > 0
+    assert two.saved_activations == one.saved_activations  # the most held at one time, not the sum of both
+    assert two.saved_activations <= two.peak
+    assert two.phases["forward"].count == 2 and one.phases["forward"].count == 1

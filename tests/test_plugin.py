@@ -108,6 +108,38 @@ class TestGroup:
     assert "invalid gpumem marker on test_group.py::TestGroup::test_bad_device: device='tpu'" in text
 
 
+def test_a_conftest_that_removes_the_marker_after_collection_leaves_the_test_unmeasured(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeconftest(
+        """
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.name == "test_unmarked":
+            item.own_markers[:] = [m for m in item.own_markers if m.name != "gpumem"]
+"""
+    )
+    pytester.makepyfile(
+        """
+import pytest
+
+import torch
+
+@pytest.mark.gpumem(peak="1KiB")
+def test_unmarked():
+    assert torch.ones(2**20).sum() == 2**20  # 4 MiB: over its (removed) limit if it were measured
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_measured():
+    pass
+"""
+    )
+    result = run(pytester)
+    result.assert_outcomes(passed=2)
+    text = result.stdout.str()
+    assert "test_measured" in text and "test_unmarked" not in text  # no row in the summary
+
+
 def test_help_lists_every_option(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_inprocess("--help")
     assert result.ret == pytest.ExitCode.OK
