@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "METRICS": "pytest_gpumem.figures",
     "PHASES": "pytest_gpumem.figures",
     "LimitExceeded": "pytest_gpumem.spec",
+    "CompiledCodeNotMeasured": "pytest_gpumem.figures",
     # out of memory, emulated devices, microbatches, leaks
     "device_limit": "pytest_gpumem.devicelimit",
     "is_oom": "pytest_gpumem.oom",
@@ -64,6 +65,7 @@ __all__ = [
     "METRICS",
     "PHASES",
     "Budget",
+    "CompiledCodeNotMeasured",
     "GpuMem",
     "LeakCheck",
     "LimitExceeded",
@@ -130,7 +132,15 @@ if TYPE_CHECKING:
     from pytest_gpumem.devicelimit import device_limit
     from pytest_gpumem.engines import make_engine
     from pytest_gpumem.expressions import parse_budget
-    from pytest_gpumem.figures import CATEGORIES, METRICS, PHASES, Measurement, Phase, Timeline
+    from pytest_gpumem.figures import (
+        CATEGORIES,
+        METRICS,
+        PHASES,
+        CompiledCodeNotMeasured,
+        Measurement,
+        Phase,
+        Timeline,
+    )
     from pytest_gpumem.fixture import GpuMem
     from pytest_gpumem.leaks import LeakCheck, confirm_leak, snapshot_storages
     from pytest_gpumem.microbatch import MicrobatchError, Plan, max_microbatch, plan_accumulation, plan_for

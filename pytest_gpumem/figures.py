@@ -13,7 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CATEGORIES", "COUNT_METRICS", "METRICS", "PHASES", "Measurement", "Phase", "Timeline"]
+__all__ = [
+    "CATEGORIES",
+    "COUNT_METRICS",
+    "METRICS",
+    "PHASES",
+    "CompiledCodeNotMeasured",
+    "Measurement",
+    "Phase",
+    "Timeline",
+]
 
 #: Breakdown categories, in report order. They sum to the peak.
 CATEGORIES: tuple[str, ...] = (
@@ -24,6 +33,15 @@ CATEGORIES: tuple[str, ...] = (
     "temporaries",
     "other",
 )
+
+
+class CompiledCodeNotMeasured(Warning):
+    """A span's figures are those of the eager program, not of the ``torch.compile``'d code
+    that would run without the measurement: TorchDynamo runs compiled frames eagerly while
+    the tensor tracker (the CPU engine, or ``--gpumem-breakdown`` on CUDA) watches operators.
+    Make it an error with ``-W error::pytest_gpumem.CompiledCodeNotMeasured``. It is not a
+    ``UserWarning``: suites that silence torch's user warnings still see it."""
+
 
 #: Phases of a training step, in order.
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,7 +29,8 @@ import torch
 from pytest_gpumem.budgets import count_parameters
 from pytest_gpumem.engines import make_engine, resolve_device
 from pytest_gpumem.engines.base import Engine, Reading
-from pytest_gpumem.figures import CATEGORIES, Measurement, Phase, Timeline
+from pytest_gpumem.engines.tracker import describe_compiled
+from pytest_gpumem.figures import CATEGORIES, CompiledCodeNotMeasured, Measurement, Phase, Timeline
 from pytest_gpumem.spec import check_span_limits
 from pytest_gpumem.units import parse_size
 
@@ -72,6 +74,7 @@ class _SpanState:
     reserved_peak: int | None = None
     requested_peak: int | None = None
     saved_peak: int | None = None
+    compiled_from: int = 0
     phases: dict[str, _PhaseState] = field(default_factory=dict)
 
     def absorb(self, reading: Reading, phase: str | None) -> None:
@@ -295,6 +298,7 @@ class Recorder:
             peak=now,
             breakdown=None if tracker is None else tuple(tracker.breakdown().values()),
             saved_peak=self.engine.saved_bytes(),
+            compiled_from=len(tracker.compiled_frames) if tracker is not None else 0,
         )
         if self._phase is not None:
             state.phases[self._phase] = _PhaseState(now, now, now)
@@ -332,6 +336,7 @@ class Recorder:
         used, mine = self.engine.driver()
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
         end, end_breakdown = self.allocated_now() if allocated is None else allocated
+        self._warn_compiled(state)
         return Measurement(
             name=state.name,
             engine=self.engine.name,
@@ -352,6 +357,22 @@ class Recorder:
             saved_activations=state.saved_peak if self.saved_tensors else None,
             psi=self.psi,
             cuda_rounding=self.engine.cuda_rounding,
+        )
+
+    def _warn_compiled(self, state: _SpanState) -> None:
+        """Say loudly when TorchDynamo ran compiled frames eagerly under the tracker (see
+        :class:`CompiledCodeNotMeasured`): the span's figures are then the eager program's."""
+        tracker = self.engine.tracker
+        if tracker is None or len(tracker.compiled_frames) <= state.compiled_from:
+            return
+        shown = describe_compiled(tracker.compiled_frames[state.compiled_from :])
+        warnings.warn(
+            CompiledCodeNotMeasured(
+                f"span {state.name!r} measured the eager program, not the torch.compile'd one: "
+                f"TorchDynamo ran {shown} eagerly because the {self.engine.name} engine's tensor tracker "
+                "watches operators; compiled code's memory can differ (fusion, recomputation)"
+            ),
+            stacklevel=2,
         )
 
     def timeline_since(self, start_event: int) -> Timeline | None:

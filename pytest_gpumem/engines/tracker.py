@@ -23,6 +23,8 @@ scan time and that no tracked operator created.
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -141,6 +143,38 @@ class OutOfMemory(torch.OutOfMemoryError):
     """Raised by the tracker when an emulated device limit would be exceeded."""
 
 
+#: The plugin's own frames are never the user's compiled code: while a compiled function runs
+#: eagerly, TorchDynamo is asked about every Python frame it calls, the plugin's hooks too.
+_PLUGIN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep
+
+
+def _skipped_frame() -> tuple[bool, str] | None:
+    """The frame TorchDynamo is about to run eagerly, from its caller's ``frame`` argument:
+    (whether it is a library's code, ``qualname (file:line)``); None for the plugin's frames."""
+    caller: Any = sys._getframe(2)
+    for _ in range(4):
+        if caller is None:
+            break
+        code = getattr(caller.f_locals.get("frame"), "f_code", None)
+        if code is not None:
+            if code.co_filename.startswith(_PLUGIN_ROOT):
+                return None
+            name = getattr(code, "co_qualname", code.co_name)
+            library = code.co_filename.startswith((_TORCH_ROOT, "<"))  # torch's, or generated code
+            return library, f"{name} ({code.co_filename}:{code.co_firstlineno})"
+        caller = caller.f_back
+    return False, "a torch.compile'd function"
+
+
+def describe_compiled(frames: list[tuple[bool, str]]) -> str:
+    """The frames worth naming to a user: their own code first, else torch modules' ``forward``."""
+    own = [text for in_torch, text in frames if not in_torch]
+    forwards = [text for in_torch, text in frames if in_torch and ".forward (" in text]
+    names = list(dict.fromkeys(own or forwards or ["a torch.compile'd function"]))
+    return "; ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 class _Mode(TorchDispatchMode):
     """Sees each operator's outputs and reports new storages to the tracker.
 
@@ -152,6 +186,22 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
         self.operators = tracker._operators
+        #: set once the mode is on the stack: from then on only TorchDynamo asks
+        #: :meth:`ignore_compile_internals` (the mode's own ``__enter__`` asks it first)
+        self.armed = False
+
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        """TorchDynamo asks every dispatch mode on the stack this before it compiles or runs a
+        ``torch.compile``'d frame; False makes it run the frame eagerly, operator by operator,
+        which is what the tracker sees. True would let compiled code run unseen (Inductor's
+        kernels allocate their buffers outside the dispatcher), so the answer stays False and
+        the skipped frame is reported instead: figures of the eager program must never pass
+        for figures of the compiled one in silence."""
+        if self.armed:
+            frame = _skipped_frame()
+            if frame is not None:
+                self.tracker.compiled_frames.append(frame)
+        return False
 
     def __torch_dispatch__(
         self,
@@ -207,6 +257,9 @@ class StorageTracker:
         self.saved = 0
         #: number of allocation/free events seen so far.
         self.events = 0
+        #: ``torch.compile``'d frames that TorchDynamo ran eagerly because the tracker's
+        #: dispatch mode was active (see :meth:`_Mode.ignore_compile_internals`).
+        self.compiled_frames: list[tuple[bool, str]] = []
         self.timeline: list[tuple[int, tuple[int, ...]]] | None = None
         self._timeline_stride = 1
         #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
@@ -471,6 +524,7 @@ class StorageTracker:
         self._pending = False
         self._mode = _Mode(self)
         self._mode.__enter__()
+        self._mode.armed = True
         if saved_tensors:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
             self._saved_hooks.__enter__()
