@@ -231,7 +231,7 @@ class GpumemManager:
         if self._engines is None:  # the test runs outside the run loop (pytester's inline runs)
             self._engines = Engines(cuda_rounding=settings.cuda_rounding)
         breakdown = spec.breakdown if spec.breakdown is not None else settings.breakdown
-        engine = self._engines.get(device, breakdown=breakdown)
+        engine = self._engines.get(device, breakdown=breakdown, observe=spec.observe or settings.observe)
         options = RunOptions(
             leak_check=settings.leak_check,
             snapshots=settings.artifacts if settings.snapshot else None,

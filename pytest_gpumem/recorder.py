@@ -112,6 +112,8 @@ class Recorder:
         self._phase: str | None = None
         self._depth = 0
         self._marks: list[tuple[int, str]] = []
+        #: windows and phase changes the engine reads later, in order: (kind, token, phase, new phase)
+        self._deferred: list[tuple[str, int, str | None, str | None]] = []
         self.active = False
         #: the spans closed so far, in order (the fixture reports them).
         self.spans: list[Span] = []
@@ -257,30 +259,52 @@ class Recorder:
         """Enter ``phase`` ("forward", "backward", "optimizer") or leave phases (None)."""
         if phase == self._phase or not self.active:
             return
-        self._fold()
-        now = self.engine.allocated()
-        if self._phase is not None:
+        token = self._fold()
+        old, self._phase = self._phase, phase
+        if token is not None:  # the engine reads this moment later: so is the transition
+            self._deferred.append(("phase", token, old, phase))
+            return
+        tracker = self.engine.tracker
+        self._transition(old, phase, self.engine.allocated(), tracker.events if tracker is not None else 0)
+
+    def _transition(self, old: str | None, new: str | None, now: int, events: int) -> None:
+        """Phases change with ``now`` bytes allocated, after ``events`` tracker events."""
+        if old is not None:
             for span in self._open:
-                if self._phase in span.phases:
-                    span.phases[self._phase].end = now
-        self._phase = phase
-        if phase is not None:
+                if old in span.phases:
+                    span.phases[old].end = now
+        if new is not None:
             for span in self._open:
-                state = span.phases.get(phase)
+                state = span.phases.get(new)
                 if state is None:
-                    span.phases[phase] = _PhaseState(now, now, now)
+                    span.phases[new] = _PhaseState(now, now, now)
                 else:
                     state.count += 1
                     state.peak = max(state.peak, now)
             if self.engine.tracker is not None:
-                self._marks.append((self.engine.tracker.events, phase))
+                self._marks.append((events, new))
 
     # -- spans -----------------------------------------------------------------
 
-    def _fold(self) -> None:
+    def _fold(self) -> int | None:
+        """Close the engine's window and give it to the open spans; returns its token when the
+        engine reads it later (the CPU engine observing allocations, inside backward)."""
         reading = self.engine.take_window()
+        if reading.pending is not None:
+            self._deferred.append(("fold", reading.pending, self._phase, None))
+            return reading.pending
+        if self._deferred:  # earlier windows, read by this reading's flush: theirs come first
+            deferred, self._deferred = self._deferred, []
+            for kind, token, phase, new in deferred:
+                earlier, now, events = self.engine.resolve(token)
+                if kind == "fold":
+                    for span in self._open:
+                        span.absorb(earlier, phase)
+                else:
+                    self._transition(phase, new, now, events)
         for span in self._open:
             span.absorb(reading, self._phase)
+        return None
 
     def open(self, name: str) -> _SpanState:
         """Open a span; returns its state for :meth:`close`."""
@@ -514,6 +538,7 @@ def measure(
     cuda_rounding: bool = False,
     timeline: bool = False,
     device_limit: int | str | None = None,
+    observe: str = "operators",
     **limits: Any,
 ) -> Iterator[Span]:
     """Measure the memory a block of code costs, inside or outside pytest.
@@ -523,7 +548,9 @@ def measure(
     starts its own on ``device`` (``"cpu"``, ``"cuda:0"``; default: CUDA when
     available, else CPU), after the clean-state protocol. ``device_limit``
     (bytes or a size such as ``"24GiB"``) runs the block as if the device had
-    that much memory (see :func:`pytest_gpumem.device_limit`). Limits
+    that much memory (see :func:`pytest_gpumem.device_limit`). ``observe="allocations"``
+    has the CPU engine read the CPU allocator's reports instead of watching operators, so
+    that ``torch.compile``'d code runs as compiled (no emulated device limit then). Limits
     (``peak="4GiB"``, ``allocated=...``) are checked when the block ends:
     outside pytest a broken limit raises :class:`pytest_gpumem.LimitExceeded`.
 
@@ -544,7 +571,7 @@ def measure(
             span = stack.enter_context(active.span(name, **limits))
             yield span
         return
-    engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding)
+    engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe)
     recorder = Recorder(engine, timeline=timeline)
     recorder.track(*track)
     recorder.begin()

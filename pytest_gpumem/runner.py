@@ -82,7 +82,7 @@ def choose_device(wanted: str, *, require_gpu: bool = False, worker: int | None 
 
 
 class Engines:
-    """One engine per (device, breakdown) for the whole run, so trackers and caches are reused.
+    """One engine per (device, breakdown, observe) for the whole run, so trackers and caches are reused.
 
     An engine with a storage tracker made while objects are frozen (see
     :class:`Freezer`) registers the tensors among the frozen objects first: its
@@ -92,15 +92,21 @@ class Engines:
     def __init__(self, *, cuda_rounding: bool = False, freezer: Freezer | None = None) -> None:
         self.cuda_rounding = cuda_rounding
         self.freezer = freezer
-        self._engines: dict[tuple[str, bool], Engine] = {}
+        self._engines: dict[tuple[str, bool, str], Engine] = {}
 
-    def get(self, device: torch.device, *, breakdown: bool = False) -> Engine:
-        """The engine for ``device``; the CPU engine always has its tracker (``breakdown`` is moot)."""
+    def get(self, device: torch.device, *, breakdown: bool = False, observe: str = "operators") -> Engine:
+        """The engine for ``device``; the CPU engine always has its tracker (``breakdown`` is moot)
+        and ``observe`` chooses how it sees memory; on CUDA ``observe`` is moot (the caching
+        allocator's figures are those of the code that runs, compiled or not)."""
         breakdown = breakdown or device.type == "cpu"
-        key = (str(device), breakdown)
+        if device.type != "cpu":
+            observe = "operators"
+        key = (str(device), breakdown, observe)
         engine = self._engines.get(key)
         if engine is None:
-            engine = self._engines[key] = make_engine(device, breakdown=breakdown, cuda_rounding=self.cuda_rounding)
+            engine = self._engines[key] = make_engine(
+                device, breakdown=breakdown, cuda_rounding=self.cuda_rounding, observe=observe
+            )
             if self.freezer is not None and engine.tracker is not None:
                 self.freezer.scan(engine.tracker)
         return engine

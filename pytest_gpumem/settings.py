@@ -13,7 +13,7 @@ from typing import Any
 from pytest_gpumem import __version__
 from pytest_gpumem.baselines import DEFAULT_FILENAME
 from pytest_gpumem.gate import GateOptions
-from pytest_gpumem.spec import SpecError, parse_device
+from pytest_gpumem.spec import SpecError, parse_device, parse_observe
 from pytest_gpumem.units import SizeError, parse_size
 from pytest_gpumem.verdict import parse_tolerance
 
@@ -56,6 +56,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("require-gpu", "fail (instead of skip) measured tests when no CUDA device is available.", flag=True),
     Option("breakdown", "on CUDA, also run the storage tracker for the breakdown by category.", flag=True),
     Option("cuda-rounding", "CPU engine: round storages up to 512-byte blocks as CUDA does.", flag=True),
+    Option(
+        "observe",
+        "CPU engine: how memory is seen: operators (the storage tracker; default) or allocations (the CPU "
+        "allocator's reports to PyTorch's profiler: torch.compile'd code runs as compiled). Ignored on CUDA.",
+        default="operators",
+        metavar="HOW",
+    ),
     Option("baselines", f"baseline file (default: {DEFAULT_FILENAME} at the rootdir).", metavar="PATH"),
     Option("update-baselines", "record the figures of tests that ran and passed into the baseline file.", flag=True),
     Option(
@@ -97,6 +104,7 @@ class Settings:
     require_gpu: bool
     breakdown: bool
     cuda_rounding: bool
+    observe: str
     device_limit: int | None
     leak_check: bool
     artifacts: Path
@@ -142,6 +150,7 @@ class Settings:
             require_gpu=flag("gpumem_require_gpu"),
             breakdown=flag("gpumem_breakdown"),
             cuda_rounding=flag("gpumem_cuda_rounding"),
+            observe=parsed("gpumem_observe", parse_observe, "operators"),
             device_limit=parsed("gpumem_device_limit", parse_size),
             leak_check=flag("gpumem_leak_check"),
             artifacts=artifacts,

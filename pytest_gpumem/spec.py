@@ -19,6 +19,7 @@ from pytest_gpumem.verdict import Limit, Tolerance, check_limits, failure_messag
 __all__ = [
     "MARKER_KEYWORDS",
     "MARKER_KEYWORD_HELP",
+    "OBSERVE",
     "SPAN_KEYWORDS",
     "GpumemSpec",
     "LimitExceeded",
@@ -28,6 +29,7 @@ __all__ = [
     "marker_help",
     "parse_device",
     "parse_marker",
+    "parse_observe",
     "parse_span_limits",
 ]
 
@@ -39,6 +41,7 @@ MARKER_KEYWORD_HELP: dict[str, str] = {
     "retained": "limit on what the test left allocated after it (a leak check: '0B')",
     "device": "'auto', 'cpu', 'cuda' or 'cuda:N' (overrides --gpumem-device)",
     "breakdown": "True/False: run the storage tracker on CUDA for the breakdown by category",
+    "observe": "CPU engine: 'operators' (default) or 'allocations' (compiled code runs as compiled)",
     "tolerance": "baseline tolerance of this test: '2%', '1MiB' or '2%,1MiB'",
     "device_limit": "run as if the device had this much memory: '24GiB'",
     "min_microbatch": "the largest microbatch gpumem.max_microbatch() finds must be at least this (an int)",
@@ -50,8 +53,21 @@ assert MARKER_KEYWORDS[: len(METRICS)] == METRICS, "the limits come first, in ME
 SPAN_KEYWORDS: tuple[str, ...] = ("peak", "allocated", "reserved", "tolerance")
 
 
+#: How the CPU engine observes memory: ``operators`` (the storage tracker's dispatch mode) or
+#: ``allocations`` (the CPU allocator's reports to PyTorch's profiler: ``torch.compile``'d code
+#: runs as compiled). See :mod:`pytest_gpumem.engines.allocations`.
+OBSERVE: tuple[str, ...] = ("operators", "allocations")
+
+
 class SpecError(ValueError):
     """A marker or span keyword with a bad name or value."""
+
+
+def parse_observe(value: object) -> str:
+    """``value`` if it is one of :data:`OBSERVE`, else a :class:`SpecError` naming it."""
+    if value not in OBSERVE:
+        raise SpecError(f"observe={value!r} is not a way of observing memory: use 'operators' or 'allocations'")
+    return str(value)
 
 
 class LimitExceeded(AssertionError):
@@ -83,6 +99,8 @@ class GpumemSpec:
     limits: tuple[LimitSpec, ...] = ()
     device: str | None = None
     breakdown: bool | None = None
+    #: how the CPU engine observes memory (:data:`OBSERVE`); None: the run's option
+    observe: str | None = None
     tolerance: Tolerance | None = None
     #: emulated device size in bytes: the test runs as if the device had this much memory
     device_limit: int | None = None
@@ -188,6 +206,7 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
         limits=limits,
         device=None if merged.get("device") is None else parse_device(merged["device"]),
         breakdown=None if merged.get("breakdown") is None else _bool("breakdown", merged["breakdown"]),
+        observe=None if merged.get("observe") is None else parse_observe(merged["observe"]),
         tolerance=None if merged.get("tolerance") is None else _tolerance(merged["tolerance"]),
         device_limit=None if merged.get("device_limit") is None else _size("device_limit", merged["device_limit"]),
         min_microbatch=None

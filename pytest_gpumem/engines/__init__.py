@@ -18,8 +18,16 @@ import torch
 
 from pytest_gpumem.engines.base import Engine, Reading
 from pytest_gpumem.engines.cuda import cuda_available
+from pytest_gpumem.spec import parse_observe
 
-__all__ = ["DEVICE_HELP", "Engine", "Reading", "cuda_available", "make_engine", "resolve_device"]
+__all__ = [
+    "DEVICE_HELP",
+    "Engine",
+    "Reading",
+    "cuda_available",
+    "make_engine",
+    "resolve_device",
+]
 
 #: The device names pytest-gpumem accepts, as error messages spell them.
 DEVICE_HELP = "use 'auto', 'cpu', 'cuda' or 'cuda:N'"
@@ -51,12 +59,18 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 def make_engine(
-    device: str | torch.device | None = "auto", *, breakdown: bool = False, cuda_rounding: bool = False
+    device: str | torch.device | None = "auto",
+    *,
+    breakdown: bool = False,
+    cuda_rounding: bool = False,
+    observe: str = "operators",
 ) -> Engine:
     """An engine reading ``device`` (a name such as ``"cpu"``, ``"cuda:0"``, ``"auto"``, or a ``torch.device``).
 
     On CPU the storage tracker is the engine (``cuda_rounding`` counts each storage
-    as the CUDA allocator's 512-byte blocks). On a CUDA device the caching allocator
+    as the CUDA allocator's 512-byte blocks); ``observe="allocations"`` feeds it the CPU
+    allocator's own reports instead of operators (see
+    :mod:`pytest_gpumem.engines.allocations`). On a CUDA device the caching allocator
     is read, and the storage tracker runs beside it only when ``breakdown`` is True
     (it costs a Python call per operator).
     """
@@ -64,9 +78,19 @@ def make_engine(
     from pytest_gpumem.engines.cuda import CudaEngine
     from pytest_gpumem.engines.tracker import StorageTracker
 
+    parse_observe(observe)
     resolved = resolve_device(device)
     if resolved.type == "cpu":
+        if observe == "allocations":
+            from pytest_gpumem.engines.allocations import AllocationTracker
+
+            return CpuEngine(tracker=AllocationTracker(resolved, cuda_rounding=cuda_rounding))
         return CpuEngine(cuda_rounding=cuda_rounding)
+    if observe == "allocations":
+        raise ValueError(
+            f"observe='allocations' is implemented for the CPU engine, not {str(resolved)!r}: on CUDA the "
+            "caching allocator's figures are already those of the code that runs, compiled or not"
+        )
     if not cuda_available() or (resolved.index or 0) >= torch.cuda.device_count():
         raise ValueError(
             f"device {str(resolved)!r} is not available ({torch.cuda.device_count()} CUDA devices visible)"

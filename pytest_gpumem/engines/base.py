@@ -26,6 +26,10 @@ class Reading:
     by category at that moment (None without a tracker), ``reserved_peak`` and
     ``requested_peak`` the highest reserved / requested bytes (caching allocators),
     ``saved_peak`` the highest bytes held for backward at one time (needs saved-tensor hooks).
+
+    ``pending``: the window could not be read when it closed (the CPU engine observing
+    allocations, inside autograd's backward); the figures are those of
+    :meth:`Engine.resolve` with this token, once the engine can read again.
     """
 
     peak: int
@@ -33,6 +37,7 @@ class Reading:
     reserved_peak: int | None = None
     requested_peak: int | None = None
     saved_peak: int | None = None
+    pending: int | None = None
 
 
 class Engine(Protocol):
@@ -76,6 +81,11 @@ class Engine(Protocol):
 
     def take_window(self) -> Reading:
         """Figures since the previous call; opens a new window."""
+
+    def resolve(self, token: int) -> tuple[Reading, int, int]:
+        """A window that :meth:`take_window` returned as pending: its reading, the allocated
+        bytes and the event count when it closed. Only valid after a reading that was not pending."""
+        ...
 
     def counters(self) -> dict[str, int]:
         """Cumulative event counters (``num_alloc_retries``, ``num_ooms``) where known."""

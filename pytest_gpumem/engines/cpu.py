@@ -42,7 +42,13 @@ class CpuEngine:
 
     # -- readings -------------------------------------------------------------------
 
+    @property
+    def observe(self) -> str:
+        """How allocations are seen: "operators" (dispatch mode) or "allocations" (the allocator's reports)."""
+        return "operators" if type(self.tracker) is StorageTracker else "allocations"
+
     def allocated(self) -> int:
+        self.tracker.flush()
         return self.tracker.current
 
     def reserved(self) -> int | None:
@@ -50,7 +56,13 @@ class CpuEngine:
 
     def take_window(self) -> Reading:
         window = self.tracker.take_window()
-        return Reading(peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak)
+        return Reading(
+            peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak, pending=window.pending
+        )
+
+    def resolve(self, token: int) -> tuple[Reading, int, int]:
+        window, allocated, events = self.tracker.resolve(token)
+        return Reading(peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak), allocated, events
 
     def counters(self) -> dict[str, int]:
         return {}
@@ -62,7 +74,10 @@ class CpuEngine:
         return None
 
     def saved_bytes(self) -> int | None:
-        return self.tracker.saved if self.tracker.active and self._saved_tensors else None
+        if not (self.tracker.active and self._saved_tensors):
+            return None
+        self.tracker.flush()
+        return self.tracker.saved
 
     # -- actions --------------------------------------------------------------------
 
@@ -100,6 +115,11 @@ class CpuEngine:
     def limit_memory(self, nbytes: int) -> Iterator[int]:
         """Refuse allocations that would take the tracker's allocated bytes over ``nbytes``
         (only while the tracker runs: it sees allocations only then; existing bytes never raise)."""
+        if self.observe != "operators":
+            raise ValueError(
+                "an emulated device limit needs observe='operators' on the CPU engine: allocations read "
+                "from the profiler's reports are seen after they happen and cannot be refused"
+            )
         previous = self.tracker.limit
         self.tracker.limit = nbytes
         try:

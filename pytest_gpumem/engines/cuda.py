@@ -256,6 +256,9 @@ class CudaEngine:
             saved = self._saved.take_peak()
         return reading_from_stats(stats, self.tracker, saved_peak=saved)
 
+    def resolve(self, token: int) -> tuple[Reading, int, int]:
+        raise LookupError(f"no pending window {token}: the caching allocator's windows are read when they close")
+
     def counters(self) -> dict[str, int]:
         stats = self.stats()
         return {key: int(stats.get(key, 0)) for key in ("num_alloc_retries", "num_ooms")}

@@ -59,6 +59,8 @@ class Window:
     breakdown: tuple[int, ...]
     event: int = 0
     saved_peak: int = 0
+    #: set when the window is read later (see :meth:`AllocationTracker.take_window`)
+    pending: int | None = None
 
 
 #: How the tracker treats an operator's outputs (cached per operator, from its schema).
@@ -494,6 +496,13 @@ class StorageTracker:
         except (RuntimeError, NotImplementedError):
             return None
         return None if entry is None else CATEGORIES[entry.category]
+
+    def flush(self) -> None:
+        """Bring the counts up to now: they always are here (the allocation tracker replays)."""
+
+    def resolve(self, token: int) -> tuple[Window, int, int]:
+        """A pending window's figures: windows are never pending here."""
+        raise LookupError(f"no pending window {token}: the storage tracker reads windows when they close")
 
     # -- windows ---------------------------------------------------------------
 

@@ -1,0 +1,420 @@
+"""Allocations observed where they happen: the CPU allocator's own reports to PyTorch's profiler.
+
+The storage tracker (:mod:`pytest_gpumem.engines.tracker`) watches operators through a
+dispatch mode, and TorchDynamo runs ``torch.compile``'d code eagerly while one is active:
+under it a compiled model is measured as the eager one. :class:`AllocationTracker` keeps
+the tracker's accounting (categories, windows, saved activations, timeline) but takes its
+allocations and frees from the events c10's CPU allocator reports to PyTorch's profiler
+(``profile_memory``), which see every allocation, Inductor's buffers and kernels' internal
+temporaries included. No dispatch mode is active, so compiled code runs as compiled.
+
+How the two streams meet:
+
+- The profiler's events are read when the figures are: every reading (``allocated``, a
+  window, the breakdown) *flushes*: the profiler session is stopped, a new one started,
+  and the stopped session's events replayed into the ledger in time order.
+- What the plugin learns in Python (a storage is a gradient, optimizer state, saved for
+  backward, released by autograd; a storage that existed before the span died) happens
+  between allocations. Each such event is queued and leaves a mark in the profiler's own
+  stream (a record-function event), so the replay puts it at its exact place among the
+  allocations: the breakdown at the peak is that of the moment of the peak.
+- Blocks alive before the span are known from the tracker's scan of live tensors; the
+  profiler does not report frees of blocks it did not see allocated, so their frees come
+  from weak references to their storages, as in the storage tracker.
+
+Limits: no emulated device limit (an allocation cannot be refused from a replay), and the
+profiler cannot run twice: a test that runs ``torch.profiler`` itself cannot be measured
+this way. Each flush costs a profiler stop and start (~0.3 ms on a 2-core VM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from pytest_gpumem.engines.saved import Held, unpack
+from pytest_gpumem.engines.tracker import ACTIVATIONS, OTHER, PARAMETERS, TEMPORARIES, StorageTracker, Window
+from pytest_gpumem.figures import CATEGORIES
+from pytest_gpumem.units import cuda_rounded
+
+__all__ = ["MARK", "AllocationTracker", "ProfilerInUse"]
+
+#: The name of the record-function events that place Python-side events in the stream.
+MARK = "pytest_gpumem::mark"
+
+_SAVE, _UNSAVE, _REGISTER, _FREED, _WINDOW = range(5)
+
+
+class ProfilerInUse(RuntimeError):
+    """PyTorch's profiler is already running: allocations cannot be observed through it."""
+
+
+class _Block:
+    """An allocation seen in the profiler's stream: the fields of the tracker's entries, and
+    alive (calling it returns itself) until its free event is replayed."""
+
+    __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "serial")
+    key: int
+    nbytes: int
+    category: int
+    serial: int
+    moved: int
+    saves: int
+    prior: int
+
+    def __call__(self) -> _Block:
+        return self
+
+
+class _QueuedSaved(Held):
+    """What autograd keeps for a saved tensor; its release is queued like its save."""
+
+    __slots__ = ("token", "tracker")
+
+    def __init__(self, tensor: torch.Tensor, token: int, tracker: AllocationTracker) -> None:
+        super().__init__(tensor)
+        self.token = token
+        self.tracker = tracker
+
+    def __del__(self) -> None:
+        self.tracker._record((_UNSAVE, self.token))
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Kineto writes a line to the process's stderr each time a session starts or stops."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class AllocationTracker(StorageTracker):
+    """The storage tracker's accounting over the allocator's events (see the module's docstring).
+
+    Args:
+        device: the CPU (the allocator whose reports are read).
+        cuda_rounding: count each allocation as the CUDA caching allocator would.
+    """
+
+    def __init__(self, device: torch.device, *, cuda_rounding: bool = False) -> None:
+        super().__init__(device, cuda_rounding=cuda_rounding)
+        if self.device.type != "cpu":
+            raise ValueError(f"observe='allocations' reads the CPU allocator's reports, not {self.device}")
+        from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled
+        from torch._C._profiler import (
+            ProfilerActivity,
+            ProfilerConfig,
+            ProfilerState,
+            _EventType,
+            _ExperimentalConfig,
+            _RecordFunctionFast,
+        )
+
+        self._api = (_prepare_profiler, _enable_profiler, _disable_profiler, _profiler_enabled)
+        self._config = lambda: ProfilerConfig(
+            ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig()
+        )
+        self._activities = {ProfilerActivity.CPU}
+        self._allocation_tag = _EventType.Allocation
+        self._mark = _RecordFunctionFast
+        self._queue: list[tuple[Any, ...]] = []
+        self._tokens = itertools.count()
+        self._saved_entries: dict[int, Any] = {}
+        self._windows: dict[int, tuple[Window, int, int]] = {}
+        self._graph_task = torch._C._current_graph_task_id
+        self._profiling = False
+        #: profiler sessions read so far (each reading of figures while active reads one).
+        self.flushes = 0
+
+    # -- the profiler session ---------------------------------------------------------
+
+    def _begin_session(self) -> None:
+        prepare, enable, _, _ = self._api
+        config = self._config()
+        with _quiet_stderr():
+            prepare(config, self._activities)
+            enable(config, self._activities)
+
+    def _end_session(self) -> Any:
+        with _quiet_stderr():
+            return self._api[2]()
+
+    def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
+        if self._profiling:
+            raise RuntimeError("the allocation tracker is already active")
+        if self._api[3]():
+            raise ProfilerInUse(
+                "observe='allocations' reads allocations through PyTorch's profiler, which is already "
+                "running; measure this code with observe='operators', or profile it outside the measurement"
+            )
+        self._windows.clear()
+        self.timeline = [] if timeline else None
+        self._timeline_stride = 1
+        self.events = 0
+        if self.timeline is not None:
+            self.timeline.append((0, tuple(self._by_category)))
+        self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
+        self._pending = False
+        self._begin_session()
+        self._profiling = True
+        if saved_tensors:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
+            self._saved_hooks.__enter__()
+
+    def stop(self) -> None:
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+        if self._profiling:
+            self._flush(restart=False)
+
+    @property
+    def active(self) -> bool:
+        return self._profiling
+
+    def flush(self) -> None:
+        """Bring the ledger up to now: replay what the profiler saw since the last flush.
+
+        Not inside autograd's backward: its engine runs each node under the thread-local
+        state captured when ``backward()`` was called, which holds the profiler session of
+        that moment, so a session started inside backward would miss the rest of it. There
+        the ledger stays as it was at the last flush; windows are read later (:meth:`take_window`).
+        """
+        if self._profiling and self._graph_task() == -1:
+            self._flush(restart=True)
+
+    def _flush(self, *, restart: bool) -> None:
+        enabled = gc.isenabled()
+        gc.disable()  # nothing may be freed between the two sessions: that free would go unseen
+        try:
+            result = self._end_session()
+            queued, self._queue = self._queue, []
+            if restart:
+                self._begin_session()
+            else:
+                self._profiling = False
+        finally:
+            if enabled:
+                gc.enable()
+        self.flushes += 1
+        self._replay(result, queued)
+
+    def _record(self, event: tuple[Any, ...]) -> None:
+        """A Python-side event: queued with a mark in the stream while profiling, else applied now."""
+        if self._profiling:
+            self._queue.append(event)
+            with self._mark(MARK):
+                pass
+        else:
+            self._apply(event)
+
+    # -- replay ---------------------------------------------------------------------
+
+    def _replay(self, result: Any, queued: list[tuple[Any, ...]]) -> None:
+        allocation = self._allocation_tag
+        stream: list[tuple[int, int, int]] = []  # (time, ptr, signed bytes); ptr -1: a mark
+        stack = list(result.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            if event.tag == allocation:
+                fields = event.extra_fields
+                if fields.device.type == "cpu" and fields.alloc_size:
+                    stream.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+            elif event.name == MARK:
+                stream.append((event.start_time_ns, -1, 0))
+            stack.extend(event.children)
+        stream.sort(key=lambda item: item[0])
+        events = iter(queued)
+        for _, ptr, size in stream:
+            if ptr == -1:
+                event = next(events, None)
+                if event is not None:
+                    self._apply(event)
+            elif size > 0:
+                self._allocated(ptr, size)
+            else:
+                self._released(ptr)
+        for event in events:  # queued without a mark (none is expected): after everything seen
+            self._apply(event)
+
+    def _allocated(self, ptr: int, size: int) -> None:
+        stale = self._entries.get(ptr)
+        if stale is not None:  # its free went unseen: the block is gone if its address is reused
+            self._drop(stale)
+        nbytes = cuda_rounded(size) if self.cuda_rounding else size
+        self._serial += 1
+        self.events = events = self.events + 1
+        block = _Block()
+        block.key = ptr
+        block.nbytes = nbytes
+        block.category = block.prior = TEMPORARIES
+        block.serial = self._serial
+        block.moved = events
+        block.saves = 0
+        self._entries[ptr] = block  # type: ignore[assignment]  # an entry by its fields
+        self._by_category[TEMPORARIES] += nbytes
+        self.current += nbytes
+        window = self._window
+        if self.current > window.peak:
+            window.peak = self.current
+            window.event = events
+            self._pending = True
+        if self.timeline is not None:
+            self._sample()
+
+    def _released(self, ptr: int) -> None:
+        entry: Any = self._entries.get(ptr)
+        if type(entry) is _Block:  # a block alive before the span is freed by its weak reference
+            self._drop(entry)
+
+    def _drop(self, entry: Any) -> None:
+        StorageTracker._on_freed(self, entry)
+
+    def _apply(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == _FREED:
+            StorageTracker._on_freed(self, event[1])
+        elif kind == _REGISTER:
+            _, ptrs, index, is_param = event
+            for ptr in ptrs:
+                entry = self._entries.get(ptr)
+                if entry is None:
+                    continue
+                if entry.category != index:
+                    self._move(entry, index)
+                if is_param:
+                    self._param_keys.add(ptr)
+        elif kind == _SAVE:
+            _, token, ptr = event
+            entry = self._entries.get(ptr)
+            if entry is None or ptr in self._param_keys:
+                return
+            self._saved_entries[token] = entry
+            if entry.saves == 0:
+                self.saved += entry.nbytes
+                if self.saved > self._window.saved_peak:
+                    self._window.saved_peak = self.saved
+                if entry.category in (TEMPORARIES, OTHER):
+                    entry.prior = entry.category
+                    self._move(entry, ACTIVATIONS, discovered=False)
+            entry.saves += 1
+        elif kind == _WINDOW:
+            window = StorageTracker.take_window(self)
+            self._windows[event[1]] = (window, self.current, self.events)
+        elif kind == _UNSAVE:
+            saved: Any = self._saved_entries.pop(event[1], None)
+            if saved is not None and self._entries.get(saved.key) is saved:
+                self._unsave(saved)  # type: ignore[arg-type]  # an entry by its fields
+
+    # -- what Python learns -----------------------------------------------------------
+
+    def _on_freed(self, entry: Any) -> None:
+        """Weak-reference callback of a storage alive before the span: queued like the rest."""
+        if self._profiling:
+            self._record((_FREED, entry))
+        else:
+            StorageTracker._on_freed(self, entry)
+
+    def register(self, tensors: Iterable[torch.Tensor], category: str | None = None) -> None:
+        if not self._profiling:  # the scan before the span: storages alive now, found by weak reference
+            self._register_existing(tensors, category)
+            return
+        if category is None:
+            return  # storages seen in the stream are already counted; nothing else to learn
+        ptrs = []
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and self._on_device(tensor):
+                try:
+                    ptr = tensor.untyped_storage().data_ptr()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if ptr:
+                    ptrs.append(ptr)
+        if ptrs:
+            self._record((_REGISTER, ptrs, CATEGORIES.index(category), category == "parameters"))
+
+    def _register_existing(self, tensors: Iterable[torch.Tensor], category: str | None) -> None:
+        index = None if category is None else CATEGORIES.index(category)
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or not self._on_device(tensor):
+                continue
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            ptr = storage.data_ptr()
+            if not ptr:
+                continue
+            entry = self._entries.get(ptr)
+            if entry is None:
+                self._add(storage, ptr, OTHER if index is None else index)
+            elif index is not None and entry.category != index:
+                self._move(entry, index)
+            if index == PARAMETERS:
+                self._param_keys.add(ptr)
+
+    def _pack(self, tensor: torch.Tensor) -> Held:
+        if not self._on_device(tensor):
+            return Held(tensor)
+        base = tensor._base
+        parameter_type = torch.nn.Parameter
+        if isinstance(tensor, parameter_type) or isinstance(base, parameter_type):
+            self.register((tensor if base is None else base,), "parameters")
+            return Held(tensor)
+        try:
+            ptr = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return Held(tensor)
+        if not ptr:
+            return Held(tensor)
+        token = next(self._tokens)
+        self._record((_SAVE, token, ptr))
+        return _QueuedSaved(tensor, token, self)
+
+    # -- readings flush first ---------------------------------------------------------
+
+    def take_window(self) -> Window:
+        """The window since the last one; inside autograd's backward (where the profiler cannot
+        be read, see :meth:`flush`) a pending one, closed at its place in the stream and read
+        with :meth:`resolve` after the next flush."""
+        if self._profiling and self._graph_task() != -1:
+            token = next(self._tokens)
+            self._record((_WINDOW, token))
+            return Window(0, (), pending=token)
+        self.flush()
+        return super().take_window()
+
+    def resolve(self, token: int) -> tuple[Window, int, int]:
+        try:
+            return self._windows[token]
+        except KeyError:
+            raise LookupError(f"pending window {token} is not read yet: read a window outside backward first") from None
+
+    def breakdown(self) -> dict[str, int]:
+        self.flush()
+        return super().breakdown()
+
+    def category_of(self, tensor: torch.Tensor) -> str | None:
+        self.flush()
+        try:
+            entry = self._entries.get(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return None
+        return None if entry is None else CATEGORIES[entry.category]
