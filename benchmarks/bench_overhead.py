@@ -227,6 +227,7 @@ def variants(*, cuda: bool = False) -> list[Variant]:
         Variant("off (-p no:gpumem)", OFF),
         Variant("on (default: CPU engine)", []),
         Variant("on --gpumem-breakdown", ["--gpumem-breakdown"]),
+        Variant("on --gpumem-observe=allocations", ["--gpumem-observe=allocations"]),
         Variant("loaded, unmarked", [], {"GPUMEM_BENCH_UNMARKED": "1"}),
     ]
 

@@ -1,4 +1,4 @@
-"""Cost and agreement of three CPU memory trackers on one training step.
+"""Cost and agreement of CPU memory trackers on one training step.
 
 Run: ``python benchmarks/bench_tracker.py [--repeat 15] [--threads 1]``
 
@@ -8,7 +8,9 @@ forward, MSE loss, backward, ``step()``. One warm-up step creates AdamW's state.
 The same model and batch are measured by:
 
 * ``untracked``: the step alone, the reference;
-* ``pytest-gpumem``: ``with pytest_gpumem.recorder("step", device="cpu", track=(model, opt))``;
+* ``pytest-gpumem``: ``with pytest_gpumem.measure("step", device="cpu", track=(model, opt))``;
+* ``pytest-gpumem observe=allocations``: the same with ``observe="allocations"`` (the CPU
+  allocator's reports to the profiler instead of the dispatch mode);
 * ``MemTracker``: ``torch.distributed._tools.mem_tracker.MemTracker`` with
   ``track_external(model, opt, x, y)``;
 * ``profiler``: ``torch.profiler.profile(activities=[CPU], profile_memory=True)``.
@@ -23,7 +25,7 @@ Two times per tracker, both as ratios to the untracked step of the same round:
   exist before the span); for the profiler, building its results and summing its
   allocation events; for MemTracker, ``track_external`` and the snapshot.
 
-Each round runs the four variants in turn (the order rotates each round); every
+Each round runs the five variants in turn (the order rotates each round); every
 figure is the median over ``--repeat`` rounds. Targets: pytest-gpumem cheaper than
 both alternatives and ``step inside`` ≤ 1.3 × untracked.
 
@@ -109,9 +111,9 @@ def untracked(setup: Setup, result: Result) -> None:
     result.whole.append(result.inside[-1])
 
 
-def ours(setup: Setup, result: Result) -> None:
+def ours(setup: Setup, result: Result, observe: str = "operators") -> None:
     started = time.perf_counter()
-    with measure("step", device="cpu", track=(setup.model, setup.opt)) as span:
+    with measure("step", device="cpu", observe=observe, track=(setup.model, setup.opt)) as span:
         inner = time.perf_counter()
         setup.step()
         result.inside.append(time.perf_counter() - inner)
@@ -175,7 +177,7 @@ def peaks_without_zero_grad(setup: Setup) -> dict[str, int]:
     blind spot out of the comparison.
     """
     peaks: dict[str, int] = {}
-    for name in ("pytest-gpumem", "MemTracker", "profiler(profile_memory)"):
+    for name in ("pytest-gpumem", "pytest-gpumem observe=allocations", "MemTracker", "profiler(profile_memory)"):
         setup.opt.zero_grad(set_to_none=True)
         result = Result()
         setup.zero_grad = False
@@ -206,6 +208,7 @@ def clean_state_costs(repeat: int = 5) -> tuple[float, float, int]:
 VARIANTS: dict[str, Callable[[Setup, Result], None]] = {
     "untracked": untracked,
     "pytest-gpumem": ours,
+    "pytest-gpumem observe=allocations": lambda setup, result: ours(setup, result, "allocations"),
     "MemTracker": mem_tracker,
     "profiler(profile_memory)": profiler,
 }

@@ -259,7 +259,7 @@ class Recorder:
         """Enter ``phase`` ("forward", "backward", "optimizer") or leave phases (None)."""
         if phase == self._phase or not self.active:
             return
-        token = self._fold()
+        token = self._fold(defer=True)
         old, self._phase = self._phase, phase
         if token is not None:  # the engine reads this moment later: so is the transition
             self._deferred.append(("phase", token, old, phase))
@@ -286,10 +286,11 @@ class Recorder:
 
     # -- spans -----------------------------------------------------------------
 
-    def _fold(self) -> int | None:
+    def _fold(self, *, defer: bool = False) -> int | None:
         """Close the engine's window and give it to the open spans; returns its token when the
-        engine reads it later (the CPU engine observing allocations, inside backward)."""
-        reading = self.engine.take_window()
+        engine reads it later (the CPU engine observing allocations: at phase boundaries, which
+        pass ``defer``, and inside backward)."""
+        reading = self.engine.take_window(defer=defer)
         if reading.pending is not None:
             self._deferred.append(("fold", reading.pending, self._phase, None))
             return reading.pending
@@ -394,7 +395,9 @@ class Recorder:
             CompiledCodeNotMeasured(
                 f"span {state.name!r} measured the eager program, not the torch.compile'd one: "
                 f"TorchDynamo ran {shown} eagerly because the {self.engine.name} engine's tensor tracker "
-                "watches operators; compiled code's memory can differ (fusion, recomputation)"
+                "watches operators, and it keeps running that code eagerly in this process after the span; "
+                "compiled code's memory can differ (fusion, recomputation): measure it with "
+                "observe='allocations' (CPU engine) or on CUDA without the breakdown"
             ),
             stacklevel=2,
         )

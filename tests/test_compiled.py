@@ -9,6 +9,7 @@ TorchDynamo's decision does not depend on the backend, and it needs no C++ compi
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,6 +22,15 @@ pytestmark = pytest.mark.skipif(
     not hasattr(TorchDispatchMode, "ignore_compile_internals"),
     reason="this torch's TorchDynamo does not ask dispatch modes about compiled frames",
 )
+
+
+@pytest.fixture(autouse=True)
+def _forget_compiled_code() -> Iterator[None]:
+    """TorchDynamo's caches keep the tensors compiled code closed over: other tests in this
+    process assert absolute figures."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def _chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -38,7 +48,6 @@ def _measured(fn, *args: torch.Tensor) -> tuple[int, list[str]]:  # type: ignore
 
 
 def test_a_compiled_function_under_the_tracker_warns_and_names_it() -> None:
-    torch._dynamo.reset()
     w = torch.randn(256, requires_grad=True)
     x = torch.randn(16, 256)
     compiled = torch.compile(_chain, backend="eager")
@@ -56,7 +65,6 @@ def test_a_compiled_function_under_the_tracker_warns_and_names_it() -> None:
 
 
 def test_a_compiled_module_is_named_by_its_forward() -> None:
-    torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
     compiled = torch.compile(model, backend="eager")
     x = torch.randn(4, 32)
@@ -66,7 +74,6 @@ def test_a_compiled_module_is_named_by_its_forward() -> None:
 
 
 def test_each_span_reports_only_its_own_compiled_frames() -> None:
-    torch._dynamo.reset()
     w = torch.randn(64, requires_grad=True)
     x = torch.randn(4, 64)
     compiled = torch.compile(_chain, backend="eager")

@@ -40,7 +40,15 @@ from typing import Any
 import torch
 
 from pytest_gpumem.engines.saved import Held, unpack
-from pytest_gpumem.engines.tracker import ACTIVATIONS, OTHER, PARAMETERS, TEMPORARIES, StorageTracker, Window
+from pytest_gpumem.engines.tracker import (
+    ACTIVATIONS,
+    OTHER,
+    PARAMETERS,
+    TEMPORARIES,
+    StorageTracker,
+    Window,
+    _Entry,
+)
 from pytest_gpumem.figures import CATEGORIES
 from pytest_gpumem.units import cuda_rounded
 
@@ -140,6 +148,9 @@ class AllocationTracker(StorageTracker):
         self._windows: dict[int, tuple[Window, int, int]] = {}
         self._graph_task = torch._C._current_graph_task_id
         self._profiling = False
+        # TorchDynamo must never trace the hook (it runs while compiled code runs): the mark it
+        # makes is not traceable, and the hook is the plugin's bookkeeping, not the model
+        self._pack_hook = torch.compiler.disable(self._pack)
         #: profiler sessions read so far (each reading of figures while active reads one).
         self.flushes = 0
 
@@ -175,7 +186,7 @@ class AllocationTracker(StorageTracker):
         self._begin_session()
         self._profiling = True
         if saved_tensors:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, unpack)
             self._saved_hooks.__enter__()
 
     def stop(self) -> None:
@@ -183,7 +194,36 @@ class AllocationTracker(StorageTracker):
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
         if self._profiling:
+            gc.collect()  # garbage made in the span is freed while its frees are still reported
             self._flush(restart=False)
+            self._adopt_survivors()
+
+    def _adopt_survivors(self) -> None:
+        """Give the blocks still alive a weak reference to their storage, as the blocks alive
+        before the span have: once the profiler stops, their frees are no longer reported.
+
+        A block that no Python object reaches (held by C++ alone, an autograd graph kept
+        alive) stays as it is: its free is seen only if it happens while a later span runs.
+        """
+        tensor_type = torch.Tensor
+        for obj in gc.get_objects():
+            if not issubclass(type(obj), tensor_type):  # type(): isinstance would ask proxies for __class__
+                continue
+            try:
+                storage = obj.untyped_storage()
+                ptr = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):
+                continue
+            block: Any = self._entries.get(ptr)
+            if type(block) is not _Block:
+                continue
+            entry = _Entry(storage, self._freed)
+            for field in _Block.__slots__:
+                setattr(entry, field, getattr(block, field))
+            self._entries[ptr] = entry
+            for token, saved in self._saved_entries.items():
+                if saved is block:
+                    self._saved_entries[token] = entry
 
     @property
     def active(self) -> bool:
@@ -357,9 +397,9 @@ class AllocationTracker(StorageTracker):
                 continue
             try:
                 storage = tensor.untyped_storage()
-            except (RuntimeError, NotImplementedError):
+                ptr = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # no storage, or no data (fake tensors)
                 continue
-            ptr = storage.data_ptr()
             if not ptr:
                 continue
             entry = self._entries.get(ptr)
@@ -390,11 +430,12 @@ class AllocationTracker(StorageTracker):
 
     # -- readings flush first ---------------------------------------------------------
 
-    def take_window(self) -> Window:
-        """The window since the last one; inside autograd's backward (where the profiler cannot
-        be read, see :meth:`flush`) a pending one, closed at its place in the stream and read
-        with :meth:`resolve` after the next flush."""
-        if self._profiling and self._graph_task() != -1:
+    def take_window(self, *, defer: bool = False) -> Window:
+        """The window since the last one. With ``defer`` (a phase boundary), and always inside
+        autograd's backward (where the profiler cannot be read, see :meth:`flush`), a pending
+        one: closed at its place in the stream, read with :meth:`resolve` after the next flush.
+        Deferring saves a profiler restart per phase."""
+        if self._profiling and (defer or self._graph_task() != -1):
             token = next(self._tokens)
             self._record((_WINDOW, token))
             return Window(0, (), pending=token)

@@ -79,8 +79,10 @@ class Engine(Protocol):
     def reserved(self) -> int | None:
         """Bytes the allocator holds from the driver now; None when not applicable."""
 
-    def take_window(self) -> Reading:
-        """Figures since the previous call; opens a new window."""
+    def take_window(self, *, defer: bool = False) -> Reading:
+        """Figures since the previous call; opens a new window. ``defer``: the caller can take
+        the figures later (a phase boundary): an engine that reads in batches may return a
+        pending reading (see :meth:`resolve`) rather than read now."""
 
     def resolve(self, token: int) -> tuple[Reading, int, int]:
         """A window that :meth:`take_window` returned as pending: its reading, the allocated

@@ -54,8 +54,8 @@ class CpuEngine:
     def reserved(self) -> int | None:
         return None
 
-    def take_window(self) -> Reading:
-        window = self.tracker.take_window()
+    def take_window(self, *, defer: bool = False) -> Reading:
+        window = self.tracker.take_window(defer=defer)
         return Reading(
             peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak, pending=window.pending
         )

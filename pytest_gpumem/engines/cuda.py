@@ -248,7 +248,7 @@ class CudaEngine:
         """The allocator's raw ``memory_stats()`` for this device."""
         return dict(self._api.memory_stats(self.device))
 
-    def take_window(self) -> Reading:
+    def take_window(self, *, defer: bool = False) -> Reading:
         stats = self.stats()
         self._api.reset_peak_memory_stats(self.device)
         saved = None

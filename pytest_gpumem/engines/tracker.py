@@ -506,8 +506,9 @@ class StorageTracker:
 
     # -- windows ---------------------------------------------------------------
 
-    def take_window(self) -> Window:
-        """The window since the last call (or creation); opens a new one at the current count."""
+    def take_window(self, *, defer: bool = False) -> Window:
+        """The window since the last call (or creation); opens a new one at the current count.
+        ``defer`` is moot: this tracker's counts are always current."""
         if self._pending:
             self._settle()
         window = self._window

@@ -1,0 +1,274 @@
+"""``observe="allocations"``: the CPU engine's figures from the CPU allocator's reports to PyTorch's profiler.
+
+On eager code the figures equal the storage tracker's, category by category, except for
+allocations the dispatcher never shows as an operator's output (explained where they
+occur). On ``torch.compile``'d code they are the compiled program's, and they equal the
+running sum of PyTorch's own allocation events for that step.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from conftest import run
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from pytest_gpumem import CompiledCodeNotMeasured, Measurement, device_limit, make_engine, measure
+from pytest_gpumem.budgets import count_parameters
+
+
+@pytest.fixture(autouse=True)
+def _forget_compiled_code() -> Iterator[None]:
+    """TorchDynamo's caches keep the tensors compiled code closed over: other tests in this
+    process assert absolute figures."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _figures(m: Measurement) -> tuple[Any, ...]:
+    phases = {name: (p.start, p.peak, p.end, p.count) for name, p in m.phases.items()}
+    return (m.start, m.peak, m.allocated, m.breakdown, m.allocated_breakdown, m.saved_activations, phases, m.psi)
+
+
+def _measure_step(observe: str, build: Callable[[], tuple[Any, Any, torch.Tensor]]) -> Measurement:
+    torch.manual_seed(0)
+    model, optimizer, x = build()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+
+    step()  # warm-up: optimizer state
+    with measure("step", device="cpu", observe=observe, track=(model, optimizer)) as span:
+        step()
+    return span.measurement
+
+
+def _block(optimizer: type[torch.optim.Optimizer], **options: Any) -> Callable[[], tuple[Any, Any, torch.Tensor]]:
+    def build() -> tuple[Any, Any, torch.Tensor]:
+        model = torch.nn.TransformerEncoderLayer(128, 4, 512, batch_first=True, dropout=0.0)
+        return model, optimizer(model.parameters(), **options), torch.randn(4, 64, 128)
+
+    return build
+
+
+def _mlp(optimizer: type[torch.optim.Optimizer], **options: Any) -> Callable[[], tuple[Any, Any, torch.Tensor]]:
+    def build() -> tuple[Any, Any, torch.Tensor]:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        return model, optimizer(model.parameters(), **options), torch.randn(32, 64)
+
+    return build
+
+
+#: Optimizers pass Python floats to operators: each becomes a 0-dim float64 tensor (8 B) before
+#: dispatch, which aten::to copies to float32 (4 B); at the optimizer's peak one of each is alive.
+#: The allocator reports them; the storage tracker, which sees operators' outputs, does not.
+WRAPPED_SCALARS = 8 + 4
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        _block(torch.optim.AdamW),
+        _block(torch.optim.SGD, lr=0.1, momentum=0.9),
+        _mlp(torch.optim.AdamW),
+        _mlp(torch.optim.SGD, lr=0.1, momentum=0.9),
+    ],
+    ids=["transformer-block-adamw", "transformer-block-sgd", "mlp-adamw", "mlp-sgd"],
+)
+def test_eager_figures_equal_the_storage_trackers_but_for_python_numbers_wrapped_into_tensors(build: Any) -> None:
+    operators = _measure_step("operators", build)
+    allocations = _measure_step("allocations", build)
+    assert operators.breakdown is not None and allocations.breakdown is not None
+    at_peak = WRAPPED_SCALARS if operators.phases["optimizer"].peak == operators.peak else 0
+    assert allocations.peak == operators.peak + at_peak
+    assert allocations.breakdown == {**operators.breakdown, "temporaries": operators.breakdown["temporaries"] + at_peak}
+    assert allocations.breakdown["activations"] > 0 or at_peak
+    optimizer = operators.phases["optimizer"]
+    expected_phases = {**operators.phases, "optimizer": replace(optimizer, peak=optimizer.peak + WRAPPED_SCALARS)}
+    assert allocations.phases == expected_phases
+    for figure in ("start", "allocated", "allocated_breakdown", "saved_activations", "psi"):
+        assert getattr(allocations, figure) == getattr(operators, figure), figure
+
+
+def test_model_states_after_an_fp32_adamw_step_are_16_psi_plus_the_step_counters() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 128))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(16, 128)
+    psi = count_parameters(model).trainable
+    with measure("first step", device="cpu", observe="allocations", track=(model, optimizer)) as span:
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    parts = span.allocated_breakdown
+    assert parts is not None
+    counters = 4 * len(list(model.parameters()))  # one float32 step counter per parameter tensor
+    assert parts["parameters"] + parts["gradients"] + parts["optimizer_state"] == 16 * psi + counters
+    assert parts["gradients"] == 4 * psi and parts["optimizer_state"] == 8 * psi + counters
+
+
+def test_a_compiled_function_is_not_reported_as_run_eagerly() -> None:
+    w = torch.randn(64, requires_grad=True)
+    compiled = torch.compile(lambda x: (torch.sin(x * w) + torch.cos(x)).sum(), backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompiledCodeNotMeasured)
+        with measure("compiled", device="cpu", observe="allocations") as span:
+            compiled(torch.randn(4, 64)).backward()
+    assert span.cost("peak") > 0
+
+
+def test_a_running_profiler_is_a_clear_error() -> None:
+    expected = "observe='allocations' reads allocations through PyTorch's profiler"
+    running = profile(activities=[ProfilerActivity.CPU])
+    with running, pytest.raises(RuntimeError, match=expected), measure("step", device="cpu", observe="allocations"):
+        pass
+
+
+def test_an_emulated_device_limit_needs_the_operator_tracker() -> None:
+    engine = make_engine("cpu", observe="allocations")
+    expected = "an emulated device limit needs observe='operators'"
+    with pytest.raises(ValueError, match=expected), device_limit(engine, "1GiB"):
+        pass
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_bad_observe_values_are_errors_naming_the_value(device: str) -> None:
+    with pytest.raises(ValueError, match="observe='ops' is not a way of observing memory"):
+        make_engine(device, observe="ops")
+
+
+def test_allocations_on_a_cuda_device_are_refused_with_the_reason() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: the refusal comes after the device is resolved")
+    with pytest.raises(ValueError, match="implemented for the CPU engine"):
+        make_engine("cuda", observe="allocations")
+
+
+def test_the_marker_keyword_and_the_option_choose_the_observer(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import pytest
+import torch
+from pytest_gpumem import measure
+
+def _observed(gpumem):
+    return type(gpumem.recorder.engine.tracker).__name__
+
+@pytest.mark.gpumem(peak="1GiB", observe="allocations")
+def test_marker(gpumem):
+    assert _observed(gpumem) == "AllocationTracker"
+    torch.ones(1024).sum()
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_option(gpumem, request):
+    expected = "AllocationTracker" if request.config.getoption("gpumem_observe") == "allocations" else "StorageTracker"
+    assert _observed(gpumem) == expected
+    torch.ones(1024).sum()
+"""
+    )
+    run(pytester).assert_outcomes(passed=2)
+    run(pytester, "--gpumem-observe=allocations").assert_outcomes(passed=2)
+    bad = run(pytester, "--gpumem-observe=ops")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--gpumem-observe / ini gpumem_observe: observe='ops' is not a way of observing memory" in (
+        bad.stderr.str() + bad.stdout.str()
+    )
+
+
+def test_a_bad_observe_marker_is_a_collection_error_naming_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import pytest
+
+@pytest.mark.gpumem(observe="everything")
+def test_bad():
+    pass
+"""
+    )
+    result = run(pytester)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*invalid gpumem marker on *::test_bad: observe='everything' is not a way*"])
+
+
+# -- Inductor: what the compiled program allocates ------------------------------------------------
+
+_HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
+
+
+def _raw_peak_and_end(step: Callable[[], None]) -> tuple[int, int]:
+    """The running sum of the CPU allocation events PyTorch's profiler records for ``step``."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    sizes = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            sizes.append((event.start_time_ns, event.extra_fields.alloc_size))
+        stack.extend(event.children)
+    now = peak = 0
+    for _, size in sorted(sizes):
+        now += size
+        peak = max(peak, now)
+    return peak, now
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAS_COMPILER, reason="Inductor's CPU backend needs a C++ compiler")
+def test_an_inductor_compiled_step_is_measured_as_compiled_and_the_operator_tracker_decompiles_it() -> None:
+    """A chain of sin(x·w) + cos(x): eager autograd saves every intermediate for backward;
+    Inductor's backward recomputes them from the inputs instead, so the compiled step's peak
+    is a fraction of the eager one's."""
+    torch.manual_seed(0)
+    w = torch.randn(1024, requires_grad=True)
+    x = torch.randn(8, 64, 1024)
+
+    def chain(inputs: torch.Tensor) -> torch.Tensor:
+        for _ in range(8):
+            inputs = torch.sin(inputs * w) + torch.cos(inputs)
+        return inputs.sum()
+
+    compiled = torch.compile(chain)
+
+    def run_step(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        def step() -> None:
+            w.grad = None
+            fn(x).backward()
+
+        return step
+
+    run_step(compiled)()  # compiles (outside any measurement)
+
+    def measured(fn: Callable[[torch.Tensor], torch.Tensor], observe: str) -> Measurement:
+        step = run_step(fn)
+        step()  # w.grad exists after a step: each measured step frees it first, as before
+        with measure(observe, device="cpu", observe=observe) as span:
+            step()
+        return span.measurement
+
+    eager = measured(chain, "allocations")
+    compiled_figures = measured(compiled, "allocations")
+    # PyTorch's own allocation events for the same compiled step (w.grad freed outside it)
+    w.grad = None
+    raw_peak, raw_end = _raw_peak_and_end(lambda: compiled(x).backward())
+    w.grad = None
+    assert compiled_figures.cost("peak") == raw_peak
+    assert compiled_figures.cost("allocated") == raw_end == w.numel() * 4  # w.grad
+    assert compiled_figures.cost("peak") < eager.cost("peak") / 4
+    assert eager.cost("peak") == measured(chain, "operators").cost("peak")  # eager: both observers agree
+
+    # Under the operator tracker TorchDynamo runs the compiled function eagerly, says so, and
+    # keeps running it eagerly afterwards in this process: the next measurement is eager too.
+    with pytest.warns(CompiledCodeNotMeasured, match="keeps running that code eagerly"):
+        under_operators = measured(compiled, "operators")
+    assert under_operators.cost("peak") == eager.cost("peak")
+    assert measured(compiled, "allocations").cost("peak") == eager.cost("peak")
