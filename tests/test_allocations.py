@@ -133,6 +133,14 @@ def test_a_running_profiler_is_a_clear_error() -> None:
         pass
 
 
+def test_a_profiler_started_inside_the_measurement_is_a_clear_error() -> None:
+    expected = "the measured code stopped PyTorch's profiler"
+    with pytest.raises(RuntimeError, match=expected), measure("step", device="cpu", observe="allocations"):
+        with profile(activities=[ProfilerActivity.CPU]):
+            torch.ones(100).sum()
+        torch.ones(100)
+
+
 def test_an_emulated_device_limit_needs_the_operator_tracker() -> None:
     engine = make_engine("cpu", observe="allocations")
     expected = "an emulated device limit needs observe='operators'"

@@ -176,13 +176,7 @@ class AllocationTracker(StorageTracker):
                 "running; measure this code with observe='operators', or profile it outside the measurement"
             )
         self._windows.clear()
-        self.timeline = [] if timeline else None
-        self._timeline_stride = 1
-        self.events = 0
-        if self.timeline is not None:
-            self.timeline.append((0, tuple(self._by_category)))
-        self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
-        self._pending = False
+        self._begin_count(timeline)
         self._begin_session()
         self._profiling = True
         if saved_tensors:
@@ -241,6 +235,12 @@ class AllocationTracker(StorageTracker):
             self._flush(restart=True)
 
     def _flush(self, *, restart: bool) -> None:
+        if not self._api[3]():
+            self._profiling = False
+            raise ProfilerInUse(
+                "observe='allocations' lost its profiler session: the measured code stopped PyTorch's "
+                "profiler (torch.profiler used inside the measurement); measure this code with observe='operators'"
+            )
         enabled = gc.isenabled()
         gc.disable()  # nothing may be freed between the two sessions: that free would go unseen
         try:

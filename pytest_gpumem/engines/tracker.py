@@ -525,6 +525,16 @@ class StorageTracker:
         """Begin watching operators (and saved tensors, unless ``saved_tensors`` is False)."""
         if self._mode is not None:
             raise RuntimeError("the storage tracker is already active")
+        self._begin_count(timeline)
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        self._mode.armed = True
+        if saved_tensors:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
+            self._saved_hooks.__enter__()
+
+    def _begin_count(self, timeline: bool) -> None:
+        """Events count from here: a new window at the current count, the timeline (if kept) restarted."""
         self.timeline = [] if timeline else None
         self._timeline_stride = 1
         self.events = 0
@@ -532,12 +542,6 @@ class StorageTracker:
             self.timeline.append((0, tuple(self._by_category)))
         self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
         self._pending = False
-        self._mode = _Mode(self)
-        self._mode.__enter__()
-        self._mode.armed = True
-        if saved_tensors:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
-            self._saved_hooks.__enter__()
 
     def stop(self) -> None:
         """Stop watching operators. Frees of counted storages are still seen."""
