@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run
+from conftest import run, run_fresh
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
@@ -280,3 +280,38 @@ def test_an_inductor_compiled_step_is_measured_as_compiled_and_the_operator_trac
         under_operators = measured(compiled, "operators")
     assert under_operators.cost("peak") == eager.cost("peak")
     assert measured(compiled, "allocations").cost("peak") == eager.cost("peak")
+
+
+@pytest.mark.slow
+def test_a_session_observing_allocations_confirms_leaks_and_passes_clean_steps(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import pytest
+import torch
+
+CACHE = []
+
+@pytest.mark.gpumem(retained="0B")
+def test_leaks():
+    CACHE.append(torch.zeros(1000))  # 4,000 B kept by a module-level list
+
+@pytest.mark.gpumem(retained="0B")
+def test_clean(gpumem):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters())
+    step = gpumem.train_step(model, opt, (torch.randn(32, 64), torch.randn(32, 64)), torch.nn.functional.mse_loss)
+    assert list(step.phases) == ["forward", "backward", "optimizer"]
+    assert step.breakdown["gradients"] == 4 * gpumem.psi
+"""
+    )
+    artifacts = pytester.path / "pages"
+    result = run_fresh(
+        pytester, "--gpumem-observe=allocations", f"--gpumem-artifacts={artifacts}", "--gpumem-artifacts-all"
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    text = result.stdout.str()
+    assert "memory leak confirmed on cpu: 3.91 KiB (4000 B) retained" in text
+    assert "CACHE[0]" in text  # the leaked tensor is named by what holds it
+    pages = sorted(artifacts.glob("*.html"))
+    assert len(pages) == 2
+    assert all("<svg" in page.read_text() for page in pages)  # the timeline, from the replayed events
