@@ -396,6 +396,9 @@ def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = ()) 
     del referrers
     if not containers or len(names) == len(targets):
         return names
+    # an object whose attribute holds a target: through its materialised __dict__, the owner
+    # is one level further up; named by a module-level name if it has one (below)
+    owners: list[object] = []
     referrers = gc.get_referrers(*containers)
     ignored.add(id(referrers))
     for holder in referrers:
@@ -406,14 +409,45 @@ def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = ()) 
             if not links:
                 continue
             text, final = links[0]
+            if text == _DICT_OF and not final and id(holder) not in pending:
+                pending[id(holder)] = [(t, _join(_DICT_OF, accessor)) for t, accessor in pending[id(container)]]
+                owners.append(holder)
+                continue
             prefix = text if final else _container_name(holder) + text
             for target_id, accessor in pending[id(container)]:
                 names.setdefault(target_id, _join(prefix, accessor))
     del referrers
-    for container in containers:  # held by nothing nameable: name the container by its type
+    _name_by_module_globals([*containers, *owners], pending, names)
+    for container in [*owners, *containers]:  # held by nothing nameable: name the container by its type
         for target_id, accessor in pending[id(container)]:
             names.setdefault(target_id, _join(_container_name(container), accessor))
     return names
+
+
+def _name_by_module_globals(
+    containers: list[object], pending: dict[int, list[tuple[int, str]]], names: dict[int, str]
+) -> None:
+    """Name what a module-level name holds directly, for containers the collector did not name.
+
+    ``gc.get_referrers`` sees only objects in the collector's generations: a module's
+    globals frozen out of them (the plugin freezes what exists between measured tests)
+    are not found that way, so such holders are looked up in the modules themselves.
+    """
+    unnamed = {
+        id(container): container
+        for container in containers
+        if any(target_id not in names for target_id, _ in pending[id(container)])
+    }
+    if not unnamed:
+        return
+    for module_name, module in list(sys.modules.items()):
+        if not isinstance(module, ModuleType):
+            continue
+        for key, value in list(vars(module).items()):
+            container = unnamed.get(id(value))
+            if container is not None and value is container:
+                for target_id, accessor in pending[id(container)]:
+                    names.setdefault(target_id, _join(f"{module_name}.{key}", accessor))
 
 
 def _join(prefix: str, accessor: str) -> str:

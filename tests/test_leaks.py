@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import run as run_session
 
 from pytest_gpumem.engines.base import Engine
 from pytest_gpumem.leaks import LeakCheck, confirm_leak, referrer_names, snapshot_storages
@@ -200,3 +201,32 @@ def test_attribute_of_an_object_with_a_materialised_dict(engine: Engine) -> None
     assert check.confirmed
     assert check.leaked[0].held_by == "Box.kept"
     del BOXES
+
+
+def test_a_holder_is_named_by_its_module_for_every_leak_of_a_session(pytester: pytest.Pytester) -> None:
+    """The first report reads the holder's attributes (which gives it a ``__dict__``) and the
+    plugin freezes the module's globals between tests: the second leak through the same holder
+    is still named by the module-level name, not by the holder's type."""
+    pytester.makepyfile(
+        test_holder="""
+import pytest
+import torch
+
+class Holder:
+    kept = None
+
+HOLDER = Holder()
+
+@pytest.mark.gpumem(retained="0B")
+def test_one():
+    HOLDER.kept = torch.zeros(3000)
+
+@pytest.mark.gpumem(retained="0B")
+def test_two():
+    HOLDER.kept = torch.zeros(4000)
+"""
+    )
+    result = run_session(pytester)
+    result.assert_outcomes(failed=2)
+    held_by = [line.split()[-1] for line in result.stdout.lines if line.rstrip().endswith("HOLDER.kept")]
+    assert held_by == ["test_holder.HOLDER.kept", "test_holder.HOLDER.kept"]
