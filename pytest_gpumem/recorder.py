@@ -395,9 +395,9 @@ class Recorder:
             CompiledCodeNotMeasured(
                 f"span {state.name!r} measured the eager program, not the torch.compile'd one: "
                 f"TorchDynamo ran {shown} eagerly because the {self.engine.name} engine's tensor tracker "
-                "watches operators, and it keeps running that code eagerly in this process after the span; "
-                "compiled code's memory can differ (fusion, recomputation): measure it with "
-                "observe='allocations' (CPU engine) or on CUDA without the breakdown"
+                "watches operators (it compiles that code again after the measurement); compiled code's "
+                "memory can differ (fusion, recomputation): measure it with observe='allocations' "
+                "(CPU engine) or on CUDA without the breakdown"
             ),
             stacklevel=2,
         )

@@ -151,9 +151,10 @@ _PLUGIN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 _TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep
 
 
-def _skipped_frame() -> tuple[bool, str] | None:
+def _skipped_frame() -> tuple[Any, bool, str] | None:
     """The frame TorchDynamo is about to run eagerly, from its caller's ``frame`` argument:
-    (whether it is a library's code, ``qualname (file:line)``); None for the plugin's frames."""
+    (its code object, whether it is a library's code, ``qualname (file:line)``); None for the
+    plugin's frames."""
     caller: Any = sys._getframe(2)
     for _ in range(4):
         if caller is None:
@@ -164,9 +165,9 @@ def _skipped_frame() -> tuple[bool, str] | None:
                 return None
             name = getattr(code, "co_qualname", code.co_name)
             library = code.co_filename.startswith((_TORCH_ROOT, "<"))  # torch's, or generated code
-            return library, f"{name} ({code.co_filename}:{code.co_firstlineno})"
+            return code, library, f"{name} ({code.co_filename}:{code.co_firstlineno})"
         caller = caller.f_back
-    return False, "a torch.compile'd function"
+    return None, False, "a torch.compile'd function"
 
 
 def describe_compiled(frames: list[tuple[bool, str]]) -> str:
@@ -202,7 +203,10 @@ class _Mode(TorchDispatchMode):
         if self.armed:
             frame = _skipped_frame()
             if frame is not None:
-                self.tracker.compiled_frames.append(frame)
+                code, library, text = frame
+                self.tracker.compiled_frames.append((library, text))
+                if code is not None:
+                    self.tracker.skipped_codes.add(code)
         return False
 
     def __torch_dispatch__(
@@ -262,6 +266,9 @@ class StorageTracker:
         #: ``torch.compile``'d frames that TorchDynamo ran eagerly because the tracker's
         #: dispatch mode was active (see :meth:`_Mode.ignore_compile_internals`).
         self.compiled_frames: list[tuple[bool, str]] = []
+        #: their code objects: TorchDynamo marks a code it skips to be skipped from then on;
+        #: :meth:`stop` clears that mark, so the code is compiled again once the span is over.
+        self.skipped_codes: set[Any] = set()
         self.timeline: list[tuple[int, tuple[int, ...]]] | None = None
         self._timeline_stride = 1
         #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
@@ -551,6 +558,18 @@ class StorageTracker:
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
+        self._forget_skips()
+
+    def _forget_skips(self) -> None:
+        """Undo what the dispatch mode made TorchDynamo remember: it skips a code it ran eagerly
+        under a dispatch mode on every later call too. Its state is reset, so the next call
+        compiles it again (from Inductor's caches where they hold it) and runs it compiled."""
+        codes, self.skipped_codes = self.skipped_codes, set()
+        reset_code = getattr(sys.modules.get("torch._dynamo"), "reset_code", None)
+        if reset_code is None:
+            return
+        for code in codes:
+            reset_code(code)
 
     def _pack(self, tensor: torch.Tensor) -> Held:
         if not self._on_device(tensor):
