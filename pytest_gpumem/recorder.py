@@ -311,6 +311,15 @@ class Recorder:
         """Open a span; returns its state for :meth:`close`."""
         if not self.active:
             raise RuntimeError(f"cannot open span {name!r}: the recorder is not active")
+        with self._reading():
+            return self._open_state(name)
+
+    def _reading(self) -> contextlib.AbstractContextManager[None]:
+        """Readings taken together, at one moment (one profiler read when observing allocations)."""
+        tracker = self.engine.tracker
+        return contextlib.nullcontext() if tracker is None else tracker.reading()
+
+    def _open_state(self, name: str) -> _SpanState:
         self._fold()
         tracker = self.engine.tracker
         now = self.engine.allocated()
@@ -332,6 +341,10 @@ class Recorder:
 
     def allocated_now(self) -> tuple[int, dict[str, int] | None]:
         """Allocated bytes now and, with a tracker, their breakdown by category."""
+        with self._reading():
+            return self._allocated_now()
+
+    def _allocated_now(self) -> tuple[int, dict[str, int] | None]:
         now = self.engine.allocated()
         tracker = self.engine.tracker
         if tracker is None:
@@ -352,15 +365,16 @@ class Recorder:
         :meth:`allocated_now` (the plugin reads it as the test function returns,
         while its locals are alive).
         """
-        self._fold()
-        now = self.engine.allocated()
-        if self._phase is not None and self._phase in state.phases:
-            state.phases[self._phase].end = now
-        self._open.remove(state)
-        counters = self.engine.counters()
-        used, mine = self.engine.driver()
+        with self._reading():
+            self._fold()
+            now = self.engine.allocated()
+            if self._phase is not None and self._phase in state.phases:
+                state.phases[self._phase].end = now
+            self._open.remove(state)
+            counters = self.engine.counters()
+            used, mine = self.engine.driver()
+            end, end_breakdown = self._allocated_now() if allocated is None else allocated
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
-        end, end_breakdown = self.allocated_now() if allocated is None else allocated
         self._warn_compiled(state)
         return Measurement(
             name=state.name,

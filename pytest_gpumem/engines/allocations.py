@@ -148,6 +148,7 @@ class AllocationTracker(StorageTracker):
         self._windows: dict[int, tuple[Window, int, int]] = {}
         self._graph_task = torch._C._current_graph_task_id
         self._profiling = False
+        self._holding = False  # inside reading(): one flush serves every reading
         # TorchDynamo must never trace the hook (it runs while compiled code runs): the mark it
         # makes is not traceable, and the hook is the plugin's bookkeeping, not the model
         self._pack_hook = torch.compiler.disable(self._pack)
@@ -231,8 +232,22 @@ class AllocationTracker(StorageTracker):
         that moment, so a session started inside backward would miss the rest of it. There
         the ledger stays as it was at the last flush; windows are read later (:meth:`take_window`).
         """
-        if self._profiling and self._graph_task() == -1:
+        if self._profiling and not self._holding and self._graph_task() == -1:
             self._flush(restart=True)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Readings taken together (a span's start or end figures): one flush for all of them,
+        instead of a profiler restart for each."""
+        if self._holding:
+            yield
+            return
+        self.flush()
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
 
     def _flush(self, *, restart: bool) -> None:
         if not self._api[3]():

@@ -22,6 +22,7 @@ scan time and that no tracked operator created.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -506,6 +507,10 @@ class StorageTracker:
 
     def flush(self) -> None:
         """Bring the counts up to now: they always are here (the allocation tracker replays)."""
+
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        """A block of readings taken at one moment: the counts are brought up to now once."""
+        return contextlib.nullcontext()
 
     def resolve(self, token: int) -> tuple[Window, int, int]:
         """A pending window's figures: windows are never pending here."""
