@@ -10,6 +10,7 @@ does importing the plugin's measuring modules, which the plugin loads lazily.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -81,6 +82,15 @@ def forget_last_failure() -> None:
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             delattr(sys, name)
+
+
+@pytest.fixture
+def forget_compiled_code() -> Iterator[None]:
+    """Reset TorchDynamo before and after a test that compiles: its caches keep the tensors
+    compiled code closed over, and other tests in the same process assert absolute figures."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -23,14 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from pytest_gpumem import CompiledCodeNotMeasured, Measurement, device_limit, make_engine, measure
 from pytest_gpumem.budgets import count_parameters
 
-
-@pytest.fixture(autouse=True)
-def _forget_compiled_code() -> Iterator[None]:
-    """TorchDynamo's caches keep the tensors compiled code closed over: other tests in this
-    process assert absolute figures."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("forget_compiled_code")
 
 
 def _figures(m: Measurement) -> tuple[Any, ...]:

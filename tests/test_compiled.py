@@ -9,7 +9,6 @@ TorchDynamo's decision does not depend on the backend, and it needs no C++ compi
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,19 +17,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytest_gpumem import CompiledCodeNotMeasured, measure
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(TorchDispatchMode, "ignore_compile_internals"),
-    reason="this torch's TorchDynamo does not ask dispatch modes about compiled frames",
-)
-
-
-@pytest.fixture(autouse=True)
-def _forget_compiled_code() -> Iterator[None]:
-    """TorchDynamo's caches keep the tensors compiled code closed over: other tests in this
-    process assert absolute figures."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [
+    pytest.mark.usefixtures("forget_compiled_code"),
+    pytest.mark.skipif(
+        not hasattr(TorchDispatchMode, "ignore_compile_internals"),
+        reason="this torch's TorchDynamo does not ask dispatch modes about compiled frames",
+    ),
+]
 
 
 def _chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
