@@ -41,9 +41,6 @@ import torch
 
 from pytest_gpumem.engines.saved import Held, unpack
 from pytest_gpumem.engines.tracker import (
-    ACTIVATIONS,
-    OTHER,
-    PARAMETERS,
     TEMPORARIES,
     StorageTracker,
     Window,
@@ -313,26 +310,7 @@ class AllocationTracker(StorageTracker):
         stale = self._entries.get(ptr)
         if stale is not None:  # its free went unseen: the block is gone if its address is reused
             self._drop(stale)
-        nbytes = cuda_rounded(size) if self.cuda_rounding else size
-        self._serial += 1
-        self.events = events = self.events + 1
-        block = _Block()
-        block.key = ptr
-        block.nbytes = nbytes
-        block.category = block.prior = TEMPORARIES
-        block.serial = self._serial
-        block.moved = events
-        block.saves = 0
-        self._entries[ptr] = block  # type: ignore[assignment]  # an entry by its fields
-        self._by_category[TEMPORARIES] += nbytes
-        self.current += nbytes
-        window = self._window
-        if self.current > window.peak:
-            window.peak = self.current
-            window.event = events
-            self._pending = True
-        if self.timeline is not None:
-            self._sample()
+        self._insert(_Block(), ptr, cuda_rounded(size) if self.cuda_rounding else size, TEMPORARIES)
 
     def _released(self, ptr: int) -> None:
         entry: Any = self._entries.get(ptr)
@@ -362,14 +340,7 @@ class AllocationTracker(StorageTracker):
             if entry is None or ptr in self._param_keys:
                 return
             self._saved_entries[token] = entry
-            if entry.saves == 0:
-                self.saved += entry.nbytes
-                if self.saved > self._window.saved_peak:
-                    self._window.saved_peak = self.saved
-                if entry.category in (TEMPORARIES, OTHER):
-                    entry.prior = entry.category
-                    self._move(entry, ACTIVATIONS, discovered=False)
-            entry.saves += 1
+            self._save(entry)
         elif kind == _WINDOW:
             window = StorageTracker.take_window(self)
             self._windows[event[1]] = (window, self.current, self.events)
@@ -389,7 +360,7 @@ class AllocationTracker(StorageTracker):
 
     def register(self, tensors: Iterable[torch.Tensor], category: str | None = None) -> None:
         if not self._profiling:  # the scan before the span: storages alive now, found by weak reference
-            self._register_existing(tensors, category)
+            super().register(tensors, category)
             return
         if category is None:
             return  # storages seen in the stream are already counted; nothing else to learn
@@ -397,33 +368,17 @@ class AllocationTracker(StorageTracker):
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and self._on_device(tensor):
                 try:
-                    ptr = tensor.untyped_storage().data_ptr()
+                    ptr = self._key(tensor.untyped_storage())
                 except (RuntimeError, NotImplementedError):
                     continue
-                if ptr:
+                if ptr is not None:
                     ptrs.append(ptr)
         if ptrs:
             self._record((_REGISTER, ptrs, CATEGORIES.index(category), category == "parameters"))
 
-    def _register_existing(self, tensors: Iterable[torch.Tensor], category: str | None) -> None:
-        index = None if category is None else CATEGORIES.index(category)
-        for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor) or not self._on_device(tensor):
-                continue
-            try:
-                storage = tensor.untyped_storage()
-                ptr = storage.data_ptr()
-            except (RuntimeError, NotImplementedError):  # no storage, or no data (fake tensors)
-                continue
-            if not ptr:
-                continue
-            entry = self._entries.get(ptr)
-            if entry is None:
-                self._add(storage, ptr, OTHER if index is None else index)
-            elif index is not None and entry.category != index:
-                self._move(entry, index)
-            if index == PARAMETERS:
-                self._param_keys.add(ptr)
+    def _key(self, storage: torch.UntypedStorage) -> int | None:
+        """Allocations are known by address: a storage by its data pointer (None for no data)."""
+        return storage.data_ptr() or None
 
     def _pack(self, tensor: torch.Tensor) -> Held:
         if not self._on_device(tensor):
@@ -434,10 +389,10 @@ class AllocationTracker(StorageTracker):
             self.register((tensor if base is None else base,), "parameters")
             return Held(tensor)
         try:
-            ptr = tensor.untyped_storage().data_ptr()
+            ptr = self._key(tensor.untyped_storage())
         except (RuntimeError, NotImplementedError):
             return Held(tensor)
-        if not ptr:
+        if ptr is None:
             return Held(tensor)
         token = next(self._tokens)
         self._record((_SAVE, token, ptr))
@@ -466,11 +421,3 @@ class AllocationTracker(StorageTracker):
     def breakdown(self) -> dict[str, int]:
         self.flush()
         return super().breakdown()
-
-    def category_of(self, tensor: torch.Tensor) -> str | None:
-        self.flush()
-        try:
-            entry = self._entries.get(tensor.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):
-            return None
-        return None if entry is None else CATEGORIES[entry.category]

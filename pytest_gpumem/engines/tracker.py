@@ -298,12 +298,14 @@ class StorageTracker:
         nbytes = storage.nbytes()
         if self.cuda_rounding:
             nbytes = cuda_rounded(nbytes)
-        current = self.current + nbytes
-        if self.limit is not None and current > self.limit:
+        if self.limit is not None and self.current + nbytes > self.limit:
             self._refuse(nbytes)
+        self._insert(_Entry(storage, self._freed), key, nbytes, category)
+
+    def _insert(self, entry: Any, key: int, nbytes: int, category: int) -> None:
+        """Count ``entry`` (a new allocation of ``nbytes`` under ``key``) in ``category``."""
         self._serial += 1
         self.events = events = self.events + 1
-        entry = _Entry(storage, self._freed)
         entry.key = key
         entry.nbytes = nbytes
         entry.category = entry.prior = category
@@ -312,7 +314,7 @@ class StorageTracker:
         entry.saves = 0
         self._entries[key] = entry
         self._by_category[category] += nbytes
-        self.current = current
+        self.current = current = self.current + nbytes
         window = self._window
         if current > window.peak:
             window.peak = current
@@ -434,19 +436,26 @@ class StorageTracker:
                 continue
             try:
                 storage = tensor.untyped_storage()
-            except (RuntimeError, NotImplementedError):
+                key = self._key(storage)
+            except (RuntimeError, NotImplementedError):  # no storage, or no data (fake tensors)
                 continue
-            entry = self._entries.get(storage._cdata)
+            if key is None:
+                continue
+            entry = self._entries.get(key)
             if entry is None:
                 limit, self.limit = self.limit, None  # existing bytes never raise
                 try:
-                    self._add(storage, storage._cdata, OTHER if index is None else index)
+                    self._add(storage, key, OTHER if index is None else index)
                 finally:
                     self.limit = limit
             elif index is not None and entry.category != index:
                 self._move(entry, index)
             if index == PARAMETERS:
-                self._param_keys.add(storage._cdata)
+                self._param_keys.add(key)
+
+    def _key(self, storage: torch.UntypedStorage) -> int | None:
+        """The key ``storage`` is counted under: the identity of its C++ object (None: not counted)."""
+        return int(storage._cdata)
 
     def _move(self, entry: _Entry, index: int, *, discovered: bool = True) -> None:
         """Give ``entry`` the category ``index``.
@@ -499,10 +508,12 @@ class StorageTracker:
 
     def category_of(self, tensor: torch.Tensor) -> str | None:
         """The category of ``tensor``'s storage, or None when it is not counted."""
+        self.flush()
         try:
-            entry = self._entries.get(tensor.untyped_storage()._cdata)
+            key = self._key(tensor.untyped_storage())
         except (RuntimeError, NotImplementedError):
             return None
+        entry = None if key is None else self._entries.get(key)
         return None if entry is None else CATEGORIES[entry.category]
 
     def flush(self) -> None:
@@ -599,6 +610,11 @@ class StorageTracker:
         entry = self._entries.get(key)
         if entry is None or key in self._param_keys:
             return Held(tensor)
+        self._save(entry)
+        return _Saved(tensor, entry, self)
+
+    def _save(self, entry: _Entry) -> None:
+        """Autograd holds ``entry`` for backward once more: counted once however often it is held."""
         if entry.saves == 0:
             self.saved += entry.nbytes
             if self.saved > self._window.saved_peak:
@@ -607,7 +623,6 @@ class StorageTracker:
                 entry.prior = entry.category
                 self._move(entry, ACTIVATIONS, discovered=False)
         entry.saves += 1
-        return _Saved(tensor, entry, self)
 
     def _unsave(self, entry: _Entry) -> None:
         entry.saves -= 1
