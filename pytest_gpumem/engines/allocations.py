@@ -123,20 +123,14 @@ class AllocationTracker(StorageTracker):
         if self.device.type != "cpu":
             raise ValueError(f"observe='allocations' reads the CPU allocator's reports, not {self.device}")
         from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled
-        from torch._C._profiler import (
-            ProfilerActivity,
-            ProfilerConfig,
-            ProfilerState,
-            _EventType,
-            _ExperimentalConfig,
-            _RecordFunctionFast,
-        )
+        from torch._C._profiler import _EventType, _RecordFunctionFast
+        from torch.autograd.profiler import profile
 
         self._api = (_prepare_profiler, _enable_profiler, _disable_profiler, _profiler_enabled)
-        self._config = lambda: ProfilerConfig(
-            ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig()
-        )
-        self._activities = {ProfilerActivity.CPU}
+        # the configuration torch.profiler itself would use (its fields change across versions)
+        template = profile(use_cpu=True, profile_memory=True, use_kineto=True)
+        self._config = template.config
+        self._activities = template.kineto_activities
         self._allocation_tag = _EventType.Allocation
         self._mark = _RecordFunctionFast
         self._queue: list[tuple[Any, ...]] = []
