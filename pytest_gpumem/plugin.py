@@ -231,7 +231,7 @@ class GpumemManager:
         if self._engines is None:  # the test runs outside the run loop (pytester's inline runs)
             self._engines = Engines(cuda_rounding=settings.cuda_rounding)
         breakdown = spec.breakdown if spec.breakdown is not None else settings.breakdown
-        engine = self._engines.get(device, breakdown=breakdown, observe=spec.observe or settings.observe)
+        engine = self._engines.get(device, breakdown=breakdown, observe=self._observe(item, spec))
         options = RunOptions(
             leak_check=settings.leak_check,
             snapshots=settings.artifacts if settings.snapshot else None,
@@ -245,6 +245,23 @@ class GpumemManager:
             options=options,
             freezer=self._freezer,
         )
+
+    def _observe(self, item: pytest.Item, spec: GpumemSpec) -> str:
+        """How the CPU engine observes this test: an emulated device limit needs the operator
+        tracker (an allocation replayed afterwards cannot be refused), so the run's
+        ``--gpumem-observe=allocations`` yields to a test's device limit; the test's own
+        ``observe="allocations"`` with the run's ``--gpumem-device-limit`` is an error."""
+        settings = self.settings
+        if spec.observe is None:
+            limited = spec.device_limit is not None or settings.device_limit is not None
+            return "operators" if limited else settings.observe
+        if spec.observe == "allocations" and spec.device_limit is None and settings.device_limit is not None:
+            pytest.fail(
+                f"{item.nodeid}: observe='allocations' cannot run under --gpumem-device-limit="
+                f"{settings.device_limit} (an emulated device limit needs observe='operators')",
+                pytrace=False,
+            )
+        return spec.observe
 
     def _environment(self, engine: str, device: Any, cuda_rounding: bool) -> dict[str, Any]:
         key = f"{engine}:{device}:{cuda_rounding}"

@@ -202,6 +202,11 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
             f"unknown keyword {', '.join(map(repr, unknown))}; expected one of {', '.join(MARKER_KEYWORDS)}"
         )
     limits = tuple(_limit(metric, merged[metric]) for metric in METRICS if merged.get(metric) is not None)
+    if merged.get("observe") == "allocations" and merged.get("device_limit") is not None:
+        raise SpecError(
+            f"observe='allocations' cannot run under device_limit={merged['device_limit']!r}: "
+            "an emulated device limit needs observe='operators'"
+        )
     return GpumemSpec(
         limits=limits,
         device=None if merged.get("device") is None else parse_device(merged["device"]),

@@ -311,3 +311,56 @@ def test_clean(gpumem):
     pages = sorted(artifacts.glob("*.html"))
     assert len(pages) == 2
     assert all("<svg" in page.read_text() for page in pages)  # the timeline, from the replayed events
+
+
+def test_a_device_limit_takes_the_operator_tracker_and_contradictions_are_errors(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_limits="""
+import pytest
+import torch
+
+def _observed(gpumem):
+    return type(gpumem.recorder.engine.tracker).__name__
+
+@pytest.mark.gpumem(device_limit="64MiB")
+def test_limited(gpumem):
+    assert _observed(gpumem) == "StorageTracker"  # the run's observe=allocations yields to the limit
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(2**27)  # 512 MiB: over the emulated 64 MiB
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_unlimited(gpumem):
+    assert _observed(gpumem) == "AllocationTracker"
+""",
+        test_contradiction="""
+import pytest
+
+@pytest.mark.gpumem(observe="allocations", device_limit="64MiB")
+def test_both():
+    pass
+""",
+    )
+    result = run(pytester, "--gpumem-observe=allocations", "test_limits.py")
+    result.assert_outcomes(passed=2)
+    collected = run(pytester, "test_contradiction.py")
+    collected.assert_outcomes(errors=1)
+    collected.stdout.fnmatch_lines(
+        [
+            "*invalid gpumem marker on test_contradiction.py::test_both: observe='allocations' cannot run under "
+            "device_limit='64MiB'*"
+        ]
+    )
+    pytester.makepyfile(
+        test_option="""
+import pytest
+
+@pytest.mark.gpumem(observe="allocations")
+def test_observed():
+    pass
+"""
+    )
+    refused = run(pytester, "--gpumem-device-limit=1GiB", "test_option.py")
+    refused.assert_outcomes(errors=1)
+    refused.stdout.fnmatch_lines(
+        ["*test_option.py::test_observed: observe='allocations' cannot run under --gpumem-device-limit=1073741824*"]
+    )
