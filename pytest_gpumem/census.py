@@ -9,6 +9,7 @@ failures, not on every test. Sizes are bytes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -129,25 +130,30 @@ def storage_groups(
     # next measured test freezes again.
     if gc.get_freeze_count():
         gc.unfreeze()
-    for obj in gc.get_objects():
-        cls = type(obj)
-        if not (cls is tensor_type or issubclass(cls, tensor_type)):
-            continue
-        try:
-            if not on_device(obj):
+    with _reading(tracker):  # one reading of the tracker's counts for every storage asked about
+        for obj in gc.get_objects():
+            cls = type(obj)
+            if not (cls is tensor_type or issubclass(cls, tensor_type)):
                 continue
-            storage = obj.untyped_storage()
-            key = int(storage._cdata)
-        except (RuntimeError, NotImplementedError, TypeError):  # sparse, meta, wrapper subclasses
-            continue
-        group = groups.get(key)
-        if group is None:
-            nbytes = int(storage.nbytes())
-            if nbytes == 0 or (counted_only and tracker is not None and tracker.category_of(obj) is None):
+            try:
+                if not on_device(obj):
+                    continue
+                storage = obj.untyped_storage()
+                key = int(storage._cdata)
+            except (RuntimeError, NotImplementedError, TypeError):  # sparse, meta, wrapper subclasses
                 continue
-            group = groups[key] = StorageGroup(storage, cuda_rounded(nbytes) if rounding else nbytes)
-        group.tensors.append(obj)
+            group = groups.get(key)
+            if group is None:
+                nbytes = int(storage.nbytes())
+                if nbytes == 0 or (counted_only and tracker is not None and tracker.category_of(obj) is None):
+                    continue
+                group = groups[key] = StorageGroup(storage, cuda_rounded(nbytes) if rounding else nbytes)
+            group.tensors.append(obj)
     return groups
+
+
+def _reading(tracker: StorageTracker | None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if tracker is None else tracker.reading()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -344,7 +350,8 @@ def take_census(
     groups = storage_groups(device, tracker, counted_only=counted_only)
     ordered = sorted(groups.values(), key=lambda g: g.nbytes, reverse=True)
     chosen = ordered if top is None else ordered[:top]
-    tensors = tuple(describe(group, names, tracker) for group in chosen)
+    with _reading(tracker):
+        tensors = tuple(describe(group, names, tracker) for group in chosen)
     return Census(tensors, len(ordered), sum(g.nbytes for g in ordered))
 
 
