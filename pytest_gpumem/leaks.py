@@ -354,7 +354,7 @@ def _links(holder: object, target: object, module_dicts: Mapping[int, str]) -> l
 
 def _container_name(container: object) -> str:
     name = type(container).__name__
-    return "saved for backward" if name == "_Saved" else name
+    return "saved for backward" if name == "Released" else name
 
 
 def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = ()) -> dict[int, str]:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from pytest_gpumem.engines.saved import Held, unpack
+from pytest_gpumem.engines.saved import Held, Released, unpack
 from pytest_gpumem.engines.tracker import (
     TEMPORARIES,
     StorageTracker,
@@ -76,20 +76,6 @@ class _Block:
 
     def __call__(self) -> _Block:
         return self
-
-
-class _QueuedSaved(Held):
-    """What autograd keeps for a saved tensor; its release is queued like its save."""
-
-    __slots__ = ("token", "tracker")
-
-    def __init__(self, tensor: torch.Tensor, token: int, tracker: AllocationTracker) -> None:
-        super().__init__(tensor)
-        self.token = token
-        self.tracker = tracker
-
-    def __del__(self) -> None:
-        self.tracker._record((_UNSAVE, self.token))
 
 
 @contextlib.contextmanager
@@ -390,7 +376,11 @@ class AllocationTracker(StorageTracker):
             return Held(tensor)
         token = next(self._tokens)
         self._record((_SAVE, token, ptr))
-        return _QueuedSaved(tensor, token, self)
+        return Released(tensor, self._released_save, token)
+
+    def _released_save(self, token: int) -> None:
+        """Autograd let go of the saved tensor of ``token``: queued like its save."""
+        self._record((_UNSAVE, token))
 
     # -- readings flush first ---------------------------------------------------------
 

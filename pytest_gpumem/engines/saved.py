@@ -10,13 +10,14 @@ allocator's blocks (rounded up to 512 bytes) on CUDA-like devices.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from pytest_gpumem.units import cuda_rounded
 
-__all__ = ["Held", "SavedTensors", "detached", "unpack"]
+__all__ = ["Held", "Released", "SavedTensors", "detached", "unpack"]
 
 _PARAMETER = torch.nn.Parameter
 
@@ -52,18 +53,19 @@ class Held:
         self.version = tensor._version
 
 
-class _Counted(Held):
-    """A saved tensor whose storage is counted: uncounted when autograd lets go of it."""
+class Released(Held):
+    """A saved tensor someone counts: ``release(token)`` is called when autograd lets go of it
+    (the storage tracker's, the allocation tracker's and the saved-tensor counter's holders)."""
 
-    __slots__ = ("counter", "key")
+    __slots__ = ("release", "token")
 
-    def __init__(self, tensor: torch.Tensor, counter: SavedTensors, key: int) -> None:
+    def __init__(self, tensor: torch.Tensor, release: Callable[[Any], None], token: Any) -> None:
         super().__init__(tensor)
-        self.counter = counter
-        self.key = key
+        self.release = release
+        self.token = token
 
     def __del__(self) -> None:
-        self.counter._release(self.key)
+        self.release(self.token)
 
 
 def unpack(held: Held) -> torch.Tensor:
@@ -142,7 +144,7 @@ class SavedTensors:
             if self.current > self._peak:
                 self._peak = self.current
         held[0] += 1
-        return _Counted(tensor, self, key)
+        return Released(tensor, self._release, key)
 
     def _release(self, key: int) -> None:
         held = self._held.get(key)

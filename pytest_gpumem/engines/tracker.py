@@ -39,7 +39,7 @@ try:
 except ImportError:  # pragma: no cover - torch moved it
     OpOverload = None  # type: ignore[assignment,misc]
 
-from pytest_gpumem.engines.saved import Held, unpack
+from pytest_gpumem.engines.saved import Held, Released, unpack
 from pytest_gpumem.figures import CATEGORIES
 from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded
 
@@ -126,20 +126,6 @@ class _Entry(weakref.ref):  # type: ignore[type-arg]
     moved: int
     saves: int
     prior: int
-
-
-class _Saved(Held):
-    """What autograd keeps for a saved activation: the tensor and a release hook."""
-
-    __slots__ = ("entry", "tracker")
-
-    def __init__(self, tensor: torch.Tensor, entry: _Entry, tracker: StorageTracker) -> None:
-        super().__init__(tensor)
-        self.entry = entry
-        self.tracker = tracker
-
-    def __del__(self) -> None:
-        self.tracker._unsave(self.entry)
 
 
 class OutOfMemory(torch.OutOfMemoryError):
@@ -611,7 +597,7 @@ class StorageTracker:
         if entry is None or key in self._param_keys:
             return Held(tensor)
         self._save(entry)
-        return _Saved(tensor, entry, self)
+        return Released(tensor, self._unsave, entry)
 
     def _save(self, entry: _Entry) -> None:
         """Autograd holds ``entry`` for backward once more: counted once however often it is held."""
