@@ -65,14 +65,7 @@ class _Block:
     """An allocation seen in the profiler's stream: the fields of the tracker's entries, and
     alive (calling it returns itself) until its free event is replayed."""
 
-    __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "serial")
-    key: int
-    nbytes: int
-    category: int
-    serial: int
-    moved: int
-    saves: int
-    prior: int
+    __slots__ = _Entry.__slots__  # set by StorageTracker._insert, as for the tracker's entries
 
     def __call__(self) -> _Block:
         return self
@@ -190,7 +183,7 @@ class AllocationTracker(StorageTracker):
             if type(block) is not _Block:
                 continue
             entry = _Entry(storage, self._freed)
-            for field in _Block.__slots__:
+            for field in _Entry.__slots__:
                 setattr(entry, field, getattr(block, field))
             self._entries[ptr] = entry
             for token, saved in self._saved_entries.items():
