@@ -84,6 +84,15 @@ def forget_last_failure() -> None:
             delattr(sys, name)
 
 
+@pytest.fixture(autouse=True)
+def _as_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sessions these tests run print as on a developer's terminal, wherever the suite runs:
+    with ``CI`` or ``BUILD_NUMBER`` set, pytest prints whole failure messages in its short
+    summary (not one line each), which the tests reading a session's output would count twice."""
+    for name in ("CI", "BUILD_NUMBER"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture
 def forget_compiled_code() -> Iterator[None]:
     """Reset TorchDynamo before and after a test that compiles: its caches keep the tensors
