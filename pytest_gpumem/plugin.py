@@ -33,6 +33,7 @@ from pytest_gpumem.spec import GpumemSpec, SpecError, marker_help, parse_marker
 from pytest_gpumem.verdict import failure_message
 
 if TYPE_CHECKING:
+    from pytest_gpumem.engines import Engine
     from pytest_gpumem.fixture import GpuMem
     from pytest_gpumem.runner import Engines, Freezer, TestRun
 
@@ -231,7 +232,18 @@ class GpumemManager:
         if self._engines is None:  # the test runs outside the run loop (pytester's inline runs)
             self._engines = Engines(cuda_rounding=settings.cuda_rounding)
         breakdown = spec.breakdown if spec.breakdown is not None else settings.breakdown
-        engine = self._engines.get(device, breakdown=breakdown, observe=self._observe(item, spec))
+        predict = spec.predict or settings.predict
+        observe = self._observe(item, spec)
+        if predict is not None and observe != "operators":
+            if spec.observe is None:  # the run's --gpumem-observe=allocations yields to a prediction
+                observe = "operators"
+            else:
+                pytest.fail(
+                    f"{item.nodeid}: observe='allocations' cannot predict={predict!r} "
+                    "(a prediction follows the operators)",
+                    pytrace=False,
+                )
+        engine = self._engines.get(device, breakdown=breakdown, observe=observe, predict=predict)
         options = RunOptions(
             leak_check=settings.leak_check,
             snapshots=settings.artifacts if settings.snapshot else None,
@@ -241,7 +253,7 @@ class GpumemManager:
             item.nodeid,
             spec,
             engine,
-            environment=self._environment(engine.name, engine.device, engine.cuda_rounding),
+            environment=self._environment(engine),
             options=options,
             freezer=self._freezer,
         )
@@ -263,10 +275,12 @@ class GpumemManager:
             )
         return spec.observe
 
-    def _environment(self, engine: str, device: Any, cuda_rounding: bool) -> dict[str, Any]:
-        key = f"{engine}:{device}:{cuda_rounding}"
+    def _environment(self, engine: Engine) -> dict[str, Any]:
+        target = getattr(engine, "target", None)
+        predicted = None if target is None else target.name
+        key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{predicted}"
         if key not in self._environments:
-            detected = Environment.detect(engine, device, cuda_rounding)
+            detected = Environment.detect(engine.name, engine.device, engine.cuda_rounding, predict=predicted)
             problem = None
             try:
                 adjusted = self.config.hook.pytest_gpumem_environment(config=self.config, environment=detected)

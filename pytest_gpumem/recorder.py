@@ -556,6 +556,7 @@ def measure(
     timeline: bool = False,
     device_limit: int | str | None = None,
     observe: str = "operators",
+    predict: str | None = None,
     **limits: Any,
 ) -> Iterator[Span]:
     """Measure the memory a block of code costs, inside or outside pytest.
@@ -567,7 +568,9 @@ def measure(
     (bytes or a size such as ``"24GiB"``) runs the block as if the device had
     that much memory (see :func:`pytest_gpumem.device_limit`). ``observe="allocations"``
     has the CPU engine read the CPU allocator's reports instead of watching operators, so
-    that ``torch.compile``'d code runs as compiled (no emulated device limit then). Limits
+    that ``torch.compile``'d code runs as compiled (no emulated device limit then).
+    ``predict="h100"`` runs the block on the CPU engine and reports what that GPU would
+    show (see :mod:`pytest_gpumem.engines.predict`; ``device`` must then be the CPU). Limits
     (``peak="4GiB"``, ``allocated=...``) are checked when the block ends:
     outside pytest a broken limit raises :class:`pytest_gpumem.LimitExceeded`.
 
@@ -579,6 +582,8 @@ def measure(
     """
     active = _ACTIVE.get()
     target = None if device is None else resolve_device(device)
+    if predict is not None and target is None:
+        target = torch.device("cpu")
     nbytes = None if device_limit is None else parse_size(device_limit)
     if active is not None and active.active and (target is None or target == active.engine.device):
         active.track(*track)
@@ -588,7 +593,7 @@ def measure(
             span = stack.enter_context(active.span(name, **limits))
             yield span
         return
-    engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe)
+    engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe, predict=predict)
     recorder = Recorder(engine, timeline=timeline)
     recorder.track(*track)
     recorder.begin()

@@ -92,20 +92,23 @@ class Engines:
     def __init__(self, *, cuda_rounding: bool = False, freezer: Freezer | None = None) -> None:
         self.cuda_rounding = cuda_rounding
         self.freezer = freezer
-        self._engines: dict[tuple[str, bool, str], Engine] = {}
+        self._engines: dict[tuple[str, bool, str, str | None], Engine] = {}
 
-    def get(self, device: torch.device, *, breakdown: bool = False, observe: str = "operators") -> Engine:
+    def get(
+        self, device: torch.device, *, breakdown: bool = False, observe: str = "operators", predict: str | None = None
+    ) -> Engine:
         """The engine for ``device``; the CPU engine always has its tracker (``breakdown`` is moot)
         and ``observe`` chooses how it sees memory; on CUDA ``observe`` is moot (the caching
-        allocator's figures are those of the code that runs, compiled or not)."""
+        allocator's figures are those of the code that runs, compiled or not), and so is
+        ``predict`` (the GPU whose figures the CPU engine predicts: a real one is measured)."""
         breakdown = breakdown or device.type == "cpu"
         if device.type != "cpu":
-            observe = "operators"
-        key = (str(device), breakdown, observe)
+            observe, predict = "operators", None
+        key = (str(device), breakdown, observe, predict)
         engine = self._engines.get(key)
         if engine is None:
             engine = self._engines[key] = make_engine(
-                device, breakdown=breakdown, cuda_rounding=self.cuda_rounding, observe=observe
+                device, breakdown=breakdown, cuda_rounding=self.cuda_rounding, observe=observe, predict=predict
             )
             if self.freezer is not None and engine.tracker is not None:
                 self.freezer.scan(engine.tracker)

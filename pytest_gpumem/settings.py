@@ -13,7 +13,7 @@ from typing import Any
 from pytest_gpumem import __version__
 from pytest_gpumem.baselines import DEFAULT_FILENAME
 from pytest_gpumem.gate import GateOptions
-from pytest_gpumem.spec import SpecError, parse_device, parse_observe
+from pytest_gpumem.spec import SpecError, parse_device, parse_observe, parse_predict
 from pytest_gpumem.units import SizeError, parse_size
 from pytest_gpumem.verdict import parse_tolerance
 
@@ -63,6 +63,12 @@ OPTIONS: tuple[Option, ...] = (
         default="operators",
         metavar="HOW",
     ),
+    Option(
+        "predict",
+        "CPU engine: report what this GPU would show (h100): its caching allocator's blocks and segments "
+        "and its library workspaces, from the CPU run's allocations. Ignored on CUDA.",
+        metavar="GPU",
+    ),
     Option("baselines", f"baseline file (default: {DEFAULT_FILENAME} at the rootdir).", metavar="PATH"),
     Option("update-baselines", "record the figures of tests that ran and passed into the baseline file.", flag=True),
     Option(
@@ -105,6 +111,7 @@ class Settings:
     breakdown: bool
     cuda_rounding: bool
     observe: str
+    predict: str | None
     device_limit: int | None
     leak_check: bool
     artifacts: Path
@@ -151,6 +158,7 @@ class Settings:
             breakdown=flag("gpumem_breakdown"),
             cuda_rounding=flag("gpumem_cuda_rounding"),
             observe=parsed("gpumem_observe", parse_observe, "operators"),
+            predict=parsed("gpumem_predict", parse_predict),
             device_limit=parsed("gpumem_device_limit", parse_size),
             leak_check=flag("gpumem_leak_check"),
             artifacts=artifacts,

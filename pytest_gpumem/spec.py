@@ -30,6 +30,7 @@ __all__ = [
     "parse_device",
     "parse_marker",
     "parse_observe",
+    "parse_predict",
     "parse_span_limits",
 ]
 
@@ -42,6 +43,7 @@ MARKER_KEYWORD_HELP: dict[str, str] = {
     "device": "'auto', 'cpu', 'cuda' or 'cuda:N' (overrides --gpumem-device)",
     "breakdown": "True/False: run the storage tracker on CUDA for the breakdown by category",
     "observe": "CPU engine: 'operators' (default) or 'allocations' (compiled code runs as compiled)",
+    "predict": "CPU engine: report what this GPU would show (e.g. 'h100'); ignored on a GPU",
     "tolerance": "baseline tolerance of this test: '2%', '1MiB' or '2%,1MiB'",
     "device_limit": "run as if the device had this much memory: '24GiB'",
     "min_microbatch": "the largest microbatch gpumem.max_microbatch() finds must be at least this (an int)",
@@ -68,6 +70,16 @@ def parse_observe(value: object) -> str:
     if value not in OBSERVE:
         raise SpecError(f"observe={value!r} is not a way of observing memory: use 'operators' or 'allocations'")
     return str(value)
+
+
+def parse_predict(value: object) -> str:
+    """The canonical name of the prediction target ``value`` names, else a :class:`SpecError` naming it."""
+    from pytest_gpumem.predict import parse_predict as parse_target
+
+    try:
+        return parse_target(value)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
 
 
 class LimitExceeded(AssertionError):
@@ -101,6 +113,8 @@ class GpumemSpec:
     breakdown: bool | None = None
     #: how the CPU engine observes memory (:data:`OBSERVE`); None: the run's option
     observe: str | None = None
+    #: the GPU whose figures the CPU engine predicts (a target of :mod:`pytest_gpumem.predict`); None: the run's option
+    predict: str | None = None
     tolerance: Tolerance | None = None
     #: emulated device size in bytes: the test runs as if the device had this much memory
     device_limit: int | None = None
@@ -202,6 +216,10 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
             f"unknown keyword {', '.join(map(repr, unknown))}; expected one of {', '.join(MARKER_KEYWORDS)}"
         )
     limits = tuple(_limit(metric, merged[metric]) for metric in METRICS if merged.get(metric) is not None)
+    if merged.get("observe") == "allocations" and merged.get("predict") is not None:
+        raise SpecError(
+            f"observe='allocations' cannot predict={merged['predict']!r}: a prediction follows the operators"
+        )
     if merged.get("observe") == "allocations" and merged.get("device_limit") is not None:
         raise SpecError(
             f"observe='allocations' cannot run under device_limit={merged['device_limit']!r}: "
@@ -212,6 +230,7 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
         device=None if merged.get("device") is None else parse_device(merged["device"]),
         breakdown=None if merged.get("breakdown") is None else _bool("breakdown", merged["breakdown"]),
         observe=None if merged.get("observe") is None else parse_observe(merged["observe"]),
+        predict=None if merged.get("predict") is None else parse_predict(merged["predict"]),
         tolerance=None if merged.get("tolerance") is None else _tolerance(merged["tolerance"]),
         device_limit=None if merged.get("device_limit") is None else _size("device_limit", merged["device_limit"]),
         min_microbatch=None

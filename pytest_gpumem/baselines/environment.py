@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["ALLOCATOR_VARIABLES", "ENGINES", "Environment", "allocator_settings", "check_label"]
 
 #: Engines an :class:`Environment` can describe (see :class:`~pytest_gpumem.figures.Measurement`).
-ENGINES: tuple[str, ...] = ("cuda", "cpu")
+ENGINES: tuple[str, ...] = ("cuda", "cpu", "predict")
 
 #: Environment variables that change what the caching allocator holds, in the
 #: order they appear in an environment key. Only the ones that are set are recorded.
@@ -47,8 +47,9 @@ class Environment:
     shows as ``unknown`` in the key.
 
     Attributes:
-        engine: ``"cuda"`` (a device's caching allocator: CUDA, ROCm, XPU) or
-            ``"cpu"`` (the exact tensor-storage tracker).
+        engine: ``"cuda"`` (a device's caching allocator: CUDA, ROCm, XPU),
+            ``"cpu"`` (the exact tensor-storage tracker) or ``"predict"`` (the CPU engine
+            predicting a GPU's figures: the device fields are the target's).
         device_name: the device model, e.g. ``"NVIDIA H100 80GB HBM3"``;
             ``None`` on the CPU engine.
         total_memory: device memory in bytes as the runtime reports it;
@@ -98,7 +99,14 @@ class Environment:
         object.__setattr__(self, "labels", _label_pairs(self.labels))
 
     @classmethod
-    def detect(cls, engine: str, device: torch.device | str | None = None, cuda_rounding: bool = False) -> Environment:
+    def detect(
+        cls,
+        engine: str,
+        device: torch.device | str | None = None,
+        cuda_rounding: bool = False,
+        *,
+        predict: str | None = None,
+    ) -> Environment:
         """Describe the environment of the running process for ``engine`` on ``device``.
 
         ``cuda_rounding`` is the CPU engine's rounding option and is ignored
@@ -113,6 +121,20 @@ class Environment:
         torch_version = _major_minor(torch.__version__)
         if engine == "cpu":
             return cls(engine="cpu", torch_version=torch_version, cuda_rounding=bool(cuda_rounding))
+        if engine == "predict":  # the target GPU's name, as the CPU run's torch predicts it
+            from pytest_gpumem.predict import target
+
+            if predict is None:
+                raise ValueError("engine 'predict' needs predict=<the target GPU>")
+            gpu = target(predict)
+            return cls(
+                engine="predict",
+                device_name=gpu.device_name,
+                total_memory=gpu.total_memory,
+                compute_capability=gpu.compute_capability,
+                torch_version=torch_version,
+                allocator=(),
+            )
         dev = torch.device(device if device is not None else "cuda")
         hip = getattr(torch.version, "hip", None)
         name, total, capability = _device_properties(dev, rocm=bool(hip))

@@ -64,6 +64,7 @@ def make_engine(
     breakdown: bool = False,
     cuda_rounding: bool = False,
     observe: str = "operators",
+    predict: str | None = None,
 ) -> Engine:
     """An engine reading ``device`` (a name such as ``"cpu"``, ``"cuda:0"``, ``"auto"``, or a ``torch.device``).
 
@@ -72,7 +73,9 @@ def make_engine(
     allocator's own reports instead of operators (see
     :mod:`pytest_gpumem.engines.allocations`). On a CUDA device the caching allocator
     is read, and the storage tracker runs beside it only when ``breakdown`` is True
-    (it costs a Python call per operator).
+    (it costs a Python call per operator). ``predict`` (a GPU such as ``"h100"``, CPU only)
+    makes the CPU engine report what that GPU's caching allocator would show (see
+    :mod:`pytest_gpumem.engines.predict`).
     """
     from pytest_gpumem.engines.cpu import CpuEngine
     from pytest_gpumem.engines.cuda import CudaEngine
@@ -80,6 +83,15 @@ def make_engine(
 
     parse_observe(observe)
     resolved = resolve_device(device)
+    if predict is not None:
+        from pytest_gpumem.engines.predict import PredictEngine
+        from pytest_gpumem.predict import target
+
+        if resolved.type != "cpu":
+            raise ValueError(f"predict={predict!r} runs on the CPU engine, not on {str(resolved)!r}")
+        if observe != "operators":
+            raise ValueError(f"predict={predict!r} needs observe='operators', not {observe!r}")
+        return PredictEngine(target(predict))
     if resolved.type == "cpu":
         if observe == "allocations":
             from pytest_gpumem.engines.allocations import AllocationTracker

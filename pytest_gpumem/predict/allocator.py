@@ -1,0 +1,213 @@
+"""A model of PyTorch's CUDA caching allocator, fed by the allocations a CPU run makes.
+
+It follows ``c10/cuda/CUDACachingAllocator.cpp`` with its default settings (no
+``max_split_size_mb``, no ``roundup_power2_divisions``, no expandable segments, one
+stream):
+
+* a request is rounded up to a multiple of 512 bytes (``round_size``);
+* requests of at most 1 MiB come from the *small* pool, larger ones from the *large* pool;
+* a request is served by the smallest free cached block of its pool that fits (ties: the
+  lowest address); with none, a new segment is reserved: 2 MiB for a small request,
+  20 MiB for a request under 10 MiB, else the request rounded up to 2 MiB
+  (``get_allocation_size``);
+* the block is split when what remains is at least 512 bytes (small pool) or more than
+  1 MiB (large pool, ``should_split``); otherwise the whole block is allocated, and
+  ``allocated`` counts all of it;
+* a freed block merges with free neighbours of its segment; ``empty_cache`` releases the
+  segments that are wholly free.
+
+``allocated`` and ``reserved`` are what ``torch.cuda.memory_allocated()`` and
+``memory_reserved()`` would say, and ``peak_allocated`` / ``peak_reserved`` their
+highest values since :meth:`reset_peaks`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["AllocatorRules", "CachingAllocatorModel"]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class AllocatorRules:
+    """The caching allocator's constants (``CUDACachingAllocator.cpp``), in bytes."""
+
+    #: every request is rounded up to a multiple of this (``kMinBlockSize``)
+    min_block: int = 512
+    #: requests up to this size come from the small pool (``kSmallSize``)
+    small_size: int = MiB
+    #: a small-pool segment (``kSmallBuffer``)
+    small_buffer: int = 2 * MiB
+    #: a large-pool segment for requests under :attr:`min_large_alloc` (``kLargeBuffer``)
+    large_buffer: int = 20 * MiB
+    #: from this size on, a segment is the request rounded to :attr:`round_large` (``kMinLargeAlloc``)
+    min_large_alloc: int = 10 * MiB
+    #: the rounding of large segments (``kRoundLarge``)
+    round_large: int = 2 * MiB
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AllocatorRules:
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown allocator rule(s) {', '.join(unknown)}")
+        values = {key: int(value) for key, value in data.items()}
+        bad = [f"{key}={value}" for key, value in values.items() if value <= 0]
+        if bad:
+            raise ValueError(f"allocator rules must be positive byte counts: {', '.join(bad)}")
+        return cls(**values)
+
+    def round_size(self, nbytes: int) -> int:
+        """The block size a request of ``nbytes`` asks for."""
+        if nbytes < self.min_block:
+            return self.min_block
+        return -(-nbytes // self.min_block) * self.min_block
+
+    def segment_size(self, size: int) -> int:
+        """The segment reserved for a rounded request of ``size`` bytes that no cached block serves."""
+        if size <= self.small_size:
+            return self.small_buffer
+        if size < self.min_large_alloc:
+            return self.large_buffer
+        return -(-size // self.round_large) * self.round_large
+
+
+class _Block:
+    __slots__ = ("free", "next", "offset", "prev", "segment", "size", "small")
+
+    def __init__(self, segment: int, offset: int, size: int, small: bool) -> None:
+        self.segment = segment
+        self.offset = offset
+        self.size = size
+        self.small = small
+        self.free = True
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+    @property
+    def order(self) -> tuple[int, int, int]:
+        return (self.size, self.segment, self.offset)
+
+
+class CachingAllocatorModel:
+    """The caching allocator's blocks and segments (see the module's docstring).
+
+    Allocations are named by a key (any hashable: the storage they back); :meth:`malloc`
+    and :meth:`free` take it.
+    """
+
+    def __init__(self, rules: AllocatorRules | None = None) -> None:
+        self.rules = rules or AllocatorRules()
+        self._pools: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] = ([], [])  # large, small
+        self._free_blocks: dict[tuple[int, int, int], _Block] = {}
+        self._live: dict[Any, _Block] = {}
+        self._requested: dict[Any, int] = {}
+        self._segments: dict[int, int] = {}  # segment id -> size
+        self._segment_ids = itertools.count()
+        self.allocated = 0
+        self.reserved = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        #: segments reserved so far (``num_alloc_retries`` aside, the ``segment.all.allocated`` stat)
+        self.segments_reserved = 0
+
+    # -- requests -------------------------------------------------------------------
+
+    def malloc(self, key: Any, nbytes: int) -> int:
+        """Allocate ``nbytes`` for ``key``; returns the bytes the block counts in ``allocated``."""
+        if key in self._live:
+            raise KeyError(f"{key!r} is allocated already")
+        rules = self.rules
+        size = rules.round_size(nbytes)
+        small = size <= rules.small_size
+        pool = self._pools[small]
+        index = bisect.bisect_left(pool, (size, -1, -1))
+        if index < len(pool):
+            block = self._free_blocks.pop(pool.pop(index))
+        else:
+            block = self._reserve(rules.segment_size(size), small)
+        remaining = block.size - size
+        if remaining >= rules.min_block if small else remaining > rules.small_size:
+            rest = _Block(block.segment, block.offset + size, remaining, small)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            self._cache(rest)
+        block.free = False
+        self._live[key] = block
+        self._requested[key] = size
+        self.allocated += block.size
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        return block.size
+
+    def free(self, key: Any) -> int:
+        """Free ``key``'s block (it stays reserved, cached for later requests); returns its size."""
+        block = self._live.pop(key)
+        del self._requested[key]
+        size = block.size
+        self.allocated -= size
+        block.free = True
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._uncache(neighbour)
+                if neighbour is block.prev:
+                    neighbour.size += block.size
+                    neighbour.next = block.next
+                    if block.next is not None:
+                        block.next.prev = neighbour
+                    block = neighbour
+                else:
+                    block.size += neighbour.size
+                    block.next = neighbour.next
+                    if neighbour.next is not None:
+                        neighbour.next.prev = block
+        self._cache(block)
+        return size
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._live
+
+    def size_of(self, key: Any) -> int | None:
+        """The rounded size ``key`` asked for (its block may be larger: not split); None if not allocated."""
+        return self._requested.get(key)
+
+    def empty_cache(self) -> None:
+        """Release every segment no live block is in (``torch.cuda.empty_cache()``)."""
+        for block in list(self._free_blocks.values()):
+            if block.prev is None and block.next is None:
+                self._uncache(block)
+                self.reserved -= self._segments.pop(block.segment)
+
+    def reset_peaks(self) -> None:
+        """Peaks from the current figures on (``torch.cuda.reset_peak_memory_stats()``)."""
+        self.peak_allocated = self.allocated
+        self.peak_reserved = self.reserved
+
+    # -- internals ------------------------------------------------------------------
+
+    def _reserve(self, size: int, small: bool) -> _Block:
+        segment = next(self._segment_ids)
+        self._segments[segment] = size
+        self.segments_reserved += 1
+        self.reserved += size
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
+        return _Block(segment, 0, size, small)
+
+    def _cache(self, block: _Block) -> None:
+        order = block.order
+        self._free_blocks[order] = block
+        bisect.insort(self._pools[block.small], order)
+
+    def _uncache(self, block: _Block) -> None:
+        order = block.order
+        del self._free_blocks[order]
+        pool = self._pools[block.small]
+        del pool[bisect.bisect_left(pool, order)]
