@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +92,16 @@ def _as_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     summary (not one line each), which the tests reading a session's output would count twice."""
     for name in ("CI", "BUILD_NUMBER"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def recorded_h100() -> Path:
+    """The folder of the record the H100 prediction target is checked against (``targets.json``)."""
+    from pytest_gpumem.predict import target
+
+    record = target("h100").record
+    assert record is not None
+    return Path(__file__).resolve().parents[1] / record
 
 
 @pytest.fixture

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
+
 import pytest
 
 from pytest_gpumem.predict import AllocatorRules, CachingAllocatorModel, parse_predict, target, targets
@@ -97,3 +100,43 @@ def test_targets_are_data_and_names_are_checked() -> None:
         parse_predict("a100")
     with pytest.raises(ValueError, match=r"predict=3 is not a GPU name"):
         parse_predict(3)
+
+
+def test_the_allocation_trace_recorded_on_an_h100_replays_to_the_same_segments(recorded_h100: Path) -> None:
+    """The memory snapshot recorded on the H100 (torch 2.11, the reference workloads of
+    ``scripts/gpu-validate``): its trace replayed through the model reserves the same segments,
+    in the same order, and ends with the snapshot's segments, block for block."""
+    with (recorded_h100 / "snapshot.pickle").open("rb") as file:
+        snapshot = pickle.load(file)
+    trace = snapshot["device_traces"][0]
+    # from the first empty_cache on: before it, blocks allocated before the trace began are unknown
+    first = next(i for i, event in enumerate(trace) if event["action"] == "segment_free")
+    while trace[first]["action"] == "segment_free":
+        first += 1
+    model = CachingAllocatorModel(target("h100").allocator)
+    recorded, modelled = [], []
+    for event in trace[first:]:
+        action = event["action"]
+        if action == "alloc":
+            reserved = model.reserved
+            model.malloc(event["addr"], event["size"])
+            if model.reserved > reserved:
+                modelled.append(model.reserved - reserved)
+        elif action == "free_completed":
+            model.free(event["addr"])
+        elif action == "segment_alloc":
+            recorded.append(event["size"])
+        elif action == "segment_free":
+            model.empty_cache()
+    assert len(recorded) == 23
+    assert modelled == recorded
+    expected = [
+        (
+            segment["total_size"],
+            segment["segment_type"] == "small",
+            tuple((block["size"], block["state"] == "active_allocated") for block in segment["blocks"]),
+        )
+        for segment in snapshot["segments"]
+    ]
+    assert model.segments() == expected
+    assert (model.reserved, model.allocated) == (35_651_584, 34_603_008)

@@ -178,6 +178,24 @@ class CachingAllocatorModel:
         """The rounded size ``key`` asked for (its block may be larger: not split); None if not allocated."""
         return self._requested.get(key)
 
+    def segments(self) -> list[tuple[int, bool, tuple[tuple[int, bool], ...]]]:
+        """Each segment, in the order reserved: its size, whether it is a small-pool segment, and
+        its blocks in address order as ``(size, allocated)`` (a memory snapshot's ``segments``)."""
+        firsts: dict[int, _Block] = {}
+        for known in (*self._live.values(), *self._free_blocks.values()):
+            while known.prev is not None:
+                known = known.prev
+            firsts[known.segment] = known
+        layout: list[tuple[int, bool, tuple[tuple[int, bool], ...]]] = []
+        for segment in sorted(firsts):
+            block: _Block | None = firsts[segment]
+            blocks = []
+            while block is not None:
+                blocks.append((block.size, not block.free))
+                block = block.next
+            layout.append((self._segments[segment], firsts[segment].small, tuple(blocks)))
+        return layout
+
     def empty_cache(self) -> None:
         """Release every segment no live block is in (``torch.cuda.empty_cache()``)."""
         for block in list(self._free_blocks.values()):

@@ -1,0 +1,108 @@
+"""The H100 prediction against the figures recorded on an H100 (torch 2.11, ``record.json``).
+
+Each zoo training step (``fixtures.zoo``, size ``small``: the size the record holds) is run
+on the CPU under the prediction engine with the record's protocol: one warm-up step, the
+clean-state protocol of the version that made the record (library workspaces freed, cache
+emptied), then the measured step, whose threads create their workspaces again. The
+prediction is compared with the H100's own counters for that step.
+
+What the prediction models, and how far each figure is from the H100, in bytes:
+
+* ``allocated`` (and ``start``): exact but for AdamW's step counters, one 0-dimensional
+  float32 tensor per parameter tensor (512 B on the device), which a CUDA run keeps on the
+  host: the prediction counts them, the H100 does not.
+* ``peak``: the whole gap is a transient the H100's peak holds in backward (the peak of
+  these four models is in backward) beyond every tensor *and* the two 32 MiB cuBLAS
+  workspaces and cuBLASLt's 1 MiB: 32 MiB (fp32), 64 MiB (MLP bf16), 72 MiB (block bf16),
+  gone by the end of the step. It is no tensor (the record's tensor run on the GPU does not
+  see it) and no third workspace; the record holds no allocation trace of these steps, so
+  it is not modelled. The test takes its size from the record (GPU peak minus the GPU's
+  tensor peak minus the workspaces) and checks that the rest of the prediction is within
+  2%; and that without it the prediction is *not* within 2%, so this file changes when the
+  transient is modelled.
+* ``reserved``: below the H100's by 19–31%: what the H100 reserved before the step
+  depends on every allocation the process made before (the record's process ran other
+  workloads first), the backward transient takes its own segments, and ``foreach`` AdamW
+  (CUDA's default) makes other temporaries. The test bounds it from above.
+
+The ``gpt2`` and ``llama`` rows need ``transformers`` and a model of the GPU's attention
+backends (the CPU runs another scaled-dot-product-attention kernel, which saves other
+tensors for backward); they are not predicted yet.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fixtures.zoo import zoo
+from pytest_gpumem.engines.predict import PredictEngine
+from pytest_gpumem.fixture import run_step
+from pytest_gpumem.predict import target
+
+MiB = 1 << 20
+#: the H100's workspaces at the end of each step: cuBLAS on two threads, cuBLASLt on one
+WORKSPACES = 2 * 32 * MiB + MiB
+#: parameter tensors of each model: one AdamW step counter each, on the host on a GPU
+PARAMETER_TENSORS = {"mlp": 4, "block": 12}
+ROWS = [(name, precision) for name in ("mlp", "block") for precision in ("fp32", "bf16")]
+
+
+@pytest.fixture
+def record(recorded_h100: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((recorded_h100 / "record.json").read_text(encoding="utf-8"))
+    return data
+
+
+def _predicted_step(name: str, precision: str) -> dict[str, int]:
+    """The zoo step's figures, predicted with the record's protocol (see the module's docstring)."""
+    (model,) = zoo("small", (name,))
+    torch.manual_seed(0)
+    step = model.build("cpu", precision)
+    cpu = torch.device("cpu")
+    run_step(step.model, step.optimizer, step.batch, step.loss_fn, amp=step.amp, device=cpu)
+    engine = PredictEngine(target("h100"))
+    engine.clean()
+    engine.release_workspaces()
+    engine.empty_cache()
+    engine.take_window()
+    start, start_reserved = engine.allocated(), engine.reserved()
+    engine.start()
+    try:
+        run_step(step.model, step.optimizer, step.batch, step.loss_fn, amp=step.amp, device=cpu)
+    finally:
+        engine.stop()
+    window = engine.take_window()
+    assert start_reserved is not None and window.reserved_peak is not None
+    return {
+        "start": start,
+        "peak": window.peak,
+        "allocated": engine.allocated(),
+        "reserved": window.reserved_peak,
+        "start_reserved": start_reserved,
+    }
+
+
+@pytest.mark.parametrize(("name", "precision"), ROWS, ids=[f"{n}-{p}" for n, p in ROWS])
+def test_a_zoo_step_is_predicted_as_the_h100_ran_it(record: dict[str, Any], name: str, precision: str) -> None:
+    workloads = record["workloads"]
+    gpu = workloads[f"zoo.{name}.{precision}.cuda"]["measurement"]
+    tensors = workloads[f"zoo.{name}.{precision}.cuda-tensors"]["measurement"]
+    predicted = _predicted_step(name, precision)
+    counters = 512 * PARAMETER_TENSORS[name]
+
+    assert predicted["start"] - gpu["start"] == counters
+    assert predicted["allocated"] - gpu["allocated"] == counters
+
+    transient = gpu["peak"] - tensors["peak"] - WORKSPACES
+    assert 32 * MiB <= transient <= 72 * MiB + 64 * 1024
+    residual = predicted["peak"] + transient - gpu["peak"]
+    assert abs(residual) <= 0.02 * gpu["peak"], f"{name} {precision}: peak residual {residual:+,} B"
+    assert abs(predicted["peak"] - gpu["peak"]) > 0.02 * gpu["peak"], "the transient is modelled now: update this"
+
+    assert predicted["reserved"] <= gpu["reserved"]
+    assert predicted["reserved"] - predicted["start_reserved"] <= gpu["reserved"] - gpu["start_reserved"]
