@@ -19,6 +19,7 @@ from pytest_gpumem.predict.allocator import AllocatorRules, CachingAllocatorMode
 
 __all__ = [
     "AllocatorRules",
+    "AttentionBackend",
     "CachingAllocatorModel",
     "Target",
     "Workspace",
@@ -47,6 +48,43 @@ class Workspace:
 
 
 @dataclass(frozen=True)
+class AttentionBackend:
+    """When a fused scaled-dot-product-attention kernel runs on the target, and what it keeps.
+
+    A call runs the first backend of :attr:`Target.attention_order` whose conditions hold
+    (PyTorch's ``sdp_utils`` checks: dtype, head size, an explicit mask, grouped-query
+    attention); ``math`` (the composite of matrix products, softmax and dropout) takes the rest.
+    A fused kernel keeps its output and a float32 log-sum-exp per query row (the rows padded to
+    ``logsumexp_row_multiple``) for backward, and two int64 random-state tensors on the device
+    ``"always"`` or only with dropout (``rng_state="dropout"``).
+    """
+
+    name: str
+    dtypes: frozenset[str] = frozenset()
+    max_head_dim: int | None = None
+    head_dim_multiple: int = 1
+    mask: bool = True
+    gqa: bool = True
+    logsumexp_row_multiple: int = 1
+    rng_state: str = "always"
+
+    def keeps_rng_state(self, dropout_p: float) -> bool:
+        return self.rng_state == "always" or (self.rng_state == "dropout" and dropout_p > 0)
+
+    def accepts(self, dtype: str, head_dim: int, value_head_dim: int, masked: bool, gqa: bool) -> bool:
+        if self.name == "math":
+            return True
+        return (
+            dtype in self.dtypes
+            and (self.max_head_dim is None or max(head_dim, value_head_dim) <= self.max_head_dim)
+            and head_dim % self.head_dim_multiple == 0
+            and value_head_dim % self.head_dim_multiple == 0
+            and (self.mask or not masked)
+            and (self.gqa or not gqa)
+        )
+
+
+@dataclass(frozen=True)
 class Target:
     """One GPU and PyTorch version whose figures a CPU run predicts (a row of ``targets.json``)."""
 
@@ -59,6 +97,15 @@ class Target:
     cuda_version: str
     allocator: AllocatorRules
     workspaces: tuple[Workspace, ...]
+    #: scaled-dot-product-attention backends, in the order the target's PyTorch tries them
+    attention_order: tuple[AttentionBackend, ...] = ()
+    #: the dtype of the mask a training-mode dropout keeps for backward ("bool": the fused
+    #: ``native_dropout`` kernel, as on CUDA); None: as the CPU run does
+    dropout_mask: str | None = None
+    #: functions the target's autocast runs in float32 (its fp32 list), by name
+    autocast_fp32: frozenset[str] = frozenset()
+    #: functions the target's autocast runs in its lower precision where the CPU's does not
+    autocast_lower: frozenset[str] = frozenset()
     #: the folder of the record it is checked against, relative to the project
     record: str | None = None
 
@@ -78,6 +125,29 @@ class Target:
             for workspace in workspaces:
                 if workspace.when not in (None, "bias"):
                     raise ValueError(f"workspace {workspace.library}: when={workspace.when!r} (use 'bias' or none)")
+            attention = data.get("attention", {})
+            backends = attention.get("backends", {})
+            order = tuple(
+                AttentionBackend(
+                    name=str(name),
+                    dtypes=frozenset(backends.get(name, {}).get("dtypes", ())),
+                    max_head_dim=backends.get(name, {}).get("max_head_dim"),
+                    head_dim_multiple=int(backends.get(name, {}).get("head_dim_multiple", 1)),
+                    mask=bool(backends.get(name, {}).get("mask", True)),
+                    gqa=bool(backends.get(name, {}).get("gqa", True)),
+                    logsumexp_row_multiple=int(backends.get(name, {}).get("logsumexp_row_multiple", 1)),
+                    rng_state=str(backends.get(name, {}).get("rng_state", "always")),
+                )
+                for name in attention.get("order", ())
+            )
+            unknown = [b.name for b in order if b.name not in ("flash", "efficient", "math")]
+            if unknown:
+                raise ValueError(f"unknown attention backend(s) {', '.join(unknown)}")
+            bad_rng = [b.name for b in order if b.rng_state not in ("always", "dropout", "never")]
+            if bad_rng:
+                raise ValueError(f"rng_state of {', '.join(bad_rng)}: use 'always', 'dropout' or 'never'")
+            if order and order[-1].name != "math":
+                raise ValueError("the attention order must end with 'math' (it takes every call)")
             return cls(
                 name=str(data["name"]),
                 aliases=tuple(str(alias) for alias in data.get("aliases", ())),
@@ -88,6 +158,10 @@ class Target:
                 cuda_version=str(data["cuda_version"]),
                 allocator=AllocatorRules.from_dict(dict(data.get("allocator", {}))),
                 workspaces=workspaces,
+                attention_order=order,
+                dropout_mask=data.get("dropout_mask"),
+                autocast_fp32=frozenset(str(n) for n in data.get("autocast", {}).get("fp32", ())),
+                autocast_lower=frozenset(str(n) for n in data.get("autocast", {}).get("lower", ())),
                 record=data.get("record"),
             )
         except (KeyError, TypeError, ValueError) as exc:
