@@ -184,3 +184,94 @@ def test_make_engine_names_what_cannot_be_predicted() -> None:
         make_engine("cpu", predict="h100", observe="allocations")
     with pytest.raises(ValueError, match=r"predict='a100' is not a known GPU"):
         make_engine("cpu", predict="a100")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "masked", "kv_heads", "expected"),
+    [
+        (torch.bfloat16, 64, False, 8, "flash"),
+        (torch.bfloat16, 64, False, 4, "flash"),  # flash takes grouped-query attention
+        (torch.bfloat16, 64, True, 8, "efficient"),  # an explicit mask: not flash
+        (torch.bfloat16, 512, False, 8, "efficient"),  # head size over 256: not flash
+        (torch.float32, 64, False, 8, "efficient"),  # fp32: not flash
+        (torch.float32, 64, False, 4, "math"),  # fp32 with grouped-query attention: neither
+        (torch.bfloat16, 64, True, 4, "math"),  # a mask and grouped-query attention
+        (torch.float32, 62, False, 8, "math"),  # a head size no fused kernel takes
+    ],
+)
+def test_the_attention_backend_follows_the_targets_rules(
+    dtype: torch.dtype, head_dim: int, masked: bool, kv_heads: int, expected: str
+) -> None:
+    from pytest_gpumem.engines.predict import choose_backend
+
+    query = torch.empty(2, 8, 16, head_dim, dtype=dtype)
+    key = torch.empty(2, kv_heads, 16, head_dim, dtype=dtype)
+    mask = torch.zeros(16, 16, dtype=torch.bool) if masked else None
+    assert choose_backend(H100, query, key, key, mask, enable_gqa=kv_heads != 8).name == expected
+
+
+def _attention_step(predict: str | None, dtype: torch.dtype, dropout: float) -> tuple[int, list[torch.Tensor]]:
+    """The bytes saved for backward by one attention call, and the gradients of q, k, v."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, dtype=dtype, requires_grad=True) for _ in range(3))
+    with measure("attention", device="cpu", predict=predict, cuda_rounding=True) as span:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+    saved = span.measurement.saved_activations
+    assert saved is not None
+    out.float().pow(2).sum().backward()
+    return saved, [t.grad for t in (q, k, v) if t.grad is not None]
+
+
+def test_fused_attention_keeps_what_the_gpus_kernel_keeps_and_computes_the_cpus_gradients() -> None:
+    # flash (bf16): q, k, v, the output (4 × 32 KiB), a float32 log-sum-exp [2, 4, 64] (2 KiB)
+    # and two int64 random-state tensors, each storage in 512-byte blocks
+    saved, grads = _attention_step("h100", torch.bfloat16, 0.0)
+    assert saved == 4 * 2 * 4 * 64 * 32 * 2 + 2 * 4 * 64 * 4 + 2 * 512
+    _, expected = _attention_step(None, torch.bfloat16, 0.0)
+    assert len(grads) == 3
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+    # memory-efficient (fp32): the log-sum-exp rows padded to 32 (64 already is); no random state
+    saved, grads = _attention_step("h100", torch.float32, 0.0)
+    assert saved == 4 * 2 * 4 * 64 * 32 * 4 + 2 * 4 * 64 * 4
+    _, expected = _attention_step(None, torch.float32, 0.0)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, expected, strict=True))
+
+
+def test_attention_with_dropout_keeps_no_attention_matrix_and_replays_its_random_numbers() -> None:
+    saved, _ = _attention_step(None, torch.float32, 0.1)
+    assert saved > 2 * 4 * 64 * 64 * 4  # the CPU's math composite keeps the attention weights
+    # predicted: the memory-efficient kernel's q, k, v, output, log-sum-exp and random state, and
+    # the gradients a plain CPU run computes (the same random numbers, replayed in backward)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, requires_grad=True) for _ in range(3))
+    with measure("attention", predict="h100") as span:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    assert span.measurement.saved_activations == 4 * 2 * 4 * 64 * 32 * 4 + 2 * 4 * 64 * 4 + 2 * 512
+    out.sum().backward()  # backward recomputes the CPU's attention with the forward's random numbers
+    torch.manual_seed(0)
+    q2, k2, v2 = (torch.randn(2, 4, 64, 32, requires_grad=True) for _ in range(3))
+    torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, dropout_p=0.1).sum().backward()
+    assert q.grad is not None and q2.grad is not None and torch.allclose(q.grad, q2.grad, atol=1e-6)
+
+
+def test_dropout_keeps_a_bool_mask_as_the_fused_kernel_does() -> None:
+    x = torch.randn(1024, 256, requires_grad=True)
+    with measure("dropout", device="cpu") as plain:
+        y = torch.nn.functional.dropout(x, 0.1, training=True)
+    with measure("dropout", predict="h100") as predicted:
+        z = torch.nn.functional.dropout(x, 0.1, training=True)
+    assert plain.measurement.saved_activations == 1024 * 256 * 4  # the CPU keeps a float mask
+    assert predicted.measurement.saved_activations == 1024 * 256  # CUDA's kernel a bool one
+    del y, z
+
+
+def test_autocast_casts_by_the_targets_lists() -> None:
+    x = torch.randn(256, 256, requires_grad=True)
+    with measure("autocast", predict="h100"), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x @ x  # bf16 on both devices
+        cube = h.pow(3)  # CUDA's autocast runs pow in float32; the CPU's leaves it in bf16
+        product = torch.mv(x, x[0])  # CUDA's in bf16; the CPU's in float32
+    assert (h.dtype, cube.dtype, product.dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (x @ x).pow(3).dtype == torch.bfloat16
+        assert torch.mv(x, x[0]).dtype == torch.float32
