@@ -399,6 +399,7 @@ def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = ()) 
     # an object whose attribute holds a target: through its materialised __dict__, the owner
     # is one level further up; named by a module-level name if it has one (below)
     owners: list[object] = []
+    weak: list[tuple[int, str]] = []  # names through an anonymous container: kept if nothing better
     referrers = gc.get_referrers(*containers)
     ignored.add(id(referrers))
     for holder in referrers:
@@ -413,11 +414,19 @@ def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = ()) 
                 pending[id(holder)] = [(t, _join(_DICT_OF, accessor)) for t, accessor in pending[id(container)]]
                 owners.append(holder)
                 continue
-            prefix = text if final else _container_name(holder) + text
-            for target_id, accessor in pending[id(container)]:
-                names.setdefault(target_id, _join(prefix, accessor))
+            if final:
+                for target_id, accessor in pending[id(container)]:
+                    names.setdefault(target_id, _join(text, accessor))
+            else:  # a plain loop: a comprehension would hold ``holder`` in a closure cell, a referrer
+                prefix = _container_name(holder) + text
+                for target_id, accessor in pending[id(container)]:
+                    weak.append((target_id, _join(prefix, accessor)))
     del referrers
+    # a module-level name (frozen globals included) names a holder better than an anonymous
+    # dict or list that also refers to it (a frame's materialised locals, a cache)
     _name_by_module_globals([*containers, *owners], pending, names)
+    for target_id, text in weak:
+        names.setdefault(target_id, text)
     for container in [*owners, *containers]:  # held by nothing nameable: name the container by its type
         for target_id, accessor in pending[id(container)]:
             names.setdefault(target_id, _join(_container_name(container), accessor))

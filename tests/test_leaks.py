@@ -186,6 +186,29 @@ def test_referrer_names_skip_the_argument_list() -> None:
     del box
 
 
+class _Holder:
+    kept: torch.Tensor | None = None
+
+
+def test_a_module_level_name_wins_over_an_anonymous_dict_that_also_holds_the_holder() -> None:
+    """The plugin freezes module globals out of the collector's generations between tests, so
+    ``gc.get_referrers`` finds an anonymous dict that refers to a holder (a frame's materialised
+    locals, a cache) and not the module's globals: the module-level name must still win."""
+    import gc
+
+    gc.freeze()  # this module's globals among them
+    try:
+        globals()["HOLDER"] = holder = _Holder()  # made after the freeze, as a test's objects are
+        holder.kept = tensor = torch.zeros(5)
+        anonymous = {"obj": holder}
+        names = referrer_names([tensor])
+        assert names[id(tensor)].endswith("test_leaks.HOLDER.kept")
+        del anonymous
+    finally:
+        gc.unfreeze()
+        del globals()["HOLDER"]
+
+
 def test_attribute_of_an_object_with_a_materialised_dict(engine: Engine) -> None:
     class Box:
         pass
