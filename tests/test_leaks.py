@@ -198,15 +198,15 @@ def test_a_module_level_name_wins_over_an_anonymous_dict_that_also_holds_the_hol
 
     gc.freeze()  # this module's globals among them
     try:
-        globals()["HOLDER"] = holder = _Holder()  # made after the freeze, as a test's objects are
+        globals()["LATE_HOLDER"] = holder = _Holder()  # made after the freeze, as a test's objects are
         holder.kept = tensor = torch.zeros(5)
         anonymous = {"obj": holder}
         names = referrer_names([tensor])
-        assert names[id(tensor)].endswith("test_leaks.HOLDER.kept")
+        assert names[id(tensor)].endswith("test_leaks.LATE_HOLDER.kept")
         del anonymous
     finally:
         gc.unfreeze()
-        del globals()["HOLDER"]
+        del globals()["LATE_HOLDER"]
 
 
 def test_attribute_of_an_object_with_a_materialised_dict(engine: Engine) -> None:
