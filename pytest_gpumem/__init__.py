@@ -27,6 +27,10 @@ _EXPORTS: dict[str, str] = {
     "PHASES": "pytest_gpumem.figures",
     "LimitExceeded": "pytest_gpumem.spec",
     "CompiledCodeNotMeasured": "pytest_gpumem.figures",
+    # distributed steps
+    "run_ranks": "pytest_gpumem.distributed",
+    "RankContext": "pytest_gpumem.distributed",
+    "DistributedError": "pytest_gpumem.distributed",
     # out of memory, emulated devices, microbatches, leaks
     "device_limit": "pytest_gpumem.devicelimit",
     "is_oom": "pytest_gpumem.oom",
@@ -66,6 +70,7 @@ __all__ = [
     "PHASES",
     "Budget",
     "CompiledCodeNotMeasured",
+    "DistributedError",
     "GpuMem",
     "LeakCheck",
     "LimitExceeded",
@@ -77,6 +82,7 @@ __all__ = [
     "OptimizerState",
     "Phase",
     "Plan",
+    "RankContext",
     "Span",
     "Timeline",
     "Tolerance",
@@ -100,6 +106,7 @@ __all__ = [
     "plan_for",
     "register_optimizer",
     "release_oom",
+    "run_ranks",
     "snapshot_storages",
     "transformer_layer_activations",
 ]
@@ -130,6 +137,7 @@ if TYPE_CHECKING:
     )
     from pytest_gpumem.census import LiveTensor, live_tensors
     from pytest_gpumem.devicelimit import device_limit
+    from pytest_gpumem.distributed import DistributedError, RankContext, run_ranks
     from pytest_gpumem.engines import make_engine
     from pytest_gpumem.expressions import parse_budget
     from pytest_gpumem.figures import (

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from pytest_gpumem.budgets import Budget, model_states
+from pytest_gpumem.distributed import DEFAULT_TIMEOUT, DistributedError, RankContext, run_ranks
 from pytest_gpumem.figures import Measurement
 from pytest_gpumem.microbatch import Plan, plan_for
 from pytest_gpumem.microbatch import max_microbatch as search_microbatch
 from pytest_gpumem.recorder import Recorder, Span
-from pytest_gpumem.spec import parse_span_limits
+from pytest_gpumem.spec import SPAN_KEYWORDS, LimitSpec, parse_span_limits
 from pytest_gpumem.units import parse_size
 
 __all__ = ["AMP_MODES", "GpuMem", "describe", "run_step"]
@@ -29,10 +31,11 @@ class GpuMem:
         recorder: the recording of the test call (figures of every closed span).
     """
 
-    def __init__(self, recorder: Recorder, nodeid: str) -> None:
+    def __init__(self, recorder: Recorder, nodeid: str, marker_limits: Sequence[LimitSpec] = ()) -> None:
         self.recorder = recorder
         self.device: torch.device = recorder.engine.device
         self.nodeid = nodeid
+        self._marker_limits = tuple(marker_limits)
 
     def track(self, *objects: Any) -> None:
         """Register modules and optimizers for the breakdown, the phases and Ψ."""
@@ -54,6 +57,45 @@ class GpuMem:
                 "(the plugin measures the test call)"
             )
         return self.recorder.span(name, **limits)
+
+    def distributed(
+        self,
+        fn: Callable[[int, RankContext], Any],
+        world_size: int = 2,
+        *,
+        backend: str | None = None,
+        device: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> list[Measurement]:
+        """Run ``fn(rank, ctx)`` in ``world_size`` rank processes, each measured; returns their
+        :class:`Measurement` in rank order (see :mod:`pytest_gpumem.distributed`).
+
+        Each rank is the span ``"rank{r}-of-{world_size}"`` of this test: the marker's ``peak``,
+        ``allocated`` and ``reserved`` limits and budgets apply to every rank (Ψ is the rank's
+        own tracked trainable parameters: ``ctx.track(model, optimizer)`` in ``fn``), and
+        baselines are kept per rank and world size. ``device``: ``"cpu"`` or ``"cuda"`` (rank
+        ``r`` on ``cuda:r``); default: the test's device type. A rank that fails, runs out of
+        memory or does not finish in ``timeout`` seconds fails the test with its report.
+        """
+        __tracebackhide__ = True
+        where = device or ("cuda" if self.device.type == "cuda" else "cpu")
+        try:
+            measurements = run_ranks(fn, world_size, backend=backend, device=where, timeout=timeout)
+        except DistributedError as exc:
+            raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{self.nodeid}: gpumem.distributed: {exc}") from None
+        limits = {spec.metric: spec.text for spec in self._marker_limits if spec.metric in SPAN_KEYWORDS}
+        self.recorder.ranks_measured = True
+        named = []
+        for rank, measurement in enumerate(measurements):
+            name = f"rank{rank}-of-{world_size}"
+            if name in self.recorder.span_names:
+                raise ValueError(f"{self.nodeid}: span name {name!r} is used twice in this test")
+            measurement = replace(measurement, name=name)
+            self.recorder.spans.append(Span.finished(self.recorder, name, measurement, limits))
+            named.append(measurement)
+        return named
 
     @property
     def psi(self) -> int | None:

@@ -117,6 +117,9 @@ class Recorder:
         self.active = False
         #: the spans closed so far, in order (the fixture reports them).
         self.spans: list[Span] = []
+        #: set when rank processes were measured (``gpumem.distributed``): the marker's limits
+        #: then apply to every rank's span, not to this process's call
+        self.ranks_measured = False
         #: the emulated device size in bytes the test runs under, if any.
         self.device_limit: int | None = None
         #: the largest microbatch size found by ``gpumem.max_microbatch()``, if it ran.
@@ -192,10 +195,15 @@ class Recorder:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         tracker.register(params, "parameters")
         tracker.register([p.grad for p in params if p.grad is not None], "gradients")
+        # a wrapper that shards the optimizer (ZeroRedundancyOptimizer) keeps the rank's state in
+        # the optimizer it wraps, ``.optim``
+        inner = getattr(optimizer, "optim", None)
+        holders = [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
         tracker.register(
             [
                 value
-                for state in optimizer.state.values()
+                for holder in holders
+                for state in holder.state.values()
                 for value in state.values()
                 if isinstance(value, torch.Tensor)
             ],
@@ -492,6 +500,13 @@ class Span:
         self.timeline = self.recorder.timeline_since(start_event) if self.recorder.timeline else None
         self._state = None
         self.recorder.spans.append(self)
+
+    @classmethod
+    def finished(cls, recorder: Recorder, name: str, measurement: Measurement, limits: Mapping[str, Any]) -> Span:
+        """A span measured elsewhere (a rank process), with its figures and the limits that apply."""
+        span = cls(recorder, name, limits)
+        span._measurement = measurement
+        return span
 
     @property
     def measurement(self) -> Measurement:

@@ -1,0 +1,251 @@
+"""A distributed training step inside one test: ``world_size`` ranks, each measured on its own.
+
+:func:`run_ranks` starts the ranks as PyTorch's own multi-process tests do: processes made
+with ``torch.multiprocessing``'s ``spawn`` start method, each initialising the default
+process group (``gloo`` on the CPU, ``nccl`` on CUDA) over a TCP store on this machine.
+Each rank runs ``fn(rank, ctx)`` inside :func:`pytest_gpumem.measure` on its device and sends
+its :class:`~pytest_gpumem.figures.Measurement` back. A rank that raises, dies or is still
+running at the timeout fails the whole run with that rank's report, and no rank process is
+left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pytest_gpumem.figures import Measurement
+
+__all__ = ["DistributedError", "RankContext", "run_ranks"]
+
+#: Seconds a run may take, all ranks together, unless the caller says otherwise.
+DEFAULT_TIMEOUT = 300.0
+
+
+class DistributedError(RuntimeError):
+    """One or more ranks failed, died or timed out; ``reports`` maps each such rank to what happened
+    (a rank whose peer failed often fails too, in a collective, after it)."""
+
+    def __init__(self, message: str, reports: dict[int, str]) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reports = reports
+
+    def __str__(self) -> str:
+        return "\n\n".join([self.message, *self.reports.values()])
+
+
+@dataclass
+class RankContext:
+    """What ``fn(rank, ctx)`` gets in each rank.
+
+    Attributes:
+        rank: this process's rank.
+        world_size: the number of ranks.
+        device: the ``torch.device`` this rank measures (put its model and batch there).
+        backend: the process group's backend (``"gloo"``, ``"nccl"``).
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    _recorder: Any = field(default=None, repr=False)
+
+    def track(self, *objects: Any) -> None:
+        """Register this rank's modules and optimizers for the breakdown, the phases and Ψ
+        (the rank's own, sharded, trainable parameters)."""
+        if self._recorder is None:
+            raise RuntimeError("RankContext.track() works only while the rank function runs")
+        self._recorder.track(*objects)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _device_for(rank: int, device: str) -> torch.device:
+    if device == "cuda":
+        return torch.device("cuda", rank)
+    return torch.device(device)
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    device: str,
+    timeout: float,
+    fn: Callable[[int, RankContext], Any],
+    results: Any,
+) -> None:
+    """The body of one rank process (started by :func:`run_ranks`)."""
+    import torch.distributed as dist
+
+    from pytest_gpumem.recorder import measure
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    where = _device_for(rank, device)
+    try:
+        if where.type == "cuda":
+            torch.cuda.set_device(where)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=max(timeout, 1.0)))
+        try:
+            ctx = RankContext(rank, world_size, where, backend)
+            with measure(f"rank{rank}", device=where) as span:
+                ctx._recorder = span.recorder
+                try:
+                    fn(rank, ctx)
+                finally:
+                    ctx._recorder = None
+            results.put((rank, "ok", span.measurement.to_dict()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # the parent reports it: nothing may escape as a silent exit code
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        text = "".join(traceback.format_exception(exc))
+        results.put((rank, "oom" if oom else "error", text))
+
+
+@contextlib.contextmanager
+def _processes(context: Any) -> Iterator[list[Any]]:
+    """The rank processes; on leaving, any still alive is terminated, then killed."""
+    processes: list[Any] = []
+    try:
+        yield processes
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + 5.0
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def run_ranks(
+    fn: Callable[[int, RankContext], Any],
+    world_size: int = 2,
+    *,
+    backend: str | None = None,
+    device: str = "cpu",
+    timeout: float = DEFAULT_TIMEOUT,
+) -> list[Measurement]:
+    """Run ``fn(rank, ctx)`` in ``world_size`` rank processes; one :class:`Measurement` per rank, in rank order.
+
+    Args:
+        fn: a module-level function (the ranks are started with ``spawn``, which pickles it).
+        world_size: the number of ranks (at least 1).
+        backend: the process group's backend; None: ``"nccl"`` on CUDA, else ``"gloo"``.
+        device: ``"cpu"`` (every rank on the CPU engine) or ``"cuda"`` (rank ``r`` on ``cuda:r``:
+            the machine needs ``world_size`` GPUs).
+        timeout: seconds for the whole run; ranks still running then are stopped.
+
+    Raises:
+        ValueError: a bad ``world_size``, ``device``, ``backend`` or ``timeout``, or more ranks
+            than CUDA devices.
+        TypeError: ``fn`` cannot be sent to a rank process.
+        DistributedError: a rank raised, ran out of memory, died, or did not finish in time.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if device == "cuda":
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if world_size > available:
+            raise ValueError(
+                f"world_size={world_size} needs {world_size} CUDA devices, this machine has {available}: "
+                "use fewer ranks, or device='cpu' (gloo) to run every rank on the CPU engine"
+            )
+    chosen = backend or ("nccl" if device == "cuda" else "gloo")
+    if chosen not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+        raise ValueError(f"backend {chosen!r} is not a torch.distributed backend")
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(
+            f"the rank function {name} cannot be sent to the rank processes ({exc}): "
+            "define it at module level (the ranks are started with spawn)"
+        ) from None
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    figures: dict[int, Measurement] = {}
+    reports: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    with _processes(context) as processes:
+        for rank in range(world_size):
+            process = context.Process(
+                target=_rank_main,
+                args=(rank, world_size, port, chosen, device, timeout, fn, results),
+                daemon=True,
+            )
+            process.start()
+            processes.append(process)
+        while len(figures) + len(reports) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            else:
+                if status == "ok":
+                    figures[rank] = Measurement.from_dict(payload)
+                else:
+                    kind = "ran out of memory" if status == "oom" else "raised"
+                    reports[rank] = f"rank {rank} {kind}:\n{payload}"
+                    break  # the others may wait on it forever: stop them
+                continue
+            for rank, process in enumerate(processes):
+                if rank not in figures and rank not in reports and not process.is_alive():
+                    with contextlib.suppress(queue.Empty):  # its report may still be on its way
+                        got = results.get(timeout=1.0)
+                        if got[1] == "ok":
+                            figures[got[0]] = Measurement.from_dict(got[2])
+                        else:
+                            reports[got[0]] = f"rank {got[0]} raised:\n{got[2]}"
+                        continue
+                    reports[rank] = f"rank {rank} exited with code {process.exitcode} before reporting"
+            if reports:
+                break
+            if time.monotonic() > deadline:
+                late = [r for r in range(world_size) if r not in figures]
+                for rank in late:
+                    reports[rank] = f"rank {rank} did not finish within {timeout:g} s"
+                break
+        if reports:  # the other ranks' reports of the same failure, if they are on their way
+            grace = time.monotonic() + 1.0
+            while time.monotonic() < grace and len(figures) + len(reports) < world_size:
+                try:
+                    rank, status, payload = results.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if status != "ok":
+                    kind = "ran out of memory" if status == "oom" else "raised"
+                    reports.setdefault(rank, f"rank {rank} {kind}:\n{payload}")
+    if reports:
+        ordered = dict(sorted(reports.items()))
+        failed = ", ".join(map(str, ordered))
+        raise DistributedError(f"{len(reports)} of {world_size} ranks failed (rank {failed})", ordered)
+    return [figures[rank] for rank in range(world_size)]
