@@ -139,13 +139,20 @@ def _unique_parameters(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Para
     return result
 
 
+def _local_numel(param: torch.Tensor) -> int:
+    """Elements this process holds: a DTensor parameter (FSDP2, tensor parallelism) counts its local shard."""
+    to_local = getattr(param, "to_local", None)
+    return int(to_local().numel()) if callable(to_local) else int(param.numel())
+
+
 def count_parameters(*modules: torch.nn.Module | Sequence[torch.nn.Module]) -> ParamCount:
     """Count the parameters of ``modules`` (elements, not bytes).
 
     Each argument is a module or a sequence of modules. Parameters are
     deduplicated by identity across all of them, so tied weights and modules
     passed twice are counted once. Only shapes are read: models on the
-    ``meta`` device are fine.
+    ``meta`` device are fine. A ``DTensor`` parameter (FSDP2's sharded parameters, tensor
+    parallelism) counts the elements of this process's shard.
     """
     params = _unique_parameters(module for arg in modules for module in _as_modules(arg))
     trainable: dict[torch.dtype, int] = {}
@@ -153,7 +160,7 @@ def count_parameters(*modules: torch.nn.Module | Sequence[torch.nn.Module]) -> P
     trainable_tensors = frozen_tensors = 0
     for param in params:
         target = trainable if param.requires_grad else frozen
-        target[param.dtype] = target.get(param.dtype, 0) + param.numel()
+        target[param.dtype] = target.get(param.dtype, 0) + _local_numel(param)
         if param.requires_grad:
             trainable_tensors += 1
         else:

@@ -61,6 +61,19 @@ def zero_step(rank: int, ctx: RankContext) -> None:
     _train(model, optimizer)
 
 
+def fsdp_step(rank: int, ctx: RankContext) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ctx.track(model, optimizer)
+    _train(model, optimizer)
+
+
 def rank_one_raises(rank: int, ctx: RankContext) -> None:
     if rank == 1:
         raise ValueError("no batch for rank 1")
@@ -119,6 +132,29 @@ def test_zero_shards_the_optimizer_state_by_parameter_tensors() -> None:
         assert abs(state - 8 - even) == 3_072 == 8 * abs(shares[rank] - PSI // 2)
         states.append(state)
     assert sum(states) == 8 * PSI + COUNTERS
+
+
+def test_fsdp2_keeps_a_shard_of_every_model_state() -> None:
+    """FSDP2 (``fully_shard`` on each Linear and the root): each of two ranks holds half of every
+    parameter, gradient and optimizer state, 16Ψ/2: exactly the ZeRO-3 budget. Ψ is the rank's
+    own parameters (DTensor shards). Beyond it, the step counters (16 B) and the two device
+    meshes' rank tensors (int32 ×2, 16 B). At the peak, the unsharded parameters of the layer
+    being computed are allocated too: at least the larger Linear's, 1 MiB + 4 KiB."""
+    local = PSI // 2
+    zero3 = model_states([_model()], "adamw", "fp32", zero_stage=3, world_size=2).total
+    assert zero3 == 16 * local + 8
+    for m in run_ranks(fsdp_step, 2):
+        assert m.psi == local
+        assert m.allocated_breakdown == {
+            "parameters": 4 * local,
+            "gradients": 4 * local,
+            "optimizer_state": 8 * local + COUNTERS,
+            "activations": 0,
+            "temporaries": 2 * 2 * 4,  # the meshes' rank tensors
+            "other": 0,
+        }
+        assert m.cost("allocated") == zero3 + 8 + 16
+        assert m.breakdown is not None and m.breakdown["temporaries"] >= 1024 * 256 * 4 + 1024 * 4
 
 
 def test_a_failing_rank_fails_the_run_with_its_report_and_no_rank_is_left() -> None:

@@ -206,3 +206,20 @@ def test_tensors_built_from_data_are_counted() -> None:
     # exp_avg + exp_avg_sq, and one float32 step counter per parameter tensor made by torch.tensor()
     assert first.cost("allocated") == 2 * sum(p.numel() * 4 for p in params) + 4 * len(params)
     del scalar, vector
+
+
+def test_a_storage_resized_in_place_is_counted() -> None:
+    """FSDP2 frees and re-allocates its unsharded parameters with ``untyped_storage().resize_()``,
+    under no operator: the tracker follows the storage's size."""
+    resize = torch.UntypedStorage.resize_
+    with measure("resize", device="cpu") as freed:
+        t = torch.zeros(1000)
+        t.untyped_storage().resize_(0)
+    assert (freed.measurement.cost("peak"), freed.measurement.cost("allocated")) == (4000, 0)
+    with measure("resize", device="cpu") as grown:
+        t.untyped_storage().resize_(8000)
+    assert (grown.measurement.cost("peak"), grown.measurement.cost("allocated")) == (8000, 8000)
+    with measure("resize", predict="h100") as predicted:
+        t.untyped_storage().resize_(11 * 2**20 + 1)  # the H100 allocates a 12 MiB block, unsplit
+    assert predicted.measurement.cost("allocated") == 12 * 2**20 - 8192
+    assert torch.UntypedStorage.resize_ is resize  # watched only while a tracker runs

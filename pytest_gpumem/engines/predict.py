@@ -90,22 +90,18 @@ class PredictTracker(StorageTracker):
 
     def _on_freed(self, entry: Any) -> None:
         key = entry.key
-        if self._entries.get(key) is entry:
+        if self._entries.get(key) is entry and key in self.model:  # not if resized to nothing before
             self.model.free(key)
         super()._on_freed(entry)
 
-    def _output(self, tensor: torch.Tensor, fresh: bool) -> None:
-        super()._output(tensor, fresh)
-        if not tensor.is_cpu or tensor.layout != torch.strided:
-            return
-        try:
-            key = tensor.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):
-            return
-        entry = self._entries.get(key)
-        if entry is not None and self.model.size_of(key) != entry.nbytes:  # resized in place
+    def _resize_entry(self, entry: Any, nbytes: int) -> None:
+        """A storage resized in place is, to the caching allocator, a free and a new block."""
+        key = entry.key
+        if key in self.model:
             self.model.free(key)
-            self.model.malloc(key, entry.nbytes)
+        if nbytes:
+            self.model.malloc(key, nbytes)
+        super()._resize_entry(entry, nbytes)
 
     def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
         super().start(saved_tensors=saved_tensors, timeline=timeline)

@@ -128,6 +128,59 @@ class _Entry(weakref.ref):  # type: ignore[type-arg]
     prior: int
 
 
+_RESIZE_WATCHERS: list[StorageTracker] = []
+_original_resize: Any = None
+
+
+def _resize_watch(tracker: StorageTracker, *, watch: bool) -> None:
+    """Tell ``tracker`` of storages resized in place while it watches (``UntypedStorage.resize_``
+    runs under no operator); the method is restored when no tracker watches."""
+    global _original_resize
+    if watch:
+        if tracker not in _RESIZE_WATCHERS:
+            _RESIZE_WATCHERS.append(tracker)
+        if _original_resize is None:
+            _original_resize = torch.UntypedStorage.resize_
+
+            def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+                result = _original_resize(storage, size)
+                for watcher in list(_RESIZE_WATCHERS):
+                    watcher._storage_resized(storage)
+                return result
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+    else:
+        if tracker in _RESIZE_WATCHERS:
+            _RESIZE_WATCHERS.remove(tracker)
+        if not _RESIZE_WATCHERS and _original_resize is not None:
+            torch.UntypedStorage.resize_ = _original_resize  # type: ignore[method-assign]
+            _original_resize = None
+
+
+#: Tensor types that hold their own storage: every other tensor type is looked into (local_tensors).
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors a wrapper subclass holds (a ``DTensor``: its local shard; FSDP2's sharded
+    parameters are such), flattened; None for a tensor that holds its own storage.
+
+    A wrapper's own storage is a placeholder of its global size: the bytes are its local tensors'.
+    """
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    found: list[torch.Tensor] = []
+    for name in names:
+        inner = getattr(tensor, name)
+        if not isinstance(inner, torch.Tensor):  # a DeviceMesh, a spec: not memory
+            continue
+        nested = local_tensors(inner) if type(inner) not in _PLAIN else None
+        found.extend(nested if nested is not None else [inner])
+    return found
+
+
 class OutOfMemory(torch.OutOfMemoryError):
     """Raised by the tracker when an emulated device limit would be exceeded."""
 
@@ -379,6 +432,12 @@ class StorageTracker:
                             self._output(inner, fresh)
 
     def _output(self, tensor: torch.Tensor, fresh: bool) -> None:
+        if type(tensor) not in _PLAIN:  # a wrapper subclass (DTensor): its local tensors hold the bytes
+            inner = local_tensors(tensor)
+            if inner is not None:
+                for local in inner:
+                    self._output(local, fresh)
+                return
         if self._cpu:
             if not tensor.is_cpu or tensor.layout != self._strided:
                 return
@@ -398,15 +457,31 @@ class StorageTracker:
         if self.cuda_rounding:
             nbytes = cuda_rounded(nbytes)
         if nbytes != entry.nbytes:  # resize_ / out= that grew the storage
-            delta = nbytes - entry.nbytes
-            if delta > 0 and self.limit is not None and self.current + delta > self.limit:
-                self._refuse(delta)
-            if self._pending and delta < 0:
-                self._settle()
-            entry.nbytes = nbytes
-            self._by_category[entry.category] += delta
-            self.current += delta
-            self._event()
+            self._resize_entry(entry, nbytes)
+
+    def _resize_entry(self, entry: Any, nbytes: int) -> None:
+        """``entry``'s storage holds ``nbytes`` now (an operator resized it, or its storage was resized)."""
+        delta = nbytes - entry.nbytes
+        if delta > 0 and self.limit is not None and self.current + delta > self.limit:
+            self._refuse(delta)
+        if self._pending and delta < 0:
+            self._settle()
+        entry.nbytes = nbytes
+        self._by_category[entry.category] += delta
+        self.current += delta
+        self._event()
+
+    def _storage_resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage was resized in place (``untyped_storage().resize_()``: FSDP2 frees and
+        re-allocates its unsharded parameters that way, under no operator)."""
+        entry = self._entries.get(storage._cdata)
+        if entry is None:
+            return
+        nbytes = storage.nbytes()
+        if self.cuda_rounding and nbytes:
+            nbytes = cuda_rounded(nbytes)
+        if nbytes != entry.nbytes:
+            self._resize_entry(entry, nbytes)
 
     # -- registering what exists ----------------------------------------------
 
@@ -418,7 +493,14 @@ class StorageTracker:
         """
         index = None if category is None else CATEGORIES.index(category)
         for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor) or not self._on_device(tensor):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if type(tensor) not in _PLAIN:
+                inner = local_tensors(tensor)
+                if inner is not None:
+                    self.register(inner, category)
+                    continue
+            if not self._on_device(tensor):
                 continue
             try:
                 storage = tensor.untyped_storage()
@@ -538,6 +620,7 @@ class StorageTracker:
         self._mode = _Mode(self)
         self._mode.__enter__()
         self._mode.armed = True
+        _resize_watch(self, watch=True)
         if saved_tensors:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
             self._saved_hooks.__enter__()
@@ -560,6 +643,7 @@ class StorageTracker:
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
+        _resize_watch(self, watch=False)
         self._forget_skips()
 
     def _forget_skips(self) -> None:
@@ -574,6 +658,12 @@ class StorageTracker:
             reset_code(code)
 
     def _pack(self, tensor: torch.Tensor) -> Held:
+        if type(tensor) not in _PLAIN:
+            inner = local_tensors(tensor)
+            if inner is not None:  # a wrapper subclass: what it saves is its local tensor
+                if len(inner) != 1 or not self._on_device(inner[0]):
+                    return Held(tensor)
+                return self._held_as(tensor, inner[0])
         if not self._on_device(tensor):
             return Held(tensor)
         base = tensor._base
@@ -588,8 +678,12 @@ class StorageTracker:
             if known is None or known.category != PARAMETERS:  # else registering it changes nothing
                 self.register((param,), "parameters")
             return Held(tensor)
+        return self._held_as(tensor, tensor)
+
+    def _held_as(self, tensor: torch.Tensor, local: torch.Tensor) -> Held:
+        """Hold ``tensor`` for backward, saved as ``local``'s storage (itself, or a DTensor's shard)."""
         try:
-            storage = tensor.untyped_storage()
+            storage = local.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return Held(tensor)
         key = storage._cdata
