@@ -30,6 +30,7 @@ from pytest_gpumem.record import TestRecord
 from pytest_gpumem.report import terminal_summary
 from pytest_gpumem.settings import OPTIONS, OptionError, Settings
 from pytest_gpumem.spec import GpumemSpec, SpecError, marker_help, parse_marker
+from pytest_gpumem.torchrun import launch, rename
 from pytest_gpumem.verdict import failure_message
 
 if TYPE_CHECKING:
@@ -140,6 +141,10 @@ class GpumemManager:
         self._collection_complete = True
         self._xdist = False  # a controller that heard from xdist workers
         self._error: str | None = None
+        try:
+            self._launch = launch()  # pytest started by torchrun: this process is one rank
+        except ValueError as exc:
+            raise pytest.UsageError(f"gpumem: {exc}") from None
 
     # -- collection: markers are validated as their module is collected ------------------
 
@@ -223,7 +228,7 @@ class GpumemManager:
         settings = self.settings
         try:
             device = choose_device(
-                spec.device or settings.device, require_gpu=settings.require_gpu, worker=_worker_index()
+                spec.device or settings.device, require_gpu=settings.require_gpu, worker=self._gpu_index()
             )
         except DeviceUnavailable as exc:
             if exc.required:
@@ -257,6 +262,14 @@ class GpumemManager:
             options=options,
             freezer=self._freezer,
         )
+
+    def _gpu_index(self) -> int | None:
+        """Which GPU this process measures on when several are visible: the xdist worker's, else
+        torchrun's local rank."""
+        worker = _worker_index()
+        if worker is None and self._launch is not None:
+            return self._launch.local_rank
+        return worker
 
     def _observe(self, item: pytest.Item, spec: GpumemSpec) -> str:
         """How the CPU engine observes this test: an emulated device limit needs the operator
@@ -317,6 +330,8 @@ class GpumemManager:
         record = item.stash.get(RECORD_KEY, None)
         if report.when != "call" or record is None:
             return report
+        if self._launch is not None:  # each rank's figures are its own spans
+            rename(record, self._launch)
         for measurement in record.measurements:
             prefix = "gpumem" if measurement.name == "call" else f"gpumem[{measurement.name}]"
             for metric in ("peak", "allocated", "reserved", "retained"):
@@ -367,6 +382,8 @@ class GpumemManager:
             output["gpumem_complete"] = self._collection_complete and self._whole_suite()
             return
         complete = self._collection_complete and (self._xdist or self._whole_suite())
+        if self._launch is not None and not self._gather(session):
+            return  # another rank writes, or the gather failed and nothing may be written
         if self._error is None:
             try:
                 self.gate.finish(self._collected if complete and self._collected else None)
@@ -379,6 +396,25 @@ class GpumemManager:
         else:
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
         self.gate.write_reports()
+
+    def _gather(self, session: pytest.Session) -> bool:
+        """Under torchrun: every rank's records to rank 0. True on rank 0 once it has them all."""
+        assert self._launch is not None
+        from pytest_gpumem.torchrun import GatherError, gather_records, merge
+
+        try:
+            gathered = gather_records([record.to_dict() for record in self.gate.records.values()], self._launch)
+        except GatherError as exc:
+            self._error = (
+                f"gpumem: the ranks' records could not be gathered ({exc}): "
+                "the baseline file and the reports were not written"
+            )
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            return False
+        if gathered is None:
+            return False
+        self.gate.records = merge(gathered)
+        return True
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
@@ -395,6 +431,13 @@ class GpumemManager:
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.worker:
+            return
+        if self._launch is not None and self._launch.rank != 0 and self._error is None:
+            terminalreporter.write_sep("=", "gpumem")
+            terminalreporter.write_line(
+                f"rank {self._launch.rank} of {self._launch.world_size}: records sent to rank 0, "
+                "which writes the baselines and the reports"
+            )
             return
         gate = self.gate
         update = self.settings.gate.update and self._error is None

@@ -1,0 +1,137 @@
+"""pytest launched by ``torchrun``: every rank runs the suite; rank 0 gathers and writes.
+
+Under ``torchrun --nproc-per-node=N -m pytest`` each rank is a whole pytest session
+(``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set). Each measures on ``cuda:LOCAL_RANK``
+(or the CPU), names its spans ``call@rank{r}-of-{N}`` so that every rank's figures are its
+own baselines (a 2-rank run never compares with a 4-rank one), and judges them against the
+file. At the end, rank 0 gathers every rank's records through ``torch.distributed`` (a
+``gloo`` group of its own) and alone writes the baseline file and the reports. If the
+gather fails (a rank died, a rank did not reach the end in time), nothing is written.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from pytest_gpumem.figures import Measurement
+from pytest_gpumem.record import TestRecord
+
+__all__ = ["GatherError", "Launch", "gather_records", "launch", "merge", "rank_span"]
+
+#: Seconds rank 0 waits for the other ranks' records at the end of the session.
+GATHER_TIMEOUT = 600.0
+
+
+class GatherError(RuntimeError):
+    """The ranks' records could not all be gathered on rank 0."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where this pytest process stands in a ``torchrun`` launch."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launch(environ: dict[str, str] | None = None) -> Launch | None:
+    """The ``torchrun`` launch this process is part of (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
+    set, more than one rank); None otherwise. Raises ``ValueError`` for values that are no ranks."""
+    env = os.environ if environ is None else environ
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if not all(name in env for name in names):
+        return None
+    try:
+        rank, world_size, local_rank = (int(env[name]) for name in names)
+    except ValueError:
+        shown = ", ".join(f"{name}={env[name]!r}" for name in names)
+        raise ValueError(f"torchrun's environment is not a launch: {shown}") from None
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        shown = ", ".join(f"{name}={env[name]!r}" for name in names)
+        raise ValueError(f"torchrun's environment is not a launch: {shown}")
+    return None if world_size == 1 else Launch(rank, world_size, local_rank)
+
+
+def rank_span(name: str, rank: int, world_size: int) -> str:
+    """The span ``name`` of rank ``rank``: ``call@rank1-of-2``."""
+    return f"{name}@rank{rank}-of-{world_size}"
+
+
+def rename(record: TestRecord, where: Launch) -> None:
+    """Give ``record``'s spans (and their tolerances) this rank's names, in place."""
+    record.measurements = [_renamed(m, rank_span(m.name, where.rank, where.world_size)) for m in record.measurements]
+    record.tolerances = {rank_span(k, where.rank, where.world_size): v for k, v in record.tolerances.items()}
+
+
+def _renamed(measurement: Measurement, name: str) -> Measurement:
+    from dataclasses import replace
+
+    return replace(measurement, name=name)
+
+
+def gather_records(records: list[dict[str, Any]], where: Launch, timeout: float = GATHER_TIMEOUT) -> list[Any] | None:
+    """Every rank's ``records`` on rank 0 (a list, rank by rank); None on the other ranks.
+
+    Uses the default process group when the suite made one (a ``gloo`` group beside it when
+    its backend is another), else makes one from torchrun's environment and tears it down.
+    Raises :class:`GatherError` when a rank cannot be reached.
+    """
+    import torch.distributed as dist
+
+    created = False
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo",
+                init_method="env://",
+                rank=where.rank,
+                world_size=where.world_size,
+                timeout=timedelta(seconds=timeout),
+            )
+            created = True
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        gathered: list[Any] | None = [None] * where.world_size if where.rank == 0 else None
+        dist.gather_object(records, gathered, dst=0, group=group)
+    except Exception as exc:  # torch raises RuntimeError, DistBackendError, TimeoutError...
+        raise GatherError(f"rank {where.rank} of {where.world_size}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+    if gathered is not None and any(part is None for part in gathered):
+        raise GatherError("not every rank sent its records")
+    return gathered
+
+
+def merge(per_rank: list[list[dict[str, Any]]]) -> dict[str, TestRecord]:
+    """One record per test from every rank's: their spans side by side (each rank's are named
+    for it). A test is recordable only if it is on every rank and every rank's record is: a
+    baseline is never replaced by part of the ranks' figures."""
+    by_test: dict[str, list[TestRecord]] = {}
+    for sent in per_rank:
+        for data in sent:
+            one = TestRecord.from_dict(data)
+            by_test.setdefault(one.nodeid, []).append(one)
+    merged: dict[str, TestRecord] = {}
+    for nodeid, ranks in by_test.items():
+        first = ranks[0]
+        record = TestRecord.from_dict(first.to_dict())
+        for other in ranks[1:]:
+            record.measurements.extend(other.measurements)
+            record.findings.extend(other.findings)
+            record.errors.extend(other.errors)
+            record.reports.extend(other.reports)
+            record.tolerances.update(other.tolerances)
+            record.passed = record.passed and other.passed
+            if other.environment_key != first.environment_key:
+                record.errors.append(
+                    f"ranks measured in different environments ({first.environment_key} and "
+                    f"{other.environment_key}): not recorded"
+                )
+        if len(ranks) != len(per_rank):
+            record.errors.append(f"measured on {len(ranks)} of {len(per_rank)} ranks: not recorded")
+        merged[nodeid] = record
+    return merged
