@@ -42,6 +42,7 @@ import torch
 from pytest_gpumem.engines.saved import Held, Released, unpack
 from pytest_gpumem.engines.tracker import (
     TEMPORARIES,
+    Block,
     StorageTracker,
     Window,
     _Entry,
@@ -59,16 +60,6 @@ _SAVE, _UNSAVE, _REGISTER, _FREED, _WINDOW = range(5)
 
 class ProfilerInUse(RuntimeError):
     """PyTorch's profiler is already running: allocations cannot be observed through it."""
-
-
-class _Block:
-    """An allocation seen in the profiler's stream: the fields of the tracker's entries, and
-    alive (calling it returns itself) until its free event is replayed."""
-
-    __slots__ = _Entry.__slots__  # set by StorageTracker._insert, as for the tracker's entries
-
-    def __call__(self) -> _Block:
-        return self
 
 
 @contextlib.contextmanager
@@ -180,7 +171,7 @@ class AllocationTracker(StorageTracker):
             except (RuntimeError, NotImplementedError):
                 continue
             block: Any = self._entries.get(ptr)
-            if type(block) is not _Block:
+            if type(block) is not Block:
                 continue
             entry = _Entry(storage, self._freed)
             for field in _Entry.__slots__:
@@ -283,11 +274,11 @@ class AllocationTracker(StorageTracker):
         stale = self._entries.get(ptr)
         if stale is not None:  # its free went unseen: the block is gone if its address is reused
             self._drop(stale)
-        self._insert(_Block(), ptr, cuda_rounded(size) if self.cuda_rounding else size, TEMPORARIES)
+        self._insert(Block(), ptr, cuda_rounded(size) if self.cuda_rounding else size, TEMPORARIES)
 
     def _released(self, ptr: int) -> None:
         entry: Any = self._entries.get(ptr)
-        if type(entry) is _Block:  # a block alive before the span is freed by its weak reference
+        if type(entry) is Block:  # a block alive before the span is freed by its weak reference
             self._drop(entry)
 
     def _drop(self, entry: Any) -> None:

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from pytest_gpumem.engines.base import Reading
 from pytest_gpumem.engines.cpu import CpuEngine
-from pytest_gpumem.engines.tracker import OTHER, StorageTracker, _Mode
+from pytest_gpumem.engines.tracker import OTHER, Block, StorageTracker, _Mode
 from pytest_gpumem.predict import AttentionBackend, Target, Workspace
 
 __all__ = ["PredictEngine", "PredictTracker"]
@@ -32,22 +32,6 @@ __all__ = ["PredictEngine", "PredictTracker"]
 #: The thread a workspace belongs to: the caller's, or the autograd engine's device thread,
 #: which runs a CUDA backward (on the CPU, backward runs on the caller's thread).
 _MAIN, _BACKWARD = "main", "backward"
-
-
-class _Synthetic:
-    """A tracker entry for memory that is no tensor (a workspace): alive until released."""
-
-    __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "serial")
-    key: int
-    nbytes: int
-    category: int
-    serial: int
-    moved: int
-    saves: int
-    prior: int
-
-    def __call__(self) -> _Synthetic:
-        return self
 
 
 class _PredictMode(_Mode):
@@ -78,7 +62,7 @@ class PredictTracker(StorageTracker):
         self.target = target
         self.model = CachingAllocatorModel(target.allocator)
         self.workspace_operators = frozenset().union(*(w.operators for w in target.workspaces))
-        self._workspaces: dict[tuple[str, str], _Synthetic] = {}
+        self._workspaces: dict[tuple[str, str], Block] = {}
         self._synthetic_keys = itertools.count(1)
         self._kernels: _DeviceKernels | None = None
 
@@ -105,12 +89,6 @@ class PredictTracker(StorageTracker):
 
     def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
         super().start(saved_tensors=saved_tensors, timeline=timeline)
-        # the same mode with the workspace check (the base class entered a plain one)
-        assert self._mode is not None
-        self._mode.__exit__(None, None, None)
-        self._mode = _PredictMode(self)
-        self._mode.__enter__()
-        self._mode.armed = True
         self._kernels = _DeviceKernels(self)
         self._kernels.__enter__()
 
@@ -119,6 +97,9 @@ class PredictTracker(StorageTracker):
         if kernels is not None:
             kernels.__exit__(None, None, None)
         super().stop()
+
+    def _make_mode(self) -> _Mode:
+        return _PredictMode(self)
 
     def count_new(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count ``tensors``, made while the tracker was set aside, as this moment's allocations."""
@@ -136,7 +117,7 @@ class PredictTracker(StorageTracker):
                 self._create(workspace, thread)
 
     def _create(self, workspace: Workspace, thread: str) -> None:
-        entry = _Synthetic()
+        entry = Block()
         key = -next(self._synthetic_keys)  # storages' keys are addresses: never negative
         self._workspaces[(workspace.library, thread)] = entry
         self._insert(entry, key, workspace.nbytes, OTHER)

@@ -128,6 +128,24 @@ class _Entry(weakref.ref):  # type: ignore[type-arg]
     prior: int
 
 
+class Block:
+    """A tracked allocation that is no storage the tracker can watch (one seen in the
+    profiler's stream, a library workspace of a predicted device): the fields of the tracker's
+    entries, and alive (calling it returns itself) until the tracker is told it is freed."""
+
+    __slots__ = _Entry.__slots__  # set by StorageTracker._insert, as for the tracker's entries
+    key: int
+    nbytes: int
+    category: int
+    serial: int
+    moved: int
+    saves: int
+    prior: int
+
+    def __call__(self) -> Block:
+        return self
+
+
 _RESIZE_WATCHERS: list[StorageTracker] = []
 _original_resize: Any = None
 
@@ -617,13 +635,17 @@ class StorageTracker:
         if self._mode is not None:
             raise RuntimeError("the storage tracker is already active")
         self._begin_count(timeline)
-        self._mode = _Mode(self)
+        self._mode = self._make_mode()
         self._mode.__enter__()
         self._mode.armed = True
         _resize_watch(self, watch=True)
         if saved_tensors:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
             self._saved_hooks.__enter__()
+
+    def _make_mode(self) -> _Mode:
+        """The dispatch mode that reports operators' outputs to this tracker."""
+        return _Mode(self)
 
     def _begin_count(self, timeline: bool) -> None:
         """Events count from here: a new window at the current count, the timeline (if kept) restarted."""
