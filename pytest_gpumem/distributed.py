@@ -244,6 +244,9 @@ def run_ranks(
                 if status != "ok":
                     kind = "ran out of memory" if status == "oom" else "raised"
                     reports.setdefault(rank, f"rank {rank} {kind}:\n{payload}")
+            for rank, process in enumerate(processes):  # died without a word: its peers' errors follow
+                if rank not in figures and rank not in reports and not process.is_alive():
+                    reports[rank] = f"rank {rank} exited with code {process.exitcode} before reporting"
     if reports:
         ordered = dict(sorted(reports.items()))
         failed = ", ".join(map(str, ordered))

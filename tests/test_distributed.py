@@ -8,6 +8,7 @@ as exactly as each layout allows.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from typing import Any
 
@@ -80,6 +81,12 @@ def rank_one_raises(rank: int, ctx: RankContext) -> None:
     torch.distributed.barrier()  # rank 0 waits for rank 1 forever: it must be stopped
 
 
+def rank_one_dies(rank: int, ctx: RankContext) -> None:
+    if rank == 1:
+        os._exit(3)  # killed mid-step: no report, no exception
+    torch.distributed.barrier()
+
+
 def sleeps(rank: int, ctx: RankContext) -> None:
     time.sleep(120)
 
@@ -134,26 +141,28 @@ def test_zero_shards_the_optimizer_state_by_parameter_tensors() -> None:
     assert sum(states) == 8 * PSI + COUNTERS
 
 
-def test_fsdp2_keeps_a_shard_of_every_model_state() -> None:
-    """FSDP2 (``fully_shard`` on each Linear and the root): each of two ranks holds half of every
-    parameter, gradient and optimizer state, 16Ψ/2: exactly the ZeRO-3 budget. Ψ is the rank's
-    own parameters (DTensor shards). Beyond it, the step counters (16 B) and the two device
-    meshes' rank tensors (int32 ×2, 16 B). At the peak, the unsharded parameters of the layer
-    being computed are allocated too: at least the larger Linear's, 1 MiB + 4 KiB."""
-    local = PSI // 2
-    zero3 = model_states([_model()], "adamw", "fp32", zero_stage=3, world_size=2).total
-    assert zero3 == 16 * local + 8
-    for m in run_ranks(fsdp_step, 2):
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fsdp2_keeps_a_shard_of_every_model_state(world_size: int) -> None:
+    """FSDP2 (``fully_shard`` on each Linear and the root): each rank holds 1/N of every
+    parameter, gradient and optimizer state, 16Ψ/N: exactly the ZeRO-3 budget. Ψ is the rank's
+    own parameters (DTensor shards). Beyond it, the whole step counters (16 B; the budget splits
+    them) and the two device meshes' rank tensors (int32 × N each). At the peak, the unsharded
+    parameters of the layer being computed are allocated too: at least the larger Linear's,
+    1 MiB + 4 KiB."""
+    local = PSI // world_size
+    zero3 = model_states([_model()], "adamw", "fp32", zero_stage=3, world_size=world_size).total
+    assert zero3 == 16 * local + COUNTERS // world_size
+    for m in run_ranks(fsdp_step, world_size):
         assert m.psi == local
         assert m.allocated_breakdown == {
             "parameters": 4 * local,
             "gradients": 4 * local,
             "optimizer_state": 8 * local + COUNTERS,
             "activations": 0,
-            "temporaries": 2 * 2 * 4,  # the meshes' rank tensors
+            "temporaries": 2 * world_size * 4,  # the meshes' rank tensors
             "other": 0,
         }
-        assert m.cost("allocated") == zero3 + 8 + 16
+        assert m.cost("allocated") == zero3 - COUNTERS // world_size + COUNTERS + 2 * world_size * 4
         assert m.breakdown is not None and m.breakdown["temporaries"] >= 1024 * 256 * 4 + 1024 * 4
 
 
@@ -166,6 +175,15 @@ def test_a_failing_rank_fails_the_run_with_its_report_and_no_rank_is_left() -> N
     text = str(caught.value)
     assert text.startswith(("1 of 2 ranks failed (rank 1)", "2 of 2 ranks failed (rank 0, 1)"))
     assert "rank 1 raised:" in text and "ValueError: no batch for rank 1" in text
+    assert multiprocessing.active_children() == []
+
+
+def test_a_rank_killed_mid_step_fails_the_run_within_the_timeout() -> None:
+    started = time.monotonic()
+    with pytest.raises(DistributedError, match="rank 1 exited with code 3 before reporting") as caught:
+        run_ranks(rank_one_dies, 2, timeout=60)
+    assert time.monotonic() - started < 60
+    assert 1 in caught.value.reports
     assert multiprocessing.active_children() == []
 
 
