@@ -195,6 +195,25 @@ def run_ranks(
     figures: dict[int, Measurement] = {}
     reports: dict[int, str] = {}
     deadline = time.monotonic() + timeout
+
+    def take(message: tuple[int, str, Any]) -> bool:
+        """File a rank's message; True when it reports a failure."""
+        rank, status, payload = message
+        if status == "ok":
+            figures[rank] = Measurement.from_dict(payload)
+            return False
+        kind = "ran out of memory" if status == "oom" else "raised"
+        reports.setdefault(rank, f"rank {rank} {kind}:\n{payload}")
+        return True
+
+    def silent(processes: list[Any]) -> list[int]:
+        """Ranks whose process ended without a message."""
+        return [
+            rank
+            for rank, process in enumerate(processes)
+            if rank not in figures and rank not in reports and not process.is_alive()
+        ]
+
     with _processes(context) as processes:
         for rank in range(world_size):
             process = context.Process(
@@ -204,51 +223,30 @@ def run_ranks(
             )
             process.start()
             processes.append(process)
-        while len(figures) + len(reports) < world_size:
+        failed = False
+        while not failed and len(figures) + len(reports) < world_size:
             try:
-                rank, status, payload = results.get(timeout=0.2)
+                failed = take(results.get(timeout=0.2))
             except queue.Empty:
-                pass
-            else:
-                if status == "ok":
-                    figures[rank] = Measurement.from_dict(payload)
-                else:
-                    kind = "ran out of memory" if status == "oom" else "raised"
-                    reports[rank] = f"rank {rank} {kind}:\n{payload}"
-                    break  # the others may wait on it forever: stop them
-                continue
-            for rank, process in enumerate(processes):
-                if rank not in figures and rank not in reports and not process.is_alive():
-                    with contextlib.suppress(queue.Empty):  # its report may still be on its way
-                        got = results.get(timeout=1.0)
-                        if got[1] == "ok":
-                            figures[got[0]] = Measurement.from_dict(got[2])
-                        else:
-                            reports[got[0]] = f"rank {got[0]} raised:\n{got[2]}"
-                        continue
-                    reports[rank] = f"rank {rank} exited with code {process.exitcode} before reporting"
-            if reports:
-                break
-            if time.monotonic() > deadline:
-                late = [r for r in range(world_size) if r not in figures]
-                for rank in late:
-                    reports[rank] = f"rank {rank} did not finish within {timeout:g} s"
-                break
-        if reports:  # the other ranks' reports of the same failure, if they are on their way
+                if silent(processes):  # a rank ended: its message may still be on its way
+                    try:
+                        failed = take(results.get(timeout=1.0))
+                    except queue.Empty:
+                        failed = True
+            if not failed and time.monotonic() > deadline:
+                for rank in range(world_size):
+                    if rank not in figures:
+                        reports[rank] = f"rank {rank} did not finish within {timeout:g} s"
+                failed = True
+        if failed:  # the others may wait on the failed rank forever: collect what is on its way, stop them
             grace = time.monotonic() + 1.0
             while time.monotonic() < grace and len(figures) + len(reports) < world_size:
-                try:
-                    rank, status, payload = results.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if status != "ok":
-                    kind = "ran out of memory" if status == "oom" else "raised"
-                    reports.setdefault(rank, f"rank {rank} {kind}:\n{payload}")
-            for rank, process in enumerate(processes):  # died without a word: its peers' errors follow
-                if rank not in figures and rank not in reports and not process.is_alive():
-                    reports[rank] = f"rank {rank} exited with code {process.exitcode} before reporting"
+                with contextlib.suppress(queue.Empty):
+                    take(results.get(timeout=0.1))
+            for rank in silent(processes):  # died without a word: its peers' errors follow
+                reports[rank] = f"rank {rank} exited with code {processes[rank].exitcode} before reporting"
     if reports:
         ordered = dict(sorted(reports.items()))
-        failed = ", ".join(map(str, ordered))
-        raise DistributedError(f"{len(reports)} of {world_size} ranks failed (rank {failed})", ordered)
+        names = ", ".join(map(str, ordered))
+        raise DistributedError(f"{len(reports)} of {world_size} ranks failed (rank {names})", ordered)
     return [figures[rank] for rank in range(world_size)]
