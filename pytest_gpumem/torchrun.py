@@ -12,11 +12,10 @@ gather fails (a rank died, a rank did not reach the end in time), nothing is wri
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from pytest_gpumem.figures import Measurement
 from pytest_gpumem.record import TestRecord
 
 __all__ = ["GatherError", "Launch", "gather_records", "launch", "merge", "rank_span"]
@@ -63,14 +62,9 @@ def rank_span(name: str, rank: int, world_size: int) -> str:
 
 def rename(record: TestRecord, where: Launch) -> None:
     """Give ``record``'s spans (and their tolerances) this rank's names, in place."""
-    record.measurements = [_renamed(m, rank_span(m.name, where.rank, where.world_size)) for m in record.measurements]
-    record.tolerances = {rank_span(k, where.rank, where.world_size): v for k, v in record.tolerances.items()}
-
-
-def _renamed(measurement: Measurement, name: str) -> Measurement:
-    from dataclasses import replace
-
-    return replace(measurement, name=name)
+    rank, size = where.rank, where.world_size
+    record.measurements = [replace(m, name=rank_span(m.name, rank, size)) for m in record.measurements]
+    record.tolerances = {rank_span(k, rank, size): v for k, v in record.tolerances.items()}
 
 
 def gather_records(records: list[dict[str, Any]], where: Launch, timeout: float = GATHER_TIMEOUT) -> list[Any] | None:

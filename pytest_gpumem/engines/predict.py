@@ -245,10 +245,7 @@ def _attention(
     if torch.is_autocast_enabled("cpu"):
         # autocast casts the arguments to its lower precision below this function (on the CPU as on
         # CUDA): cast them here, as the target's autocast would, before its backend is chosen
-        lower = torch.get_autocast_dtype("cpu")
-        query, key, value = (t.to(lower) if t.is_floating_point() else t for t in (query, key, value))
-        if attn_mask is not None and attn_mask.is_floating_point():
-            attn_mask = attn_mask.to(lower)
+        query, key, value, attn_mask = _cast((query, key, value, attn_mask), torch.get_autocast_dtype("cpu"))
     backend = choose_backend(tracker.target, query, key, value, attn_mask, enable_gqa)
     if backend.name == "math":  # the composite CUDA runs too: its operators are the target's
         out, _ = torch.ops.aten._scaled_dot_product_attention_math(
