@@ -238,16 +238,7 @@ class GpumemManager:
             self._engines = Engines(cuda_rounding=settings.cuda_rounding)
         breakdown = spec.breakdown if spec.breakdown is not None else settings.breakdown
         predict = spec.predict or settings.predict
-        observe = self._observe(item, spec)
-        if predict is not None and observe != "operators":
-            if spec.observe is None:  # the run's --gpumem-observe=allocations yields to a prediction
-                observe = "operators"
-            else:
-                pytest.fail(
-                    f"{item.nodeid}: observe='allocations' cannot predict={predict!r} "
-                    "(a prediction follows the operators)",
-                    pytrace=False,
-                )
+        observe = self._observe(item, spec, predict)
         engine = self._engines.get(device, breakdown=breakdown, observe=observe, predict=predict)
         options = RunOptions(
             leak_check=settings.leak_check,
@@ -271,15 +262,21 @@ class GpumemManager:
             return self._launch.local_rank
         return worker
 
-    def _observe(self, item: pytest.Item, spec: GpumemSpec) -> str:
-        """How the CPU engine observes this test: an emulated device limit needs the operator
-        tracker (an allocation replayed afterwards cannot be refused), so the run's
-        ``--gpumem-observe=allocations`` yields to a test's device limit; the test's own
-        ``observe="allocations"`` with the run's ``--gpumem-device-limit`` is an error."""
+    def _observe(self, item: pytest.Item, spec: GpumemSpec, predict: str | None) -> str:
+        """How the CPU engine observes this test: an emulated device limit and a prediction need
+        the operator tracker (an allocation replayed afterwards cannot be refused; a prediction
+        follows the operators), so the run's ``--gpumem-observe=allocations`` yields to them; the
+        test's own ``observe="allocations"`` under ``--gpumem-device-limit`` or a prediction is an
+        error."""
         settings = self.settings
         if spec.observe is None:
-            limited = spec.device_limit is not None or settings.device_limit is not None
-            return "operators" if limited else settings.observe
+            needs = spec.device_limit is not None or settings.device_limit is not None or predict is not None
+            return "operators" if needs else settings.observe
+        if spec.observe == "allocations" and predict is not None:
+            pytest.fail(
+                f"{item.nodeid}: observe='allocations' cannot predict={predict!r} (a prediction follows the operators)",
+                pytrace=False,
+            )
         if spec.observe == "allocations" and spec.device_limit is None and settings.device_limit is not None:
             pytest.fail(
                 f"{item.nodeid}: observe='allocations' cannot run under --gpumem-device-limit="
@@ -289,11 +286,9 @@ class GpumemManager:
         return spec.observe
 
     def _environment(self, engine: Engine) -> dict[str, Any]:
-        target = getattr(engine, "target", None)
-        predicted = None if target is None else target.name
-        key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{predicted}"
+        key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{engine.predicts}"
         if key not in self._environments:
-            detected = Environment.detect(engine.name, engine.device, engine.cuda_rounding, predict=predicted)
+            detected = Environment.detect(engine.name, engine.device, engine.cuda_rounding, predict=engine.predicts)
             problem = None
             try:
                 adjusted = self.config.hook.pytest_gpumem_environment(config=self.config, environment=detected)

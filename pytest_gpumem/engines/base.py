@@ -67,6 +67,11 @@ class Engine(Protocol):
         """The storage tracker giving breakdowns, activations and timelines, if any."""
 
     @property
+    def predicts(self) -> str | None:
+        """The GPU whose figures this engine predicts from a CPU run (``"h100"``); None for an
+        engine that reads the device it runs on."""
+
+    @property
     def workspaces(self) -> int | None:
         """Bytes of the library workspaces the clean-state protocol keeps on the device (cuBLAS,
         per thread): part of every start reading, never a test's cost; None where there are none."""

@@ -37,6 +37,10 @@ class CpuEngine:
         return self.tracker.cuda_rounding
 
     @property
+    def predicts(self) -> str | None:
+        return None
+
+    @property
     def workspaces(self) -> int | None:
         return None
 

@@ -79,6 +79,10 @@ class CudaEngine:
         self._workspaces: int | None = None
 
     @property
+    def predicts(self) -> str | None:
+        return None
+
+    @property
     def workspaces(self) -> int | None:
         """Bytes of the cuBLAS/cuBLASLt workspaces the clean-state protocol keeps (measured at the
         first :meth:`clean`: 64 MiB on an H100 with torch 2.11, 32 MiB for each of two threads)."""

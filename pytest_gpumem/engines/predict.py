@@ -334,6 +334,10 @@ class PredictEngine(CpuEngine):
         self._workspace_total: int | None = None
 
     @property
+    def predicts(self) -> str | None:
+        return self.target.name
+
+    @property
     def workspaces(self) -> int | None:
         return self._workspace_total
 
