@@ -68,6 +68,23 @@ class AttentionBackend:
     logsumexp_row_multiple: int = 1
     rng_state: str = "always"
 
+    @classmethod
+    def from_dict(cls, name: str, data: dict[str, Any]) -> AttentionBackend:
+        """The backend ``name`` from its row of ``targets.json`` (keys named as the fields)."""
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__) - {"name"})
+        if unknown:
+            raise ValueError(f"attention backend {name}: unknown key(s) {', '.join(unknown)}")
+        return cls(
+            name=name,
+            dtypes=frozenset(data.get("dtypes", ())),
+            max_head_dim=data.get("max_head_dim"),
+            head_dim_multiple=int(data.get("head_dim_multiple", 1)),
+            mask=bool(data.get("mask", True)),
+            gqa=bool(data.get("gqa", True)),
+            logsumexp_row_multiple=int(data.get("logsumexp_row_multiple", 1)),
+            rng_state=str(data.get("rng_state", "always")),
+        )
+
     def keeps_rng_state(self, dropout_p: float) -> bool:
         return self.rng_state == "always" or (self.rng_state == "dropout" and dropout_p > 0)
 
@@ -128,17 +145,7 @@ class Target:
             attention = data.get("attention", {})
             backends = attention.get("backends", {})
             order = tuple(
-                AttentionBackend(
-                    name=str(name),
-                    dtypes=frozenset(backends.get(name, {}).get("dtypes", ())),
-                    max_head_dim=backends.get(name, {}).get("max_head_dim"),
-                    head_dim_multiple=int(backends.get(name, {}).get("head_dim_multiple", 1)),
-                    mask=bool(backends.get(name, {}).get("mask", True)),
-                    gqa=bool(backends.get(name, {}).get("gqa", True)),
-                    logsumexp_row_multiple=int(backends.get(name, {}).get("logsumexp_row_multiple", 1)),
-                    rng_state=str(backends.get(name, {}).get("rng_state", "always")),
-                )
-                for name in attention.get("order", ())
+                AttentionBackend.from_dict(str(name), backends.get(name, {})) for name in attention.get("order", ())
             )
             unknown = [b.name for b in order if b.name not in ("flash", "efficient", "math")]
             if unknown:
