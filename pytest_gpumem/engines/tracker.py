@@ -496,7 +496,7 @@ class StorageTracker:
         if entry is None:
             return
         nbytes = storage.nbytes()
-        if self.cuda_rounding and nbytes:
+        if self.cuda_rounding:
             nbytes = cuda_rounded(nbytes)
         if nbytes != entry.nbytes:
             self._resize_entry(entry, nbytes)
