@@ -92,6 +92,9 @@ def _as_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     summary (not one line each), which the tests reading a session's output would count twice."""
     for name in ("CI", "BUILD_NUMBER"):
         monkeypatch.delenv(name, raising=False)
+    # and run their tests in file order even when this suite runs shuffled (`-p randomly`):
+    # their output is read in that order
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly")
 
 
 @pytest.fixture
