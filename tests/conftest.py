@@ -9,17 +9,17 @@ does importing the plugin's measuring modules, which the plugin loads lazily.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis  # noqa: F401  (below: imported before any in-process run)
 import pytest
 import torch
 
-# The plugin imports its measuring machinery (and the parts of torch it uses) only when a
-# test is measured; import it here, before any in-process pytester run, for the same reason.
-import pytest_gpumem.fixture
-import pytest_gpumem.runner  # noqa: F401
+import pytest_gpumem
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.engines import Engine, make_engine
 
@@ -42,6 +42,40 @@ def _warm_up_lazy_torch_imports() -> None:
 
 
 _warm_up_lazy_torch_imports()
+
+
+def _import_every_plugin_module() -> None:
+    """Import every module of the package before any in-process pytester run.
+
+    The plugin imports its measuring machinery (and the parts of torch it uses) only when
+    a test is measured. A module first imported inside an in-process run is loaded by that
+    run's assertion-rewriting hook (pytest rewrites the packages of every installed
+    plugin), and keeps it as its ``__loader__`` after the run: the hook holds the run's
+    config, and that everything the run collected, its test modules' tensors included,
+    for the rest of the suite. (Hypothesis, imported above, is such a package too.)
+    """
+    for module in pkgutil.walk_packages(pytest_gpumem.__path__, "pytest_gpumem."):
+        if module.name != "pytest_gpumem.__main__":
+            importlib.import_module(module.name)
+
+
+_import_every_plugin_module()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--check-leftovers",
+        action="store_true",
+        help="fail a test that leaves tensors, threads, environment variables, the working directory "
+        "or torch settings changed (about 0.1 s per test; CI's shuffled run uses it)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--check-leftovers"):
+        from tests._isolation import Leftovers
+
+        config.pluginmanager.register(Leftovers(), "gpumem-test-leftovers")
 
 
 #: Environments that baseline tests record under (as an H100 with torch 2.13 would describe itself).
@@ -94,7 +128,8 @@ def _as_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     # and run their tests in file order even when this suite runs shuffled (`-p randomly`):
     # their output is read in that order
-    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly")
+    # hypothesis's plugin imports hypothesis inside each run: its modules would keep the run alive
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly -p no:hypothesispytest")
 
 
 @pytest.fixture
