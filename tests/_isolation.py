@@ -3,7 +3,7 @@
 A plugin of this suite (loaded by ``conftest.py``). After each test's teardown it
 compares the process with what it was before the test: the tensors alive (by
 storage, after a garbage collection), the environment, the working directory,
-the threads, and torch's global settings. A test that leaves any of them changed
+the threads, the collector's frozen objects and torch's global settings. A test that leaves any of them changed
 gets an error at teardown that names what it left and, for tensors, what holds
 them. CI turns it on for its shuffled run; locally::
 
@@ -86,6 +86,7 @@ class Leftovers:
             "working directory": os.getcwd(),
             "threads": _threads(),
             "torch settings": _torch_settings(),
+            "objects frozen (gc.freeze)": gc.get_freeze_count(),
         }
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -130,7 +131,7 @@ class Leftovers:
         threads = after.pop("threads") - before.pop("threads")
         if threads:
             problems.append(f"threads still running: {', '.join(sorted(threads))}")
-        for key in ("working directory",):
+        for key in ("working directory", "objects frozen (gc.freeze)"):
             if before[key] != after[key]:
                 problems.append(f"{key}: {before[key]!r} -> {after[key]!r}")
         settings_before, settings_after = before["torch settings"], after["torch settings"]
