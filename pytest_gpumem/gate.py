@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from pytest_gpumem.baselines import (
     load,
     save,
 )
+from pytest_gpumem.baselines.canonical import json_bytes
 from pytest_gpumem.figures import Measurement
 from pytest_gpumem.record import TestRecord
 from pytest_gpumem.report import json_report, markdown_report
@@ -139,9 +141,10 @@ class Gate:
         record.findings.extend(findings)
         return findings
 
-    def finish(self, collected: Iterable[str] | None) -> None:
+    def finish(self, collected: Iterable[str] | None, *, skipped: Iterable[str] = ()) -> None:
         """End of the run: stale baselines (``collected``: every node id of a whole-suite
-        collection, None when the run collected only part of it), pruning, recording, saving.
+        collection, None when the run collected only part of it; ``skipped``: node ids of
+        collectors skipped at collection, whose tests are never stale), pruning, recording, saving.
 
         Raises :class:`BaselineFileError` or ``OSError`` when the file cannot be written.
         """
@@ -151,7 +154,7 @@ class Gate:
         env_keys = self.environment_keys()
         ids = set(collected) if collected is not None else set()
         if ids:
-            stale = [entry for key in env_keys for entry in store.stale(ids, key)]
+            stale = [entry for key in env_keys for entry in store.stale(ids, key, skipped=skipped)]
             self.stale = stale_findings(stale, strict=self.options.strict)
             if self.options.update and self.options.prune and stale:
                 store.prune(stale)
@@ -196,16 +199,31 @@ class Gate:
             data = json_report(
                 records, environments=environments, extra_findings=self.stale, generator=options.generator
             )
-            options.json_path.parent.mkdir(parents=True, exist_ok=True)
-            options.json_path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            _replace(options.json_path, json_bytes(json.dumps(data, indent=2, ensure_ascii=False) + "\n"))
         markdown = markdown_report(records, header=", ".join(self.environment_keys()), extra_findings=self.stale)
         if options.markdown_path is not None:
-            options.markdown_path.parent.mkdir(parents=True, exist_ok=True)
-            options.markdown_path.write_text(markdown, encoding="utf-8")
+            _replace(options.markdown_path, markdown.encode("utf-8", "backslashreplace"))
         summary = os.environ.get("GITHUB_STEP_SUMMARY")
         if summary and options.step_summary:
-            with open(summary, "a", encoding="utf-8") as handle:
+            with open(summary, "a", encoding="utf-8", errors="backslashreplace") as handle:
                 handle.write(markdown)
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write a report atomically: a temporary file beside ``path`` replaces it once complete, so a
+    failure leaves the previous report (or none), never an empty or partial one.
+
+    Node ids from file names that are not UTF-8 hold lone surrogates: the reports write them
+    escaped (``\\udcff``), as the baseline file does (see :func:`~pytest_gpumem.baselines.canonical.json_bytes`).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
@@ -218,12 +236,13 @@ def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
     call = record.measurements[0]
     lines: dict[str, int] = {} if record.device_limit is None else {"device limit": record.device_limit}
     for finding in record.findings:
-        if finding.span != "call" or finding.reference is None or finding.metric not in ("peak", "allocated"):
+        if finding.span != call.name or finding.reference is None or finding.metric not in ("peak", "allocated"):
             continue
         lines[f"{finding.kind} {finding.metric}"] = finding.reference + call.start
     details = [failure_message([f for f in record.findings if f.failed])] if record.failed else []
     details += record.reports
-    path = artifact_path(directory, record.nodeid, ".html")
+    # under torchrun the call is the rank's (call@rank1-of-2): each rank writes a page of its own
+    path = artifact_path(directory, record.nodeid if call.name == "call" else f"{record.nodeid}@{call.name}", ".html")
     page = render_html(
         title=record.nodeid, measurement=call, timeline=record.timeline_of_call(), lines=lines, details=details
     )

@@ -139,6 +139,7 @@ class GpumemManager:
         self._environments: dict[str, dict[str, Any]] = {}
         self._collected: set[str] = set()
         self._collection_complete = True
+        self._skipped: set[str] = set()  # collectors skipped as they were collected: their tests are never stale
         self._xdist = False  # a controller that heard from xdist workers
         self._error: str | None = None
         try:
@@ -178,6 +179,8 @@ class GpumemManager:
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
             self._collection_complete = False
+        elif report.skipped:  # a module skipped at import (pytest.importorskip): its tests still exist
+            self._skipped.add(report.nodeid)
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -374,6 +377,7 @@ class GpumemManager:
         if self.worker:
             output = self.config.workeroutput  # type: ignore[attr-defined]
             output["gpumem_collected"] = sorted(self._collected)
+            output["gpumem_skipped"] = sorted(self._skipped)
             output["gpumem_complete"] = self._collection_complete and self._whole_suite()
             return
         complete = self._collection_complete and (self._xdist or self._whole_suite())
@@ -381,7 +385,7 @@ class GpumemManager:
             return  # another rank writes, or the gather failed and nothing may be written
         if self._error is None:
             try:
-                self.gate.finish(self._collected if complete and self._collected else None)
+                self.gate.finish(self._collected if complete and self._collected else None, skipped=self._skipped)
             except (BaselineFileError, OSError) as exc:
                 session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
                 self._error = f"gpumem: could not write the baseline file: {exc}"
@@ -415,6 +419,7 @@ class GpumemManager:
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         output = getattr(node, "workeroutput", None) or {}
         self._collected.update(output.get("gpumem_collected", ()))
+        self._skipped.update(output.get("gpumem_skipped", ()))
         if not output.get("gpumem_complete", False):
             self._collection_complete = False
         self._xdist = True
@@ -447,6 +452,8 @@ class GpumemManager:
         )
         if text is not None:
             terminalreporter.write_sep("=", "gpumem")
-            terminalreporter.write_line(text)
+            # a node id from a file name that is not UTF-8 holds lone surrogates: escape them
+            # (``\udcff``), as the baseline file does, or pytest prints the whole summary on one line
+            terminalreporter.write_line(text.encode("utf-8", "backslashreplace").decode("utf-8"))
         if self._error:
             terminalreporter.write_line(self._error, red=True)

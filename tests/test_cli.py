@@ -424,7 +424,7 @@ def test_prune_errors_change_nothing(
 
 def test_prune_dry_run_writes_nothing(capsys: pytest.CaptureFixture[str], here: Path) -> None:
     path = here / "gpumem-baselines.json"
-    before, mtime = path.read_bytes(), path.stat().st_mtime_ns
+    before, mtime, files = path.read_bytes(), path.stat().st_mtime_ns, sorted(os.listdir(here))
     code, out, _ = run(capsys, "prune", "--dry-run", "--env", "h100")
     assert code == 0
     assert out.splitlines()[-1] == (
@@ -433,7 +433,7 @@ def test_prune_dry_run_writes_nothing(capsys: pytest.CaptureFixture[str], here: 
     code, out, _ = run(capsys, "prune", "--dry-run", "tests/test_old.py")
     assert code == 0 and f"  would remove {OLD}\n" in out
     assert path.read_bytes() == before and path.stat().st_mtime_ns == mtime
-    assert sorted(os.listdir(here)) == ["gpumem-baselines.json"]
+    assert sorted(os.listdir(here)) == files
 
 
 def make_test_files(root: Path, *names: str) -> None:
@@ -474,7 +474,7 @@ def test_prune_missing_relative_to_the_rootdir(capsys: pytest.CaptureFixture[str
 @pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
 def test_a_failed_write_is_reported_and_keeps_the_file(here: Path) -> None:
     path = here / "gpumem-baselines.json"
-    before = path.read_bytes()
+    before, files = path.read_bytes(), sorted(os.listdir(here))
     code = textwrap.dedent(
         f"""
         import resource, signal, sys, types
@@ -490,11 +490,12 @@ def test_a_failed_write_is_reported_and_keeps_the_file(here: Path) -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True, text=True)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(
-        "python -m pytest_gpumem baselines prune: error: gpumem-baselines.json: cannot write: File too large;"
+        "python -m pytest_gpumem baselines prune: error: gpumem-baselines.json: cannot write the baseline file: "
+        "File too large\nhint: Nothing was written: the file is as it was."
     )
     assert "Traceback" not in result.stderr and result.stdout == ""
     assert path.read_bytes() == before
-    assert sorted(os.listdir(here)) == ["gpumem-baselines.json"]  # no temporary file left
+    assert sorted(os.listdir(here)) == files  # no temporary file left
 
 
 # --------------------------------------------------------------------------- as a program

@@ -4,7 +4,7 @@ The same baselines always give the same bytes, whatever order they were
 recorded in (which is how parallel workers reproduce a serial run): objects
 this release knows have their keys in a fixed order, every other object has
 its keys sorted, and the text is ``json.dumps(indent=2, ensure_ascii=False)``
-with a newline at the end.
+with a newline at the end, in UTF-8 (see :func:`json_bytes` for names that are not).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from pytest_gpumem.baselines.environment import Environment, allocator_rank
 from pytest_gpumem.figures import CATEGORIES, METRICS
 
-__all__ = ["BASELINE_METRICS", "CALL_SPAN", "SCHEMA_VERSION"]
+__all__ = ["BASELINE_METRICS", "CALL_SPAN", "SCHEMA_VERSION", "json_bytes"]
 
 #: Version of the file layout this release writes and the only one it reads.
 #: Adding keys does not change it (older releases keep keys they do not know);
@@ -49,7 +49,19 @@ def render(tree: Mapping[str, Any]) -> bytes:
     # named span with breakdowns per test): 1,000 tests (1.0 MB) 38 ms instead of 11 ms;
     # 3,000 tests 118 ms instead of 32 ms; 10,000 tests (10.5 MB) 395 ms instead of 109 ms.
     # Not worth its 230 lines.
-    return (json.dumps(tree, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
+    return json_bytes(json.dumps(tree, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
+
+
+def json_bytes(text: str) -> bytes:
+    """The UTF-8 bytes of a JSON ``text`` in which a string may hold a lone surrogate.
+
+    Python names a byte of a file name that is not UTF-8 with a lone surrogate (``0xff`` is
+    ``"\\udcff"``, see :pep:`383`), which UTF-8 cannot encode; it is written as the JSON escape
+    ``\\udcff``, which ``json.loads`` reads back as the same surrogate, so a test in such a file
+    is stored and found again under the same node id. Surrogates occur only inside JSON
+    strings, where that escape is valid JSON.
+    """
+    return text.encode("utf-8", "backslashreplace")
 
 
 def span_items(spans: Mapping[str, Any]) -> list[tuple[str, Any]]:

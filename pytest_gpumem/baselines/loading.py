@@ -6,6 +6,7 @@ import contextlib
 import gc
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.baselines.store import BaselineStore
-from pytest_gpumem.baselines.validation import HINT_RESTORE, BaselineFileError, lower_first, validate
+from pytest_gpumem.baselines.validation import HINT_RESTORE, MAX_DEPTH, BaselineFileError, lower_first, validate
 
 __all__ = ["load", "parse"]
 
@@ -70,8 +71,26 @@ def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> Baseline
         raise BaselineFileError(path, "not UTF-8 text", line=line, column=column, hint=restore) from None
     try:
         with _gc_paused():  # hundreds of thousands of acyclic dicts: no point in collecting meanwhile
-            tree = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, _DuplicateKeyError, _ConstantError) as exc:
+            tree = json.loads(
+                text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_float=_finite_float
+            )
+    except RecursionError:
+        _raise_for_conflict(text, path)
+        raise BaselineFileError(
+            path,
+            f"not a baseline file: its values are nested too deeply (more than {MAX_DEPTH} levels)",
+            hint=restore,
+        ) from None
+    except ValueError as exc:  # json.JSONDecodeError is one; so is an integer too long to convert
+        _raise_for_conflict(text, path)
+        if not isinstance(exc, json.JSONDecodeError):  # the first sentence: Python's advice does not apply
+            reason = str(exc).split(":")[0]
+            raise BaselineFileError(
+                path, f"a number too long to be a number of bytes ({reason})", hint=restore
+            ) from None
+        problem = "empty file" if not text.strip() else f"not valid JSON ({exc.msg}); the file may be truncated"
+        raise BaselineFileError(path, problem, line=exc.lineno, column=exc.colno, hint=restore) from None
+    except (_DuplicateKeyError, _ConstantError) as exc:
         # A conflict marker line is never valid JSON, so the happy path needs no scan for one.
         _raise_for_conflict(text, path)
         if isinstance(exc, _DuplicateKeyError):
@@ -81,10 +100,7 @@ def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> Baseline
                 line=_line_of_second(text, exc.key),
                 hint=f"Keep one of the two, or {lower_first(restore)}",
             ) from None
-        if isinstance(exc, _ConstantError):
-            raise BaselineFileError(path, f"{exc.constant} is not a valid number of bytes", hint=restore) from None
-        problem = "empty file" if not text.strip() else f"not valid JSON ({exc.msg}); the file may be truncated"
-        raise BaselineFileError(path, problem, line=exc.lineno, column=exc.colno, hint=restore) from None
+        raise BaselineFileError(path, f"{exc.constant} is not a valid number of bytes", hint=restore) from None
     validate(tree, text, path)
     return BaselineStore._from_tree(tree)
 
@@ -149,6 +165,15 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _reject_constant(constant: str) -> Any:
     raise _ConstantError(constant)
+
+
+def _finite_float(literal: str) -> float:
+    """A JSON number with a fraction or exponent; one too large for a float (``1e999``) is refused, as
+    ``Infinity`` is: it could not be written back."""
+    value = float(literal)
+    if math.isinf(value):
+        raise _ConstantError(literal if len(literal) <= 40 else literal[:37] + "...")
+    return value
 
 
 def _line_column(data: bytes, offset: int) -> tuple[int, int]:

@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from pytest_gpumem.baselines.loading import digest, fingerprint
+from filelock import FileLock, Timeout
+
+from pytest_gpumem.baselines.loading import digest, fingerprint, parse
 from pytest_gpumem.baselines.store import BaselineStore
 from pytest_gpumem.baselines.validation import BaselineFileError
 
-__all__ = ["ORPHAN_AGE_S", "save"]
+__all__ = ["LOCK_TIMEOUT_S", "ORPHAN_AGE_S", "save"]
 
 _HINT_SAVE = "Nothing was written. Load the file again (a fresh pytest run does) before recording baselines into it."
+_HINT_WRITE = "Nothing was written: the file is as it was."
+_HINT_FOLDER = " Check that its folder exists and is writable."
+_HINT_MERGE = "Nothing was written: the file is as it was. Check that it is a readable file."
+
+#: How long a save waits for another process's save of the same file to end (seconds).
+LOCK_TIMEOUT_S = 60.0
 
 #: Temp files older than this (seconds) are removed by the next save even if their writer may live.
 ORPHAN_AGE_S = 24 * 3600
@@ -33,39 +43,139 @@ def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, fo
     can leave it behind as ``.<name>.<pid>.<random>.tmp``; the next save
     removes such orphans once their process is gone (or after a day).
 
-    Nothing is written when the bytes would not change. Unless ``force`` is
-    true, raises :class:`BaselineFileError` instead of overwriting a file that
-    this store was not loaded from, or that changed on disk since it was loaded
-    (another run saved it, or it was edited): the store would otherwise
-    silently drop the entries it never saw. Creates missing parent folders.
+    Saves of one file take turns: each holds the lock file ``<name>.lock``
+    beside it (see :data:`LOCK_TIMEOUT_S`) from reading the file on disk to
+    replacing it. When the file changed on disk since the store was loaded
+    (another run saved it, or it was edited), the changes this store made
+    since (tests recorded, removed, pruned; environments removed) are applied
+    onto the file as it is now, so that neither run loses the other's
+    entries; the store then holds the merged baselines. A test both recorded
+    gets this store's figures. A symbolic link is written through: its target
+    is replaced, the link stays.
+
+    Nothing is written when the bytes would not change. Raises
+    :class:`BaselineFileError`, naming the file and leaving it as it was, when
+    it cannot be written (read-only, no such folder, the lock is held too
+    long), when the file on disk cannot be read for the merge, and, unless
+    ``force`` is true, instead of overwriting a file that this store was not
+    loaded from. ``force`` writes the store as it is, without merging. Creates
+    missing parent folders.
     """
     if path is None and store.path is None:
         raise ValueError("save() needs a path for a store that was not loaded from a file")
     target = Path(path) if path is not None else store.path
     assert target is not None
-    data = store.dumps()
     ours = store.path is not None and _same_path(store.path, target)
-    try:
-        current: tuple[int, int, int, int] | None = fingerprint(os.stat(target))
-    except FileNotFoundError:
-        current = None
-    if not force and current is not None:
-        if not ours:
-            raise BaselineFileError(
-                target,
-                "refusing to overwrite a baseline file this store was not loaded from",
-                hint=_HINT_SAVE,
-            )
-        if current != store._fingerprint:
-            raise BaselineFileError(target, "the file changed on disk since it was loaded", hint=_HINT_SAVE)
-    new_digest = digest(data)
-    if ours and current is not None and current == store._fingerprint and new_digest == store._digest:
-        return False
-    _atomic_write(target, data)
+    real = Path(os.path.realpath(target))  # through symbolic links: the file that is replaced
+    with _locked(target, real):
+        try:
+            current: tuple[int, int, int, int] | None = fingerprint(os.stat(real))
+        except FileNotFoundError:
+            current = None
+        except OSError as exc:
+            raise _cannot_write(target, exc) from None
+        merged: BaselineStore | None = None
+        if not force and current is not None:
+            if not ours:
+                raise BaselineFileError(
+                    target,
+                    "refusing to overwrite a baseline file this store was not loaded from",
+                    hint=_HINT_SAVE,
+                )
+            if current != store._fingerprint:
+                merged, current, on_disk = _merge(store, target, real)
+                data = merged.dumps()
+                if digest(data) == on_disk:  # the other run wrote what this one would
+                    store._adopt(merged)
+                    store.path, store._fingerprint, store._digest = target, current, on_disk
+                    return False
+        if merged is None:
+            data = store.dumps()
+        new_digest = digest(data)
+        unchanged = merged is None and ours and current is not None and current == store._fingerprint
+        if unchanged and new_digest == store._digest:
+            return False
+        if current is not None:
+            _check_writable(target, real)
+        try:
+            _atomic_write(real, data)
+            written = fingerprint(os.stat(real))
+        except OSError as exc:
+            raise _cannot_write(target, exc) from None
+    if merged is not None:
+        store._adopt(merged)
+    store._changes = []
     store.path = target
-    store._fingerprint = fingerprint(os.stat(target))
+    store._fingerprint = written
     store._digest = new_digest
     return True
+
+
+def _merge(store: BaselineStore, target: Path, real: Path) -> tuple[BaselineStore, tuple[int, int, int, int], bytes]:
+    """The file on disk now with ``store``'s changes applied; its fingerprint and digest as read."""
+    try:
+        with open(real, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            data = handle.read()
+    except OSError as exc:
+        raise BaselineFileError(
+            target, f"cannot read the baseline file to merge into it: {exc.strerror or exc}", hint=_HINT_MERGE
+        ) from None
+    fresh = parse(data, target)
+    store._apply_changes(fresh)
+    return fresh, fingerprint(info), digest(data)
+
+
+@contextlib.contextmanager
+def _locked(target: Path, real: Path) -> Iterator[None]:
+    """Hold the lock file beside ``real`` (the file a save of ``target`` replaces)."""
+    lock_path = real.with_name(real.name + ".lock")
+    try:
+        real.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _cannot_write(target, exc) from None
+    lock = FileLock(str(lock_path), timeout=LOCK_TIMEOUT_S)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise BaselineFileError(
+            target,
+            f"another process has been saving it for {LOCK_TIMEOUT_S:g} s (it holds the lock file {lock_path})",
+            hint="Nothing was written. Run the update again once the other run has ended.",
+        ) from None
+    except OSError as exc:
+        raise BaselineFileError(
+            target,
+            f"cannot write the baseline file: cannot create its lock file {lock_path}: {exc.strerror or exc}",
+            hint=_HINT_WRITE + _HINT_FOLDER,
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _check_writable(target: Path, real: Path) -> None:
+    """Refuse to replace a file its owner made read-only (even where the folder would allow it)."""
+    try:
+        mode = os.stat(real).st_mode
+    except OSError:
+        return
+    if not mode & 0o222 or not os.access(real, os.W_OK):
+        raise BaselineFileError(
+            target,
+            "the baseline file is read-only",
+            hint=f"Nothing was written. Make it writable (`chmod u+w {target}`) to record baselines into it.",
+        )
+
+
+def _cannot_write(target: Path, exc: OSError) -> BaselineFileError:
+    folder = exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EEXIST)
+    return BaselineFileError(
+        target,
+        f"cannot write the baseline file: {exc.strerror or exc}",
+        hint=_HINT_WRITE + (_HINT_FOLDER if folder else ""),
+    )
 
 
 def _atomic_write(target: Path, data: bytes) -> None:

@@ -107,6 +107,11 @@ class BaselineEntry:
         return cls(costs, start, breakdown, extra)
 
 
+#: One change of a store: ``("record", Environment, test, entries)``, ``("remove", key, test)`` or
+#: ``("remove_environment", key)``.
+_Change = tuple[Any, ...]
+
+
 @dataclass(frozen=True)
 class StaleEntry:
     """A test that has baselines in ``environment`` but no longer exists; ``spans`` are its recorded spans."""
@@ -137,6 +142,9 @@ class BaselineStore:
         self._fingerprint: tuple[int, int, int, int] | None = None
         self._digest: bytes | None = None
         self._described: set[str] = set()  # environments whose description record() completed
+        #: What this store changed since it was loaded or saved, in order, for :func:`save` to apply
+        #: onto the file as it is on disk then (another run may have saved it meanwhile).
+        self._changes: list[_Change] = []
 
     # -- reading -----------------------------------------------------------------------
 
@@ -236,6 +244,7 @@ class BaselineStore:
                     written = {**kept, **written}
             new_spans[name] = written
         tests[test] = {**old_test, "spans": new_spans}
+        self._changes.append(("record", environment, test, entries))
 
     def remove(self, environment: str, test: str) -> bool:
         """Remove every baseline of ``test`` in ``environment``; True when there was one.
@@ -249,10 +258,16 @@ class BaselineStore:
         del env["tests"][test]
         if not env["tests"] and set(env) <= set(ENV_ORDER):
             del self._envs[environment]
+        self._changes.append(("remove", environment, test))
         return True
 
     def stale(
-        self, collected: Iterable[str], environment: str | None, *, roots: Iterable[str] | None = None
+        self,
+        collected: Iterable[str],
+        environment: str | None,
+        *,
+        roots: Iterable[str] | None = None,
+        skipped: Iterable[str] = (),
     ) -> list[StaleEntry]:
         """Baselines whose test no longer exists, sorted by environment then node id.
 
@@ -261,7 +276,10 @@ class BaselineStore:
         ``None`` searches all of them. ``roots`` are node-id prefixes (paths
         such as ``"tests/unit"`` or ``"tests/test_a.py"``) naming what this run
         collected; a baseline outside them is never stale. ``None`` means the
-        whole suite was collected.
+        whole suite was collected. ``skipped`` are the node ids of collectors
+        that were skipped as they were collected (a module skipped at import,
+        ``pytest.importorskip``): the tests under them exist but could not be
+        collected, so they are never stale.
 
         The plugin passes the current environment: a test may exist only where
         it can be collected (parametrized over the available devices, or in a
@@ -270,6 +288,7 @@ class BaselineStore:
         """
         ids = collected if isinstance(collected, (set, frozenset)) else set(collected)
         prefixes = None if roots is None else [_normalize_root(root) for root in roots]
+        kept = [_normalize_root(node) for node in skipped]
         keys = sorted(self._envs) if environment is None else [environment]
         found: list[StaleEntry] = []
         for key in keys:
@@ -278,6 +297,8 @@ class BaselineStore:
                 continue
             for test, raw in sorted(env.get("tests", {}).items()):
                 if test in ids or (prefixes is not None and not any(_under(test, p) for p in prefixes)):
+                    continue
+                if any(_under(test, k) for k in kept):
                     continue
                 found.append(StaleEntry(key, test, tuple(name for name, _ in span_items(raw.get("spans", {})))))
         return found
@@ -292,7 +313,31 @@ class BaselineStore:
         Returns 0 (and changes nothing) when there is no such environment.
         """
         env = self._envs.pop(environment, None)
-        return 0 if env is None else len(env.get("tests", {}))
+        if env is None:
+            return 0
+        self._changes.append(("remove_environment", environment))
+        return len(env.get("tests", {}))
+
+    # -- merging with the file on disk -------------------------------------------------
+
+    def _apply_changes(self, onto: BaselineStore) -> None:
+        """Make on ``onto`` (the file as it is on disk now) the changes this store made since it was
+        loaded: the tests it recorded (a test that both recorded gets this store's figures), removed
+        and pruned, and the environments it removed; everything else stays as ``onto`` has it."""
+        for change in self._changes:
+            if change[0] == "record":
+                onto.record(change[1], change[2], change[3])
+            elif change[0] == "remove":
+                onto.remove(change[1], change[2])
+            else:
+                onto.remove_environment(change[1])
+
+    def _adopt(self, other: BaselineStore) -> None:
+        """Hold ``other``'s baselines from now on (the merged file :func:`save` wrote); no changes pending."""
+        self._top = other._top
+        self._envs = other._envs
+        self._described |= other._described
+        self._changes = []
 
     # -- serialising -------------------------------------------------------------------
 

@@ -13,7 +13,12 @@ from pytest_gpumem.baselines.canonical import SCHEMA_VERSION
 from pytest_gpumem.baselines.environment import check_label
 from pytest_gpumem.figures import METRICS
 
-__all__ = ["BaselineFileError"]
+__all__ = ["MAX_DEPTH", "BaselineFileError"]
+
+#: How deep a value under a key this release does not know may nest arrays and objects. The
+#: layout this release writes goes 8 levels deep; a file nested deeper than Python can parse or
+#: write back is refused like any other file that cannot be read.
+MAX_DEPTH = 32
 
 # Span keys whose type this release checks (bytes or null) when loading.
 _SPAN_INT_KEYS = frozenset((*METRICS, "start"))
@@ -76,8 +81,15 @@ def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | 
             hint=advice or default,
         )
 
+    def check_unknown(keys: tuple[str, ...], value: Any) -> None:
+        if isinstance(value, (dict, list)) and _too_deep(value):
+            raise fail(keys, f"a value nested too deeply (more than {MAX_DEPTH} levels)")
+
     if not isinstance(tree, dict):
         raise fail((), f"expected a JSON object, found {_json_type(tree)}; this is not a pytest-gpumem baseline file")
+    for top_key, value in tree.items():
+        if top_key not in ("schema", "environments"):
+            check_unknown((top_key,), value)
     schema = tree.get("schema")
     if "schema" not in tree:
         raise fail((), 'no "schema" version; this is not a pytest-gpumem baseline file')
@@ -105,6 +117,8 @@ def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | 
         described = env.get("environment", {})
         if described is not None and not isinstance(described, dict):
             raise fail(("environments", key, "environment"), f"expected an object, found {_json_type(described)}")
+        for env_key, value in env.items():
+            check_unknown(("environments", key, env_key), value if env_key != "tests" else None)
         labels = (described or {}).get("labels")
         if labels is not None:
             where = ("environments", key, "environment", "labels")
@@ -126,13 +140,22 @@ def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | 
                 raise fail(
                     ("environments", key, "tests", test, "spans"), f"expected an object, found {_json_type(spans)}"
                 )
+            if len(raw) > 1:
+                for test_key, value in raw.items():
+                    if test_key != "spans":
+                        check_unknown(("environments", key, "tests", test, test_key), value)
             for name, span in spans.items():
                 if not isinstance(span, dict):
                     raise fail(
                         ("environments", key, "tests", test, "spans", name),
                         f"expected an object, found {_json_type(span)}",
                     )
-                for field_name in _SPAN_INT_KEYS.intersection(span):
+                ints = _SPAN_INT_KEYS.intersection(span)
+                if len(span) > len(ints) + ("breakdown" in span):
+                    for span_key, value in span.items():
+                        if span_key != "breakdown" and span_key not in ints:
+                            check_unknown(("environments", key, "tests", test, "spans", name, span_key), value)
+                for field_name in ints:
                     value = span[field_name]
                     if value is not None and type(value) is not int:
                         raise fail(
@@ -147,6 +170,20 @@ def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | 
                         ("environments", key, "tests", test, "spans", name, "breakdown"),
                         "expected an object of integer byte counts or null",
                     )
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether ``value`` nests arrays and objects more than :data:`MAX_DEPTH` levels (without recursing)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth >= MAX_DEPTH:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _locate(text: str, keys: Iterable[str]) -> int | None:
