@@ -7,6 +7,11 @@ Each rank runs ``fn(rank, ctx)`` inside :func:`pytest_gpumem.measure` on its dev
 its :class:`~pytest_gpumem.figures.Measurement` back. A rank that raises, dies or is still
 running at the timeout fails the whole run with that rank's report, and no rank process is
 left behind.
+
+No process outlives the run: each rank runs in a process group of its own, with the processes
+it starts, and the whole group is stopped, whether the run ends, fails or times out. A rank
+also ends its group as soon as the process that started it is gone (pytest killed from
+outside), and a SIGTERM sent to pytest while the ranks run stops them before pytest ends.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import contextlib
 import os
 import pickle
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -83,6 +90,44 @@ def _device_for(rank: int, device: str) -> torch.device:
     return torch.device(device)
 
 
+def _own_group() -> int | None:
+    """Make this process the leader of a process group of its own (its children join it);
+    the group's id, None where there are no process groups."""
+    if not hasattr(os, "setpgid"):
+        return None
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        return None
+    return os.getpid()
+
+
+def _end_group(group: int | None) -> None:
+    """End this rank, with every process of its group."""
+    if group is not None:
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGKILL)
+    os._exit(1)
+
+
+def _die_with_parent(group: int | None) -> None:
+    """End this rank and its group when the process that started it is gone, however it ended
+    (a thread that waits on the parent's sentinel: it runs while the rank waits in a collective)."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        wait([sentinel])
+        _end_group(group)
+
+    threading.Thread(target=watch, name="gpumem-parent-watch", daemon=True).start()
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -94,6 +139,9 @@ def _rank_main(
     results: Any,
 ) -> None:
     """The body of one rank process (started by :func:`run_ranks`)."""
+    group = _own_group()
+    results.put((rank, "started", group))
+    _die_with_parent(group)
     import torch.distributed as dist
 
     from pytest_gpumem.recorder import measure
@@ -121,22 +169,69 @@ def _rank_main(
         results.put((rank, "oom" if oom else "error", text))
 
 
+def _signal(process: Any, group: int | None, signum: int) -> None:
+    """Send ``signum`` to a rank's process group (it and the processes it started), else to it alone."""
+    if group is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signum)
+    elif process.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signum)
+
+
 @contextlib.contextmanager
-def _processes(context: Any) -> Iterator[list[Any]]:
-    """The rank processes; on leaving, any still alive is terminated, then killed."""
+def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> Iterator[None]:
+    """While the ranks run: a SIGTERM to this process kills them and their groups first, then
+    goes to the handler that was in place (by default, it ends this process). Only in the main
+    thread (where handlers are set), and not where SIGTERM is ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        yield
+        return
+    if previous is None:  # a handler set outside Python: none can be restored, the default is
+        previous = signal.SIG_DFL
+
+    def stop(signum: int, frame: Any) -> None:
+        for rank, process in enumerate(processes):
+            _signal(process, groups.get(rank), signal.SIGKILL)
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _processes(groups: dict[int, int | None]) -> Iterator[list[Any]]:
+    """The rank processes; on leaving, any still alive is terminated, then killed, each with its
+    process group (``groups``: rank → the group it made), so that nothing it started is left."""
     processes: list[Any] = []
     try:
-        yield processes
+        with _stopped_on_sigterm(processes, groups):
+            yield processes
     finally:
-        for process in processes:
+        for rank, process in enumerate(processes):
             if process.is_alive():
-                process.terminate()
+                _signal(process, groups.get(rank), signal.SIGTERM)
         deadline = time.monotonic() + 5.0
-        for process in processes:
+        for rank, process in enumerate(processes):
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
+                _signal(process, groups.get(rank), signal.SIGKILL)
                 process.kill()
                 process.join()
+        for rank, process in enumerate(processes):  # what a rank started and left running
+            if groups.get(rank) is not None:
+                _signal(process, groups[rank], signal.SIGKILL)
 
 
 def run_ranks(
@@ -194,11 +289,15 @@ def run_ranks(
     port = _free_port()
     figures: dict[int, Measurement] = {}
     reports: dict[int, str] = {}
+    groups: dict[int, int | None] = {}
     deadline = time.monotonic() + timeout
 
     def take(message: tuple[int, str, Any]) -> bool:
         """File a rank's message; True when it reports a failure."""
         rank, status, payload = message
+        if status == "started":
+            groups[rank] = payload
+            return False
         if status == "ok":
             figures[rank] = Measurement.from_dict(payload)
             return False
@@ -214,7 +313,7 @@ def run_ranks(
             if rank not in figures and rank not in reports and not process.is_alive()
         ]
 
-    with _processes(context) as processes:
+    with _processes(groups) as processes:
         for rank in range(world_size):
             process = context.Process(
                 target=_rank_main,

@@ -128,6 +128,30 @@ def _elide_middle(text: str, width: int) -> str:
     return text[: keep - tail] + ELLIPSIS + (text[len(text) - tail :] if tail else "")
 
 
+#: The rank a span is measured on, at the end of its name: ``call@rank1-of-2`` (torchrun),
+#: ``rank1-of-2`` (``gpumem.distributed``).
+_RANK_RE = re.compile(r"@?rank\d+-of-\d+$")
+
+
+def _span_floor(name: str) -> int:
+    """The fewest characters :func:`_elide_span` keeps of ``name``: its rank, whole."""
+    match = _RANK_RE.search(name)
+    if match is None:
+        return 0
+    return len(name) if match.start() == 0 else min(len(name), len(ELLIPSIS) + len(match.group()))
+
+
+def _elide_span(name: str, width: int) -> str:
+    """A span name in at most ``width`` characters that keeps its rank: what comes before the
+    rank is elided (``f…@rank1-of-2``), never the rank (unless ``width`` is below :func:`_span_floor`)."""
+    if len(name) <= width:
+        return name
+    match = _RANK_RE.search(name)
+    if match is not None and match.start() > 0 and width - len(match.group()) >= len(ELLIPSIS):
+        return _elide_middle(name[: match.start()], width - len(match.group())) + match.group()
+    return _elide_middle(name, width)
+
+
 def _elide_id(nodeid: str, width: int) -> str:
     """A node id in at most ``width`` characters, keeping its function name and parametrize id.
 
@@ -195,11 +219,12 @@ class _Col:
     label: str | None = None  # its name in the one-record-per-block layout (None: the header)
     joins: bool = False  # block layout: in parentheses after the previous pair ("Δ +1.00 MiB (+3.1%)")
     drop: int = 0  # left out to fit a narrow width before falling back to blocks: 1 first, then 2; 0 never
+    span: bool = False  # holds span names: elided by _elide_span, never narrower than a rank
 
 
 def _fit(text: str, width: int, col: _Col) -> str:
     if len(text) > width:
-        text = _elide_middle(text, width)
+        text = _elide_span(text, width) if col.span else _elide_middle(text, width)
     return text.rjust(width) if col.right else text.ljust(width)
 
 
@@ -214,6 +239,8 @@ def _widths(cols: Sequence[_Col], rows: Sequence[Sequence[str]], width: int | No
             break
         if col.elastic:
             floor = min(natural[i], max(col.min_width, len(col.header)))
+            if col.span:
+                floor = max([floor, *(_span_floor(row[i]) for row in rows)])
             cut = min(excess, widths[i] - floor)
             widths[i] -= cut
             excess -= cut
@@ -551,7 +578,7 @@ def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markd
     )
     span, metric, measured, cost, limit, baseline, delta, percent, status = SUMMARY_HEADERS[1:]
     cols = (
-        _Col(span, elastic=True, min_width=8),
+        _Col(span, elastic=True, min_width=8, span=True),
         _Col(metric),
         _Col(measured, right=True),
         _Col(cost, right=True),
@@ -708,13 +735,13 @@ BREAKDOWN_HEADERS = (
 )
 
 _BREAKDOWN_COLS = (
-    _Col("span", elastic=True, min_width=8),
+    _Col("span", elastic=True, min_width=8, span=True),
     *(_Col(c, right=True) for c in CATEGORIES),
     _Col("saved for backward", right=True),
     _Col("Ψ", right=True, optional=True),
 )
 _PHASE_COLS = (
-    _Col("span", elastic=True, min_width=8),
+    _Col("span", elastic=True, min_width=8, span=True),
     _Col("phase"),
     _Col("start", right=True),
     _Col("peak", right=True),
@@ -782,7 +809,7 @@ def environment_notes(records: Iterable[RecordLike]) -> list[str]:
 # --------------------------------------------------------------------------- failure messages
 
 _FIGURE_COLS = (
-    _Col("span", elastic=True, min_width=8),
+    _Col("span", elastic=True, min_width=8, span=True),
     _Col("metric"),
     _Col("start", right=True),
     _Col("measured", right=True),

@@ -18,7 +18,7 @@ from typing import Any
 
 from pytest_gpumem.record import TestRecord
 
-__all__ = ["GatherError", "Launch", "gather_records", "launch", "merge", "rank_span"]
+__all__ = ["GatherError", "Launch", "gather_records", "launch", "merge", "rank_span", "rename"]
 
 #: Seconds rank 0 waits for the other ranks' records at the end of the session.
 GATHER_TIMEOUT = 600.0
@@ -61,10 +61,18 @@ def rank_span(name: str, rank: int, world_size: int) -> str:
 
 
 def rename(record: TestRecord, where: Launch) -> None:
-    """Give ``record``'s spans (and their tolerances) this rank's names, in place."""
+    """Give ``record``'s spans, the findings about them and their tolerances this rank's names, in place.
+
+    The marker's tolerance keeps its key ``"call"`` too: it stays the tolerance of every span
+    that has none of its own.
+    """
     rank, size = where.rank, where.world_size
     record.measurements = [replace(m, name=rank_span(m.name, rank, size)) for m in record.measurements]
-    record.tolerances = {rank_span(k, rank, size): v for k, v in record.tolerances.items()}
+    record.findings = [replace(f, span=rank_span(f.span, rank, size)) for f in record.findings]
+    tolerances = {rank_span(k, rank, size): v for k, v in record.tolerances.items()}
+    if "call" in record.tolerances:
+        tolerances["call"] = record.tolerances["call"]
+    record.tolerances = tolerances
 
 
 def gather_records(records: list[dict[str, Any]], where: Launch, timeout: float = GATHER_TIMEOUT) -> list[Any] | None:

@@ -1,0 +1,371 @@
+"""Distributed runs name every rank and leave no process behind.
+
+Under ``torchrun -m pytest`` each rank's limits and verdicts are shown and written under the
+rank's own span name, in every report and at every terminal width. ``gpumem.distributed``
+(``run_ranks``) leaves no process alive after the test: not when a rank is stopped at the
+timeout (its own subprocesses neither), not when pytest itself is terminated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_gpumem import DistributedError, RankContext, run_ranks
+from pytest_gpumem.figures import Measurement
+from pytest_gpumem.gate import write_artifacts
+from pytest_gpumem.record import TestRecord
+from pytest_gpumem.report import measurement_table, summary_rows, terminal_summary
+from pytest_gpumem.torchrun import Launch, rank_span, rename
+from pytest_gpumem.verdict import Limit, Tolerance, check_limits
+
+# --------------------------------------------------------------------------- processes (Linux /proc)
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie waits for a reaper that may never come)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live process below ``root``, by the parent ids in /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        if fields[0] != "Z":
+            parents[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _wait_gone(pids: set[int], seconds: float) -> set[int]:
+    """The processes of ``pids`` still alive after at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(_alive(pid) for pid in pids):
+            return set()
+        time.sleep(0.05)
+    return {pid for pid in pids if _alive(pid)}
+
+
+def _kill(pids: set[int]) -> None:
+    """Clean up after a failing check: only the processes this test started."""
+    for pid in pids:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _wait_for_files(folder: Path, count: int, seconds: float) -> list[Path]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        files = sorted(folder.glob("rank*"))
+        if len(files) == count and all(f.read_text().endswith("\n") for f in files):
+            return files
+        time.sleep(0.1)
+    raise AssertionError(f"the ranks did not start in {seconds} s: {sorted(folder.iterdir())}")
+
+
+def _pids_written(files: list[Path]) -> set[int]:
+    return {int(pid) for f in files for pid in f.read_text().split()}
+
+
+def rank_with_a_child(rank: int, ctx: RankContext) -> None:
+    """A rank that starts a subprocess of its own, writes both pids, then sleeps past any timeout."""
+    child = subprocess.Popen(["sleep", "1000"])
+    folder = Path(os.environ["GPUMEM_TEST_PIDS"])
+    (folder / f"rank{rank}").write_text(f"{os.getpid()} {child.pid}\n")
+    time.sleep(1000)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_rank_stopped_at_the_timeout_takes_its_subprocesses_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUMEM_TEST_PIDS", str(tmp_path))
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(DistributedError, match="did not finish within 8 s"):
+        run_ranks(rank_with_a_child, 2, timeout=8)
+    pids = _pids_written(_wait_for_files(tmp_path, 2, 1))
+    assert len(pids) == 4  # two ranks, a `sleep` each
+    left = _wait_gone(pids, 5)
+    _kill(left)
+    assert left == set()
+    assert signal.getsignal(signal.SIGTERM) == handler  # the handler of the run is gone with it
+    assert multiprocessing.active_children() == []
+
+
+def rank_leaves_a_child(rank: int, ctx: RankContext) -> None:
+    """A rank that finishes, leaving a subprocess of its own running."""
+    child = subprocess.Popen(["sleep", "1000"])
+    (Path(os.environ["GPUMEM_TEST_PIDS"]) / f"rank{rank}").write_text(f"{child.pid}\n")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_what_a_finished_rank_left_running_ends_with_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUMEM_TEST_PIDS", str(tmp_path))
+    assert len(run_ranks(rank_leaves_a_child, 2, timeout=60)) == 2
+    children = _pids_written(_wait_for_files(tmp_path, 2, 1))
+    left = _wait_gone(children, 5)
+    _kill(left)
+    assert left == set()
+
+
+SLEEPING_RANKS = """
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def ranks_sleep(rank, ctx):
+    child = subprocess.Popen(["sleep", "1000"])
+    folder = Path(os.environ["GPUMEM_TEST_PIDS"])
+    (folder / f"rank{rank}").write_text(f"{os.getpid()} {child.pid}\\n")
+    time.sleep(1000)
+
+
+@pytest.mark.gpumem(device="cpu")
+def test_ranks_sleep(gpumem):
+    gpumem.distributed(ranks_sleep, world_size=2, timeout=600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_no_process_outlives_a_pytest_that_is_stopped_while_ranks_run(tmp_path: Path, how: signal.Signals) -> None:
+    """pytest stopped from outside while its ranks run: the ranks, their own subprocesses and
+    multiprocessing's resource tracker all end within seconds (SIGKILL: no handler can run in
+    pytest; the ranks notice their parent is gone)."""
+    (tmp_path / "test_sleeping.py").write_text(SLEEPING_RANKS)
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    env = {**os.environ, "GPUMEM_TEST_PIDS": str(pids_dir), "PYTEST_ADDOPTS": "-p no:randomly -p no:cacheprovider"}
+    pytest_process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "test_sleeping.py", "-q"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    started: set[int] = set()
+    try:
+        files = _wait_for_files(pids_dir, 2, 120)
+        started = _descendants(pytest_process.pid)
+        assert _pids_written(files) <= started  # the ranks and their `sleep`s, with the resource tracker
+        assert len(started) >= 5
+        os.kill(pytest_process.pid, how)
+        pytest_process.wait(30)
+        left = _wait_gone(started, 10)
+        assert pytest_process.returncode == -how  # pytest still ends as the signal ends it
+    finally:
+        if pytest_process.poll() is None:
+            pytest_process.kill()
+            pytest_process.wait()
+        _kill(_descendants(pytest_process.pid) | started)
+    assert left == set()
+
+
+# --------------------------------------------------------------------------- rank spans in the reports
+
+
+def _rank_record(nodeid: str, peak: int, limit: int, where: Launch) -> TestRecord:
+    """A record as a rank's pytest makes it, before it is renamed for the rank."""
+    call = Measurement(name="call", engine="cpu", device="cpu", start=0, peak=peak, allocated=peak)
+    record = TestRecord(nodeid, measurements=[call], environment={"engine": "cpu"})
+    record.findings = check_limits(nodeid, call, [Limit("peak", limit, f"{limit}B")])
+    record.set_tolerance("call", Tolerance(0.0, 0))
+    rename(record, where)
+    return record
+
+
+def test_a_ranks_limit_findings_are_named_for_its_span() -> None:
+    record = _rank_record("t.py::test_over", 4000, 1024, Launch(1, 2, 1))
+    assert [m.name for m in record.measurements] == ["call@rank1-of-2"]
+    assert [(f.span, f.status) for f in record.findings] == [("call@rank1-of-2", "exceeded")]
+    assert record.message().startswith("[call@rank1-of-2] peak cost 3.91 KiB exceeds the limit 1.00 KiB")
+
+
+def test_the_markers_tolerance_still_covers_every_span_of_a_rank() -> None:
+    call = Measurement(name="call", engine="cpu", device="cpu", start=0, peak=8, allocated=8)
+    forward = Measurement(name="forward", engine="cpu", device="cpu", start=0, peak=8, allocated=8)
+    record = TestRecord("t.py::test_step", measurements=[call, forward])
+    record.set_tolerance("call", Tolerance(0.0, 0))
+    record.set_tolerance("backward", Tolerance(0.5, 0))
+    rename(record, Launch(0, 2, 0))
+    assert record.tolerance("call@rank0-of-2") == Tolerance(0.0, 0)
+    assert record.tolerance("forward@rank0-of-2") == Tolerance(0.0, 0)  # the marker's, as without torchrun
+    assert record.tolerance("backward@rank0-of-2") == Tolerance(0.5, 0)
+
+
+def _both_ranks() -> list[TestRecord]:
+    over = [_rank_record("test_ranked.py::test_over", 4000, 1024, Launch(r, 2, r)) for r in range(2)]
+    within = [_rank_record("test_ranked.py::test_within", 4000, 1 << 30, Launch(r, 2, r)) for r in range(2)]
+    merged = []
+    for records in (over, within):
+        first, second = records
+        first.measurements += second.measurements
+        first.findings += second.findings
+        merged.append(first)
+    return merged
+
+
+def test_the_summary_shows_each_ranks_limit_and_status() -> None:
+    rows = summary_rows(_both_ranks())
+    peaks = [(row[0], row[1], row[5], row[-1]) for row in rows if row[2] == "peak"]
+    assert peaks == [
+        ("test_ranked.py::test_over", "call@rank0-of-2", "1.00 KiB", "exceeded"),
+        ("test_ranked.py::test_over", "call@rank1-of-2", "1.00 KiB", "exceeded"),
+        ("test_ranked.py::test_within", "call@rank0-of-2", "1.00 GiB", "ok"),
+        ("test_ranked.py::test_within", "call@rank1-of-2", "1.00 GiB", "ok"),
+    ]
+
+
+@pytest.mark.parametrize("width", [200, 80, 60, 44, 30])
+def test_the_rank_of_a_span_stays_visible_at_any_width(width: int) -> None:
+    lines = terminal_summary(_both_ranks(), width=width)
+    assert lines is not None
+    for line in lines.splitlines():
+        assert len(line) <= width
+    for rank in (0, 1):
+        assert sum(f"@rank{rank}-of-2" in line for line in lines.splitlines()) == 4  # two tests, peak and allocated
+    figures = measurement_table(_both_ranks()[0].measurements, width=width)
+    assert all(len(line) <= width for line in figures.splitlines())
+    assert [line.split()[0][-11:] for line in figures.splitlines() if "@rank" in line] == [
+        "@rank0-of-2",
+        "@rank0-of-2",
+        "@rank1-of-2",
+        "@rank1-of-2",
+    ]
+
+
+@pytest.mark.parametrize("width", [80, 40])
+def test_the_ranks_of_gpumem_distributed_stay_visible_at_any_width(width: int) -> None:
+    """``gpumem.distributed``'s rank spans (``rank0-of-8``) under a long test id."""
+    spans = [
+        Measurement(name=f"rank{r}-of-8", engine="cpu", device="cpu", start=0, peak=4000 * r, allocated=0)
+        for r in range(8)
+    ]
+    nodeid = "tests/distributed/test_sharding_layouts.py::test_fsdp_keeps_a_shard[fp32-8-ranks]"
+    record = TestRecord(nodeid, measurements=spans, environment={"engine": "cpu"})
+    text = terminal_summary([record], width=width)
+    assert text is not None
+    for r in range(8):
+        assert f"rank{r}-of-8" in text
+
+
+def test_each_rank_draws_its_limits_in_an_html_artifact_of_its_own(tmp_path: Path) -> None:
+    pages = []
+    for rank in range(2):
+        record = _rank_record("test_ranked.py::test_over", 4000, 1024, Launch(rank, 2, rank))
+        (path,) = write_artifacts(record, tmp_path)
+        pages.append(Path(path))
+    assert pages[0] != pages[1]  # not one file that the ranks overwrite
+    for rank, page in enumerate(pages):
+        html = page.read_text(encoding="utf-8")
+        assert f"span <b>call@rank{rank}-of-2</b>" in html
+        assert 'data-line="limit peak" data-bytes="1024"' in html
+
+
+# --------------------------------------------------------------------------- torchrun -m pytest
+
+TORCHRUN_FILE = """
+import pytest
+import torch
+
+
+@pytest.mark.gpumem(peak="1KiB")
+def test_over():
+    x = torch.zeros(1000)
+
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_within():
+    x = torch.zeros(1000)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_torchrun_names_each_ranks_limit_in_the_summary_and_the_json(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(test_ranked=TORCHRUN_FILE)
+    monkeypatch.setenv("COLUMNS", "80")
+    result = pytester.run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={_free_port()}",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+        "test_ranked.py",
+        "--gpumem-json=report.json",
+        timeout=300,
+    )
+    assert result.ret != 0
+    summary = result.stdout.str().split("= gpumem =")[-1].split("= short test summary info =")[0]
+    # 80 columns: the test ids above their rows, every rank's row with its limit and status
+    assert [line.split() for line in summary.splitlines() if " peak " in line] == [
+        ["call@rank0-of-2", "peak", "3.91", "KiB", "3.91", "KiB", "1.00", "KiB", "exceeded"],
+        ["call@rank1-of-2", "peak", "3.91", "KiB", "3.91", "KiB", "1.00", "KiB", "exceeded"],
+        ["call@rank0-of-2", "peak", "3.91", "KiB", "3.91", "KiB", "1.00", "GiB", "new"],
+        ["call@rank1-of-2", "peak", "3.91", "KiB", "3.91", "KiB", "1.00", "GiB", "new"],
+    ]
+    assert "unchecked" not in summary
+    assert all(len(line) <= 80 for line in summary.splitlines())
+    data = json.loads((pytester.path / "report.json").read_text(encoding="utf-8"))
+    limits = {
+        (test["nodeid"].split("::")[1], finding["span"]): finding["status"]
+        for test in data["tests"]
+        for finding in test["findings"]
+        if finding["kind"] == "limit"
+    }
+    assert limits == {
+        ("test_over", rank_span("call", 0, 2)): "exceeded",
+        ("test_over", rank_span("call", 1, 2)): "exceeded",
+        ("test_within", rank_span("call", 0, 2)): "ok",
+        ("test_within", rank_span("call", 1, 2)): "ok",
+    }
+    assert torch.distributed.is_available()
