@@ -176,6 +176,19 @@ class GpumemManager:
     def pytest_itemcollected(self, item: pytest.Item) -> None:
         self._collected.add(item.nodeid)
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_ignore_collect(self, collection_path: Path) -> Generator[None, bool | None, bool | None]:
+        """A path left out of the collection (``--ignore``, a conftest's ``collect_ignore``, where a
+        library is missing) still exists: its tests are never stale, as a skipped module's are."""
+        ignored = yield
+        if ignored:
+            try:
+                relative = collection_path.relative_to(self.config.rootpath)
+            except ValueError:
+                return ignored
+            self._skipped.add(relative.as_posix())
+        return ignored
+
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
             self._collection_complete = False

@@ -270,6 +270,24 @@ def test_a_module_that_fails_to_import_keeps_its_baselines(pytester: pytest.Pyte
     assert path.read_bytes() == before
 
 
+def test_a_module_a_conftest_ignores_keeps_its_baselines(pytester: pytest.Pytester) -> None:
+    path = skipping_suite(pytester)
+    before = path.read_bytes()
+    pytester.makeconftest('collect_ignore = ["test_library.py"]  # where the library is missing\n')
+    result = run(pytester, "--gpumem-update-baselines", "--gpumem-prune", "--gpumem-strict")
+    result.assert_outcomes(passed=2)
+    assert result.ret == 0
+    assert path.read_bytes() == before
+    (pytester.path / "conftest.py").unlink()
+    ignored = run(pytester, "--gpumem-update-baselines", "--gpumem-prune", "--ignore=test_library.py")
+    ignored.assert_outcomes(passed=2)
+    assert path.read_bytes() == before
+    (pytester.path / "test_library.py").unlink()  # deleted: now its baselines are stale
+    deleted = run(pytester, "--gpumem-update-baselines", "--gpumem-prune")
+    deleted.stdout.fnmatch_lines(["*test_library.py::test_needs_the_library*"])
+    assert names_in(path) == ["test_always.py::test_always", "test_always.py::test_marked"]
+
+
 @pytest.mark.parametrize("deselect", [["-k", "not marked"], ["-m", "not other"]])
 def test_deselected_tests_keep_their_baselines(pytester: pytest.Pytester, deselect: list[str]) -> None:
     path = skipping_suite(pytester)
