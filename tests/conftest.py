@@ -126,10 +126,16 @@ def _as_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     summary (not one line each), which the tests reading a session's output would count twice."""
     for name in ("CI", "BUILD_NUMBER"):
         monkeypatch.delenv(name, raising=False)
-    # and run their tests in file order even when this suite runs shuffled (`-p randomly`):
-    # their output is read in that order
-    # hypothesis's plugin imports hypothesis inside each run: its modules would keep the run alive
+
+
+@pytest.fixture
+def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """pytest's ``pytester``, whose sessions run their tests in file order even when this suite
+    runs shuffled (``-p randomly``): their output is read in that order. Hypothesis's plugin is
+    left out of them too: it imports hypothesis inside each run, whose modules would then keep
+    the run alive. (``pytester`` clears ``PYTEST_ADDOPTS`` when it starts: set it after.)"""
     monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly -p no:hypothesispytest")
+    return pytester
 
 
 @pytest.fixture
