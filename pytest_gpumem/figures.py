@@ -20,6 +20,7 @@ __all__ = [
     "PHASES",
     "CompiledCodeNotMeasured",
     "Measurement",
+    "PartialFigures",
     "Phase",
     "Timeline",
 ]
@@ -41,6 +42,12 @@ class CompiledCodeNotMeasured(Warning):
     the tensor tracker (the CPU engine, or ``--gpumem-breakdown`` on CUDA) watches operators.
     Make it an error with ``-W error::pytest_gpumem.CompiledCodeNotMeasured``. It is not a
     ``UserWarning``: suites that silence torch's user warnings still see it."""
+
+
+class PartialFigures(Warning):
+    """A span's figures miss memory the engine could not see (work on a thread it could not
+    watch, storages made outside PyTorch's operators); the notes of its :class:`Measurement`
+    say what. Make it an error with ``-W error::pytest_gpumem.figures.PartialFigures``."""
 
 
 #: Phases of a training step, in order.
@@ -180,6 +187,9 @@ class Measurement:
         max_microbatch: the largest microbatch size whose step fits the device
             (or the emulated device limit), when the test searched for it with
             ``gpumem.max_microbatch()``; a count, not bytes.
+        notes: what the figures miss, one sentence each (work on threads the engine could
+            not watch, storages found alive later that it did not see made); empty when they
+            are complete.
     """
 
     name: str
@@ -203,6 +213,7 @@ class Measurement:
     psi: int | None = None
     cuda_rounding: bool = False
     max_microbatch: int | None = None
+    notes: tuple[str, ...] = ()
 
     def figure(self, metric: str) -> int | None:
         """The absolute figure named ``metric`` (one of :data:`METRICS` or :data:`COUNT_METRICS`)."""
@@ -251,6 +262,7 @@ class Measurement:
             "psi": self.psi,
             "cuda_rounding": self.cuda_rounding,
             "max_microbatch": self.max_microbatch,
+            "notes": list(self.notes),
         }
         return data
 
@@ -279,6 +291,7 @@ class Measurement:
             psi=_opt_int(data.get("psi")),
             cuda_rounding=bool(data.get("cuda_rounding", False)),
             max_microbatch=_opt_int(data.get("max_microbatch")),
+            notes=tuple(str(note) for note in data.get("notes") or ()),
         )
 
 

@@ -30,7 +30,7 @@ from pytest_gpumem.budgets import count_parameters
 from pytest_gpumem.engines import make_engine, resolve_device
 from pytest_gpumem.engines.base import Engine, Reading
 from pytest_gpumem.engines.tracker import describe_compiled
-from pytest_gpumem.figures import CATEGORIES, CompiledCodeNotMeasured, Measurement, Phase, Timeline
+from pytest_gpumem.figures import CATEGORIES, CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline
 from pytest_gpumem.spec import check_span_limits
 from pytest_gpumem.units import parse_size
 
@@ -75,6 +75,7 @@ class _SpanState:
     requested_peak: int | None = None
     saved_peak: int | None = None
     compiled_from: int = 0
+    notes_from: int = 0
     phases: dict[str, _PhaseState] = field(default_factory=dict)
 
     def absorb(self, reading: Reading, phase: str | None) -> None:
@@ -341,6 +342,7 @@ class Recorder:
             breakdown=None if tracker is None else tuple(tracker.breakdown().values()),
             saved_peak=self.engine.saved_bytes(),
             compiled_from=len(tracker.compiled_frames) if tracker is not None else 0,
+            notes_from=len(tracker.notes) if tracker is not None else 0,
         )
         if self._phase is not None:
             state.phases[self._phase] = _PhaseState(now, now, now)
@@ -384,6 +386,10 @@ class Recorder:
             end, end_breakdown = self._allocated_now() if allocated is None else allocated
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
         self._warn_compiled(state)
+        tracker = self.engine.tracker
+        notes = () if tracker is None else tuple(dict.fromkeys(tracker.notes[state.notes_from :]))
+        for note in notes:
+            warnings.warn(PartialFigures(f"span {state.name!r}: {note}"), stacklevel=2)
         return Measurement(
             name=state.name,
             engine=self.engine.name,
@@ -404,6 +410,7 @@ class Recorder:
             saved_activations=state.saved_peak if self.saved_tensors else None,
             psi=self.psi,
             cuda_rounding=self.engine.cuda_rounding,
+            notes=notes,
         )
 
     def _warn_compiled(self, state: _SpanState) -> None:

@@ -496,6 +496,8 @@ def _metric_row(
     note = None if limit is None else _limit_note(limit)
     if note:
         notes[_CELL["limit"]] = note
+    if measurement.notes and metric in ("peak", "allocated", "retained"):  # a partial figure says so
+        notes[_CELL["measured"]] = "partial: " + "; ".join(measurement.notes)
     other = next((f for f in findings if f.status == "other-environment"), None)
     if other is not None:
         notes[_CELL["status"]] = _other_environments(other.detail)
@@ -859,6 +861,7 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
         legend.append(LEGEND_SIGNED)
     if unknown:
         legend.append(f"not known on this engine: {', '.join(unknown)}")
+    legend += [f"partial figures of {m.name}: {note}" for m in measurements for note in m.notes]
     for text in legend:
         lines += _wrap(text, width, "", "  ")
     breakdown = [row for m in measurements for row in _breakdown_cells(m)]

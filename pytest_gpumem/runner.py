@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,9 +28,9 @@ import torch
 from pytest_gpumem.artifacts import artifact_path
 from pytest_gpumem.engines import cuda_available, make_engine, resolve_device
 from pytest_gpumem.engines.base import Engine
-from pytest_gpumem.engines.tracker import StorageTracker
+from pytest_gpumem.engines.tracker import StorageTracker, unseen_note
 from pytest_gpumem.expressions import BudgetError, parse_budget
-from pytest_gpumem.figures import Measurement
+from pytest_gpumem.figures import Measurement, PartialFigures
 from pytest_gpumem.leaks import StorageSnapshot, confirm_leak, snapshot_storages
 from pytest_gpumem.oom import OomReport, OomWatch, is_oom, release_oom
 from pytest_gpumem.record import TIMELINE_SAMPLES, TestRecord
@@ -309,7 +310,15 @@ class TestRun:
         if oom is not None and exc is not None:
             release_oom(exc, engine)  # what the failed test held goes, traceback frames included
         engine.settle()  # library workspaces stay: they were there at the start reading too
-        call = replace(call, retained=engine.allocated() - call.start, max_microbatch=recorder.max_microbatch)
+        notes = call.notes
+        if engine.exact and engine.tracker is not None:  # the tracker is the engine: what did it miss?
+            unseen = engine.tracker.scan()
+            if unseen > 0:
+                notes = (*notes, unseen_note(unseen))
+                warnings.warn(PartialFigures(f"{self.nodeid}: {notes[-1]}"), stacklevel=2)
+        call = replace(
+            call, retained=engine.allocated() - call.start, max_microbatch=recorder.max_microbatch, notes=notes
+        )
         record = TestRecord(
             self.nodeid,
             environment=self.environment,

@@ -22,9 +22,11 @@ How the two streams meet:
   profiler does not report frees of blocks it did not see allocated, so their frees come
   from weak references to their storages, as in the storage tracker.
 
-Limits: no emulated device limit (an allocation cannot be refused from a replay), and the
+Limits: no emulated device limit (an allocation cannot be refused from a replay), the
 profiler cannot run twice: a test that runs ``torch.profiler`` itself cannot be measured
-this way. Each flush costs a profiler stop and start (~0.3 ms on a 2-core VM).
+this way, and the profiler reports only the allocations of the thread its session was
+started on: work on other threads is not seen, and a span that ran some says so in a note.
+Each flush costs a profiler stop and start (~0.3 ms on a 2-core VM).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from pytest_gpumem.engines.tracker import (
     StorageTracker,
     Window,
     _Entry,
+    _follow_threads,
 )
 from pytest_gpumem.figures import CATEGORIES
 from pytest_gpumem.units import cuda_rounded
@@ -56,6 +59,13 @@ __all__ = ["MARK", "AllocationTracker", "ProfilerInUse"]
 MARK = "pytest_gpumem::mark"
 
 _SAVE, _UNSAVE, _REGISTER, _FREED, _WINDOW = range(5)
+
+#: The note on a span that ran work on other threads while the profiler was read.
+THREADS_NOT_SEEN = (
+    "work ran on other threads, whose allocations observe='allocations' does not see (PyTorch's profiler "
+    "reports only the allocations of the thread that started it): peak and allocated miss them; measure "
+    "threaded code with observe='operators'"
+)
 
 
 class ProfilerInUse(RuntimeError):
@@ -141,11 +151,13 @@ class AllocationTracker(StorageTracker):
         self._begin_count(timeline)
         self._begin_session()
         self._profiling = True
+        _follow_threads(self, follow=True)
         if saved_tensors:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, unpack)
             self._saved_hooks.__enter__()
 
     def stop(self) -> None:
+        _follow_threads(self, follow=False)
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
@@ -184,6 +196,13 @@ class AllocationTracker(StorageTracker):
     @property
     def active(self) -> bool:
         return self._profiling
+
+    def _follow(self, stack: contextlib.ExitStack) -> None:
+        """A thread runs work while the span is measured: the profiler's session cannot see it
+        (its reports are per thread), so the figures say so."""
+        with self._lock:
+            if THREADS_NOT_SEEN not in self.notes:
+                self.notes.append(THREADS_NOT_SEEN)
 
     def flush(self) -> None:
         """Bring the ledger up to now: replay what the profiler saw since the last flush.

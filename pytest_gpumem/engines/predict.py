@@ -12,6 +12,7 @@ reading, so a test's cost never includes a workspace an earlier test did or did 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterable, Iterator
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from pytest_gpumem.engines.base import Reading
 from pytest_gpumem.engines.cpu import CpuEngine
@@ -48,7 +50,8 @@ class _PredictMode(_Mode):
         assert isinstance(tracker, PredictTracker)
         name = func._overloadpacket.__name__
         if name in tracker.workspace_operators:
-            tracker.matrix_product(name, args)
+            with self.lock:
+                tracker.matrix_product(name, args)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
@@ -74,9 +77,10 @@ class PredictTracker(StorageTracker):
 
     def _on_freed(self, entry: Any) -> None:
         key = entry.key
-        if self._entries.get(key) is entry and key in self.model:  # not if resized to nothing before
-            self.model.free(key)
-        super()._on_freed(entry)
+        with self._lock:
+            if self._entries.get(key) is entry and key in self.model:  # not if resized to nothing before
+                self.model.free(key)
+            super()._on_freed(entry)
 
     def _resize_entry(self, entry: Any, nbytes: int) -> None:
         """A storage resized in place is, to the caching allocator, a free and a new block."""
@@ -100,6 +104,13 @@ class PredictTracker(StorageTracker):
 
     def _make_mode(self) -> _Mode:
         return _PredictMode(self)
+
+    def _follow(self, stack: contextlib.ExitStack) -> None:
+        """Watch the calling thread, the target's kernels too (a function mode is per thread)."""
+        watched = any(getattr(mode, "tracker", None) is self for mode in _get_current_dispatch_mode_stack())
+        super()._follow(stack)
+        if self._kernels is not None and not watched:
+            stack.enter_context(_DeviceKernels(self))
 
     def count_new(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count ``tensors``, made while the tracker was set aside, as this moment's allocations."""

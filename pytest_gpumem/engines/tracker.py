@@ -15,9 +15,17 @@ user tracks, activations are storages saved for backward (seen through
 ``saved_tensors_hooks``), everything else created while tracking is a temporary
 and everything else that existed before is "other".
 
+Threads: torch's dispatch modes and saved-tensor hooks are per thread. While a tracker
+watches, threads started with ``threading.Thread.start`` and callables submitted to a
+``concurrent.futures.ThreadPoolExecutor`` (whenever its threads were started) run under
+the tracker too (:func:`_follow_threads`); one count, under a lock, serves every thread, so
+the peak of threads running at once is the peak of their sum.
+
 What it does not see: memory that kernels allocate internally without creating
-a tensor (workspaces) and storages that no Python-reachable tensor referenced at
-scan time and that no tracked operator created.
+a tensor (workspaces), storages that no Python-reachable tensor referenced at
+scan time and that no tracked operator created, and what threads that were running
+before the tracker started (and are no pool's) allocate: a later :meth:`StorageTracker.scan`
+finds what of it is still alive (see :func:`unseen_note`).
 """
 
 from __future__ import annotations
@@ -26,13 +34,20 @@ import contextlib
 import gc
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 
 try:
     from torch._ops import OpOverload
@@ -41,7 +56,7 @@ except ImportError:  # pragma: no cover - torch moved it
 
 from pytest_gpumem.engines.saved import Held, Released, unpack
 from pytest_gpumem.figures import CATEGORIES
-from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded
+from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded, format_size
 
 __all__ = ["CUDA_BLOCK", "StorageTracker", "Window", "cuda_rounded"]
 
@@ -175,6 +190,78 @@ def _resize_watch(tracker: StorageTracker, *, watch: bool) -> None:
             _original_resize = None
 
 
+_FOLLOWERS: list[StorageTracker] = []
+_original_start: Any = None
+_original_submit: Any = None
+
+
+def _follow_threads(tracker: StorageTracker, *, follow: bool) -> None:
+    """While ``tracker`` watches, threads started (``threading.Thread.start``) and callables
+    submitted to thread pools (``ThreadPoolExecutor.submit``) run under it as well: torch's
+    dispatch modes and saved-tensor hooks are per thread. The methods are restored when no
+    tracker watches."""
+    global _original_start, _original_submit
+    if follow:
+        if tracker not in _FOLLOWERS:
+            _FOLLOWERS.append(tracker)
+        if _original_start is None:
+            _original_start, _original_submit = threading.Thread.start, ThreadPoolExecutor.submit
+            threading.Thread.start = _start  # type: ignore[method-assign,assignment]
+            ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign,assignment]
+    else:
+        if tracker in _FOLLOWERS:
+            _FOLLOWERS.remove(tracker)
+        if not _FOLLOWERS and _original_start is not None:
+            threading.Thread.start = _original_start  # type: ignore[method-assign]
+            ThreadPoolExecutor.submit = _original_submit  # type: ignore[method-assign]
+            _original_start = _original_submit = None
+
+
+def _start(thread: threading.Thread) -> None:
+    """``Thread.start`` while trackers watch: the thread's ``run`` runs under them."""
+    trackers = [tracker for tracker in _FOLLOWERS if tracker.active]
+    if trackers:
+        run = thread.run
+
+        def followed() -> None:
+            try:
+                _call_followed(trackers, run)
+            finally:
+                thread.__dict__.pop("run", None)  # let go of the trackers with the thread's work
+
+        thread.run = followed  # type: ignore[method-assign]
+    start: Any = _original_start or threading.Thread.start
+    start(thread)
+
+
+def _submit(executor: ThreadPoolExecutor, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``ThreadPoolExecutor.submit`` while trackers watch: ``fn`` runs under them on the pool's
+    thread, whenever that thread was started."""
+    trackers = [tracker for tracker in _FOLLOWERS if tracker.active]
+    submit: Any = _original_submit or ThreadPoolExecutor.submit
+    if not trackers:
+        return submit(executor, fn, *args, **kwargs)
+    return submit(executor, _call_followed, trackers, fn, *args, **kwargs)
+
+
+def _call_followed(trackers: list[StorageTracker], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on this thread, watched by those of ``trackers`` still active."""
+    with contextlib.ExitStack() as stack:
+        for tracker in trackers:
+            if tracker.active:
+                tracker._follow(stack)
+        return fn(*args, **kwargs)
+
+
+def unseen_note(nbytes: int) -> str:
+    """The note on figures that missed ``nbytes`` found alive later by a scan."""
+    return (
+        f"{format_size(nbytes)} alive at the end were allocated where the tensor tracker could not see them "
+        "(on a thread started before the measurement, or outside PyTorch's operators): retained counts them, "
+        "peak and allocated may miss them (not seen while they were made)"
+    )
+
+
 #: Tensor types that hold their own storage: every other tensor type is looked into (local_tensors).
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
@@ -247,6 +334,7 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
         self.operators = tracker._operators
+        self.lock = tracker._lock
         #: set once the mode is on the stack: from then on only TorchDynamo asks
         #: :meth:`ignore_compile_internals` (the mode's own ``__enter__`` asks it first)
         self.armed = False
@@ -280,10 +368,11 @@ class _Mode(TorchDispatchMode):
         call, kind = operator
         out = call(*args, **kwargs) if kwargs else call(*args)
         if kind:
-            if isinstance(out, torch.Tensor):
-                self.tracker._output(out, kind == FRESH)
-            else:
-                self.tracker._outputs(out, kind == FRESH)
+            with self.lock:  # one count for every thread the tracker watches
+                if isinstance(out, torch.Tensor):
+                    self.tracker._output(out, kind == FRESH)
+                else:
+                    self.tracker._outputs(out, kind == FRESH)
         return out
 
 
@@ -313,6 +402,11 @@ class StorageTracker:
         # per allocation; the copy is made before anything lowers or moves a count.
         self._pending = False
         self._operators: dict[Any, tuple[Callable[..., Any], int]] = {}
+        #: held while the counts change: threads the tracker follows change them too (reentrant:
+        #: a storage freed by a garbage collection inside a change is counted out on the same thread)
+        self._lock = threading.RLock()
+        #: notes on what the figures miss since :meth:`start` (threads it could not follow)
+        self.notes: list[str] = []
         self._freed = self._on_freed  # one bound method for every weak reference
         self._mode: _Mode | None = None
         self._saved_hooks: Any = None
@@ -349,7 +443,8 @@ class StorageTracker:
 
     def breakdown(self) -> dict[str, int]:
         """Bytes alive now, by category."""
-        return dict(zip(CATEGORIES, self._by_category, strict=True))
+        with self._lock:
+            return dict(zip(CATEGORIES, self._by_category, strict=True))
 
     def _add(self, storage: torch.UntypedStorage, key: int, category: int) -> None:
         nbytes = storage.nbytes()
@@ -389,19 +484,20 @@ class StorageTracker:
         )
 
     def _on_freed(self, entry: _Entry) -> None:
-        """Weak-reference callback: the storage of ``entry`` is being freed."""
+        """Weak-reference callback: the storage of ``entry`` is being freed (on any thread)."""
         key = entry.key
-        if self._entries.get(key) is not entry:
-            return
-        if self._pending:
-            self._settle()
-        del self._entries[key]
-        self._by_category[entry.category] -= entry.nbytes
-        self.current -= entry.nbytes
-        self._param_keys.discard(key)
-        self.events += 1
-        if self.timeline is not None:
-            self._sample()
+        with self._lock:
+            if self._entries.get(key) is not entry:
+                return
+            if self._pending:
+                self._settle()
+            del self._entries[key]
+            self._by_category[entry.category] -= entry.nbytes
+            self.current -= entry.nbytes
+            self._param_keys.discard(key)
+            self.events += 1
+            if self.timeline is not None:
+                self._sample()
 
     def _settle(self) -> None:
         """Copy the breakdown into the window: the count is at its peak and is about to change."""
@@ -492,14 +588,15 @@ class StorageTracker:
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
         """A storage was resized in place (``untyped_storage().resize_()``: FSDP2 frees and
         re-allocates its unsharded parameters that way, under no operator)."""
-        entry = self._entries.get(storage._cdata)
-        if entry is None:
-            return
-        nbytes = storage.nbytes()
-        if self.cuda_rounding:
-            nbytes = cuda_rounded(nbytes)
-        if nbytes != entry.nbytes:
-            self._resize_entry(entry, nbytes)
+        with self._lock:
+            entry = self._entries.get(storage._cdata)
+            if entry is None:
+                return
+            nbytes = storage.nbytes()
+            if self.cuda_rounding:
+                nbytes = cuda_rounded(nbytes)
+            if nbytes != entry.nbytes:
+                self._resize_entry(entry, nbytes)
 
     # -- registering what exists ----------------------------------------------
 
@@ -509,6 +606,10 @@ class StorageTracker:
         ``category`` None keeps the category of known storages and counts unknown
         ones as "other". Tensors on other devices are ignored.
         """
+        with self._lock:
+            self._register(tensors, category)
+
+    def _register(self, tensors: Iterable[torch.Tensor], category: str | None) -> None:
         index = None if category is None else CATEGORIES.index(category)
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor):
@@ -516,7 +617,7 @@ class StorageTracker:
             if type(tensor) not in _PLAIN:
                 inner = local_tensors(tensor)
                 if inner is not None:
-                    self.register(inner, category)
+                    self._register(inner, category)
                     continue
             if not self._on_device(tensor):
                 continue
@@ -567,12 +668,19 @@ class StorageTracker:
         entry.category = index
         entry.moved = self.events
 
-    def scan(self) -> None:
-        """Register every tensor the garbage collector can see on this device.
+    def scan(self) -> int:
+        """Register every tensor the garbage collector can see on this device; returns the bytes
+        of the storages it found that were not counted yet.
 
         Parameters count as "parameters", their ``.grad`` as "gradients", the rest
         as "other" (known storages keep their category).
         """
+        with self._lock:
+            before = self.current
+            self._scan()
+            return self.current - before
+
+    def _scan(self) -> None:
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         others: list[torch.Tensor] = []
@@ -618,11 +726,12 @@ class StorageTracker:
     def take_window(self, *, defer: bool = False) -> Window:
         """The window since the last call (or creation); opens a new one at the current count.
         ``defer`` is moot: this tracker's counts are always current."""
-        if self._pending:
-            self._settle()
-        window = self._window
-        self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
-        return window
+        with self._lock:
+            if self._pending:
+                self._settle()
+            window = self._window
+            self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
+            return window
 
     # -- activity --------------------------------------------------------------
 
@@ -639,9 +748,24 @@ class StorageTracker:
         self._mode.__enter__()
         self._mode.armed = True
         _resize_watch(self, watch=True)
+        _follow_threads(self, follow=True)
         if saved_tensors:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
             self._saved_hooks.__enter__()
+
+    def _follow(self, stack: contextlib.ExitStack) -> None:
+        """Watch the calling thread (one this tracker did not start on) until ``stack`` closes:
+        a dispatch mode of its own, and the saved-tensor hooks where :meth:`start` entered them."""
+        if any(getattr(mode, "tracker", None) is self for mode in _get_current_dispatch_mode_stack()):
+            return  # watched already (a pool's thread started while watching, given work)
+        mode = self._make_mode()
+        mode.armed = True
+        # pushed without the mode's __enter__: that sets process-wide flags, which the mode of the
+        # thread that started the tracker has set already, and which threads would undo out of order
+        _push_mode(mode)
+        stack.callback(_pop_mode)
+        if self._saved_hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, unpack))
 
     def _make_mode(self) -> _Mode:
         """The dispatch mode that reports operators' outputs to this tracker."""
@@ -652,6 +776,7 @@ class StorageTracker:
         self.timeline = [] if timeline else None
         self._timeline_stride = 1
         self.events = 0
+        self.notes = []
         if self.timeline is not None:
             self.timeline.append((0, tuple(self._by_category)))
         self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
@@ -666,6 +791,7 @@ class StorageTracker:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
         _resize_watch(self, watch=False)
+        _follow_threads(self, follow=False)
         self._forget_skips()
 
     def _forget_skips(self) -> None:
@@ -717,19 +843,21 @@ class StorageTracker:
 
     def _save(self, entry: _Entry) -> None:
         """Autograd holds ``entry`` for backward once more: counted once however often it is held."""
-        if entry.saves == 0:
-            self.saved += entry.nbytes
-            if self.saved > self._window.saved_peak:
-                self._window.saved_peak = self.saved
-            if entry.category in (TEMPORARIES, OTHER):
-                entry.prior = entry.category
-                self._move(entry, ACTIVATIONS, discovered=False)
-        entry.saves += 1
+        with self._lock:
+            if entry.saves == 0:
+                self.saved += entry.nbytes
+                if self.saved > self._window.saved_peak:
+                    self._window.saved_peak = self.saved
+                if entry.category in (TEMPORARIES, OTHER):
+                    entry.prior = entry.category
+                    self._move(entry, ACTIVATIONS, discovered=False)
+            entry.saves += 1
 
     def _unsave(self, entry: _Entry) -> None:
-        entry.saves -= 1
-        if entry.saves == 0:
-            self.saved -= entry.nbytes
-            # The holder keeps the tensor alive, so the storage is still counted here.
-            if entry.category == ACTIVATIONS and entry() is not None:
-                self._move(entry, entry.prior, discovered=False)
+        with self._lock:
+            entry.saves -= 1
+            if entry.saves == 0:
+                self.saved -= entry.nbytes
+                # The holder keeps the tensor alive, so the storage is still counted here.
+                if entry.category == ACTIVATIONS and entry() is not None:
+                    self._move(entry, entry.prior, discovered=False)
