@@ -169,6 +169,20 @@ def _rank_main(
         results.put((rank, "oom" if oom else "error", text))
 
 
+def _ended(exitcode: int | None) -> str:
+    """How a rank process ended before reporting, from its exit code (negative: the signal that killed it)."""
+    if exitcode is None or exitcode >= 0:
+        return f"exited with code {exitcode} before reporting"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        return f"was killed by signal {-exitcode} before reporting"
+    text = f"was killed by {name} (signal {-exitcode}) before reporting"
+    if name == "SIGKILL":
+        text += " (SIGKILL: often the system's out-of-memory killer; see the kernel log, `dmesg`)"
+    return text
+
+
 def _signal(process: Any, group: int | None, signum: int) -> None:
     """Send ``signum`` to a rank's process group (it and the processes it started), else to it alone."""
     if group is not None:
@@ -343,7 +357,7 @@ def run_ranks(
                 with contextlib.suppress(queue.Empty):
                     take(results.get(timeout=0.1))
             for rank in silent(processes):  # died without a word: its peers' errors follow
-                reports[rank] = f"rank {rank} exited with code {processes[rank].exitcode} before reporting"
+                reports[rank] = f"rank {rank} {_ended(processes[rank].exitcode)}"
     if reports:
         ordered = dict(sorted(reports.items()))
         names = ", ".join(map(str, ordered))

@@ -423,6 +423,13 @@ class GpumemManager:
             )
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
             return False
+        except KeyboardInterrupt:  # Ctrl-C while this rank waits for the others
+            self._error = (
+                "gpumem: interrupted while gathering the ranks' records: "
+                "the baseline file and the reports were not written"
+            )
+            session.exitstatus = pytest.ExitCode.INTERRUPTED
+            return False
         if gathered is None:
             return False
         self.gate.records = merge(gathered)

@@ -12,6 +12,8 @@ gather fails (a rank died, a rank did not reach the end in time), nothing is wri
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -75,34 +77,60 @@ def rename(record: TestRecord, where: Launch) -> None:
     record.tolerances = tolerances
 
 
+def _interruptible(call: Callable[[], None]) -> None:
+    """``call()`` in a thread of its own, waited for here: a collective waits in C++, where
+    Ctrl-C does not reach it until every rank has arrived; this wait ends at the first
+    (``KeyboardInterrupt``), leaving the abandoned collective to the end of the process."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # raised again in the waiting thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=run, name="gpumem-gather", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if failure:
+        raise failure[0]
+
+
 def gather_records(records: list[dict[str, Any]], where: Launch, timeout: float = GATHER_TIMEOUT) -> list[Any] | None:
     """Every rank's ``records`` on rank 0 (a list, rank by rank); None on the other ranks.
 
     Uses the default process group when the suite made one (a ``gloo`` group beside it when
     its backend is another), else makes one from torchrun's environment and tears it down.
-    Raises :class:`GatherError` when a rank cannot be reached.
+    Raises :class:`GatherError` when a rank cannot be reached, ``KeyboardInterrupt`` at once
+    on Ctrl-C (the wait for the other ranks runs in a thread).
     """
     import torch.distributed as dist
 
-    created = False
+    gathered: list[Any] | None = [None] * where.world_size if where.rank == 0 else None
+
+    def gather() -> None:
+        created = False
+        try:
+            if not dist.is_initialized():
+                dist.init_process_group(
+                    "gloo",
+                    init_method="env://",
+                    rank=where.rank,
+                    world_size=where.world_size,
+                    timeout=timedelta(seconds=timeout),
+                )
+                created = True
+            group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            dist.gather_object(records, gathered, dst=0, group=group)
+        finally:
+            if created and dist.is_initialized():
+                dist.destroy_process_group()
+
     try:
-        if not dist.is_initialized():
-            dist.init_process_group(
-                "gloo",
-                init_method="env://",
-                rank=where.rank,
-                world_size=where.world_size,
-                timeout=timedelta(seconds=timeout),
-            )
-            created = True
-        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        gathered: list[Any] | None = [None] * where.world_size if where.rank == 0 else None
-        dist.gather_object(records, gathered, dst=0, group=group)
+        _interruptible(gather)
     except Exception as exc:  # torch raises RuntimeError, DistBackendError, TimeoutError...
         raise GatherError(f"rank {where.rank} of {where.world_size}: {type(exc).__name__}: {exc}") from exc
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
     if gathered is not None and any(part is None for part in gathered):
         raise GatherError("not every rank sent its records")
     return gathered

@@ -63,6 +63,19 @@ def _descendants(root: int) -> set[int]:
     return found
 
 
+def _local_rank(pid: int) -> str | None:
+    """``LOCAL_RANK`` in the environment of process ``pid``; None when it has none (or is gone)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    for entry in environ.split(b"\0"):
+        name, _, value = entry.partition(b"=")
+        if name == b"LOCAL_RANK":
+            return value.decode()
+    return None
+
+
 def _wait_gone(pids: set[int], seconds: float) -> set[int]:
     """The processes of ``pids`` still alive after at most ``seconds``."""
     deadline = time.monotonic() + seconds
@@ -334,6 +347,8 @@ def test_torchrun_names_each_ranks_limit_in_the_summary_and_the_json(
         "torch.distributed.run",
         "--nproc-per-node=2",
         f"--master-port={_free_port()}",
+        "--redirects=3",  # each rank's output in a file of its own: rank 0's summary whole
+        "--log-dir=logs",
         "-m",
         "pytest",
         "-p",
@@ -342,10 +357,12 @@ def test_torchrun_names_each_ranks_limit_in_the_summary_and_the_json(
         "no:randomly",
         "test_ranked.py",
         "--gpumem-json=report.json",
+        "--gpumem-markdown=report.md",
         timeout=300,
     )
     assert result.ret != 0
-    summary = result.stdout.str().split("= gpumem =")[-1].split("= short test summary info =")[0]
+    (rank0,) = pytester.path.glob("logs/*/attempt_0/0/stdout.log")
+    summary = rank0.read_text(encoding="utf-8").split("= gpumem =")[-1].split("= short test summary info =")[0]
     # 80 columns: the test ids above their rows, every rank's row with its limit and status
     assert [line.split() for line in summary.splitlines() if " peak " in line] == [
         ["call@rank0-of-2", "peak", "3.91", "KiB", "3.91", "KiB", "1.00", "KiB", "exceeded"],
@@ -353,6 +370,11 @@ def test_torchrun_names_each_ranks_limit_in_the_summary_and_the_json(
         ["call@rank0-of-2", "peak", "3.91", "KiB", "3.91", "KiB", "1.00", "GiB", "new"],
         ["call@rank1-of-2", "peak", "3.91", "KiB", "3.91", "KiB", "1.00", "GiB", "new"],
     ]
+    markdown = (pytester.path / "report.md").read_text(encoding="utf-8")
+    for rank in (0, 1):
+        assert (
+            f"| test_ranked.py::test_over | call@rank{rank}-of-2 | peak | 3.91 KiB | 3.91 KiB | 1.00 KiB |" in markdown
+        )
     assert "unchecked" not in summary
     assert all(len(line) <= 80 for line in summary.splitlines())
     data = json.loads((pytester.path / "report.json").read_text(encoding="utf-8"))
@@ -369,3 +391,79 @@ def test_torchrun_names_each_ranks_limit_in_the_summary_and_the_json(
         ("test_within", rank_span("call", 1, 2)): "ok",
     }
     assert torch.distributed.is_available()
+
+
+def rank_one_is_killed(rank: int, ctx: RankContext) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer would
+    torch.distributed.barrier()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_a_rank_killed_by_a_signal_is_reported_by_the_signals_name() -> None:
+    with pytest.raises(DistributedError) as caught:
+        run_ranks(rank_one_is_killed, 2, timeout=60)
+    assert caught.value.reports[1] == (
+        "rank 1 was killed by SIGKILL (signal 9) before reporting "
+        "(SIGKILL: often the system's out-of-memory killer; see the kernel log, `dmesg`)"
+    )
+    assert multiprocessing.active_children() == []
+
+
+RANK_ONE_IS_LATE = """
+import os
+import time
+
+import pytest
+import torch
+
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_step():
+    if os.environ["RANK"] == "1":
+        time.sleep(120)
+    x = torch.zeros(1000)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's redirects, /proc")
+def test_ctrl_c_while_rank_zero_waits_for_the_others_ends_it_at_once_and_cleanly(tmp_path: Path) -> None:
+    """Rank 0 is done and waits in the gather for rank 1 (two minutes away): Ctrl-C ends it in
+    seconds, with a line that says what was not written, no traceback, pytest's exit status 2."""
+    (tmp_path / "test_late.py").write_text(RANK_ONE_IS_LATE)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTEST_ADDOPTS": "-p no:randomly -p no:cacheprovider"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}"]
+    command += ["--redirects=3", "--log-dir=logs", "-m", "pytest", "test_late.py", "--gpumem-update-baselines"]
+    with open(tmp_path / "torchrun.log", "wb") as log:
+        launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("logs/*/attempt_0/0/stdout.log")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (out,) = tmp_path.glob("logs/*/attempt_0/0/stdout.log")
+        err = out.with_name("stderr.log")
+        while "[100%]" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (rank0,) = (pid for pid in _descendants(launcher.pid) if _local_rank(pid) == "0")
+        time.sleep(1)  # its last test reported: it is in the gather now
+        interrupted = time.monotonic()
+        os.kill(rank0, signal.SIGINT)  # one Ctrl-C
+        while _alive(rank0) and time.monotonic() - interrupted < 30:
+            time.sleep(0.1)
+        took = time.monotonic() - interrupted
+        assert took < 10  # not when rank 1 arrives, two minutes later
+        launcher.wait(60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    output = out.read_text() + err.read_text()
+    assert (
+        "gpumem: interrupted while gathering the ranks' records: the baseline file and the reports were not written"
+        in output
+    )
+    assert "Traceback" not in output and "INTERNALERROR" not in output
+    assert not (tmp_path / "gpumem-baselines.json").exists()
+    assert f"exitcode  : 2 (pid: {rank0})" in (tmp_path / "torchrun.log").read_text()  # pytest's "interrupted"
