@@ -129,8 +129,8 @@ def _elide_middle(text: str, width: int) -> str:
 
 
 #: The rank a span is measured on, at the end of its name: ``call@rank1-of-2`` (torchrun),
-#: ``rank1-of-2`` (``gpumem.distributed``).
-_RANK_RE = re.compile(r"@?rank\d+-of-\d+$")
+#: ``rank1-of-2`` (``gpumem.distributed``), ``rank0-of-2@rank1-of-2`` (both).
+_RANK_RE = re.compile(r"(?:@?rank\d+-of-\d+)+$")
 
 
 def _span_floor(name: str) -> int:

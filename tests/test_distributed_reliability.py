@@ -175,11 +175,18 @@ def test_ranks_sleep(gpumem):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_no_process_outlives_a_pytest_that_is_stopped_while_ranks_run(tmp_path: Path, how: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    ("how", "status"),
+    [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL), (signal.SIGINT, 2)],
+    ids=["SIGTERM", "SIGKILL", "SIGINT"],
+)
+def test_no_process_outlives_a_pytest_that_is_stopped_while_ranks_run(
+    tmp_path: Path, how: signal.Signals, status: int
+) -> None:
     """pytest stopped from outside while its ranks run: the ranks, their own subprocesses and
     multiprocessing's resource tracker all end within seconds (SIGKILL: no handler can run in
-    pytest; the ranks notice their parent is gone)."""
+    pytest; the ranks notice their parent is gone. SIGINT, to pytest alone: the ranks are in
+    groups of their own, pytest stops them)."""
     (tmp_path / "test_sleeping.py").write_text(SLEEPING_RANKS)
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
@@ -201,7 +208,7 @@ def test_no_process_outlives_a_pytest_that_is_stopped_while_ranks_run(tmp_path: 
         os.kill(pytest_process.pid, how)
         pytest_process.wait(30)
         left = _wait_gone(started, 10)
-        assert pytest_process.returncode == -how  # pytest still ends as the signal ends it
+        assert pytest_process.returncode == status  # pytest still ends as the signal ends it
     finally:
         if pytest_process.poll() is None:
             pytest_process.kill()
@@ -283,11 +290,13 @@ def test_the_rank_of_a_span_stays_visible_at_any_width(width: int) -> None:
     ]
 
 
-@pytest.mark.parametrize("width", [80, 40])
-def test_the_ranks_of_gpumem_distributed_stay_visible_at_any_width(width: int) -> None:
-    """``gpumem.distributed``'s rank spans (``rank0-of-8``) under a long test id."""
+@pytest.mark.parametrize("width", [80, 60, 40, 30])
+@pytest.mark.parametrize("torchrun", ["", "@rank1-of-2"])
+def test_the_ranks_of_gpumem_distributed_stay_visible_at_any_width(width: int, torchrun: str) -> None:
+    """``gpumem.distributed``'s rank spans (``rank0-of-8``) under a long test id, also in a
+    torchrun launch (``rank0-of-8@rank1-of-2``)."""
     spans = [
-        Measurement(name=f"rank{r}-of-8", engine="cpu", device="cpu", start=0, peak=4000 * r, allocated=0)
+        Measurement(name=f"rank{r}-of-8{torchrun}", engine="cpu", device="cpu", start=0, peak=4000 * r, allocated=0)
         for r in range(8)
     ]
     nodeid = "tests/distributed/test_sharding_layouts.py::test_fsdp_keeps_a_shard[fp32-8-ranks]"
@@ -295,7 +304,10 @@ def test_the_ranks_of_gpumem_distributed_stay_visible_at_any_width(width: int) -
     text = terminal_summary([record], width=width)
     assert text is not None
     for r in range(8):
-        assert f"rank{r}-of-8" in text
+        assert f"rank{r}-of-8{torchrun}" in text
+    figures = measurement_table(spans, width=width)
+    for r in range(8):
+        assert f"rank{r}-of-8{torchrun}" in figures
 
 
 def test_each_rank_draws_its_limits_in_an_html_artifact_of_its_own(tmp_path: Path) -> None:
