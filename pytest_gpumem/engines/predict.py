@@ -50,7 +50,7 @@ class _PredictMode(_Mode):
         assert isinstance(tracker, PredictTracker)
         name = func._overloadpacket.__name__
         if name in tracker.workspace_operators:
-            with self.lock:
+            with tracker._lock:
                 tracker.matrix_product(name, args)
         return super().__torch_dispatch__(func, types, args, kwargs)
 

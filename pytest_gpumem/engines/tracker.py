@@ -334,7 +334,9 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
         self.operators = tracker._operators
-        self.lock = tracker._lock
+        # bound once (the lock's methods too: cheaper than a with-statement): this runs once per operator
+        self.acquire, self.release = tracker._lock.acquire, tracker._lock.release
+        self.output, self.outputs = tracker._output, tracker._outputs
         #: set once the mode is on the stack: from then on only TorchDynamo asks
         #: :meth:`ignore_compile_internals` (the mode's own ``__enter__`` asks it first)
         self.armed = False
@@ -368,11 +370,14 @@ class _Mode(TorchDispatchMode):
         call, kind = operator
         out = call(*args, **kwargs) if kwargs else call(*args)
         if kind:
-            with self.lock:  # one count for every thread the tracker watches
+            self.acquire()  # one count for every thread the tracker watches
+            try:
                 if isinstance(out, torch.Tensor):
-                    self.tracker._output(out, kind == FRESH)
+                    self.output(out, kind == FRESH)
                 else:
-                    self.tracker._outputs(out, kind == FRESH)
+                    self.outputs(out, kind == FRESH)
+            finally:
+                self.release()
         return out
 
 
@@ -405,6 +410,7 @@ class StorageTracker:
         #: held while the counts change: threads the tracker follows change them too (reentrant:
         #: a storage freed by a garbage collection inside a change is counted out on the same thread)
         self._lock = threading.RLock()
+        self._acquire, self._release = self._lock.acquire, self._lock.release
         #: notes on what the figures miss since :meth:`start` (threads it could not follow)
         self.notes: list[str] = []
         self._freed = self._on_freed  # one bound method for every weak reference
@@ -486,7 +492,8 @@ class StorageTracker:
     def _on_freed(self, entry: _Entry) -> None:
         """Weak-reference callback: the storage of ``entry`` is being freed (on any thread)."""
         key = entry.key
-        with self._lock:
+        self._acquire()
+        try:
             if self._entries.get(key) is not entry:
                 return
             if self._pending:
@@ -498,6 +505,8 @@ class StorageTracker:
             self.events += 1
             if self.timeline is not None:
                 self._sample()
+        finally:
+            self._release()
 
     def _settle(self) -> None:
         """Copy the breakdown into the window: the count is at its peak and is about to change."""
