@@ -438,6 +438,17 @@ def test_step():
     x = torch.zeros(1000)
 """
 
+#: Says when a rank's session is finishing: just before the plugin gathers (tryfirst).
+FINISHING = """
+import os
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    open(f"finishing{os.environ['RANK']}", "w").close()
+"""
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's redirects, /proc")
@@ -445,6 +456,7 @@ def test_ctrl_c_while_rank_zero_waits_for_the_others_ends_it_at_once_and_cleanly
     """Rank 0 is done and waits in the gather for rank 1 (two minutes away): Ctrl-C ends it in
     seconds, with a line that says what was not written, no traceback, pytest's exit status 2."""
     (tmp_path / "test_late.py").write_text(RANK_ONE_IS_LATE)
+    (tmp_path / "conftest.py").write_text(FINISHING)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTEST_ADDOPTS": "-p no:randomly -p no:cacheprovider"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}"]
     command += ["--redirects=3", "--log-dir=logs", "-m", "pytest", "test_late.py", "--gpumem-update-baselines"]
@@ -456,10 +468,10 @@ def test_ctrl_c_while_rank_zero_waits_for_the_others_ends_it_at_once_and_cleanly
             time.sleep(0.1)
         (out,) = tmp_path.glob("logs/*/attempt_0/0/stdout.log")
         err = out.with_name("stderr.log")
-        while "[100%]" not in out.read_text() and time.monotonic() < deadline:
+        while not (tmp_path / "finishing0").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         (rank0,) = (pid for pid in _descendants(launcher.pid) if _local_rank(pid) == "0")
-        time.sleep(1)  # its last test reported: it is in the gather now
+        time.sleep(1)  # its session is finishing: it is in the gather now
         interrupted = time.monotonic()
         os.kill(rank0, signal.SIGINT)  # one Ctrl-C
         while _alive(rank0) and time.monotonic() - interrupted < 30:
