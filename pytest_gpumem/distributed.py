@@ -39,6 +39,9 @@ __all__ = ["DistributedError", "RankContext", "run_ranks"]
 #: Seconds a run may take, all ranks together, unless the caller says otherwise.
 DEFAULT_TIMEOUT = 300.0
 
+#: The signal that ends a process at once (Windows has no SIGKILL: there, terminating is killing).
+_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+
 
 class DistributedError(RuntimeError):
     """One or more ranks failed, died or timed out; ``reports`` maps each such rank to what happened
@@ -106,7 +109,7 @@ def _end_group(group: int | None) -> None:
     """End this rank, with every process of its group."""
     if group is not None:
         with contextlib.suppress(OSError):
-            os.killpg(group, signal.SIGKILL)
+            os.killpg(group, _KILL)
     os._exit(1)
 
 
@@ -210,7 +213,7 @@ def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> 
 
     def stop(signum: int, frame: Any) -> None:
         for rank, process in enumerate(processes):
-            _signal(process, groups.get(rank), signal.SIGKILL)
+            _signal(process, groups.get(rank), _KILL)
         signal.signal(signal.SIGTERM, previous)
         if callable(previous):
             previous(signum, frame)
@@ -240,12 +243,12 @@ def _processes(groups: dict[int, int | None]) -> Iterator[list[Any]]:
         for rank, process in enumerate(processes):
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
-                _signal(process, groups.get(rank), signal.SIGKILL)
+                _signal(process, groups.get(rank), _KILL)
                 process.kill()
                 process.join()
         for rank, process in enumerate(processes):  # what a rank started and left running
             if groups.get(rank) is not None:
-                _signal(process, groups[rank], signal.SIGKILL)
+                _signal(process, groups[rank], _KILL)
 
 
 def run_ranks(
