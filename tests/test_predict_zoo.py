@@ -43,6 +43,9 @@ from pytest_gpumem.engines.predict import PredictEngine
 from pytest_gpumem.fixture import run_step
 from pytest_gpumem.predict import target
 
+#: each test runs a whole zoo step of the recorded size (up to 64 MiB activations, about 40 s in all)
+pytestmark = pytest.mark.slow
+
 MiB = 1 << 20
 #: the H100's workspaces at the end of each step: cuBLAS on two threads, cuBLASLt on one
 WORKSPACES = 2 * 32 * MiB + MiB

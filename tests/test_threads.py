@@ -144,6 +144,7 @@ def test_step(where, early_pool):
         assert _figures(test["call"])["peak"] == 4004, where
 
 
+@pytest.mark.slow  # four leak confirmations (full collections) in a session
 def test_a_leak_made_on_a_thread_is_retained_with_its_bytes(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         STEP
@@ -171,6 +172,7 @@ def test_leak(where, early_pool):
     assert result.stdout.str().count("LEAKS") >= 4
 
 
+@pytest.mark.slow  # four out-of-memory reports, a census of live tensors each
 def test_an_emulated_device_limit_is_enforced_on_a_thread(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         STEP
