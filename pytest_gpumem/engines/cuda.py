@@ -45,6 +45,26 @@ def _backend(device: torch.device) -> Any:
     return backend
 
 
+def _initialize(device: torch.device) -> None:
+    """Make sure the context, RNG and BLAS handle of ``device`` exist (their first use allocates)."""
+    torch.empty(1, device=device)
+    torch.cuda.current_blas_handle()
+
+
+def _workspace_kernels(device: torch.device) -> None:
+    """The kernels of :meth:`CudaEngine.warm_workspaces`: a matmul and a ``Linear`` with bias in
+    float32 and bfloat16 on this thread, and a backward through them on autograd's device thread."""
+    with torch.enable_grad():
+        weight = torch.ones(16, 16, device=device, requires_grad=True)
+        bias = torch.ones(16, device=device, requires_grad=True)
+        total = torch.zeros((), device=device)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.ones(16, 16, device=device, dtype=dtype)
+            w, b = weight.to(dtype), bias.to(dtype)
+            total = total + (x @ w).float().sum() + torch.nn.functional.linear(x, w, b).float().sum()
+        total.backward()
+
+
 def _memory_api() -> Any:
     accelerator = getattr(torch, "accelerator", None)
     memory = getattr(accelerator, "memory", None)
@@ -96,15 +116,15 @@ class CudaEngine:
         Synchronize and collect garbage (only the objects made since the collector
         last froze its older ones, under the plugin), make sure the context, RNG and
         BLAS handle exist, create the library workspaces that a training step's threads
-        get (see :meth:`warm_workspaces`) and keep them, return the allocator's cached
+        get (see :meth:`warm_workspaces`; every time, since a test may free them, as Inductor's
+        CUDA graph trees do; measured the first time) and keep them, return the allocator's cached
         blocks to the driver, and reset the peaks. A test's figures then never include
         a workspace an earlier test did or did not create. PyTorch's leak check frees
         the workspaces instead: :func:`pytest_gpumem.leaks.confirm_leak` does that.
         """
-        with torch.cuda.device(self.device):
+        with self._backend.device(self.device):
             self.settle()
-            torch.empty(1, device=self.device)
-            torch.cuda.current_blas_handle()
+            _initialize(self.device)
             if self._workspaces is None:  # the first time: how many bytes they hold
                 self.release_workspaces()
                 before = self.allocated()
@@ -123,17 +143,7 @@ class CudaEngine:
         a ``Linear`` with bias, in float32 and bfloat16) and the autograd engine's device thread's
         (a backward through them). Each thread's workspace is made once (32 MiB on Hopper); when
         they exist this costs a few tiny kernels."""
-        device = self.device
-        with torch.enable_grad():
-            weight = torch.ones(16, 16, device=device, requires_grad=True)
-            bias = torch.ones(16, device=device, requires_grad=True)
-            total = torch.zeros((), device=device)
-            for dtype in (torch.float32, torch.bfloat16):
-                x = torch.ones(16, 16, device=device, dtype=dtype)
-                w, b = weight.to(dtype), bias.to(dtype)
-                total = total + (x @ w).float().sum() + torch.nn.functional.linear(x, w, b).float().sum()
-            total.backward()
-        del weight, bias, total, x, w, b
+        _workspace_kernels(self.device)
         self.synchronize()
 
     def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
@@ -170,7 +180,7 @@ class CudaEngine:
         """
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None and self.device.type == "cuda":
-            with torch.cuda.device(self.device):
+            with self._backend.device(self.device):
                 clear()
             self.synchronize()
 

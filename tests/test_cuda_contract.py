@@ -1,0 +1,454 @@
+"""The CUDA engine's contract with the device, checked where there is no GPU.
+
+A recording stand-in takes the place of the ``torch.cuda`` / ``torch.accelerator.memory``
+functions that :class:`~pytest_gpumem.engines.cuda.CudaEngine` calls (the engine's
+``_backend`` and ``_memory_api`` objects, the context and workspace kernels it launches,
+``torch._C._cuda_clearCublasWorkspaces`` and NVML), and a real pytest session measures
+tests "on cuda:0" through the plugin. The tests pin what one measured test costs on a GPU
+(synchronizations, garbage collections and their generations, cache empties, peak resets,
+workspace warm-ups and releases, NVML reads) and which ``memory_stats()`` key lands in
+which figure.
+
+These are facts about OUR code, not about the driver or the caching allocator: the
+stand-in's numbers are invented, distinct per key so that a figure read from the wrong
+key shows. Nothing here says what a device measures; that is checked on a GPU only
+(``tests/test_cuda.py``, ``scripts/gpu-validate``).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_gpumem.engines import cuda as cuda_engine
+from pytest_gpumem.figures import Measurement
+from pytest_gpumem.record import TestRecord
+
+#: Bytes the stand-in's workspace kernels "create" when no workspace exists.
+WORKSPACES = 3 * 2**20
+#: The stand-in device's size.
+TOTAL = 80 * 2**30
+
+#: ``memory_stats()`` before each test's body: every key a distinct value (the real dict has
+#: ~100 keys; those the engine must not read are here too, so reading one instead shows).
+BEFORE = {
+    "allocated_bytes.all.current": 10_000_000,
+    "allocated_bytes.all.peak": 10_100_000,
+    "allocated_bytes.large_pool.peak": 10_200_000,
+    "allocated_bytes.small_pool.peak": 100_000,
+    "active_bytes.all.peak": 10_300_000,
+    "reserved_bytes.all.current": 20_000_000,
+    "reserved_bytes.all.peak": 20_100_000,
+    "requested_bytes.all.current": 9_000_000,
+    "requested_bytes.all.peak": 9_100_000,
+    "num_alloc_retries": 3,
+    "num_ooms": 1,
+}
+#: ``memory_stats()`` while and after the body runs: what the test "did" to the device.
+AFTER = {
+    "allocated_bytes.all.current": 11_000_000,
+    "allocated_bytes.all.peak": 15_000_000,
+    "allocated_bytes.large_pool.peak": 15_500_000,
+    "allocated_bytes.small_pool.peak": 150_000,
+    "active_bytes.all.peak": 15_700_000,
+    "reserved_bytes.all.current": 30_000_000,
+    "reserved_bytes.all.peak": 31_000_000,
+    "requested_bytes.all.current": 10_900_000,
+    "requested_bytes.all.peak": 14_900_000,
+    "num_alloc_retries": 8,
+    "num_ooms": 3,
+}
+#: What the stand-in's NVML says: (device memory used by all processes, by this process).
+NVML = (40_000_000, 35_000_000)
+
+
+class RecordingCuda:
+    """Stands in for ``torch.cuda`` and ``torch.accelerator.memory`` as the CUDA engine calls them.
+
+    Each call is appended to :attr:`calls` by name; readings return :attr:`stats` (fixed,
+    invented values). It also stands in for the engine's context set-up, its workspace
+    kernels (tensors on "cuda" cannot exist on a CPU-only torch), cuBLAS's workspace release
+    and NVML. Its only model of a device is the one our code assumes: releasing the
+    workspaces lowers allocated bytes by :data:`WORKSPACES`, the kernels make them again.
+    It pins which calls OUR code makes and how it reads them, a contract; it is never
+    evidence of what a GPU measures.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.stats: dict[str, int] = dict(BEFORE)
+        self.workspaces_alive = True  # an earlier process step (or test) made them
+
+    # -- torch.accelerator.memory ----------------------------------------------------------
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        self.calls.append("memory_stats")
+        return dict(self.stats)
+
+    def memory_allocated(self, device: Any = None) -> int:
+        self.calls.append("memory_allocated")
+        return self.stats["allocated_bytes.all.current"]
+
+    def memory_reserved(self, device: Any = None) -> int:
+        self.calls.append("memory_reserved")
+        return self.stats["reserved_bytes.all.current"]
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self.calls.append("reset_peak_memory_stats")
+
+    # -- torch.cuda ------------------------------------------------------------------------
+
+    def synchronize(self, device: Any = None) -> None:
+        self.calls.append("synchronize")
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty_cache")
+
+    @contextmanager
+    def device(self, device: Any) -> Iterator[None]:
+        self.calls.append("device")
+        yield
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        self.calls.append("mem_get_info")
+        return TOTAL - self.stats["reserved_bytes.all.current"], TOTAL
+
+    def get_device_properties(self, device: Any = None) -> SimpleNamespace:
+        return SimpleNamespace(name="stand-in GPU", total_memory=TOTAL, major=9, minor=0, uuid="GPU-stand-in")
+
+    def get_per_process_memory_fraction(self, device: Any = None) -> float:
+        self.calls.append("get_per_process_memory_fraction")
+        return 1.0
+
+    def set_per_process_memory_fraction(self, fraction: float, device: Any = None) -> None:
+        self.calls.append(f"set_per_process_memory_fraction({fraction!r})")
+
+    # -- what the engine launches on the device, and NVML ----------------------------------
+
+    def initialize(self, device: torch.device) -> None:
+        self.calls.append("initialize")
+
+    def workspace_kernels(self, device: torch.device) -> None:
+        self.calls.append("workspace_kernels")
+        if not self.workspaces_alive:
+            self.workspaces_alive = True
+            self.stats["allocated_bytes.all.current"] += WORKSPACES
+
+    def clear_workspaces(self) -> None:
+        self.calls.append("clear_workspaces")
+        if self.workspaces_alive:
+            self.workspaces_alive = False
+            self.stats["allocated_bytes.all.current"] -= WORKSPACES
+
+    def nvml_memory(self, device: torch.device) -> tuple[int | None, int | None]:
+        self.calls.append("nvml")
+        return NVML
+
+
+def _recording_collect(calls: list[str], collect: Callable[..., int]) -> Callable[..., int]:
+    """``gc.collect`` that records its generation (2, a full collection, unless given), then collects."""
+
+    def recording(generation: int = 2) -> int:
+        calls.append(f"gc.collect({generation})")
+        return collect(generation)
+
+    return recording
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> RecordingCuda:
+    """Two stand-in CUDA devices for the plugin and its CUDA engine; records their calls (and ``gc.collect``'s)."""
+    stand_in = RecordingCuda()
+    # device selection and the environment (outside the engine): two devices, cuda:0 current
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", stand_in.get_device_properties)
+    # the engine's seams
+    monkeypatch.setattr(cuda_engine, "_backend", lambda device: stand_in)
+    monkeypatch.setattr(cuda_engine, "_memory_api", lambda: stand_in)
+    monkeypatch.setattr(cuda_engine, "_initialize", stand_in.initialize)
+    monkeypatch.setattr(cuda_engine, "_workspace_kernels", stand_in.workspace_kernels)
+    monkeypatch.setattr(cuda_engine, "nvml_memory", stand_in.nvml_memory)
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", stand_in.clear_workspaces, raising=False)
+    # the collector is ours to observe: record each collection's generation
+    monkeypatch.setattr(gc, "collect", _recording_collect(stand_in.calls, gc.collect))
+    return stand_in
+
+
+class Phases:
+    """A plugin for the inner session: marks where each test begins, where its body runs, where it
+    ends, and sets the stand-in's statistics to :data:`BEFORE` at each test's start and to
+    :data:`AFTER` as its body begins."""
+
+    def __init__(self, cuda: RecordingCuda) -> None:
+        self.cuda = cuda
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> Generator[None, object, object]:
+        self.cuda.stats.update(BEFORE)
+        self.cuda.calls.append(f"test {item.name}")
+        try:
+            return (yield)
+        finally:
+            self.cuda.calls.append("end")
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> Generator[None, object, object]:
+        self.cuda.calls.append("body")
+        self.cuda.stats.update(AFTER)
+        return (yield)
+
+
+#: What our code calls per measured test, before its body (the clean-state protocol, the start
+#: reading) and after it (the end reading, settling for ``retained``), once the device's
+#: workspaces are measured. Garbage collections by generation: ``gc.collect(2)`` is full.
+COUNTED = (
+    "synchronize",
+    "empty_cache",
+    "reset_peak_memory_stats",
+    "memory_stats",
+    "workspace_kernels",
+    "clear_workspaces",
+    "initialize",
+    "nvml",
+    "gc.collect(0)",
+    "gc.collect(1)",
+    "gc.collect(2)",
+)
+START = {
+    "synchronize": 4,  # settle: before and after the collection; the warm-up; empty_cache
+    "gc.collect(2)": 1,  # settle
+    "initialize": 1,  # context, RNG, BLAS handle
+    "workspace_kernels": 1,  # the warm-up: kernels only, the workspaces exist already
+    "empty_cache": 1,
+    "reset_peak_memory_stats": 2,  # the clean state; the call span's opening window
+    "memory_stats": 2,  # the opening window; the counters
+}
+FINISH = {
+    "synchronize": 2,  # settle
+    "gc.collect(2)": 1,  # settle, before the retained reading
+    "reset_peak_memory_stats": 1,  # the closing window
+    "memory_stats": 2,  # the closing window; the counters
+    "nvml": 1,  # the driver's figures at the span's end
+}
+#: The first measured test on a device measures the workspaces: it releases them (a
+#: synchronize after) and reads allocated bytes around the warm-up.
+FIRST_ON_A_DEVICE = {"clear_workspaces": 1, "synchronize": 1}
+
+INNER = """
+import pytest
+
+@pytest.mark.gpumem
+def test_one():
+    pass
+
+@pytest.mark.gpumem
+def test_two():
+    pass
+
+@pytest.mark.gpumem
+def test_three():
+    pass
+"""
+
+
+def _session(
+    pytester: pytest.Pytester, cuda: RecordingCuda, *args: str
+) -> tuple[dict[str, list[str]], dict[str, TestRecord]]:
+    """Run the inner session on the stand-in device; returns each test's calls and its record."""
+    reprec = pytester.inline_run("-p", "no:cacheprovider", "--gpumem-device=cuda", *args, plugins=[Phases(cuda)])
+    reports = [r for r in reprec.getreports("pytest_runtest_logreport") if r.when == "call"]
+    assert [r.outcome for r in reports] == ["passed"] * len(reports), [r.longreprtext for r in reports]
+    records = {r.nodeid.split("::")[-1]: TestRecord.from_dict(r.gpumem) for r in reports}
+    per_test: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for call in cuda.calls:
+        if call.startswith("test "):
+            current = per_test[call[len("test ") :]] = []
+        elif call == "end":
+            current = None
+        elif current is not None:
+            current.append(call)
+    return per_test, records
+
+
+def _counts(calls: list[str]) -> dict[str, int]:
+    counted = Counter(call for call in calls if call in COUNTED)
+    return dict(sorted(counted.items()))
+
+
+def _split(calls: list[str]) -> tuple[list[str], list[str]]:
+    body = calls.index("body")
+    return calls[:body], calls[body + 1 :]
+
+
+def _plus(*counts: dict[str, int]) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for count in counts:
+        total.update(count)
+    return dict(sorted(total.items()))
+
+
+def test_what_one_measured_test_costs_on_a_gpu(pytester: pytest.Pytester, cuda: RecordingCuda) -> None:
+    """Per test: 6 synchronizations, 2 full collections, 1 cache empty, 3 peak resets, 1 warm-up
+    (kernels only), 1 NVML read; the workspaces are released and measured once per device."""
+    pytester.makepyfile(INNER)
+    per_test, _ = _session(pytester, cuda)
+    assert list(per_test) == ["test_one", "test_two", "test_three"]
+    for name, calls in per_test.items():
+        start, finish = _split(calls)
+        first = name == "test_one"
+        assert _counts(start) == _plus(START, FIRST_ON_A_DEVICE if first else {}), name
+        assert _counts(finish) == _plus(FINISH), name
+    total = _plus(*(_counts(calls) for calls in per_test.values()))
+    assert total["clear_workspaces"] == 1  # measured once for the device, not per test
+    assert total["workspace_kernels"] == 3  # kept warm per test: a test may free them (cudagraph trees do)
+
+
+#: The order of the device calls around a test's body (garbage collections left out: they are
+#: counted above and placed below), once the device's workspaces are measured.
+ORDER_START = [
+    "synchronize",  # settle (the collection between)
+    "synchronize",
+    "initialize",
+    "workspace_kernels",  # the warm-up, and it waits
+    "synchronize",
+    "synchronize",  # empty_cache waits, then returns the cached blocks
+    "empty_cache",
+    "reset_peak_memory_stats",  # the clean state's peaks
+    "memory_stats",  # the call span opens: the window before it closes
+    "reset_peak_memory_stats",
+    "memory_allocated",  # start
+    "memory_reserved",  # start_reserved
+    "memory_stats",  # counters at the start
+]
+ORDER_FINISH = [  # allocated-byte readings left out: the end's is read where the test returns
+    "memory_stats",  # the call span closes: its last window
+    "reset_peak_memory_stats",
+    "memory_stats",  # counters at the end
+    "nvml",
+    "synchronize",  # settle (the collection between)
+    "synchronize",
+]
+#: The first test on a device measures the workspaces: released, then allocated bytes read
+#: around the warm-up.
+ORDER_FIRST_START = [
+    *ORDER_START[:3],
+    "clear_workspaces",
+    "synchronize",
+    "memory_allocated",
+    "workspace_kernels",
+    "synchronize",
+    "memory_allocated",
+    *ORDER_START[5:],
+]
+
+
+def test_the_clean_state_protocol_runs_in_order(pytester: pytest.Pytester, cuda: RecordingCuda) -> None:
+    """Collect, create what the device keeps (measured the first time), return the cache, reset the
+    peaks, then read the start; after the body: read the end, the driver, then settle for ``retained``.
+    A start reading never holds the protocol's own temporaries or cached blocks."""
+    pytester.makepyfile(INNER)
+    per_test, _ = _session(pytester, cuda)
+    for name, calls in per_test.items():
+        start, finish = _split([call for call in calls if call != "device"])
+        assert finish[-1] == "memory_allocated", name  # retained: read once the device settled
+        finish = [call for call in finish if call != "memory_allocated"]
+        collections = [i for i, call in enumerate(start) if call.startswith("gc.collect")]
+        assert collections and all(start.index("initialize") > i > 0 for i in collections), name
+        assert start[collections[0] - 1] == "synchronize" and start[collections[-1] + 1] == "synchronize", name
+        collections = [i for i, call in enumerate(finish) if call.startswith("gc.collect")]
+        assert collections and all(i > finish.index("nvml") for i in collections), name
+        uncollected = [call for call in start if not call.startswith("gc.collect")]
+        assert uncollected == (ORDER_FIRST_START if name == "test_one" else ORDER_START), name
+        assert [call for call in finish if not call.startswith("gc.collect")] == ORDER_FINISH, name
+
+
+def test_workspaces_are_measured_once_per_device(pytester: pytest.Pytester, cuda: RecordingCuda) -> None:
+    """Two devices in one session: each device's first test releases and measures the workspaces,
+    no later test does; every record carries its device's workspace bytes."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpumem
+        def test_a():
+            pass
+
+        @pytest.mark.gpumem(device="cuda:1")
+        def test_b():
+            pass
+
+        @pytest.mark.gpumem
+        def test_c():
+            pass
+
+        @pytest.mark.gpumem(device="cuda:1")
+        def test_d():
+            pass
+        """
+    )
+    per_test, records = _session(pytester, cuda)
+    releases = {name: _counts(calls).get("clear_workspaces", 0) for name, calls in per_test.items()}
+    assert releases == {"test_a": 1, "test_b": 1, "test_c": 0, "test_d": 0}
+    assert {name: _counts(calls)["workspace_kernels"] for name, calls in per_test.items()} == dict.fromkeys(per_test, 1)
+    assert {name: record.workspaces for name, record in records.items()} == dict.fromkeys(records, WORKSPACES)
+    assert [records[name].measurements[0].device for name in per_test] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+
+
+def test_figures_come_from_the_right_memory_stats_keys(pytester: pytest.Pytester, cuda: RecordingCuda) -> None:
+    """Each figure of the call span from its own key: start and allocated from
+    ``memory_allocated`` (``allocated_bytes.all.current``), peak from ``allocated_bytes.all.peak``,
+    reserved from ``reserved_bytes.all.peak``, the start's reserved from ``memory_reserved``,
+    requested_peak from ``requested_bytes.all.peak``, retries and OOMs as differences of
+    ``num_alloc_retries`` and ``num_ooms``, the driver's figures from NVML."""
+    pytester.makepyfile(INNER)
+    _, records = _session(pytester, cuda)
+    for name, record in records.items():
+        call = record.measurements[0]
+        assert isinstance(call, Measurement)
+        figures = {
+            "engine": call.engine,
+            "device": call.device,
+            "start": call.start,
+            "peak": call.peak,
+            "allocated": call.allocated,
+            "retained": call.retained,
+            "reserved": call.reserved,
+            "start_reserved": call.start_reserved,
+            "requested_peak": call.requested_peak,
+            "num_alloc_retries": call.num_alloc_retries,
+            "num_ooms": call.num_ooms,
+            "driver_used": call.driver_used,
+            "driver_process": call.driver_process,
+            "breakdown": call.breakdown,
+        }
+        assert figures == {
+            "engine": "cuda",
+            "device": "cuda:0",
+            "start": BEFORE["allocated_bytes.all.current"],
+            "peak": AFTER["allocated_bytes.all.peak"],
+            "allocated": AFTER["allocated_bytes.all.current"],
+            "retained": AFTER["allocated_bytes.all.current"] - BEFORE["allocated_bytes.all.current"],
+            "reserved": AFTER["reserved_bytes.all.peak"],
+            "start_reserved": BEFORE["reserved_bytes.all.current"],
+            "requested_peak": AFTER["requested_bytes.all.peak"],
+            "num_alloc_retries": AFTER["num_alloc_retries"] - BEFORE["num_alloc_retries"],
+            "num_ooms": AFTER["num_ooms"] - BEFORE["num_ooms"],
+            "driver_used": NVML[0],
+            "driver_process": NVML[1],
+            "breakdown": None,  # no storage tracker without --gpumem-breakdown
+        }, name
+        environment = record.environment or {}
+        assert (environment.get("engine"), environment.get("device_name")) == ("cuda", "stand-in GPU")
+        assert record.workspaces == WORKSPACES
