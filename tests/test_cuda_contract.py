@@ -6,8 +6,8 @@ functions that :class:`~pytest_gpumem.engines.cuda.CudaEngine` calls (the engine
 ``torch._C._cuda_clearCublasWorkspaces`` and NVML), and a real pytest session measures
 tests "on cuda:0" through the plugin. The tests pin what one measured test costs on a GPU
 (synchronizations, garbage collections and their generations, cache empties, peak resets,
-workspace warm-ups and releases, NVML reads) and which ``memory_stats()`` key lands in
-which figure.
+workspace warm-ups and releases, NVML reads), which ``memory_stats()`` key lands in which
+figure, and the calls of the emulated device limit and of the leak check.
 
 These are facts about OUR code, not about the driver or the caching allocator: the
 stand-in's numbers are invented, distinct per key so that a figure read from the wrong
@@ -263,12 +263,15 @@ def test_three():
 
 
 def _session(
-    pytester: pytest.Pytester, cuda: RecordingCuda, *args: str
+    pytester: pytest.Pytester, cuda: RecordingCuda, *args: str, failed: int = 0
 ) -> tuple[dict[str, list[str]], dict[str, TestRecord]]:
     """Run the inner session on the stand-in device; returns each test's calls and its record."""
     reprec = pytester.inline_run("-p", "no:cacheprovider", "--gpumem-device=cuda", *args, plugins=[Phases(cuda)])
     reports = [r for r in reprec.getreports("pytest_runtest_logreport") if r.when == "call"]
-    assert [r.outcome for r in reports] == ["passed"] * len(reports), [r.longreprtext for r in reports]
+    outcomes = Counter(r.outcome for r in reports)
+    assert outcomes == Counter({"passed": len(reports) - failed, "failed": failed}) - Counter(), [
+        r.longreprtext for r in reports
+    ]
     records = {r.nodeid.split("::")[-1]: TestRecord.from_dict(r.gpumem) for r in reports}
     per_test: dict[str, list[str]] = {}
     current: list[str] | None = None
@@ -452,3 +455,61 @@ def test_figures_come_from_the_right_memory_stats_keys(pytester: pytest.Pytester
         environment = record.environment or {}
         assert (environment.get("engine"), environment.get("device_name")) == ("cuda", "stand-in GPU")
         assert record.workspaces == WORKSPACES
+
+
+def test_an_emulated_device_limit_caps_the_allocator_for_the_body_only(
+    pytester: pytest.Pytester, cuda: RecordingCuda
+) -> None:
+    """``device_limit`` on CUDA: the allocator's per-process fraction is the limit over the device's
+    size, set after the start reading and put back (to the fraction read before) before the end's."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpumem(device_limit="1GiB")
+        def test_limited():
+            pass
+        """
+    )
+    per_test, records = _session(pytester, cuda)
+    calls = per_test["test_limited"]
+    limits = [call for call in calls if "memory_fraction" in call]
+    assert limits == [
+        "get_per_process_memory_fraction",
+        f"set_per_process_memory_fraction({2**30 / TOTAL!r})",
+        "set_per_process_memory_fraction(1.0)",
+    ]
+    start, finish = _split(calls)
+    assert start.index(limits[1]) > len(start) - 1 - start[::-1].index("memory_allocated")  # after the start
+    assert finish.index(limits[2]) < finish.index("reset_peak_memory_stats")  # before the closing window
+    assert records["test_limited"].device_limit == 2**30
+
+
+def test_the_leak_check_frees_the_workspaces_on_both_sides(pytester: pytest.Pytester, cuda: RecordingCuda) -> None:
+    """A positive ``retained`` under ``retained="0B"`` is confirmed as PyTorch's leak check does: up to
+    three tries of settle, release the workspaces, empty the cache, read; the start compared without
+    its workspaces; then the workspaces made again and the cache emptied. The driver's check reads
+    ``mem_get_info`` at the start and at the end."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpumem(retained="0B")
+        def test_keeps_a_megabyte():
+            pass
+        """
+    )
+    per_test, records = _session(pytester, cuda, failed=1)
+    _, finish = _split(per_test["test_keeps_a_megabyte"])
+    check = finish[finish.index("memory_allocated", finish.index("nvml")) + 1 :]  # after the retained reading
+    protocol = [call for call in check if call in COUNTED or call in ("memory_allocated", "mem_get_info")]
+    one_try = ["synchronize", "gc.collect(2)", "synchronize", "clear_workspaces", "synchronize"]
+    one_try += ["synchronize", "empty_cache", "memory_allocated"]
+    assert protocol == [*one_try * 3, "workspace_kernels", "synchronize", "synchronize", "empty_cache", "mem_get_info"]
+    leaked = AFTER["allocated_bytes.all.current"] - BEFORE["allocated_bytes.all.current"]
+    record = records["test_keeps_a_megabyte"]
+    assert record.measurements[0].retained == leaked
+    assert len(record.reports) == 1
+    assert record.reports[0].startswith(f"memory leak confirmed on cuda:0: 976.56 KiB ({leaked} B) retained")
+    assert f"allocated at start: {BEFORE['allocated_bytes.all.current'] - WORKSPACES} B" in record.reports[0]
+    assert cuda.workspaces_alive  # the device is back in its steady state
