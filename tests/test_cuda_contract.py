@@ -153,7 +153,9 @@ class RecordingCuda:
 
 
 def _recording_collect(calls: list[str], collect: Callable[..., int]) -> Callable[..., int]:
-    """``gc.collect`` that records its generation (2, a full collection, unless given), then collects."""
+    """``gc.collect`` that records its generation (2, a full collection, unless given), then collects.
+
+    It counts the collections OUR code asks for; it says nothing of what they cost or free."""
 
     def recording(generation: int = 2) -> int:
         calls.append(f"gc.collect({generation})")
@@ -164,7 +166,13 @@ def _recording_collect(calls: list[str], collect: Callable[..., int]) -> Callabl
 
 @pytest.fixture
 def cuda(monkeypatch: pytest.MonkeyPatch) -> RecordingCuda:
-    """Two stand-in CUDA devices for the plugin and its CUDA engine; records their calls (and ``gc.collect``'s)."""
+    """Two stand-in CUDA devices for the plugin and its CUDA engine; records their calls (and ``gc.collect``'s).
+
+    Device selection and the environment see two devices (``is_available``, ``device_count``,
+    ``current_device``, ``get_device_properties``); the engine's seams (its backend and memory
+    API objects, its context set-up and workspace kernels, cuBLAS's workspace release, NVML) are
+    the :class:`RecordingCuda`. What the tests read from it are facts about our code's calls, never
+    a device's figures."""
     stand_in = RecordingCuda()
     # device selection and the environment (outside the engine): two devices, cuda:0 current
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
