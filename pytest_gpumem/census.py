@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from pytest_gpumem import frozen
 from pytest_gpumem.engines.tracker import StorageTracker, cuda_rounded
 from pytest_gpumem.units import format_size
 
@@ -125,13 +127,16 @@ def storage_groups(
     rounding = device.type != "cpu" or (tracker is not None and tracker.cuda_rounding)
     groups: dict[int, StorageGroup] = {}
     tensor_type = torch.Tensor
-    # The plugin freezes the collector's older objects between tests (cheap collections);
-    # frozen objects are invisible to gc.get_objects(), so let them go back first. The
-    # next measured test freezes again.
-    if gc.get_freeze_count():
-        gc.unfreeze()
+    # Frozen objects are invisible to gc.get_objects(): the plugin's own (frozen before the
+    # first test) are remembered; objects someone else froze go back to the collector.
+    if frozen.known():
+        objects: Iterable[Any] = itertools.chain(gc.get_objects(), frozen.tensors())
+    else:
+        if gc.get_freeze_count():
+            gc.unfreeze()
+        objects = gc.get_objects()
     with _reading(tracker):  # one reading of the tracker's counts for every storage asked about
-        for obj in gc.get_objects():
+        for obj in objects:
             cls = type(obj)
             if not (cls is tensor_type or issubclass(cls, tensor_type)):
                 continue

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import pytest_gpumem.census as _census
+from pytest_gpumem import frozen
 from pytest_gpumem.census import LiveTensor, StorageGroup, describe, frame_locals, live_table, storage_groups
 from pytest_gpumem.units import format_delta, format_size
 
@@ -371,6 +372,7 @@ def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = ()) 
     targets = list(objects)
     if not targets:
         return {}
+    frozen.thaw()  # the referrers of a test's tensors may be among the objects frozen before the first test
     ignore = [objects, *ignore]
     module_dicts = _module_dicts()
     names: dict[int, str] = {}

@@ -7,8 +7,8 @@ allocated figure read as the test function returns, then the leak check and
 the marker's limits. :meth:`TestRun.finish` returns the test's
 :class:`~pytest_gpumem.record.TestRecord`.
 
-The collector's objects are frozen between tests (:class:`Freezer`) so that each
-test's garbage collections cover only what the test created.
+The objects alive before the first test are frozen (:class:`Freezer`) so that each
+test's garbage collections cover only what was made since.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem import frozen
 from pytest_gpumem.artifacts import artifact_path
 from pytest_gpumem.engines import cuda_available, make_engine, resolve_device
 from pytest_gpumem.engines.base import Engine
@@ -127,47 +128,39 @@ class Freezer:
     with a few hundred thousand objects alive (torch, pytest, the collected
     items) each full collection costs 100+ ms (168 ms seen in a CUDA test
     session). Before the first test, objects alive are collected once and frozen
-    (``gc.freeze()``); each test freezes again after its start reading (torch
-    imports modules lazily during the first tests), so its collections cover only
-    what it made. Objects frozen by someone else before (a library, a conftest)
-    stay frozen; the run's own are unfrozen when it ends (:meth:`stop`), so frozen
-    objects that became cyclic garbage are collected then.
+    (``gc.freeze()``): the libraries, pytest and the collected items. Nothing a
+    test makes is ever frozen, so whatever a test lets go, cycles included, is
+    freed by the next collection, the user's own ``gc.collect()`` included.
+
+    Objects frozen by someone else (a library, a conftest, an enclosing pytest
+    session) are left as they are, and nothing more is frozen then. The run's own
+    are unfrozen when it ends (:meth:`stop`). The tensors among them are
+    remembered (:mod:`pytest_gpumem.frozen`), so a tracker made later counts them
+    (:meth:`scan`) and a census of live tensors finds them.
     """
 
     def __init__(self) -> None:
         self.active = False
-        self._unfreeze_at_stop = False
 
     def start(self) -> None:
-        """Collect garbage and freeze what exists now (unless the collector is off)."""
-        if self.active or not gc.isenabled():
+        """Collect garbage and freeze what exists now (unless the collector is off or someone froze before)."""
+        if self.active or not gc.isenabled() or gc.get_freeze_count() > 0:
             return
-        self._unfreeze_at_stop = gc.get_freeze_count() == 0
         gc.collect()
+        frozen.remember()
         gc.freeze()
         self.active = True
 
     def scan(self, tracker: StorageTracker) -> None:
         """Let ``tracker`` register every tensor alive, frozen ones included."""
-        frozen = gc.get_freeze_count() > 0
-        if frozen:
-            gc.unfreeze()
-        try:
-            tracker.scan()
-        finally:
-            if frozen:
-                gc.freeze()
-
-    def refreeze(self) -> None:
-        """Freeze what a test's start left alive (between its start reading and its code)."""
-        if self.active:
-            gc.freeze()
+        tracker.scan(extra=frozen.tensors() if frozen.known() else ())
 
     def stop(self) -> None:
         if self.active:
             self.active = False
-            if self._unfreeze_at_stop:
+            if frozen.known():
                 gc.unfreeze()
+            frozen.forget()
 
 
 @dataclass(frozen=True)
@@ -264,8 +257,6 @@ class TestRun:
         recorder = self.recorder
         recorder.begin()  # collects garbage and registers what is alive
         try:
-            if self.freezer is not None:
-                self.freezer.refreeze()
             self._snapshot = snapshot_storages(self.engine) if self.leak_check else None
             self._stack.enter_context(activate(recorder))
             self._state = recorder.open("call")

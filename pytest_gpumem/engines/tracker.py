@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 import sys
 import threading
@@ -677,25 +678,26 @@ class StorageTracker:
         entry.category = index
         entry.moved = self.events
 
-    def scan(self) -> int:
-        """Register every tensor the garbage collector can see on this device; returns the bytes
-        of the storages it found that were not counted yet.
+    def scan(self, extra: Iterable[object] = ()) -> int:
+        """Register every tensor the garbage collector can see on this device, and those of
+        ``extra`` (tensors among frozen objects, which it cannot see); returns the bytes of
+        the storages it found that were not counted yet.
 
         Parameters count as "parameters", their ``.grad`` as "gradients", the rest
         as "other" (known storages keep their category).
         """
         with self._lock:
             before = self.current
-            self._scan()
+            self._scan(extra)
             return self.current - before
 
-    def _scan(self) -> None:
+    def _scan(self, extra: Iterable[object] = ()) -> None:
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         others: list[torch.Tensor] = []
         tensor_type = torch.Tensor
         parameter_type = torch.nn.Parameter
-        for obj in gc.get_objects():
+        for obj in itertools.chain(gc.get_objects(), extra):
             cls = type(obj)
             if cls is tensor_type:
                 others.append(obj)
