@@ -313,6 +313,7 @@ def test_clean(gpumem):
     assert all("<svg" in page.read_text() for page in pages)  # the timeline, from the replayed events
 
 
+@pytest.mark.slow
 def test_a_device_limit_takes_the_operator_tracker_and_contradictions_are_errors(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_limits="""

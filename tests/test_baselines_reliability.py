@@ -74,6 +74,7 @@ print(save(store))
 """
 
 
+@pytest.mark.slow
 def test_two_processes_saving_at_the_same_moment_keep_both_entries(tmp_path: Path) -> None:
     path = recorded(tmp_path / "b.json", "t.py::old")
     script = tmp_path / "saver.py"

@@ -145,6 +145,7 @@ def test_views_of_one_leaked_storage_count_once(engine: Engine) -> None:
     assert str(leaked.held_by).endswith("test_leaks.CACHE[1]")
 
 
+@pytest.mark.slow
 def test_a_storage_alive_at_start_is_not_listed(engine: Engine) -> None:
     before = torch.zeros(1000)
     engine.clean()  # the tracker counts it from here on
@@ -226,6 +227,7 @@ def test_attribute_of_an_object_with_a_materialised_dict(engine: Engine) -> None
     del BOXES
 
 
+@pytest.mark.slow
 def test_a_holder_is_named_by_its_module_for_every_leak_of_a_session(pytester: pytest.Pytester) -> None:
     """The first report reads the holder's attributes (which gives it a ``__dict__``) and the
     plugin freezes the module's globals between tests: the second leak through the same holder

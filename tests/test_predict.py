@@ -222,6 +222,7 @@ def _attention_step(predict: str | None, dtype: torch.dtype, dropout: float) -> 
     return saved, [t.grad for t in (q, k, v) if t.grad is not None]
 
 
+@pytest.mark.slow
 def test_fused_attention_keeps_what_the_gpus_kernel_keeps_and_computes_the_cpus_gradients() -> None:
     # flash (bf16): q, k, v, the output (4 × 32 KiB), a float32 log-sum-exp [2, 4, 64] (2 KiB)
     # and two int64 random-state tensors, each storage in 512-byte blocks

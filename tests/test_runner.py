@@ -54,6 +54,7 @@ def test_a_failing_test_is_recorded_but_not_judged(engine: Engine) -> None:
     assert not record.passed and record.findings == [] and not record.failed
 
 
+@pytest.mark.slow
 def test_an_oom_under_the_device_limit_gets_a_report_and_is_released(engine: Engine) -> None:
     holder: list[torch.Tensor] = []
 
@@ -71,6 +72,7 @@ def test_an_oom_under_the_device_limit_gets_a_report_and_is_released(engine: Eng
     assert engine.memory_limit() is None  # the limit ends with the test
 
 
+@pytest.mark.slow
 def test_the_leak_check_names_what_a_test_left_behind(engine: Engine) -> None:
     cache: list[torch.Tensor] = []
 
@@ -85,6 +87,7 @@ def test_the_leak_check_names_what_a_test_left_behind(engine: Engine) -> None:
     cache.clear()
 
 
+@pytest.mark.slow
 def test_leak_check_option_applies_to_every_test(engine: Engine) -> None:
     cache: list[torch.Tensor] = []
     record = run(engine, lambda: cache.append(torch.ones(256)), RunOptions(leak_check=True))

@@ -125,6 +125,7 @@ def test_cpu_figures_equal_what_measure_reports(cpu_only_run: tuple[Any, Path], 
 # --------------------------------------------------------------------------- reference workloads on CPU
 
 
+@pytest.mark.slow
 def test_linear_reference_on_cpu() -> None:
     run = lib.Run(CPU, "tiny")
     lib.reference_linear(run)
@@ -136,6 +137,7 @@ def test_linear_reference_on_cpu() -> None:
     assert run.figures == {"cublas_workspace": 0, "linear_raw_retained": 0, "linear_retained": 0}
 
 
+@pytest.mark.slow
 def test_adam_reference_on_cpu() -> None:
     """Adam's first step: exp_avg and exp_avg_sq, and the two step counters, which live on the CPU here."""
     run = lib.Run(CPU, "tiny")
@@ -147,6 +149,7 @@ def test_adam_reference_on_cpu() -> None:
     assert [c for c in run.checks if not c.passed] == []
 
 
+@pytest.mark.slow
 def test_mlp_reference_on_cpu() -> None:
     """bf16 MLP: 18·b·s·d bytes saved with GELU, 10·b·s·d with ReLU, by both accountings."""
     run = lib.Run(CPU, "tiny")
@@ -159,6 +162,7 @@ def test_mlp_reference_on_cpu() -> None:
     assert [c for c in run.checks if not c.passed] == []
 
 
+@pytest.mark.slow
 def test_determinism_on_cpu() -> None:
     run = lib.Run(CPU, "tiny")
     lib.reference_determinism(run, zoo("tiny", ("mlp",))[0])
