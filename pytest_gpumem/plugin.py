@@ -242,14 +242,17 @@ class GpumemManager:
         from pytest_gpumem.runner import DeviceUnavailable, Engines, RunOptions, TestRun, choose_device
 
         settings = self.settings
+        unavailable: DeviceUnavailable | None = None
         try:
             device = choose_device(
                 spec.device or settings.device, require_gpu=settings.require_gpu, worker=self._gpu_index()
             )
         except DeviceUnavailable as exc:
-            if exc.required:
-                pytest.fail(f"{item.nodeid}: {exc.reason}", pytrace=False)
-            pytest.skip(exc.reason)
+            unavailable = exc  # failed or skipped outside the handler: pytest would print it twice (chained)
+        if unavailable is not None:
+            if unavailable.required:
+                pytest.fail(f"{item.nodeid}: {unavailable.reason}", pytrace=False)
+            pytest.skip(unavailable.reason)
         if self._engines is None:  # the test runs outside the run loop (pytester's inline runs)
             self._engines = Engines(cuda_rounding=settings.cuda_rounding)
         breakdown = spec.breakdown if spec.breakdown is not None else settings.breakdown

@@ -401,6 +401,9 @@ def test_auto():
     strict = run(pytester, "--gpumem-require-gpu", device=None)
     strict.assert_outcomes(errors=2)
     strict.stdout.fnmatch_lines(["*--gpumem-require-gpu*"])
+    text = strict.stdout.str()
+    assert "During handling of the above exception" not in text  # said once, not chained
+    assert text.count("test_auto: --gpumem-require-gpu: no CUDA device is available") == 1
 
 
 def test_psi_budget_without_tracking_is_a_clear_error(pytester: pytest.Pytester) -> None:
