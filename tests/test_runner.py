@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -139,17 +140,43 @@ def test_engines_are_made_once_per_device() -> None:
     assert cpu.tracker is not None
 
 
+@pytest.fixture
+def nothing_frozen() -> Iterator[None]:
+    """The process with no frozen objects, before and after the test: this suite's conftest
+    freezes its collected objects (a speed-up only; a census may have unfrozen them already),
+    and freezing them again would freeze whatever tests made since."""
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.mark.usefixtures("nothing_frozen")
 def test_the_freezer_keeps_older_objects_out_and_engines_still_see_frozen_tensors() -> None:
     before = torch.ones(1000)  # alive before the freeze
-    frozen_by_others = gc.get_freeze_count() > 0  # this suite's conftest freezes its collected objects
     freezer = Freezer()
     freezer.start()
     try:
         assert freezer.active and gc.get_freeze_count() > 0
         assert all(obj is not before for obj in gc.get_objects())  # frozen: out of the collector's sight
-        engine = Engines(freezer=freezer).cpu()  # its first scan thaws the frozen objects
+        engine = Engines(freezer=freezer).cpu()  # its first scan counts the remembered frozen tensors
         assert engine.tracker is not None and engine.tracker.category_of(before) == "other"
-        assert gc.get_freeze_count() > 0  # and freezes them again
+        assert all(obj is not before for obj in gc.get_objects())  # without unfreezing them
     finally:
         freezer.stop()
-    assert (gc.get_freeze_count() > 0) == frozen_by_others  # someone else's frozen objects stay frozen
+    assert gc.get_freeze_count() == 0  # the run's own frozen objects go back when it ends
+
+
+@pytest.mark.usefixtures("nothing_frozen")
+def test_the_freezer_leaves_objects_someone_else_froze_and_freezes_nothing_more() -> None:
+    gc.freeze()  # as a conftest or an enclosing session would
+    frozen_before = gc.get_freeze_count()
+    made_after = torch.ones(10)
+    freezer = Freezer()
+    freezer.start()
+    try:
+        assert not freezer.active
+        assert gc.get_freeze_count() <= frozen_before  # frozen objects may die; none are added
+        assert any(obj is made_after for obj in gc.get_objects())
+    finally:
+        freezer.stop()
+    assert gc.get_freeze_count() > 0  # someone else's frozen objects stay frozen
