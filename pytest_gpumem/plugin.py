@@ -270,7 +270,6 @@ class GpumemManager:
             engine,
             environment=self._environment(engine),
             options=options,
-            freezer=self._freezer,
         )
 
     def _gpu_index(self) -> int | None:

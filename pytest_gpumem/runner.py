@@ -209,7 +209,6 @@ class TestRun:
         engine: where bytes are read.
         environment: ``Environment.to_dict()`` of the engine, for the record.
         options: what the run asks of every test.
-        freezer: the run's :class:`Freezer`, if objects are frozen between tests.
     """
 
     __test__ = False  # a name pytest would otherwise collect
@@ -222,14 +221,12 @@ class TestRun:
         *,
         environment: dict[str, Any],
         options: RunOptions | None = None,
-        freezer: Freezer | None = None,
     ) -> None:
         self.nodeid = nodeid
         self.spec = spec
         self.engine = engine
         self.environment = environment
         self.options = options or RunOptions()
-        self.freezer = freezer
         self.recorder = Recorder(engine, timeline=engine.tracker is not None)
         self.recorder.device_limit = spec.device_limit if spec.device_limit is not None else self.options.device_limit
         self._stack = contextlib.ExitStack()  # what lives as long as the call: the recorder's activation
