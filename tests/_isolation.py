@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import threading
 from collections.abc import Generator
 from typing import Any
 
 import pytest
 import torch
+from conftest import forget_last_failure
 
 from pytest_gpumem.leaks import referrer_names
 from pytest_gpumem.units import format_size
@@ -69,13 +69,6 @@ def _threads() -> set[str]:
     return {f"{thread.name} ({type(thread).__name__})" for thread in threading.enumerate() if thread.is_alive()}
 
 
-def _forget_last_failure() -> None:
-    """pytest keeps the last failure (``sys.last_*``) for post-mortem debugging: not a test's leftovers."""
-    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-        if hasattr(sys, name):
-            delattr(sys, name)
-
-
 class Leftovers:
     """The state before the current test, and the check after it."""
 
@@ -102,7 +95,7 @@ class Leftovers:
         result = yield
         # the test's fixtures and arguments are gone now (pytest drops them after teardown)
         problems = self._compare(state, self._state())
-        _forget_last_failure()
+        forget_last_failure()  # pytest's record of the last failure (post-mortem) is no leftover
         left = {key: tensor for key, tensor in _storages().items() if key not in self._storages}
         if left:
             gc.collect()
