@@ -432,4 +432,18 @@ def parse_budget(text: str | int) -> BudgetExpr:
         raise BudgetError(f"{text!r} is not a budget: expected a string like '16Ψ + 2GiB'")
     if not text.strip():
         raise BudgetError(f"{text!r}: the budget expression is empty")
-    return BudgetExpr(text, _Parser(text).parse())
+    root = _Parser(text).parse()
+    _check_divisors(root, text)
+    return BudgetExpr(text, root)
+
+
+def _check_divisors(node: Node, text: str) -> None:
+    """Refuse a division by a constant that is zero (``"16Ψ/0"``, ``"Ψ/(2-2)"``): wrong for every Ψ, so wrong now."""
+    if isinstance(node, Unary):
+        _check_divisors(node.operand, text)
+    elif isinstance(node, Binary):
+        _check_divisors(node.left, text)
+        _check_divisors(node.right, text)
+        if node.op == "/" and not _uses_psi(node.right) and _evaluate(node.right, None, text) == 0:
+            shown = "" if isinstance(node.right, Number) else f" ({_format(node.right)} = 0)"
+            raise BudgetError(f"{text!r}: division by zero{shown}")

@@ -188,7 +188,8 @@ def check(
             limits.append(spec.resolve(measurement.psi))
         except BudgetError as exc:
             where = "marker" if measurement.name == "call" else f"span {measurement.name!r}"
-            hint = " (track the model with gpumem.track(model, optimizer))" if spec.uses_psi else ""
+            # only a missing Ψ is cured by tracking; a negative budget or 1/Ψ with Ψ=0 is the expression's own
+            hint = " (track the model with gpumem.track(model, optimizer))" if measurement.psi is None else ""
             record.errors.append(f"{where}: {spec.metric}={spec.text!r}: {exc}{hint}")
     return check_limits(record.nodeid, measurement, [*limits, *resolved])
 

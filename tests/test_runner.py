@@ -121,6 +121,31 @@ def test_a_psi_budget_without_tracking_is_an_error_on_the_record(engine: Engine)
     ]
 
 
+def test_a_negative_budget_with_the_model_tracked_gives_no_tracking_hint(engine: Engine) -> None:
+    model = torch.nn.Linear(4, 4)  # Ψ = 20
+
+    def body() -> None:
+        from pytest_gpumem.recorder import _ACTIVE
+
+        recorder = _ACTIVE.get()
+        assert recorder is not None
+        recorder.track(model)
+
+    record = run(engine, body, allocated="16Ψ - 1GB")
+    assert record.errors == [
+        "marker: allocated='16Ψ - 1GB': '16Ψ - 1GB' is negative (-1024.00 MiB with Ψ=20): "
+        "a size or budget cannot be below 0 bytes"
+    ]
+
+
+def test_a_division_by_a_constant_zero_is_refused_with_the_marker() -> None:
+    from pytest_gpumem.spec import SpecError
+
+    with pytest.raises(SpecError) as info:
+        parse_marker([((), {"peak": "16Ψ/0"})])
+    assert str(info.value) == "peak='16Ψ/0': '16Ψ/0': division by zero"
+
+
 def test_choose_device() -> None:
     assert choose_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
