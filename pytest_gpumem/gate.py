@@ -32,7 +32,14 @@ from pytest_gpumem.baselines.canonical import json_bytes
 from pytest_gpumem.figures import Measurement
 from pytest_gpumem.record import TestRecord
 from pytest_gpumem.report import json_report, markdown_report
-from pytest_gpumem.verdict import Finding, Tolerance, compare_baseline, failure_message, stale_findings
+from pytest_gpumem.verdict import (
+    Finding,
+    Tolerance,
+    compare_baseline,
+    default_tolerance,
+    failure_message,
+    stale_findings,
+)
 
 __all__ = [
     "RESERVED_TOLERANCE_FLOOR",
@@ -52,19 +59,28 @@ __all__ = [
 RESERVED_TOLERANCE_FLOOR = 20 * 2**20
 
 
-def metric_tolerances(metrics: Iterable[str], tolerance: Tolerance) -> dict[str, Tolerance]:
+def metric_tolerances(metrics: Iterable[str], tolerance: Tolerance | None) -> dict[str, Tolerance]:
     """The tolerance of each metric's baseline comparison: ``tolerance`` for bytes, at least
     :data:`RESERVED_TOLERANCE_FLOOR` for ``reserved``, only its relative part for a count
-    (``max_microbatch``: its absolute floor is bytes)."""
+    (``max_microbatch``: its absolute floor is bytes). ``None`` (nothing set one): each
+    metric's :func:`~pytest_gpumem.verdict.default_tolerance`, with the same floor for ``reserved``."""
     per_metric = {}
     for metric in metrics:
-        if metric == "reserved":
-            per_metric[metric] = Tolerance(tolerance.relative, max(tolerance.absolute, RESERVED_TOLERANCE_FLOOR))
+        if tolerance is None:
+            per_metric[metric] = _floored(metric, default_tolerance(metric))
+        elif metric == "reserved":
+            per_metric[metric] = _floored(metric, tolerance)
         elif metric in BASELINE_METRICS:
             per_metric[metric] = tolerance
         else:
             per_metric[metric] = Tolerance(tolerance.relative, 0)
     return per_metric
+
+
+def _floored(metric: str, tolerance: Tolerance) -> Tolerance:
+    if metric != "reserved":
+        return tolerance
+    return Tolerance(tolerance.relative, max(tolerance.absolute, RESERVED_TOLERANCE_FLOOR))
 
 
 def baseline_metrics(measurement: Measurement) -> tuple[str, ...]:
@@ -77,7 +93,8 @@ class GateOptions:
     """The run's baseline and report options (see the plugin's ``--gpumem-*`` options)."""
 
     baselines: Path
-    tolerance: Tolerance
+    #: the run's tolerance (``--gpumem-tolerance``); None: each metric's default
+    tolerance: Tolerance | None
     update: bool = False
     strict: bool = False
     prune: bool = False

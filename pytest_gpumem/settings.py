@@ -17,9 +17,7 @@ from pytest_gpumem.spec import SpecError, parse_device, parse_observe, parse_pre
 from pytest_gpumem.units import SizeError, parse_size
 from pytest_gpumem.verdict import parse_tolerance
 
-__all__ = ["DEFAULT_TOLERANCE", "OPTIONS", "Option", "OptionError", "Settings"]
-
-DEFAULT_TOLERANCE = "2%,1MiB"
+__all__ = ["OPTIONS", "Option", "OptionError", "Settings"]
 
 
 @dataclass(frozen=True)
@@ -73,8 +71,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("update-baselines", "record the figures of tests that ran and passed into the baseline file.", flag=True),
     Option(
         "tolerance",
-        f"default tolerance of baseline comparisons: '2%', '1MiB' or '2%,1MiB' (default {DEFAULT_TOLERANCE}).",
-        default=DEFAULT_TOLERANCE,
+        "tolerance of baseline comparisons: '2%', '1MiB', '2%,1MiB' or '0' (default: exact bytes for peak "
+        "and allocated, 2%,1MiB and at least 20 MiB for reserved).",
         metavar="TOL",
     ),
     Option("strict", "fail on new, improved, other-environment and stale baselines too (ratcheting CI).", flag=True),
@@ -166,7 +164,7 @@ class Settings:
             snapshot=flag("gpumem_snapshot"),
             gate=GateOptions(
                 baselines=path("gpumem_baselines") or rootpath / DEFAULT_FILENAME,
-                tolerance=parsed("gpumem_tolerance", parse_tolerance, DEFAULT_TOLERANCE),
+                tolerance=parsed("gpumem_tolerance", parse_tolerance),
                 update=flag("gpumem_update_baselines"),
                 strict=flag("gpumem_strict"),
                 prune=flag("gpumem_prune"),

@@ -31,6 +31,7 @@ from pytest_gpumem.units import SizeError, format_delta, format_percent, format_
 
 __all__ = [
     "COST_METRICS",
+    "DEFAULT_TOLERANCES",
     "METRIC_INFO",
     "Finding",
     "Kind",
@@ -42,6 +43,7 @@ __all__ = [
     "check_values",
     "compare_baseline",
     "compare_values",
+    "default_tolerance",
     "failure_message",
     "grown_categories",
     "metric_info",
@@ -150,6 +152,25 @@ class Tolerance:
 
 
 _EXACT = Tolerance()
+
+#: The tolerance of each baseline figure when no ``tolerance=`` (span, marker) and no
+#: ``--gpumem-tolerance`` sets one. ``peak`` and ``allocated`` are exact: every engine counts
+#: them to the byte (the CPU tracker counts storages; on CUDA the caching allocator's counters
+#: gave identical bytes for identical steps on an H100), so any change is a change in what the
+#: code allocates, and a percentage would hide a real regression at every scale (2% of a 12 MiB
+#: step let a +476 KiB float64 loss through; 2% of a 20 GiB step is a 400 MiB activation copy).
+#: ``reserved`` depends on the cache's history and keeps "2% or 1 MiB" (and at least one 20 MiB
+#: segment, see the gate). A figure not named here is exact.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {
+    "peak": _EXACT,
+    "allocated": _EXACT,
+    "reserved": Tolerance(0.02, 2**20),
+}
+
+
+def default_tolerance(metric: str) -> Tolerance:
+    """The tolerance ``metric`` is compared with when nothing sets one: :data:`DEFAULT_TOLERANCES`."""
+    return DEFAULT_TOLERANCES.get(metric, _EXACT)
 
 
 def parse_tolerance(text: str) -> Tolerance:
@@ -503,7 +524,8 @@ def _line(f: Finding) -> str:
         return text
     tolerance = ""
     if f.tolerance is not None and f.reference is not None:
-        tolerance = f", tolerance {f.tolerance.describe(info)} (±{info.format(f.tolerance.allowed(f.reference))})"
+        allowed = f.tolerance.allowed(f.reference)
+        tolerance = f", tolerance {f.tolerance.describe(info)}" + (f" (±{info.format(allowed)})" if allowed else "")
     cost = f"{where}{_compared(f.metric)} {info.format(f.measured)}"
     if f.status == "regressed":
         text = f"{cost} regressed from baseline {info.format(f.reference)} by {excess}{tolerance}"

@@ -238,8 +238,9 @@ def test_alloc(gpumem):
 @pytest.mark.parametrize(
     ("args", "marker", "span", "grown", "outcome"),
     [
-        ((), "", "", 2_000, "failed"),  # default 2% or 1 MiB: 1 MiB floor, +2 MB regresses
-        ((), "", "", 800_000, "passed"),  # within the 1 MiB floor
+        ((), "", "", 800_000, "failed"),  # default: exact bytes for peak and allocated
+        (("--gpumem-tolerance=2%,1MiB",), "", "", 2_000, "failed"),  # 2% or 1 MiB: +2 MiB regresses
+        (("--gpumem-tolerance=2%,1MiB",), "", "", 800_000, "passed"),  # within the 1 MiB floor
         (("--gpumem-tolerance=10%",), "", "", 800_000, "failed"),  # 10% of 1 MB < 800 KB
         (("--gpumem-tolerance=100%",), "", "", 800_000, "passed"),
         (("--gpumem-tolerance=1KiB",), "", "", 800_000, "failed"),
@@ -454,6 +455,62 @@ def pytest_gpumem_environment(config, environment):
     text = result.stdout.str()
     assert "INTERNALERROR" not in text and "During handling" not in text
     result.stdout.fnmatch_lines(["*pytest_gpumem_environment hook: invalid environment label 'runner=a|b'*"])
+
+
+def test_by_default_peak_and_allocated_are_exact_and_reserved_keeps_a_segment() -> None:
+    from pytest_gpumem.gate import RESERVED_TOLERANCE_FLOOR, metric_tolerances
+
+    tolerances = metric_tolerances(("peak", "allocated", "reserved", "max_microbatch"), None)
+    assert tolerances == {
+        "peak": Tolerance(),
+        "allocated": Tolerance(),
+        "reserved": Tolerance(0.02, RESERVED_TOLERANCE_FLOOR),
+        "max_microbatch": Tolerance(),
+    }
+
+
+STEP_SUITE = """
+import pytest, torch
+
+KEPT = []
+
+@pytest.mark.gpumem
+def test_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    optimizer = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(128, 512), torch.randn(128, 512)
+    out = model(x)
+    {extra}
+    loss = torch.nn.functional.mse_loss(out{cast}, y{cast})
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "cast", "grown"),
+    [
+        ("", ".double()", "peak cost * regressed from baseline * by +256.00 KiB (+*%), tolerance 0 (exact)*"),
+        ("KEPT.clear(); KEPT.append(out * 2)", "", "allocated cost * regressed * by +256.00 KiB*tolerance 0 (exact)*"),
+    ],
+)
+def test_the_default_tolerance_catches_a_small_regression_of_a_training_step(
+    pytester: pytest.Pytester, extra: str, cast: str, grown: str
+) -> None:
+    """The new-user trial's regressions (a float64 loss, a kept activation) passed the old
+    default of 2% or 1 MiB on a step of a few MiB; exact bytes catch them, and the line says
+    which tolerance was in force."""
+    pytester.makepyfile(test_step=STEP_SUITE.format(extra="pass", cast=""))
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)
+    run(pytester).assert_outcomes(passed=1)  # the same step again: the same bytes
+    pytester.makepyfile(test_step=STEP_SUITE.format(extra=extra or "pass", cast=cast))
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*" + grown])
+    # the old default lets it through: why it is no longer the default
+    run(pytester, "--gpumem-tolerance=2%,1MiB").assert_outcomes(passed=1)
 
 
 def test_reserved_is_compared_within_one_allocator_segment() -> None:

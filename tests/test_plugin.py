@@ -145,7 +145,9 @@ def test_help_lists_every_option(pytester: pytest.Pytester) -> None:
     assert result.ret == pytest.ExitCode.OK
     text = result.stdout.str()
     assert "GPU memory guards (pytest-gpumem)" in text
-    assert "'2%', '1MiB' or '2%,1MiB' (default 2%,1MiB)" in " ".join(text.split())
+    assert "(default: exact bytes for peak and allocated, 2%,1MiB and at least 20 MiB for reserved)" in " ".join(
+        text.split()
+    )
     for option in ("device", "update-baselines", "tolerance", "device-limit", "snapshot", "artifacts-all"):
         assert f"--gpumem-{option}" in text
     assert "gpumem_tolerance" in text  # the ini settings
