@@ -122,6 +122,23 @@ def test_a_compiled_function_is_not_reported_as_run_eagerly() -> None:
     assert span.cost("peak") > 0
 
 
+def test_a_fake_tensor_alive_at_the_end_of_the_span_is_not_read() -> None:
+    """torch.compile traces with fake tensors, and Inductor keeps some alive after compiling (in
+    its graphs' metadata); the span's end must not read their data pointer: it means nothing,
+    and torch warns "almost definitely a bug in your code" when it is read."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with measure("traced", device="cpu", observe="allocations") as span:
+            with FakeTensorMode():
+                fake = torch.empty(1024)  # what a compile leaves alive
+            real = torch.ones(256)
+    assert [str(w.message) for w in seen if "FakeTensor" in str(w.message)] == []
+    assert span.cost("allocated") == real.numel() * 4  # the fake tensor owns no memory
+    del fake
+
+
 def test_a_running_profiler_is_a_clear_error() -> None:
     expected = "observe='allocations' reads allocations through PyTorch's profiler"
     running = profile(activities=[ProfilerActivity.CPU])

@@ -173,10 +173,13 @@ class AllocationTracker(StorageTracker):
         A block that no Python object reaches (held by C++ alone, an autograd graph kept
         alive) stays as it is: its free is seen only if it happens while a later span runs.
         """
+        from torch._subclasses.fake_tensor import FakeTensor  # torch.compile's tracing tensors: no memory
+
         tensor_type = torch.Tensor
         for obj in gc.get_objects():
-            if not issubclass(type(obj), tensor_type):  # type(): isinstance would ask proxies for __class__
-                continue
+            kind = type(obj)  # type(): isinstance would ask proxies for __class__
+            if not issubclass(kind, tensor_type) or issubclass(kind, FakeTensor):
+                continue  # a fake tensor's data pointer is meaningless, and torch warns when it is read
             try:
                 storage = obj.untyped_storage()
                 ptr = storage.data_ptr()
