@@ -898,7 +898,7 @@ def finding_to_dict(finding: Finding) -> dict[str, object]:
         if finding.tolerance is None
         else {"relative": finding.tolerance.relative, "absolute": finding.tolerance.absolute},
         "tolerance_text": None if finding.tolerance is None else str(finding.tolerance),
-        "grown": dict(finding.grown),
+        "changed": dict(finding.changed),
         "detail": finding.detail,
         "strict": finding.strict,
     }
@@ -916,7 +916,7 @@ def finding_from_dict(data: Mapping[str, Any]) -> Finding:
         measured=data.get("measured"),
         reference=data.get("reference"),
         tolerance=None if tolerance is None else Tolerance(float(tolerance["relative"]), int(tolerance["absolute"])),
-        grown={str(k): int(v) for k, v in (data.get("grown") or {}).items()},
+        changed={str(k): int(v) for k, v in (data.get("changed") or {}).items()},
         detail=str(data.get("detail", "")),
         strict=bool(data.get("strict", False)),
     )

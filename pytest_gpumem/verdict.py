@@ -39,13 +39,13 @@ __all__ = [
     "MetricInfo",
     "Status",
     "Tolerance",
+    "changed_categories",
     "check_limits",
     "check_values",
     "compare_baseline",
     "compare_values",
     "default_tolerance",
     "failure_message",
-    "grown_categories",
     "metric_info",
     "parse_tolerance",
     "stale_findings",
@@ -254,8 +254,10 @@ class Finding:
             byte figures, ``retained`` and counts as they are; ``None`` when unknown.
         reference: the limit, budget or baseline value; ``None`` when none.
         tolerance: the tolerance a baseline comparison used.
-        grown: for a regression where both sides have a breakdown: category →
-            bytes it grew by, only the categories that grew, largest first.
+        changed: for a ``peak`` regression where both sides have a breakdown at the
+            peak: category → bytes it changed by, every category that changed
+            (grown largest first, then shrunk), so they add up to the change of
+            the peak (:func:`changed_categories`).
         detail: free text: the limit as written, the budget expression, the
             other environments' keys, why a figure is n/a.
         strict: whether ``improved``, ``new``, ``other-environment`` and
@@ -270,7 +272,7 @@ class Finding:
     measured: int | None = None
     reference: int | None = None
     tolerance: Tolerance | None = None
-    grown: Mapping[str, int] = field(default_factory=dict, hash=False)
+    changed: Mapping[str, int] = field(default_factory=dict, hash=False)
     detail: str = ""
     strict: bool = False
 
@@ -414,7 +416,6 @@ def compare_values(
     others = tuple(other_environments)
     single = tolerance if isinstance(tolerance, Tolerance) else None
     findings: list[Finding] = []
-    grown: Mapping[str, int] | None = None
     for metric, measured in costs.items():
         tol = single or cast(Mapping[str, Tolerance], tolerance).get(metric) or _EXACT
         reference = None if entry is None else entry.costs.get(metric)
@@ -437,10 +438,10 @@ def compare_values(
         worse = reference - measured if metric in _HIGHER_IS_BETTER else measured - reference
         status = "regressed" if worse > allowed else "improved" if -worse > allowed else "ok"
         changed: Mapping[str, int] = {}
-        if status == "regressed" and breakdown is not None and entry is not None and entry.breakdown is not None:
-            if grown is None:
-                grown = grown_categories(entry.breakdown, breakdown)
-            changed = grown
+        # the breakdown is the peak's: it explains a peak, not what stayed allocated at the end
+        before = None if entry is None else entry.breakdown
+        if status == "regressed" and metric == "peak" and breakdown is not None and before is not None:
+            changed = changed_categories(before, breakdown)
         findings.append(Finding(test, span, metric, "baseline", status, measured, reference, tol, changed, "", strict))
     return findings
 
@@ -451,16 +452,19 @@ def compare_values(
 # instead of 118 ms for 10,000 tests; 2-core VM), not worth a second way to build a Finding.
 
 
-def grown_categories(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
-    """Categories whose bytes grew from ``before`` to ``after``: category → growth, largest first.
+def changed_categories(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    """Categories whose bytes changed from ``before`` to ``after``: category → change.
 
-    Ties keep the order of :data:`~pytest_gpumem.figures.CATEGORIES` (unknown categories after, by name).
+    The grown first, largest first, then the shrunk, largest shrink first; every category that
+    changed is there, so the changes add up to the change of the total. Ties keep the order of
+    :data:`~pytest_gpumem.figures.CATEGORIES` (unknown categories after, by name).
     """
     names = [c for c in CATEGORIES if c in before or c in after]
     names += sorted(set(before).union(after).difference(CATEGORIES))
-    growth = [(name, after.get(name, 0) - before.get(name, 0)) for name in names]
-    ordered = sorted(((n, d) for n, d in growth if d > 0), key=lambda item: -item[1])  # stable: ties keep order
-    return dict(ordered)
+    change = [(name, after.get(name, 0) - before.get(name, 0)) for name in names]
+    grown = sorted(((n, d) for n, d in change if d > 0), key=lambda item: -item[1])  # stable: ties keep order
+    shrunk = sorted(((n, d) for n, d in change if d < 0), key=lambda item: item[1])
+    return dict(grown + shrunk)
 
 
 def stale_findings(stale: Iterable[StaleEntry], *, strict: bool = False) -> list[Finding]:
@@ -529,8 +533,11 @@ def _line(f: Finding) -> str:
     cost = f"{where}{_compared(f.metric)} {info.format(f.measured)}"
     if f.status == "regressed":
         text = f"{cost} regressed from baseline {info.format(f.reference)} by {excess}{tolerance}"
-        if f.grown:
-            text += "; grown: " + ", ".join(f"{c} {format_delta(d)}" for c, d in f.grown.items())
+        if f.changed:
+            text += "; by category at the peak: " + ", ".join(f"{c} {format_delta(d)}" for c, d in f.changed.items())
+            moved = sum(f.changed.values()) - (f.delta or 0)
+            if moved:  # the categories are absolute, the cost is from the span's start
+                text += f" (the span's start moved by {format_delta(moved)})"
         return text
     if f.status == "improved":
         return (

@@ -162,7 +162,7 @@ def test_record_pass_regress_update_cycle(pytester: pytest.Pytester) -> None:
     regressed.assert_outcomes(passed=1, failed=1)
     text = regressed.stdout.str()
     assert "regressed from baseline" in text
-    assert "grown: " in text and "parameters +" in text and "gradients +" in text
+    assert "by category at the peak: " in text and "parameters +" in text and "gradients +" in text
     regressed.stdout.fnmatch_lines(["*[[]step[]] peak cost * regressed from baseline * by +* (+*%), tolerance*"])
 
     run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=2)  # updating records, never compares

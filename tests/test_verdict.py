@@ -16,12 +16,12 @@ from pytest_gpumem.verdict import (
     Finding,
     Limit,
     Tolerance,
+    changed_categories,
     check_limits,
     check_values,
     compare_baseline,
     compare_values,
     failure_message,
-    grown_categories,
     metric_info,
     parse_tolerance,
     stale_findings,
@@ -323,33 +323,67 @@ def test_strict_fails_improved_and_new() -> None:
     )
 
 
-def test_regression_names_the_grown_categories() -> None:
+def test_a_peak_regression_names_every_category_that_changed_and_they_add_up() -> None:
     before = breakdown(parameters=4 * MiB, gradients=0, activations=2 * MiB, temporaries=MiB)
     after = breakdown(parameters=4 * MiB, gradients=4 * MiB, activations=3 * MiB, temporaries=0)
-    m = measurement(peak=sum(after.values()), breakdown=after)
-    findings = by_metric(compare_baseline(TEST, m, entry(peak=sum(before.values()), breakdown=before), TOL))
+    m = measurement(peak=sum(after.values()), allocated=20 * MiB, breakdown=after)
+    base = entry(peak=sum(before.values()), allocated=10 * MiB, breakdown=before)
+    findings = by_metric(compare_baseline(TEST, m, base, TOL))
     peak = findings["peak"]
     assert peak.status == "regressed"
-    assert list(peak.grown.items()) == [("gradients", 4 * MiB), ("activations", MiB)]
+    assert list(peak.changed.items()) == [("gradients", 4 * MiB), ("activations", MiB), ("temporaries", -MiB)]
+    assert sum(peak.changed.values()) == peak.delta
     assert failure_message([peak]) == (
         "peak cost 11.00 MiB regressed from baseline 7.00 MiB by +4.00 MiB (+57.1%), "
         "tolerance 2% or 1.00 MiB, whichever is larger (±1.00 MiB); "
-        "grown: gradients +4.00 MiB, activations +1.00 MiB"
+        "by category at the peak: gradients +4.00 MiB, activations +1.00 MiB, temporaries -1.00 MiB"
     )
-    assert findings["allocated"].grown == {}  # ok findings carry no growth
+    # the breakdown is the peak's: it does not explain what stayed allocated at the end
+    assert findings["allocated"].status == "regressed" and findings["allocated"].changed == {}
 
 
-def test_no_grown_without_both_breakdowns() -> None:
+def test_gradient_checkpointing_disabled_names_the_shrunk_temporaries_too() -> None:
+    """Activations +9.32 MiB, temporaries -4.29 MiB: the peak grew by their sum, +5.03 MiB."""
+    before = breakdown(parameters=8 * MiB, activations=2 * MiB, temporaries=6 * MiB)
+    after = breakdown(parameters=8 * MiB, activations=2 * MiB + 9_772_728, temporaries=6 * MiB - 4_498_391)
+    m = measurement(peak=sum(after.values()), breakdown=after)
+    (peak,) = compare_baseline(TEST, m, entry(peak=sum(before.values()), breakdown=before), TOL, metrics=["peak"])
+    assert peak.delta == 9_772_728 - 4_498_391
+    assert failure_message([peak]).endswith("by category at the peak: activations +9.32 MiB, temporaries -4.29 MiB")
+
+
+def test_a_moved_start_is_said_when_the_categories_do_not_add_up_to_the_cost() -> None:
+    before = breakdown(parameters=4 * MiB, activations=2 * MiB)
+    after = breakdown(parameters=5 * MiB, activations=4 * MiB)  # 1 MiB more parameters were there at the start
+    m = measurement(start=MiB, peak=sum(after.values()), breakdown=after)
+    (peak,) = compare_baseline(TEST, m, entry(peak=sum(before.values()), breakdown=before), TOL, metrics=["peak"])
+    assert peak.delta == 2 * MiB
+    assert failure_message([peak]).endswith(
+        "by category at the peak: activations +2.00 MiB, parameters +1.00 MiB (the span's start moved by +1.00 MiB)"
+    )
+
+
+def test_no_categories_without_both_breakdowns() -> None:
     m = measurement(peak=20 * MiB, breakdown=breakdown(gradients=20 * MiB))
     (finding,) = compare_baseline(TEST, m, entry(peak=MiB), TOL, metrics=["peak"])
-    assert finding.status == "regressed" and finding.grown == {}
-    assert "grown" not in failure_message([finding])
+    assert finding.status == "regressed" and finding.changed == {}
+    assert "category" not in failure_message([finding])
 
 
-def test_grown_categories_order_and_unknown_categories() -> None:
-    grown = grown_categories({"gradients": 1, "zeta": 0}, {"parameters": 5, "gradients": 6, "other": 5, "zeta": 9})
-    # largest first; ties keep CATEGORIES order; unknown categories after
-    assert list(grown.items()) == [("zeta", 9), ("parameters", 5), ("gradients", 5), ("other", 5)]
+def test_changed_categories_order_and_unknown_categories() -> None:
+    changed = changed_categories(
+        {"gradients": 1, "zeta": 0, "activations": 7, "temporaries": 3},
+        {"parameters": 5, "gradients": 6, "other": 5, "zeta": 9, "activations": 4, "temporaries": 0},
+    )
+    # grown largest first (ties keep CATEGORIES order; unknown categories after), then shrunk
+    assert list(changed.items()) == [
+        ("zeta", 9),
+        ("parameters", 5),
+        ("gradients", 5),
+        ("other", 5),
+        ("activations", -3),
+        ("temporaries", -3),
+    ]
 
 
 def test_per_metric_tolerance() -> None:
