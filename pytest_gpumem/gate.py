@@ -216,14 +216,28 @@ class Gate:
             data = json_report(
                 records, environments=environments, extra_findings=self.stale, generator=options.generator
             )
-            _replace(options.json_path, json_bytes(json.dumps(data, indent=2, ensure_ascii=False) + "\n"))
+            _report("JSON", options.json_path, json_bytes(json.dumps(data, indent=2, ensure_ascii=False) + "\n"))
         markdown = markdown_report(records, header=", ".join(self.environment_keys()), extra_findings=self.stale)
         if options.markdown_path is not None:
-            _replace(options.markdown_path, markdown.encode("utf-8", "backslashreplace"))
+            _report("Markdown", options.markdown_path, markdown.encode("utf-8", "backslashreplace"))
         summary = os.environ.get("GITHUB_STEP_SUMMARY")
         if summary and options.step_summary:
-            with open(summary, "a", encoding="utf-8", errors="backslashreplace") as handle:
-                handle.write(markdown)
+            try:
+                with open(summary, "a", encoding="utf-8", errors="backslashreplace") as handle:
+                    handle.write(markdown)
+            except OSError as exc:
+                raise OSError(
+                    exc.errno, f"could not append to $GITHUB_STEP_SUMMARY ({summary}): {exc.strerror}"
+                ) from exc
+
+
+def _report(kind: str, path: Path, data: bytes) -> None:
+    """:func:`_replace`, whose error names the report and the path it could not write."""
+    try:
+        _replace(path, data)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise OSError(exc.errno, f"could not write the {kind} report {path}: {exc.strerror or exc}{where}") from exc
 
 
 def _replace(path: Path, data: bytes) -> None:

@@ -215,6 +215,19 @@ class GpumemManager:
             except BaselineFileError as exc:
                 raise pytest.UsageError(f"gpumem baselines: {exc}") from None
 
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """Under pytest-xdist the controller collects nothing, so it cannot tell, as a serial run
+        does, whether a test is measured before the workers start: it reads an existing
+        baseline file now, so that one it cannot read stops the run before any test, as serially."""
+        if self.worker or self.config.pluginmanager.getplugin("dsession") is None:
+            return
+        if self.settings.gate.baselines.exists():
+            try:
+                self.gate.store  # noqa: B018
+            except BaselineFileError as exc:
+                raise pytest.UsageError(f"gpumem baselines: {exc}") from None
+
     # -- running (in the process that runs the test) ------------------------------------
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -363,11 +376,20 @@ class GpumemManager:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if self.worker:
+            return
+        if report.when == "teardown" and report.failed:  # a test that failed in any phase records no baseline
+            judged = self.gate.records.get(report.nodeid)
+            if judged is not None:
+                judged.passed = False
+            return
         data = getattr(report, "gpumem", None)
-        if data is None or report.when != "call" or self.worker:
+        if data is None or report.when != "call":
             return
         record = TestRecord.from_dict(data)
         limits_failed = record.failed
+        if report.failed and record.passed and not limits_failed:
+            record.passed = False  # failed for a reason of pytest's (XPASS(strict)) or another plugin's
         try:
             broken = [finding for finding in self.gate.judge(record) if finding.failed]
         except BaselineFileError as exc:  # under xdist the controller reads the file at the first record
@@ -409,7 +431,12 @@ class GpumemManager:
                     session.exitstatus = pytest.ExitCode.TESTS_FAILED
         else:
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
-        self.gate.write_reports()
+        try:
+            self.gate.write_reports()
+        except OSError as exc:  # checked before the first test; a test may still have removed the folder
+            session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+            failed = f"gpumem: {exc.strerror or exc}"
+            self._error = failed if self._error is None else f"{self._error}\n{failed}"
 
     def _gather(self, session: pytest.Session) -> bool:
         """Under torchrun: every rank's records to rank 0. True on rank 0 once it has them all."""

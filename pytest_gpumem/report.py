@@ -102,6 +102,8 @@ class RecordLike(Protocol):
     measurements: list[Measurement]
     findings: list[Finding]
     errors: list[str]
+    #: the test's own code passed (in every phase)
+    passed: bool
 
     @property
     def failed(self) -> bool:
@@ -670,6 +672,9 @@ def terminal_summary(
     if baselines is not None:
         path, written = baselines
         lines.append(f"baselines {'written to' if written else 'unchanged in'} {path}")
+        skipped = [r.nodeid for r in records if not r.passed or r.failed]
+        if skipped:
+            lines += _wrap(f"not recorded, the test or its memory check failed: {', '.join(skipped)}", width)
     return "\n".join(line for line in lines if line)
 
 

@@ -5,6 +5,7 @@ table and hands over a reader of the command line and ini file.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +148,20 @@ class Settings:
                 option = "--" + name.replace("_", "-")
                 raise OptionError(f"{option} / ini {name}: {exc}") from None
 
-        artifacts = path("gpumem_artifacts")
+        def output(name: str, *, folder: bool = False, written: bool = True) -> Path | None:
+            """``path(name)`` checked now, before any test runs, so that a report is not lost at the end."""
+            where = path(name)
+            problem = None if where is None else unwritable(where, folder=folder, written=written)
+            if problem is not None:
+                option = "--" + name.replace("_", "-")
+                raise OptionError(f"{option} / ini {name}: {problem}")
+            return where
+
+        update = flag("gpumem_update_baselines")
+        json_path = output("gpumem_json")
+        markdown_path = output("gpumem_markdown")
+        baselines = output("gpumem_baselines", written=update)
+        artifacts = output("gpumem_artifacts", folder=True)
         if artifacts is None:
             artifacts = cache_dir() if cache_dir is not None else rootpath / ".gpumem-artifacts"
         return cls(
@@ -163,14 +177,37 @@ class Settings:
             artifacts_all=flag("gpumem_artifacts_all"),
             snapshot=flag("gpumem_snapshot"),
             gate=GateOptions(
-                baselines=path("gpumem_baselines") or rootpath / DEFAULT_FILENAME,
+                baselines=baselines or rootpath / DEFAULT_FILENAME,
                 tolerance=parsed("gpumem_tolerance", parse_tolerance),
-                update=flag("gpumem_update_baselines"),
+                update=update,
                 strict=flag("gpumem_strict"),
                 prune=flag("gpumem_prune"),
-                json_path=path("gpumem_json"),
-                markdown_path=path("gpumem_markdown"),
+                json_path=json_path,
+                markdown_path=markdown_path,
                 step_summary=not flag("gpumem_no_step_summary"),
                 generator=f"pytest-gpumem {__version__}",
             ),
         )
+
+
+def unwritable(path: Path, *, folder: bool = False, written: bool = True) -> str | None:
+    """Why ``path`` cannot be written as a file (``folder``: made as a folder), or None when it can.
+
+    A missing parent folder is fine (it is made when the file is written, as pytest's
+    ``--junitxml`` does) unless something in the way is a file or cannot be written.
+    ``written=False`` only checks that the path is of the right kind (a file that is read).
+    """
+    if path.is_dir() and not folder:
+        return f"{path} is a directory: give a file name"
+    if path.exists() and not path.is_dir() and folder:
+        return f"{path} is a file: give a folder"
+    if not written:
+        return None
+    existing = path if folder and path.is_dir() else path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{path} cannot be created: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{path} cannot be written: the folder {existing} is not writable"
+    return None
