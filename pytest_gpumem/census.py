@@ -14,9 +14,10 @@ import gc
 import itertools
 import os
 import sys
+import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from types import FrameType, TracebackType
+from types import FrameType, ModuleType, TracebackType
 from typing import Any
 
 import torch
@@ -32,8 +33,10 @@ __all__ = [
     "StorageGroup",
     "describe",
     "frame_locals",
+    "library_dirs",
     "live_table",
     "live_tensors",
+    "module_level_objects",
     "stack_frames",
     "storage_groups",
     "take_census",
@@ -175,11 +178,11 @@ def _label(module: Any, labels: Mapping[int, str]) -> str:
 def tensor_names(objects: Iterable[Any], labels: Mapping[int, str] | None = None) -> dict[int, tuple[str, str | None]]:
     """Names of the tensors that tracked modules and optimizers hold, by ``id()`` of the tensor.
 
-    Each value is ``(name, category)``: ``("Sequential.0.weight", "parameters")``,
-    ``("grad of Sequential.0.weight", "gradients")``, ``("Sequential.bn.running_mean",
-    None)`` for a buffer, ``("optimizer state exp_avg of Sequential.0.weight",
-    "optimizer_state")``. A module is named by ``labels[id(module)]`` when given
-    (e.g. the variable that holds it), else by its class name.
+    Each value is ``(name, category)``, named as the code reads them:
+    ``("model.0.weight", "parameters")``, ``("model.0.weight.grad", "gradients")``,
+    ``("model.bn.running_mean", None)`` for a buffer, ``("optimizer.state[model.0.weight]['exp_avg']",
+    "optimizer_state")``. A module or optimizer is named by ``labels[id(obj)]`` when given
+    (the variable that holds it), else by its class name (``Sequential.0.weight``).
     """
     labels = labels or {}
     names: dict[int, tuple[str, str | None]] = {}
@@ -193,21 +196,88 @@ def tensor_names(objects: Iterable[Any], labels: Mapping[int, str] | None = None
                 param_names.setdefault(id(param), full)
                 names.setdefault(id(param), (full, "parameters"))
                 if param.grad is not None:
-                    names.setdefault(id(param.grad), (f"grad of {full}", "gradients"))
+                    names.setdefault(id(param.grad), (f"{full}.grad", "gradients"))
             for name, buffer in obj.named_buffers():
                 names.setdefault(id(buffer), (f"{prefix}.{name}", None))
     for obj in objects:
         if isinstance(obj, torch.optim.Optimizer):
+            optimizer = _label(obj, labels)
             for g, group in enumerate(obj.param_groups):
                 for i, param in enumerate(group["params"]):
-                    pname = param_names.get(id(param)) or f"param {g}.{i} {tuple(param.shape)}"
+                    known = param_names.get(id(param))
+                    pname = known or f"{optimizer}.param_groups[{g}]['params'][{i}]"
                     names.setdefault(id(param), (pname, "parameters"))
                     if param.grad is not None:
-                        names.setdefault(id(param.grad), (f"grad of {pname}", "gradients"))
+                        names.setdefault(id(param.grad), (f"{pname}.grad", "gradients"))
                     for key, value in obj.state.get(param, {}).items():
                         if isinstance(value, torch.Tensor):
-                            names.setdefault(id(value), (f"optimizer state {key} of {pname}", "optimizer_state"))
+                            state = f"{optimizer}.state[{known or f'param {g}.{i}'}][{key!r}]"
+                            names.setdefault(id(value), (state, "optimizer_state"))
     return names
+
+
+def library_dirs() -> tuple[str, ...]:
+    """The folders of code that is not the user's: the standard library, installed packages
+    (site-packages), torch and this package (each ending in a separator)."""
+    paths = sysconfig.get_paths()
+    found = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    return (*(os.path.abspath(path) + os.sep for path in sorted(found)), _TORCH_DIR, _PACKAGE_DIR + os.sep)
+
+
+def module_level_objects() -> dict[int, tuple[str, Any]]:
+    """The modules and optimizers that user code holds in module-level names, by ``id()``:
+    ``(name, object)``, e.g. a test module's ``model = nn.Linear(...)`` is ``("model", model)``.
+
+    User code is every imported module outside the standard library, the installed packages
+    (site-packages), torch and this package: test modules, conftests, the project's own code.
+    They name the tensors of such objects as the code reads them (``model.weight.grad``).
+    """
+    libraries = library_dirs()
+    found: dict[int, tuple[str, Any]] = {}
+    for module in list(sys.modules.values()):
+        filename = getattr(module, "__file__", None)
+        if not isinstance(module, ModuleType) or not filename:
+            continue
+        if os.path.abspath(filename).startswith(libraries):
+            continue
+        for key, value in list(vars(module).items()):
+            if key.startswith("__") or issubclass(type(value), (ModuleType, type)):
+                continue
+            for name, obj in _one_level(key, value):
+                found.setdefault(id(obj), (name, obj))
+    return found
+
+
+_HOLDS = (torch.nn.Module, torch.optim.Optimizer)
+
+
+def _one_level(name: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """``value`` if it is a module or optimizer, else those it holds directly: a dict's values
+    (``MODELS['gpt']``), a list's or tuple's items (``MODELS[0]``), an object's attributes
+    (``TRAINER.model``)."""
+    kind = type(value)  # type(): isinstance would ask a proxy for its __class__
+    if issubclass(kind, _HOLDS):
+        yield name, value
+        return
+    if issubclass(kind, dict):
+        items: Iterable[tuple[str, Any]] = ((f"{name}[{k!r}]", v) for k, v in list(value.items())[:_FANOUT])
+    elif issubclass(kind, (list, tuple)):
+        items = ((f"{name}[{i}]", v) for i, v in enumerate(value[:_FANOUT]))
+    else:
+        try:
+            attributes = vars(value)
+        except Exception:  # no __dict__, or one that raises
+            return
+        if not isinstance(attributes, dict):
+            return
+        items = ((f"{name}.{k}", v) for k, v in list(attributes.items())[:_FANOUT])
+    for label, obj in items:
+        if issubclass(type(obj), _HOLDS):
+            yield label, obj
+
+
+#: Entries of a module-level container looked at for modules and optimizers.
+_FANOUT = 64
 
 
 def _user_frame(frame: FrameType) -> bool:
@@ -348,8 +418,11 @@ def take_census(
 ) -> Census:
     """:func:`live_tensors` as a :class:`Census`; ``counted_only`` keeps only storages ``tracker`` counts."""
     objects, frames = list(objects), list(frames)
-    local_names, labels = _frame_names(frames, objects)
-    names = tensor_names(objects, labels)
+    held = module_level_objects()
+    local_names, labels = _frame_names(frames, [*objects, *(obj for _, obj in held.values())])
+    for key, (name, _) in held.items():
+        labels.setdefault(key, name)
+    names = tensor_names([*objects, *(obj for key, (_, obj) in held.items() if key in labels)], labels)
     for key, value in local_names.items():
         names.setdefault(key, value)
     groups = storage_groups(device, tracker, counted_only=counted_only)

@@ -28,7 +28,16 @@ import torch
 
 import pytest_gpumem.census as _census
 from pytest_gpumem import frozen
-from pytest_gpumem.census import LiveTensor, StorageGroup, describe, frame_locals, live_table, storage_groups
+from pytest_gpumem.census import (
+    LiveTensor,
+    StorageGroup,
+    describe,
+    frame_locals,
+    live_table,
+    module_level_objects,
+    storage_groups,
+    tensor_names,
+)
 from pytest_gpumem.units import format_delta, format_size
 
 if TYPE_CHECKING:
@@ -259,7 +268,7 @@ def _leaked_tensors(engine: Engine, snapshot: StorageSnapshot, top: int) -> tupl
     total = sum(g.nbytes for g in new)
     count = len(new)
     del new
-    hints = _group_hints(chosen)
+    hints = _group_hints(chosen, _module_level_names())
     named = {id(tensor): (name, None) for tensor, name in hints.values()}
     described = tuple(describe(group, named, engine.tracker) for group in chosen)
     del hints
@@ -270,16 +279,33 @@ def _leaked_tensors(engine: Engine, snapshot: StorageSnapshot, top: int) -> tupl
 VIEWS_NAMED = 8
 
 
-def _group_hints(groups: list[StorageGroup]) -> dict[int, tuple[torch.Tensor, str]]:
+def _module_level_names() -> dict[int, str]:
+    """Names of the tensors of modules and optimizers held at module level (``model.weight.grad``)."""
+    held = module_level_objects()
+    labels = {key: name for key, (name, _) in held.items()}
+    return {key: name for key, (name, _) in tensor_names([obj for _, obj in held.values()], labels).items()}
+
+
+def _group_hints(groups: list[StorageGroup], known: Mapping[int, str]) -> dict[int, tuple[torch.Tensor, str]]:
     """For each group (by index) with a nameable holder: the tensor so held and the name.
 
-    A leaked view often outlives the tensor it was cut from only in C++ (its
-    ``_base``): that base has no Python holder, so the largest *named* view is used.
+    A tensor of a module or optimizer that user code holds at module level is named as the
+    code reads it (``known``: ``model.weight``, ``model.weight.grad``); the others by what
+    refers to them. A leaked view often outlives the tensor it was cut from only in C++
+    (its ``_base``): that base has no Python holder, so the largest *named* view is used.
     """
-    candidates = [sorted(group.tensors, key=lambda t: t.numel(), reverse=True)[:VIEWS_NAMED] for group in groups]
+    hints: dict[int, tuple[torch.Tensor, str]] = {}
+    for i, group in enumerate(groups):
+        for tensor in group.tensors:
+            if id(tensor) in known:
+                hints[i] = (tensor, known[id(tensor)])
+                break
+    candidates = [
+        [] if i in hints else sorted(group.tensors, key=lambda t: t.numel(), reverse=True)[:VIEWS_NAMED]
+        for i, group in enumerate(groups)
+    ]
     targets = [t for tensors in candidates for t in tensors]
     names = referrer_names(targets, ignore=[candidates, *candidates, groups, *(g.tensors for g in groups)])
-    hints: dict[int, tuple[torch.Tensor, str]] = {}
     for i, tensors in enumerate(candidates):
         for tensor in tensors:
             if id(tensor) in names:

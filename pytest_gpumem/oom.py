@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -26,7 +27,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tabulate import tabulate
 
-from pytest_gpumem.census import TOP, LiveTensor, live_table, stack_frames, take_census, traceback_frames
+from pytest_gpumem.census import (
+    TOP,
+    LiveTensor,
+    library_dirs,
+    live_table,
+    stack_frames,
+    take_census,
+    traceback_frames,
+)
 from pytest_gpumem.figures import CATEGORIES
 from pytest_gpumem.units import format_size
 
@@ -334,6 +343,29 @@ def _fields(report: OomReport) -> dict[str, Any]:
 # -- releasing what a failed step holds ---------------------------------------------------------------
 
 
+def _user_traceback(exc: BaseException) -> TracebackType | None:
+    """``exc``'s traceback cut after its last frame of user code; None when it has none.
+
+    User code is what is not the standard library, an installed package, torch or this
+    package. On a GPU the allocator raises from C++ and the traceback ends in torch's
+    Python frames, or at the user's line; the CPU engine refuses an emulated
+    ``device_limit`` from its dispatch mode, below torch's. Cut at the user's last frame,
+    both read alike (pytest shows the test's line and its helpers'), and the library frames
+    below, whose closures can hold the step's tensors after their frames are cleared, go.
+    """
+    libraries = library_dirs()
+    last_user: TracebackType | None = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(libraries):
+            last_user = tb
+        tb = tb.tb_next
+    if last_user is None:
+        return None
+    last_user.tb_next = None
+    return exc.__traceback__
+
+
 def _clear_traceback(tb: TracebackType | None) -> None:
     while tb is not None:
         frame = tb.tb_frame
@@ -351,10 +383,14 @@ def release_oom(exc: BaseException, engine: Engine | None = None, *, collect: bo
     Clears the local variables of every finished frame in the tracebacks of
     ``exc`` and of its ``__cause__`` / ``__context__`` chain (``frame.clear()``,
     as :func:`traceback.clear_frames` does, but sparing generator frames, which
-    clearing would close), sets their ``__traceback__`` to None, runs
-    ``gc.collect()`` and, on a CUDA-like engine, synchronizes and empties the
-    caching allocator's cache. The exception object itself stays usable (its
-    message and type); frames that are still executing keep their locals.
+    clearing would close), runs ``gc.collect()`` and, on a CUDA-like engine,
+    synchronizes and empties the caching allocator's cache. The exception stays
+    usable: its message, its type, and its traceback down to the last frame of
+    user code (the frames of libraries below it go: a closure of theirs can hold
+    the step's tensors after its frame is cleared), whose frames still name their
+    files, functions and lines (pytest shows the user's line that allocated),
+    only without their local variables. A traceback with no user frame goes
+    whole. Frames that are still executing keep their locals.
     ``collect=False`` skips ``gc.collect()`` (a full collection costs ~0.1 s in a
     large process; clearing the frames already frees what only they held).
 
@@ -369,8 +405,8 @@ def release_oom(exc: BaseException, engine: Engine | None = None, *, collect: bo
         if id(current) in seen:
             continue
         seen.add(id(current))
+        current.__traceback__ = _user_traceback(current)
         _clear_traceback(current.__traceback__)
-        current.__traceback__ = None
         for linked in (current.__cause__, current.__context__):
             if linked is not None:
                 pending.append(linked)

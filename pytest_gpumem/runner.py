@@ -297,7 +297,7 @@ class TestRun:
             self._stack.close()
             recorder.end()
         if oom is not None and exc is not None:
-            release_oom(exc, engine)  # what the failed test held goes, traceback frames included
+            release_oom(exc, engine)  # what the failed test held goes; the traceback ends at the user's line
         engine.settle()  # library workspaces stay: they were there at the start reading too
         notes = call.notes
         if engine.exact and engine.tracker is not None:  # the tracker is the engine: what did it miss?
