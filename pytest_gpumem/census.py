@@ -13,11 +13,9 @@ import contextlib
 import gc
 import itertools
 import os
-import sys
-import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from types import FrameType, ModuleType, TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ from tabulate import tabulate
 
 from pytest_gpumem import frozen
 from pytest_gpumem.engines.tracker import StorageTracker, cuda_rounded
+from pytest_gpumem.holders import frame_locals, module_level_objects, referrer_names
 from pytest_gpumem.units import format_size
 
 __all__ = [
@@ -32,11 +31,10 @@ __all__ = [
     "LiveTensor",
     "StorageGroup",
     "describe",
-    "frame_locals",
-    "library_dirs",
+    "holder_hints",
     "live_table",
     "live_tensors",
-    "module_level_objects",
+    "module_level_names",
     "stack_frames",
     "storage_groups",
     "take_census",
@@ -47,7 +45,6 @@ __all__ = [
 #: Largest live tensors listed by default.
 TOP = 10
 
-_CO_OPTIMIZED = 0x1
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -216,95 +213,11 @@ def tensor_names(objects: Iterable[Any], labels: Mapping[int, str] | None = None
     return names
 
 
-def library_dirs() -> tuple[str, ...]:
-    """The folders of code that is not the user's: the standard library, installed packages
-    (site-packages), torch and this package (each ending in a separator)."""
-    paths = sysconfig.get_paths()
-    found = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
-    return (*(os.path.abspath(path) + os.sep for path in sorted(found)), _TORCH_DIR, _PACKAGE_DIR + os.sep)
-
-
-def module_level_objects() -> dict[int, tuple[str, Any]]:
-    """The modules and optimizers that user code holds in module-level names, by ``id()``:
-    ``(name, object)``, e.g. a test module's ``model = nn.Linear(...)`` is ``("model", model)``.
-
-    User code is every imported module outside the standard library, the installed packages
-    (site-packages), torch and this package: test modules, conftests, the project's own code.
-    They name the tensors of such objects as the code reads them (``model.weight.grad``).
-    """
-    libraries = library_dirs()
-    found: dict[int, tuple[str, Any]] = {}
-    for module in list(sys.modules.values()):
-        filename = getattr(module, "__file__", None)
-        if not isinstance(module, ModuleType) or not filename:
-            continue
-        if os.path.abspath(filename).startswith(libraries):
-            continue
-        for key, value in list(vars(module).items()):
-            if key.startswith("__") or issubclass(type(value), (ModuleType, type)):
-                continue
-            for name, obj in _one_level(key, value):
-                found.setdefault(id(obj), (name, obj))
-    return found
-
-
-_HOLDS = (torch.nn.Module, torch.optim.Optimizer)
-
-
-def _one_level(name: str, value: Any) -> Iterator[tuple[str, Any]]:
-    """``value`` if it is a module or optimizer, else those it holds directly: a dict's values
-    (``MODELS['gpt']``), a list's or tuple's items (``MODELS[0]``), an object's attributes
-    (``TRAINER.model``)."""
-    kind = type(value)  # type(): isinstance would ask a proxy for its __class__
-    if issubclass(kind, _HOLDS):
-        yield name, value
-        return
-    if issubclass(kind, dict):
-        items: Iterable[tuple[str, Any]] = ((f"{name}[{k!r}]", v) for k, v in list(value.items())[:_FANOUT])
-    elif issubclass(kind, (list, tuple)):
-        items = ((f"{name}[{i}]", v) for i, v in enumerate(value[:_FANOUT]))
-    else:
-        try:
-            attributes = vars(value)
-        except Exception:  # no __dict__, or one that raises
-            return
-        if not isinstance(attributes, dict):
-            return
-        items = ((f"{name}.{k}", v) for k, v in list(attributes.items())[:_FANOUT])
-    for label, obj in items:
-        if issubclass(type(obj), _HOLDS):
-            yield label, obj
-
-
-#: Entries of a module-level container looked at for modules and optimizers.
-_FANOUT = 64
-
-
 def _user_frame(frame: FrameType) -> bool:
     filename = frame.f_code.co_filename
     if filename.startswith((_TORCH_DIR, *_INTERNAL)):
         return False
     return not any(part in filename for part in _FRAMEWORK_PARTS)
-
-
-def frame_locals(frame: FrameType) -> dict[str, Any]:
-    """A copy of ``frame``'s local variables that leaves no reference behind.
-
-    On Python < 3.13, reading ``frame.f_locals`` of a function frame stores a
-    snapshot dict on the frame that keeps every local's value alive until the
-    frame ends, even after the function deletes the variable: a report built
-    mid-test would then hold the test's tensors. The snapshot is emptied after
-    copying (the frame's real locals are untouched; only function frames, whose
-    ``f_locals`` is a snapshot, never a module's namespace).
-    """
-    try:
-        snapshot = frame.f_locals
-        values = dict(snapshot)
-    except Exception:  # pragma: no cover - exotic frames
-        return {}
-    if sys.version_info < (3, 13) and frame.f_code.co_flags & _CO_OPTIMIZED and isinstance(snapshot, dict):
-        snapshot.clear()
-    return values
 
 
 def _frame_where(frame: FrameType) -> str:
@@ -376,6 +289,48 @@ def describe(
     )
 
 
+#: Tensors per storage whose holders are looked for (the largest views first).
+VIEWS_NAMED = 8
+
+
+def module_level_names() -> dict[int, str]:
+    """Names of the tensors of modules and optimizers held at module level (``model.weight.grad``)."""
+    held = module_level_objects()
+    labels = {key: name for key, (name, _) in held.items()}
+    return {key: name for key, (name, _) in tensor_names([obj for _, obj in held.values()], labels).items()}
+
+
+def holder_hints(
+    groups: list[StorageGroup], known: Mapping[int, str], *, thaw: bool = True
+) -> dict[int, tuple[torch.Tensor, str]]:
+    """For each group (by index) with a nameable holder: the tensor so held and the name.
+
+    A tensor named in ``known`` keeps that name (a module's or optimizer's, as the code reads
+    it: ``model.weight.grad``); the others are named by what refers to them
+    (:func:`~pytest_gpumem.holders.referrer_names`, two collector passes for all groups). A
+    view often outlives the tensor it was cut from only in C++ (its ``_base``): that base has
+    no Python holder, so the largest *named* view is used.
+    """
+    hints: dict[int, tuple[torch.Tensor, str]] = {}
+    for i, group in enumerate(groups):
+        for tensor in group.tensors:
+            if id(tensor) in known:
+                hints[i] = (tensor, known[id(tensor)])
+                break
+    candidates = [
+        [] if i in hints else sorted(group.tensors, key=lambda t: t.numel(), reverse=True)[:VIEWS_NAMED]
+        for i, group in enumerate(groups)
+    ]
+    targets = [t for tensors in candidates for t in tensors]
+    names = referrer_names(targets, ignore=[candidates, *candidates, groups, *(g.tensors for g in groups)], thaw=thaw)
+    for i, tensors in enumerate(candidates):
+        for tensor in tensors:
+            if id(tensor) in names:
+                hints[i] = (tensor, names[id(tensor)])
+                break
+    return hints
+
+
 @dataclass(frozen=True)
 class Census:
     """The live storages found on a device: the largest described, how many there are, their bytes."""
@@ -428,6 +383,10 @@ def take_census(
     groups = storage_groups(device, tracker, counted_only=counted_only)
     ordered = sorted(groups.values(), key=lambda g: g.nbytes, reverse=True)
     chosen = ordered if top is None else ordered[:top]
+    unnamed = [group for group in chosen if not any(id(t) in names for t in group.tensors)]
+    if unnamed:  # what else holds them: a cache, a compiler's graph, a global container
+        for tensor, name in holder_hints(unnamed, {}, thaw=False).values():
+            names[id(tensor)] = (name, None)
     with _reading(tracker):
         tensors = tuple(describe(group, names, tracker) for group in chosen)
     return Census(tensors, len(ordered), sum(g.nbytes for g in ordered))

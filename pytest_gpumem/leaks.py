@@ -15,29 +15,22 @@ Sizes are bytes throughout.
 
 from __future__ import annotations
 
-import gc
-import os
-import sys
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import CellType, FrameType, ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-import pytest_gpumem.census as _census
-from pytest_gpumem import frozen
 from pytest_gpumem.census import (
     LiveTensor,
-    StorageGroup,
     describe,
-    frame_locals,
+    holder_hints,
     live_table,
-    module_level_objects,
+    module_level_names,
     storage_groups,
-    tensor_names,
 )
+from pytest_gpumem.holders import referrer_names
 from pytest_gpumem.units import format_delta, format_size
 
 if TYPE_CHECKING:
@@ -47,8 +40,6 @@ __all__ = ["LeakCheck", "StorageSnapshot", "confirm_leak", "referrer_names", "sn
 
 #: Leaked tensors a :class:`LeakCheck` lists by default.
 TOP = 20
-
-_THIS_FILES = (os.path.abspath(__file__), os.path.abspath(_census.__file__ or ""))
 
 
 @dataclass(frozen=True)
@@ -268,233 +259,8 @@ def _leaked_tensors(engine: Engine, snapshot: StorageSnapshot, top: int) -> tupl
     total = sum(g.nbytes for g in new)
     count = len(new)
     del new
-    hints = _group_hints(chosen, _module_level_names())
+    hints = holder_hints(chosen, module_level_names())
     named = {id(tensor): (name, None) for tensor, name in hints.values()}
     described = tuple(describe(group, named, engine.tracker) for group in chosen)
     del hints
     return described, count, total
-
-
-#: Tensors per leaked storage whose holders are looked for (the largest views first).
-VIEWS_NAMED = 8
-
-
-def _module_level_names() -> dict[int, str]:
-    """Names of the tensors of modules and optimizers held at module level (``model.weight.grad``)."""
-    held = module_level_objects()
-    labels = {key: name for key, (name, _) in held.items()}
-    return {key: name for key, (name, _) in tensor_names([obj for _, obj in held.values()], labels).items()}
-
-
-def _group_hints(groups: list[StorageGroup], known: Mapping[int, str]) -> dict[int, tuple[torch.Tensor, str]]:
-    """For each group (by index) with a nameable holder: the tensor so held and the name.
-
-    A tensor of a module or optimizer that user code holds at module level is named as the
-    code reads it (``known``: ``model.weight``, ``model.weight.grad``); the others by what
-    refers to them. A leaked view often outlives the tensor it was cut from only in C++
-    (its ``_base``): that base has no Python holder, so the largest *named* view is used.
-    """
-    hints: dict[int, tuple[torch.Tensor, str]] = {}
-    for i, group in enumerate(groups):
-        for tensor in group.tensors:
-            if id(tensor) in known:
-                hints[i] = (tensor, known[id(tensor)])
-                break
-    candidates = [
-        [] if i in hints else sorted(group.tensors, key=lambda t: t.numel(), reverse=True)[:VIEWS_NAMED]
-        for i, group in enumerate(groups)
-    ]
-    targets = [t for tensors in candidates for t in tensors]
-    names = referrer_names(targets, ignore=[candidates, *candidates, groups, *(g.tensors for g in groups)])
-    for i, tensors in enumerate(candidates):
-        for tensor in tensors:
-            if id(tensor) in names:
-                hints[i] = (tensor, names[id(tensor)])
-                break
-    return hints
-
-
-# -- naming what holds an object ----------------------------------------------------------------------
-
-
-_DICT_OF = ".__dict__"
-
-
-def _module_dicts() -> dict[int, str]:
-    dicts: dict[int, str] = {}
-    for name, module in list(sys.modules.items()):
-        if isinstance(module, ModuleType):
-            dicts[id(module.__dict__)] = name
-    return dicts
-
-
-def _own_frame(obj: object) -> bool:
-    return isinstance(obj, FrameType) and os.path.abspath(obj.f_code.co_filename) in _THIS_FILES
-
-
-def _attribute_of(holder: object, target: object) -> str | None:
-    """The attribute name under which ``holder`` (an object with a ``__dict__``) holds ``target``."""
-    try:
-        attributes = vars(holder)
-    except TypeError:
-        return None
-    for key, value in attributes.items():
-        if value is target:
-            return str(key)
-    return None
-
-
-def _links(holder: object, target: object, module_dicts: Mapping[int, str]) -> list[tuple[str, bool]]:
-    """How ``holder`` refers to ``target``: ``(text, final)`` pairs.
-
-    ``final`` texts are complete names (a module-level name, a frame's local);
-    the others are accessors (``"[3]"``, ``".attr"``, ``"['key']"``) to append to
-    the name of whatever holds ``holder``.
-    """
-    found: list[tuple[str, bool]] = []
-    if isinstance(holder, dict):
-        module = module_dicts.get(id(holder))
-        for key, value in list(holder.items()):
-            if value is target:
-                found.append((f"{module}.{key}", True) if module is not None else (f"[{key!r}]", False))
-    elif isinstance(holder, (list, tuple)):
-        for index, value in enumerate(holder):
-            if value is target:
-                found.append((f"[{index}]", False))
-    elif isinstance(holder, FrameType):
-        where = f"{holder.f_code.co_name} ({os.path.basename(holder.f_code.co_filename)}:{holder.f_lineno})"
-        for var, value in frame_locals(holder).items():
-            if value is target:
-                found.append((f"local '{var}' in {where}", True))
-    elif isinstance(holder, CellType):
-        found.append(("a closure variable", True))
-    elif isinstance(holder, (set, frozenset)):
-        found.append(("{…}", False))
-    elif getattr(holder, "__dict__", None) is target:
-        found.append((_DICT_OF, False))
-    else:
-        attribute = _attribute_of(holder, target)
-        if attribute is not None:
-            found.append((f".{attribute}", False))
-    return found
-
-
-def _container_name(container: object) -> str:
-    name = type(container).__name__
-    return "saved for backward" if name == "Released" else name
-
-
-def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = ()) -> dict[int, str]:
-    """A name for what holds each of ``objects``, by ``id()``; objects nothing names are left out.
-
-    Looks two levels up with two ``gc.get_referrers`` passes in all, so the cost
-    does not grow with the number of objects: a module-level name
-    (``"tests.test_x.CACHE"``), an element of a module-level list or dict
-    (``"tests.test_x.CACHE[3]"``), an attribute (``"Holder.cache"`` then
-    ``"tests.test_x.HOLDER.cache"``), a local variable of a live frame. Objects
-    in ``ignore`` (the caller's own lists) and this module's frames are skipped.
-    Only the first name found for each object is kept.
-    """
-    targets = list(objects)
-    if not targets:
-        return {}
-    frozen.thaw()  # the referrers of a test's tensors may be among the objects frozen before the first test
-    ignore = [objects, *ignore]
-    module_dicts = _module_dicts()
-    names: dict[int, str] = {}
-    pending: dict[int, list[tuple[int, str]]] = {}  # id(container) -> [(id(target), accessor)]
-    containers: list[object] = []
-    ignored = {id(obj) for obj in ignore} | {id(targets), id(containers)}
-    referrers = gc.get_referrers(*targets)
-    ignored.add(id(referrers))
-    for holder in referrers:
-        if id(holder) in ignored or _own_frame(holder):
-            continue
-        for target in targets:
-            if id(target) in names:
-                continue
-            for text, final in _links(holder, target, module_dicts):
-                if final:
-                    names[id(target)] = text
-                    break
-                if id(holder) not in pending:
-                    pending[id(holder)] = []
-                    containers.append(holder)
-                pending[id(holder)].append((id(target), text))
-    del referrers
-    if not containers or len(names) == len(targets):
-        return names
-    # an object whose attribute holds a target: through its materialised __dict__, the owner
-    # is one level further up; named by a module-level name if it has one (below)
-    owners: list[object] = []
-    weak: list[tuple[int, str]] = []  # names through an anonymous container: kept if nothing better
-    referrers = gc.get_referrers(*containers)
-    ignored.add(id(referrers))
-    for holder in referrers:
-        if id(holder) in ignored or _own_frame(holder):
-            continue
-        for container in containers:
-            links = _links(holder, container, module_dicts)
-            if not links:
-                continue
-            text, final = links[0]
-            if text == _DICT_OF and not final and id(holder) not in pending:
-                pending[id(holder)] = [(t, _join(_DICT_OF, accessor)) for t, accessor in pending[id(container)]]
-                owners.append(holder)
-                continue
-            if final:
-                for target_id, accessor in pending[id(container)]:
-                    names.setdefault(target_id, _join(text, accessor))
-            else:  # a plain loop: a comprehension would hold ``holder`` in a closure cell, a referrer
-                prefix = _container_name(holder) + text
-                for target_id, accessor in pending[id(container)]:
-                    weak.append((target_id, _join(prefix, accessor)))
-    del referrers
-    # a module-level name (frozen globals included) names a holder better than an anonymous
-    # dict or list that also refers to it (a frame's materialised locals, a cache)
-    _name_by_module_globals([*containers, *owners], pending, names)
-    for target_id, text in weak:
-        names.setdefault(target_id, text)
-    for container in [*owners, *containers]:  # held by nothing nameable: name the container by its type
-        for target_id, accessor in pending[id(container)]:
-            names.setdefault(target_id, _join(_container_name(container), accessor))
-    return names
-
-
-def _name_by_module_globals(
-    containers: list[object], pending: dict[int, list[tuple[int, str]]], names: dict[int, str]
-) -> None:
-    """Name what a module-level name holds directly, for containers the collector did not name.
-
-    ``gc.get_referrers`` sees only objects in the collector's generations: a module's
-    globals frozen out of them (the plugin freezes what exists between measured tests)
-    are not found that way, so such holders are looked up in the modules themselves.
-    """
-    unnamed = {
-        id(container): container
-        for container in containers
-        if any(target_id not in names for target_id, _ in pending[id(container)])
-    }
-    if not unnamed:
-        return
-    for module_name, module in list(sys.modules.items()):
-        if not isinstance(module, ModuleType):
-            continue
-        for key, value in list(vars(module).items()):
-            container = unnamed.get(id(value))
-            if container is not None and value is container:
-                for target_id, accessor in pending[id(container)]:
-                    names.setdefault(target_id, _join(f"{module_name}.{key}", accessor))
-
-
-def _join(prefix: str, accessor: str) -> str:
-    """``prefix`` (what holds a container) followed by ``accessor`` (how the container holds the object)."""
-    if prefix.endswith(_DICT_OF):  # the container is an object's materialised __dict__: ['x'] reads .x
-        owner = prefix.removesuffix(_DICT_OF)
-        if accessor.startswith("['") and accessor.endswith("']"):
-            return f"{owner}.{accessor[2:-2]}"
-        return owner + accessor
-    if prefix.startswith("local '"):
-        var, _, where = prefix.partition("' in ")
-        return f"{var}{accessor}' in {where}"
-    return prefix + accessor

@@ -30,13 +30,13 @@ from tabulate import tabulate
 from pytest_gpumem.census import (
     TOP,
     LiveTensor,
-    library_dirs,
     live_table,
     stack_frames,
     take_census,
     traceback_frames,
 )
 from pytest_gpumem.figures import CATEGORIES
+from pytest_gpumem.holders import library_dirs
 from pytest_gpumem.units import format_size
 
 if TYPE_CHECKING:

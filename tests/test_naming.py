@@ -103,3 +103,32 @@ def test_an_out_of_memory_report_names_module_level_models_and_optimizers(pytest
     ):
         assert f"  {name}\n" in table, table
     assert "unknown" not in table.split("\n")[3]  # the largest tensors all have names
+
+
+LEFT_BEHIND = """
+import pytest, torch
+
+class Compiled:  # what a compiler's cache looks like to a report: an object holding tensors
+    def __init__(self):
+        self.constants = {"w": torch.ones(1024, 1024)}
+
+CACHE = []
+
+def test_a_compile_leaves_tensors_behind():
+    CACHE.append(Compiled())
+
+@pytest.mark.gpumem(device_limit="8MiB")
+def test_the_next_test_runs_out_of_memory():
+    torch.ones(2, 1024, 1024)
+"""
+
+
+def test_an_out_of_memory_report_names_what_an_earlier_test_left_behind(pytester: pytest.Pytester) -> None:
+    """The new-user trial's out-of-memory report listed 290 MiB of tensors that an earlier
+    test left alive as "held by unknown": the report names their holder when Python holds it."""
+    pytester.makepyfile(test_left_behind=LEFT_BEHIND)
+    result = run(pytester, "-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=1)
+    table = result.stdout.str().split("largest live tensors")[1].split("- gpumem artifacts -")[0]
+    # two levels up the referrers: the dict, and the object whose attribute it is
+    assert "4.00 MiB  1024×1024  float32  other       Compiled.constants['w']" in table, table
