@@ -46,6 +46,7 @@ __all__ = [
     "optimizer_state",
     "register_optimizer",
     "registered_optimizers",
+    "tracked_psi",
     "transformer_layer_activations",
 ]
 
@@ -143,6 +144,18 @@ def _local_numel(param: torch.Tensor) -> int:
     """Elements this process holds: a DTensor parameter (FSDP2, tensor parallelism) counts its local shard."""
     to_local = getattr(param, "to_local", None)
     return int(to_local().numel()) if callable(to_local) else int(param.numel())
+
+
+def tracked_psi(objects: Sequence[Any]) -> int | None:
+    """Ψ of tracked modules and optimizers: the modules' trainable parameters, else (only
+    optimizers tracked) their distinct trainable parameters; None when nothing is tracked."""
+    if not objects:
+        return None
+    modules = [obj for obj in objects if isinstance(obj, torch.nn.Module)]
+    if modules:
+        return count_parameters(modules).psi
+    params = {id(p): p for o in objects for group in o.param_groups for p in group["params"]}
+    return sum(int(p.numel()) for p in params.values() if p.requires_grad)
 
 
 def count_parameters(*modules: torch.nn.Module | Sequence[torch.nn.Module]) -> ParamCount:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pytest_gpumem.budgets import Budget, model_states
+from pytest_gpumem.budgets import Budget, model_states, tracked_psi
 from pytest_gpumem.distributed import DEFAULT_TIMEOUT, DistributedError, RankContext, run_ranks
 from pytest_gpumem.figures import Measurement
 from pytest_gpumem.microbatch import Plan, plan_for
@@ -17,7 +17,7 @@ from pytest_gpumem.recorder import Recorder, Span
 from pytest_gpumem.spec import SPAN_KEYWORDS, LimitSpec, parse_span_limits
 from pytest_gpumem.units import parse_size
 
-__all__ = ["AMP_MODES", "GpuMem", "describe", "run_step"]
+__all__ = ["AMP_MODES", "GpuMem", "NotMeasured", "Unmeasured", "UnmeasuredGpuMem", "describe", "run_step"]
 
 #: Values of ``train_step(amp=...)``.
 AMP_MODES: tuple[str | None, ...] = (None, "bf16", "fp16")
@@ -116,17 +116,8 @@ class GpuMem:
         given (an object or a registered name such as ``"adamw"``), else the one
         tracked optimizer; with several tracked, pass one.
         """
-        modules = [obj for obj in self.recorder.tracked if isinstance(obj, torch.nn.Module)]
-        optimizers = [obj for obj in self.recorder.tracked if isinstance(obj, torch.optim.Optimizer)]
-        if not modules:
-            raise ValueError(f"{self.nodeid}: gpumem.budget() needs a tracked model: call gpumem.track(model, ...)")
-        if optimizer is None and len(optimizers) > 1:
-            raise ValueError(
-                f"{self.nodeid}: {len(optimizers)} optimizers are tracked: pass gpumem.budget(optimizer=...)"
-            )
-        chosen = optimizer if optimizer is not None else (optimizers[0] if optimizers else None)
-        return model_states(
-            modules, chosen, precision, zero_stage=zero_stage, world_size=world_size, device=self.device
+        return tracked_budget(
+            self.nodeid, self.recorder.tracked, self.device, precision, optimizer, zero_stage, world_size
         )
 
     def max_microbatch(
@@ -225,6 +216,26 @@ class GpuMem:
         return span.measurement
 
 
+def tracked_budget(
+    nodeid: str,
+    tracked: Sequence[Any],
+    device: torch.device,
+    precision: str,
+    optimizer: torch.optim.Optimizer | str | None,
+    zero_stage: int,
+    world_size: int,
+) -> Budget:
+    """``gpumem.budget()``: the model-state budget of the ``tracked`` modules and their optimizer."""
+    modules = [obj for obj in tracked if isinstance(obj, torch.nn.Module)]
+    optimizers = [obj for obj in tracked if isinstance(obj, torch.optim.Optimizer)]
+    if not modules:
+        raise ValueError(f"{nodeid}: gpumem.budget() needs a tracked model: call gpumem.track(model, ...)")
+    if optimizer is None and len(optimizers) > 1:
+        raise ValueError(f"{nodeid}: {len(optimizers)} optimizers are tracked: pass gpumem.budget(optimizer=...)")
+    chosen = optimizer if optimizer is not None else (optimizers[0] if optimizers else None)
+    return model_states(modules, chosen, precision, zero_stage=zero_stage, world_size=world_size, device=device)
+
+
 def run_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -305,3 +316,136 @@ def describe(value: Any) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else f"a {type(value).__name__}"
+
+
+class NotMeasured(RuntimeError):
+    """A figure was read in a run where pytest-gpumem is disabled (``--gpumem-disable``)."""
+
+
+class Unmeasured:
+    """Stands for the figures of a span in a run where nothing is measured: reading one is a
+    :class:`NotMeasured` error that says so (never a 0 that a test could compare)."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    def __getattr__(self, name: str) -> Any:
+        __tracebackhide__ = True
+        raise NotMeasured(
+            f"{self._what}.{name}: nothing is measured while pytest-gpumem is disabled "
+            "(--gpumem-disable or PYTEST_GPUMEM_DISABLE): a test that reads figures needs the plugin on"
+        )
+
+    def __repr__(self) -> str:
+        return f"<{self._what}: not measured (pytest-gpumem is disabled)>"
+
+
+class _UnmeasuredSpan(Unmeasured):
+    """A ``with gpumem.measure(name)`` block that measures nothing."""
+
+    def __enter__(self) -> _UnmeasuredSpan:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    @property
+    def measurement(self) -> Unmeasured:
+        return Unmeasured(self._what)
+
+
+class UnmeasuredGpuMem:
+    """The ``gpumem`` fixture while pytest-gpumem is disabled (``--gpumem-disable``).
+
+    The test runs as it would with the plugin on, on the same device, with nothing measured:
+    ``track()``, ``measure()`` blocks and ``train_step()`` run the code, Ψ and ``budget()``
+    are computed (they are theory, not measurement), ``distributed()`` runs its ranks. A
+    figure read from a span or a step raises :class:`NotMeasured`; ``max_microbatch()`` and
+    ``plan_accumulation()``, which search by measuring, skip the test.
+    """
+
+    def __init__(self, device: torch.device, nodeid: str) -> None:
+        self.device = device
+        self.nodeid = nodeid
+        self._tracked: list[Any] = []
+
+    def track(self, *objects: Any) -> None:
+        for obj in objects:
+            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                raise TypeError(
+                    f"gpumem.track() takes torch.nn.Module and torch.optim.Optimizer objects, got {type(obj).__name__}"
+                )
+            if all(obj is not seen for seen in self._tracked):
+                self._tracked.append(obj)
+
+    def measure(self, name: str, **limits: Any) -> _UnmeasuredSpan:
+        parse_span_limits(name, limits)  # bad limits are still errors
+        return _UnmeasuredSpan(f"gpumem.measure({name!r})")
+
+    @property
+    def psi(self) -> int | None:
+        return tracked_psi(self._tracked)
+
+    def budget(
+        self,
+        precision: str = "fp32",
+        *,
+        optimizer: torch.optim.Optimizer | str | None = None,
+        zero_stage: int = 0,
+        world_size: int = 1,
+    ) -> Budget:
+        return tracked_budget(self.nodeid, self._tracked, self.device, precision, optimizer, zero_stage, world_size)
+
+    def distributed(
+        self,
+        fn: Callable[[int, RankContext], Any],
+        world_size: int = 2,
+        *,
+        backend: str | None = None,
+        device: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> list[Unmeasured]:
+        __tracebackhide__ = True
+        where = device or ("cuda" if self.device.type == "cuda" else "cpu")
+        try:
+            run_ranks(fn, world_size, backend=backend, device=where, timeout=timeout)
+        except DistributedError as exc:
+            raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
+        return [Unmeasured(f"gpumem.distributed(...)[{rank}]") for rank in range(world_size)]
+
+    def max_microbatch(self, step: Callable[[int], Any], **kwargs: Any) -> int:
+        import pytest
+
+        pytest.skip("gpumem.max_microbatch() searches by measuring: skipped while pytest-gpumem is disabled")
+
+    def plan_accumulation(self, global_batch: int, step: Callable[[int], Any], **kwargs: Any) -> Plan:
+        import pytest
+
+        pytest.skip("gpumem.plan_accumulation() searches by measuring: skipped while pytest-gpumem is disabled")
+
+    @property
+    def spans(self) -> list[Measurement]:
+        return []
+
+    def train_step(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batch: Any,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        amp: str | None = None,
+        warmup: int = 1,
+        name: str = "step",
+    ) -> Unmeasured:
+        """The warm-up steps and the step, run as :meth:`GpuMem.train_step` runs them, unmeasured."""
+        __tracebackhide__ = True
+        if amp not in AMP_MODES:
+            raise ValueError(f"{self.nodeid}: train_step(amp={amp!r}): expected None, 'bf16' or 'fp16'")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"{self.nodeid}: train_step(warmup={warmup!r}): expected an int >= 0")
+        self.track(model, optimizer)
+        scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
+        for _ in range(warmup + 1):
+            run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=self.device)
+        return Unmeasured(f"gpumem.train_step(name={name!r})")

@@ -34,14 +34,18 @@ from pytest_gpumem.torchrun import launch, rename
 from pytest_gpumem.verdict import failure_message
 
 if TYPE_CHECKING:
+    import torch
+
     from pytest_gpumem.engines import Engine
-    from pytest_gpumem.fixture import GpuMem
+    from pytest_gpumem.fixture import GpuMem, UnmeasuredGpuMem
     from pytest_gpumem.runner import Engines, Freezer, TestRun
 
 SPEC_KEY = pytest.StashKey[GpumemSpec]()
 SPEC_ERROR_KEY = pytest.StashKey[str]()
 RUN_KEY: pytest.StashKey[TestRun] = pytest.StashKey()
 RECORD_KEY = pytest.StashKey[TestRecord]()
+#: the device of a test run while the plugin is disabled (``--gpumem-disable``)
+DISABLED_KEY: pytest.StashKey[torch.device] = pytest.StashKey()
 
 
 # -- options, marker, fixture, hooks --------------------------------------------------
@@ -79,15 +83,22 @@ def _settings(config: pytest.Config) -> Settings:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", marker_help())
-    config.pluginmanager.register(GpumemManager(config), "gpumem-manager")
+    settings = _settings(config)
+    manager = DisabledManager(settings) if settings.disable else GpumemManager(config, settings)
+    config.pluginmanager.register(manager, "gpumem-manager")
 
 
 @pytest.fixture
-def gpumem(request: pytest.FixtureRequest) -> GpuMem:
+def gpumem(request: pytest.FixtureRequest) -> GpuMem | UnmeasuredGpuMem:
     """Measure memory in a test: ``gpumem.device``, ``gpumem.measure(name)``, ``gpumem.track(...)``,
     ``gpumem.train_step(...)``, ``gpumem.budget()``. See pytest-gpumem's README."""
-    from pytest_gpumem.fixture import GpuMem
+    from pytest_gpumem.fixture import GpuMem, UnmeasuredGpuMem
 
+    disabled = request.node.stash.get(DISABLED_KEY, None)
+    if disabled is not None:
+        from pytest_gpumem.fixture import UnmeasuredGpuMem
+
+        return UnmeasuredGpuMem(disabled, request.node.nodeid)
     run = request.node.stash.get(RUN_KEY, None)
     if run is None:
         raise pytest.UsageError(f"{request.node.nodeid}: the gpumem fixture works only in test functions")
@@ -126,12 +137,79 @@ def _marker_spec(item: pytest.Item) -> GpumemSpec | None:
     return parse_marker(markers)
 
 
+def _validate_markers(report: pytest.CollectReport) -> None:
+    """Validate the markers of the items a collector made: a bad one is a collection error
+    naming the test and the value, as pytest's own markers give (also under xdist)."""
+    if not report.passed:
+        return
+    errors = []
+    for item in report.result:
+        if not isinstance(item, pytest.Item):
+            continue
+        try:
+            spec = _marker_spec(item)
+        except SpecError as exc:
+            errors.append(f"invalid gpumem marker on {item.nodeid}: {exc}")
+            continue
+        if spec is not None:
+            item.stash[SPEC_KEY] = spec
+    if errors:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(errors)
+        report.result = []
+
+
+class DisabledManager:
+    """The plugin switched off (``--gpumem-disable``): markers are still validated (a bad one
+    is still an error) and the fixture still works, but nothing is measured, judged or written."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def pytest_report_header(self) -> str:
+        return "gpumem: disabled (--gpumem-disable): nothing is measured, judged or written"
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(
+        self, collector: pytest.Collector
+    ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+        report = yield
+        _validate_markers(report)
+        return report
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:  # markers a conftest added after collection
+            try:
+                _marker_spec(item)
+            except SpecError as exc:
+                item.stash[SPEC_ERROR_KEY] = f"invalid gpumem marker on {item.nodeid}: {exc}"
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        error = item.stash.get(SPEC_ERROR_KEY, None)
+        if error is not None:
+            pytest.fail(error, pytrace=False)
+        spec = _marker_spec(item)
+        if spec is None:
+            return
+        from pytest_gpumem.runner import DeviceUnavailable, choose_device
+
+        unavailable: DeviceUnavailable | None = None
+        try:  # the test still runs on the device it asks for, and is skipped where there is none
+            item.stash[DISABLED_KEY] = choose_device(spec.device or self.settings.device, worker=_worker_index())
+        except DeviceUnavailable as exc:
+            unavailable = exc
+        if unavailable is not None:
+            pytest.skip(unavailable.reason)
+
+
 class GpumemManager:
     """Owns the run's state: settings, engines, the gate, and the collected node ids."""
 
-    def __init__(self, config: pytest.Config) -> None:
+    def __init__(self, config: pytest.Config, settings: Settings) -> None:
         self.config = config
-        self.settings = _settings(config)
+        self.settings = settings
         self.gate = Gate(self.settings.gate)
         self.worker = _is_worker(config)
         self._engines: Engines | None = None
@@ -154,23 +232,7 @@ class GpumemManager:
         self, collector: pytest.Collector
     ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
         report = yield
-        if not report.passed:
-            return report
-        errors = []
-        for item in report.result:
-            if not isinstance(item, pytest.Item):
-                continue
-            try:
-                spec = _marker_spec(item)
-            except SpecError as exc:
-                errors.append(f"invalid gpumem marker on {item.nodeid}: {exc}")
-                continue
-            if spec is not None:
-                item.stash[SPEC_KEY] = spec
-        if errors:  # a collection error, as pytest's own markers give (also under xdist)
-            report.outcome = "failed"
-            report.longrepr = "\n".join(errors)
-            report.result = []
+        _validate_markers(report)
         return report
 
     def pytest_itemcollected(self, item: pytest.Item) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pytest_gpumem.budgets import count_parameters
+from pytest_gpumem.budgets import tracked_psi
 from pytest_gpumem.engines import make_engine, resolve_device
 from pytest_gpumem.engines.base import Engine, Reading
 from pytest_gpumem.engines.tracker import describe_compiled
@@ -214,14 +214,7 @@ class Recorder:
     @property
     def psi(self) -> int | None:
         """Trainable parameter count of the tracked objects; None when nothing is tracked."""
-        if not self.tracked:
-            return None
-        modules = [obj for obj in self.tracked if isinstance(obj, torch.nn.Module)]
-        if modules:
-            return count_parameters(modules).psi
-        # only optimizers tracked: their distinct trainable parameters are the model
-        params = {id(p): p for o in self.tracked for group in o.param_groups for p in group["params"]}
-        return sum(int(p.numel()) for p in params.values() if p.requires_grad)
+        return tracked_psi(self.tracked)
 
     # -- hooks -----------------------------------------------------------------
 

@@ -18,7 +18,10 @@ from pytest_gpumem.spec import SpecError, parse_device, parse_observe, parse_pre
 from pytest_gpumem.units import SizeError, parse_size
 from pytest_gpumem.verdict import parse_tolerance
 
-__all__ = ["OPTIONS", "Option", "OptionError", "Settings"]
+__all__ = ["DISABLE_ENV", "OPTIONS", "Option", "OptionError", "Settings"]
+
+#: The environment variable that disables the plugin as ``--gpumem-disable`` does.
+DISABLE_ENV = "PYTEST_GPUMEM_DISABLE"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,12 @@ OPTIONS: tuple[Option, ...] = (
         "device measured tests run on: auto (CUDA when available, else CPU), cpu, cuda or cuda:N. Default: auto.",
         default="auto",
         metavar="DEVICE",
+    ),
+    Option(
+        "disable",
+        "run every test, the gpumem fixture included, with nothing measured, judged or written "
+        "(also: PYTEST_GPUMEM_DISABLE=1).",
+        flag=True,
     ),
     Option("require-gpu", "fail (instead of skip) measured tests when no CUDA device is available.", flag=True),
     Option("breakdown", "on CUDA, also run the storage tracker for the breakdown by category.", flag=True),
@@ -106,6 +115,8 @@ class Settings:
     """The run's options, each from the command line or else its ini value."""
 
     device: str
+    #: nothing is measured, judged or written (``--gpumem-disable``, ``PYTEST_GPUMEM_DISABLE``)
+    disable: bool
     require_gpu: bool
     breakdown: bool
     cuda_rounding: bool
@@ -148,16 +159,24 @@ class Settings:
                 option = "--" + name.replace("_", "-")
                 raise OptionError(f"{option} / ini {name}: {exc}") from None
 
+        update = flag("gpumem_update_baselines")
+        disable = flag("gpumem_disable") or _env_flag(DISABLE_ENV)
+        if disable and update:
+            raise OptionError(
+                "--gpumem-update-baselines cannot run with --gpumem-disable (or "
+                f"{DISABLE_ENV}): nothing is measured, so nothing could be recorded"
+            )
+
         def output(name: str, *, folder: bool = False, written: bool = True) -> Path | None:
-            """``path(name)`` checked now, before any test runs, so that a report is not lost at the end."""
+            """``path(name)`` checked now, before any test runs, so that a report is not lost at the end
+            (not when the plugin is disabled: then nothing is written)."""
             where = path(name)
-            problem = None if where is None else unwritable(where, folder=folder, written=written)
+            problem = None if where is None or disable else unwritable(where, folder=folder, written=written)
             if problem is not None:
                 option = "--" + name.replace("_", "-")
                 raise OptionError(f"{option} / ini {name}: {problem}")
             return where
 
-        update = flag("gpumem_update_baselines")
         json_path = output("gpumem_json")
         markdown_path = output("gpumem_markdown")
         baselines = output("gpumem_baselines", written=update)
@@ -166,6 +185,7 @@ class Settings:
             artifacts = cache_dir() if cache_dir is not None else rootpath / ".gpumem-artifacts"
         return cls(
             device=parsed("gpumem_device", parse_device, "auto"),
+            disable=disable,
             require_gpu=flag("gpumem_require_gpu"),
             breakdown=flag("gpumem_breakdown"),
             cuda_rounding=flag("gpumem_cuda_rounding"),
@@ -211,3 +231,13 @@ def unwritable(path: Path, *, folder: bool = False, written: bool = True) -> str
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{path} cannot be written: the folder {existing} is not writable"
     return None
+
+
+def _env_flag(name: str) -> bool:
+    """Whether environment variable ``name`` is set to a true value; another value is an error."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise OptionError(f"{name}={os.environ[name]!r}: expected 1, true, yes or on (or 0, false, no, off)")
