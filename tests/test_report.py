@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -524,3 +525,30 @@ def test_widths_of_sizes_align_right(steps: Steps) -> None:
     header, _, *rows = lines_of(text)[: lines_of(text).index("")]
     end = header.index("cost") + len("cost")
     assert all(row[end - 1] != " " for row in rows if row[end - 5 : end].strip())
+
+
+def test_a_measured_figure_above_a_limit_that_passes_says_the_limit_bounds_the_cost(
+    pytester: pytest.Pytester,
+) -> None:
+    """A prediction's figures include the library workspaces kept on the device (65 MiB on an
+    H100): a user read ``peak 89.77 MiB … limit 64.00 MiB`` as a breach. The row says which
+    figure the limit compared."""
+    pytester.makepyfile(
+        test_predicted="""
+import pytest, torch
+
+@pytest.mark.gpumem(peak="64MiB", predict="h100")
+def test_step(gpumem):
+    model = torch.nn.Linear(1024, 1024)
+    opt = torch.optim.AdamW(model.parameters())
+    gpumem.train_step(model, opt, (torch.ones(64, 1024), torch.ones(64, 1024)), torch.nn.functional.mse_loss)
+"""
+    )
+    result = run(pytester, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    text = " ".join(result.stdout.str().split())
+    assert "peak 89.77 MiB 24.77 MiB 64.00 MiB [1]" in text
+    assert (
+        "[1] the peak limit 64.00 MiB bounds the cost, 24.77 MiB; the measured 89.77 MiB includes "
+        "the 65.00 MiB there at the span's start"
+    ) in text
