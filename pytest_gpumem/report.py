@@ -497,13 +497,14 @@ def _metric_row(
     notes: dict[int, str] = {}
     note = None if limit is None else _limit_note(limit)
     cost = measurement.cost(metric)
-    if limit is not None and limit.reference is not None and value is not None and cost is not None:
-        if value > limit.reference >= cost and metric not in COST_ONLY_METRICS:  # reads like a breach: it is not
-            compared = (
-                f"the {metric} limit {info.format(limit.reference)} bounds the cost, {info.format(cost)}; "
-                f"the measured {info.format(value)} includes the {info.format(value - cost)} there at the span's start"
-            )
-            note = compared if not note else f"{note}; {compared}"
+    bound = None if limit is None else limit.reference
+    # a measured figure above a limit that passed reads like a breach: say what the limit compared
+    if bound is not None and value is not None and cost is not None and value > bound >= cost:
+        compared = (
+            f"the {metric} limit {info.format(bound)} bounds the cost, {info.format(cost)}; "
+            f"the measured {info.format(value)} includes the {info.format(value - cost)} there at the span's start"
+        )
+        note = compared if not note else f"{note}; {compared}"
     if note:
         notes[_CELL["limit"]] = note
     if measurement.notes and metric in ("peak", "allocated", "retained"):  # a partial figure says so
