@@ -133,8 +133,11 @@ def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
     """pytest's ``pytester``, whose sessions run their tests in file order even when this suite
     runs shuffled (``-p randomly``): their output is read in that order. Hypothesis's plugin is
     left out of them too: it imports hypothesis inside each run, whose modules would then keep
-    the run alive. (``pytester`` clears ``PYTEST_ADDOPTS`` when it starts: set it after.)"""
+    the run alive. (``pytester`` clears ``PYTEST_ADDOPTS`` when it starts: set it after.)
+    A session it starts is no xdist worker even when this test runs in one: the plugin reads
+    ``PYTEST_XDIST_WORKER`` to choose a worker's GPU, and the inner run would inherit it."""
     monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly -p no:hypothesispytest")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     return pytester
 
 

@@ -174,6 +174,9 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> RecordingCuda:
     the :class:`RecordingCuda`. What the tests read from it are facts about our code's calls, never
     a device's figures."""
     stand_in = RecordingCuda()
+    # the inner session is no xdist worker, even when this test runs in one: worker gw1 would
+    # measure "cuda" on cuda:1 (worker i on GPU i mod N) and the two devices would be one
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     # device selection and the environment (outside the engine): two devices, cuda:0 current
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
