@@ -98,6 +98,7 @@ class Leftovers:
         forget_last_failure()  # pytest's record of the last failure (post-mortem) is no leftover
         left = {key: tensor for key, tensor in _storages().items() if key not in self._storages}
         if left:
+            left.clear()  # or the collection below could not free them: this dict would hold them
             gc.collect()
             left = {key: tensor for key, tensor in _storages().items() if key not in self._storages}
         if left:

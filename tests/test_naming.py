@@ -6,7 +6,7 @@ them (``model.weight.grad``, ``MODELS['big'].weight``, ``opt.state[model.weight]
 from __future__ import annotations
 
 import pytest
-from conftest import run
+from conftest import run, run_fresh
 
 pytest_plugins = ["pytester"]
 
@@ -61,9 +61,10 @@ def test_a_model_kept_as_an_attribute_of_a_global():
 """
 
 
+@pytest.mark.slow
 def test_leaks_through_module_level_objects_are_named_as_the_code_reads_them(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_held=LEAKS)
-    result = run(pytester, "-p", "no:cacheprovider", "-p", "no:randomly")
+    result = run_fresh(pytester, "-p", "no:cacheprovider", "-p", "no:randomly")
     result.assert_outcomes(failed=3)
     text = result.stdout.str()
     sections = text.split("= FAILURES =")[1]
@@ -90,9 +91,10 @@ def test_step():
 """
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_report_names_module_level_models_and_optimizers(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_oom_report=OOM_REPORT)
-    result = run(pytester, "-p", "no:cacheprovider")
+    result = run_fresh(pytester, "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     table = result.stdout.str().split("largest live tensors")[1].split("- gpumem artifacts -")[0]
     for name in (
@@ -123,11 +125,12 @@ def test_the_next_test_runs_out_of_memory():
 """
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_report_names_what_an_earlier_test_left_behind(pytester: pytest.Pytester) -> None:
     """The new-user trial's out-of-memory report listed 290 MiB of tensors that an earlier
     test left alive as "held by unknown": the report names their holder when Python holds it."""
     pytester.makepyfile(test_left_behind=LEFT_BEHIND)
-    result = run(pytester, "-p", "no:cacheprovider", "-p", "no:randomly")
+    result = run_fresh(pytester, "-p", "no:cacheprovider", "-p", "no:randomly")
     result.assert_outcomes(passed=1, failed=1)
     table = result.stdout.str().split("largest live tensors")[1].split("- gpumem artifacts -")[0]
     # two levels up the referrers: the dict, and the object whose attribute it is
