@@ -1,0 +1,43 @@
+"""The documentation's examples run as tests, under Sybil (https://sybil.readthedocs.io).
+
+Every Python code block of the README and of ``docs/*.md`` runs in its document's namespace,
+in the order written; a block written as a doctest (``>>>``) has its shown output compared.
+A block marked ``<!-- test-file: test_NAME.py -->`` (``<!-- quickstart: ... -->`` for the
+README's) is a test module: it runs as a pytest session of its own, on the CPU engine, which
+must pass. ``<!-- skip: next -->`` leaves a block out (say why beside it);
+``<!-- clear-namespace -->`` starts an example afresh. Each document is one test (its blocks
+share a namespace, so pytest-xdist and pytest-randomly must not split or reorder them) and
+runs in an empty temporary folder, so that what an example writes lands there. The set-up is
+``tests/docs_examples.py``.
+
+Sybil was chosen over pytest-examples and pytest-codeblocks: it runs Markdown code blocks
+and doctests in one namespace per document (the docs build one example over several
+blocks), compares doctest output, has skip and namespace directives in HTML comments that
+GitHub does not render, and takes a custom parser for the blocks that are test modules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+try:
+    import sybil  # noqa: F401
+except ImportError:  # the demo suite runs without the development tools; the docs' examples need Sybil
+
+    def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> None:
+        root = Path(__file__).resolve().parent
+        if file_path.suffix == ".md" and (file_path.parent == root / "docs" or file_path == root / "README.md"):
+            raise pytest.UsageError(
+                f"{file_path}: the documentation's examples run under Sybil, a development tool: "
+                'python -m pip install -e ".[dev]"'
+            )
+
+else:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
+    from docs_examples import collect_document
+
+    pytest_collect_file = collect_document

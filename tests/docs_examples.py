@@ -1,0 +1,140 @@
+"""The Sybil set-up behind the root conftest: see its docstring."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sybil import Document, Example, Region, Sybil
+from sybil.example import SybilFailure
+from sybil.parsers.markdown import ClearNamespaceParser, PythonCodeBlockParser, SkipParser
+
+ROOT = Path(__file__).resolve().parent.parent
+#: ``<!-- test-file: test_x.py -->`` (or ``quickstart``) on the line before a block.
+_TEST_FILE = re.compile(r"<!--\s*(?:quickstart|test-file):\s*(test_\w+\.py)\s*-->\s*$")
+
+
+def _test_file_name(document: Document, region: Region) -> str | None:
+    """The test module's file name when the line before ``region`` marks it as one."""
+    before = document.text[: region.start].rstrip().rsplit("\n", 1)[-1]
+    found = _TEST_FILE.search(before)
+    return found.group(1) if found else None
+
+
+class _CodeBlocks(PythonCodeBlockParser):
+    """Python blocks and doctests, without the blocks that are test modules."""
+
+    def __call__(self, document: Document) -> Any:
+        for region in super().__call__(document):
+            if _test_file_name(document, region) is None:
+                yield region
+
+
+class _TestFiles(PythonCodeBlockParser):
+    """The blocks that are test modules: each runs as a pytest session in a fresh process."""
+
+    def __call__(self, document: Document) -> Any:
+        for region in super().__call__(document):
+            name = _test_file_name(document, region)
+            if name is not None:
+                region.parsed = (name, str(region.parsed))
+                region.evaluator = _run_test_file
+                yield region
+
+
+def _run_test_file(example: Example) -> str | None:
+    name, source = example.parsed
+    folder = Path(_RUNNING["folder"]) / Path(example.path).stem
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(source, encoding="utf-8")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
+    # on the CPU engine, as the documents' outputs are, whatever the machine has
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+        "--gpumem-device=cpu",
+        name,
+    ]
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        return f"{name} (line {example.line}) failed as a pytest session:\n{done.stdout[-6000:]}{done.stderr[-2000:]}"
+    return None
+
+
+#: The working directory to return to, and the temporary folder, of the document running now.
+_RUNNING: dict[str, str] = {}
+
+
+def _setup(namespace: dict[str, Any]) -> None:
+    """Each document runs in a fresh temporary folder (what an example writes lands there)."""
+    import tempfile
+
+    _RUNNING["folder"] = tempfile.mkdtemp(prefix="gpumem-docs-")
+    _RUNNING["cwd"] = os.getcwd()
+    os.chdir(_RUNNING["folder"])
+
+
+def _teardown(namespace: dict[str, Any]) -> None:
+    """Back to the working directory; the document's objects (and their tensors) go."""
+    import gc
+    import shutil
+
+    os.chdir(_RUNNING.pop("cwd"))
+    shutil.rmtree(_RUNNING.pop("folder"), ignore_errors=True)
+    namespace.clear()
+    gc.collect()
+
+
+DOCS = Sybil(
+    parsers=[_CodeBlocks(), _TestFiles(), SkipParser(), ClearNamespaceParser()],
+    patterns=["README.md", "docs/*.md"],
+    path=str(ROOT),
+)
+
+
+class DocumentItem(pytest.Item):
+    """All the examples of one document, in order, as one test: they share a namespace, so they
+    must run in one process and in the order written, whatever pytest-xdist or pytest-randomly
+    do with the other tests."""
+
+    def runtest(self) -> None:
+        document = DOCS.parse(self.path)
+        _setup(document.namespace)
+        try:
+            for example in document.examples():
+                example.evaluate()
+        finally:
+            _teardown(document.namespace)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
+        if isinstance(excinfo.value, SybilFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, 0, f"the examples of {self.path.name}"
+
+
+class DocumentFile(pytest.File):
+    """A Markdown document whose code blocks are tests."""
+
+    def collect(self) -> Any:
+        yield DocumentItem.from_parent(self, name="examples")
+
+
+def collect_document(file_path: Path, parent: pytest.Collector) -> DocumentFile | None:
+    """The ``pytest_collect_file`` hook of the root conftest: the README and ``docs/*.md``."""
+    if DOCS.should_parse(file_path):
+        return DocumentFile.from_parent(parent, path=file_path)
+    return None
