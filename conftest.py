@@ -4,7 +4,7 @@ Every Python code block of the README and of ``docs/*.md`` runs in its document'
 in the order written; a block written as a doctest (``>>>``) has its shown output compared.
 A block marked ``<!-- test-file: test_NAME.py -->`` (``<!-- quickstart: ... -->`` for the
 README's) is a test module: it runs as a pytest session of its own, on the CPU engine, which
-must pass. ``<!-- skip: next -->`` leaves a block out (say why beside it);
+must pass. ``<!-- skip: next "why" -->`` leaves a block out;
 ``<!-- clear-namespace -->`` starts an example afresh. Each document is one test (its blocks
 share a namespace, so pytest-xdist and pytest-randomly must not split or reorder them) and
 runs in an empty temporary folder, so that what an example writes lands there. The set-up is

@@ -97,6 +97,16 @@ class GpuMem:
             named.append(measurement)
         return named
 
+    def mark_phase(self, phase: str | None) -> None:
+        """Mark the phase running now (``"forward"``, ``"backward"``, ``"optimizer"``, None for
+        none) for a framework whose own hooks know it better than the tracked objects' hooks:
+        from the first call on, only these marks set the phase (see the Lightning adapter)."""
+        if phase not in (None, "forward", "backward", "optimizer"):
+            raise ValueError(
+                f"{self.nodeid}: mark_phase({phase!r}): expected 'forward', 'backward', 'optimizer' or None"
+            )
+        self.recorder.mark_phase(phase)
+
     @property
     def psi(self) -> int | None:
         """Trainable parameter count Ψ of the tracked objects (None when nothing is tracked)."""
@@ -326,8 +336,10 @@ class Unmeasured:
     """Stands for the figures of a span in a run where nothing is measured: reading one is a
     :class:`NotMeasured` error that says so (never a 0 that a test could compare)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, name: str | None = None) -> None:
         self._what = what
+        #: the span's name (``gpumem.spans`` lists the spans a test opened, unmeasured)
+        self.name = name
 
     def __getattr__(self, name: str) -> Any:
         __tracebackhide__ = True
@@ -351,7 +363,7 @@ class _UnmeasuredSpan(Unmeasured):
 
     @property
     def measurement(self) -> Unmeasured:
-        return Unmeasured(self._what)
+        return Unmeasured(self._what, self.name)
 
 
 class UnmeasuredGpuMem:
@@ -368,6 +380,7 @@ class UnmeasuredGpuMem:
         self.device = device
         self.nodeid = nodeid
         self._tracked: list[Any] = []
+        self._spans: list[Unmeasured] = []
 
     def track(self, *objects: Any) -> None:
         for obj in objects:
@@ -380,7 +393,15 @@ class UnmeasuredGpuMem:
 
     def measure(self, name: str, **limits: Any) -> _UnmeasuredSpan:
         parse_span_limits(name, limits)  # bad limits are still errors
-        return _UnmeasuredSpan(f"gpumem.measure({name!r})")
+        span = _UnmeasuredSpan(f"gpumem.measure({name!r})", name)
+        self._spans.append(span.measurement)
+        return span
+
+    def mark_phase(self, phase: str | None) -> None:
+        if phase not in (None, "forward", "backward", "optimizer"):
+            raise ValueError(
+                f"{self.nodeid}: mark_phase({phase!r}): expected 'forward', 'backward', 'optimizer' or None"
+            )
 
     @property
     def psi(self) -> int | None:
@@ -424,8 +445,9 @@ class UnmeasuredGpuMem:
         pytest.skip("gpumem.plan_accumulation() searches by measuring: skipped while pytest-gpumem is disabled")
 
     @property
-    def spans(self) -> list[Measurement]:
-        return []
+    def spans(self) -> list[Unmeasured]:
+        """The spans opened so far, unmeasured: their ``name`` reads, their figures raise."""
+        return list(self._spans)
 
     def train_step(
         self,
@@ -446,6 +468,8 @@ class UnmeasuredGpuMem:
             raise ValueError(f"{self.nodeid}: train_step(warmup={warmup!r}): expected an int >= 0")
         self.track(model, optimizer)
         scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
-        for _ in range(warmup + 1):
+        for _ in range(warmup):
             run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=self.device)
-        return Unmeasured(f"gpumem.train_step(name={name!r})")
+        with self.measure(name):
+            run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=self.device)
+        return Unmeasured(f"gpumem.train_step(name={name!r})", name)

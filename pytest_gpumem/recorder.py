@@ -112,6 +112,8 @@ class Recorder:
         self._handles: list[Any] = []
         self._phase: str | None = None
         self._depth = 0
+        #: phases are marked by a framework adapter (:meth:`mark_phase`), not by the tracked objects' hooks
+        self.external_phases = False
         self._marks: list[tuple[int, str]] = []
         #: windows and phase changes the engine reads later, in order: (kind, token, phase, new phase)
         self._deferred: list[tuple[str, int, str | None, str | None]] = []
@@ -143,6 +145,7 @@ class Recorder:
             handle.remove()
         self._handles.clear()
         self._phase = None
+        self.external_phases = False
         self.tracked.clear()
         self._tracked_ids.clear()
 
@@ -219,7 +222,7 @@ class Recorder:
     # -- hooks -----------------------------------------------------------------
 
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if self._depth == 0:
+        if self._depth == 0 and not self.external_phases:
             self.set_phase("forward")
         self._depth += 1
 
@@ -231,7 +234,7 @@ class Recorder:
                     self._handles.append(tensor.grad_fn.register_prehook(self._backward_reached))
 
     def _backward_reached(self, grad_outputs: Any) -> None:
-        if self._phase != "optimizer":
+        if self._phase != "optimizer" and not self.external_phases:
             self.set_phase("backward")
             # leave the phase when this backward pass ends (autograd runs queued callbacks then)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
@@ -246,11 +249,20 @@ class Recorder:
             tracker.register((param.grad,), "gradients")
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.set_phase("optimizer")
+        if not self.external_phases:
+            self.set_phase("optimizer")
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._classify_optimizer(optimizer)
-        self.set_phase(None)
+        if not self.external_phases:
+            self.set_phase(None)
+
+    def mark_phase(self, phase: str | None) -> None:
+        """Enter ``phase`` as a framework's own hooks tell it, and from now on let only them tell
+        it: with Lightning's automatic optimization the forward and backward passes run inside
+        ``optimizer.step(closure)``, where the tracked objects' hooks would call them "optimizer"."""
+        self.external_phases = True
+        self.set_phase(phase)
 
     @property
     def phase(self) -> str | None:

@@ -4,6 +4,7 @@ runs every test, the ``gpumem`` fixture included, with nothing measured, judged 
 from __future__ import annotations
 
 import pytest
+
 from conftest import run
 
 pytest_plugins = ["pytester"]
@@ -22,7 +23,7 @@ def test_a_step_over_every_limit(gpumem):
     assert gpumem.device == torch.device("cpu")
     assert gpumem.psi == 64 * 64 + 64  # theory still works
     assert gpumem.budget("fp32", optimizer="adamw").items["parameters"] == 4 * gpumem.psi
-    assert gpumem.spans == []
+    assert [span.name for span in gpumem.spans] == ["step", "big"]  # opened, unmeasured
 
 def test_uses_the_fixture_unmarked(gpumem):
     gpumem.track(torch.nn.Linear(2, 2))

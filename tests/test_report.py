@@ -9,11 +9,11 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from conftest import run
 from pytest_gpumem import measure
 from pytest_gpumem.baselines import BaselineEntry
 from pytest_gpumem.figures import METRICS, Measurement, Phase

@@ -1,0 +1,59 @@
+"""Adapters for the training frameworks a test already uses: each tracks the model and the
+optimizer the framework builds (for Ψ, the breakdown and the forward / backward / optimizer
+phases) and measures each training step as a span of the test.
+
+* :mod:`pytest_gpumem.integrations.transformers`: a ``TrainerCallback`` for Hugging Face's
+  ``Trainer``;
+* :mod:`pytest_gpumem.integrations.lightning`: a ``Callback`` for PyTorch Lightning;
+* :mod:`pytest_gpumem.integrations.accelerate`: tracking what ``Accelerator.prepare``
+  returns.
+
+Each imports its framework only when imported itself: the frameworks stay optional.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["unwrap"]
+
+
+def unwrap(obj: Any) -> Any:
+    """The torch object inside a framework's wrapper: accelerate's ``AcceleratedOptimizer``
+    (``.optimizer``), Lightning's ``LightningOptimizer`` (``._optimizer``), a
+    ``DistributedDataParallel`` or compiled module (``.module``, ``._orig_mod``)."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = None
+        if type(obj).__name__ in ("AcceleratedOptimizer", "LightningOptimizer"):
+            inner = getattr(obj, "optimizer", None) or getattr(obj, "_optimizer", None)
+        elif type(obj).__name__ in ("DistributedDataParallel", "DataParallel"):
+            inner = getattr(obj, "module", None)
+        elif type(obj).__name__ == "OptimizedModule":
+            inner = getattr(obj, "_orig_mod", None)
+        if inner is None:
+            return obj
+        obj = inner
+    return obj
+
+
+class StepSpans:
+    """Opens a span when a training step begins and closes it when it ends, named
+    ``step1``, ``step2``, ... (``prefix`` and the step's number)."""
+
+    def __init__(self, gpumem: Any, prefix: str = "step") -> None:
+        self.gpumem = gpumem
+        self.prefix = prefix
+        self.count = 0
+        self._open: Any = None
+
+    def begin(self) -> None:
+        if self._open is not None:  # a step that never ended (an exception the framework caught)
+            self.end()
+        self.count += 1
+        self._open = self.gpumem.measure(f"{self.prefix}{self.count}")
+        self._open.__enter__()
+
+    def end(self) -> None:
+        span, self._open = self._open, None
+        if span is not None:
+            span.__exit__(None, None, None)

@@ -1,0 +1,61 @@
+"""Hugging Face ``transformers.Trainer`` under the ``gpumem`` marker.
+
+::
+
+    from pytest_gpumem.integrations.transformers import GpumemCallback
+
+    @pytest.mark.gpumem(peak="64MiB", allocated="12Ψ + 64KiB")
+    def test_trainer(gpumem, tmp_path):
+        trainer = Trainer(model, TrainingArguments(tmp_path, max_steps=3, ...), train_dataset=data,
+                          callbacks=[GpumemCallback(gpumem)])
+        trainer.train()
+
+The callback tracks the model and the optimizer the trainer builds (the optimizer is created
+inside ``train()``, unwrapped from accelerate's ``AcceleratedOptimizer``), so the test gets
+Ψ, the breakdown by category and the forward / backward / optimizer phases, and measures
+each optimizer step (all its gradient-accumulation micro-batches) as a span ``step1``,
+``step2``, ... Evaluation and logging run outside the spans, inside the test's ``call``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from pytest_gpumem.integrations import StepSpans, unwrap
+
+__all__ = ["GpumemCallback"]
+
+
+class GpumemCallback(TrainerCallback):
+    """Tracks the ``Trainer``'s model and optimizer in ``gpumem`` and measures each step as a span.
+
+    Args:
+        gpumem: the test's ``gpumem`` fixture.
+        prefix: the spans' names are ``prefix`` and the step's number (``step1``, ...).
+    """
+
+    def __init__(self, gpumem: Any, prefix: str = "step") -> None:
+        self.gpumem = gpumem
+        self.spans = StepSpans(gpumem, prefix)
+        self._tracked = False
+
+    def _track(self, model: Any, optimizer: Any) -> None:
+        if self._tracked or model is None or optimizer is None:
+            return
+        self.gpumem.track(unwrap(model), unwrap(optimizer))
+        self._tracked = True
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._track(kwargs.get("model"), kwargs.get("optimizer"))
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._track(kwargs.get("model"), kwargs.get("optimizer"))
+        self.spans.begin()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.spans.end()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.spans.end()  # a step that did not reach its end (a stop the trainer caught)
