@@ -207,23 +207,42 @@ class GpuMem:
         ``"fp16"`` (autocast to float16 with a gradient scaler).
         """
         __tracebackhide__ = True
-        if amp not in AMP_MODES:
-            raise ValueError(f"{self.nodeid}: train_step(amp={amp!r}): expected None, 'bf16' or 'fp16'")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"{self.nodeid}: train_step(warmup={warmup!r}): expected an int >= 0")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"{self.nodeid}: train_step(model=...): expected a torch.nn.Module, got {describe(model)}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"{self.nodeid}: train_step(optimizer=...): expected a torch.optim.Optimizer, got {describe(optimizer)}"
-            )
-        self.track(model, optimizer)
-        scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
-        for _ in range(warmup):
-            run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=self.device)
-        with self.measure(name) as span:
-            run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=self.device)
+        span: Span = train_step_span(self, model, optimizer, batch, loss_fn, amp=amp, warmup=warmup, name=name)
         return span.measurement
+
+
+def train_step_span(
+    gpumem: GpuMem | UnmeasuredGpuMem,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    *,
+    amp: str | None,
+    warmup: int,
+    name: str,
+) -> Any:
+    """``gpumem.train_step``: checks its arguments, tracks the model and optimizer, runs
+    ``warmup`` steps, then one step in the span ``name``, which it returns."""
+    __tracebackhide__ = True
+    nodeid = gpumem.nodeid
+    if amp not in AMP_MODES:
+        raise ValueError(f"{nodeid}: train_step(amp={amp!r}): expected None, 'bf16' or 'fp16'")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"{nodeid}: train_step(warmup={warmup!r}): expected an int >= 0")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{nodeid}: train_step(model=...): expected a torch.nn.Module, got {describe(model)}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{nodeid}: train_step(optimizer=...): expected a torch.optim.Optimizer, got {describe(optimizer)}"
+        )
+    gpumem.track(model, optimizer)
+    scaler = torch.amp.GradScaler(gpumem.device.type) if amp == "fp16" else None
+    for _ in range(warmup):
+        run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=gpumem.device)
+    with gpumem.measure(name) as span:
+        run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=gpumem.device)
+    return span
 
 
 def tracked_budget(
@@ -462,14 +481,5 @@ class UnmeasuredGpuMem:
     ) -> Unmeasured:
         """The warm-up steps and the step, run as :meth:`GpuMem.train_step` runs them, unmeasured."""
         __tracebackhide__ = True
-        if amp not in AMP_MODES:
-            raise ValueError(f"{self.nodeid}: train_step(amp={amp!r}): expected None, 'bf16' or 'fp16'")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"{self.nodeid}: train_step(warmup={warmup!r}): expected an int >= 0")
-        self.track(model, optimizer)
-        scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
-        for _ in range(warmup):
-            run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=self.device)
-        with self.measure(name):
-            run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=self.device)
+        train_step_span(self, model, optimizer, batch, loss_fn, amp=amp, warmup=warmup, name=name)
         return Unmeasured(f"gpumem.train_step(name={name!r})", name)

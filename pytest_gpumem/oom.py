@@ -344,7 +344,7 @@ def _fields(report: OomReport) -> dict[str, Any]:
 
 
 def _user_traceback(exc: BaseException) -> TracebackType | None:
-    """``exc``'s traceback cut after its last frame of user code; None when it has none.
+    """``exc``'s traceback from its first to its last frame of user code; None when it has none.
 
     User code is what is not the standard library, an installed package, torch or this
     package. On a GPU the allocator raises from C++ and the traceback ends in torch's
@@ -354,16 +354,20 @@ def _user_traceback(exc: BaseException) -> TracebackType | None:
     below, whose closures can hold the step's tensors after their frames are cleared, go.
     """
     libraries = library_dirs()
+    first_user: TracebackType | None = None
     last_user: TracebackType | None = None
     tb = exc.__traceback__
     while tb is not None:
         if not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(libraries):
+            first_user = first_user or tb
             last_user = tb
         tb = tb.tb_next
-    if last_user is None:
+    if first_user is None or last_user is None:
         return None
     last_user.tb_next = None
-    return exc.__traceback__
+    # from the first frame of user code on: the frames above it (a test runner's) are still
+    # running, so their locals cannot be cleared, and the traceback would keep them afterwards
+    return first_user
 
 
 def _clear_traceback(tb: TracebackType | None) -> None:
@@ -385,9 +389,10 @@ def release_oom(exc: BaseException, engine: Engine | None = None, *, collect: bo
     as :func:`traceback.clear_frames` does, but sparing generator frames, which
     clearing would close), runs ``gc.collect()`` and, on a CUDA-like engine,
     synchronizes and empties the caching allocator's cache. The exception stays
-    usable: its message, its type, and its traceback down to the last frame of
-    user code (the frames of libraries below it go: a closure of theirs can hold
-    the step's tensors after its frame is cleared), whose frames still name their
+    usable: its message, its type, and its traceback from the first to the last
+    frame of user code (the frames of libraries below go: a closure of theirs can
+    hold the step's tensors after its frame is cleared; those of a test runner
+    above go: they are still running, so their locals stay), whose frames still name their
     files, functions and lines (pytest shows the user's line that allocated),
     only without their local variables. A traceback with no user frame goes
     whole. Frames that are still executing keep their locals.

@@ -159,15 +159,8 @@ def _validate_markers(report: pytest.CollectReport) -> None:
         report.result = []
 
 
-class DisabledManager:
-    """The plugin switched off (``--gpumem-disable``): markers are still validated (a bad one
-    is still an error) and the fixture still works, but nothing is measured, judged or written."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-
-    def pytest_report_header(self) -> str:
-        return "gpumem: disabled (--gpumem-disable): nothing is measured, judged or written"
+class MarkerCheck:
+    """Validates the markers of every collected item, enabled or not: a bad one is an error."""
 
     @pytest.hookimpl(wrapper=True)
     def pytest_make_collect_report(
@@ -176,6 +169,17 @@ class DisabledManager:
         report = yield
         _validate_markers(report)
         return report
+
+
+class DisabledManager(MarkerCheck):
+    """The plugin switched off (``--gpumem-disable``): markers are still validated (a bad one
+    is still an error) and the fixture still works, but nothing is measured, judged or written."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def pytest_report_header(self) -> str:
+        return "gpumem: disabled (--gpumem-disable): nothing is measured, judged or written"
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -204,7 +208,7 @@ class DisabledManager:
             pytest.skip(unavailable.reason)
 
 
-class GpumemManager:
+class GpumemManager(MarkerCheck):
     """Owns the run's state: settings, engines, the gate, and the collected node ids."""
 
     def __init__(self, config: pytest.Config, settings: Settings) -> None:
@@ -225,15 +229,7 @@ class GpumemManager:
         except ValueError as exc:
             raise pytest.UsageError(f"gpumem: {exc}") from None
 
-    # -- collection: markers are validated as their module is collected ------------------
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_make_collect_report(
-        self, collector: pytest.Collector
-    ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
-        report = yield
-        _validate_markers(report)
-        return report
+    # -- collection: markers are validated as their module is collected (MarkerCheck) ------
 
     def pytest_itemcollected(self, item: pytest.Item) -> None:
         self._collected.add(item.nodeid)

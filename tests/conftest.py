@@ -55,7 +55,9 @@ def _import_every_plugin_module() -> None:
     for the rest of the suite. (Hypothesis, imported above, is such a package too.)
     """
     for module in pkgutil.walk_packages(pytest_gpumem.__path__, "pytest_gpumem."):
-        if module.name != "pytest_gpumem.__main__":
+        # the framework adapters import their (optional, heavy) frameworks: only the tests
+        # that use them do, in processes of their own
+        if module.name != "pytest_gpumem.__main__" and not module.name.startswith("pytest_gpumem.integrations."):
             importlib.import_module(module.name)
 
 
