@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import forget_last_failure
 
+from conftest import forget_last_failure
 from pytest_gpumem.leaks import referrer_names
 from pytest_gpumem.units import format_size
 

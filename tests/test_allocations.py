@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run, run_fresh
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from conftest import run, run_fresh
 from pytest_gpumem import CompiledCodeNotMeasured, Measurement, device_limit, make_engine, measure
 from pytest_gpumem.budgets import count_parameters
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CPU_ENV as CPU
-from conftest import H100_ENV as H100
 
 import pytest_gpumem
 import pytest_gpumem.baselines as baselines
+from conftest import CPU_ENV as CPU
+from conftest import H100_ENV as H100
 from pytest_gpumem.baselines import (
     BaselineEntry,
     BaselineFileError,

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CPU_ENV as CPU
-from conftest import run
 from filelock import FileLock
 
+from conftest import CPU_ENV as CPU
+from conftest import run
 from pytest_gpumem.baselines import BaselineEntry, BaselineFileError, BaselineStore, load, save, saving
 
 pytest_plugins = ["pytester"]

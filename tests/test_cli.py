@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CPU_ENV as CPU
-from conftest import H100_ENV as H100
 
 import pytest_gpumem
+from conftest import CPU_ENV as CPU
+from conftest import H100_ENV as H100
 from pytest_gpumem.baselines import BaselineEntry, BaselineStore, Environment, load, save
 from pytest_gpumem.cli import main
 

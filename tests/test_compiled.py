@@ -12,9 +12,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import run_fresh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import run_fresh
 from pytest_gpumem import CompiledCodeNotMeasured, measure
 
 pytestmark = [

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run
 from torch import nn
 
+from conftest import run
 from pytest_gpumem import DistributedError, RankContext, model_states, run_ranks
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import forget_last_failure, run, run_fresh
 
+from conftest import forget_last_failure, run, run_fresh
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.engines import make_engine
 from pytest_gpumem.gate import Gate, GateOptions

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+
 from conftest import run, run_fresh
 
 CYCLES = """

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run as run_session
 
+from conftest import run as run_session
 from pytest_gpumem.engines.base import Engine
 from pytest_gpumem.leaks import LeakCheck, confirm_leak, referrer_names, snapshot_storages
 

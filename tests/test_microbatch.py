@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from conftest import forget_last_failure
 from torch import nn
 from torch.nn import functional as F
 
+from conftest import forget_last_failure
 from pytest_gpumem.devicelimit import device_limit
 from pytest_gpumem.engines import make_engine
 from pytest_gpumem.engines.base import Engine

@@ -6,6 +6,7 @@ them (``model.weight.grad``, ``MODELS['big'].weight``, ``opt.state[model.weight]
 from __future__ import annotations
 
 import pytest
+
 from conftest import run, run_fresh
 
 pytest_plugins = ["pytester"]

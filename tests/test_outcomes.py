@@ -8,6 +8,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+
 from conftest import run, run_fresh
 
 pytest_plugins = ["pytester"]

@@ -6,6 +6,7 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
+
 from conftest import run, run_fresh
 
 pytest_plugins = ["pytester"]

@@ -11,8 +11,8 @@ import json
 
 import pytest
 import torch
-from conftest import run
 
+from conftest import run
 from pytest_gpumem import make_engine, measure
 from pytest_gpumem.predict import target
 

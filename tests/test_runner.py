@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import forget_last_failure
 
+from conftest import forget_last_failure
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.engines import make_engine
 from pytest_gpumem.engines.base import Engine
