@@ -25,14 +25,21 @@ import pytest
 try:
     import sybil  # noqa: F401
 except ImportError:  # the demo suite runs without the development tools; the docs' examples need Sybil
+    _INSTALL = 'python -m pip install -e ".[dev]"'
 
-    def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> None:
+    class _NotRun(pytest.Item):
+        def runtest(self) -> None:
+            pytest.skip("the documentation's examples run under Sybil, which is not installed: " + _INSTALL)
+
+    class _Document(pytest.File):
+        def collect(self) -> list[pytest.Item]:
+            return [_NotRun.from_parent(self, name="examples")]
+
+    def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> _Document | None:
         root = Path(__file__).resolve().parent
         if file_path.suffix == ".md" and (file_path.parent == root / "docs" or file_path == root / "README.md"):
-            raise pytest.UsageError(
-                f"{file_path}: the documentation's examples run under Sybil, a development tool: "
-                'python -m pip install -e ".[dev]"'
-            )
+            return _Document.from_parent(parent, path=file_path)
+        return None
 
 else:
     import sys
