@@ -6,6 +6,7 @@ limit that is too small fails with the plugin's message."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,15 @@ pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 F32 = 4
+
+
+def needs(*packages: str) -> None:
+    """Skip unless ``packages`` are installed, without importing them: importing a framework in
+    the suite's own process (lightning's import makes tensors and threads) would change what
+    later tests measure; the examples run in processes of their own."""
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed")
 
 
 def measured(pytester: pytest.Pytester, example: str, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
@@ -48,7 +58,7 @@ def check_steps(test: dict[str, Any], psi: int, tensors: int, *, gradients_kept:
 
 @pytest.mark.slow
 def test_a_hugging_face_trainer_is_measured_step_by_step(pytester: pytest.Pytester) -> None:
-    pytest.importorskip("transformers")
+    needs("transformers")
     result, test = measured(pytester, "test_hf_trainer.py")
     result.assert_outcomes(passed=1)
     # GPT-2, 2 layers, d=64, vocab 128, 32 positions (the head is tied to the token embedding)
@@ -59,7 +69,7 @@ def test_a_hugging_face_trainer_is_measured_step_by_step(pytester: pytest.Pytest
 
 @pytest.mark.slow
 def test_a_lightning_fit_is_measured_step_by_step(pytester: pytest.Pytester) -> None:
-    pytest.importorskip("lightning")
+    needs("lightning")
     result, test = measured(pytester, "test_lightning.py")
     result.assert_outcomes(passed=1)
     check_steps(test, 64 * 256 + 256 + 256 * 64 + 64, tensors=4, gradients_kept=True)
@@ -67,7 +77,7 @@ def test_a_lightning_fit_is_measured_step_by_step(pytester: pytest.Pytester) -> 
 
 @pytest.mark.slow
 def test_an_accelerate_loop_is_measured_step_by_step(pytester: pytest.Pytester) -> None:
-    pytest.importorskip("accelerate")
+    needs("accelerate")
     result, test = measured(pytester, "test_accelerate.py")
     result.assert_outcomes(passed=1)
     check_steps(test, 64 * 256 + 256 + 256 * 64 + 64, tensors=4, gradients_kept=False)
@@ -75,7 +85,7 @@ def test_an_accelerate_loop_is_measured_step_by_step(pytester: pytest.Pytester) 
 
 @pytest.mark.slow
 def test_a_limit_too_small_for_a_trainer_step_fails_with_the_plugins_message(pytester: pytest.Pytester) -> None:
-    pytest.importorskip("transformers")
+    needs("transformers")
     source = (ROOT / "examples" / "test_hf_trainer.py").read_text().replace('peak="16MiB"', 'peak="1MiB"')
     pytester.makepyfile(test_hf_trainer=source)
     result = run_fresh(pytester, "-p", "no:cacheprovider")
@@ -86,9 +96,7 @@ def test_a_limit_too_small_for_a_trainer_step_fails_with_the_plugins_message(pyt
 @pytest.mark.slow
 def test_the_adapters_run_with_the_plugin_disabled(pytester: pytest.Pytester) -> None:
     """Under ``--gpumem-disable`` the callbacks still open their spans (unmeasured): the examples pass."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("lightning")
-    pytest.importorskip("accelerate")
+    needs("transformers", "lightning", "accelerate")
     for example in ("test_hf_trainer.py", "test_lightning.py", "test_accelerate.py"):
         pytester.makepyfile(**{Path(example).stem: (ROOT / "examples" / example).read_text()})
     run_fresh(pytester, "--gpumem-disable", "-p", "no:cacheprovider").assert_outcomes(passed=3)
