@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/bench_accuracy.py``
 
-Two families of cases, each measured with ``pytest_gpumem.recorder(device="cpu")``:
+Two families of cases, each measured with ``pytest_gpumem.measurement.recorder(device="cpu")``:
 
 * Saved activations of a bf16 transformer MLP (``Linear(d, 4d)`` → activation →
   ``Linear(4d, d)``), forward only: ``span.saved_activations`` against
@@ -34,8 +34,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pytest_gpumem import measure
-from pytest_gpumem.budgets import count_parameters, mlp_activations, model_states
-from pytest_gpumem.figures import Measurement
+from pytest_gpumem.budgets.formulas import count_parameters, mlp_activations, model_states
+from pytest_gpumem.data.figures import Measurement
 
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
 ACTIVATIONS: dict[str, type[nn.Module]] = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}

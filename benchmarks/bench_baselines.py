@@ -32,8 +32,8 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pytest_gpumem.baselines import BaselineStore, Environment, load, save
-from pytest_gpumem.figures import CATEGORIES, Measurement
-from pytest_gpumem.verdict import compare_baseline, parse_tolerance
+from pytest_gpumem.data.figures import CATEGORIES, Measurement
+from pytest_gpumem.judge.verdict import compare_baseline, parse_tolerance
 
 MIB = 1 << 20
 

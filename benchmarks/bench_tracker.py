@@ -192,7 +192,7 @@ def peaks_without_zero_grad(setup: Setup) -> dict[str, int]:
 
 def clean_state_costs(repeat: int = 5) -> tuple[float, float, int]:
     """Median milliseconds of ``gc.collect()`` and of a fresh tracker's scan, and the object count."""
-    from pytest_gpumem.engines.tracker import StorageTracker
+    from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
     collects, scans = [], []
     for _ in range(repeat):

@@ -15,51 +15,51 @@ __version__ = "0.1.0"
 #: Public name → the module that defines it.
 _EXPORTS: dict[str, str] = {
     # measuring
-    "measure": "pytest_gpumem.recorder",
-    "Span": "pytest_gpumem.recorder",
-    "GpuMem": "pytest_gpumem.fixture",
-    "make_engine": "pytest_gpumem.engines",
-    "Measurement": "pytest_gpumem.figures",
-    "Phase": "pytest_gpumem.figures",
-    "Timeline": "pytest_gpumem.figures",
-    "CATEGORIES": "pytest_gpumem.figures",
-    "METRICS": "pytest_gpumem.figures",
-    "PHASES": "pytest_gpumem.figures",
-    "LimitExceeded": "pytest_gpumem.spec",
-    "CompiledCodeNotMeasured": "pytest_gpumem.figures",
+    "measure": "pytest_gpumem.measurement.recorder",
+    "Span": "pytest_gpumem.measurement.recorder",
+    "GpuMem": "pytest_gpumem.plugin.fixture",
+    "make_engine": "pytest_gpumem.measurement.engines",
+    "Measurement": "pytest_gpumem.data.figures",
+    "Phase": "pytest_gpumem.data.figures",
+    "Timeline": "pytest_gpumem.data.figures",
+    "CATEGORIES": "pytest_gpumem.data.figures",
+    "METRICS": "pytest_gpumem.data.figures",
+    "PHASES": "pytest_gpumem.data.figures",
+    "LimitExceeded": "pytest_gpumem.judge.spec",
+    "CompiledCodeNotMeasured": "pytest_gpumem.data.figures",
     # distributed steps
-    "run_ranks": "pytest_gpumem.distributed",
-    "RankContext": "pytest_gpumem.distributed",
-    "DistributedError": "pytest_gpumem.distributed",
+    "run_ranks": "pytest_gpumem.diagnose.distributed",
+    "RankContext": "pytest_gpumem.diagnose.distributed",
+    "DistributedError": "pytest_gpumem.diagnose.distributed",
     # out of memory, emulated devices, microbatches, leaks
-    "device_limit": "pytest_gpumem.devicelimit",
-    "is_oom": "pytest_gpumem.oom",
-    "oom_report": "pytest_gpumem.oom",
-    "OomReport": "pytest_gpumem.oom",
-    "OomWatch": "pytest_gpumem.oom",
-    "release_oom": "pytest_gpumem.oom",
-    "live_tensors": "pytest_gpumem.census",
-    "LiveTensor": "pytest_gpumem.census",
-    "max_microbatch": "pytest_gpumem.microbatch",
-    "plan_accumulation": "pytest_gpumem.microbatch",
-    "plan_for": "pytest_gpumem.microbatch",
-    "Plan": "pytest_gpumem.microbatch",
-    "MicrobatchError": "pytest_gpumem.microbatch",
-    "confirm_leak": "pytest_gpumem.leaks",
-    "snapshot_storages": "pytest_gpumem.leaks",
-    "LeakCheck": "pytest_gpumem.leaks",
+    "device_limit": "pytest_gpumem.measurement.devicelimit",
+    "is_oom": "pytest_gpumem.diagnose.oom",
+    "oom_report": "pytest_gpumem.diagnose.oom",
+    "OomReport": "pytest_gpumem.diagnose.oom",
+    "OomWatch": "pytest_gpumem.diagnose.oom",
+    "release_oom": "pytest_gpumem.diagnose.oom",
+    "live_tensors": "pytest_gpumem.diagnose.census",
+    "LiveTensor": "pytest_gpumem.diagnose.census",
+    "max_microbatch": "pytest_gpumem.diagnose.microbatch",
+    "plan_accumulation": "pytest_gpumem.diagnose.microbatch",
+    "plan_for": "pytest_gpumem.diagnose.microbatch",
+    "Plan": "pytest_gpumem.diagnose.microbatch",
+    "MicrobatchError": "pytest_gpumem.diagnose.microbatch",
+    "confirm_leak": "pytest_gpumem.diagnose.leaks",
+    "snapshot_storages": "pytest_gpumem.diagnose.leaks",
+    "LeakCheck": "pytest_gpumem.diagnose.leaks",
     # budgets
-    "count_parameters": "pytest_gpumem.budgets",
-    "model_states": "pytest_gpumem.budgets",
-    "Budget": "pytest_gpumem.budgets",
-    "mlp_activations": "pytest_gpumem.budgets",
-    "transformer_layer_activations": "pytest_gpumem.budgets",
-    "register_optimizer": "pytest_gpumem.budgets",
-    "OptimizerState": "pytest_gpumem.budgets",
-    "parse_budget": "pytest_gpumem.expressions",
+    "count_parameters": "pytest_gpumem.budgets.formulas",
+    "model_states": "pytest_gpumem.budgets.formulas",
+    "Budget": "pytest_gpumem.budgets.formulas",
+    "mlp_activations": "pytest_gpumem.budgets.formulas",
+    "transformer_layer_activations": "pytest_gpumem.budgets.formulas",
+    "register_optimizer": "pytest_gpumem.budgets.formulas",
+    "OptimizerState": "pytest_gpumem.budgets.formulas",
+    "parse_budget": "pytest_gpumem.budgets.expressions",
     # sizes and tolerances
-    "Tolerance": "pytest_gpumem.verdict",
-    "parse_tolerance": "pytest_gpumem.verdict",
+    "Tolerance": "pytest_gpumem.judge.verdict",
+    "parse_tolerance": "pytest_gpumem.judge.verdict",
     "format_size": "pytest_gpumem.units",
     "parse_size": "pytest_gpumem.units",
 }
@@ -126,7 +126,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from pytest_gpumem.budgets import (
+    from pytest_gpumem.budgets.expressions import parse_budget
+    from pytest_gpumem.budgets.formulas import (
         Budget,
         OptimizerState,
         count_parameters,
@@ -135,12 +136,7 @@ if TYPE_CHECKING:
         register_optimizer,
         transformer_layer_activations,
     )
-    from pytest_gpumem.census import LiveTensor, live_tensors
-    from pytest_gpumem.devicelimit import device_limit
-    from pytest_gpumem.distributed import DistributedError, RankContext, run_ranks
-    from pytest_gpumem.engines import make_engine
-    from pytest_gpumem.expressions import parse_budget
-    from pytest_gpumem.figures import (
+    from pytest_gpumem.data.figures import (
         CATEGORIES,
         METRICS,
         PHASES,
@@ -149,11 +145,15 @@ if TYPE_CHECKING:
         Phase,
         Timeline,
     )
-    from pytest_gpumem.fixture import GpuMem
-    from pytest_gpumem.leaks import LeakCheck, confirm_leak, snapshot_storages
-    from pytest_gpumem.microbatch import MicrobatchError, Plan, max_microbatch, plan_accumulation, plan_for
-    from pytest_gpumem.oom import OomReport, OomWatch, is_oom, oom_report, release_oom
-    from pytest_gpumem.recorder import Span, measure
-    from pytest_gpumem.spec import LimitExceeded
+    from pytest_gpumem.diagnose.census import LiveTensor, live_tensors
+    from pytest_gpumem.diagnose.distributed import DistributedError, RankContext, run_ranks
+    from pytest_gpumem.diagnose.leaks import LeakCheck, confirm_leak, snapshot_storages
+    from pytest_gpumem.diagnose.microbatch import MicrobatchError, Plan, max_microbatch, plan_accumulation, plan_for
+    from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, oom_report, release_oom
+    from pytest_gpumem.judge.spec import LimitExceeded
+    from pytest_gpumem.judge.verdict import Tolerance, parse_tolerance
+    from pytest_gpumem.measurement.devicelimit import device_limit
+    from pytest_gpumem.measurement.engines import make_engine
+    from pytest_gpumem.measurement.recorder import Span, measure
+    from pytest_gpumem.plugin.fixture import GpuMem
     from pytest_gpumem.units import format_size, parse_size
-    from pytest_gpumem.verdict import Tolerance, parse_tolerance

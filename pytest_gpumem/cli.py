@@ -38,9 +38,9 @@ from pytest_gpumem.baselines import (
     parse,
     save,
 )
-from pytest_gpumem.figures import METRICS
+from pytest_gpumem.data.figures import METRICS
+from pytest_gpumem.judge.verdict import Tolerance, metric_info, parse_tolerance
 from pytest_gpumem.units import format_percent
-from pytest_gpumem.verdict import Tolerance, metric_info, parse_tolerance
 
 __all__ = ["main"]
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import forget_last_failure
-from pytest_gpumem.leaks import referrer_names
+from pytest_gpumem.diagnose.leaks import referrer_names
 from pytest_gpumem.units import format_size
 
 

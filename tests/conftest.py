@@ -21,7 +21,7 @@ import torch
 
 import pytest_gpumem
 from pytest_gpumem.baselines import Environment
-from pytest_gpumem.engines import Engine, make_engine
+from pytest_gpumem.measurement.engines import Engine, make_engine
 
 
 def _warm_up_lazy_torch_imports() -> None:
@@ -146,7 +146,7 @@ def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
 @pytest.fixture
 def recorded_h100() -> Path:
     """The folder of the record the H100 prediction target is checked against (``targets.json``)."""
-    from pytest_gpumem.predict import target
+    from pytest_gpumem.targets import target
 
     record = target("h100").record
     assert record is not None

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from conftest import run, run_fresh
 from pytest_gpumem import CompiledCodeNotMeasured, Measurement, device_limit, make_engine, measure
-from pytest_gpumem.budgets import count_parameters
+from pytest_gpumem.budgets.formulas import count_parameters
 
 pytestmark = pytest.mark.usefixtures("forget_compiled_code")
 

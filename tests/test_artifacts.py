@@ -1,4 +1,4 @@
-"""Tests of pytest_gpumem.artifacts: artifact file names and the HTML page."""
+"""Tests of pytest_gpumem.report.artifacts: artifact file names and the HTML page."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_gpumem.artifacts import MAX_NAME_LENGTH, artifact_path, artifact_stem, render_html, write_html
-from pytest_gpumem.figures import CATEGORIES, Measurement, Phase, Timeline
+from pytest_gpumem.data.figures import CATEGORIES, Measurement, Phase, Timeline
+from pytest_gpumem.report.artifacts import MAX_NAME_LENGTH, artifact_path, artifact_stem, render_html, write_html
 from pytest_gpumem.units import format_size
 
 GiB = 1 << 30

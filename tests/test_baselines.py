@@ -32,7 +32,7 @@ from pytest_gpumem.baselines import (
     parse,
     save,
 )
-from pytest_gpumem.figures import CATEGORIES, Measurement
+from pytest_gpumem.data.figures import CATEGORIES, Measurement
 
 MiB = 1 << 20
 CPU_ROUNDED = Environment(engine="cpu", torch_version="2.13", cuda_rounding=True)

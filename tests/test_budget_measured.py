@@ -10,8 +10,13 @@ import torch
 from torch import nn
 
 from pytest_gpumem import measure
-from pytest_gpumem.budgets import count_parameters, mlp_activations, model_states, transformer_layer_activations
-from pytest_gpumem.figures import Measurement
+from pytest_gpumem.budgets.formulas import (
+    count_parameters,
+    mlp_activations,
+    model_states,
+    transformer_layer_activations,
+)
+from pytest_gpumem.data.figures import Measurement
 
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
 

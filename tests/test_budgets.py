@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fixtures.gpt2 import GPT2, PRESETS, Block, GPT2Config, gpt2
-from pytest_gpumem.budgets import (
+from pytest_gpumem.budgets.formulas import (
     PRECISIONS,
     Budget,
     OptimizerState,

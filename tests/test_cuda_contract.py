@@ -1,7 +1,7 @@
 """The CUDA engine's contract with the device, checked where there is no GPU.
 
 A recording stand-in takes the place of the ``torch.cuda`` / ``torch.accelerator.memory``
-functions that :class:`~pytest_gpumem.engines.cuda.CudaEngine` calls (the engine's
+functions that :class:`~pytest_gpumem.measurement.engines.cuda.CudaEngine` calls (the engine's
 ``_backend`` and ``_memory_api`` objects, the context and workspace kernels it launches,
 ``torch._C._cuda_clearCublasWorkspaces`` and NVML), and a real pytest session measures
 tests "on cuda:0" through the plugin. The tests pin what one measured test costs on a GPU
@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_gpumem.engines import cuda as cuda_engine
-from pytest_gpumem.figures import Measurement
-from pytest_gpumem.record import TestRecord
+from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.measurement.engines import cuda as cuda_engine
 
 #: Bytes the stand-in's workspace kernels "create" when no workspace exists.
 WORKSPACES = 3 * 2**20

@@ -23,12 +23,12 @@ import pytest
 import torch
 
 from pytest_gpumem import DistributedError, RankContext, run_ranks
-from pytest_gpumem.figures import Measurement
-from pytest_gpumem.gate import write_artifacts
-from pytest_gpumem.record import TestRecord
-from pytest_gpumem.report import measurement_table, summary_rows, terminal_summary
-from pytest_gpumem.torchrun import Launch, rank_span, rename
-from pytest_gpumem.verdict import Limit, Tolerance, check_limits
+from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.judge.verdict import Limit, Tolerance, check_limits
+from pytest_gpumem.plugin.gate import write_artifacts
+from pytest_gpumem.plugin.torchrun import Launch, rank_span, rename
+from pytest_gpumem.report.text import measurement_table, summary_rows, terminal_summary
 
 # --------------------------------------------------------------------------- processes (Linux /proc)
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pytest_gpumem.expressions import BudgetError, BudgetExpr, parse_budget
-from pytest_gpumem.spec import SpecError, parse_marker
+from pytest_gpumem.budgets.expressions import BudgetError, BudgetExpr, parse_budget
+from pytest_gpumem.judge.spec import SpecError, parse_marker
 from pytest_gpumem.units import parse_size
 
 GiB = 1 << 30

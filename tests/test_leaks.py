@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import run as run_session
-from pytest_gpumem.engines.base import Engine
-from pytest_gpumem.leaks import LeakCheck, confirm_leak, referrer_names, snapshot_storages
+from pytest_gpumem.diagnose.leaks import LeakCheck, confirm_leak, referrer_names, snapshot_storages
+from pytest_gpumem.measurement.engines.base import Engine
 
 F32 = 4
 

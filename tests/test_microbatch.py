@@ -10,11 +10,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from conftest import forget_last_failure
-from pytest_gpumem.devicelimit import device_limit
-from pytest_gpumem.engines import make_engine
-from pytest_gpumem.engines.base import Engine
-from pytest_gpumem.microbatch import MicrobatchError, Plan, max_microbatch, plan_accumulation, plan_for
-from pytest_gpumem.oom import release_oom
+from pytest_gpumem.diagnose.microbatch import MicrobatchError, Plan, max_microbatch, plan_accumulation, plan_for
+from pytest_gpumem.diagnose.oom import release_oom
+from pytest_gpumem.measurement.devicelimit import device_limit
+from pytest_gpumem.measurement.engines import make_engine
+from pytest_gpumem.measurement.engines.base import Engine
 
 D_IN, HIDDEN, D_OUT = 32, 128, 4
 N = 64  # the brute-force scan covers sizes 1..N

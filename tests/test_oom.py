@@ -9,12 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from pytest_gpumem.census import live_tensors
-from pytest_gpumem.devicelimit import device_limit
-from pytest_gpumem.engines.base import Engine
-from pytest_gpumem.engines.tracker import StorageTracker
-from pytest_gpumem.figures import CATEGORIES
-from pytest_gpumem.oom import (
+from pytest_gpumem.data.figures import CATEGORIES
+from pytest_gpumem.diagnose.census import live_tensors
+from pytest_gpumem.diagnose.oom import (
     OomReport,
     OomWatch,
     is_oom,
@@ -22,7 +19,10 @@ from pytest_gpumem.oom import (
     release_oom,
     requested_bytes,
 )
-from pytest_gpumem.recorder import Recorder
+from pytest_gpumem.measurement.devicelimit import device_limit
+from pytest_gpumem.measurement.engines.base import Engine
+from pytest_gpumem.measurement.engines.tracker import StorageTracker
+from pytest_gpumem.measurement.recorder import Recorder
 
 D_IN, HIDDEN, D_OUT = 64, 256, 8
 F32 = 4

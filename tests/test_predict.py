@@ -14,7 +14,7 @@ import torch
 
 from conftest import run
 from pytest_gpumem import make_engine, measure
-from pytest_gpumem.predict import target
+from pytest_gpumem.targets import target
 
 MiB = 1 << 20
 H100 = target("h100")
@@ -202,7 +202,7 @@ def test_make_engine_names_what_cannot_be_predicted() -> None:
 def test_the_attention_backend_follows_the_targets_rules(
     dtype: torch.dtype, head_dim: int, masked: bool, kv_heads: int, expected: str
 ) -> None:
-    from pytest_gpumem.engines.predict import choose_backend
+    from pytest_gpumem.measurement.engines.predict import choose_backend
 
     query = torch.empty(2, 8, 16, head_dim, dtype=dtype)
     key = torch.empty(2, kv_heads, 16, head_dim, dtype=dtype)

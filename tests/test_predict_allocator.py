@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem.predict import AllocatorRules, CachingAllocatorModel, parse_predict, target, targets
+from pytest_gpumem.targets import AllocatorRules, CachingAllocatorModel, parse_predict, target, targets
 
 MiB = 1 << 20
 

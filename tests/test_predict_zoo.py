@@ -39,9 +39,9 @@ import pytest
 import torch
 
 from fixtures.zoo import zoo
-from pytest_gpumem.engines.predict import PredictEngine
-from pytest_gpumem.fixture import run_step
-from pytest_gpumem.predict import target
+from pytest_gpumem.measurement.engines.predict import PredictEngine
+from pytest_gpumem.plugin.fixture import run_step
+from pytest_gpumem.targets import target
 
 #: each test runs a whole zoo step of the recorded size (up to 64 MiB activations, about 40 s in all)
 pytestmark = pytest.mark.slow

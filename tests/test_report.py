@@ -1,4 +1,4 @@
-"""Tests of pytest_gpumem.report: the summary, failure and Markdown tables, on figures of real CPU training steps."""
+"""Tests of pytest_gpumem.report.text: summary, failure and Markdown tables of real CPU steps."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from torch import nn
 from conftest import run
 from pytest_gpumem import measure
 from pytest_gpumem.baselines import BaselineEntry
-from pytest_gpumem.figures import METRICS, Measurement, Phase
-from pytest_gpumem.fixture import run_step
-from pytest_gpumem.record import TestRecord as Record
-from pytest_gpumem.report import (
+from pytest_gpumem.data.figures import METRICS, Measurement, Phase
+from pytest_gpumem.judge.record import TestRecord as Record
+from pytest_gpumem.judge.verdict import Finding, Limit, Tolerance, check_values, compare_baseline
+from pytest_gpumem.plugin.fixture import run_step
+from pytest_gpumem.report.text import (
     SUMMARY_HEADERS,
     _elide_id,
     _short,
@@ -32,7 +33,6 @@ from pytest_gpumem.report import (
     summary_table,
 )
 from pytest_gpumem.units import format_size
-from pytest_gpumem.verdict import Finding, Limit, Tolerance, check_values, compare_baseline
 
 WIDTHS = (80, 100, 120, 1000)
 

@@ -10,12 +10,12 @@ import torch
 
 from conftest import forget_last_failure
 from pytest_gpumem.baselines import Environment
-from pytest_gpumem.engines import make_engine
-from pytest_gpumem.engines.base import Engine
-from pytest_gpumem.record import TestRecord
-from pytest_gpumem.recorder import measure
-from pytest_gpumem.runner import DeviceUnavailable, Engines, Freezer, RunOptions, TestRun, choose_device
-from pytest_gpumem.spec import parse_marker
+from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.judge.spec import parse_marker
+from pytest_gpumem.measurement.engines import make_engine
+from pytest_gpumem.measurement.engines.base import Engine
+from pytest_gpumem.measurement.recorder import measure
+from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, Freezer, RunOptions, TestRun, choose_device
 
 F32 = 4
 ENV = Environment.detect("cpu").to_dict()
@@ -125,7 +125,7 @@ def test_a_negative_budget_with_the_model_tracked_gives_no_tracking_hint(engine:
     model = torch.nn.Linear(4, 4)  # Ψ = 20
 
     def body() -> None:
-        from pytest_gpumem.recorder import _ACTIVE
+        from pytest_gpumem.measurement.recorder import _ACTIVE
 
         recorder = _ACTIVE.get()
         assert recorder is not None
@@ -139,7 +139,7 @@ def test_a_negative_budget_with_the_model_tracked_gives_no_tracking_hint(engine:
 
 
 def test_a_division_by_a_constant_zero_is_refused_with_the_marker() -> None:
-    from pytest_gpumem.spec import SpecError
+    from pytest_gpumem.judge.spec import SpecError
 
     with pytest.raises(SpecError) as info:
         parse_marker([((), {"peak": "16Ψ/0"})])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pytest_gpumem import measure
-from pytest_gpumem.figures import PartialFigures
+from pytest_gpumem.data.figures import PartialFigures
 from tests.conftest import run
 
 STEP = """

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from pytest_gpumem.record import TestRecord
-from pytest_gpumem.torchrun import Launch, launch, merge, rank_span
+from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.plugin.torchrun import Launch, launch, merge, rank_span
 
 TEST_FILE = """
 import os
@@ -39,7 +39,7 @@ def test_launch_is_read_from_torchruns_environment() -> None:
 
 
 def _record(nodeid: str, rank: int, *, passed: bool = True) -> dict[str, object]:
-    from pytest_gpumem.figures import Measurement
+    from pytest_gpumem.data.figures import Measurement
 
     measurement = Measurement(name=rank_span("call", rank, 2), engine="cpu", device="cpu", start=0, peak=8, allocated=8)
     env = {"engine": "cpu", "torch_version": "2.13", "cuda_rounding": False}

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pytest_gpumem import measure
-from pytest_gpumem.engines.tracker import StorageTracker, cuda_rounded
-from pytest_gpumem.figures import CATEGORIES
+from pytest_gpumem.data.figures import CATEGORIES
+from pytest_gpumem.measurement.engines.tracker import StorageTracker, cuda_rounded
 
 
 def mlp(d: int, activation: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -45,7 +45,7 @@ def test_fp32_adamw_model_states_to_the_byte() -> None:
     step()  # Adam creates its state lazily at the first step
     with measure("step", device="cpu", track=(model, opt)) as span:
         step()
-    from pytest_gpumem.engines.cpu import CpuEngine
+    from pytest_gpumem.measurement.engines.cpu import CpuEngine
 
     engine = CpuEngine()
     engine.clean()

@@ -20,7 +20,7 @@ import torch
 from fixtures.zoo import PRECISIONS, zoo
 from pytest_gpumem import measure
 from pytest_gpumem.baselines import Environment
-from pytest_gpumem.fixture import run_step
+from pytest_gpumem.plugin.fixture import run_step
 from pytest_gpumem.units import format_size
 
 ROOT = Path(__file__).resolve().parents[1]

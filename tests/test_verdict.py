@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pytest_gpumem.baselines import BaselineEntry, StaleEntry
-from pytest_gpumem.figures import CATEGORIES, Measurement
-from pytest_gpumem.verdict import (
+from pytest_gpumem.data.figures import CATEGORIES, Measurement
+from pytest_gpumem.judge.verdict import (
     Finding,
     Limit,
     Tolerance,

@@ -3,7 +3,7 @@
 A baseline is the figures one test recorded in one :class:`Environment`,
 committed to the repository and compared on later runs. All figures are bytes.
 Baselines store *costs* (a figure minus its span's start, see
-:meth:`pytest_gpumem.figures.Measurement.cost`), so test order, ``-k``, xdist and
+:meth:`pytest_gpumem.data.figures.Measurement.cost`), so test order, ``-k``, xdist and
 session fixtures do not move them; the absolute ``start`` and the ``breakdown``
 at the peak are kept for information.
 

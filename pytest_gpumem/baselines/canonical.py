@@ -15,7 +15,7 @@ from dataclasses import fields
 from typing import Any
 
 from pytest_gpumem.baselines.environment import Environment, allocator_rank
-from pytest_gpumem.figures import CATEGORIES, METRICS
+from pytest_gpumem.data.figures import CATEGORIES, METRICS
 
 __all__ = ["BASELINE_METRICS", "CALL_SPAN", "SCHEMA_VERSION", "json_bytes"]
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ALLOCATOR_VARIABLES", "ENGINES", "Environment", "allocator_settings", "check_label"]
 
-#: Engines an :class:`Environment` can describe (see :class:`~pytest_gpumem.figures.Measurement`).
+#: Engines an :class:`Environment` can describe (see :class:`~pytest_gpumem.data.figures.Measurement`).
 ENGINES: tuple[str, ...] = ("cuda", "cpu", "predict")
 
 #: Environment variables that change what the caching allocator holds, in the
@@ -122,7 +122,7 @@ class Environment:
         if engine == "cpu":
             return cls(engine="cpu", torch_version=torch_version, cuda_rounding=bool(cuda_rounding))
         if engine == "predict":  # the target GPU's name, as the CPU run's torch predicts it
-            from pytest_gpumem.predict import target
+            from pytest_gpumem.targets import target
 
             if predict is None:
                 raise ValueError("engine 'predict' needs predict=<the target GPU>")

@@ -21,7 +21,7 @@ from pytest_gpumem.baselines.canonical import (
 )
 from pytest_gpumem.baselines.environment import Environment
 from pytest_gpumem.baselines.validation import BaselineFileError, validate
-from pytest_gpumem.figures import CATEGORIES, Measurement
+from pytest_gpumem.data.figures import CATEGORIES, Measurement
 
 __all__ = ["BaselineEntry", "BaselineStore", "StaleEntry"]
 
@@ -32,7 +32,7 @@ class BaselineEntry:
 
     Attributes:
         costs: metric name → recorded cost (bytes for the figures of
-            :data:`~pytest_gpumem.figures.METRICS`; another unit for metrics a
+            :data:`~pytest_gpumem.data.figures.METRICS`; another unit for metrics a
             later feature adds), ``None`` where the engine could not know it.
         start: allocated bytes when the span began (absolute; for information,
             never compared).

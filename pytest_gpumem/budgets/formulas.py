@@ -1,0 +1,751 @@
+"""Theoretical memory budgets of a training step.
+
+Three kinds of figures, none of which touches tensor data (``meta`` models work):
+
+* :func:`count_parameters` counts parameters: trainable (Ψ), frozen, per dtype,
+  shared (tied) parameters once.
+* :func:`model_states` computes the bytes of the *model states* — parameters,
+  gradients, fp32 master weights and optimizer state — from Ψ, a precision
+  recipe (:data:`PRECISIONS`), the optimizer (its type and its actual
+  hyper-parameters, through a registry of state rules that
+  :func:`register_optimizer` extends) and ZeRO partitioning.
+* :func:`mlp_activations` and :func:`transformer_layer_activations` estimate the
+  bytes of activations saved for backward.
+
+Counts (parameters, elements, tensors) are plain numbers; every ``*_bytes``
+figure and every budget item is a count of bytes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+from pytest_gpumem.units import format_size
+
+__all__ = [
+    "ACTIVATIONS",
+    "PRECISIONS",
+    "RECOMPUTE",
+    "Budget",
+    "OptimizerRule",
+    "OptimizerState",
+    "ParamCount",
+    "Precision",
+    "count_parameters",
+    "mlp_activations",
+    "model_states",
+    "optimizer_state",
+    "register_optimizer",
+    "registered_optimizers",
+    "tracked_psi",
+    "transformer_layer_activations",
+]
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameter counts of one or more modules (numbers of elements, not bytes).
+
+    A parameter shared by several modules or tied inside one (an ``lm_head``
+    tied to the token embedding) is counted once. A parameter is *trainable*
+    when ``requires_grad`` is set, *frozen* otherwise.
+
+    Attributes:
+        trainable: elements of trainable parameters: Ψ.
+        frozen: elements of frozen parameters.
+        trainable_tensors: number of distinct trainable parameter tensors.
+        frozen_tensors: number of distinct frozen parameter tensors.
+        trainable_by_dtype: trainable elements per ``torch.dtype``.
+        frozen_by_dtype: frozen elements per ``torch.dtype``.
+    """
+
+    trainable: int
+    frozen: int
+    trainable_tensors: int
+    frozen_tensors: int
+    trainable_by_dtype: Mapping[torch.dtype, int] = field(default_factory=dict)
+    frozen_by_dtype: Mapping[torch.dtype, int] = field(default_factory=dict)
+
+    @property
+    def psi(self) -> int:
+        """Ψ: the number of trainable parameters (elements)."""
+        return self.trainable
+
+    @property
+    def total(self) -> int:
+        """Trainable plus frozen elements."""
+        return self.trainable + self.frozen
+
+    @property
+    def tensors(self) -> int:
+        """Number of distinct parameter tensors, trainable and frozen."""
+        return self.trainable_tensors + self.frozen_tensors
+
+    @property
+    def by_dtype(self) -> Mapping[torch.dtype, int]:
+        """All elements (trainable and frozen) per ``torch.dtype``."""
+        merged = dict(self.trainable_by_dtype)
+        for dtype, count in self.frozen_by_dtype.items():
+            merged[dtype] = merged.get(dtype, 0) + count
+        return MappingProxyType(merged)
+
+    @property
+    def trainable_bytes(self) -> int:
+        """Bytes of the trainable parameters at their own dtypes."""
+        return sum(count * dtype.itemsize for dtype, count in self.trainable_by_dtype.items())
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes of the frozen parameters at their own dtypes."""
+        return sum(count * dtype.itemsize for dtype, count in self.frozen_by_dtype.items())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all parameters at their own dtypes."""
+        return self.trainable_bytes + self.frozen_bytes
+
+
+def _as_modules(modules: torch.nn.Module | Iterable[torch.nn.Module]) -> tuple[torch.nn.Module, ...]:
+    """A module, or an iterable of modules, as a tuple of modules."""
+    if isinstance(modules, torch.nn.Module):
+        return (modules,)
+    result = tuple(modules)
+    for module in result:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"expected torch.nn.Module objects, got {type(module).__name__}")
+    return result
+
+
+def _unique_parameters(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """Distinct parameters of ``modules`` in registration order (identity, not value)."""
+    seen: set[int] = set()
+    result: list[torch.nn.Parameter] = []
+    for module in modules:
+        for param in module.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                result.append(param)
+    return result
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    """Elements this process holds: a DTensor parameter (FSDP2, tensor parallelism) counts its local shard."""
+    to_local = getattr(param, "to_local", None)
+    return int(to_local().numel()) if callable(to_local) else int(param.numel())
+
+
+def tracked_psi(objects: Sequence[Any]) -> int | None:
+    """Ψ of tracked modules and optimizers: the modules' trainable parameters, else (only
+    optimizers tracked) their distinct trainable parameters; None when nothing is tracked."""
+    if not objects:
+        return None
+    modules = [obj for obj in objects if isinstance(obj, torch.nn.Module)]
+    if modules:
+        return count_parameters(modules).psi
+    params = {id(p): p for o in objects for group in o.param_groups for p in group["params"]}
+    return sum(int(p.numel()) for p in params.values() if p.requires_grad)
+
+
+def count_parameters(*modules: torch.nn.Module | Sequence[torch.nn.Module]) -> ParamCount:
+    """Count the parameters of ``modules`` (elements, not bytes).
+
+    Each argument is a module or a sequence of modules. Parameters are
+    deduplicated by identity across all of them, so tied weights and modules
+    passed twice are counted once. Only shapes are read: models on the
+    ``meta`` device are fine. A ``DTensor`` parameter (FSDP2's sharded parameters, tensor
+    parallelism) counts the elements of this process's shard.
+    """
+    params = _unique_parameters(module for arg in modules for module in _as_modules(arg))
+    trainable: dict[torch.dtype, int] = {}
+    frozen: dict[torch.dtype, int] = {}
+    trainable_tensors = frozen_tensors = 0
+    for param in params:
+        target = trainable if param.requires_grad else frozen
+        target[param.dtype] = target.get(param.dtype, 0) + _local_numel(param)
+        if param.requires_grad:
+            trainable_tensors += 1
+        else:
+            frozen_tensors += 1
+    return ParamCount(
+        trainable=sum(trainable.values()),
+        frozen=sum(frozen.values()),
+        trainable_tensors=trainable_tensors,
+        frozen_tensors=frozen_tensors,
+        trainable_by_dtype=MappingProxyType(trainable),
+        frozen_by_dtype=MappingProxyType(frozen),
+    )
+
+
+# --------------------------------------------------------------------------- precision recipes
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A precision recipe: bytes per element of each model state.
+
+    Attributes:
+        name: the recipe's name.
+        param_bytes: bytes per parameter element (trainable and frozen).
+        grad_bytes: bytes per gradient element.
+        master_bytes: bytes per element of the fp32 master copy of the
+            trainable parameters; 0 when the recipe keeps none.
+        state_bytes: bytes per element of the optimizer's per-element state
+            (``exp_avg``, ``momentum_buffer``...).
+    """
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    master_bytes: int
+    state_bytes: int
+
+
+#: The built-in precision recipes, by name.
+PRECISIONS: Mapping[str, Precision] = MappingProxyType(
+    {
+        "fp32": Precision("fp32", param_bytes=4, grad_bytes=4, master_bytes=0, state_bytes=4),
+        "mixed": Precision("mixed", param_bytes=2, grad_bytes=2, master_bytes=4, state_bytes=4),
+        "mixed-fp32-grads": Precision("mixed-fp32-grads", param_bytes=2, grad_bytes=4, master_bytes=4, state_bytes=4),
+        "bf16": Precision("bf16", param_bytes=2, grad_bytes=2, master_bytes=0, state_bytes=2),
+    }
+)
+
+
+def _precision(precision: str | Precision) -> Precision:
+    if isinstance(precision, Precision):
+        return precision
+    try:
+        return PRECISIONS[precision]
+    except (KeyError, TypeError):
+        names = ", ".join(repr(name) for name in PRECISIONS)
+        raise ValueError(f"unknown precision {precision!r}; expected one of {names} or a Precision") from None
+
+
+# --------------------------------------------------------------------------- optimizer state rules
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """The state an optimizer keeps for one parameter group.
+
+    Attributes:
+        elements: per-element state, name → number of elements (not bytes);
+            stored at the precision recipe's ``state_bytes`` per element.
+            Use torch's own state names (``"exp_avg"``).
+        nbytes: state whose width does not follow the recipe (a quantized
+            state, say), name → bytes.
+        scalars: scalar state tensors, name → number of tensors (``"step"`` →
+            one per parameter tensor); each is one element of
+            ``scalar_dtype``.
+        scalars_on_device: True when the scalar tensors live on the
+            parameters' device (``fused`` or ``capturable`` optimizers); False
+            when torch keeps them on the CPU.
+        scalar_dtype: dtype of the scalar tensors.
+    """
+
+    elements: Mapping[str, int] = field(default_factory=dict)
+    nbytes: Mapping[str, int] = field(default_factory=dict)
+    scalars: Mapping[str, int] = field(default_factory=dict)
+    scalars_on_device: bool = False
+    scalar_dtype: torch.dtype = torch.float32
+
+
+#: A state rule: ``fn(group, params) -> OptimizerState``. ``group`` is the
+#: parameter group's hyper-parameters (``optimizer.param_groups[i]``, or the
+#: optimizer's defaults when it is named by a string); ``params`` are all the
+#: tensors of that group (possibly on ``meta``: read shapes, never data).
+OptimizerRule = Callable[[Mapping[str, Any], Sequence[torch.Tensor]], OptimizerState]
+
+# The optimizer registry: the only module-level mutable state.
+_RULES: dict[type[torch.optim.Optimizer], OptimizerRule] = {}
+_NAMES: dict[str, type[torch.optim.Optimizer]] = {}
+
+
+def register_optimizer(
+    optimizer_class: type[torch.optim.Optimizer], fn: OptimizerRule, *, name: str | None = None
+) -> None:
+    """Register ``fn`` as the state rule of ``optimizer_class`` (and its subclasses).
+
+    ``fn(group, params)`` receives one parameter group's hyper-parameters and
+    tensors and returns an :class:`OptimizerState`. ``name`` (default: the class
+    name in lower case) lets :func:`model_states` accept the optimizer as a
+    string. Registering a class again replaces its rule.
+    """
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"{optimizer_class!r} is not a torch.optim.Optimizer subclass")
+    if not callable(fn):
+        raise TypeError(f"the state rule of {optimizer_class.__name__} must be callable, got {fn!r}")
+    _RULES[optimizer_class] = fn
+    _NAMES[(name or optimizer_class.__name__).lower()] = optimizer_class
+
+
+def registered_optimizers() -> Mapping[str, type[torch.optim.Optimizer]]:
+    """The optimizers :func:`model_states` knows, by the name it accepts."""
+    return MappingProxyType(dict(_NAMES))
+
+
+def _rule_for(optimizer_class: type[torch.optim.Optimizer]) -> OptimizerRule:
+    for cls in optimizer_class.__mro__:
+        rule = _RULES.get(cls)
+        if rule is not None:
+            return rule
+    raise ValueError(
+        f"no state rule for optimizer {optimizer_class.__name__}; "
+        f"register one with pytest_gpumem.budgets.formulas.register_optimizer({optimizer_class.__name__}, fn)"
+    )
+
+
+def _defaults(optimizer_class: type[torch.optim.Optimizer]) -> dict[str, Any]:
+    signature = inspect.signature(optimizer_class.__init__)
+    return {
+        name: param.default
+        for name, param in signature.parameters.items()
+        if name not in ("self", "params") and param.default is not inspect.Parameter.empty
+    }
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer | str,
+    params: Sequence[torch.Tensor] = (),
+    options: Mapping[str, Any] | None = None,
+) -> list[OptimizerState]:
+    """The state rule's answer for each parameter group of ``optimizer``.
+
+    An optimizer object is read as it is (its ``param_groups``; ``params`` and
+    ``options`` must be left out). A name (``"adamw"``, see
+    :func:`registered_optimizers`) stands for that optimizer over ``params``
+    with its default hyper-parameters, updated by ``options``.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if options or params:
+            raise ValueError("params and optimizer options apply only to an optimizer named by a string")
+        rule = _rule_for(type(optimizer))
+        return [rule(MappingProxyType(group), tuple(group["params"])) for group in optimizer.param_groups]
+    if not isinstance(optimizer, str):
+        raise TypeError(f"expected a torch.optim.Optimizer or a name, got {type(optimizer).__name__}")
+    cls = _NAMES.get(optimizer.lower())
+    if cls is None:
+        names = ", ".join(repr(name) for name in sorted(_NAMES))
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {names}")
+    group = _defaults(cls)
+    for key, value in (options or {}).items():
+        if key not in group:
+            raise ValueError(f"{cls.__name__} has no option {key!r}; its options are {', '.join(sorted(group))}")
+        group[key] = value
+    return [_rule_for(cls)(MappingProxyType(group), tuple(params))]
+
+
+def _scalar_dtype(fused: bool = False) -> torch.dtype:
+    """torch.optim.optimizer._get_scalar_dtype: float32, or float64 when it is the default dtype."""
+    if fused:
+        return torch.float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _with_grad(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors that get a gradient, hence lazily created state."""
+    return [p for p in params if p.requires_grad]
+
+
+def _numel(params: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _adam(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
+    live = _with_grad(params)
+    n = _numel(live)
+    elements = {"exp_avg": n, "exp_avg_sq": n}
+    if group.get("amsgrad"):
+        elements["max_exp_avg_sq"] = n
+    fused = bool(group.get("fused"))
+    return OptimizerState(
+        elements=elements,
+        scalars={"step": len(live)},
+        scalars_on_device=fused or bool(group.get("capturable")),
+        scalar_dtype=_scalar_dtype(fused),
+    )
+
+
+def _sgd(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
+    if not group.get("momentum"):
+        return OptimizerState()
+    return OptimizerState(elements={"momentum_buffer": _numel(_with_grad(params))})
+
+
+def _adagrad(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
+    # Adagrad creates its state in __init__, for every tensor of the group.
+    fused = bool(group.get("fused"))
+    return OptimizerState(
+        elements={"sum": _numel(params)},
+        scalars={"step": len(params)},
+        scalars_on_device=fused,
+        scalar_dtype=_scalar_dtype(fused),
+    )
+
+
+def _rmsprop(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
+    live = _with_grad(params)
+    n = _numel(live)
+    elements = {"square_avg": n}
+    if group.get("momentum", 0) > 0:
+        elements["momentum_buffer"] = n
+    if group.get("centered"):
+        elements["grad_avg"] = n
+    return OptimizerState(
+        elements=elements,
+        scalars={"step": len(live)},
+        scalars_on_device=bool(group.get("capturable")),
+        scalar_dtype=_scalar_dtype(),
+    )
+
+
+def _capturable_rule(*names: str, scalars: tuple[str, ...] = ("step",)) -> OptimizerRule:
+    """A rule for optimizers with one full-size state per name and CPU scalars unless capturable."""
+
+    def rule(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
+        live = _with_grad(params)
+        n = _numel(live)
+        return OptimizerState(
+            elements=dict.fromkeys(names, n),
+            scalars=dict.fromkeys(scalars, len(live)),
+            scalars_on_device=bool(group.get("capturable")),
+            scalar_dtype=_scalar_dtype(),
+        )
+
+    return rule
+
+
+def _adafactor(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
+    # torch/optim/_adafactor.py: a tensor of 2 or more dims keeps a row factor
+    # (its shape with the last dim set to 1) and a column factor (its shape with
+    # the next-to-last dim set to 1); other tensors keep a full "variance".
+    live = _with_grad(params)
+    row = col = variance = 0
+    for p in live:
+        shape = tuple(p.shape)
+        if len(shape) > 1:
+            row += math.prod(shape[:-1])
+            col += math.prod(shape[:-2]) * shape[-1]
+        else:
+            variance += p.numel()
+    elements = {name: n for name, n in (("row_var", row), ("col_var", col), ("variance", variance)) if n}
+    return OptimizerState(elements=elements, scalars={"step": len(live)}, scalar_dtype=_scalar_dtype())
+
+
+def _muon(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
+    return OptimizerState(elements={"momentum_buffer": _numel(_with_grad(params))})
+
+
+def _register_builtins() -> None:
+    optim = torch.optim
+    register_optimizer(optim.SGD, _sgd)
+    register_optimizer(optim.Adam, _adam)
+    register_optimizer(optim.AdamW, _adam)
+    register_optimizer(optim.Adagrad, _adagrad)
+    register_optimizer(optim.RMSprop, _rmsprop)
+    register_optimizer(optim.Adamax, _capturable_rule("exp_avg", "exp_inf"))
+    register_optimizer(optim.RAdam, _capturable_rule("exp_avg", "exp_avg_sq"))
+    register_optimizer(optim.NAdam, _capturable_rule("exp_avg", "exp_avg_sq", scalars=("step", "mu_product")))
+    register_optimizer(optim.Adadelta, _capturable_rule("square_avg", "acc_delta"))
+    adafactor = getattr(optim, "Adafactor", None)  # torch >= 2.5
+    if adafactor is not None:
+        register_optimizer(adafactor, _adafactor)
+    muon = getattr(optim, "Muon", None)  # torch >= 2.9
+    if muon is not None:
+        register_optimizer(muon, _muon)
+
+
+_register_builtins()
+
+
+# --------------------------------------------------------------------------- model states
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A theoretical memory budget: bytes per item, in order.
+
+    Attributes:
+        items: item name → bytes, in report order (``"parameters"``,
+            ``"frozen parameters"``, ``"gradients"``, ``"master weights"``,
+            then each optimizer state by torch's name, then ``"step counters"``).
+            With ZeRO, the bytes one rank holds.
+        psi: Ψ, the trainable parameter count (elements).
+        precision: the precision recipe's name.
+        optimizer: the optimizer's class name, or None.
+        zero_stage: ZeRO stage, 0 to 3.
+        world_size: number of data-parallel ranks ZeRO partitions over.
+        device: the device budgeted (decides whether CPU-hosted step counters
+            count), as a string.
+    """
+
+    items: Mapping[str, int]
+    psi: int
+    precision: str
+    optimizer: str | None = None
+    zero_stage: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def total(self) -> int:
+        """The sum of all items, in bytes."""
+        return sum(self.items.values())
+
+    @property
+    def bytes_per_psi(self) -> Fraction | None:
+        """``total / Ψ`` exactly; None when Ψ is 0."""
+        return Fraction(self.total, self.psi) if self.psi else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (stable key order); sizes in bytes."""
+        return {
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "psi": self.psi,
+            "zero_stage": self.zero_stage,
+            "world_size": self.world_size,
+            "device": self.device,
+            "items": dict(self.items),
+            "total": self.total,
+        }
+
+    def __str__(self) -> str:
+        per_rank = f", ZeRO-{self.zero_stage} over {self.world_size} ranks (per rank)" if self.zero_stage else ""
+        title = (
+            f"model states: precision={self.precision}, optimizer={self.optimizer or 'none'}, Ψ={self.psi:,}{per_rank}"
+        )
+        rows = [
+            (name, f"{nbytes:,}", format_size(nbytes), _per_psi(nbytes, self.psi))
+            for name, nbytes in self.items.items()
+        ]
+        rows.append(("total", f"{self.total:,}", format_size(self.total), _per_psi(self.total, self.psi)))
+        table = tabulate(
+            rows, headers=("item", "bytes", "size", "bytes per Ψ"), colalign=("left", "right", "right", "right")
+        )
+        return f"{title}\n{table}"
+
+
+def _per_psi(nbytes: int, psi: int) -> str:
+    if not psi:
+        return "n/a"
+    ratio = Fraction(nbytes, psi)
+    if ratio.denominator == 1:
+        return str(ratio.numerator)
+    if 0 < ratio < Fraction(1, 1000):
+        return "<0.001"
+    return f"{float(ratio):.3f}"
+
+
+@dataclass
+class _Item:
+    elements: int
+    width: int
+    stage: int  # the ZeRO stage from which the item is partitioned
+
+    def nbytes(self, zero_stage: int, world_size: int) -> int:
+        elements = -(-self.elements // world_size) if zero_stage >= self.stage else self.elements
+        return elements * self.width
+
+
+def model_states(
+    modules: torch.nn.Module | Sequence[torch.nn.Module],
+    optimizer: torch.optim.Optimizer | str | None = None,
+    precision: str | Precision = "fp32",
+    *,
+    zero_stage: int = 0,
+    world_size: int = 1,
+    optimizer_options: Mapping[str, Any] | None = None,
+    device: torch.device | str | None = None,
+) -> Budget:
+    """The bytes of the model states of training ``modules`` (a theoretical budget).
+
+    Args:
+        modules: a module or a sequence of modules; their distinct parameters
+            are the model (Ψ counts the trainable ones). Only shapes are read.
+        optimizer: None (no optimizer state), a ``torch.optim.Optimizer``
+            (read through its type and each parameter group's actual
+            hyper-parameters and tensors), or a registered name such as
+            ``"adamw"``, ``"adam"``, ``"sgd"`` (see :func:`registered_optimizers`):
+            that optimizer over the trainable parameters with its default
+            hyper-parameters, updated by ``optimizer_options``.
+        precision: a name in :data:`PRECISIONS` (``"fp32"``, ``"mixed"``,
+            ``"mixed-fp32-grads"``, ``"bf16"``) or a :class:`Precision`. The
+            recipe's widths apply whatever the tensors' dtypes are.
+        zero_stage: 0 (none), 1 (partition master weights and optimizer state),
+            2 (also gradients), 3 (also parameters, frozen ones included).
+        world_size: number of data-parallel ranks. A partitioned item of E
+            elements costs ``ceil(E / world_size)`` elements per rank.
+        optimizer_options: hyper-parameters for an optimizer named by a string
+            (``{"momentum": 0.9}``).
+        device: the device being budgeted; default: the device of the first
+            parameter. Step counters (and NAdam's ``mu_product``) count only
+            when they live there: when it is the CPU, or when the optimizer is
+            ``fused``/``capturable`` (then torch keeps them with the parameters).
+
+    Returns:
+        A :class:`Budget` whose items are bytes (per rank under ZeRO).
+    """
+    recipe = _precision(precision)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    mods = _as_modules(modules)
+    params = _unique_parameters(mods)
+    trainable = [p for p in params if p.requires_grad]
+    psi = _numel(trainable)
+    frozen = _numel(p for p in params if not p.requires_grad)
+    if device is not None:
+        budget_device = torch.device(device)
+    elif params:
+        budget_device = params[0].device
+    else:
+        budget_device = torch.device("cpu")
+
+    items: dict[str, _Item] = {"parameters": _Item(psi, recipe.param_bytes, 3)}
+    if frozen:
+        items["frozen parameters"] = _Item(frozen, recipe.param_bytes, 3)
+    items["gradients"] = _Item(psi, recipe.grad_bytes, 2)
+    if recipe.master_bytes:
+        items["master weights"] = _Item(psi, recipe.master_bytes, 1)
+
+    optimizer_name: str | None = None
+    if optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer_name = type(optimizer).__name__
+            states = optimizer_state(optimizer, options=optimizer_options)
+        else:
+            states = optimizer_state(optimizer, trainable, optimizer_options)
+            optimizer_name = _NAMES[optimizer.lower()].__name__
+        _add_states(items, states, recipe, budget_device)
+    elif optimizer_options:
+        raise ValueError("optimizer_options given without an optimizer")
+
+    return Budget(
+        items=MappingProxyType({name: item.nbytes(zero_stage, world_size) for name, item in items.items()}),
+        psi=psi,
+        precision=recipe.name,
+        optimizer=optimizer_name,
+        zero_stage=zero_stage,
+        world_size=world_size,
+        device=str(budget_device),
+    )
+
+
+def _add_states(
+    items: dict[str, _Item], states: Sequence[OptimizerState], recipe: Precision, device: torch.device
+) -> None:
+    def add(name: str, elements: int, width: int) -> None:
+        item = items.get(name)
+        if item is None:
+            items[name] = _Item(elements, width, 1)
+        elif item.width == width:
+            item.elements += elements
+        else:  # the same state at two widths: keep bytes
+            item.elements, item.width = item.elements * item.width + elements * width, 1
+
+    scalars: list[tuple[str, int, int]] = []
+    for state in states:
+        for name, count in state.elements.items():
+            if count:
+                add(name, count, recipe.state_bytes)
+        for name, nbytes in state.nbytes.items():
+            if nbytes:
+                add(name, nbytes, 1)
+        if state.scalars_on_device or device.type == "cpu":
+            scalars.extend((name, count, state.scalar_dtype.itemsize) for name, count in state.scalars.items())
+    for name, count, width in scalars:
+        if count:
+            add("step counters" if name == "step" else name, count, width)
+
+
+# --------------------------------------------------------------------------- activations
+
+#: Activation functions :func:`mlp_activations` knows → True when backward
+#: needs the function's input (saved separately), False when it needs its
+#: output (which the next Linear saves anyway: one storage).
+ACTIVATIONS: Mapping[str, bool] = MappingProxyType(
+    {"gelu": True, "silu": True, "relu": False, "tanh": False, "sigmoid": False}
+)
+
+#: Recomputation strategies :func:`transformer_layer_activations` knows.
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+
+
+def _check_counts(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def mlp_activations(
+    batch: int,
+    seq: int,
+    hidden: int,
+    activation: str = "gelu",
+    *,
+    dtype_bytes: int = 2,
+    dropout: bool = False,
+    ffn_hidden: int | None = None,
+    mask_bytes: int = 1,
+) -> int:
+    """Bytes a transformer MLP (``Linear(d, f)`` → activation → ``Linear(f, d)``) saves for backward.
+
+    ``f`` is ``ffn_hidden``, by default ``4 * hidden``. The first Linear saves
+    its input (b·s·d elements); GELU and SiLU save their input (the first
+    Linear's output, b·s·f) and the second Linear saves their output (b·s·f):
+    ``e·b·s·(d + 2f)`` bytes, 18·b·s·d in 16-bit with f = 4d. ReLU, Tanh and
+    Sigmoid backward reads their output, the same storage the second Linear
+    saves: ``e·b·s·(d + f)``, 10·b·s·d in 16-bit. ``dropout`` adds the mask of a
+    dropout after the second Linear: b·s·d elements of ``mask_bytes`` each.
+    ``e`` is ``dtype_bytes``. Weights are parameters, not activations: not
+    counted.
+
+    The default ``mask_bytes=1`` is the bool mask of ``torch.native_dropout``,
+    which ``F.dropout`` uses on CUDA, XPU and other accelerators. On the CPU,
+    eager ``F.dropout`` keeps its mask in the activation's dtype instead: pass
+    ``mask_bytes=dtype_bytes`` to budget a CPU run.
+    """
+    _check_counts(batch=batch, seq=seq, hidden=hidden, dtype_bytes=dtype_bytes, mask_bytes=mask_bytes)
+    f = 4 * hidden if ffn_hidden is None else ffn_hidden
+    _check_counts(ffn_hidden=f)
+    saves_input = ACTIVATIONS.get(activation.lower()) if isinstance(activation, str) else None
+    if saves_input is None:
+        names = ", ".join(repr(name) for name in ACTIVATIONS)
+        raise ValueError(f"unknown activation {activation!r}; expected one of {names}")
+    tokens = batch * seq
+    elements = tokens * (hidden + (2 * f if saves_input else f))
+    return elements * dtype_bytes + (tokens * hidden * mask_bytes if dropout else 0)
+
+
+def transformer_layer_activations(seq: int, batch: int, hidden: int, heads: int, *, recompute: str = "none") -> int:
+    """Bytes one transformer layer saves for backward (Korthikanti et al. 2022, no tensor parallelism).
+
+    16-bit activations, 1-byte dropout masks, sequence ``s``, batch ``b``,
+    hidden ``h``, ``a`` attention heads: ``s·b·h·(34 + 5·a·s/h)`` without
+    recomputation, ``34·s·b·h`` with selective recomputation (the attention
+    scores are recomputed), ``2·s·b·h`` with full recomputation (only the
+    layer's input is kept). Exact integers.
+    """
+    _check_counts(seq=seq, batch=batch, hidden=hidden, heads=heads)
+    sbh = seq * batch * hidden
+    if recompute == "none":
+        return 34 * sbh + 5 * heads * seq * seq * batch
+    if recompute == "selective":
+        return 34 * sbh
+    if recompute == "full":
+        return 2 * sbh
+    raise ValueError(f"unknown recompute {recompute!r}; expected one of {', '.join(repr(r) for r in RECOMPUTE)}")

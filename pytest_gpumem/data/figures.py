@@ -1,0 +1,307 @@
+"""The figures of one measured span: the :class:`Measurement` dataclass.
+
+Every figure is a count of bytes on the measured device. Figures are absolute:
+they include ``start``, the bytes already allocated when the span began. What the
+span itself added is its *cost*: a figure minus ``start`` (see
+:meth:`Measurement.cost`). A figure the engine cannot know is ``None`` (shown as
+"n/a"), never 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CATEGORIES",
+    "COUNT_METRICS",
+    "METRICS",
+    "PHASES",
+    "CompiledCodeNotMeasured",
+    "Measurement",
+    "PartialFigures",
+    "Phase",
+    "Timeline",
+]
+
+#: Breakdown categories, in report order. They sum to the peak.
+CATEGORIES: tuple[str, ...] = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "other",
+)
+
+
+class CompiledCodeNotMeasured(Warning):
+    """A span's figures are those of the eager program, not of the ``torch.compile``'d code
+    that would run without the measurement: TorchDynamo runs compiled frames eagerly while
+    the tensor tracker (the CPU engine, or ``--gpumem-breakdown`` on CUDA) watches operators.
+    Make it an error with ``-W error::pytest_gpumem.CompiledCodeNotMeasured``. It is not a
+    ``UserWarning``: suites that silence torch's user warnings still see it."""
+
+
+class PartialFigures(Warning):
+    """A span's figures miss memory the engine could not see (work on a thread it could not
+    watch, storages made outside PyTorch's operators); the notes of its :class:`Measurement`
+    say what. Make it an error with ``-W error::pytest_gpumem.data.figures.PartialFigures``."""
+
+
+#: Phases of a training step, in order.
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+
+#: Figures that limits and baselines can name.
+METRICS: tuple[str, ...] = ("peak", "allocated", "reserved", "retained")
+
+#: Figures that are not bytes: the largest microbatch that fits (a count; higher is better).
+COUNT_METRICS: tuple[str, ...] = ("max_microbatch",)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a training step inside a span (bytes, absolute).
+
+    ``start`` is allocated when the phase was first entered, ``peak`` the highest
+    allocated while in it, ``end`` allocated when it was last left; ``count`` is
+    how many times the span entered it (2 for a span holding a warm-up step and a
+    measured step: its figures then cover both).
+    """
+
+    name: str
+    start: int
+    peak: int
+    end: int
+    count: int = 1
+
+    def to_dict(self) -> dict[str, int]:
+        return {"start": self.start, "peak": self.peak, "end": self.end, "count": self.count}
+
+    @classmethod
+    def from_dict(cls, name: str, data: Mapping[str, Any]) -> Phase:
+        return cls(
+            name=name,
+            start=int(data["start"]),
+            peak=int(data["peak"]),
+            end=int(data["end"]),
+            count=int(data.get("count", 1)),
+        )
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Allocated bytes by category over a span, for plots.
+
+    ``events`` are the indexes of allocation/free events (monotonic, starting at
+    0 at the span's start) at which a sample was kept; ``series`` maps each of
+    :data:`CATEGORIES` to the bytes of that category at each kept event (same
+    length as ``events``); summed over categories a sample is the allocated bytes
+    at that event. ``marks`` are ``(event, label)`` pairs for phase boundaries
+    (``"forward"``, ``"backward"``, ``"optimizer"``: the phase that begins there).
+    Long spans are downsampled; the samples of the highest event always stay.
+    """
+
+    events: tuple[int, ...]
+    series: Mapping[str, tuple[int, ...]]
+    marks: tuple[tuple[int, str], ...] = ()
+
+    def totals(self) -> tuple[int, ...]:
+        """Allocated bytes at each kept event (the sum over categories)."""
+        if not self.events:
+            return ()
+        return tuple(sum(values) for values in zip(*(self.series[c] for c in CATEGORIES), strict=True))
+
+    def to_dict(self, samples: int | None = None) -> dict[str, Any]:
+        """JSON-ready data that :meth:`from_dict` reads back; with ``samples``, thinned to at most
+        that many samples, each stretch of events keeping its highest total."""
+        keep = list(range(len(self.events)))
+        if samples is not None and len(keep) > samples:
+            totals = self.totals()
+            size = -(-len(keep) // samples)
+            keep = [max(range(i, min(i + size, len(keep))), key=totals.__getitem__) for i in range(0, len(keep), size)]
+        return {
+            "events": [self.events[i] for i in keep],
+            "series": {c: [self.series[c][i] for i in keep] for c in CATEGORIES},
+            "marks": [list(mark) for mark in self.marks],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Timeline:
+        return cls(
+            events=tuple(int(e) for e in data["events"]),
+            series={c: tuple(int(v) for v in data["series"][c]) for c in CATEGORIES},
+            marks=tuple((int(event), str(label)) for event, label in data["marks"]),
+        )
+
+    @classmethod
+    def empty(cls) -> Timeline:
+        """A timeline without samples."""
+        return cls((), {c: () for c in CATEGORIES})
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one span cost on its device. All sizes are bytes.
+
+    Attributes:
+        name: ``"call"`` for a whole test call, else the span's name.
+        engine: where bytes were read: ``"cuda"`` (the device's caching
+            allocator: CUDA, ROCm, XPU through ``torch.accelerator``) or ``"cpu"``
+            (the exact tensor-storage tracker).
+        device: the measured ``torch.device`` as a string, e.g. ``"cuda:0"``.
+        start: allocated bytes when the span began.
+        peak: highest allocated bytes during the span (everything alive on the
+            device, not only what the span created).
+        allocated: allocated bytes when the span ended.
+        reserved: highest bytes the caching allocator held from the driver
+            during the span; ``None`` on the CPU engine.
+        start_reserved: reserved bytes when the span began; ``None`` on CPU.
+        retained: allocated at the end of the test minus at its start, after
+            garbage collection (a leak indicator); only for the ``"call"`` span.
+        requested_peak: highest bytes the code asked for (before the allocator
+            rounded them); CUDA only.
+        num_alloc_retries: cudaMalloc retries after freeing cached blocks
+            during the span; CUDA only.
+        num_ooms: out-of-memory errors the allocator raised during the span.
+        driver_used: device memory in use according to the driver (NVML) at the
+            end of the span, all processes; ``None`` when unknown.
+        driver_process: device memory NVML attributes to this process at the
+            end of the span; ``None`` when NVML cannot attribute it (containers).
+        breakdown: bytes by category (:data:`CATEGORIES`) at the moment of the
+            peak; they sum to ``peak``. ``None`` when not measured.
+        allocated_breakdown: bytes by category when ``allocated`` was read; they
+            sum to ``allocated`` (CPU engine; on CUDA what the tracker cannot see
+            is "other"). ``None`` when not measured.
+        phases: forward / backward / optimizer figures, in the order they ran;
+            empty when the span ran no tracked module or optimizer.
+        saved_activations: the most bytes that autograd held for backward at
+            one time during the span (distinct storages, parameters and their
+            views excluded; what was held when the span began counts, as in
+            ``peak``); ``None`` when not measured.
+        psi: trainable parameter count of the objects tracked when the span
+            ended (shared parameters once); ``None`` when nothing was tracked.
+        cuda_rounding: True when the CPU engine rounded each storage up to the
+            CUDA caching allocator's 512-byte blocks.
+        max_microbatch: the largest microbatch size whose step fits the device
+            (or the emulated device limit), when the test searched for it with
+            ``gpumem.max_microbatch()``; a count, not bytes.
+        notes: what the figures miss, one sentence each (work on threads the engine could
+            not watch, storages found alive later that it did not see made); empty when they
+            are complete.
+    """
+
+    name: str
+    engine: str
+    device: str
+    start: int
+    peak: int
+    allocated: int
+    reserved: int | None = None
+    start_reserved: int | None = None
+    retained: int | None = None
+    requested_peak: int | None = None
+    num_alloc_retries: int | None = None
+    num_ooms: int | None = None
+    driver_used: int | None = None
+    driver_process: int | None = None
+    breakdown: Mapping[str, int] | None = None
+    allocated_breakdown: Mapping[str, int] | None = None
+    phases: Mapping[str, Phase] = field(default_factory=dict)
+    saved_activations: int | None = None
+    psi: int | None = None
+    cuda_rounding: bool = False
+    max_microbatch: int | None = None
+    notes: tuple[str, ...] = ()
+
+    def figure(self, metric: str) -> int | None:
+        """The absolute figure named ``metric`` (one of :data:`METRICS` or :data:`COUNT_METRICS`)."""
+        if metric not in METRICS and metric not in COUNT_METRICS:
+            raise KeyError(f"unknown metric {metric!r}; expected one of {', '.join(METRICS + COUNT_METRICS)}")
+        value: int | None = getattr(self, metric)
+        return value
+
+    def cost(self, metric: str) -> int | None:
+        """What the span itself added to ``metric``: the figure minus its start.
+
+        ``peak`` and ``allocated`` subtract ``start``; ``reserved`` subtracts
+        ``start_reserved``; ``retained`` is already a difference and
+        ``max_microbatch`` a count. ``None`` when the figure is unknown.
+        """
+        value = self.figure(metric)
+        if value is None:
+            return None
+        if metric in ("peak", "allocated"):
+            return value - self.start
+        if metric == "reserved":
+            return None if self.start_reserved is None else value - self.start_reserved
+        return value
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (stable key order) that :meth:`from_dict` reads back."""
+        data: dict[str, Any] = {
+            "name": self.name,
+            "engine": self.engine,
+            "device": self.device,
+            "start": self.start,
+            "peak": self.peak,
+            "allocated": self.allocated,
+            "reserved": self.reserved,
+            "start_reserved": self.start_reserved,
+            "retained": self.retained,
+            "requested_peak": self.requested_peak,
+            "num_alloc_retries": self.num_alloc_retries,
+            "num_ooms": self.num_ooms,
+            "driver_used": self.driver_used,
+            "driver_process": self.driver_process,
+            "breakdown": _categories(self.breakdown),
+            "allocated_breakdown": _categories(self.allocated_breakdown),
+            "phases": {name: phase.to_dict() for name, phase in self.phases.items()},
+            "saved_activations": self.saved_activations,
+            "psi": self.psi,
+            "cuda_rounding": self.cuda_rounding,
+            "max_microbatch": self.max_microbatch,
+            "notes": list(self.notes),
+        }
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
+        """Rebuild a measurement written by :meth:`to_dict`; unknown keys are ignored."""
+        return cls(
+            name=str(data["name"]),
+            engine=str(data["engine"]),
+            device=str(data["device"]),
+            start=int(data["start"]),
+            peak=int(data["peak"]),
+            allocated=int(data["allocated"]),
+            reserved=_opt_int(data.get("reserved")),
+            start_reserved=_opt_int(data.get("start_reserved")),
+            retained=_opt_int(data.get("retained")),
+            requested_peak=_opt_int(data.get("requested_peak")),
+            num_alloc_retries=_opt_int(data.get("num_alloc_retries")),
+            num_ooms=_opt_int(data.get("num_ooms")),
+            driver_used=_opt_int(data.get("driver_used")),
+            driver_process=_opt_int(data.get("driver_process")),
+            breakdown=_read_categories(data.get("breakdown")),
+            allocated_breakdown=_read_categories(data.get("allocated_breakdown")),
+            phases={str(k): Phase.from_dict(str(k), v) for k, v in (data.get("phases") or {}).items()},
+            saved_activations=_opt_int(data.get("saved_activations")),
+            psi=_opt_int(data.get("psi")),
+            cuda_rounding=bool(data.get("cuda_rounding", False)),
+            max_microbatch=_opt_int(data.get("max_microbatch")),
+            notes=tuple(str(note) for note in data.get("notes") or ()),
+        )
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _categories(breakdown: Mapping[str, int] | None) -> dict[str, int] | None:
+    return None if breakdown is None else {c: int(breakdown.get(c, 0)) for c in CATEGORIES}
+
+
+def _read_categories(data: Any) -> dict[str, int] | None:
+    return None if data is None else {str(k): int(v) for k, v in data.items()}

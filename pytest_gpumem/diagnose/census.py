@@ -1,0 +1,413 @@
+"""The live-tensor census: which tensors are alive on a device, how big their storages are,
+and what holds each one (a tracked module's parameter, an optimizer state, a local variable).
+
+Out-of-memory reports (:mod:`pytest_gpumem.diagnose.oom`) and leak checks
+(:mod:`pytest_gpumem.diagnose.leaks`) describe the device with it. Walking the garbage
+collector's objects costs tens of milliseconds in a large process: call these on
+failures, not on every test. Sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+from pytest_gpumem.diagnose.holders import frame_locals, module_level_objects, referrer_names
+from pytest_gpumem.measurement import frozen
+from pytest_gpumem.measurement.engines.tracker import StorageTracker, cuda_rounded
+from pytest_gpumem.units import format_size
+
+__all__ = [
+    "Census",
+    "LiveTensor",
+    "StorageGroup",
+    "describe",
+    "holder_hints",
+    "live_table",
+    "live_tensors",
+    "module_level_names",
+    "stack_frames",
+    "storage_groups",
+    "take_census",
+    "tensor_names",
+    "traceback_frames",
+]
+
+#: Largest live tensors listed by default.
+TOP = 10
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Frames whose locals never name a tensor in a report: this package's machinery (the tracker's
+#: dispatch, the reports themselves). Frames of ``fixture.run_step`` and of user code do.
+_INTERNAL = (
+    os.path.join(_PACKAGE_DIR, "measurement") + os.sep,
+    *(
+        os.path.join(_PACKAGE_DIR, *name.split("/"))
+        for name in (
+            "diagnose/census.py",
+            "diagnose/oom.py",
+            "diagnose/leaks.py",
+            "diagnose/microbatch.py",
+            "plugin/runner.py",
+        )
+    ),
+)
+_FRAMEWORK_PARTS = (f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}")
+
+
+@dataclass(frozen=True)
+class LiveTensor:
+    """One live storage on the device, described through a tensor that uses it.
+
+    Attributes:
+        nbytes: the storage's bytes, counted once however many tensors view it
+            (rounded up to 512-byte blocks on CUDA-like devices and on the CPU
+            engine with ``cuda_rounding``, as the allocator counts them).
+        shape: the shape of the tensor chosen to describe it (a named one, else
+            the largest view).
+        dtype: its dtype without the ``torch.`` prefix, e.g. ``"float32"``.
+        category: the breakdown category of the storage (:data:`CATEGORIES`),
+            from the storage tracker or else from the name; None when unknown.
+        held_by: where the tensor is held: a tracked module's parameter or
+            buffer (``"Sequential.0.weight"``), its gradient, an optimizer state,
+            a local variable of a frame, a module-level name; None when unknown.
+            Creation sites are not recorded.
+        views: how many live tensors share the storage.
+    """
+
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    category: str | None = None
+    held_by: str | None = None
+    views: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nbytes": self.nbytes,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "category": self.category,
+            "held_by": self.held_by,
+            "views": self.views,
+        }
+
+
+def _on_device(device: torch.device) -> Callable[[torch.Tensor], bool]:
+    if device.type == "cpu":
+        return lambda t: t.device.type == "cpu" and t.layout == torch.strided
+    index = device.index or 0
+    return lambda t: t.device.type == device.type and t.get_device() == index
+
+
+class StorageGroup:
+    """The live tensors sharing one storage."""
+
+    __slots__ = ("nbytes", "storage", "tensors")
+
+    def __init__(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        self.storage = storage
+        self.nbytes = nbytes
+        self.tensors: list[torch.Tensor] = []
+
+
+def storage_groups(
+    device: torch.device, tracker: StorageTracker | None = None, *, counted_only: bool = False
+) -> dict[int, StorageGroup]:
+    """Every Python-reachable tensor on ``device``, grouped by storage (the storage's C pointer).
+
+    ``counted_only``: keep only storages that ``tracker`` counts.
+    """
+    on_device = _on_device(device)
+    rounding = device.type != "cpu" or (tracker is not None and tracker.cuda_rounding)
+    groups: dict[int, StorageGroup] = {}
+    tensor_type = torch.Tensor
+    # Frozen objects are invisible to gc.get_objects(): the plugin's own (frozen before the
+    # first test) are remembered; objects someone else froze go back to the collector.
+    if frozen.known():
+        objects: Iterable[Any] = itertools.chain(gc.get_objects(), frozen.tensors())
+    else:
+        if gc.get_freeze_count():
+            gc.unfreeze()
+        objects = gc.get_objects()
+    with _reading(tracker):  # one reading of the tracker's counts for every storage asked about
+        for obj in objects:
+            cls = type(obj)
+            if not (cls is tensor_type or issubclass(cls, tensor_type)):
+                continue
+            try:
+                if not on_device(obj):
+                    continue
+                storage = obj.untyped_storage()
+                key = int(storage._cdata)
+            except (RuntimeError, NotImplementedError, TypeError):  # sparse, meta, wrapper subclasses
+                continue
+            group = groups.get(key)
+            if group is None:
+                nbytes = int(storage.nbytes())
+                if nbytes == 0 or (counted_only and tracker is not None and tracker.category_of(obj) is None):
+                    continue
+                group = groups[key] = StorageGroup(storage, cuda_rounded(nbytes) if rounding else nbytes)
+            group.tensors.append(obj)
+    return groups
+
+
+def _reading(tracker: StorageTracker | None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if tracker is None else tracker.reading()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_NAME_CATEGORIES = {"parameter": "parameters", "grad": "gradients", "optimizer": "optimizer_state"}
+
+
+def _label(module: Any, labels: Mapping[int, str]) -> str:
+    return labels.get(id(module)) or type(module).__name__
+
+
+def tensor_names(objects: Iterable[Any], labels: Mapping[int, str] | None = None) -> dict[int, tuple[str, str | None]]:
+    """Names of the tensors that tracked modules and optimizers hold, by ``id()`` of the tensor.
+
+    Each value is ``(name, category)``, named as the code reads them:
+    ``("model.0.weight", "parameters")``, ``("model.0.weight.grad", "gradients")``,
+    ``("model.bn.running_mean", None)`` for a buffer, ``("optimizer.state[model.0.weight]['exp_avg']",
+    "optimizer_state")``. A module or optimizer is named by ``labels[id(obj)]`` when given
+    (the variable that holds it), else by its class name (``Sequential.0.weight``).
+    """
+    labels = labels or {}
+    names: dict[int, tuple[str, str | None]] = {}
+    param_names: dict[int, str] = {}
+    objects = list(objects)
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            prefix = _label(obj, labels)
+            for name, param in obj.named_parameters():
+                full = f"{prefix}.{name}"
+                param_names.setdefault(id(param), full)
+                names.setdefault(id(param), (full, "parameters"))
+                if param.grad is not None:
+                    names.setdefault(id(param.grad), (f"{full}.grad", "gradients"))
+            for name, buffer in obj.named_buffers():
+                names.setdefault(id(buffer), (f"{prefix}.{name}", None))
+    for obj in objects:
+        if isinstance(obj, torch.optim.Optimizer):
+            optimizer = _label(obj, labels)
+            for g, group in enumerate(obj.param_groups):
+                for i, param in enumerate(group["params"]):
+                    known = param_names.get(id(param))
+                    pname = known or f"{optimizer}.param_groups[{g}]['params'][{i}]"
+                    names.setdefault(id(param), (pname, "parameters"))
+                    if param.grad is not None:
+                        names.setdefault(id(param.grad), (f"{pname}.grad", "gradients"))
+                    for key, value in obj.state.get(param, {}).items():
+                        if isinstance(value, torch.Tensor):
+                            state = f"{optimizer}.state[{known or f'param {g}.{i}'}][{key!r}]"
+                            names.setdefault(id(value), (state, "optimizer_state"))
+    return names
+
+
+def _user_frame(frame: FrameType) -> bool:
+    filename = frame.f_code.co_filename
+    if filename.startswith((_TORCH_DIR, *_INTERNAL)):
+        return False
+    return not any(part in filename for part in _FRAMEWORK_PARTS)
+
+
+def _frame_where(frame: FrameType) -> str:
+    return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+
+
+def _frame_names(
+    frames: Iterable[FrameType], tracked: Iterable[Any]
+) -> tuple[dict[int, tuple[str, str | None]], dict[int, str]]:
+    """Names from the local variables of user frames (innermost first).
+
+    Returns (tensor names by ``id()``, labels of tracked objects by ``id()``): a
+    tensor held by a local ``h`` is ``"local 'h' in forward (model.py:12)"``; a
+    tracked module held by a local ``model`` is labelled ``"model"``.
+    """
+    tracked_ids = {id(obj) for obj in tracked}
+    names: dict[int, tuple[str, str | None]] = {}
+    labels: dict[int, str] = {}
+    for count, frame in enumerate(frames):
+        if count >= 200:
+            break
+        if not _user_frame(frame):
+            continue
+        local_vars = frame_locals(frame)
+        for var, value in local_vars.items():
+            if isinstance(value, torch.Tensor):
+                names.setdefault(id(value), (f"local '{var}' in {_frame_where(frame)}", None))
+            elif id(value) in tracked_ids and not var.startswith("_") and var not in ("self", "cls"):
+                labels.setdefault(id(value), var)
+        del local_vars
+    return names, labels
+
+
+def stack_frames(start: FrameType | None) -> Iterator[FrameType]:
+    frame = start
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def traceback_frames(tb: TracebackType | None) -> list[FrameType]:
+    """The frames of a traceback, innermost first."""
+    frames: list[FrameType] = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    frames.reverse()
+    return frames
+
+
+def describe(
+    group: StorageGroup,
+    names: Mapping[int, tuple[str, str | None]],
+    tracker: StorageTracker | None,
+    hint: str | None = None,
+) -> LiveTensor:
+    """A :class:`LiveTensor` for ``group``: a named tensor if any, else its largest view."""
+    named = [t for t in group.tensors if id(t) in names]
+    chosen = named[0] if named else max(group.tensors, key=lambda t: t.numel())
+    name, name_category = names.get(id(chosen), (hint, None))
+    category = tracker.category_of(chosen) if tracker is not None else None
+    return LiveTensor(
+        nbytes=group.nbytes,
+        shape=tuple(int(n) for n in chosen.shape),
+        dtype=_dtype_name(chosen.dtype),
+        category=category or name_category,
+        held_by=name,
+        views=len(group.tensors),
+    )
+
+
+#: Tensors per storage whose holders are looked for (the largest views first).
+VIEWS_NAMED = 8
+
+
+def module_level_names() -> dict[int, str]:
+    """Names of the tensors of modules and optimizers held at module level (``model.weight.grad``)."""
+    held = module_level_objects()
+    labels = {key: name for key, (name, _) in held.items()}
+    return {key: name for key, (name, _) in tensor_names([obj for _, obj in held.values()], labels).items()}
+
+
+def holder_hints(
+    groups: list[StorageGroup], known: Mapping[int, str], *, thaw: bool = True
+) -> dict[int, tuple[torch.Tensor, str]]:
+    """For each group (by index) with a nameable holder: the tensor so held and the name.
+
+    A tensor named in ``known`` keeps that name (a module's or optimizer's, as the code reads
+    it: ``model.weight.grad``); the others are named by what refers to them
+    (:func:`~pytest_gpumem.diagnose.holders.referrer_names`, two collector passes for all groups). A
+    view often outlives the tensor it was cut from only in C++ (its ``_base``): that base has
+    no Python holder, so the largest *named* view is used.
+    """
+    hints: dict[int, tuple[torch.Tensor, str]] = {}
+    for i, group in enumerate(groups):
+        for tensor in group.tensors:
+            if id(tensor) in known:
+                hints[i] = (tensor, known[id(tensor)])
+                break
+    candidates = [
+        [] if i in hints else sorted(group.tensors, key=lambda t: t.numel(), reverse=True)[:VIEWS_NAMED]
+        for i, group in enumerate(groups)
+    ]
+    targets = [t for tensors in candidates for t in tensors]
+    names = referrer_names(targets, ignore=[candidates, *candidates, groups, *(g.tensors for g in groups)], thaw=thaw)
+    for i, tensors in enumerate(candidates):
+        for tensor in tensors:
+            if id(tensor) in names:
+                hints[i] = (tensor, names[id(tensor)])
+                break
+    return hints
+
+
+@dataclass(frozen=True)
+class Census:
+    """The live storages found on a device: the largest described, how many there are, their bytes."""
+
+    tensors: tuple[LiveTensor, ...]
+    count: int
+    nbytes: int
+
+
+def live_tensors(
+    device: torch.device | str,
+    *,
+    tracker: StorageTracker | None = None,
+    objects: Iterable[Any] = (),
+    frames: Iterable[FrameType] = (),
+    top: int | None = TOP,
+) -> tuple[tuple[LiveTensor, ...], int, int]:
+    """The largest live tensors on ``device``, by storage, largest first.
+
+    Walks the garbage collector's objects (costly: call it on failures, not on
+    every test). Returns ``(tensors, storages, bytes)``: the ``top`` largest (all
+    when None), how many distinct storages were found and their total bytes.
+    Tensors that only C++ holds (saved for backward without the storage tracker,
+    kernel workspaces) are not found. Names come from ``objects`` (tracked
+    modules and optimizers, see :func:`tensor_names`) and from the local
+    variables of ``frames``.
+    """
+    live = take_census(torch.device(device), tracker, objects, frames, top)
+    return live.tensors, live.count, live.nbytes
+
+
+def take_census(
+    device: torch.device,
+    tracker: StorageTracker | None = None,
+    objects: Iterable[Any] = (),
+    frames: Iterable[FrameType] = (),
+    top: int | None = TOP,
+    *,
+    counted_only: bool = False,
+) -> Census:
+    """:func:`live_tensors` as a :class:`Census`; ``counted_only`` keeps only storages ``tracker`` counts."""
+    objects, frames = list(objects), list(frames)
+    held = module_level_objects()
+    local_names, labels = _frame_names(frames, [*objects, *(obj for _, obj in held.values())])
+    for key, (name, _) in held.items():
+        labels.setdefault(key, name)
+    names = tensor_names([*objects, *(obj for key, (_, obj) in held.items() if key in labels)], labels)
+    for key, value in local_names.items():
+        names.setdefault(key, value)
+    groups = storage_groups(device, tracker, counted_only=counted_only)
+    ordered = sorted(groups.values(), key=lambda g: g.nbytes, reverse=True)
+    chosen = ordered if top is None else ordered[:top]
+    unnamed = [group for group in chosen if not any(id(t) in names for t in group.tensors)]
+    if unnamed:  # what else holds them: a cache, a compiler's graph, a global container
+        for tensor, name in holder_hints(unnamed, {}, thaw=False).values():
+            names[id(tensor)] = (name, None)
+    with _reading(tracker):
+        tensors = tuple(describe(group, names, tracker) for group in chosen)
+    return Census(tensors, len(ordered), sum(g.nbytes for g in ordered))
+
+
+def live_table(tensors: Iterable[LiveTensor]) -> str:
+    """A tabulate table of ``tensors``: bytes, shape, dtype, category, held by."""
+    rows = [
+        [
+            format_size(t.nbytes),
+            "×".join(str(n) for n in t.shape) if t.shape else "scalar",
+            t.dtype,
+            t.category or "unknown",
+            t.held_by or "unknown",
+        ]
+        for t in tensors
+    ]
+    return tabulate(rows, headers=("bytes", "shape", "dtype", "category", "held by"), disable_numparse=True)

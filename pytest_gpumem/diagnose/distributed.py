@@ -1,0 +1,368 @@
+"""A distributed training step inside one test: ``world_size`` ranks, each measured on its own.
+
+:func:`run_ranks` starts the ranks as PyTorch's own multi-process tests do: processes made
+with ``torch.multiprocessing``'s ``spawn`` start method, each initialising the default
+process group (``gloo`` on the CPU, ``nccl`` on CUDA) over a TCP store on this machine.
+Each rank runs ``fn(rank, ctx)`` inside :func:`pytest_gpumem.measure` on its device and sends
+its :class:`~pytest_gpumem.data.figures.Measurement` back. A rank that raises, dies or is still
+running at the timeout fails the whole run with that rank's report, and no rank process is
+left behind.
+
+No process outlives the run: each rank runs in a process group of its own, with the processes
+it starts, and the whole group is stopped, whether the run ends, fails or times out. A rank
+also ends its group as soon as the process that started it is gone (pytest killed from
+outside), and a SIGTERM sent to pytest while the ranks run stops them before pytest ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pytest_gpumem.data.figures import Measurement
+
+__all__ = ["DistributedError", "RankContext", "run_ranks"]
+
+#: Seconds a run may take, all ranks together, unless the caller says otherwise.
+DEFAULT_TIMEOUT = 300.0
+
+#: The signal that ends a process at once (Windows has no SIGKILL: there, terminating is killing).
+_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+
+
+class DistributedError(RuntimeError):
+    """One or more ranks failed, died or timed out; ``reports`` maps each such rank to what happened
+    (a rank whose peer failed often fails too, in a collective, after it)."""
+
+    def __init__(self, message: str, reports: dict[int, str]) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reports = reports
+
+    def __str__(self) -> str:
+        return "\n\n".join([self.message, *self.reports.values()])
+
+
+@dataclass
+class RankContext:
+    """What ``fn(rank, ctx)`` gets in each rank.
+
+    Attributes:
+        rank: this process's rank.
+        world_size: the number of ranks.
+        device: the ``torch.device`` this rank measures (put its model and batch there).
+        backend: the process group's backend (``"gloo"``, ``"nccl"``).
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    _recorder: Any = field(default=None, repr=False)
+
+    def track(self, *objects: Any) -> None:
+        """Register this rank's modules and optimizers for the breakdown, the phases and Ψ
+        (the rank's own, sharded, trainable parameters)."""
+        if self._recorder is None:
+            raise RuntimeError("RankContext.track() works only while the rank function runs")
+        self._recorder.track(*objects)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _device_for(rank: int, device: str) -> torch.device:
+    if device == "cuda":
+        return torch.device("cuda", rank)
+    return torch.device(device)
+
+
+def _own_group() -> int | None:
+    """Make this process the leader of a process group of its own (its children join it);
+    the group's id, None where there are no process groups."""
+    if not hasattr(os, "setpgid"):
+        return None
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        return None
+    return os.getpid()
+
+
+def _end_group(group: int | None) -> None:
+    """End this rank, with every process of its group."""
+    if group is not None:
+        with contextlib.suppress(OSError):
+            os.killpg(group, _KILL)
+    os._exit(1)
+
+
+def _die_with_parent(group: int | None) -> None:
+    """End this rank and its group when the process that started it is gone, however it ended
+    (a thread that waits on the parent's sentinel: it runs while the rank waits in a collective)."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        wait([sentinel])
+        _end_group(group)
+
+    threading.Thread(target=watch, name="gpumem-parent-watch", daemon=True).start()
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    device: str,
+    timeout: float,
+    fn: Callable[[int, RankContext], Any],
+    results: Any,
+) -> None:
+    """The body of one rank process (started by :func:`run_ranks`)."""
+    group = _own_group()
+    results.put((rank, "started", group))
+    _die_with_parent(group)
+    import torch.distributed as dist
+
+    from pytest_gpumem.measurement.recorder import measure
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    where = _device_for(rank, device)
+    try:
+        if where.type == "cuda":
+            torch.cuda.set_device(where)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=max(timeout, 1.0)))
+        try:
+            ctx = RankContext(rank, world_size, where, backend)
+            with measure(f"rank{rank}", device=where) as span:
+                ctx._recorder = span.recorder
+                try:
+                    fn(rank, ctx)
+                finally:
+                    ctx._recorder = None
+            results.put((rank, "ok", span.measurement.to_dict()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # the parent reports it: nothing may escape as a silent exit code
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        text = "".join(traceback.format_exception(exc))
+        results.put((rank, "oom" if oom else "error", text))
+
+
+def _ended(exitcode: int | None) -> str:
+    """How a rank process ended before reporting, from its exit code (negative: the signal that killed it)."""
+    if exitcode is None or exitcode >= 0:
+        return f"exited with code {exitcode} before reporting"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        return f"was killed by signal {-exitcode} before reporting"
+    text = f"was killed by {name} (signal {-exitcode}) before reporting"
+    if name == "SIGKILL":
+        text += " (SIGKILL: often the system's out-of-memory killer; see the kernel log, `dmesg`)"
+    return text
+
+
+def _signal(process: Any, group: int | None, signum: int) -> None:
+    """Send ``signum`` to a rank's process group (it and the processes it started), else to it alone."""
+    if group is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signum)
+    elif process.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signum)
+
+
+@contextlib.contextmanager
+def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> Iterator[None]:
+    """While the ranks run: a SIGTERM to this process kills them and their groups first, then
+    goes to the handler that was in place (by default, it ends this process). Only in the main
+    thread (where handlers are set), and not where SIGTERM is ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        yield
+        return
+    if previous is None:  # a handler set outside Python: none can be restored, the default is
+        previous = signal.SIG_DFL
+
+    def stop(signum: int, frame: Any) -> None:
+        for rank, process in enumerate(processes):
+            _signal(process, groups.get(rank), _KILL)
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _processes(groups: dict[int, int | None]) -> Iterator[list[Any]]:
+    """The rank processes; on leaving, any still alive is terminated, then killed, each with its
+    process group (``groups``: rank → the group it made), so that nothing it started is left."""
+    processes: list[Any] = []
+    try:
+        with _stopped_on_sigterm(processes, groups):
+            yield processes
+    finally:
+        for rank, process in enumerate(processes):
+            if process.is_alive():
+                _signal(process, groups.get(rank), signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for rank, process in enumerate(processes):
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                _signal(process, groups.get(rank), _KILL)
+                process.kill()
+                process.join()
+        for rank, process in enumerate(processes):  # what a rank started and left running
+            if groups.get(rank) is not None:
+                _signal(process, groups[rank], _KILL)
+
+
+def run_ranks(
+    fn: Callable[[int, RankContext], Any],
+    world_size: int = 2,
+    *,
+    backend: str | None = None,
+    device: str = "cpu",
+    timeout: float = DEFAULT_TIMEOUT,
+) -> list[Measurement]:
+    """Run ``fn(rank, ctx)`` in ``world_size`` rank processes; one :class:`Measurement` per rank, in rank order.
+
+    Args:
+        fn: a module-level function (the ranks are started with ``spawn``, which pickles it).
+        world_size: the number of ranks (at least 1).
+        backend: the process group's backend; None: ``"nccl"`` on CUDA, else ``"gloo"``.
+        device: ``"cpu"`` (every rank on the CPU engine) or ``"cuda"`` (rank ``r`` on ``cuda:r``:
+            the machine needs ``world_size`` GPUs).
+        timeout: seconds for the whole run; ranks still running then are stopped.
+
+    Raises:
+        ValueError: a bad ``world_size``, ``device``, ``backend`` or ``timeout``, or more ranks
+            than CUDA devices.
+        TypeError: ``fn`` cannot be sent to a rank process.
+        DistributedError: a rank raised, ran out of memory, died, or did not finish in time.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if device == "cuda":
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if world_size > available:
+            raise ValueError(
+                f"world_size={world_size} needs {world_size} CUDA devices, this machine has {available}: "
+                "use fewer ranks, or device='cpu' (gloo) to run every rank on the CPU engine"
+            )
+    chosen = backend or ("nccl" if device == "cuda" else "gloo")
+    if chosen not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+        raise ValueError(f"backend {chosen!r} is not a torch.distributed backend")
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(
+            f"the rank function {name} cannot be sent to the rank processes ({exc}): "
+            "define it at module level (the ranks are started with spawn)"
+        ) from None
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    figures: dict[int, Measurement] = {}
+    reports: dict[int, str] = {}
+    groups: dict[int, int | None] = {}
+    deadline = time.monotonic() + timeout
+
+    def take(message: tuple[int, str, Any]) -> bool:
+        """File a rank's message; True when it reports a failure."""
+        rank, status, payload = message
+        if status == "started":
+            groups[rank] = payload
+            return False
+        if status == "ok":
+            figures[rank] = Measurement.from_dict(payload)
+            return False
+        kind = "ran out of memory" if status == "oom" else "raised"
+        reports.setdefault(rank, f"rank {rank} {kind}:\n{payload}")
+        return True
+
+    def silent(processes: list[Any]) -> list[int]:
+        """Ranks whose process ended without a message."""
+        return [
+            rank
+            for rank, process in enumerate(processes)
+            if rank not in figures and rank not in reports and not process.is_alive()
+        ]
+
+    with _processes(groups) as processes:
+        for rank in range(world_size):
+            process = context.Process(
+                target=_rank_main,
+                args=(rank, world_size, port, chosen, device, timeout, fn, results),
+                daemon=True,
+            )
+            process.start()
+            processes.append(process)
+        failed = False
+        while not failed and len(figures) + len(reports) < world_size:
+            try:
+                failed = take(results.get(timeout=0.2))
+            except queue.Empty:
+                if silent(processes):  # a rank ended: its message may still be on its way
+                    try:
+                        failed = take(results.get(timeout=1.0))
+                    except queue.Empty:
+                        failed = True
+            if not failed and time.monotonic() > deadline:
+                for rank in range(world_size):
+                    if rank not in figures:
+                        reports[rank] = f"rank {rank} did not finish within {timeout:g} s"
+                failed = True
+        if failed:  # the others may wait on the failed rank forever: collect what is on its way, stop them
+            grace = time.monotonic() + 1.0
+            while time.monotonic() < grace and len(figures) + len(reports) < world_size:
+                with contextlib.suppress(queue.Empty):
+                    take(results.get(timeout=0.1))
+            for rank in silent(processes):  # died without a word: its peers' errors follow
+                reports[rank] = f"rank {rank} {_ended(processes[rank].exitcode)}"
+    if reports:
+        ordered = dict(sorted(reports.items()))
+        names = ", ".join(map(str, ordered))
+        raise DistributedError(f"{len(reports)} of {world_size} ranks failed (rank {names})", ordered)
+    return [figures[rank] for rank in range(world_size)]

@@ -1,0 +1,315 @@
+"""What holds an object: the names a report gives to live tensors.
+
+Two ways, cheapest first: the modules and optimizers that user code holds at module level
+(:func:`module_level_objects`), whose tensors read as the code reads them
+(``model.weight.grad``); and, for anything else, the garbage collector's referrers, two
+levels up (:func:`referrer_names`: ``tests.test_x.CACHE[3]``, a frame's local, an
+attribute). Leak reports (:mod:`pytest_gpumem.diagnose.leaks`) and live-tensor reports
+(:mod:`pytest_gpumem.diagnose.census`, out-of-memory reports) name tensors with them. Walking the
+referrers costs tens of milliseconds in a large process: on failures only.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import sysconfig
+from collections.abc import Iterable, Iterator, Mapping
+from types import CellType, FrameType, ModuleType
+from typing import Any
+
+import torch
+
+from pytest_gpumem.measurement import frozen
+
+__all__ = ["frame_locals", "library_dirs", "module_level_objects", "referrer_names"]
+
+_CO_OPTIMIZED = 0x1
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The naming machinery's own frames (and the reports'), never a holder's name.
+_THIS_FILES = tuple(
+    os.path.join(_PACKAGE_DIR, "diagnose", name) for name in ("holders.py", "census.py", "leaks.py", "oom.py")
+)
+
+
+# -- the user's module-level modules and optimizers ---------------------------------------------------
+
+
+def library_dirs() -> tuple[str, ...]:
+    """The folders of code that is not the user's: the standard library, installed packages
+    (site-packages), torch and this package (each ending in a separator)."""
+    paths = sysconfig.get_paths()
+    found = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    return (*(os.path.abspath(path) + os.sep for path in sorted(found)), _TORCH_DIR, _PACKAGE_DIR + os.sep)
+
+
+def module_level_objects() -> dict[int, tuple[str, Any]]:
+    """The modules and optimizers that user code holds in module-level names, by ``id()``:
+    ``(name, object)``, e.g. a test module's ``model = nn.Linear(...)`` is ``("model", model)``.
+
+    User code is every imported module outside the standard library, the installed packages
+    (site-packages), torch and this package: test modules, conftests, the project's own code.
+    They name the tensors of such objects as the code reads them (``model.weight.grad``).
+    """
+    libraries = library_dirs()
+    found: dict[int, tuple[str, Any]] = {}
+    for module in list(sys.modules.values()):
+        filename = getattr(module, "__file__", None)
+        if not isinstance(module, ModuleType) or not filename:
+            continue
+        if os.path.abspath(filename).startswith(libraries):
+            continue
+        for key, value in list(vars(module).items()):
+            if key.startswith("__") or issubclass(type(value), (ModuleType, type)):
+                continue
+            for name, obj in _one_level(key, value):
+                found.setdefault(id(obj), (name, obj))
+    return found
+
+
+_HOLDS = (torch.nn.Module, torch.optim.Optimizer)
+
+
+def _one_level(name: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """``value`` if it is a module or optimizer, else those it holds directly: a dict's values
+    (``MODELS['gpt']``), a list's or tuple's items (``MODELS[0]``), an object's attributes
+    (``TRAINER.model``)."""
+    kind = type(value)  # type(): isinstance would ask a proxy for its __class__
+    if issubclass(kind, _HOLDS):
+        yield name, value
+        return
+    if issubclass(kind, dict):
+        items: Iterable[tuple[str, Any]] = ((f"{name}[{k!r}]", v) for k, v in list(value.items())[:_FANOUT])
+    elif issubclass(kind, (list, tuple)):
+        items = ((f"{name}[{i}]", v) for i, v in enumerate(value[:_FANOUT]))
+    else:
+        try:
+            attributes = vars(value)
+        except Exception:  # no __dict__, or one that raises
+            return
+        if not isinstance(attributes, dict):
+            return
+        items = ((f"{name}.{k}", v) for k, v in list(attributes.items())[:_FANOUT])
+    for label, obj in items:
+        if issubclass(type(obj), _HOLDS):
+            yield label, obj
+
+
+#: Entries of a module-level container looked at for modules and optimizers.
+_FANOUT = 64
+
+
+# -- a frame's locals, without keeping them --------------------------------------------------------
+
+
+def frame_locals(frame: FrameType) -> dict[str, Any]:
+    """A copy of ``frame``'s local variables that leaves no reference behind.
+
+    On Python < 3.13, reading ``frame.f_locals`` of a function frame stores a
+    snapshot dict on the frame that keeps every local's value alive until the
+    frame ends, even after the function deletes the variable: a report built
+    mid-test would then hold the test's tensors. The snapshot is emptied after
+    copying (the frame's real locals are untouched; only function frames, whose
+    ``f_locals`` is a snapshot, never a module's namespace).
+    """
+    try:
+        snapshot = frame.f_locals
+        values = dict(snapshot)
+    except Exception:  # pragma: no cover - exotic frames
+        return {}
+    if sys.version_info < (3, 13) and frame.f_code.co_flags & _CO_OPTIMIZED and isinstance(snapshot, dict):
+        snapshot.clear()
+    return values
+
+
+# -- naming what holds an object, through the collector's referrers ---------------------------------------
+
+
+_DICT_OF = ".__dict__"
+
+
+def _module_dicts() -> dict[int, str]:
+    dicts: dict[int, str] = {}
+    for name, module in list(sys.modules.items()):
+        if isinstance(module, ModuleType):
+            dicts[id(module.__dict__)] = name
+    return dicts
+
+
+def _own_frame(obj: object) -> bool:
+    return isinstance(obj, FrameType) and os.path.abspath(obj.f_code.co_filename) in _THIS_FILES
+
+
+def _attribute_of(holder: object, target: object) -> str | None:
+    """The attribute name under which ``holder`` (an object with a ``__dict__``) holds ``target``."""
+    try:
+        attributes = vars(holder)
+    except TypeError:
+        return None
+    for key, value in attributes.items():
+        if value is target:
+            return str(key)
+    return None
+
+
+def _links(holder: object, target: object, module_dicts: Mapping[int, str]) -> list[tuple[str, bool]]:
+    """How ``holder`` refers to ``target``: ``(text, final)`` pairs.
+
+    ``final`` texts are complete names (a module-level name, a frame's local);
+    the others are accessors (``"[3]"``, ``".attr"``, ``"['key']"``) to append to
+    the name of whatever holds ``holder``.
+    """
+    found: list[tuple[str, bool]] = []
+    if isinstance(holder, dict):
+        module = module_dicts.get(id(holder))
+        for key, value in list(holder.items()):
+            if value is target:
+                found.append((f"{module}.{key}", True) if module is not None else (f"[{key!r}]", False))
+    elif isinstance(holder, (list, tuple)):
+        for index, value in enumerate(holder):
+            if value is target:
+                found.append((f"[{index}]", False))
+    elif isinstance(holder, FrameType):
+        where = f"{holder.f_code.co_name} ({os.path.basename(holder.f_code.co_filename)}:{holder.f_lineno})"
+        for var, value in frame_locals(holder).items():
+            if value is target:
+                found.append((f"local '{var}' in {where}", True))
+    elif isinstance(holder, CellType):
+        found.append(("a closure variable", True))
+    elif isinstance(holder, (set, frozenset)):
+        found.append(("{…}", False))
+    elif getattr(holder, "__dict__", None) is target:
+        found.append((_DICT_OF, False))
+    else:
+        attribute = _attribute_of(holder, target)
+        if attribute is not None:
+            found.append((f".{attribute}", False))
+    return found
+
+
+def _container_name(container: object) -> str:
+    name = type(container).__name__
+    return "saved for backward" if name == "Released" else name
+
+
+def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = (), thaw: bool = True) -> dict[int, str]:
+    """A name for what holds each of ``objects``, by ``id()``; objects nothing names are left out.
+
+    Looks two levels up with two ``gc.get_referrers`` passes in all, so the cost
+    does not grow with the number of objects: a module-level name
+    (``"tests.test_x.CACHE"``), an element of a module-level list or dict
+    (``"tests.test_x.CACHE[3]"``), an attribute (``"Holder.cache"`` then
+    ``"tests.test_x.HOLDER.cache"``), a local variable of a live frame. Objects
+    in ``ignore`` (the caller's own lists) and this module's frames are skipped.
+    Only the first name found for each object is kept. ``thaw`` gives the objects the
+    plugin froze before the first test back to the collector for good, so that their
+    references are seen too (a leak report); without it, those frozen holders are found
+    only as module-level names (an out-of-memory report, which may come many times in a
+    test that searches the largest microbatch).
+    """
+    targets = list(objects)
+    if not targets:
+        return {}
+    if thaw:  # the referrers of a test's tensors may be among the objects frozen before the first test
+        frozen.thaw()
+    ignore = [objects, *ignore]
+    module_dicts = _module_dicts()
+    names: dict[int, str] = {}
+    pending: dict[int, list[tuple[int, str]]] = {}  # id(container) -> [(id(target), accessor)]
+    containers: list[object] = []
+    ignored = {id(obj) for obj in ignore} | {id(targets), id(containers)}
+    referrers = gc.get_referrers(*targets)
+    ignored.add(id(referrers))
+    for holder in referrers:
+        if id(holder) in ignored or _own_frame(holder):
+            continue
+        for target in targets:
+            if id(target) in names:
+                continue
+            for text, final in _links(holder, target, module_dicts):
+                if final:
+                    names[id(target)] = text
+                    break
+                if id(holder) not in pending:
+                    pending[id(holder)] = []
+                    containers.append(holder)
+                pending[id(holder)].append((id(target), text))
+    del referrers
+    if not containers or len(names) == len(targets):
+        return names
+    # an object whose attribute holds a target: through its materialised __dict__, the owner
+    # is one level further up; named by a module-level name if it has one (below)
+    owners: list[object] = []
+    weak: list[tuple[int, str]] = []  # names through an anonymous container: kept if nothing better
+    referrers = gc.get_referrers(*containers)
+    ignored.add(id(referrers))
+    for holder in referrers:
+        if id(holder) in ignored or _own_frame(holder):
+            continue
+        for container in containers:
+            links = _links(holder, container, module_dicts)
+            if not links:
+                continue
+            text, final = links[0]
+            if text == _DICT_OF and not final and id(holder) not in pending:
+                pending[id(holder)] = [(t, _join(_DICT_OF, accessor)) for t, accessor in pending[id(container)]]
+                owners.append(holder)
+                continue
+            if final:
+                for target_id, accessor in pending[id(container)]:
+                    names.setdefault(target_id, _join(text, accessor))
+            else:  # a plain loop: a comprehension would hold ``holder`` in a closure cell, a referrer
+                prefix = _container_name(holder) + text
+                for target_id, accessor in pending[id(container)]:
+                    weak.append((target_id, _join(prefix, accessor)))
+    del referrers
+    # a module-level name (frozen globals included) names a holder better than an anonymous
+    # dict or list that also refers to it (a frame's materialised locals, a cache)
+    _name_by_module_globals([*containers, *owners], pending, names)
+    for target_id, text in weak:
+        names.setdefault(target_id, text)
+    for container in [*owners, *containers]:  # held by nothing nameable: name the container by its type
+        for target_id, accessor in pending[id(container)]:
+            names.setdefault(target_id, _join(_container_name(container), accessor))
+    return names
+
+
+def _name_by_module_globals(
+    containers: list[object], pending: dict[int, list[tuple[int, str]]], names: dict[int, str]
+) -> None:
+    """Name what a module-level name holds directly, for containers the collector did not name.
+
+    ``gc.get_referrers`` sees only objects in the collector's generations: a module's
+    globals frozen out of them (the plugin freezes what exists between measured tests)
+    are not found that way, so such holders are looked up in the modules themselves.
+    """
+    unnamed = {
+        id(container): container
+        for container in containers
+        if any(target_id not in names for target_id, _ in pending[id(container)])
+    }
+    if not unnamed:
+        return
+    for module_name, module in list(sys.modules.items()):
+        if not isinstance(module, ModuleType):
+            continue
+        for key, value in list(vars(module).items()):
+            container = unnamed.get(id(value))
+            if container is not None and value is container:
+                for target_id, accessor in pending[id(container)]:
+                    names.setdefault(target_id, _join(f"{module_name}.{key}", accessor))
+
+
+def _join(prefix: str, accessor: str) -> str:
+    """``prefix`` (what holds a container) followed by ``accessor`` (how the container holds the object)."""
+    if prefix.endswith(_DICT_OF):  # the container is an object's materialised __dict__: ['x'] reads .x
+        owner = prefix.removesuffix(_DICT_OF)
+        if accessor.startswith("['") and accessor.endswith("']"):
+            return f"{owner}.{accessor[2:-2]}"
+        return owner + accessor
+    if prefix.startswith("local '"):
+        var, _, where = prefix.partition("' in ")
+        return f"{var}{accessor}' in {where}"
+    return prefix + accessor

@@ -1,0 +1,135 @@
+"""What the plugin learnt about one test: the :class:`TestRecord`, its wire format, and the
+one rule for "this test failed on memory".
+
+A record is made where the test ran (an xdist worker, or the only process) and
+travels to the process that judges it (the controller) as JSON-ready data in
+the test report (``report.gpumem``). No torch, no pytest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_gpumem.baselines import Environment
+from pytest_gpumem.data.figures import Measurement, Timeline
+from pytest_gpumem.judge.verdict import Finding, Tolerance, failure_message
+from pytest_gpumem.report.text import finding_from_dict, finding_to_dict, measurement_table
+
+__all__ = ["TIMELINE_SAMPLES", "TestRecord"]
+
+#: Most samples of a timeline kept in a test's record (for the HTML artifact).
+TIMELINE_SAMPLES = 512
+
+
+@dataclass
+class TestRecord:
+    """What the plugin learnt about one test call. Sizes are bytes.
+
+    Attributes:
+        nodeid: the test's pytest node id.
+        measurements: the ``call`` span first, then each named span in the order they closed.
+        findings: limits, budgets and (on the judging side) baselines, checked.
+        errors: problems that fail the test by themselves (a budget using Ψ with nothing
+            tracked, an unreadable baseline file).
+        environment: :meth:`Environment.to_dict` of where it ran; None when it did not measure.
+        tolerances: baseline tolerance by span name (``"call"`` for the marker's) as
+            ``{"relative", "absolute"}``; absent: the run's default.
+        passed: whether the test's own code passed (before any memory verdict).
+        reports: texts to add to a failure: the out-of-memory report, the leaked tensors.
+        timeline: the call span's timeline (thinned) for the HTML artifact.
+        snapshot: the path of a CUDA memory snapshot written for this test.
+        device_limit: the emulated device size the test ran under.
+        workspaces: bytes of the library workspaces the device held in every reading of
+            the test (created by the clean-state protocol; in ``start``, never in a cost);
+            None where there are none (the CPU engine).
+    """
+
+    __test__ = False  # a name pytest would otherwise collect
+
+    nodeid: str
+    measurements: list[Measurement] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    environment: dict[str, Any] | None = None
+    tolerances: dict[str, dict[str, float]] = field(default_factory=dict)
+    passed: bool = True
+    reports: list[str] = field(default_factory=list)
+    timeline: dict[str, Any] | None = None
+    snapshot: str | None = None
+    device_limit: int | None = None
+    workspaces: int | None = None
+
+    @property
+    def failed(self) -> bool:
+        """The test fails on memory: an error, or a finding that fails (see :attr:`Finding.failed`)."""
+        return bool(self.errors) or any(finding.failed for finding in self.findings)
+
+    @property
+    def recordable(self) -> bool:
+        """Its figures may become baselines: the test's code passed, nothing failed on memory, it measured."""
+        return self.passed and not self.failed and self.environment is not None
+
+    @property
+    def environment_key(self) -> str | None:
+        return None if self.environment is None else Environment.from_dict(self.environment).key
+
+    def tolerance(self, span: str) -> Tolerance | None:
+        """The baseline tolerance of ``span``: its own, else the marker's; None for the run's default."""
+        given = self.tolerances.get(span) or self.tolerances.get("call")
+        return None if given is None else Tolerance(given["relative"], int(given["absolute"]))
+
+    def set_tolerance(self, span: str, tolerance: Tolerance) -> None:
+        self.tolerances[span] = {"relative": tolerance.relative, "absolute": tolerance.absolute}
+
+    def timeline_of_call(self) -> Timeline:
+        """The call's timeline, empty when none was recorded."""
+        return Timeline.empty() if self.timeline is None else Timeline.from_dict(self.timeline)
+
+    def message(self, *, width: int | None = None) -> str:
+        """The failure text: errors, the broken checks, the reports, then the figures."""
+        parts = [f"gpumem: {error}" for error in self.errors]
+        broken = [finding for finding in self.findings if finding.failed]
+        if broken:
+            parts.append(failure_message(broken))
+        parts.extend(self.reports)
+        if self.measurements:
+            parts.append(measurement_table(self.measurements, width=width))
+        return "\n\n".join(parts)
+
+    # -- wire format ------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data: what travels from an xdist worker to the controller."""
+        return {
+            "nodeid": self.nodeid,
+            "measurements": [m.to_dict() for m in self.measurements],
+            "findings": [finding_to_dict(f) for f in self.findings],
+            "errors": list(self.errors),
+            "environment": self.environment,
+            "tolerances": dict(self.tolerances),
+            "passed": self.passed,
+            "reports": list(self.reports),
+            "timeline": self.timeline,
+            "snapshot": self.snapshot,
+            "device_limit": self.device_limit,
+            "workspaces": self.workspaces,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TestRecord:
+        """Read what :meth:`to_dict` wrote."""
+        return cls(
+            nodeid=data["nodeid"],
+            measurements=[Measurement.from_dict(m) for m in data["measurements"]],
+            findings=[finding_from_dict(f) for f in data["findings"]],
+            errors=list(data["errors"]),
+            environment=data["environment"],
+            tolerances=dict(data["tolerances"]),
+            passed=bool(data["passed"]),
+            reports=list(data.get("reports", ())),
+            timeline=data.get("timeline"),
+            snapshot=data.get("snapshot"),
+            device_limit=data.get("device_limit"),
+            workspaces=data.get("workspaces"),
+        )

@@ -1,0 +1,266 @@
+"""What a test asks for: the ``gpumem`` marker's keywords and span limits, validated.
+
+Everything here runs at collection time (marker) or when a span is created, so a
+bad value is an error that names the test and the value before anything runs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_gpumem.budgets.expressions import BudgetError, BudgetExpr, parse_budget
+from pytest_gpumem.data.figures import METRICS, Measurement
+from pytest_gpumem.judge.verdict import Limit, Tolerance, check_limits, failure_message, parse_tolerance
+from pytest_gpumem.units import SizeError, parse_size
+
+__all__ = [
+    "MARKER_KEYWORDS",
+    "MARKER_KEYWORD_HELP",
+    "OBSERVE",
+    "SPAN_KEYWORDS",
+    "GpumemSpec",
+    "LimitExceeded",
+    "LimitSpec",
+    "SpecError",
+    "check_span_limits",
+    "marker_help",
+    "parse_device",
+    "parse_marker",
+    "parse_observe",
+    "parse_predict",
+    "parse_span_limits",
+]
+
+#: Keywords the ``gpumem`` marker accepts, each with what it means (the marker's help is made from it).
+MARKER_KEYWORD_HELP: dict[str, str] = {
+    "peak": "limit on the highest allocated bytes during the call",
+    "allocated": "limit on the bytes allocated as the test function returns",
+    "reserved": "limit on the highest bytes the caching allocator held (CUDA only)",
+    "retained": "limit on what the test left allocated after it (a leak check: '0B')",
+    "device": "'auto', 'cpu', 'cuda' or 'cuda:N' (overrides --gpumem-device)",
+    "breakdown": "True/False: run the storage tracker on CUDA for the breakdown by category",
+    "observe": "CPU engine: 'operators' (default) or 'allocations' (compiled code runs as compiled)",
+    "predict": "CPU engine: report what this GPU would show (e.g. 'h100'); ignored on a GPU",
+    "tolerance": "baseline tolerance of this test: '2%', '1MiB' or '2%,1MiB'",
+    "device_limit": "run as if the device had this much memory: '24GiB'",
+    "min_microbatch": "the largest microbatch gpumem.max_microbatch() finds must be at least this (an int)",
+}
+#: Keywords the ``gpumem`` marker accepts.
+MARKER_KEYWORDS: tuple[str, ...] = tuple(MARKER_KEYWORD_HELP)
+assert MARKER_KEYWORDS[: len(METRICS)] == METRICS, "the limits come first, in METRICS order"
+#: Keywords ``gpumem.measure(name, ...)`` accepts.
+SPAN_KEYWORDS: tuple[str, ...] = ("peak", "allocated", "reserved", "tolerance")
+
+
+#: How the CPU engine observes memory: ``operators`` (the storage tracker's dispatch mode) or
+#: ``allocations`` (the CPU allocator's reports to PyTorch's profiler: ``torch.compile``'d code
+#: runs as compiled). See :mod:`pytest_gpumem.measurement.engines.allocations`.
+OBSERVE: tuple[str, ...] = ("operators", "allocations")
+
+
+class SpecError(ValueError):
+    """A marker or span keyword with a bad name or value."""
+
+
+def parse_observe(value: object) -> str:
+    """``value`` if it is one of :data:`OBSERVE`, else a :class:`SpecError` naming it."""
+    if value not in OBSERVE:
+        raise SpecError(f"observe={value!r} is not a way of observing memory: use 'operators' or 'allocations'")
+    return str(value)
+
+
+def parse_predict(value: object) -> str:
+    """The canonical name of the prediction target ``value`` names, else a :class:`SpecError` naming it."""
+    from pytest_gpumem.targets import parse_predict as parse_target
+
+    try:
+        return parse_target(value)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
+
+
+class LimitExceeded(AssertionError):
+    """A span measured outside pytest broke one of its limits."""
+
+
+@dataclass(frozen=True)
+class LimitSpec:
+    """A limit as written: a size in bytes, or a budget expression using Ψ."""
+
+    metric: str
+    text: str
+    expression: BudgetExpr
+
+    @property
+    def uses_psi(self) -> bool:
+        return self.expression.uses_psi
+
+    def resolve(self, psi: int | None) -> Limit:
+        """The limit in bytes, Ψ being the tracked trainable parameter count."""
+        kind = "budget" if self.uses_psi else "limit"
+        return Limit(metric=self.metric, value=self.expression.evaluate(psi), source=self.text, kind=kind)
+
+
+@dataclass(frozen=True)
+class GpumemSpec:
+    """The validated ``gpumem`` marker of one test."""
+
+    limits: tuple[LimitSpec, ...] = ()
+    device: str | None = None
+    breakdown: bool | None = None
+    #: how the CPU engine observes memory (:data:`OBSERVE`); None: the run's option
+    observe: str | None = None
+    #: the GPU whose figures the CPU engine predicts (a target of :mod:`pytest_gpumem.targets`); None: the run's option
+    predict: str | None = None
+    tolerance: Tolerance | None = None
+    #: emulated device size in bytes: the test runs as if the device had this much memory
+    device_limit: int | None = None
+    #: lower bound on the largest microbatch that fits (``gpumem.max_microbatch()``)
+    min_microbatch: int | None = None
+
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(?::[0-9]+)?)$")
+
+
+def parse_device(value: object) -> str:
+    """Validate a device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or such a ``torch.device``.
+
+    Needs no torch (the marker is validated at collection, before torch is imported).
+    """
+    if type(value).__name__ == "device" and type(value).__module__ == "torch":
+        value = str(value)
+    text = value.strip() if isinstance(value, str) else None
+    if text is None or _DEVICE_RE.match(text) is None:
+        raise SpecError(f"device={value!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    return text
+
+
+def _limit(metric: str, value: object) -> LimitSpec:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        try:
+            parse_size(value)  # produces the precise message (float, bool, other types)
+        except SizeError as exc:
+            raise SpecError(f"{metric}={value!r}: {exc}") from None
+    assert isinstance(value, (int, str))
+    try:
+        expression = parse_budget(value)
+        if not expression.uses_psi:
+            expression.evaluate(None)  # constant limits must evaluate now: no negatives, no 1/0
+    except BudgetError as exc:
+        raise SpecError(f"{metric}={value!r}: {exc}") from None
+    return LimitSpec(metric, str(value), expression)
+
+
+def _tolerance(value: object) -> Tolerance:
+    if isinstance(value, Tolerance):
+        return value
+    if not isinstance(value, str):
+        raise SpecError(f"tolerance={value!r} is not a tolerance: use a string like '2%', '1MiB' or '2%,1MiB'")
+    try:
+        return parse_tolerance(value)
+    except ValueError as exc:
+        raise SpecError(f"tolerance={value!r}: {exc}") from None
+
+
+def _size(name: str, value: object) -> int:
+    try:
+        return parse_size(value)
+    except SizeError as exc:
+        raise SpecError(f"{name}={value!r}: {exc}") from None
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{name}={value!r} must be a positive int (a microbatch size)")
+    return value
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(f"{name}={value!r} must be True or False")
+    return value
+
+
+def marker_help() -> str:
+    """The ``gpumem`` marker's line in ``pytest --markers``, made from :data:`MARKER_KEYWORD_HELP`."""
+    signature = ", ".join(f"{name}=None" for name in MARKER_KEYWORDS)
+    keywords = "; ".join(f"{name}: {text}" for name, text in MARKER_KEYWORD_HELP.items())
+    return (
+        f"gpumem({signature}): measure the test's device memory and fail when a figure exceeds its "
+        "limit or regresses from its baseline. Limits are bytes (int), sizes ('4GB' = 4 GiB, '512 MiB') or "
+        f"budget expressions ('16Ψ + 2GiB'). {keywords}. See pytest-gpumem's README."
+    )
+
+
+def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> GpumemSpec:
+    """Merge and validate ``gpumem`` markers, closest first (as ``item.iter_markers`` yields them).
+
+    A keyword on a closer marker (the function) wins over the same keyword on a
+    farther one (class, module). Raises :class:`SpecError` naming the bad
+    keyword or value.
+    """
+    merged: dict[str, Any] = {}
+    for args, kwargs in markers:
+        if args:
+            raise SpecError(
+                f"positional arguments {tuple(args)!r} are not accepted: use keywords ({', '.join(MARKER_KEYWORDS)})"
+            )
+        for key, value in kwargs.items():
+            merged.setdefault(key, value)
+    unknown = sorted(set(merged) - set(MARKER_KEYWORDS))
+    if unknown:
+        raise SpecError(
+            f"unknown keyword {', '.join(map(repr, unknown))}; expected one of {', '.join(MARKER_KEYWORDS)}"
+        )
+    limits = tuple(_limit(metric, merged[metric]) for metric in METRICS if merged.get(metric) is not None)
+    if merged.get("observe") == "allocations" and merged.get("predict") is not None:
+        raise SpecError(
+            f"observe='allocations' cannot predict={merged['predict']!r}: a prediction follows the operators"
+        )
+    if merged.get("observe") == "allocations" and merged.get("device_limit") is not None:
+        raise SpecError(
+            f"observe='allocations' cannot run under device_limit={merged['device_limit']!r}: "
+            "an emulated device limit needs observe='operators'"
+        )
+    return GpumemSpec(
+        limits=limits,
+        device=None if merged.get("device") is None else parse_device(merged["device"]),
+        breakdown=None if merged.get("breakdown") is None else _bool("breakdown", merged["breakdown"]),
+        observe=None if merged.get("observe") is None else parse_observe(merged["observe"]),
+        predict=None if merged.get("predict") is None else parse_predict(merged["predict"]),
+        tolerance=None if merged.get("tolerance") is None else _tolerance(merged["tolerance"]),
+        device_limit=None if merged.get("device_limit") is None else _size("device_limit", merged["device_limit"]),
+        min_microbatch=None
+        if merged.get("min_microbatch") is None
+        else _positive_int("min_microbatch", merged["min_microbatch"]),
+    )
+
+
+def parse_span_limits(name: object, limits: Mapping[str, Any]) -> tuple[tuple[LimitSpec, ...], Tolerance | None]:
+    """Validate the keywords of ``gpumem.measure(name, **limits)``."""
+    if not isinstance(name, str) or not name or name == "call":
+        raise SpecError(f"span name {name!r} must be a non-empty string other than 'call' (the whole test)")
+    unknown = sorted(set(limits) - set(SPAN_KEYWORDS))
+    if unknown:
+        names = ", ".join(map(repr, unknown))
+        raise SpecError(f"span {name!r}: unknown keyword {names}; expected one of {', '.join(SPAN_KEYWORDS)}")
+    try:
+        specs = tuple(
+            _limit(metric, value) for metric, value in limits.items() if metric != "tolerance" and value is not None
+        )
+        tolerance = None if limits.get("tolerance") is None else _tolerance(limits["tolerance"])
+    except SpecError as exc:
+        raise SpecError(f"span {name!r}: {exc}") from None
+    return specs, tolerance
+
+
+def check_span_limits(name: str, limits: Mapping[str, Any], measurement: Measurement) -> None:
+    """Outside pytest: raise :class:`LimitExceeded` when the span ``name`` broke one of its ``limits``."""
+    specs, _ = parse_span_limits(name, limits)
+    resolved = [spec.resolve(measurement.psi) for spec in specs]
+    findings = check_limits(name, measurement, resolved)
+    if any(finding.failed for finding in findings):
+        raise LimitExceeded(failure_message(findings))

@@ -1,0 +1,111 @@
+"""Where bytes are read: the engines, and the factory that picks one for a device.
+
+* :class:`~pytest_gpumem.measurement.engines.cuda.CudaEngine`: a CUDA-like device's caching
+  allocator (CUDA, ROCm), with the storage tracker for breakdowns when asked.
+* :class:`~pytest_gpumem.measurement.engines.cpu.CpuEngine`: the exact tensor-storage tracker
+  on the CPU, for machines without a GPU.
+
+Everything that differs between engines is a member of the
+:class:`~pytest_gpumem.measurement.engines.base.Engine` protocol; nothing outside this
+package asks which engine it has.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from pytest_gpumem.judge.spec import parse_observe
+from pytest_gpumem.measurement.engines.base import Engine, Reading
+from pytest_gpumem.measurement.engines.cuda import cuda_available
+
+__all__ = [
+    "DEVICE_HELP",
+    "Engine",
+    "Reading",
+    "cuda_available",
+    "make_engine",
+    "resolve_device",
+]
+
+#: The device names pytest-gpumem accepts, as error messages spell them.
+DEVICE_HELP = "use 'auto', 'cpu', 'cuda' or 'cuda:N'"
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """The device a name stands for: ``"auto"`` (or None) is the current CUDA device when one
+    is available, else the CPU; ``"cuda"`` without an index is the current CUDA device.
+
+    Raises ``ValueError`` naming the value for anything but ``"auto"``, ``"cpu"``,
+    ``"cuda"``, ``"cuda:N"`` or such a ``torch.device``.
+    """
+    if device is None or device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
+    if isinstance(device, torch.device):
+        resolved = device
+    else:
+        match = _DEVICE_RE.match(device) if isinstance(device, str) else None
+        if match is None or match[1] == "auto":
+            raise ValueError(f"device={device!r} is not a device: {DEVICE_HELP}")
+        resolved = torch.device(device)
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(resolved)!r} is not supported: {DEVICE_HELP}")
+    if resolved.type == "cuda" and resolved.index is None and cuda_available():
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def make_engine(
+    device: str | torch.device | None = "auto",
+    *,
+    breakdown: bool = False,
+    cuda_rounding: bool = False,
+    observe: str = "operators",
+    predict: str | None = None,
+) -> Engine:
+    """An engine reading ``device`` (a name such as ``"cpu"``, ``"cuda:0"``, ``"auto"``, or a ``torch.device``).
+
+    On CPU the storage tracker is the engine (``cuda_rounding`` counts each storage
+    as the CUDA allocator's 512-byte blocks); ``observe="allocations"`` feeds it the CPU
+    allocator's own reports instead of operators (see
+    :mod:`pytest_gpumem.measurement.engines.allocations`). On a CUDA device the caching allocator
+    is read, and the storage tracker runs beside it only when ``breakdown`` is True
+    (it costs a Python call per operator). ``predict`` (a GPU such as ``"h100"``, CPU only)
+    makes the CPU engine report what that GPU's caching allocator would show (see
+    :mod:`pytest_gpumem.measurement.engines.predict`).
+    """
+    from pytest_gpumem.measurement.engines.cpu import CpuEngine
+    from pytest_gpumem.measurement.engines.cuda import CudaEngine
+    from pytest_gpumem.measurement.engines.tracker import StorageTracker
+
+    parse_observe(observe)
+    resolved = resolve_device(device)
+    if predict is not None:
+        from pytest_gpumem.measurement.engines.predict import PredictEngine
+        from pytest_gpumem.targets import target
+
+        if resolved.type != "cpu":
+            raise ValueError(f"predict={predict!r} runs on the CPU engine, not on {str(resolved)!r}")
+        if observe != "operators":
+            raise ValueError(f"predict={predict!r} needs observe='operators', not {observe!r}")
+        return PredictEngine(target(predict))
+    if resolved.type == "cpu":
+        if observe == "allocations":
+            from pytest_gpumem.measurement.engines.allocations import AllocationTracker
+
+            return CpuEngine(tracker=AllocationTracker(resolved, cuda_rounding=cuda_rounding))
+        return CpuEngine(cuda_rounding=cuda_rounding)
+    if observe == "allocations":
+        raise ValueError(
+            f"observe='allocations' is implemented for the CPU engine, not {str(resolved)!r}: on CUDA the "
+            "caching allocator's figures are already those of the code that runs, compiled or not"
+        )
+    if not cuda_available() or (resolved.index or 0) >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {str(resolved)!r} is not available ({torch.cuda.device_count()} CUDA devices visible)"
+        )
+    tracker = StorageTracker(resolved, cuda_rounding=True) if breakdown else None
+    return CudaEngine(resolved, tracker=tracker)

@@ -1,0 +1,413 @@
+"""Allocations observed where they happen: the CPU allocator's own reports to PyTorch's profiler.
+
+The storage tracker (:mod:`pytest_gpumem.measurement.engines.tracker`) watches operators through a
+dispatch mode, and TorchDynamo runs ``torch.compile``'d code eagerly while one is active:
+under it a compiled model is measured as the eager one. :class:`AllocationTracker` keeps
+the tracker's accounting (categories, windows, saved activations, timeline) but takes its
+allocations and frees from the events c10's CPU allocator reports to PyTorch's profiler
+(``profile_memory``), which see every allocation, Inductor's buffers and kernels' internal
+temporaries included. No dispatch mode is active, so compiled code runs as compiled.
+
+How the two streams meet:
+
+- The profiler's events are read when the figures are: every reading (``allocated``, a
+  window, the breakdown) *flushes*: the profiler session is stopped, a new one started,
+  and the stopped session's events replayed into the ledger in time order.
+- What the plugin learns in Python (a storage is a gradient, optimizer state, saved for
+  backward, released by autograd; a storage that existed before the span died) happens
+  between allocations. Each such event is queued and leaves a mark in the profiler's own
+  stream (a record-function event), so the replay puts it at its exact place among the
+  allocations: the breakdown at the peak is that of the moment of the peak.
+- Blocks alive before the span are known from the tracker's scan of live tensors; the
+  profiler does not report frees of blocks it did not see allocated, so their frees come
+  from weak references to their storages, as in the storage tracker.
+
+Limits: no emulated device limit (an allocation cannot be refused from a replay), the
+profiler cannot run twice: a test that runs ``torch.profiler`` itself cannot be measured
+this way, and the profiler reports only the allocations of the thread its session was
+started on: work on other threads is not seen, and a span that ran some says so in a note.
+Each flush costs a profiler stop and start (~0.3 ms on a 2-core VM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from pytest_gpumem.data.figures import CATEGORIES
+from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
+from pytest_gpumem.measurement.engines.tracker import (
+    TEMPORARIES,
+    Block,
+    StorageTracker,
+    Window,
+    _Entry,
+    _follow_threads,
+)
+from pytest_gpumem.units import cuda_rounded
+
+__all__ = ["MARK", "AllocationTracker", "ProfilerInUse"]
+
+#: The name of the record-function events that place Python-side events in the stream.
+MARK = "pytest_gpumem::mark"
+
+_SAVE, _UNSAVE, _REGISTER, _FREED, _WINDOW = range(5)
+
+#: The note on a span that ran work on other threads while the profiler was read.
+THREADS_NOT_SEEN = (
+    "work ran on other threads, whose allocations observe='allocations' does not see (PyTorch's profiler "
+    "reports only the allocations of the thread that started it): peak and allocated miss them; measure "
+    "threaded code with observe='operators'"
+)
+
+
+class ProfilerInUse(RuntimeError):
+    """PyTorch's profiler is already running: allocations cannot be observed through it."""
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Kineto writes a line to the process's stderr each time a session starts or stops."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class AllocationTracker(StorageTracker):
+    """The storage tracker's accounting over the allocator's events (see the module's docstring).
+
+    Args:
+        device: the CPU (the allocator whose reports are read).
+        cuda_rounding: count each allocation as the CUDA caching allocator would.
+    """
+
+    def __init__(self, device: torch.device, *, cuda_rounding: bool = False) -> None:
+        super().__init__(device, cuda_rounding=cuda_rounding)
+        if self.device.type != "cpu":
+            raise ValueError(f"observe='allocations' reads the CPU allocator's reports, not {self.device}")
+        from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled
+        from torch._C._profiler import _EventType, _RecordFunctionFast
+        from torch.autograd.profiler import profile
+
+        self._api = (_prepare_profiler, _enable_profiler, _disable_profiler, _profiler_enabled)
+        # the configuration torch.profiler itself would use (its fields change across versions)
+        template = profile(use_cpu=True, profile_memory=True, use_kineto=True)
+        self._config = template.config
+        self._activities = template.kineto_activities
+        self._allocation_tag = _EventType.Allocation
+        self._mark = _RecordFunctionFast
+        self._queue: list[tuple[Any, ...]] = []
+        self._tokens = itertools.count()
+        self._saved_entries: dict[int, Any] = {}
+        self._windows: dict[int, tuple[Window, int, int]] = {}
+        self._graph_task = torch._C._current_graph_task_id
+        self._profiling = False
+        self._holding = False  # inside reading(): one flush serves every reading
+        # TorchDynamo must never trace the hook (it runs while compiled code runs): the mark it
+        # makes is not traceable, and the hook is the plugin's bookkeeping, not the model
+        self._pack_hook = torch.compiler.disable(self._pack)
+        #: profiler sessions read so far (each reading of figures while active reads one).
+        self.flushes = 0
+
+    # -- the profiler session ---------------------------------------------------------
+
+    def _begin_session(self) -> None:
+        prepare, enable, _, _ = self._api
+        config = self._config()
+        with _quiet_stderr():
+            prepare(config, self._activities)
+            enable(config, self._activities)
+
+    def _end_session(self) -> Any:
+        with _quiet_stderr():
+            return self._api[2]()
+
+    def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
+        if self._profiling:
+            raise RuntimeError("the allocation tracker is already active")
+        if self._api[3]():
+            raise ProfilerInUse(
+                "observe='allocations' reads allocations through PyTorch's profiler, which is already "
+                "running; measure this code with observe='operators', or profile it outside the measurement"
+            )
+        self._windows.clear()
+        self._begin_count(timeline)
+        self._begin_session()
+        self._profiling = True
+        _follow_threads(self, follow=True)
+        if saved_tensors:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, unpack)
+            self._saved_hooks.__enter__()
+
+    def stop(self) -> None:
+        _follow_threads(self, follow=False)
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+        if self._profiling:
+            gc.collect()  # garbage made in the span is freed while its frees are still reported
+            self._flush(restart=False)
+            self._adopt_survivors()
+
+    def _adopt_survivors(self) -> None:
+        """Give the blocks still alive a weak reference to their storage, as the blocks alive
+        before the span have: once the profiler stops, their frees are no longer reported.
+
+        A block that no Python object reaches (held by C++ alone, an autograd graph kept
+        alive) stays as it is: its free is seen only if it happens while a later span runs.
+        """
+        from torch._subclasses.fake_tensor import FakeTensor  # torch.compile's tracing tensors: no memory
+
+        tensor_type = torch.Tensor
+        for obj in gc.get_objects():
+            kind = type(obj)  # type(): isinstance would ask proxies for __class__
+            if not issubclass(kind, tensor_type) or issubclass(kind, FakeTensor):
+                continue  # a fake tensor's data pointer is meaningless, and torch warns when it is read
+            try:
+                storage = obj.untyped_storage()
+                ptr = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):
+                continue
+            block: Any = self._entries.get(ptr)
+            if type(block) is not Block:
+                continue
+            entry = _Entry(storage, self._freed)
+            for field in _Entry.__slots__:
+                setattr(entry, field, getattr(block, field))
+            self._entries[ptr] = entry
+            for token, saved in self._saved_entries.items():
+                if saved is block:
+                    self._saved_entries[token] = entry
+
+    @property
+    def active(self) -> bool:
+        return self._profiling
+
+    def _follow(self, stack: contextlib.ExitStack) -> None:
+        """A thread runs work while the span is measured: the profiler's session cannot see it
+        (its reports are per thread), so the figures say so."""
+        with self._lock:
+            if THREADS_NOT_SEEN not in self.notes:
+                self.notes.append(THREADS_NOT_SEEN)
+
+    def flush(self) -> None:
+        """Bring the ledger up to now: replay what the profiler saw since the last flush.
+
+        Not inside autograd's backward: its engine runs each node under the thread-local
+        state captured when ``backward()`` was called, which holds the profiler session of
+        that moment, so a session started inside backward would miss the rest of it. There
+        the ledger stays as it was at the last flush; windows are read later (:meth:`take_window`).
+        """
+        if self._profiling and not self._holding and self._graph_task() == -1:
+            self._flush(restart=True)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Readings taken together (a span's start or end figures): one flush for all of them,
+        instead of a profiler restart for each."""
+        if self._holding:
+            yield
+            return
+        self.flush()
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+
+    def _flush(self, *, restart: bool) -> None:
+        if not self._api[3]():
+            self._profiling = False
+            raise ProfilerInUse(
+                "observe='allocations' lost its profiler session: the measured code stopped PyTorch's "
+                "profiler (torch.profiler used inside the measurement); measure this code with observe='operators'"
+            )
+        enabled = gc.isenabled()
+        gc.disable()  # nothing may be freed between the two sessions: that free would go unseen
+        try:
+            result = self._end_session()
+            queued, self._queue = self._queue, []
+            if restart:
+                self._begin_session()
+            else:
+                self._profiling = False
+        finally:
+            if enabled:
+                gc.enable()
+        self.flushes += 1
+        self._replay(result, queued)
+
+    def _record(self, event: tuple[Any, ...]) -> None:
+        """A Python-side event: queued with a mark in the stream while profiling, else applied now."""
+        if self._profiling:
+            self._queue.append(event)
+            with self._mark(MARK):
+                pass
+        else:
+            self._apply(event)
+
+    # -- replay ---------------------------------------------------------------------
+
+    def _replay(self, result: Any, queued: list[tuple[Any, ...]]) -> None:
+        allocation = self._allocation_tag
+        stream: list[tuple[int, int, int]] = []  # (time, ptr, signed bytes); ptr -1: a mark
+        stack = list(result.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            if event.tag == allocation:
+                fields = event.extra_fields
+                if fields.device.type == "cpu" and fields.alloc_size:
+                    stream.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+            elif event.name == MARK:
+                stream.append((event.start_time_ns, -1, 0))
+            stack.extend(event.children)
+        stream.sort(key=lambda item: item[0])
+        events = iter(queued)
+        for _, ptr, size in stream:
+            if ptr == -1:
+                event = next(events, None)
+                if event is not None:
+                    self._apply(event)
+            elif size > 0:
+                self._allocated(ptr, size)
+            else:
+                self._released(ptr)
+        for event in events:  # queued without a mark (none is expected): after everything seen
+            self._apply(event)
+
+    def _allocated(self, ptr: int, size: int) -> None:
+        stale = self._entries.get(ptr)
+        if stale is not None:  # its free went unseen: the block is gone if its address is reused
+            self._drop(stale)
+        self._insert(Block(), ptr, cuda_rounded(size) if self.cuda_rounding else size, TEMPORARIES)
+
+    def _released(self, ptr: int) -> None:
+        entry: Any = self._entries.get(ptr)
+        if type(entry) is Block:  # a block alive before the span is freed by its weak reference
+            self._drop(entry)
+
+    def _drop(self, entry: Any) -> None:
+        StorageTracker._on_freed(self, entry)
+
+    def _apply(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == _FREED:
+            StorageTracker._on_freed(self, event[1])
+        elif kind == _REGISTER:
+            _, ptrs, index, is_param = event
+            for ptr in ptrs:
+                entry = self._entries.get(ptr)
+                if entry is None:
+                    continue
+                if entry.category != index:
+                    self._move(entry, index)
+                if is_param:
+                    self._param_keys.add(ptr)
+        elif kind == _SAVE:
+            _, token, ptr = event
+            entry = self._entries.get(ptr)
+            if entry is None or ptr in self._param_keys:
+                return
+            self._saved_entries[token] = entry
+            self._save(entry)
+        elif kind == _WINDOW:
+            window = StorageTracker.take_window(self)
+            self._windows[event[1]] = (window, self.current, self.events)
+        elif kind == _UNSAVE:
+            saved: Any = self._saved_entries.pop(event[1], None)
+            if saved is not None and self._entries.get(saved.key) is saved:
+                self._unsave(saved)  # type: ignore[arg-type]  # an entry by its fields
+
+    # -- what Python learns -----------------------------------------------------------
+
+    def _on_freed(self, entry: Any) -> None:
+        """Weak-reference callback of a storage alive before the span: queued like the rest."""
+        if self._profiling:
+            self._record((_FREED, entry))
+        else:
+            StorageTracker._on_freed(self, entry)
+
+    def register(self, tensors: Iterable[torch.Tensor], category: str | None = None) -> None:
+        if not self._profiling:  # the scan before the span: storages alive now, found by weak reference
+            super().register(tensors, category)
+            return
+        if category is None:
+            return  # storages seen in the stream are already counted; nothing else to learn
+        ptrs = []
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and self._on_device(tensor):
+                try:
+                    ptr = self._key(tensor.untyped_storage())
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if ptr is not None:
+                    ptrs.append(ptr)
+        if ptrs:
+            self._record((_REGISTER, ptrs, CATEGORIES.index(category), category == "parameters"))
+
+    def _key(self, storage: torch.UntypedStorage) -> int | None:
+        """Allocations are known by address: a storage by its data pointer (None for no data)."""
+        return storage.data_ptr() or None
+
+    def _pack(self, tensor: torch.Tensor) -> Held:
+        if not self._on_device(tensor):
+            return Held(tensor)
+        base = tensor._base
+        parameter_type = torch.nn.Parameter
+        if isinstance(tensor, parameter_type) or isinstance(base, parameter_type):
+            self.register((tensor if base is None else base,), "parameters")
+            return Held(tensor)
+        try:
+            ptr = self._key(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return Held(tensor)
+        if ptr is None:
+            return Held(tensor)
+        token = next(self._tokens)
+        self._record((_SAVE, token, ptr))
+        return Released(tensor, self._released_save, token)
+
+    def _released_save(self, token: int) -> None:
+        """Autograd let go of the saved tensor of ``token``: queued like its save."""
+        self._record((_UNSAVE, token))
+
+    # -- readings flush first ---------------------------------------------------------
+
+    def take_window(self, *, defer: bool = False) -> Window:
+        """The window since the last one. With ``defer`` (a phase boundary), and always inside
+        autograd's backward (where the profiler cannot be read, see :meth:`flush`), a pending
+        one: closed at its place in the stream, read with :meth:`resolve` after the next flush.
+        Deferring saves a profiler restart per phase."""
+        if self._profiling and (defer or self._graph_task() != -1):
+            token = next(self._tokens)
+            self._record((_WINDOW, token))
+            return Window(0, (), pending=token)
+        self.flush()
+        return super().take_window()
+
+    def resolve(self, token: int) -> tuple[Window, int, int]:
+        try:
+            return self._windows[token]
+        except KeyError:
+            raise LookupError(f"pending window {token} is not read yet: read a window outside backward first") from None
+
+    def breakdown(self) -> dict[str, int]:
+        self.flush()
+        return super().breakdown()

@@ -1,0 +1,150 @@
+"""What every engine offers: readings of one device's memory, and the few actions on it
+that the rest of the package needs (clean state, empty cache, emulated limits, history).
+
+Nothing outside :mod:`pytest_gpumem.measurement.engines` asks which engine it has: what differs
+between engines is a member of this protocol.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pytest_gpumem.measurement.engines.tracker import StorageTracker
+
+__all__ = ["Engine", "Reading"]
+
+
+@dataclass
+class Reading:
+    """Figures of a window of time, all in bytes; None where the engine cannot know.
+
+    ``peak`` is the highest allocated bytes in the window, ``breakdown`` the bytes
+    by category at that moment (None without a tracker), ``reserved_peak`` and
+    ``requested_peak`` the highest reserved / requested bytes (caching allocators),
+    ``saved_peak`` the highest bytes held for backward at one time (needs saved-tensor hooks).
+
+    ``pending``: the window could not be read when it closed (the CPU engine observing
+    allocations, inside autograd's backward); the figures are those of
+    :meth:`Engine.resolve` with this token, once the engine can read again.
+    """
+
+    peak: int
+    breakdown: tuple[int, ...] | None = None
+    reserved_peak: int | None = None
+    requested_peak: int | None = None
+    saved_peak: int | None = None
+    pending: int | None = None
+
+
+class Engine(Protocol):
+    """Reads the memory of one device, and acts on it where the rest of the package must.
+
+    Peaks are read by windows: :meth:`take_window` returns the figures since the
+    previous call and opens a new window, so nested spans and phases can all
+    fold the same windows into their own peaks.
+    """
+
+    #: "cuda" (a caching allocator: CUDA, ROCm, XPU) or "cpu" (the storage tracker).
+    name: str
+    device: torch.device
+
+    @property
+    def exact(self) -> bool:
+        """True when figures are exact counts of tensor storages (the CPU engine: its tracker
+        *is* the engine, so allocations are seen only while it runs, and the device runs out
+        of memory only at an emulated limit); False for readings of a device's allocator."""
+
+    @property
+    def cuda_rounding(self) -> bool:
+        """True when the CPU engine counts every storage as the CUDA allocator's 512-byte blocks."""
+
+    @property
+    def tracker(self) -> StorageTracker | None:
+        """The storage tracker giving breakdowns, activations and timelines, if any."""
+
+    @property
+    def predicts(self) -> str | None:
+        """The GPU whose figures this engine predicts from a CPU run (``"h100"``); None for an
+        engine that reads the device it runs on."""
+
+    @property
+    def workspaces(self) -> int | None:
+        """Bytes of the library workspaces the clean-state protocol keeps on the device (cuBLAS,
+        per thread): part of every start reading, never a test's cost; None where there are none."""
+
+    # -- readings -------------------------------------------------------------------
+
+    def allocated(self) -> int:
+        """Bytes allocated now."""
+
+    def reserved(self) -> int | None:
+        """Bytes the allocator holds from the driver now; None when not applicable."""
+
+    def take_window(self, *, defer: bool = False) -> Reading:
+        """Figures since the previous call; opens a new window. ``defer``: the caller can take
+        the figures later (a phase boundary): an engine that reads in batches may return a
+        pending reading (see :meth:`resolve`) rather than read now."""
+
+    def resolve(self, token: int) -> tuple[Reading, int, int]:
+        """A window that :meth:`take_window` returned as pending: its reading, the allocated
+        bytes and the event count when it closed. Only valid after a reading that was not pending."""
+        ...
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative event counters (``num_alloc_retries``, ``num_ooms``) where known."""
+
+    def driver(self) -> tuple[int | None, int | None]:
+        """(device memory used by all processes, by this process) per NVML; None when unknown."""
+
+    def device_used(self) -> int | None:
+        """Device memory in use per the runtime (``total - free``, all processes); None on CPU."""
+
+    def saved_bytes(self) -> int | None:
+        """Bytes autograd holds for backward now (distinct storages, parameters excluded); None
+        when they are not counted (the engine is not watching, or was asked not to)."""
+
+    # -- actions --------------------------------------------------------------------
+
+    def clean(self) -> None:
+        """Bring the device to a clean, comparable state before a start reading (its steady state:
+        garbage collected, library workspaces created, the allocator's cache emptied, peaks reset)."""
+
+    def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
+        """Begin watching: the storage tracker when there is one, and what autograd saves
+        (unless ``saved_tensors`` is False); ``timeline`` keeps samples for plots (needs the tracker)."""
+
+    def stop(self) -> None:
+        """Stop watching (frees of what was counted are still seen)."""
+
+    def settle(self) -> None:
+        """Collect garbage and wait for the device, so that a reading shows only what is alive."""
+
+    def warm_workspaces(self) -> None:
+        """Create the library workspaces a training step's threads get (a no-op where there are none)."""
+
+    def release_workspaces(self) -> None:
+        """Free what libraries keep per thread (cuBLAS workspaces); a no-op where there is none.
+        Only the leak check does this: the next :meth:`clean` creates them again."""
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work; a no-op on CPU."""
+
+    def empty_cache(self) -> None:
+        """Return the allocator's cached, unused blocks to the driver; a no-op on CPU."""
+
+    def memory_limit(self) -> int | None:
+        """The emulated device size in force now, in bytes; None when there is none."""
+
+    def limit_memory(self, nbytes: int) -> AbstractContextManager[int]:
+        """Run a block as if the device had only ``nbytes`` bytes; restores the previous limit."""
+
+    def watching(self) -> AbstractContextManager[None]:
+        """Make sure allocations are seen during the block (the CPU engine starts its tracker if stopped)."""
+
+    def record_history(self, path: str) -> AbstractContextManager[str | None]:
+        """Record allocation history during the block and write a memory snapshot to ``path`` at its
+        end; yields the path, or None (and writes nothing) where the engine keeps no history."""

@@ -1,0 +1,149 @@
+"""The CPU engine: exact tensor-storage bytes from the storage tracker."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from pytest_gpumem.measurement.engines.base import Reading
+from pytest_gpumem.measurement.engines.tracker import StorageTracker
+
+__all__ = ["CpuEngine"]
+
+
+class CpuEngine:
+    """Counts tensor storages on the CPU (see :mod:`pytest_gpumem.measurement.engines.tracker`).
+
+    ``cuda_rounding`` rounds every storage up to the CUDA caching allocator's
+    512-byte blocks, so that figures compare with CUDA's allocated bytes.
+    There is no caching allocator, so ``reserved`` is None (n/a). The device
+    runs out of memory only at an emulated limit (:meth:`limit_memory`), and the
+    tracker sees allocations only while it runs.
+    """
+
+    name = "cpu"
+    exact = True
+
+    def __init__(self, *, cuda_rounding: bool = False, tracker: StorageTracker | None = None) -> None:
+        self.device = torch.device("cpu")
+        self.tracker: StorageTracker = tracker or StorageTracker(self.device, cuda_rounding=cuda_rounding)
+        self._saved_tensors = True
+
+    @property
+    def cuda_rounding(self) -> bool:
+        return self.tracker.cuda_rounding
+
+    @property
+    def predicts(self) -> str | None:
+        return None
+
+    @property
+    def workspaces(self) -> int | None:
+        return None
+
+    # -- readings -------------------------------------------------------------------
+
+    @property
+    def observe(self) -> str:
+        """How allocations are seen: "operators" (dispatch mode) or "allocations" (the allocator's reports)."""
+        return "operators" if type(self.tracker) is StorageTracker else "allocations"
+
+    def allocated(self) -> int:
+        self.tracker.flush()
+        return self.tracker.current
+
+    def reserved(self) -> int | None:
+        return None
+
+    def take_window(self, *, defer: bool = False) -> Reading:
+        window = self.tracker.take_window(defer=defer)
+        return Reading(
+            peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak, pending=window.pending
+        )
+
+    def resolve(self, token: int) -> tuple[Reading, int, int]:
+        window, allocated, events = self.tracker.resolve(token)
+        return Reading(peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak), allocated, events
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def driver(self) -> tuple[int | None, int | None]:
+        return None, None
+
+    def device_used(self) -> int | None:
+        return None
+
+    def saved_bytes(self) -> int | None:
+        if not (self.tracker.active and self._saved_tensors):
+            return None
+        self.tracker.flush()
+        return self.tracker.saved
+
+    # -- actions --------------------------------------------------------------------
+
+    def clean(self) -> None:
+        self.settle()
+        self.tracker.scan()
+        self.tracker.take_window()
+
+    def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
+        self._saved_tensors = saved_tensors
+        self.tracker.start(saved_tensors=saved_tensors, timeline=timeline)
+
+    def stop(self) -> None:
+        self.tracker.stop()
+
+    def settle(self) -> None:
+        gc.collect()
+
+    def warm_workspaces(self) -> None:
+        """Nothing to create: CPU kernels keep no workspaces the tracker counts."""
+
+    def release_workspaces(self) -> None:
+        """Nothing to release: CPU kernels keep no workspaces the tracker counts."""
+
+    def synchronize(self) -> None:
+        """CPU operators finish before they return."""
+
+    def empty_cache(self) -> None:
+        """No caching allocator on the CPU engine."""
+
+    def memory_limit(self) -> int | None:
+        return self.tracker.limit
+
+    @contextmanager
+    def limit_memory(self, nbytes: int) -> Iterator[int]:
+        """Refuse allocations that would take the tracker's allocated bytes over ``nbytes``
+        (only while the tracker runs: it sees allocations only then; existing bytes never raise)."""
+        if self.observe != "operators":
+            raise ValueError(
+                "an emulated device limit needs observe='operators' on the CPU engine: allocations read "
+                "from the profiler's reports are seen after they happen and cannot be refused"
+            )
+        previous = self.tracker.limit
+        self.tracker.limit = nbytes
+        try:
+            yield nbytes
+        finally:
+            self.tracker.limit = previous
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        if self.tracker.active:
+            yield
+            return
+        self.clean()
+        self.start(saved_tensors=False)
+        try:
+            yield
+        finally:
+            self.stop()
+
+    @contextmanager
+    def record_history(self, path: str) -> Iterator[str | None]:
+        """The CPU engine keeps no allocation history: writes nothing, yields None."""
+        yield None

@@ -1,0 +1,339 @@
+"""The CUDA engine: the device's caching allocator (CUDA, ROCm, XPU) and the driver (NVML).
+
+Readings come from ``torch.accelerator.memory_*`` where torch has it, else from
+``torch.cuda``. Peaks are read through windows: ``reset_peak_memory_stats`` sets
+every peak to its current value, so each window's peak is the stat's peak since
+the previous reset. While a test is measured, ``torch.cuda.max_memory_allocated()``
+therefore reads the peak since the plugin's last span or phase boundary: read a
+span's figures (``span.peak``) instead.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from pytest_gpumem.measurement.engines.base import Reading
+from pytest_gpumem.measurement.engines.saved import SavedTensors
+from pytest_gpumem.measurement.engines.tracker import StorageTracker
+
+__all__ = ["CudaEngine", "cuda_available", "nvml_memory"]
+
+
+def cuda_available() -> bool:
+    """True when torch sees a CUDA (or ROCm) device."""
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken driver must read as "no device", not crash collection
+        return False
+
+
+#: Entries of allocation history kept for a memory snapshot.
+SNAPSHOT_ENTRIES = 100_000
+
+
+def _backend(device: torch.device) -> Any:
+    """``torch.cuda`` (CUDA and ROCm) or the module of another CUDA-like backend (``torch.xpu``)."""
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "synchronize"):
+        raise NotImplementedError(f"pytest-gpumem cannot read the memory of {device.type!r} devices")
+    return backend
+
+
+def _initialize(device: torch.device) -> None:
+    """Make sure the context, RNG and BLAS handle of ``device`` exist (their first use allocates)."""
+    torch.empty(1, device=device)
+    torch.cuda.current_blas_handle()
+
+
+def _workspace_kernels(device: torch.device) -> None:
+    """The kernels of :meth:`CudaEngine.warm_workspaces`: a matmul and a ``Linear`` with bias in
+    float32 and bfloat16 on this thread, and a backward through them on autograd's device thread."""
+    with torch.enable_grad():
+        weight = torch.ones(16, 16, device=device, requires_grad=True)
+        bias = torch.ones(16, device=device, requires_grad=True)
+        total = torch.zeros((), device=device)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.ones(16, 16, device=device, dtype=dtype)
+            w, b = weight.to(dtype), bias.to(dtype)
+            total = total + (x @ w).float().sum() + torch.nn.functional.linear(x, w, b).float().sum()
+        total.backward()
+
+
+def _memory_api() -> Any:
+    accelerator = getattr(torch, "accelerator", None)
+    memory = getattr(accelerator, "memory", None)
+    if memory is not None and hasattr(memory, "memory_stats") and hasattr(memory, "reset_peak_memory_stats"):
+        return memory
+    return torch.cuda
+
+
+class CudaEngine:
+    """Reads one CUDA-like device's caching allocator.
+
+    Args:
+        device: the device, e.g. ``torch.device("cuda", 0)``.
+        tracker: an optional storage tracker on the same device; when given, the
+            window's breakdown comes from it (the allocator's peak stays the peak,
+            and bytes the tracker cannot see, such as workspaces, count as "other").
+    """
+
+    name = "cuda"
+    exact = False
+    cuda_rounding = False
+
+    def __init__(self, device: torch.device, tracker: StorageTracker | None = None) -> None:
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device(self.device.type, torch.cuda.current_device())
+        self.tracker = tracker
+        self._api = _memory_api()
+        self._backend = _backend(self.device)
+        self._saved = SavedTensors(self.device) if tracker is None else None
+        self._count_saved = True
+        self._workspaces: int | None = None
+
+    @property
+    def predicts(self) -> str | None:
+        return None
+
+    @property
+    def workspaces(self) -> int | None:
+        """Bytes of the cuBLAS/cuBLASLt workspaces the clean-state protocol keeps (measured at the
+        first :meth:`clean`: 64 MiB on an H100 with torch 2.11, 32 MiB for each of two threads)."""
+        return self._workspaces
+
+    # -- actions --------------------------------------------------------------------
+
+    def clean(self) -> None:
+        """Bring the device to its steady state before a start reading.
+
+        Synchronize and collect garbage (only the objects made since the collector
+        last froze its older ones, under the plugin), make sure the context, RNG and
+        BLAS handle exist, create the library workspaces that a training step's threads
+        get (see :meth:`warm_workspaces`; every time, since a test may free them, as Inductor's
+        CUDA graph trees do; measured the first time) and keep them, return the allocator's cached
+        blocks to the driver, and reset the peaks. A test's figures then never include
+        a workspace an earlier test did or did not create. PyTorch's leak check frees
+        the workspaces instead: :func:`pytest_gpumem.diagnose.leaks.confirm_leak` does that.
+        """
+        with self._backend.device(self.device):
+            self.settle()
+            _initialize(self.device)
+            if self._workspaces is None:  # the first time: how many bytes they hold
+                self.release_workspaces()
+                before = self.allocated()
+                self.warm_workspaces()
+                self._workspaces = self.allocated() - before
+            else:
+                self.warm_workspaces()
+            self.empty_cache()
+            self._api.reset_peak_memory_stats(self.device)
+        if self.tracker is not None:
+            self.tracker.scan()
+            self.tracker.take_window()
+
+    def warm_workspaces(self) -> None:
+        """Create the workspaces cuBLAS and cuBLASLt keep per thread: this thread's (a matmul and
+        a ``Linear`` with bias, in float32 and bfloat16) and the autograd engine's device thread's
+        (a backward through them). Each thread's workspace is made once (32 MiB on Hopper); when
+        they exist this costs a few tiny kernels."""
+        _workspace_kernels(self.device)
+        self.synchronize()
+
+    def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
+        self._count_saved = saved_tensors
+        if self.tracker is not None:
+            self.tracker.start(saved_tensors=saved_tensors, timeline=timeline)
+        elif saved_tensors and self._saved is not None:
+            self._saved.start()
+
+    def stop(self) -> None:
+        if self.tracker is not None:
+            self.tracker.stop()
+        elif self._saved is not None:
+            self._saved.stop()
+
+    def saved_bytes(self) -> int | None:
+        if not self._count_saved:
+            return None
+        if self.tracker is not None:
+            return self.tracker.saved if self.tracker.active else None
+        return self._saved.current if self._saved is not None and self._saved.active else None
+
+    def settle(self) -> None:
+        """Synchronize and collect garbage, so that a reading shows only what is alive."""
+        self.synchronize()
+        gc.collect()
+        self.synchronize()
+
+    def release_workspaces(self) -> None:
+        """Free the cuBLAS workspaces of every thread (PyTorch's leak-check protocol does).
+
+        A thread's first matmul creates one (8.5 MiB by default, 32 MiB on Hopper);
+        it outlives the operator. Torch versions without the function keep them.
+        """
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None and self.device.type == "cuda":
+            with self._backend.device(self.device):
+                clear()
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        self._backend.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        self.synchronize()
+        self._backend.empty_cache()
+
+    def device_used(self) -> int | None:
+        try:
+            free, total = self._backend.mem_get_info(self.device)
+        except Exception:
+            return None
+        return int(total) - int(free)
+
+    def memory_limit(self) -> int | None:
+        fraction = self._memory_fraction()
+        if fraction >= 1.0:
+            return None
+        return int(fraction * self._total_memory())
+
+    @contextmanager
+    def limit_memory(self, nbytes: int) -> Iterator[int]:
+        """Cap the caching allocator with ``set_per_process_memory_fraction(nbytes / total)``.
+
+        The fraction caps the allocator's *reserved* memory (segments from the
+        driver, so rounding and fragmentation count against it; memory outside
+        PyTorch, such as the CUDA context, does not). Under pressure the
+        allocator frees its cached blocks before it raises. A limit above the
+        card's memory is clamped to the whole card. The previous fraction is
+        restored on exit (read with ``get_per_process_memory_fraction`` on torch
+        2.8 and later; assumed 1.0, no cap, before).
+        """
+        fraction = min(1.0, nbytes / self._total_memory())
+        previous = self._memory_fraction()
+        self._backend.set_per_process_memory_fraction(fraction, self.device)
+        try:
+            yield nbytes
+        finally:
+            self._backend.set_per_process_memory_fraction(previous, self.device)
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """The allocator sees every allocation: nothing to start."""
+        yield
+
+    @contextmanager
+    def record_history(self, path: str) -> Iterator[str | None]:
+        """Record allocation history (Python stacks) and dump a snapshot pickle to ``path`` at the end."""
+        memory = torch.cuda.memory
+        memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
+        try:
+            yield path
+        finally:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            memory._dump_snapshot(path)
+            memory._record_memory_history(enabled=None)
+
+    def _total_memory(self) -> int:
+        return int(self._backend.get_device_properties(self.device).total_memory)
+
+    def _memory_fraction(self) -> float:
+        getter = getattr(self._backend, "get_per_process_memory_fraction", None)
+        if getter is None:
+            return 1.0  # torch < 2.8 has no getter: assume the default, no cap
+        return float(getter(self.device))
+
+    # -- readings -------------------------------------------------------------------
+
+    def allocated(self) -> int:
+        return int(self._api.memory_allocated(self.device))
+
+    def reserved(self) -> int | None:
+        return int(self._api.memory_reserved(self.device))
+
+    def stats(self) -> dict[str, Any]:
+        """The allocator's raw ``memory_stats()`` for this device."""
+        return dict(self._api.memory_stats(self.device))
+
+    def take_window(self, *, defer: bool = False) -> Reading:
+        stats = self.stats()
+        self._api.reset_peak_memory_stats(self.device)
+        saved = None
+        if self.tracker is None and self._saved is not None and self._count_saved:
+            saved = self._saved.take_peak()
+        return reading_from_stats(stats, self.tracker, saved_peak=saved)
+
+    def resolve(self, token: int) -> tuple[Reading, int, int]:
+        raise LookupError(f"no pending window {token}: the caching allocator's windows are read when they close")
+
+    def counters(self) -> dict[str, int]:
+        stats = self.stats()
+        return {key: int(stats.get(key, 0)) for key in ("num_alloc_retries", "num_ooms")}
+
+    def driver(self) -> tuple[int | None, int | None]:
+        return nvml_memory(self.device)
+
+
+def reading_from_stats(
+    stats: dict[str, Any], tracker: StorageTracker | None = None, *, saved_peak: int | None = None
+) -> Reading:
+    """A window's :class:`Reading` from a ``memory_stats()`` dict read at its end.
+
+    With a tracker, its breakdown at its own peak is used and whatever the
+    allocator's peak holds beyond it (workspaces, rounding) is added to "other";
+    ``saved_peak`` (bytes held for backward) comes from the tracker, else as given.
+    """
+    peak = int(stats.get("allocated_bytes.all.peak", 0))
+    breakdown: tuple[int, ...] | None = None
+    if tracker is not None:
+        window = tracker.take_window()
+        parts = list(window.breakdown)
+        parts[-1] += max(0, peak - sum(parts))
+        breakdown = tuple(parts)
+        saved_peak = window.saved_peak
+    return Reading(
+        peak=peak,
+        breakdown=breakdown,
+        saved_peak=saved_peak,
+        reserved_peak=int(stats.get("reserved_bytes.all.peak", 0)),
+        requested_peak=int(stats["requested_bytes.all.peak"]) if "requested_bytes.all.peak" in stats else None,
+    )
+
+
+_nvml_state: dict[str, Any] = {}
+
+
+def nvml_memory(device: torch.device) -> tuple[int | None, int | None]:
+    """Device memory used (all processes) and used by this process, per NVML.
+
+    NVML indexes devices without regard to ``CUDA_VISIBLE_DEVICES``, so the
+    device is found by its UUID. Inside containers NVML often lists host PIDs
+    or no per-process figure at all: then the second value is None. Any NVML
+    failure gives (None, None).
+    """
+    try:
+        import pynvml
+
+        if not _nvml_state.get("initialised"):
+            pynvml.nvmlInit()
+            _nvml_state["initialised"] = True
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else "GPU-" + uuid)
+        used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    except Exception:
+        return None, None
+    mine: int | None = None
+    try:
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == os.getpid() and process.usedGpuMemory is not None:
+                mine = int(process.usedGpuMemory)
+    except Exception:
+        mine = None
+    return used, mine

@@ -1,0 +1,391 @@
+"""The prediction engine: a CPU run, counted as a target GPU's caching allocator would count it.
+
+The storage tracker watches the run's operators as on the CPU engine; every storage it
+sees allocated or freed is also requested from, or returned to, a model of the CUDA
+caching allocator (:class:`~pytest_gpumem.targets.allocator.CachingAllocatorModel`) with
+the target's constants, and the library workspaces the target's threads allocate at their
+first matrix product (cuBLAS, cuBLASLt) are allocated there too. The figures are the model's:
+``allocated`` counts whole blocks (512-byte rounding, blocks it did not split), ``reserved``
+its segments. Like the CUDA engine, the engine creates the workspaces before a test's start
+reading, so a test's cost never includes a workspace an earlier test did or did not create.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from pytest_gpumem.measurement.engines.base import Reading
+from pytest_gpumem.measurement.engines.cpu import CpuEngine
+from pytest_gpumem.measurement.engines.tracker import OTHER, Block, StorageTracker, _Mode
+from pytest_gpumem.targets import AttentionBackend, Target, Workspace
+
+__all__ = ["PredictEngine", "PredictTracker"]
+
+#: The thread a workspace belongs to: the caller's, or the autograd engine's device thread,
+#: which runs a CUDA backward (on the CPU, backward runs on the caller's thread).
+_MAIN, _BACKWARD = "main", "backward"
+
+
+class _PredictMode(_Mode):
+    """The tracker's dispatch mode, which also sees the operators that make a thread's workspaces."""
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        tracker = self.tracker
+        assert isinstance(tracker, PredictTracker)
+        name = func._overloadpacket.__name__
+        if name in tracker.workspace_operators:
+            with tracker._lock:
+                tracker.matrix_product(name, args)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class PredictTracker(StorageTracker):
+    """The storage tracker, its allocations mirrored in a model of the target's caching allocator."""
+
+    def __init__(self, target: Target) -> None:
+        super().__init__(torch.device("cpu"), cuda_rounding=True)
+        from pytest_gpumem.targets import CachingAllocatorModel
+
+        self.target = target
+        self.model = CachingAllocatorModel(target.allocator)
+        self.workspace_operators = frozenset().union(*(w.operators for w in target.workspaces))
+        self._workspaces: dict[tuple[str, str], Block] = {}
+        self._synthetic_keys = itertools.count(1)
+        self._kernels: _DeviceKernels | None = None
+
+    # -- the model follows the tracker's entries -----------------------------------------
+
+    def _insert(self, entry: Any, key: int, nbytes: int, category: int) -> None:
+        self.model.malloc(key, nbytes)
+        super()._insert(entry, key, nbytes, category)
+
+    def _on_freed(self, entry: Any) -> None:
+        key = entry.key
+        with self._lock:
+            if self._entries.get(key) is entry and key in self.model:  # not if resized to nothing before
+                self.model.free(key)
+            super()._on_freed(entry)
+
+    def _resize_entry(self, entry: Any, nbytes: int) -> None:
+        """A storage resized in place is, to the caching allocator, a free and a new block."""
+        key = entry.key
+        if key in self.model:
+            self.model.free(key)
+        if nbytes:
+            self.model.malloc(key, nbytes)
+        super()._resize_entry(entry, nbytes)
+
+    def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
+        super().start(saved_tensors=saved_tensors, timeline=timeline)
+        self._kernels = _DeviceKernels(self)
+        self._kernels.__enter__()
+
+    def stop(self) -> None:
+        kernels, self._kernels = self._kernels, None
+        if kernels is not None:
+            kernels.__exit__(None, None, None)
+        super().stop()
+
+    def _make_mode(self) -> _Mode:
+        return _PredictMode(self)
+
+    def _follow(self, stack: contextlib.ExitStack) -> None:
+        """Watch the calling thread, the target's kernels too (a function mode is per thread)."""
+        watched = any(getattr(mode, "tracker", None) is self for mode in _get_current_dispatch_mode_stack())
+        super()._follow(stack)
+        if self._kernels is not None and not watched:
+            stack.enter_context(_DeviceKernels(self))
+
+    def count_new(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Count ``tensors``, made while the tracker was set aside, as this moment's allocations."""
+        self.register([t for t in tensors if t is not None], "temporaries")
+
+    # -- workspaces ----------------------------------------------------------------
+
+    def matrix_product(self, name: str, args: tuple[Any, ...]) -> None:
+        """The thread running operator ``name`` gets the workspaces it uses, if it has none yet."""
+        thread = _BACKWARD if torch._C._current_graph_task_id() != -1 else _MAIN
+        for workspace in self.target.workspaces:
+            if name in workspace.operators and (workspace.library, thread) not in self._workspaces:
+                if workspace.when == "bias" and not _has_vector_bias(args):
+                    continue
+                self._create(workspace, thread)
+
+    def _create(self, workspace: Workspace, thread: str) -> None:
+        entry = Block()
+        key = -next(self._synthetic_keys)  # storages' keys are addresses: never negative
+        self._workspaces[(workspace.library, thread)] = entry
+        self._insert(entry, key, workspace.nbytes, OTHER)
+
+    def warm_workspaces(self) -> None:
+        """Create every workspace a training step's threads get: the caller's thread all of
+        them, the backward thread those of a plain matrix product."""
+        for workspace in self.target.workspaces:
+            if (workspace.library, _MAIN) not in self._workspaces:
+                self._create(workspace, _MAIN)
+            plain = "mm" in workspace.operators and workspace.when is None
+            if plain and (workspace.library, _BACKWARD) not in self._workspaces:
+                self._create(workspace, _BACKWARD)
+
+    def release_workspaces(self) -> None:
+        """Free every workspace (what ``torch._C._cuda_clearCublasWorkspaces()`` does)."""
+        for entry in self._workspaces.values():
+            self._on_freed(entry)
+        self._workspaces.clear()
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self._workspaces.values())
+
+
+@contextmanager
+def _set_aside() -> Iterator[None]:
+    """Run CPU code the target would not run, unseen: no dispatch mode (the tracker's) and no
+    saved-tensor hooks (autograd graphs made inside save what the CPU's kernels need)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        yield
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _DeviceKernels(TorchFunctionMode):
+    """Runs, in a predicted span, the memory behaviour of the target's kernels where they differ
+    from the CPU's: scaled-dot-product attention (the backend the target would choose) and
+    training-mode dropout (the fused kernel, which keeps a bool mask)."""
+
+    def __init__(self, tracker: PredictTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.target = tracker.target
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and self.target.attention_order:
+            return _attention(self.tracker, *args, **kwargs)
+        if func is F.dropout and self.target.dropout_mask == "bool":
+            return _dropout(*args, **kwargs)
+        if torch.is_autocast_enabled("cpu"):
+            precision = self._autocast(func)
+            if precision is not None:
+                args, kwargs = _cast((args, kwargs), precision)
+        return func(*args, **kwargs)
+
+    def _autocast(self, func: Any) -> torch.dtype | None:
+        """The dtype the target's autocast runs ``func`` in, where the CPU's may differ (None: as the CPU)."""
+        name = getattr(func, "__name__", "")
+        if name.startswith("__") and name.endswith("__"):  # operators: x ** 3 is pow, 3 ** x rpow
+            name = name[2:-2]
+            if name.startswith("r") and name[1:] in self.target.autocast_fp32:
+                name = name[1:]
+        if name in self.target.autocast_fp32:
+            return torch.float32
+        if name in self.target.autocast_lower:
+            return torch.get_autocast_dtype("cpu")
+        return None
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with its floating-point tensors (but float64) cast to ``dtype``, as autocast casts arguments."""
+    if isinstance(value, torch.Tensor):
+        eligible = value.is_floating_point() and value.dtype not in (torch.float64, dtype)
+        return value.to(dtype) if eligible else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: _cast(item, dtype) for key, item in value.items()}
+    return value
+
+
+def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """``F.dropout`` as CUDA runs it: the fused ``native_dropout`` (a bool mask kept for backward)."""
+    if training and not inplace and 0 < p < 1 and input.numel() > 0:
+        return torch.native_dropout(input, p, True)[0]
+    return F.dropout(input, p, training, inplace)
+
+
+def choose_backend(
+    target: Target,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    enable_gqa: bool,
+) -> AttentionBackend:
+    """The attention backend the target's PyTorch runs for these arguments (its first that accepts)."""
+    dtype = str(query.dtype).removeprefix("torch.")
+    gqa = enable_gqa and key.size(-3) != query.size(-3)
+    for backend in target.attention_order:
+        if backend.accepts(dtype, query.size(-1), value.size(-1), attn_mask is not None, gqa):
+            return backend
+    raise ValueError(f"no attention backend of {target.name!r} accepts {dtype} (its order must end with 'math')")
+
+
+def _attention(
+    tracker: PredictTracker,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    if torch.is_autocast_enabled("cpu"):
+        # autocast casts the arguments to its lower precision below this function (on the CPU as on
+        # CUDA): cast them here, as the target's autocast would, before its backend is chosen
+        query, key, value, attn_mask = _cast((query, key, value, attn_mask), torch.get_autocast_dtype("cpu"))
+    backend = choose_backend(tracker.target, query, key, value, attn_mask, enable_gqa)
+    if backend.name == "math":  # the composite CUDA runs too: its operators are the target's
+        out, _ = torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+        return out  # type: ignore[no-any-return]
+    options = (backend, dropout_p, is_causal, scale, enable_gqa, tracker)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return _FusedAttention.apply(query, key, value, attn_mask, options)  # type: ignore[no-any-return]
+    with _set_aside():
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    tracker.count_new([out])
+    return out
+
+
+class _FusedAttention(torch.autograd.Function):
+    """A fused attention kernel's memory: its output, and for backward the inputs, the output, a
+    float32 log-sum-exp per query row and the random state; the values are the CPU's (its own
+    kernel, run set aside, and again with the same random numbers in backward)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        options: tuple[Any, ...],
+    ) -> torch.Tensor:
+        backend, dropout_p, is_causal, scale, enable_gqa, tracker = options
+        with _set_aside():
+            rng = torch.get_rng_state() if dropout_p > 0 else None
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )
+        tracker.count_new([out])
+        rows = query.size(-2)
+        multiple = backend.logsumexp_row_multiple
+        logsumexp = torch.empty((*query.shape[:-2], math.ceil(rows / multiple) * multiple), dtype=torch.float32)
+        state = [torch.empty((), dtype=torch.int64) for _ in range(2)] if backend.keeps_rng_state(dropout_p) else []
+        ctx.save_for_backward(query, key, value, out, logsumexp, attn_mask, *state)
+        ctx.rng = rng
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, _out, _lse, attn_mask, *_ = ctx.saved_tensors
+        _, dropout_p, is_causal, scale, enable_gqa, tracker = ctx.options
+        q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in (query, key, value))
+        inputs = [q, k, v]
+        wanted = [t for t in inputs if t.requires_grad]
+        with _set_aside(), torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            if ctx.rng is not None:
+                torch.set_rng_state(ctx.rng)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )
+            found = iter(torch.autograd.grad(out, wanted, grad_out))
+        grads = [next(found) if t.requires_grad else None for t in inputs]
+        tracker.count_new(grads)
+        return (*grads, None, None)
+
+
+def _has_vector_bias(args: tuple[Any, ...]) -> bool:
+    """``addmm(bias, a, b)`` with a one-dimensional bias: ``Linear`` with a bias (cuBLASLt's path)."""
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() == 1
+
+
+class PredictEngine(CpuEngine):
+    """A CPU run whose figures are those the target GPU's caching allocator would show.
+
+    Args:
+        target: the GPU and PyTorch version to predict (:func:`pytest_gpumem.targets.target`).
+    """
+
+    name = "predict"
+    exact = True
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.predictor = PredictTracker(target)
+        super().__init__(tracker=self.predictor)
+        self._workspace_total: int | None = None
+
+    @property
+    def predicts(self) -> str | None:
+        return self.target.name
+
+    @property
+    def workspaces(self) -> int | None:
+        return self._workspace_total
+
+    def allocated(self) -> int:
+        return self.predictor.model.allocated
+
+    def reserved(self) -> int | None:
+        return self.predictor.model.reserved
+
+    def take_window(self, *, defer: bool = False) -> Reading:
+        window = self.tracker.take_window()
+        model = self.predictor.model
+        peak, reserved_peak = model.peak_allocated, model.peak_reserved
+        model.reset_peaks()
+        breakdown = window.breakdown
+        if breakdown is not None and peak > window.peak:  # whole blocks the allocator did not split
+            parts = list(breakdown)
+            parts[OTHER] += peak - window.peak
+            breakdown = tuple(parts)
+        return Reading(peak=peak, breakdown=breakdown, reserved_peak=reserved_peak, saved_peak=window.saved_peak)
+
+    def clean(self) -> None:
+        """As the CUDA engine: collect garbage, register what is alive, create the workspaces,
+        return cached blocks (``empty_cache``), and start a new window."""
+        self.settle()
+        self.tracker.scan()
+        self.warm_workspaces()
+        if self._workspace_total is None:
+            self._workspace_total = self.predictor.workspace_bytes
+        self.empty_cache()
+        self.take_window()
+
+    def warm_workspaces(self) -> None:
+        self.predictor.warm_workspaces()
+
+    def release_workspaces(self) -> None:
+        self.predictor.release_workspaces()
+
+    def empty_cache(self) -> None:
+        self.predictor.model.empty_cache()

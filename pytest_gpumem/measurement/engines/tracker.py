@@ -1,0 +1,874 @@
+"""An exact tensor-storage tracker at the dispatcher level.
+
+The tracker counts the bytes of tensor *storages* on one device. Every storage is
+counted once however many tensors and views point to it. While the tracker is
+active a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every
+operator's outputs; a storage that an operator creates is an allocation, and a
+weak reference on the storage's Python object reports its death (the moment its
+bytes are freed). Storages that exist before tracking starts are found by a scan
+of the garbage collector's objects (:meth:`StorageTracker.scan`), so figures
+include everything alive on the device, as the CUDA caching allocator's do.
+
+Each storage also carries a category (see :data:`pytest_gpumem.data.figures.CATEGORIES`):
+parameters, gradients and optimizer state are recognised from the objects the
+user tracks, activations are storages saved for backward (seen through
+``saved_tensors_hooks``), everything else created while tracking is a temporary
+and everything else that existed before is "other".
+
+Threads: torch's dispatch modes and saved-tensor hooks are per thread. While a tracker
+watches, threads started with ``threading.Thread.start`` and callables submitted to a
+``concurrent.futures.ThreadPoolExecutor`` (whenever its threads were started) run under
+the tracker too (:func:`_follow_threads`); one count, under a lock, serves every thread, so
+the peak of threads running at once is the peak of their sum.
+
+What it does not see: memory that kernels allocate internally without creating
+a tensor (workspaces), storages that no Python-reachable tensor referenced at
+scan time and that no tracked operator created, and what threads that were running
+before the tracker started (and are no pool's) allocate: a later :meth:`StorageTracker.scan`
+finds what of it is still alive (see :func:`unseen_note`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
+
+try:
+    from torch._ops import OpOverload
+except ImportError:  # pragma: no cover - torch moved it
+    OpOverload = None  # type: ignore[assignment,misc]
+
+from pytest_gpumem.data.figures import CATEGORIES
+from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
+from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded, format_size
+
+__all__ = ["CUDA_BLOCK", "StorageTracker", "Window", "cuda_rounded"]
+
+PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
+
+#: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
+TIMELINE_LIMIT = 4096
+
+
+@dataclass
+class Window:
+    """Highest allocated bytes since the window opened, the breakdown then, and its event index;
+    ``saved_peak``: the highest bytes held for backward at one time in the window."""
+
+    peak: int
+    breakdown: tuple[int, ...]
+    event: int = 0
+    saved_peak: int = 0
+    #: set when the window is read later (see :meth:`AllocationTracker.take_window`)
+    pending: int | None = None
+
+
+#: How the tracker treats an operator's outputs (cached per operator, from its schema).
+#: SKIP: every output is a view of an input, or the operator writes in place without
+#: resizing (``add_``, ``t``, ``detach``): no storage can appear or change size.
+#: FRESH: no output aliases an input: a storage not yet counted is an allocation.
+#: ALIAS: outputs that may alias and resize an input (``resize_``, ``set_``, ``out=``,
+#: mixed schemas): a known storage is re-measured, an unknown one is not counted.
+SKIP, FRESH, ALIAS = 0, 1, 2
+
+
+def _output_kind(func: Any) -> int:
+    """SKIP, FRESH or ALIAS for the operator ``func`` (see above), from its schema."""
+    try:
+        schema = func._schema
+        infos = [r.alias_info for r in schema.returns]
+        has_out = any(a.is_out for a in schema.arguments)
+        name = schema.name
+    except AttributeError:
+        return FRESH
+    # lift_fresh aliases a tensor that torch.tensor(data) built outside the dispatcher:
+    # its output is a new storage as far as anything here can see
+    if all(info is None for info in infos) or name == "aten::lift_fresh":
+        return FRESH
+    if any(info is None for info in infos) or has_out or "resize" in name or "set_" in name:
+        return ALIAS
+    # views (alias, no write) and in-place operators that keep their storage's size
+    return SKIP
+
+
+def _operator(func: Any) -> tuple[Callable[..., Any], int]:
+    """How the mode calls ``func``, and its output kind.
+
+    A plain ``OpOverload`` is called through its C++ handle ``_op``, as its
+    ``__call__`` does: one Python frame less per operator.
+    """
+    call = func
+    if OpOverload is not None and type(func).__call__ is OpOverload.__call__:
+        call = getattr(func, "_op", func)
+    return call, _output_kind(func)
+
+
+class _Entry(weakref.ref):  # type: ignore[type-arg]
+    """One tracked storage: a weak reference to it, with its counted bytes and category.
+
+    Being the weak reference itself (rather than holding one and a callback closure)
+    makes registering a storage one object instead of three, and it has no Python
+    ``__init__``: :meth:`StorageTracker._add` sets the fields. That runs once per
+    allocation while tracking.
+
+    Fields: ``key`` (the storage's ``_cdata``), ``nbytes`` (counted bytes),
+    ``category``, ``serial`` (registration order), ``moved`` (event index since
+    which it has had its category), ``saves`` (how many autograd graphs hold it
+    now), ``prior`` (its category before it was saved for backward).
+    """
+
+    __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "serial")
+    key: int
+    nbytes: int
+    category: int
+    serial: int
+    moved: int
+    saves: int
+    prior: int
+
+
+class Block:
+    """A tracked allocation that is no storage the tracker can watch (one seen in the
+    profiler's stream, a library workspace of a predicted device): the fields of the tracker's
+    entries, and alive (calling it returns itself) until the tracker is told it is freed."""
+
+    __slots__ = _Entry.__slots__  # set by StorageTracker._insert, as for the tracker's entries
+    key: int
+    nbytes: int
+    category: int
+    serial: int
+    moved: int
+    saves: int
+    prior: int
+
+    def __call__(self) -> Block:
+        return self
+
+
+_RESIZE_WATCHERS: list[StorageTracker] = []
+_original_resize: Any = None
+
+
+def _resize_watch(tracker: StorageTracker, *, watch: bool) -> None:
+    """Tell ``tracker`` of storages resized in place while it watches (``UntypedStorage.resize_``
+    runs under no operator); the method is restored when no tracker watches."""
+    global _original_resize
+    if watch:
+        if tracker not in _RESIZE_WATCHERS:
+            _RESIZE_WATCHERS.append(tracker)
+        if _original_resize is None:
+            _original_resize = torch.UntypedStorage.resize_
+
+            def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+                result = _original_resize(storage, size)
+                for watcher in list(_RESIZE_WATCHERS):
+                    watcher._storage_resized(storage)
+                return result
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+    else:
+        if tracker in _RESIZE_WATCHERS:
+            _RESIZE_WATCHERS.remove(tracker)
+        if not _RESIZE_WATCHERS and _original_resize is not None:
+            torch.UntypedStorage.resize_ = _original_resize  # type: ignore[method-assign]
+            _original_resize = None
+
+
+_FOLLOWERS: list[StorageTracker] = []
+_original_start: Any = None
+_original_submit: Any = None
+
+
+def _follow_threads(tracker: StorageTracker, *, follow: bool) -> None:
+    """While ``tracker`` watches, threads started (``threading.Thread.start``) and callables
+    submitted to thread pools (``ThreadPoolExecutor.submit``) run under it as well: torch's
+    dispatch modes and saved-tensor hooks are per thread. The methods are restored when no
+    tracker watches."""
+    global _original_start, _original_submit
+    if follow:
+        if tracker not in _FOLLOWERS:
+            _FOLLOWERS.append(tracker)
+        if _original_start is None:
+            _original_start, _original_submit = threading.Thread.start, ThreadPoolExecutor.submit
+            threading.Thread.start = _start  # type: ignore[method-assign,assignment]
+            ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign,assignment]
+    else:
+        if tracker in _FOLLOWERS:
+            _FOLLOWERS.remove(tracker)
+        if not _FOLLOWERS and _original_start is not None:
+            threading.Thread.start = _original_start  # type: ignore[method-assign]
+            ThreadPoolExecutor.submit = _original_submit  # type: ignore[method-assign]
+            _original_start = _original_submit = None
+
+
+def _start(thread: threading.Thread) -> None:
+    """``Thread.start`` while trackers watch: the thread's ``run`` runs under them."""
+    trackers = [tracker for tracker in _FOLLOWERS if tracker.active]
+    if trackers:
+        run = thread.run
+
+        def followed() -> None:
+            try:
+                _call_followed(trackers, run)
+            finally:
+                thread.__dict__.pop("run", None)  # let go of the trackers with the thread's work
+
+        thread.run = followed  # type: ignore[method-assign]
+    start: Any = _original_start or threading.Thread.start
+    start(thread)
+
+
+def _submit(executor: ThreadPoolExecutor, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``ThreadPoolExecutor.submit`` while trackers watch: ``fn`` runs under them on the pool's
+    thread, whenever that thread was started."""
+    trackers = [tracker for tracker in _FOLLOWERS if tracker.active]
+    submit: Any = _original_submit or ThreadPoolExecutor.submit
+    if not trackers:
+        return submit(executor, fn, *args, **kwargs)
+    return submit(executor, _call_followed, trackers, fn, *args, **kwargs)
+
+
+def _call_followed(trackers: list[StorageTracker], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on this thread, watched by those of ``trackers`` still active."""
+    with contextlib.ExitStack() as stack:
+        for tracker in trackers:
+            if tracker.active:
+                tracker._follow(stack)
+        return fn(*args, **kwargs)
+
+
+def unseen_note(nbytes: int) -> str:
+    """The note on figures that missed ``nbytes`` found alive later by a scan."""
+    return (
+        f"{format_size(nbytes)} alive at the end were allocated where the tensor tracker could not see them "
+        "(on a thread started before the measurement, or outside PyTorch's operators): retained counts them, "
+        "peak and allocated may miss them (not seen while they were made)"
+    )
+
+
+#: Tensor types that hold their own storage: every other tensor type is looked into (local_tensors).
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors a wrapper subclass holds (a ``DTensor``: its local shard; FSDP2's sharded
+    parameters are such), flattened; None for a tensor that holds its own storage.
+
+    A wrapper's own storage is a placeholder of its global size: the bytes are its local tensors'.
+    """
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    found: list[torch.Tensor] = []
+    for name in names:
+        inner = getattr(tensor, name)
+        if not isinstance(inner, torch.Tensor):  # a DeviceMesh, a spec: not memory
+            continue
+        nested = local_tensors(inner) if type(inner) not in _PLAIN else None
+        found.extend(nested if nested is not None else [inner])
+    return found
+
+
+class OutOfMemory(torch.OutOfMemoryError):
+    """Raised by the tracker when an emulated device limit would be exceeded."""
+
+
+#: The plugin's own frames are never the user's compiled code: while a compiled function runs
+#: eagerly, TorchDynamo is asked about every Python frame it calls, the plugin's hooks too.
+_PLUGIN_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep
+
+
+def _skipped_frame() -> tuple[Any, bool, str] | None:
+    """The frame TorchDynamo is about to run eagerly, from its caller's ``frame`` argument:
+    (its code object, whether it is a library's code, ``qualname (file:line)``); None for the
+    plugin's frames."""
+    caller: Any = sys._getframe(2)
+    for _ in range(4):
+        if caller is None:
+            break
+        code = getattr(caller.f_locals.get("frame"), "f_code", None)
+        if code is not None:
+            if code.co_filename.startswith(_PLUGIN_ROOT):
+                return None
+            name = getattr(code, "co_qualname", code.co_name)
+            library = code.co_filename.startswith((_TORCH_ROOT, "<"))  # torch's, or generated code
+            return code, library, f"{name} ({code.co_filename}:{code.co_firstlineno})"
+        caller = caller.f_back
+    return None, False, "a torch.compile'd function"
+
+
+def describe_compiled(frames: list[tuple[bool, str]]) -> str:
+    """The frames worth naming to a user: their own code first, else torch modules' ``forward``."""
+    own = [text for in_torch, text in frames if not in_torch]
+    forwards = [text for in_torch, text in frames if in_torch and ".forward (" in text]
+    names = list(dict.fromkeys(own or forwards or ["a torch.compile'd function"]))
+    return "; ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+class _Mode(TorchDispatchMode):
+    """Sees each operator's outputs and reports new storages to the tracker.
+
+    This runs once per operator: views and in-place operators (a third of a
+    training step's operators) return at the first dictionary lookup.
+    """
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.operators = tracker._operators
+        # bound once (the lock's methods too: cheaper than a with-statement): this runs once per operator
+        self.acquire, self.release = tracker._lock.acquire, tracker._lock.release
+        self.output, self.outputs = tracker._output, tracker._outputs
+        #: set once the mode is on the stack: from then on only TorchDynamo asks
+        #: :meth:`ignore_compile_internals` (the mode's own ``__enter__`` asks it first)
+        self.armed = False
+
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        """TorchDynamo asks every dispatch mode on the stack this before it compiles or runs a
+        ``torch.compile``'d frame; False makes it run the frame eagerly, operator by operator,
+        which is what the tracker sees. True would let compiled code run unseen (Inductor's
+        kernels allocate their buffers outside the dispatcher), so the answer stays False and
+        the skipped frame is reported instead: figures of the eager program must never pass
+        for figures of the compiled one in silence."""
+        if self.armed:
+            frame = _skipped_frame()
+            if frame is not None:
+                code, library, text = frame
+                self.tracker.compiled_frames.append((library, text))
+                if code is not None:
+                    self.tracker.skipped_codes.add(code)
+        return False
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        operator = self.operators.get(func)
+        if operator is None:
+            operator = self.operators[func] = _operator(func)
+        call, kind = operator
+        out = call(*args, **kwargs) if kwargs else call(*args)
+        if kind:
+            self.acquire()  # one count for every thread the tracker watches
+            try:
+                if isinstance(out, torch.Tensor):
+                    self.output(out, kind == FRESH)
+                else:
+                    self.outputs(out, kind == FRESH)
+            finally:
+                self.release()
+        return out
+
+
+class StorageTracker:
+    """Counts the bytes of tensor storages on one device, by category.
+
+    Use :meth:`scan` to register what already exists, then :meth:`start` /
+    :meth:`stop` around the code to watch. Frees are seen at any time, even while
+    stopped, so the count stays right across stop/start.
+
+    Args:
+        device: the device whose storages are counted (``cpu``, ``cuda:0``...).
+        cuda_rounding: count each storage as the CUDA caching allocator would:
+            rounded up to 512-byte blocks.
+    """
+
+    def __init__(self, device: torch.device, *, cuda_rounding: bool = False) -> None:
+        self.device = torch.device(device)
+        self.cuda_rounding = cuda_rounding
+        self._entries: dict[int, _Entry] = {}
+        self._serial = 0
+        self._by_category = [0] * len(CATEGORIES)
+        self.current = 0
+        self._window = Window(0, tuple(self._by_category), 0)
+        # True while the count sits at the window's peak and the window's breakdown
+        # has not been copied yet: a rising count (a forward pass) then costs no copy
+        # per allocation; the copy is made before anything lowers or moves a count.
+        self._pending = False
+        self._operators: dict[Any, tuple[Callable[..., Any], int]] = {}
+        #: held while the counts change: threads the tracker follows change them too (reentrant:
+        #: a storage freed by a garbage collection inside a change is counted out on the same thread)
+        self._lock = threading.RLock()
+        self._acquire, self._release = self._lock.acquire, self._lock.release
+        #: notes on what the figures miss since :meth:`start` (threads it could not follow)
+        self.notes: list[str] = []
+        self._freed = self._on_freed  # one bound method for every weak reference
+        self._mode: _Mode | None = None
+        self._saved_hooks: Any = None
+        self._param_keys: set[int] = set()
+        #: bytes of the distinct storages autograd holds for backward now (parameters excluded).
+        self.saved = 0
+        #: number of allocation/free events seen so far.
+        self.events = 0
+        #: ``torch.compile``'d frames that TorchDynamo ran eagerly because the tracker's
+        #: dispatch mode was active (see :meth:`_Mode.ignore_compile_internals`).
+        self.compiled_frames: list[tuple[bool, str]] = []
+        #: their code objects: TorchDynamo marks a code it skips to be skipped from then on;
+        #: :meth:`stop` clears that mark, so the code is compiled again once the span is over.
+        self.skipped_codes: set[Any] = set()
+        self.timeline: list[tuple[int, tuple[int, ...]]] | None = None
+        self._timeline_stride = 1
+        #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
+        self.limit: int | None = None
+        #: called with the request size (bytes) just before a limit OOM is raised.
+        self.on_oom: Callable[[int], None] | None = None
+        strided = self._strided = torch.strided
+        self._cpu = self.device.type == "cpu"
+        if self._cpu:
+            self._on_device: Callable[[torch.Tensor], bool] = lambda t: t.is_cpu and t.layout == strided
+        else:
+            dev_type, index = self.device.type, self.device.index or 0
+            self._on_device = lambda t: t.device.type == dev_type and t.get_device() == index
+
+    # -- what is counted -------------------------------------------------------
+
+    def _size(self, storage: torch.UntypedStorage) -> int:
+        nbytes = int(storage.nbytes())
+        return cuda_rounded(nbytes) if self.cuda_rounding else nbytes
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes alive now, by category."""
+        with self._lock:
+            return dict(zip(CATEGORIES, self._by_category, strict=True))
+
+    def _add(self, storage: torch.UntypedStorage, key: int, category: int) -> None:
+        nbytes = storage.nbytes()
+        if self.cuda_rounding:
+            nbytes = cuda_rounded(nbytes)
+        if self.limit is not None and self.current + nbytes > self.limit:
+            self._refuse(nbytes)
+        self._insert(_Entry(storage, self._freed), key, nbytes, category)
+
+    def _insert(self, entry: Any, key: int, nbytes: int, category: int) -> None:
+        """Count ``entry`` (a new allocation of ``nbytes`` under ``key``) in ``category``."""
+        self._serial += 1
+        self.events = events = self.events + 1
+        entry.key = key
+        entry.nbytes = nbytes
+        entry.category = entry.prior = category
+        entry.serial = self._serial
+        entry.moved = events
+        entry.saves = 0
+        self._entries[key] = entry
+        self._by_category[category] += nbytes
+        self.current = current = self.current + nbytes
+        window = self._window
+        if current > window.peak:
+            window.peak = current
+            window.event = events
+            self._pending = True
+        if self.timeline is not None:
+            self._sample()
+
+    def _refuse(self, nbytes: int) -> None:
+        if self.on_oom is not None:
+            self.on_oom(nbytes)
+        raise OutOfMemory(
+            f"Tried to allocate {nbytes} bytes with {self.current} bytes allocated: "
+            f"over the emulated device limit of {self.limit} bytes (pytest-gpumem CPU engine)"
+        )
+
+    def _on_freed(self, entry: _Entry) -> None:
+        """Weak-reference callback: the storage of ``entry`` is being freed (on any thread)."""
+        key = entry.key
+        self._acquire()
+        try:
+            if self._entries.get(key) is not entry:
+                return
+            if self._pending:
+                self._settle()
+            del self._entries[key]
+            self._by_category[entry.category] -= entry.nbytes
+            self.current -= entry.nbytes
+            self._param_keys.discard(key)
+            self.events += 1
+            if self.timeline is not None:
+                self._sample()
+        finally:
+            self._release()
+
+    def _settle(self) -> None:
+        """Copy the breakdown into the window: the count is at its peak and is about to change."""
+        self._window.breakdown = tuple(self._by_category)
+        self._pending = False
+
+    def _event(self) -> None:
+        """Count an event that may raise the count (the categories are already updated)."""
+        self.events += 1
+        window = self._window
+        if self.current > window.peak:
+            window.peak = self.current
+            window.event = self.events
+            self._pending = True
+        if self.timeline is not None:
+            self._sample()
+
+    def _sample(self) -> None:
+        assert self.timeline is not None
+        if self.events % self._timeline_stride == 0:
+            self.timeline.append((self.events, tuple(self._by_category)))
+            if len(self.timeline) >= TIMELINE_LIMIT:
+                self._halve_timeline()
+
+    def _halve_timeline(self) -> None:
+        assert self.timeline is not None
+        kept = []
+        for i in range(0, len(self.timeline), 2):
+            pair = self.timeline[i : i + 2]
+            kept.append(max(pair, key=lambda sample: sum(sample[1])))
+        self.timeline = kept
+        self._timeline_stride *= 2
+
+    def _outputs(self, out: Any, fresh: bool) -> None:
+        """Count the storages of an operator's outputs; ``fresh``: it creates them (see FRESH)."""
+        tensor_type = torch.Tensor
+        if isinstance(out, tensor_type):
+            self._output(out, fresh)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                if isinstance(item, tensor_type):
+                    self._output(item, fresh)
+                elif isinstance(item, (tuple, list)):
+                    for inner in item:
+                        if isinstance(inner, tensor_type):
+                            self._output(inner, fresh)
+
+    def _output(self, tensor: torch.Tensor, fresh: bool) -> None:
+        if type(tensor) not in _PLAIN:  # a wrapper subclass (DTensor): its local tensors hold the bytes
+            inner = local_tensors(tensor)
+            if inner is not None:
+                for local in inner:
+                    self._output(local, fresh)
+                return
+        if self._cpu:
+            if not tensor.is_cpu or tensor.layout != self._strided:
+                return
+        elif not self._on_device(tensor):
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
+            return
+        key = storage._cdata
+        entry = self._entries.get(key)
+        if entry is None:
+            if fresh:
+                self._add(storage, key, TEMPORARIES)
+            return
+        nbytes = storage.nbytes()
+        if self.cuda_rounding:
+            nbytes = cuda_rounded(nbytes)
+        if nbytes != entry.nbytes:  # resize_ / out= that grew the storage
+            self._resize_entry(entry, nbytes)
+
+    def _resize_entry(self, entry: Any, nbytes: int) -> None:
+        """``entry``'s storage holds ``nbytes`` now (an operator resized it, or its storage was resized)."""
+        delta = nbytes - entry.nbytes
+        if delta > 0 and self.limit is not None and self.current + delta > self.limit:
+            self._refuse(delta)
+        if self._pending and delta < 0:
+            self._settle()
+        entry.nbytes = nbytes
+        self._by_category[entry.category] += delta
+        self.current += delta
+        self._event()
+
+    def _storage_resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage was resized in place (``untyped_storage().resize_()``: FSDP2 frees and
+        re-allocates its unsharded parameters that way, under no operator)."""
+        with self._lock:
+            entry = self._entries.get(storage._cdata)
+            if entry is None:
+                return
+            nbytes = storage.nbytes()
+            if self.cuda_rounding:
+                nbytes = cuda_rounded(nbytes)
+            if nbytes != entry.nbytes:
+                self._resize_entry(entry, nbytes)
+
+    # -- registering what exists ----------------------------------------------
+
+    def register(self, tensors: Iterable[torch.Tensor], category: str | None = None) -> None:
+        """Count the storages of ``tensors`` (if not yet counted) and set their category.
+
+        ``category`` None keeps the category of known storages and counts unknown
+        ones as "other". Tensors on other devices are ignored.
+        """
+        with self._lock:
+            self._register(tensors, category)
+
+    def _register(self, tensors: Iterable[torch.Tensor], category: str | None) -> None:
+        index = None if category is None else CATEGORIES.index(category)
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if type(tensor) not in _PLAIN:
+                inner = local_tensors(tensor)
+                if inner is not None:
+                    self._register(inner, category)
+                    continue
+            if not self._on_device(tensor):
+                continue
+            try:
+                storage = tensor.untyped_storage()
+                key = self._key(storage)
+            except (RuntimeError, NotImplementedError):  # no storage, or no data (fake tensors)
+                continue
+            if key is None:
+                continue
+            entry = self._entries.get(key)
+            if entry is None:
+                limit, self.limit = self.limit, None  # existing bytes never raise
+                try:
+                    self._add(storage, key, OTHER if index is None else index)
+                finally:
+                    self.limit = limit
+            elif index is not None and entry.category != index:
+                self._move(entry, index)
+            if index == PARAMETERS:
+                self._param_keys.add(key)
+
+    def _key(self, storage: torch.UntypedStorage) -> int | None:
+        """The key ``storage`` is counted under: the identity of its C++ object (None: not counted)."""
+        return int(storage._cdata)
+
+    def _move(self, entry: _Entry, index: int, *, discovered: bool = True) -> None:
+        """Give ``entry`` the category ``index``.
+
+        ``discovered``: the storage is found to *be* of that category (a gradient
+        becomes ``.grad`` only after AccumulateGrad, optimizer state is seen after
+        ``step()``), so the current window's peak breakdown is corrected too. False
+        for changes that happen now (saved for backward, released by autograd).
+        """
+        if self._pending:
+            self._settle()
+        window = self._window
+        if discovered and entry.moved <= window.event:
+            # Alive at the window's peak with the same category since: it was part of
+            # that peak, and it is what it turns out to be now (a gradient is known as
+            # one only after AccumulateGrad, an optimizer state after step()).
+            parts = list(window.breakdown)
+            parts[entry.category] -= entry.nbytes
+            parts[index] += entry.nbytes
+            window.breakdown = tuple(parts)
+        self._by_category[entry.category] -= entry.nbytes
+        self._by_category[index] += entry.nbytes
+        entry.category = index
+        entry.moved = self.events
+
+    def scan(self, extra: Iterable[object] = ()) -> int:
+        """Register every tensor the garbage collector can see on this device, and those of
+        ``extra`` (tensors among frozen objects, which it cannot see); returns the bytes of
+        the storages it found that were not counted yet.
+
+        Parameters count as "parameters", their ``.grad`` as "gradients", the rest
+        as "other" (known storages keep their category).
+        """
+        with self._lock:
+            before = self.current
+            self._scan(extra)
+            return self.current - before
+
+    def _scan(self, extra: Iterable[object] = ()) -> None:
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        others: list[torch.Tensor] = []
+        tensor_type = torch.Tensor
+        parameter_type = torch.nn.Parameter
+        for obj in itertools.chain(gc.get_objects(), extra):
+            cls = type(obj)
+            if cls is tensor_type:
+                others.append(obj)
+            elif cls is parameter_type:
+                params.append(obj)
+                if obj.grad is not None:
+                    grads.append(obj.grad)
+            elif issubclass(cls, tensor_type):
+                others.append(obj)
+        self.register(others)
+        self.register(params, "parameters")
+        self.register(grads, "gradients")
+
+    def category_of(self, tensor: torch.Tensor) -> str | None:
+        """The category of ``tensor``'s storage, or None when it is not counted."""
+        self.flush()
+        try:
+            key = self._key(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return None
+        entry = None if key is None else self._entries.get(key)
+        return None if entry is None else CATEGORIES[entry.category]
+
+    def flush(self) -> None:
+        """Bring the counts up to now: they always are here (the allocation tracker replays)."""
+
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        """A block of readings taken at one moment: the counts are brought up to now once."""
+        return contextlib.nullcontext()
+
+    def resolve(self, token: int) -> tuple[Window, int, int]:
+        """A pending window's figures: windows are never pending here."""
+        raise LookupError(f"no pending window {token}: the storage tracker reads windows when they close")
+
+    # -- windows ---------------------------------------------------------------
+
+    def take_window(self, *, defer: bool = False) -> Window:
+        """The window since the last call (or creation); opens a new one at the current count.
+        ``defer`` is moot: this tracker's counts are always current."""
+        with self._lock:
+            if self._pending:
+                self._settle()
+            window = self._window
+            self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
+            return window
+
+    # -- activity --------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
+        """Begin watching operators (and saved tensors, unless ``saved_tensors`` is False)."""
+        if self._mode is not None:
+            raise RuntimeError("the storage tracker is already active")
+        self._begin_count(timeline)
+        self._mode = self._make_mode()
+        self._mode.__enter__()
+        self._mode.armed = True
+        _resize_watch(self, watch=True)
+        _follow_threads(self, follow=True)
+        if saved_tensors:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
+            self._saved_hooks.__enter__()
+
+    def _follow(self, stack: contextlib.ExitStack) -> None:
+        """Watch the calling thread (one this tracker did not start on) until ``stack`` closes:
+        a dispatch mode of its own, and the saved-tensor hooks where :meth:`start` entered them."""
+        if any(getattr(mode, "tracker", None) is self for mode in _get_current_dispatch_mode_stack()):
+            return  # watched already (a pool's thread started while watching, given work)
+        mode = self._make_mode()
+        mode.armed = True
+        # pushed without the mode's __enter__: that sets process-wide flags, which the mode of the
+        # thread that started the tracker has set already, and which threads would undo out of order
+        _push_mode(mode)
+        stack.callback(_pop_mode)
+        if self._saved_hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, unpack))
+
+    def _make_mode(self) -> _Mode:
+        """The dispatch mode that reports operators' outputs to this tracker."""
+        return _Mode(self)
+
+    def _begin_count(self, timeline: bool) -> None:
+        """Events count from here: a new window at the current count, the timeline (if kept) restarted."""
+        self.timeline = [] if timeline else None
+        self._timeline_stride = 1
+        self.events = 0
+        self.notes = []
+        if self.timeline is not None:
+            self.timeline.append((0, tuple(self._by_category)))
+        self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
+        self._pending = False
+
+    def stop(self) -> None:
+        """Stop watching operators. Frees of counted storages are still seen."""
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+        _resize_watch(self, watch=False)
+        _follow_threads(self, follow=False)
+        self._forget_skips()
+
+    def _forget_skips(self) -> None:
+        """Undo what the dispatch mode made TorchDynamo remember: it skips a code it ran eagerly
+        under a dispatch mode on every later call too. Its state is reset, so the next call
+        compiles it again (from Inductor's caches where they hold it) and runs it compiled."""
+        codes, self.skipped_codes = self.skipped_codes, set()
+        reset_code = getattr(sys.modules.get("torch._dynamo"), "reset_code", None)
+        if reset_code is None:
+            return
+        for code in codes:
+            reset_code(code)
+
+    def _pack(self, tensor: torch.Tensor) -> Held:
+        if type(tensor) not in _PLAIN:
+            inner = local_tensors(tensor)
+            if inner is not None:  # a wrapper subclass: what it saves is its local tensor
+                if len(inner) != 1 or not self._on_device(inner[0]):
+                    return Held(tensor)
+                return self._held_as(tensor, inner[0])
+        if not self._on_device(tensor):
+            return Held(tensor)
+        base = tensor._base
+        parameter_type = torch.nn.Parameter
+        if isinstance(tensor, parameter_type) or isinstance(base, parameter_type):
+            # a parameter or a view of one (Linear saves weight.t()): never an activation
+            param = tensor if base is None else base
+            try:
+                known = self._entries.get(param.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                return Held(tensor)
+            if known is None or known.category != PARAMETERS:  # else registering it changes nothing
+                self.register((param,), "parameters")
+            return Held(tensor)
+        return self._held_as(tensor, tensor)
+
+    def _held_as(self, tensor: torch.Tensor, local: torch.Tensor) -> Held:
+        """Hold ``tensor`` for backward, saved as ``local``'s storage (itself, or a DTensor's shard)."""
+        try:
+            storage = local.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return Held(tensor)
+        key = storage._cdata
+        entry = self._entries.get(key)
+        if entry is None or key in self._param_keys:
+            return Held(tensor)
+        self._save(entry)
+        return Released(tensor, self._unsave, entry)
+
+    def _save(self, entry: _Entry) -> None:
+        """Autograd holds ``entry`` for backward once more: counted once however often it is held."""
+        with self._lock:
+            if entry.saves == 0:
+                self.saved += entry.nbytes
+                if self.saved > self._window.saved_peak:
+                    self._window.saved_peak = self.saved
+                if entry.category in (TEMPORARIES, OTHER):
+                    entry.prior = entry.category
+                    self._move(entry, ACTIVATIONS, discovered=False)
+            entry.saves += 1
+
+    def _unsave(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.saves -= 1
+            if entry.saves == 0:
+                self.saved -= entry.nbytes
+                # The holder keeps the tensor alive, so the storage is still counted here.
+                if entry.category == ACTIVATIONS and entry() is not None:
+                    self._move(entry, entry.prior, discovered=False)

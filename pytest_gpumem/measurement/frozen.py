@@ -1,0 +1,68 @@
+"""The tensors among the garbage collector's frozen objects.
+
+``gc.freeze()`` moves every object alive into a generation that collections and
+``gc.get_objects()`` skip. The plugin freezes once, before the first measured
+test (:class:`pytest_gpumem.plugin.runner.Freezer`), so that each test's collections
+and scans cover only objects made since; it never freezes what a test made. The
+tensors alive at that moment are remembered here (weakly), so that a tracker
+made later and a census of live tensors still find them without unfreezing.
+Naming what holds a tensor needs the frozen objects themselves (:func:`thaw`).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["forget", "known", "remember", "tensors", "thaw"]
+
+_tensors: list[weakref.ref[torch.Tensor]] = []
+_known = False
+
+
+def remember() -> None:
+    """Remember every tensor the collector sees now (call just before ``gc.freeze()``)."""
+    global _known
+    tensor_type = torch.Tensor
+    found = []
+    for obj in gc.get_objects():
+        cls = type(obj)
+        if cls is tensor_type or issubclass(cls, tensor_type):
+            try:
+                found.append(weakref.ref(obj))
+            except TypeError:  # a tensor subclass without weak references
+                continue
+    _tensors[:] = found
+    _known = True
+
+
+def forget() -> None:
+    """The frozen objects went back to the collector (``gc.unfreeze()``): nothing to remember."""
+    global _known
+    _tensors.clear()
+    _known = False
+
+
+def known() -> bool:
+    """Whether the frozen objects are the plugin's own, whose tensors :func:`tensors` yields."""
+    return _known and gc.get_freeze_count() > 0
+
+
+def tensors() -> Iterator[torch.Tensor]:
+    """The frozen tensors still alive (``gc.get_objects()`` does not list them)."""
+    for ref in _tensors:
+        tensor = ref()
+        if tensor is not None:
+            yield tensor
+
+
+def thaw() -> None:
+    """Give the plugin's frozen objects back to the collector for good, so that
+    ``gc.get_referrers`` sees them (naming what holds a leaked tensor). Later
+    collections cost what they would without the freeze; only failures' reports need it."""
+    if known():
+        gc.unfreeze()
+    forget()

@@ -1,0 +1,648 @@
+"""Spans, phases and breakdowns: turning engine readings into :class:`Measurement` objects.
+
+A :class:`Recorder` owns one engine for a stretch of time (a test, or a
+``with measure():`` block outside pytest). Inside it, spans can nest: the whole
+test call and any number of ``with recorder.span(name)`` blocks. Peaks are read
+through engine *windows*: at every span or phase boundary the window since the
+previous boundary is folded into every open span (and the running phase), so
+each span gets its own exact peak however they nest.
+
+Phases (forward, backward, optimizer) are found through hooks, not by the user:
+a forward pre-hook on each tracked module starts "forward", a pre-hook on the
+autograd node of the module's outputs starts "backward" when backward reaches
+it, and the optimizer's step pre/post hooks bracket "optimizer".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from pytest_gpumem.budgets.formulas import tracked_psi
+from pytest_gpumem.data.figures import CATEGORIES, CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline
+from pytest_gpumem.judge.spec import check_span_limits
+from pytest_gpumem.measurement.engines import make_engine, resolve_device
+from pytest_gpumem.measurement.engines.base import Engine, Reading
+from pytest_gpumem.measurement.engines.tracker import describe_compiled
+from pytest_gpumem.units import parse_size
+
+__all__ = ["Recorder", "Span", "activate", "engine_for", "measure"]
+
+_ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pytest_gpumem_recorder", default=None)
+
+
+def engine_for(target: Engine | str | torch.device | None) -> Engine:
+    """The engine for ``target``: ``target`` itself when it is an engine; for a device name
+    (``"cpu"``, ``"cuda:0"``, ``"auto"``) the engine measuring that device now (inside a
+    measured test or a :func:`measure` block), else a new one from
+    :func:`~pytest_gpumem.measurement.engines.make_engine`.
+    """
+    if target is not None and not isinstance(target, (str, torch.device)):
+        return target
+    device = resolve_device(target)
+    active = _ACTIVE.get()
+    if active is not None and active.active and active.engine.device == device:
+        return active.engine
+    return make_engine(device)
+
+
+@dataclass
+class _PhaseState:
+    start: int
+    peak: int
+    end: int
+    count: int = 1
+
+
+@dataclass
+class _SpanState:
+    name: str
+    start: int
+    start_reserved: int | None
+    counters: dict[str, int]
+    start_event: int
+    peak: int
+    breakdown: tuple[int, ...] | None = None
+    reserved_peak: int | None = None
+    requested_peak: int | None = None
+    saved_peak: int | None = None
+    compiled_from: int = 0
+    notes_from: int = 0
+    phases: dict[str, _PhaseState] = field(default_factory=dict)
+
+    def absorb(self, reading: Reading, phase: str | None) -> None:
+        if reading.peak > self.peak or (reading.peak == self.peak and self.breakdown is None):
+            self.peak = reading.peak
+            self.breakdown = reading.breakdown
+        if reading.reserved_peak is not None:
+            self.reserved_peak = max(self.reserved_peak or 0, reading.reserved_peak)
+        if reading.requested_peak is not None:
+            self.requested_peak = max(self.requested_peak or 0, reading.requested_peak)
+        if reading.saved_peak is not None:
+            self.saved_peak = max(self.saved_peak or 0, reading.saved_peak)
+        if phase is not None and phase in self.phases:
+            state = self.phases[phase]
+            state.peak = max(state.peak, reading.peak)
+
+
+class Recorder:
+    """Measures spans on one engine. Not thread-safe; one per test.
+
+    Args:
+        engine: where bytes are read.
+        timeline: keep allocated-by-category samples for plots (needs a tracker).
+        saved_tensors: count the bytes autograd holds for backward (``saved_tensors_hooks``).
+    """
+
+    def __init__(self, engine: Engine, *, timeline: bool = False, saved_tensors: bool = True) -> None:
+        self.engine = engine
+        self.timeline = timeline and engine.tracker is not None
+        self.saved_tensors = saved_tensors
+        self.tracked: list[Any] = []
+        self._tracked_ids: set[int] = set()
+        self._open: list[_SpanState] = []
+        self._handles: list[Any] = []
+        self._phase: str | None = None
+        self._depth = 0
+        #: phases are marked by a framework adapter (:meth:`mark_phase`), not by the tracked objects' hooks
+        self.external_phases = False
+        self._marks: list[tuple[int, str]] = []
+        #: windows and phase changes the engine reads later, in order: (kind, token, phase, new phase)
+        self._deferred: list[tuple[str, int, str | None, str | None]] = []
+        self.active = False
+        #: the spans closed so far, in order (the fixture reports them).
+        self.spans: list[Span] = []
+        #: set when rank processes were measured (``gpumem.distributed``): the marker's limits
+        #: then apply to every rank's span, not to this process's call
+        self.ranks_measured = False
+        #: the emulated device size in bytes the test runs under, if any.
+        self.device_limit: int | None = None
+        #: the largest microbatch size found by ``gpumem.max_microbatch()``, if it ran.
+        self.max_microbatch: int | None = None
+
+    # -- life cycle ------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Clean the device and start watching (the engine's tracker or saved-tensor counter, hooks)."""
+        self.engine.clean()
+        self.engine.start(saved_tensors=self.saved_tensors, timeline=self.timeline)
+        self._classify()
+        self.active = True
+
+    def end(self) -> None:
+        """Stop watching; remove every hook this recorder installed and let go of tracked objects."""
+        self.active = False
+        self.engine.stop()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._phase = None
+        self.external_phases = False
+        self.tracked.clear()
+        self._tracked_ids.clear()
+
+    # -- tracked objects -------------------------------------------------------
+
+    def track(self, *objects: Any) -> None:
+        """Register modules and optimizers for the breakdown, phases and Ψ.
+
+        Modules' parameters count as "parameters" and their ``.grad`` as
+        "gradients"; optimizers' state tensors as "optimizer_state". Tracking the
+        same object twice is harmless.
+        """
+        for obj in objects:
+            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                raise TypeError(
+                    f"gpumem.track() takes torch.nn.Module and torch.optim.Optimizer objects, got {type(obj).__name__}"
+                )
+            if id(obj) in self._tracked_ids:
+                continue
+            self._tracked_ids.add(id(obj))
+            self.tracked.append(obj)
+            if isinstance(obj, torch.nn.Module):
+                self._handles.append(obj.register_forward_pre_hook(self._forward_pre))
+                self._handles.append(obj.register_forward_hook(self._forward_post))
+                if self.engine.tracker is not None:
+                    for param in obj.parameters():
+                        if param.requires_grad:
+                            self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+            else:
+                self._handles.append(obj.register_step_pre_hook(self._optimizer_pre))
+                self._handles.append(obj.register_step_post_hook(self._optimizer_post))
+        if self.active:
+            self._classify()
+
+    def _classify(self) -> None:
+        tracker = self.engine.tracker
+        if tracker is None:
+            return
+        for obj in self.tracked:
+            if isinstance(obj, torch.nn.Module):
+                params = list(obj.parameters())
+                tracker.register(params, "parameters")
+                tracker.register([p.grad for p in params if p.grad is not None], "gradients")
+            else:
+                self._classify_optimizer(obj)
+
+    def _classify_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        tracker = self.engine.tracker
+        if tracker is None:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        tracker.register(params, "parameters")
+        tracker.register([p.grad for p in params if p.grad is not None], "gradients")
+        # a wrapper that shards the optimizer (ZeroRedundancyOptimizer) keeps the rank's state in
+        # the optimizer it wraps, ``.optim``
+        inner = getattr(optimizer, "optim", None)
+        holders = [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
+        tracker.register(
+            [
+                value
+                for holder in holders
+                for state in holder.state.values()
+                for value in state.values()
+                if isinstance(value, torch.Tensor)
+            ],
+            "optimizer_state",
+        )
+
+    @property
+    def psi(self) -> int | None:
+        """Trainable parameter count of the tracked objects; None when nothing is tracked."""
+        return tracked_psi(self.tracked)
+
+    # -- hooks -----------------------------------------------------------------
+
+    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if self._depth == 0 and not self.external_phases:
+            self.set_phase("forward")
+        self._depth += 1
+
+    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self.active and torch.is_grad_enabled():
+            for tensor in _tensors(output):
+                if tensor.grad_fn is not None:
+                    self._handles.append(tensor.grad_fn.register_prehook(self._backward_reached))
+
+    def _backward_reached(self, grad_outputs: Any) -> None:
+        if self._phase != "optimizer" and not self.external_phases:
+            self.set_phase("backward")
+            # leave the phase when this backward pass ends (autograd runs queued callbacks then)
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        if self._phase == "backward":
+            self.set_phase(None)
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        tracker = self.engine.tracker
+        if tracker is not None and self.active and param.grad is not None:
+            tracker.register((param.grad,), "gradients")
+
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.external_phases:
+            self.set_phase("optimizer")
+
+    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._classify_optimizer(optimizer)
+        if not self.external_phases:
+            self.set_phase(None)
+
+    def mark_phase(self, phase: str | None) -> None:
+        """Enter ``phase`` as a framework's own hooks tell it, and from now on let only them tell
+        it: with Lightning's automatic optimization the forward and backward passes run inside
+        ``optimizer.step(closure)``, where the tracked objects' hooks would call them "optimizer"."""
+        self.external_phases = True
+        self.set_phase(phase)
+
+    @property
+    def phase(self) -> str | None:
+        """The phase running now ("forward", "backward", "optimizer"), or None."""
+        return self._phase
+
+    def set_phase(self, phase: str | None) -> None:
+        """Enter ``phase`` ("forward", "backward", "optimizer") or leave phases (None)."""
+        if phase == self._phase or not self.active:
+            return
+        token = self._fold(defer=True)
+        old, self._phase = self._phase, phase
+        if token is not None:  # the engine reads this moment later: so is the transition
+            self._deferred.append(("phase", token, old, phase))
+            return
+        tracker = self.engine.tracker
+        self._transition(old, phase, self.engine.allocated(), tracker.events if tracker is not None else 0)
+
+    def _transition(self, old: str | None, new: str | None, now: int, events: int) -> None:
+        """Phases change with ``now`` bytes allocated, after ``events`` tracker events."""
+        if old is not None:
+            for span in self._open:
+                if old in span.phases:
+                    span.phases[old].end = now
+        if new is not None:
+            for span in self._open:
+                state = span.phases.get(new)
+                if state is None:
+                    span.phases[new] = _PhaseState(now, now, now)
+                else:
+                    state.count += 1
+                    state.peak = max(state.peak, now)
+            if self.engine.tracker is not None:
+                self._marks.append((events, new))
+
+    # -- spans -----------------------------------------------------------------
+
+    def _fold(self, *, defer: bool = False) -> int | None:
+        """Close the engine's window and give it to the open spans; returns its token when the
+        engine reads it later (the CPU engine observing allocations: at phase boundaries, which
+        pass ``defer``, and inside backward)."""
+        reading = self.engine.take_window(defer=defer)
+        if reading.pending is not None:
+            self._deferred.append(("fold", reading.pending, self._phase, None))
+            return reading.pending
+        if self._deferred:  # earlier windows, read by this reading's flush: theirs come first
+            deferred, self._deferred = self._deferred, []
+            for kind, token, phase, new in deferred:
+                earlier, now, events = self.engine.resolve(token)
+                if kind == "fold":
+                    for span in self._open:
+                        span.absorb(earlier, phase)
+                else:
+                    self._transition(phase, new, now, events)
+        for span in self._open:
+            span.absorb(reading, self._phase)
+        return None
+
+    def open(self, name: str) -> _SpanState:
+        """Open a span; returns its state for :meth:`close`."""
+        if not self.active:
+            raise RuntimeError(f"cannot open span {name!r}: the recorder is not active")
+        with self._reading():
+            return self._open_state(name)
+
+    def _reading(self) -> contextlib.AbstractContextManager[None]:
+        """Readings taken together, at one moment (one profiler read when observing allocations)."""
+        tracker = self.engine.tracker
+        return contextlib.nullcontext() if tracker is None else tracker.reading()
+
+    def _open_state(self, name: str) -> _SpanState:
+        self._fold()
+        tracker = self.engine.tracker
+        now = self.engine.allocated()
+        state = _SpanState(
+            name=name,
+            start=now,
+            start_reserved=self.engine.reserved(),
+            counters=self.engine.counters(),
+            start_event=tracker.events if tracker is not None else 0,
+            peak=now,
+            breakdown=None if tracker is None else tuple(tracker.breakdown().values()),
+            saved_peak=self.engine.saved_bytes(),
+            compiled_from=len(tracker.compiled_frames) if tracker is not None else 0,
+            notes_from=len(tracker.notes) if tracker is not None else 0,
+        )
+        if self._phase is not None:
+            state.phases[self._phase] = _PhaseState(now, now, now)
+        self._open.append(state)
+        return state
+
+    def allocated_now(self) -> tuple[int, dict[str, int] | None]:
+        """Allocated bytes now and, with a tracker, their breakdown by category."""
+        with self._reading():
+            return self._allocated_now()
+
+    def _allocated_now(self) -> tuple[int, dict[str, int] | None]:
+        now = self.engine.allocated()
+        tracker = self.engine.tracker
+        if tracker is None:
+            return now, None
+        parts = tracker.breakdown()
+        parts["other"] += max(0, now - sum(parts.values()))
+        return now, parts
+
+    def close(
+        self,
+        state: _SpanState,
+        *,
+        allocated: tuple[int, dict[str, int] | None] | None = None,
+    ) -> Measurement:
+        """Close a span opened by :meth:`open` and return its figures.
+
+        ``allocated`` overrides the end reading with an earlier
+        :meth:`allocated_now` (the plugin reads it as the test function returns,
+        while its locals are alive).
+        """
+        with self._reading():
+            self._fold()
+            now = self.engine.allocated()
+            if self._phase is not None and self._phase in state.phases:
+                state.phases[self._phase].end = now
+            self._open.remove(state)
+            counters = self.engine.counters()
+            used, mine = self.engine.driver()
+            end, end_breakdown = self._allocated_now() if allocated is None else allocated
+        breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
+        self._warn_compiled(state)
+        tracker = self.engine.tracker
+        notes = () if tracker is None else tuple(dict.fromkeys(tracker.notes[state.notes_from :]))
+        for note in notes:
+            warnings.warn(PartialFigures(f"span {state.name!r}: {note}"), stacklevel=2)
+        return Measurement(
+            name=state.name,
+            engine=self.engine.name,
+            device=str(self.engine.device),
+            start=state.start,
+            peak=state.peak,
+            allocated=end,
+            reserved=state.reserved_peak,
+            start_reserved=state.start_reserved,
+            requested_peak=state.requested_peak,
+            num_alloc_retries=_diff(counters, state.counters, "num_alloc_retries"),
+            num_ooms=_diff(counters, state.counters, "num_ooms"),
+            driver_used=used,
+            driver_process=mine,
+            breakdown=breakdown,
+            allocated_breakdown=end_breakdown,
+            phases={name: Phase(name, p.start, p.peak, p.end, p.count) for name, p in state.phases.items()},
+            saved_activations=state.saved_peak if self.saved_tensors else None,
+            psi=self.psi,
+            cuda_rounding=self.engine.cuda_rounding,
+            notes=notes,
+        )
+
+    def _warn_compiled(self, state: _SpanState) -> None:
+        """Say loudly when TorchDynamo ran compiled frames eagerly under the tracker (see
+        :class:`CompiledCodeNotMeasured`): the span's figures are then the eager program's."""
+        tracker = self.engine.tracker
+        if tracker is None or len(tracker.compiled_frames) <= state.compiled_from:
+            return
+        shown = describe_compiled(tracker.compiled_frames[state.compiled_from :])
+        warnings.warn(
+            CompiledCodeNotMeasured(
+                f"span {state.name!r} measured the eager program, not the torch.compile'd one: "
+                f"TorchDynamo ran {shown} eagerly because the {self.engine.name} engine's tensor tracker "
+                "watches operators (it compiles that code again after the measurement); compiled code's "
+                "memory can differ (fusion, recomputation): measure it with observe='allocations' "
+                "(CPU engine) or on CUDA without the breakdown"
+            ),
+            stacklevel=2,
+        )
+
+    def timeline_since(self, start_event: int) -> Timeline | None:
+        """The tracker's samples from ``start_event`` on, as a :class:`Timeline`."""
+        tracker = self.engine.tracker
+        if tracker is None or tracker.timeline is None:
+            return None
+        samples = [(event, parts) for event, parts in tracker.timeline if event >= start_event]
+        if not samples or samples[-1][0] != tracker.events:
+            samples.append((tracker.events, tuple(tracker.breakdown().values())))
+        events = tuple(event - start_event for event, _ in samples)
+        series = {category: tuple(parts[i] for _, parts in samples) for i, category in enumerate(CATEGORIES)}
+        marks = tuple((event - start_event, label) for event, label in self._marks if event >= start_event)
+        return Timeline(events=events, series=series, marks=marks)
+
+    def span(self, name: str, **limits: Any) -> Span:
+        """A ``with`` block measured as a span named ``name``."""
+        return Span(self, name, limits)
+
+    @property
+    def span_names(self) -> list[str]:
+        """Names of the spans opened so far (closed and still open), in order."""
+        return [span.name for span in self.spans] + [state.name for state in self._open]
+
+
+def _diff(now: Mapping[str, int], before: Mapping[str, int], key: str) -> int | None:
+    if key not in now or key not in before:
+        return None
+    return now[key] - before[key]
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            yield from _tensors(getattr(value, name, None))
+
+
+class Span:
+    """A measured ``with`` block. After the block, its figures are available.
+
+    ``span.measurement`` is the :class:`Measurement`; ``peak``, ``allocated``,
+    ``start``, ``reserved``, ``breakdown``, ``allocated_breakdown``, ``phases``,
+    ``saved_activations`` and ``psi`` are shortcuts to it, and ``span.cost("peak")`` is what the span added.
+    Limits given as keyword arguments (``peak="1GiB"``) are checked by the
+    pytest plugin at the end of the test, or on leaving the block outside pytest.
+    """
+
+    def __init__(self, recorder: Recorder, name: str, limits: Mapping[str, Any]) -> None:
+        self.recorder = recorder
+        self.name = name
+        self.limits = dict(limits)
+        self._state: _SpanState | None = None
+        self._measurement: Measurement | None = None
+        self.timeline: Timeline | None = None
+
+    def __enter__(self) -> Span:
+        if self._state is not None or self._measurement is not None:
+            raise RuntimeError(f"span {self.name!r} cannot be entered twice")
+        self._state = self.recorder.open(self.name)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._state is not None
+        start_event = self._state.start_event
+        self._measurement = self.recorder.close(self._state)
+        self.timeline = self.recorder.timeline_since(start_event) if self.recorder.timeline else None
+        self._state = None
+        self.recorder.spans.append(self)
+
+    @classmethod
+    def finished(cls, recorder: Recorder, name: str, measurement: Measurement, limits: Mapping[str, Any]) -> Span:
+        """A span measured elsewhere (a rank process), with its figures and the limits that apply."""
+        span = cls(recorder, name, limits)
+        span._measurement = measurement
+        return span
+
+    @property
+    def measurement(self) -> Measurement:
+        """The span's figures; raises if the block has not finished."""
+        if self._measurement is None:
+            raise RuntimeError(f"span {self.name!r} has no figures until its with-block ends")
+        return self._measurement
+
+    @property
+    def start(self) -> int:
+        return self.measurement.start
+
+    @property
+    def peak(self) -> int:
+        return self.measurement.peak
+
+    @property
+    def allocated(self) -> int:
+        return self.measurement.allocated
+
+    @property
+    def reserved(self) -> int | None:
+        return self.measurement.reserved
+
+    @property
+    def breakdown(self) -> Mapping[str, int] | None:
+        return self.measurement.breakdown
+
+    @property
+    def phases(self) -> Mapping[str, Phase]:
+        return self.measurement.phases
+
+    @property
+    def saved_activations(self) -> int | None:
+        return self.measurement.saved_activations
+
+    @property
+    def allocated_breakdown(self) -> Mapping[str, int] | None:
+        return self.measurement.allocated_breakdown
+
+    @property
+    def psi(self) -> int | None:
+        return self.measurement.psi
+
+    def cost(self, metric: str) -> int | None:
+        """What the span added to ``metric`` (figure minus start)."""
+        return self.measurement.cost(metric)
+
+    def __repr__(self) -> str:
+        state = "open" if self._measurement is None else f"peak={self._measurement.peak}"
+        return f"<Span {self.name!r} {state}>"
+
+
+@contextmanager
+def measure(
+    name: str = "span",
+    *,
+    device: str | torch.device | None = None,
+    track: tuple[Any, ...] | list[Any] = (),
+    breakdown: bool = False,
+    cuda_rounding: bool = False,
+    timeline: bool = False,
+    device_limit: int | str | None = None,
+    observe: str = "operators",
+    predict: str | None = None,
+    **limits: Any,
+) -> Iterator[Span]:
+    """Measure the memory a block of code costs, inside or outside pytest.
+
+    Inside a test that the plugin measures (or inside another ``measure``
+    block on the same device), the span joins that recording. Otherwise it
+    starts its own on ``device`` (``"cpu"``, ``"cuda:0"``; default: CUDA when
+    available, else CPU), after the clean-state protocol. ``device_limit``
+    (bytes or a size such as ``"24GiB"``) runs the block as if the device had
+    that much memory (see :func:`pytest_gpumem.device_limit`). ``observe="allocations"``
+    has the CPU engine read the CPU allocator's reports instead of watching operators, so
+    that ``torch.compile``'d code runs as compiled (no emulated device limit then).
+    ``predict="h100"`` runs the block on the CPU engine and reports what that GPU would
+    show (see :mod:`pytest_gpumem.measurement.engines.predict`; ``device`` must then be the CPU). Limits
+    (``peak="4GiB"``, ``allocated=...``) are checked when the block ends:
+    outside pytest a broken limit raises :class:`pytest_gpumem.LimitExceeded`.
+
+    Example::
+
+        with measure("step", track=(model, opt)) as m:
+            train_step()
+        print(m.peak, m.breakdown)
+    """
+    active = _ACTIVE.get()
+    target = None if device is None else resolve_device(device)
+    if predict is not None and target is None:
+        target = torch.device("cpu")
+    nbytes = None if device_limit is None else parse_size(device_limit)
+    if active is not None and active.active and (target is None or target == active.engine.device):
+        active.track(*track)
+        with contextlib.ExitStack() as stack:
+            if nbytes is not None:
+                stack.enter_context(active.engine.limit_memory(nbytes))
+            span = stack.enter_context(active.span(name, **limits))
+            yield span
+        return
+    engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe, predict=predict)
+    recorder = Recorder(engine, timeline=timeline)
+    recorder.track(*track)
+    recorder.begin()
+    token = _ACTIVE.set(recorder)
+    try:
+        with contextlib.ExitStack() as stack:
+            if nbytes is not None:
+                stack.enter_context(engine.limit_memory(nbytes))
+            span = stack.enter_context(recorder.span(name, **limits))
+            yield span
+    finally:
+        _ACTIVE.reset(token)
+        recorder.end()
+    if limits:
+        check_span_limits(span.name, span.limits, span.measurement)
+
+
+@contextmanager
+def activate(recorder: Recorder) -> Iterator[Recorder]:
+    """Make ``recorder`` the one that :func:`measure` blocks join (the plugin uses this)."""
+    token = _ACTIVE.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE.reset(token)

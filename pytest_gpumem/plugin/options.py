@@ -1,0 +1,243 @@
+"""The run's options: the table of ``--gpumem-*`` options (each with an ini setting it falls
+back to), and :class:`Settings`, the validated values. No pytest: the plugin registers the
+table and hands over a reader of the command line and ini file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_gpumem import __version__
+from pytest_gpumem.baselines import DEFAULT_FILENAME
+from pytest_gpumem.judge.spec import SpecError, parse_device, parse_observe, parse_predict
+from pytest_gpumem.judge.verdict import parse_tolerance
+from pytest_gpumem.plugin.gate import GateOptions
+from pytest_gpumem.units import SizeError, parse_size
+
+__all__ = ["DISABLE_ENV", "OPTIONS", "Option", "OptionError", "Settings"]
+
+#: The environment variable that disables the plugin as ``--gpumem-disable`` does.
+DISABLE_ENV = "PYTEST_GPUMEM_DISABLE"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``--gpumem-NAME`` option and its ini setting ``gpumem_NAME``.
+
+    ``flag`` options take no value (``store_true``); the others a value shown as ``metavar``.
+    """
+
+    name: str
+    help: str
+    flag: bool = False
+    default: str = ""
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        """The option's destination and its ini setting's name: ``gpumem_update_baselines``."""
+        return "gpumem_" + self.name.replace("-", "_")
+
+    @property
+    def flag_name(self) -> str:
+        return f"--gpumem-{self.name}"
+
+
+#: Every option, in ``--help`` order.
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "device",
+        "device measured tests run on: auto (CUDA when available, else CPU), cpu, cuda or cuda:N. Default: auto.",
+        default="auto",
+        metavar="DEVICE",
+    ),
+    Option(
+        "disable",
+        "run every test, the gpumem fixture included, with nothing measured, judged or written "
+        "(also: PYTEST_GPUMEM_DISABLE=1).",
+        flag=True,
+    ),
+    Option("require-gpu", "fail (instead of skip) measured tests when no CUDA device is available.", flag=True),
+    Option("breakdown", "on CUDA, also run the storage tracker for the breakdown by category.", flag=True),
+    Option("cuda-rounding", "CPU engine: round storages up to 512-byte blocks as CUDA does.", flag=True),
+    Option(
+        "observe",
+        "CPU engine: how memory is seen: operators (the storage tracker; default) or allocations (the CPU "
+        "allocator's reports to PyTorch's profiler: torch.compile'd code runs as compiled). Ignored on CUDA.",
+        default="operators",
+        metavar="HOW",
+    ),
+    Option(
+        "predict",
+        "CPU engine: report what this GPU would show (h100): its caching allocator's blocks and segments "
+        "and its library workspaces, from the CPU run's allocations. Ignored on CUDA.",
+        metavar="GPU",
+    ),
+    Option("baselines", f"baseline file (default: {DEFAULT_FILENAME} at the rootdir).", metavar="PATH"),
+    Option("update-baselines", "record the figures of tests that ran and passed into the baseline file.", flag=True),
+    Option(
+        "tolerance",
+        "tolerance of baseline comparisons: '2%', '1MiB', '2%,1MiB' or '0' (default: exact bytes for peak "
+        "and allocated, 2%,1MiB and at least 20 MiB for reserved).",
+        metavar="TOL",
+    ),
+    Option("strict", "fail on new, improved, other-environment and stale baselines too (ratcheting CI).", flag=True),
+    Option("prune", "with --gpumem-update-baselines: remove baselines of tests that no longer exist.", flag=True),
+    Option("json", "write the JSON report (environment, measurements, verdicts) to PATH.", metavar="PATH"),
+    Option("markdown", "write the Markdown report to PATH.", metavar="PATH"),
+    Option("no-step-summary", "do not append the Markdown report to $GITHUB_STEP_SUMMARY.", flag=True),
+    Option(
+        "device-limit",
+        "run every measured test as if the device had SIZE bytes (e.g. 24GiB); the marker's device_limit wins.",
+        metavar="SIZE",
+    ),
+    Option("leak-check", "check every measured test for leaks (as retained='0B' does).", flag=True),
+    Option(
+        "artifacts",
+        "folder for the HTML memory timelines of failed tests (default: gpumem-artifacts in the pytest cache).",
+        metavar="DIR",
+    ),
+    Option("artifacts-all", "write artifacts for passing tests too.", flag=True),
+    Option("snapshot", "CUDA: record allocation history and write a PyTorch memory snapshot per test.", flag=True),
+)
+
+
+class OptionError(ValueError):
+    """An option or ini value that cannot be used; the message names both and the value."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's options, each from the command line or else its ini value."""
+
+    device: str
+    #: nothing is measured, judged or written (``--gpumem-disable``, ``PYTEST_GPUMEM_DISABLE``)
+    disable: bool
+    require_gpu: bool
+    breakdown: bool
+    cuda_rounding: bool
+    observe: str
+    predict: str | None
+    device_limit: int | None
+    leak_check: bool
+    artifacts: Path
+    artifacts_all: bool
+    snapshot: bool
+    gate: GateOptions
+
+    @classmethod
+    def read(cls, value: Callable[[str], Any], rootpath: Path, cache_dir: Callable[[], Path] | None = None) -> Settings:
+        """The settings from ``value(dest)``: the command line's value, else the ini file's.
+
+        Relative paths are from ``rootpath``; artifacts go to ``cache_dir()`` (the pytest
+        cache) unless ``--gpumem-artifacts`` names a folder. Raises :class:`OptionError`.
+        """
+
+        def text(name: str) -> str:
+            got = value(name)
+            return "" if got is None else str(got).strip()
+
+        def flag(name: str) -> bool:
+            return bool(value(name))
+
+        def path(name: str) -> Path | None:
+            found = text(name)
+            if not found:
+                return None
+            where = Path(found).expanduser()
+            return where if where.is_absolute() else rootpath / where
+
+        def parsed(name: str, parse: Callable[[str], Any], default: str = "") -> Any:
+            given = text(name) or default
+            try:
+                return parse(given) if given else None
+            except (SpecError, SizeError, ValueError) as exc:
+                option = "--" + name.replace("_", "-")
+                raise OptionError(f"{option} / ini {name}: {exc}") from None
+
+        update = flag("gpumem_update_baselines")
+        disable = flag("gpumem_disable") or _env_flag(DISABLE_ENV)
+        if disable and update:
+            raise OptionError(
+                "--gpumem-update-baselines cannot run with --gpumem-disable (or "
+                f"{DISABLE_ENV}): nothing is measured, so nothing could be recorded"
+            )
+
+        def output(name: str, *, folder: bool = False, written: bool = True) -> Path | None:
+            """``path(name)`` checked now, before any test runs, so that a report is not lost at the end
+            (not when the plugin is disabled: then nothing is written)."""
+            where = path(name)
+            problem = None if where is None or disable else unwritable(where, folder=folder, written=written)
+            if problem is not None:
+                option = "--" + name.replace("_", "-")
+                raise OptionError(f"{option} / ini {name}: {problem}")
+            return where
+
+        json_path = output("gpumem_json")
+        markdown_path = output("gpumem_markdown")
+        baselines = output("gpumem_baselines", written=update)
+        artifacts = output("gpumem_artifacts", folder=True)
+        if artifacts is None:
+            artifacts = cache_dir() if cache_dir is not None else rootpath / ".gpumem-artifacts"
+        return cls(
+            device=parsed("gpumem_device", parse_device, "auto"),
+            disable=disable,
+            require_gpu=flag("gpumem_require_gpu"),
+            breakdown=flag("gpumem_breakdown"),
+            cuda_rounding=flag("gpumem_cuda_rounding"),
+            observe=parsed("gpumem_observe", parse_observe, "operators"),
+            predict=parsed("gpumem_predict", parse_predict),
+            device_limit=parsed("gpumem_device_limit", parse_size),
+            leak_check=flag("gpumem_leak_check"),
+            artifacts=artifacts,
+            artifacts_all=flag("gpumem_artifacts_all"),
+            snapshot=flag("gpumem_snapshot"),
+            gate=GateOptions(
+                baselines=baselines or rootpath / DEFAULT_FILENAME,
+                tolerance=parsed("gpumem_tolerance", parse_tolerance),
+                update=update,
+                strict=flag("gpumem_strict"),
+                prune=flag("gpumem_prune"),
+                json_path=json_path,
+                markdown_path=markdown_path,
+                step_summary=not flag("gpumem_no_step_summary"),
+                generator=f"pytest-gpumem {__version__}",
+            ),
+        )
+
+
+def unwritable(path: Path, *, folder: bool = False, written: bool = True) -> str | None:
+    """Why ``path`` cannot be written as a file (``folder``: made as a folder), or None when it can.
+
+    A missing parent folder is fine (it is made when the file is written, as pytest's
+    ``--junitxml`` does) unless something in the way is a file or cannot be written.
+    ``written=False`` only checks that the path is of the right kind (a file that is read).
+    """
+    if path.is_dir() and not folder:
+        return f"{path} is a directory: give a file name"
+    if path.exists() and not path.is_dir() and folder:
+        return f"{path} is a file: give a folder"
+    if not written:
+        return None
+    existing = path if folder and path.is_dir() else path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{path} cannot be created: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{path} cannot be written: the folder {existing} is not writable"
+    return None
+
+
+def _env_flag(name: str) -> bool:
+    """Whether environment variable ``name`` is set to a true value; another value is an error."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise OptionError(f"{name}={os.environ[name]!r}: expected 1, true, yes or on (or 0, false, no, off)")

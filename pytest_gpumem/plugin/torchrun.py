@@ -1,0 +1,167 @@
+"""pytest launched by ``torchrun``: every rank runs the suite; rank 0 gathers and writes.
+
+Under ``torchrun --nproc-per-node=N -m pytest`` each rank is a whole pytest session
+(``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set). Each measures on ``cuda:LOCAL_RANK``
+(or the CPU), names its spans ``call@rank{r}-of-{N}`` so that every rank's figures are its
+own baselines (a 2-rank run never compares with a 4-rank one), and judges them against the
+file. At the end, rank 0 gathers every rank's records through ``torch.distributed`` (a
+``gloo`` group of its own) and alone writes the baseline file and the reports. If the
+gather fails (a rank died, a rank did not reach the end in time), nothing is written.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+from pytest_gpumem.judge.record import TestRecord
+
+__all__ = ["GatherError", "Launch", "gather_records", "launch", "merge", "rank_span", "rename"]
+
+#: Seconds rank 0 waits for the other ranks' records at the end of the session.
+GATHER_TIMEOUT = 600.0
+
+
+class GatherError(RuntimeError):
+    """The ranks' records could not all be gathered on rank 0."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where this pytest process stands in a ``torchrun`` launch."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launch(environ: dict[str, str] | None = None) -> Launch | None:
+    """The ``torchrun`` launch this process is part of (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
+    set, more than one rank); None otherwise. Raises ``ValueError`` for values that are no ranks."""
+    env = os.environ if environ is None else environ
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if not all(name in env for name in names):
+        return None
+    try:
+        rank, world_size, local_rank = (int(env[name]) for name in names)
+    except ValueError:
+        shown = ", ".join(f"{name}={env[name]!r}" for name in names)
+        raise ValueError(f"torchrun's environment is not a launch: {shown}") from None
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        shown = ", ".join(f"{name}={env[name]!r}" for name in names)
+        raise ValueError(f"torchrun's environment is not a launch: {shown}")
+    return None if world_size == 1 else Launch(rank, world_size, local_rank)
+
+
+def rank_span(name: str, rank: int, world_size: int) -> str:
+    """The span ``name`` of rank ``rank``: ``call@rank1-of-2``."""
+    return f"{name}@rank{rank}-of-{world_size}"
+
+
+def rename(record: TestRecord, where: Launch) -> None:
+    """Give ``record``'s spans, the findings about them and their tolerances this rank's names, in place.
+
+    The marker's tolerance keeps its key ``"call"`` too: it stays the tolerance of every span
+    that has none of its own.
+    """
+    rank, size = where.rank, where.world_size
+    record.measurements = [replace(m, name=rank_span(m.name, rank, size)) for m in record.measurements]
+    record.findings = [replace(f, span=rank_span(f.span, rank, size)) for f in record.findings]
+    tolerances = {rank_span(k, rank, size): v for k, v in record.tolerances.items()}
+    if "call" in record.tolerances:
+        tolerances["call"] = record.tolerances["call"]
+    record.tolerances = tolerances
+
+
+def _interruptible(call: Callable[[], None]) -> None:
+    """``call()`` in a thread of its own, waited for here: a collective waits in C++, where
+    Ctrl-C does not reach it until every rank has arrived; this wait ends at the first
+    (``KeyboardInterrupt``), leaving the abandoned collective to the end of the process."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # raised again in the waiting thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=run, name="gpumem-gather", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if failure:
+        raise failure[0]
+
+
+def gather_records(records: list[dict[str, Any]], where: Launch, timeout: float = GATHER_TIMEOUT) -> list[Any] | None:
+    """Every rank's ``records`` on rank 0 (a list, rank by rank); None on the other ranks.
+
+    Uses the default process group when the suite made one (a ``gloo`` group beside it when
+    its backend is another), else makes one from torchrun's environment and tears it down.
+    Raises :class:`GatherError` when a rank cannot be reached, ``KeyboardInterrupt`` at once
+    on Ctrl-C (the wait for the other ranks runs in a thread).
+    """
+    import torch.distributed as dist
+
+    gathered: list[Any] | None = [None] * where.world_size if where.rank == 0 else None
+
+    def gather() -> None:
+        created = False
+        try:
+            if not dist.is_initialized():
+                dist.init_process_group(
+                    "gloo",
+                    init_method="env://",
+                    rank=where.rank,
+                    world_size=where.world_size,
+                    timeout=timedelta(seconds=timeout),
+                )
+                created = True
+            group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            dist.gather_object(records, gathered, dst=0, group=group)
+        finally:
+            if created and dist.is_initialized():
+                dist.destroy_process_group()
+
+    try:
+        _interruptible(gather)
+    except Exception as exc:  # torch raises RuntimeError, DistBackendError, TimeoutError...
+        raise GatherError(f"rank {where.rank} of {where.world_size}: {type(exc).__name__}: {exc}") from exc
+    if gathered is not None and any(part is None for part in gathered):
+        raise GatherError("not every rank sent its records")
+    return gathered
+
+
+def merge(per_rank: list[list[dict[str, Any]]]) -> dict[str, TestRecord]:
+    """One record per test from every rank's: their spans side by side (each rank's are named
+    for it). A test is recordable only if it is on every rank and every rank's record is: a
+    baseline is never replaced by part of the ranks' figures."""
+    by_test: dict[str, list[TestRecord]] = {}
+    for sent in per_rank:
+        for data in sent:
+            one = TestRecord.from_dict(data)
+            by_test.setdefault(one.nodeid, []).append(one)
+    merged: dict[str, TestRecord] = {}
+    for nodeid, ranks in by_test.items():
+        first = ranks[0]
+        record = TestRecord.from_dict(first.to_dict())
+        for other in ranks[1:]:
+            record.measurements.extend(other.measurements)
+            record.findings.extend(other.findings)
+            record.errors.extend(other.errors)
+            record.reports.extend(other.reports)
+            record.tolerances.update(other.tolerances)
+            record.passed = record.passed and other.passed
+            if other.environment_key != first.environment_key:
+                record.errors.append(
+                    f"ranks measured in different environments ({first.environment_key} and "
+                    f"{other.environment_key}): not recorded"
+                )
+        if len(ranks) != len(per_rank):
+            record.errors.append(f"measured on {len(ranks)} of {len(per_rank)} ranks: not recorded")
+        merged[nodeid] = record
+    return merged
