@@ -25,7 +25,7 @@ _EXPORTS: dict[str, str] = {
     "CATEGORIES": "pytest_gpumem.data.figures",
     "METRICS": "pytest_gpumem.data.figures",
     "PHASES": "pytest_gpumem.data.figures",
-    "LimitExceeded": "pytest_gpumem.judge.spec",
+    "LimitExceeded": "pytest_gpumem.judge.limits",
     "CompiledCodeNotMeasured": "pytest_gpumem.data.figures",
     # distributed steps
     "run_ranks": "pytest_gpumem.diagnose.distributed",
@@ -150,7 +150,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.diagnose.leaks import LeakCheck, confirm_leak, snapshot_storages
     from pytest_gpumem.diagnose.microbatch import MicrobatchError, Plan, max_microbatch, plan_accumulation, plan_for
     from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, oom_report, release_oom
-    from pytest_gpumem.judge.spec import LimitExceeded
+    from pytest_gpumem.judge.limits import LimitExceeded
     from pytest_gpumem.judge.verdict import Tolerance, parse_tolerance
     from pytest_gpumem.measurement.devicelimit import device_limit
     from pytest_gpumem.measurement.engines import make_engine

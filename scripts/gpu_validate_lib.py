@@ -65,6 +65,7 @@ from pytest_gpumem.baselines import Environment
 from pytest_gpumem.budgets.formulas import mlp_activations
 from pytest_gpumem.data.figures import CATEGORIES, Measurement
 from pytest_gpumem.diagnose.leaks import confirm_leak, snapshot_storages
+from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
@@ -72,7 +73,6 @@ from pytest_gpumem.measurement.engines.cuda import reading_from_stats
 from pytest_gpumem.measurement.engines.tracker import StorageTracker, cuda_rounded
 from pytest_gpumem.measurement.recorder import Recorder, Span, activate, measure
 from pytest_gpumem.plugin.fixture import run_step
-from pytest_gpumem.plugin.gate import RESERVED_TOLERANCE_FLOOR
 from pytest_gpumem.report.text import markdown_report, measurement_table, summary_rows
 from pytest_gpumem.units import format_delta, format_size
 

@@ -11,8 +11,8 @@ import torch
 
 from pytest_gpumem import measure
 from pytest_gpumem.diagnose.leaks import confirm_leak, snapshot_storages
+from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR
 from pytest_gpumem.measurement.engines import make_engine
-from pytest_gpumem.plugin.gate import RESERVED_TOLERANCE_FLOOR
 
 pytestmark = pytest.mark.cuda
 

@@ -12,7 +12,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pytest_gpumem.budgets.expressions import BudgetError, BudgetExpr, parse_budget
-from pytest_gpumem.judge.spec import SpecError, parse_marker
+from pytest_gpumem.judge.limits import SpecError
+from pytest_gpumem.plugin.marker import parse_marker
 from pytest_gpumem.units import parse_size
 
 GiB = 1 << 30

@@ -11,10 +11,10 @@ import torch
 from conftest import forget_last_failure, run, run_fresh
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.spec import parse_marker
 from pytest_gpumem.judge.verdict import Tolerance
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.plugin.gate import Gate, GateOptions
+from pytest_gpumem.plugin.marker import parse_marker
 from pytest_gpumem.plugin.runner import TestRun
 
 pytest_plugins = ["pytester"]
@@ -458,7 +458,7 @@ def pytest_gpumem_environment(config, environment):
 
 
 def test_by_default_peak_and_allocated_are_exact_and_reserved_keeps_a_segment() -> None:
-    from pytest_gpumem.plugin.gate import RESERVED_TOLERANCE_FLOOR, metric_tolerances
+    from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR, metric_tolerances
 
     tolerances = metric_tolerances(("peak", "allocated", "reserved", "max_microbatch"), None)
     assert tolerances == {
@@ -515,7 +515,7 @@ def test_the_default_tolerance_catches_a_small_regression_of_a_training_step(
 
 
 def test_reserved_is_compared_within_one_allocator_segment() -> None:
-    from pytest_gpumem.plugin.gate import RESERVED_TOLERANCE_FLOOR, metric_tolerances
+    from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR, metric_tolerances
 
     tolerances = metric_tolerances(("peak", "allocated", "reserved", "max_microbatch"), Tolerance(0.02, 2**20))
     assert tolerances["peak"] == tolerances["allocated"] == Tolerance(0.02, 2**20)

@@ -516,7 +516,7 @@ class TestSuite:
 def test_measure_outside_pytest_raises_on_a_broken_limit() -> None:
     torch = pytest.importorskip("torch")
     from pytest_gpumem import measure
-    from pytest_gpumem.judge.spec import LimitExceeded
+    from pytest_gpumem.judge.limits import LimitExceeded
 
     with measure("ok", device="cpu", peak="1MiB") as span:
         x = torch.ones(10)

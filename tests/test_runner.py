@@ -10,11 +10,12 @@ import torch
 
 from conftest import forget_last_failure
 from pytest_gpumem.baselines import Environment
+from pytest_gpumem.judge.judgement import judge
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.spec import parse_marker
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.measurement.recorder import measure
+from pytest_gpumem.plugin.marker import parse_marker
 from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, Freezer, RunOptions, TestRun, choose_device
 
 F32 = 4
@@ -28,8 +29,11 @@ def engine() -> Engine:
 
 
 def run(engine: Engine, function: object, options: RunOptions | None = None, **marker: object) -> TestRecord:
+    """One test run as the plugin runs it, then judged (no baseline file)."""
     spec = parse_marker([((), marker)])
-    return TestRun("tests/test_x.py::test_y", spec, engine, environment=ENV, options=options).run(function)  # type: ignore[arg-type]
+    record = TestRun("tests/test_x.py::test_y", spec, engine, environment=ENV, options=options).run(function)  # type: ignore[arg-type]
+    judge(record)
+    return record
 
 
 def test_a_passing_test_gives_its_figures_and_checks_its_limits(engine: Engine) -> None:
@@ -139,7 +143,7 @@ def test_a_negative_budget_with_the_model_tracked_gives_no_tracking_hint(engine:
 
 
 def test_a_division_by_a_constant_zero_is_refused_with_the_marker() -> None:
-    from pytest_gpumem.judge.spec import SpecError
+    from pytest_gpumem.judge.limits import SpecError
 
     with pytest.raises(SpecError) as info:
         parse_marker([((), {"peak": "16Ψ/0"})])

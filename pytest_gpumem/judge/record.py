@@ -13,6 +13,7 @@ from typing import Any
 
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.data.figures import Measurement, Timeline
+from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.verdict import Finding, Tolerance, failure_message
 from pytest_gpumem.report.text import finding_from_dict, finding_to_dict, measurement_table
 
@@ -29,7 +30,7 @@ class TestRecord:
     Attributes:
         nodeid: the test's pytest node id.
         measurements: the ``call`` span first, then each named span in the order they closed.
-        findings: limits, budgets and (on the judging side) baselines, checked.
+        findings: limits, budgets and baselines, checked by the judge.
         errors: problems that fail the test by themselves (a budget using Ψ with nothing
             tracked, an unreadable baseline file).
         environment: :meth:`Environment.to_dict` of where it ran; None when it did not measure.
@@ -43,6 +44,8 @@ class TestRecord:
         workspaces: bytes of the library workspaces the device held in every reading of
             the test (created by the clean-state protocol; in ``start``, never in a cost);
             None where there are none (the CPU engine).
+        asked: the limits and budgets of each span by span name (``"call"`` for the marker's),
+            as written; the judge (:func:`~pytest_gpumem.judge.judgement.judge`) resolves and checks them.
     """
 
     __test__ = False  # a name pytest would otherwise collect
@@ -59,6 +62,7 @@ class TestRecord:
     snapshot: str | None = None
     device_limit: int | None = None
     workspaces: int | None = None
+    asked: dict[str, list[LimitSpec]] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -104,6 +108,7 @@ class TestRecord:
         return {
             "nodeid": self.nodeid,
             "measurements": [m.to_dict() for m in self.measurements],
+            "asked": {span: [spec.to_dict() for spec in specs] for span, specs in self.asked.items()},
             "findings": [finding_to_dict(f) for f in self.findings],
             "errors": list(self.errors),
             "environment": self.environment,
@@ -122,6 +127,7 @@ class TestRecord:
         return cls(
             nodeid=data["nodeid"],
             measurements=[Measurement.from_dict(m) for m in data["measurements"]],
+            asked={span: [LimitSpec.from_dict(spec) for spec in specs] for span, specs in data["asked"].items()},
             findings=[finding_from_dict(f) for f in data["findings"]],
             errors=list(data["errors"]),
             environment=data["environment"],

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -28,7 +28,10 @@ import torch
 
 from pytest_gpumem.budgets.formulas import tracked_psi
 from pytest_gpumem.data.figures import CATEGORIES, CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline
-from pytest_gpumem.judge.spec import check_span_limits
+from pytest_gpumem.judge.judgement import judge
+from pytest_gpumem.judge.limits import LimitExceeded, LimitSpec, check_span_name, parse_span_limits
+from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.judge.verdict import Tolerance, failure_message
 from pytest_gpumem.measurement.engines import make_engine, resolve_device
 from pytest_gpumem.measurement.engines.base import Engine, Reading
 from pytest_gpumem.measurement.engines.tracker import describe_compiled
@@ -485,14 +488,17 @@ class Span:
     ``span.measurement`` is the :class:`Measurement`; ``peak``, ``allocated``,
     ``start``, ``reserved``, ``breakdown``, ``allocated_breakdown``, ``phases``,
     ``saved_activations`` and ``psi`` are shortcuts to it, and ``span.cost("peak")`` is what the span added.
-    Limits given as keyword arguments (``peak="1GiB"``) are checked by the
-    pytest plugin at the end of the test, or on leaving the block outside pytest.
+    Limits given as keyword arguments (``peak="1GiB"``) are validated here, once, into
+    ``span.limits`` (and ``span.tolerance``), and judged by the pytest plugin at the end of the
+    test, or on leaving the block outside pytest.
     """
 
     def __init__(self, recorder: Recorder, name: str, limits: Mapping[str, Any]) -> None:
         self.recorder = recorder
         self.name = name
-        self.limits = dict(limits)
+        self.limits: tuple[LimitSpec, ...]
+        self.tolerance: Tolerance | None
+        self.limits, self.tolerance = parse_span_limits(name, limits)
         self._state: _SpanState | None = None
         self._measurement: Measurement | None = None
         self.timeline: Timeline | None = None
@@ -514,9 +520,10 @@ class Span:
         self.recorder.spans.append(self)
 
     @classmethod
-    def finished(cls, recorder: Recorder, name: str, measurement: Measurement, limits: Mapping[str, Any]) -> Span:
+    def finished(cls, recorder: Recorder, name: str, measurement: Measurement, limits: Iterable[LimitSpec]) -> Span:
         """A span measured elsewhere (a rank process), with its figures and the limits that apply."""
-        span = cls(recorder, name, limits)
+        span = cls(recorder, name, {})
+        span.limits = tuple(limits)
         span._measurement = measurement
         return span
 
@@ -617,7 +624,7 @@ def measure(
         with contextlib.ExitStack() as stack:
             if nbytes is not None:
                 stack.enter_context(active.engine.limit_memory(nbytes))
-            span = stack.enter_context(active.span(name, **limits))
+            span = stack.enter_context(active.span(check_span_name(name), **limits))
             yield span
         return
     engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe, predict=predict)
@@ -634,8 +641,12 @@ def measure(
     finally:
         _ACTIVE.reset(token)
         recorder.end()
-    if limits:
-        check_span_limits(span.name, span.limits, span.measurement)
+    if span.limits:
+        record = TestRecord(span.name, measurements=[span.measurement], asked={span.name: list(span.limits)})
+        judge(record)
+        if record.failed:
+            broken = [finding for finding in record.findings if finding.failed]
+            raise LimitExceeded("\n\n".join([*record.errors, *([failure_message(broken)] if broken else [])]))
 
 
 @contextmanager

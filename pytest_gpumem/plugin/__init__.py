@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gpumem.baselines import BaselineFileError, Environment
+from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.spec import GpumemSpec, SpecError, marker_help, parse_marker
-from pytest_gpumem.judge.verdict import failure_message
 from pytest_gpumem.plugin import hookspecs
 from pytest_gpumem.plugin.gate import Gate, write_artifacts
+from pytest_gpumem.plugin.marker import GpumemSpec, marker_help, parse_marker
 from pytest_gpumem.plugin.options import OPTIONS, OptionError, Settings
 from pytest_gpumem.plugin.torchrun import launch, rename
 from pytest_gpumem.report.text import terminal_summary
@@ -422,11 +422,6 @@ class GpumemManager(MarkerCheck):
                 value = measurement.figure(metric)
                 if value is not None:
                     item.user_properties.append((f"{prefix}.{metric}", value))
-        if report.passed and record.failed:
-            report.outcome = "failed"
-            report.longrepr = record.message(width=_terminal_width(self.config))
-        elif report.failed and record.reports:
-            _append(report, "gpumem", "\n\n".join(record.reports))
         report.gpumem = record.to_dict()  # type: ignore[attr-defined]  # travels to the xdist controller
         return report
 
@@ -445,20 +440,18 @@ class GpumemManager(MarkerCheck):
         if data is None or report.when != "call":
             return
         record = TestRecord.from_dict(data)
-        limits_failed = record.failed
-        if report.failed and record.passed and not limits_failed:
+        if report.failed and record.passed:
             record.passed = False  # failed for a reason of pytest's (XPASS(strict)) or another plugin's
         try:
-            broken = [finding for finding in self.gate.judge(record) if finding.failed]
+            self.gate.judge(record)
         except BaselineFileError as exc:  # under xdist the controller reads the file at the first record
             self._error = f"gpumem baselines: {exc}"
             record.errors.append(self._error)
-            broken = []
-        if (record.errors and report.passed) or (broken and report.passed):
+        if report.passed and record.failed:  # the one place a test's outcome changes
             report.outcome = "failed"
             report.longrepr = record.message(width=_terminal_width(self.config))
-        elif broken and limits_failed:
-            _append(report, "gpumem baselines", failure_message(broken))
+        elif report.failed and record.reports:
+            _append(report, "gpumem", "\n\n".join(record.reports))
         if report.failed or self.settings.artifacts_all:
             written = write_artifacts(record, self.settings.artifacts)
             if report.failed:

@@ -13,7 +13,7 @@ from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT, DistributedError, RankContext, run_ranks
 from pytest_gpumem.diagnose.microbatch import Plan, plan_for
 from pytest_gpumem.diagnose.microbatch import max_microbatch as search_microbatch
-from pytest_gpumem.judge.spec import SPAN_KEYWORDS, LimitSpec, parse_span_limits
+from pytest_gpumem.judge.limits import SPAN_KEYWORDS, LimitSpec, check_span_name, parse_span_limits
 from pytest_gpumem.measurement.recorder import Recorder, Span
 from pytest_gpumem.units import parse_size
 
@@ -48,7 +48,7 @@ class GpuMem:
         expressions, and ``tolerance``) apply to this span; a broken one fails the
         test at its end. After the block the returned span holds the figures.
         """
-        parse_span_limits(name, limits)
+        span = self.recorder.span(check_span_name(name), **limits)  # validates the limits, once
         if name in self.recorder.span_names:
             raise ValueError(f"{self.nodeid}: span name {name!r} is used twice in this test; give each span its own")
         if not self.recorder.active:
@@ -56,7 +56,7 @@ class GpuMem:
                 f"{self.nodeid}: gpumem.measure({name!r}) can only run inside the test function "
                 "(the plugin measures the test call)"
             )
-        return self.recorder.span(name, **limits)
+        return span
 
     def distributed(
         self,
@@ -85,7 +85,7 @@ class GpuMem:
             raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{self.nodeid}: gpumem.distributed: {exc}") from None
-        limits = {spec.metric: spec.text for spec in self._marker_limits if spec.metric in SPAN_KEYWORDS}
+        limits = [spec for spec in self._marker_limits if spec.metric in SPAN_KEYWORDS]
         self.recorder.ranks_measured = True
         named = []
         for rank, measurement in enumerate(measurements):
@@ -411,7 +411,7 @@ class UnmeasuredGpuMem:
                 self._tracked.append(obj)
 
     def measure(self, name: str, **limits: Any) -> _UnmeasuredSpan:
-        parse_span_limits(name, limits)  # bad limits are still errors
+        parse_span_limits(check_span_name(name), limits)  # bad limits are still errors
         span = _UnmeasuredSpan(f"gpumem.measure({name!r})", name)
         self._spans.append(span.measurement)
         return span

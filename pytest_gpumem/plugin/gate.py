@@ -1,9 +1,9 @@
-"""The baseline gate: judging records against the baseline file, recording them, and the run's outputs.
+"""The baseline gate: the baseline file through a run, the records judged with it, and the run's outputs.
 
 This runs in the process that owns the run (the only one without xdist, the
 controller with it). A :class:`Gate` loads the baseline file the first time it is
-needed, compares each arriving :class:`~pytest_gpumem.judge.record.TestRecord` with its
-baselines, and at the end finds stale baselines, records what passed (with
+needed, has each arriving :class:`~pytest_gpumem.judge.record.TestRecord` judged with it
+(:func:`~pytest_gpumem.judge.judgement.judge`), and at the end finds stale baselines, records what passed (with
 ``--gpumem-update-baselines``), writes the file once, and writes the JSON and
 Markdown reports. No pytest, no torch.
 """
@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.baselines import (
-    BASELINE_METRICS,
     BaselineEntry,
     BaselineFileError,
     BaselineStore,
@@ -28,64 +27,13 @@ from pytest_gpumem.baselines import (
     save,
 )
 from pytest_gpumem.baselines.canonical import json_bytes
-from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.judge.judgement import JudgeOptions, baseline_metrics, judge
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.verdict import (
-    Finding,
-    Tolerance,
-    compare_baseline,
-    default_tolerance,
-    failure_message,
-    stale_findings,
-)
+from pytest_gpumem.judge.verdict import Finding, Tolerance, failure_message, stale_findings
 from pytest_gpumem.report.artifacts import artifact_path, render_html, write_html
 from pytest_gpumem.report.text import json_report, markdown_report
 
-__all__ = [
-    "RESERVED_TOLERANCE_FLOOR",
-    "Gate",
-    "GateOptions",
-    "baseline_metrics",
-    "metric_tolerances",
-    "write_artifacts",
-]
-
-
-#: The least tolerance a ``reserved`` baseline is compared with: one of the caching allocator's
-#: 20 MiB segments (the segment size of requests between 1 and 10 MiB). What the cache holds
-#: depends on the process's allocation history (segments that hold a live block cannot be
-#: returned), so the same step twice in one process can reserve a segment more or less
-#: (seen on an H100: 622,854,144 vs 639,631,360 B, 16 MiB apart).
-RESERVED_TOLERANCE_FLOOR = 20 * 2**20
-
-
-def metric_tolerances(metrics: Iterable[str], tolerance: Tolerance | None) -> dict[str, Tolerance]:
-    """The tolerance of each metric's baseline comparison: ``tolerance`` for bytes, at least
-    :data:`RESERVED_TOLERANCE_FLOOR` for ``reserved``, only its relative part for a count
-    (``max_microbatch``: its absolute floor is bytes). ``None`` (nothing set one): each
-    metric's :func:`~pytest_gpumem.judge.verdict.default_tolerance`, with the same floor for ``reserved``."""
-    per_metric = {}
-    for metric in metrics:
-        if tolerance is None:
-            per_metric[metric] = _floored(metric, default_tolerance(metric))
-        elif metric == "reserved":
-            per_metric[metric] = _floored(metric, tolerance)
-        elif metric in BASELINE_METRICS:
-            per_metric[metric] = tolerance
-        else:
-            per_metric[metric] = Tolerance(tolerance.relative, 0)
-    return per_metric
-
-
-def _floored(metric: str, tolerance: Tolerance) -> Tolerance:
-    if metric != "reserved":
-        return tolerance
-    return Tolerance(tolerance.relative, max(tolerance.absolute, RESERVED_TOLERANCE_FLOOR))
-
-
-def baseline_metrics(measurement: Measurement) -> tuple[str, ...]:
-    """The figures a baseline keeps: the byte costs, and the largest microbatch when the test searched it."""
-    return BASELINE_METRICS + (("max_microbatch",) if measurement.max_microbatch is not None else ())
+__all__ = ["Gate", "GateOptions", "write_artifacts"]
 
 
 @dataclass(frozen=True)
@@ -127,35 +75,24 @@ class Gate:
         return self._store is not None
 
     def judge(self, record: TestRecord) -> list[Finding]:
-        """Compare ``record`` with its baselines; adds the findings to it and returns them.
+        """Judge ``record`` (:func:`~pytest_gpumem.judge.judgement.judge`) with the baseline file;
+        keeps it for the end of the run and returns its findings.
 
-        Nothing is compared for a test whose own code failed, that did not measure,
-        or when baselines are being updated. Each span's tolerance is its own, else
-        the marker's, else the run's (per metric: :func:`metric_tolerances`).
+        The file is read only when a comparison needs it; when it cannot be read, the record's
+        limits are still judged and :class:`BaselineFileError` is raised after.
         """
         self.records[record.nodeid] = record
-        if not record.passed or record.environment is None or self.options.update:
-            return []
-        store = self.store
-        env = Environment.from_dict(record.environment)
-        others = store.environments_with(record.nodeid, exclude=env.key)
-        findings: list[Finding] = []
-        for measurement in record.measurements:
-            tolerance = record.tolerance(measurement.name) or self.options.tolerance
-            metrics = baseline_metrics(measurement)
-            per_metric = metric_tolerances(metrics, tolerance)
-            findings.extend(
-                compare_baseline(
-                    record.nodeid,
-                    measurement,
-                    store.entry(env.key, record.nodeid, measurement.name),
-                    per_metric,
-                    other_environments=others,
-                    strict=self.options.strict,
-                    metrics=metrics,
-                )
-            )
-        record.findings.extend(findings)
+        options = self.options
+        store: BaselineStore | None = None
+        problem: BaselineFileError | None = None
+        if record.passed and record.environment is not None and not options.update:
+            try:
+                store = self.store
+            except BaselineFileError as exc:
+                problem = exc
+        findings = judge(record, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
+        if problem is not None:
+            raise problem
         return findings
 
     def finish(self, collected: Iterable[str] | None, *, skipped: Iterable[str] = ()) -> None:

@@ -13,9 +13,11 @@ from typing import Any
 
 from pytest_gpumem import __version__
 from pytest_gpumem.baselines import DEFAULT_FILENAME
-from pytest_gpumem.judge.spec import SpecError, parse_device, parse_observe, parse_predict
+from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.verdict import parse_tolerance
+from pytest_gpumem.measurement.observe import parse_observe
 from pytest_gpumem.plugin.gate import GateOptions
+from pytest_gpumem.plugin.marker import parse_device, parse_predict
 from pytest_gpumem.units import SizeError, parse_size
 
 __all__ = ["DISABLE_ENV", "OPTIONS", "Option", "OptionError", "Settings"]

@@ -4,8 +4,9 @@
 that runs without pytest: the clean-state protocol, the ``call`` span, the
 out-of-memory watch, the emulated device limit, CUDA allocation history, the
 allocated figure read as the test function returns, then the leak check and
-the marker's limits. :meth:`TestRun.finish` returns the test's
-:class:`~pytest_gpumem.judge.record.TestRecord`.
+what each span asked for. :meth:`TestRun.finish` returns the test's
+:class:`~pytest_gpumem.judge.record.TestRecord`, for the judge
+(:func:`~pytest_gpumem.judge.judgement.judge`) to decide.
 
 The objects alive before the first test are frozen (:class:`Freezer`) so that each
 test's garbage collections cover only what was made since.
@@ -17,7 +18,7 @@ import contextlib
 import gc
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import CodeType
@@ -26,21 +27,21 @@ from typing import Any
 import torch
 
 from pytest_gpumem.budgets.expressions import BudgetError, parse_budget
-from pytest_gpumem.data.figures import Measurement, PartialFigures
+from pytest_gpumem.data.figures import PartialFigures
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
 from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, release_oom
+from pytest_gpumem.judge.limits import SPAN_KEYWORDS, LimitSpec
 from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
-from pytest_gpumem.judge.spec import SPAN_KEYWORDS, GpumemSpec, LimitSpec, parse_span_limits
-from pytest_gpumem.judge.verdict import Finding, Limit, check_limits
 from pytest_gpumem.measurement import frozen
 from pytest_gpumem.measurement.engines import cuda_available, make_engine, resolve_device
 from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.measurement.engines.tracker import StorageTracker, unseen_note
 from pytest_gpumem.measurement.recorder import Recorder, activate
+from pytest_gpumem.plugin.marker import GpumemSpec
 from pytest_gpumem.plugin.returnwatch import watch_return
 from pytest_gpumem.report.artifacts import artifact_path
 
-__all__ = ["DeviceUnavailable", "Engines", "Freezer", "RunOptions", "TestRun", "check", "choose_device"]
+__all__ = ["DeviceUnavailable", "Engines", "Freezer", "RunOptions", "TestRun", "choose_device"]
 
 
 class DeviceUnavailable(Exception):
@@ -175,25 +176,6 @@ class RunOptions:
     device_limit: int | None = None
 
 
-def check(
-    record: TestRecord, measurement: Measurement, specs: Iterable[LimitSpec], resolved: Iterable[Limit] = ()
-) -> list[Finding]:
-    """Resolve ``specs`` with the measurement's Ψ and check them, with already ``resolved`` limits.
-
-    A budget that cannot be resolved (Ψ with nothing tracked) is an error on the record.
-    """
-    limits: list[Limit] = []
-    for spec in specs:
-        try:
-            limits.append(spec.resolve(measurement.psi))
-        except BudgetError as exc:
-            where = "marker" if measurement.name == "call" else f"span {measurement.name!r}"
-            # only a missing Ψ is cured by tracking; a negative budget or 1/Ψ with Ψ=0 is the expression's own
-            hint = " (track the model with gpumem.track(model, optimizer))" if measurement.psi is None else ""
-            record.errors.append(f"{where}: {spec.metric}={spec.text!r}: {exc}{hint}")
-    return check_limits(record.nodeid, measurement, [*limits, *resolved])
-
-
 def _forget_last_failure() -> None:
     """Drop pytest's record of the last failure (``sys.last_*``): its frames hold the failed test's tensors."""
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
@@ -282,7 +264,8 @@ class TestRun:
         return self.finish(None)
 
     def finish(self, exc: BaseException | None) -> TestRecord:
-        """Close the ``call`` span, check leaks and limits; ``exc`` is what the test raised (None: it passed)."""
+        """Close the ``call`` span, confirm leaks, and gather what each span asked for; ``exc`` is what
+        the test raised (None: it passed)."""
         recorder, engine = self.recorder, self.engine
         oom: OomReport | None = None
         try:
@@ -324,7 +307,10 @@ class TestRun:
         if self._snapshot is not None and record.passed and call.retained and call.retained > 0:
             leak = confirm_leak(engine, call.start, snapshot=self._snapshot)
             call = replace(call, retained=leak.retained)
-            bound = 0 if allowed is None else allowed.resolve(call.psi).value
+            try:
+                bound = 0 if allowed is None else allowed.resolve(call.psi).value
+            except BudgetError:
+                bound = 0  # the judge says why the budget has no value
             if leak.retained > bound:
                 record.reports.append(leak.format())
         self._snapshot = None
@@ -333,18 +319,16 @@ class TestRun:
             limits = [limit for limit in limits if limit.metric not in SPAN_KEYWORDS]
         if self.options.leak_check and allowed is None:
             limits.append(LimitSpec("retained", "0B (gpumem_leak_check)", parse_budget("0")))
+        if spec.min_microbatch is not None:
+            text = f"min_microbatch={spec.min_microbatch}"
+            limits.append(LimitSpec("max_microbatch", text, parse_budget(str(spec.min_microbatch))))
         record.measurements = [call] + [span.measurement for span in recorder.spans]
+        record.asked = {"call": limits} if limits else {}
         if spec.tolerance is not None:
             record.set_tolerance("call", spec.tolerance)
         for span in recorder.spans:
-            specs, tolerance = parse_span_limits(span.name, span.limits)
-            if tolerance is not None:
-                record.set_tolerance(span.name, tolerance)
-            if record.passed:
-                record.findings.extend(check(record, span.measurement, specs))
-        if record.passed:
-            floors = []
-            if spec.min_microbatch is not None:
-                floors.append(Limit("max_microbatch", spec.min_microbatch, f"min_microbatch={spec.min_microbatch}"))
-            record.findings[:0] = check(record, call, limits, floors)
+            if span.tolerance is not None:
+                record.set_tolerance(span.name, span.tolerance)
+            if span.limits:
+                record.asked[span.name] = list(span.limits)
         return record

@@ -63,13 +63,15 @@ def rank_span(name: str, rank: int, world_size: int) -> str:
 
 
 def rename(record: TestRecord, where: Launch) -> None:
-    """Give ``record``'s spans, the findings about them and their tolerances this rank's names, in place.
+    """Give ``record``'s spans, what they asked, the findings about them and their tolerances this
+    rank's names, in place.
 
     The marker's tolerance keeps its key ``"call"`` too: it stays the tolerance of every span
     that has none of its own.
     """
     rank, size = where.rank, where.world_size
     record.measurements = [replace(m, name=rank_span(m.name, rank, size)) for m in record.measurements]
+    record.asked = {rank_span(k, rank, size): v for k, v in record.asked.items()}
     record.findings = [replace(f, span=rank_span(f.span, rank, size)) for f in record.findings]
     tolerances = {rank_span(k, rank, size): v for k, v in record.tolerances.items()}
     if "call" in record.tolerances:

@@ -16,9 +16,9 @@ import re
 
 import torch
 
-from pytest_gpumem.judge.spec import parse_observe
 from pytest_gpumem.measurement.engines.base import Engine, Reading
 from pytest_gpumem.measurement.engines.cuda import cuda_available
+from pytest_gpumem.measurement.observe import parse_observe
 
 __all__ = [
     "DEVICE_HELP",

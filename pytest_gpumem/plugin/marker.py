@@ -1,7 +1,7 @@
-"""What a test asks for: the ``gpumem`` marker's keywords and span limits, validated.
+"""The ``gpumem`` marker: its keywords, their help, and :func:`parse_marker`, which validates them.
 
-Everything here runs at collection time (marker) or when a span is created, so a
-bad value is an error that names the test and the value before anything runs.
+It runs at collection time, before torch is imported, so a bad value is a collection
+error naming the test and the value before anything runs.
 """
 
 from __future__ import annotations
@@ -11,27 +11,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_gpumem.budgets.expressions import BudgetError, BudgetExpr, parse_budget
-from pytest_gpumem.data.figures import METRICS, Measurement
-from pytest_gpumem.judge.verdict import Limit, Tolerance, check_limits, failure_message, parse_tolerance
+from pytest_gpumem.data.figures import METRICS
+from pytest_gpumem.judge.limits import LimitSpec, SpecError, parse_limit, parse_tolerance_keyword
+from pytest_gpumem.judge.verdict import Tolerance
+from pytest_gpumem.measurement.observe import ObserveError, parse_observe
 from pytest_gpumem.units import SizeError, parse_size
 
 __all__ = [
     "MARKER_KEYWORDS",
     "MARKER_KEYWORD_HELP",
-    "OBSERVE",
-    "SPAN_KEYWORDS",
     "GpumemSpec",
-    "LimitExceeded",
-    "LimitSpec",
-    "SpecError",
-    "check_span_limits",
     "marker_help",
     "parse_device",
     "parse_marker",
-    "parse_observe",
     "parse_predict",
-    "parse_span_limits",
 ]
 
 #: Keywords the ``gpumem`` marker accepts, each with what it means (the marker's help is made from it).
@@ -51,25 +44,6 @@ MARKER_KEYWORD_HELP: dict[str, str] = {
 #: Keywords the ``gpumem`` marker accepts.
 MARKER_KEYWORDS: tuple[str, ...] = tuple(MARKER_KEYWORD_HELP)
 assert MARKER_KEYWORDS[: len(METRICS)] == METRICS, "the limits come first, in METRICS order"
-#: Keywords ``gpumem.measure(name, ...)`` accepts.
-SPAN_KEYWORDS: tuple[str, ...] = ("peak", "allocated", "reserved", "tolerance")
-
-
-#: How the CPU engine observes memory: ``operators`` (the storage tracker's dispatch mode) or
-#: ``allocations`` (the CPU allocator's reports to PyTorch's profiler: ``torch.compile``'d code
-#: runs as compiled). See :mod:`pytest_gpumem.measurement.engines.allocations`.
-OBSERVE: tuple[str, ...] = ("operators", "allocations")
-
-
-class SpecError(ValueError):
-    """A marker or span keyword with a bad name or value."""
-
-
-def parse_observe(value: object) -> str:
-    """``value`` if it is one of :data:`OBSERVE`, else a :class:`SpecError` naming it."""
-    if value not in OBSERVE:
-        raise SpecError(f"observe={value!r} is not a way of observing memory: use 'operators' or 'allocations'")
-    return str(value)
 
 
 def parse_predict(value: object) -> str:
@@ -80,28 +54,6 @@ def parse_predict(value: object) -> str:
         return parse_target(value)
     except ValueError as exc:
         raise SpecError(str(exc)) from None
-
-
-class LimitExceeded(AssertionError):
-    """A span measured outside pytest broke one of its limits."""
-
-
-@dataclass(frozen=True)
-class LimitSpec:
-    """A limit as written: a size in bytes, or a budget expression using Ψ."""
-
-    metric: str
-    text: str
-    expression: BudgetExpr
-
-    @property
-    def uses_psi(self) -> bool:
-        return self.expression.uses_psi
-
-    def resolve(self, psi: int | None) -> Limit:
-        """The limit in bytes, Ψ being the tracked trainable parameter count."""
-        kind = "budget" if self.uses_psi else "limit"
-        return Limit(metric=self.metric, value=self.expression.evaluate(psi), source=self.text, kind=kind)
 
 
 @dataclass(frozen=True)
@@ -138,38 +90,18 @@ def parse_device(value: object) -> str:
     return text
 
 
-def _limit(metric: str, value: object) -> LimitSpec:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        try:
-            parse_size(value)  # produces the precise message (float, bool, other types)
-        except SizeError as exc:
-            raise SpecError(f"{metric}={value!r}: {exc}") from None
-    assert isinstance(value, (int, str))
-    try:
-        expression = parse_budget(value)
-        if not expression.uses_psi:
-            expression.evaluate(None)  # constant limits must evaluate now: no negatives, no 1/0
-    except BudgetError as exc:
-        raise SpecError(f"{metric}={value!r}: {exc}") from None
-    return LimitSpec(metric, str(value), expression)
-
-
-def _tolerance(value: object) -> Tolerance:
-    if isinstance(value, Tolerance):
-        return value
-    if not isinstance(value, str):
-        raise SpecError(f"tolerance={value!r} is not a tolerance: use a string like '2%', '1MiB' or '2%,1MiB'")
-    try:
-        return parse_tolerance(value)
-    except ValueError as exc:
-        raise SpecError(f"tolerance={value!r}: {exc}") from None
-
-
 def _size(name: str, value: object) -> int:
     try:
         return parse_size(value)
     except SizeError as exc:
         raise SpecError(f"{name}={value!r}: {exc}") from None
+
+
+def _observe(value: object) -> str:
+    try:
+        return parse_observe(value)
+    except ObserveError as exc:
+        raise SpecError(str(exc)) from None
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -215,7 +147,7 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
         raise SpecError(
             f"unknown keyword {', '.join(map(repr, unknown))}; expected one of {', '.join(MARKER_KEYWORDS)}"
         )
-    limits = tuple(_limit(metric, merged[metric]) for metric in METRICS if merged.get(metric) is not None)
+    limits = tuple(parse_limit(metric, merged[metric]) for metric in METRICS if merged.get(metric) is not None)
     if merged.get("observe") == "allocations" and merged.get("predict") is not None:
         raise SpecError(
             f"observe='allocations' cannot predict={merged['predict']!r}: a prediction follows the operators"
@@ -229,38 +161,11 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
         limits=limits,
         device=None if merged.get("device") is None else parse_device(merged["device"]),
         breakdown=None if merged.get("breakdown") is None else _bool("breakdown", merged["breakdown"]),
-        observe=None if merged.get("observe") is None else parse_observe(merged["observe"]),
+        observe=None if merged.get("observe") is None else _observe(merged["observe"]),
         predict=None if merged.get("predict") is None else parse_predict(merged["predict"]),
-        tolerance=None if merged.get("tolerance") is None else _tolerance(merged["tolerance"]),
+        tolerance=None if merged.get("tolerance") is None else parse_tolerance_keyword(merged["tolerance"]),
         device_limit=None if merged.get("device_limit") is None else _size("device_limit", merged["device_limit"]),
         min_microbatch=None
         if merged.get("min_microbatch") is None
         else _positive_int("min_microbatch", merged["min_microbatch"]),
     )
-
-
-def parse_span_limits(name: object, limits: Mapping[str, Any]) -> tuple[tuple[LimitSpec, ...], Tolerance | None]:
-    """Validate the keywords of ``gpumem.measure(name, **limits)``."""
-    if not isinstance(name, str) or not name or name == "call":
-        raise SpecError(f"span name {name!r} must be a non-empty string other than 'call' (the whole test)")
-    unknown = sorted(set(limits) - set(SPAN_KEYWORDS))
-    if unknown:
-        names = ", ".join(map(repr, unknown))
-        raise SpecError(f"span {name!r}: unknown keyword {names}; expected one of {', '.join(SPAN_KEYWORDS)}")
-    try:
-        specs = tuple(
-            _limit(metric, value) for metric, value in limits.items() if metric != "tolerance" and value is not None
-        )
-        tolerance = None if limits.get("tolerance") is None else _tolerance(limits["tolerance"])
-    except SpecError as exc:
-        raise SpecError(f"span {name!r}: {exc}") from None
-    return specs, tolerance
-
-
-def check_span_limits(name: str, limits: Mapping[str, Any], measurement: Measurement) -> None:
-    """Outside pytest: raise :class:`LimitExceeded` when the span ``name`` broke one of its ``limits``."""
-    specs, _ = parse_span_limits(name, limits)
-    resolved = [spec.resolve(measurement.psi) for spec in specs]
-    findings = check_limits(name, measurement, resolved)
-    if any(finding.failed for finding in findings):
-        raise LimitExceeded(failure_message(findings))

@@ -1,0 +1,119 @@
+"""What a span asks for: its limits and budgets, and its tolerance, validated once.
+
+A limit is parsed where it is written (the marker at collection, ``measure(name, peak=...)``
+when the span is made) into a :class:`LimitSpec`; the judge (:mod:`pytest_gpumem.judge.judgement`)
+resolves it with the span's Ψ and compares. A bad value is an error naming the span and the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_gpumem.budgets.expressions import BudgetError, BudgetExpr, parse_budget
+from pytest_gpumem.judge.verdict import Limit, Tolerance, parse_tolerance
+from pytest_gpumem.units import SizeError, parse_size
+
+__all__ = [
+    "SPAN_KEYWORDS",
+    "LimitExceeded",
+    "LimitSpec",
+    "SpecError",
+    "check_span_name",
+    "parse_limit",
+    "parse_span_limits",
+    "parse_tolerance_keyword",
+]
+
+#: Keywords ``gpumem.measure(name, ...)`` accepts.
+SPAN_KEYWORDS: tuple[str, ...] = ("peak", "allocated", "reserved", "tolerance")
+
+
+class SpecError(ValueError):
+    """A marker or span keyword with a bad name or value."""
+
+
+class LimitExceeded(AssertionError):
+    """A span measured outside pytest broke one of its limits."""
+
+
+@dataclass(frozen=True)
+class LimitSpec:
+    """A limit as written: a size in bytes, or a budget expression using Ψ."""
+
+    metric: str
+    text: str
+    expression: BudgetExpr
+
+    @property
+    def uses_psi(self) -> bool:
+        return self.expression.uses_psi
+
+    def to_dict(self) -> dict[str, str]:
+        """JSON-ready: the metric, the limit as shown, and the expression it evaluates."""
+        return {"metric": self.metric, "text": self.text, "expression": self.expression.text}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, str]) -> LimitSpec:
+        """Read what :meth:`to_dict` wrote (the expression was validated where it was written)."""
+        return cls(data["metric"], data["text"], parse_budget(data["expression"]))
+
+    def resolve(self, psi: int | None) -> Limit:
+        """The limit in bytes, Ψ being the tracked trainable parameter count."""
+        kind = "budget" if self.uses_psi else "limit"
+        return Limit(metric=self.metric, value=self.expression.evaluate(psi), source=self.text, kind=kind)
+
+
+def parse_limit(metric: str, value: object) -> LimitSpec:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        try:
+            parse_size(value)  # produces the precise message (float, bool, other types)
+        except SizeError as exc:
+            raise SpecError(f"{metric}={value!r}: {exc}") from None
+    assert isinstance(value, (int, str))
+    try:
+        expression = parse_budget(value)
+        if not expression.uses_psi:
+            expression.evaluate(None)  # constant limits must evaluate now: no negatives, no 1/0
+    except BudgetError as exc:
+        raise SpecError(f"{metric}={value!r}: {exc}") from None
+    return LimitSpec(metric, str(value), expression)
+
+
+def parse_tolerance_keyword(value: object) -> Tolerance:
+    if isinstance(value, Tolerance):
+        return value
+    if not isinstance(value, str):
+        raise SpecError(f"tolerance={value!r} is not a tolerance: use a string like '2%', '1MiB' or '2%,1MiB'")
+    try:
+        return parse_tolerance(value)
+    except ValueError as exc:
+        raise SpecError(f"tolerance={value!r}: {exc}") from None
+
+
+def check_span_name(name: object) -> str:
+    """``name`` if it can name a span inside a measured test: a non-empty string other than ``"call"``."""
+    if not isinstance(name, str) or not name or name == "call":
+        raise SpecError(f"span name {name!r} must be a non-empty string other than 'call' (the whole test)")
+    return name
+
+
+def parse_span_limits(name: object, limits: Mapping[str, Any]) -> tuple[tuple[LimitSpec, ...], Tolerance | None]:
+    """Validate the keywords of ``measure(name, **limits)``: each limit once, into a :class:`LimitSpec`."""
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"span name {name!r} must be a non-empty string")
+    unknown = sorted(set(limits) - set(SPAN_KEYWORDS))
+    if unknown:
+        names = ", ".join(map(repr, unknown))
+        raise SpecError(f"span {name!r}: unknown keyword {names}; expected one of {', '.join(SPAN_KEYWORDS)}")
+    try:
+        specs = tuple(
+            parse_limit(metric, value)
+            for metric, value in limits.items()
+            if metric != "tolerance" and value is not None
+        )
+        tolerance = None if limits.get("tolerance") is None else parse_tolerance_keyword(limits["tolerance"])
+    except SpecError as exc:
+        raise SpecError(f"span {name!r}: {exc}") from None
+    return specs, tolerance
