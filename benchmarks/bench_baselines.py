@@ -32,8 +32,10 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pytest_gpumem.baselines import BaselineStore, Environment, load, save
-from pytest_gpumem.data.figures import CATEGORIES, Measurement
-from pytest_gpumem.judge.verdict import compare_baseline, parse_tolerance
+from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.findings import parse_tolerance
+from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.judge.verdict import compare_baseline
 
 MIB = 1 << 20
 

@@ -22,9 +22,9 @@ _EXPORTS: dict[str, str] = {
     "Measurement": "pytest_gpumem.data.figures",
     "Phase": "pytest_gpumem.data.figures",
     "Timeline": "pytest_gpumem.data.figures",
-    "CATEGORIES": "pytest_gpumem.data.figures",
-    "METRICS": "pytest_gpumem.data.figures",
-    "PHASES": "pytest_gpumem.data.figures",
+    "CATEGORIES": "pytest_gpumem.data.metrics",
+    "METRICS": "pytest_gpumem.data.metrics",
+    "PHASES": "pytest_gpumem.data.metrics",
     "LimitExceeded": "pytest_gpumem.judge.limits",
     "CompiledCodeNotMeasured": "pytest_gpumem.data.figures",
     # distributed steps
@@ -58,8 +58,8 @@ _EXPORTS: dict[str, str] = {
     "OptimizerState": "pytest_gpumem.budgets.formulas",
     "parse_budget": "pytest_gpumem.budgets.expressions",
     # sizes and tolerances
-    "Tolerance": "pytest_gpumem.judge.verdict",
-    "parse_tolerance": "pytest_gpumem.judge.verdict",
+    "Tolerance": "pytest_gpumem.data.findings",
+    "parse_tolerance": "pytest_gpumem.data.findings",
     "format_size": "pytest_gpumem.units",
     "parse_size": "pytest_gpumem.units",
 }
@@ -136,22 +136,15 @@ if TYPE_CHECKING:
         register_optimizer,
         transformer_layer_activations,
     )
-    from pytest_gpumem.data.figures import (
-        CATEGORIES,
-        METRICS,
-        PHASES,
-        CompiledCodeNotMeasured,
-        Measurement,
-        Phase,
-        Timeline,
-    )
+    from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, Phase, Timeline
+    from pytest_gpumem.data.findings import Tolerance, parse_tolerance
+    from pytest_gpumem.data.metrics import CATEGORIES, METRICS, PHASES
     from pytest_gpumem.diagnose.census import LiveTensor, live_tensors
     from pytest_gpumem.diagnose.distributed import DistributedError, RankContext, run_ranks
     from pytest_gpumem.diagnose.leaks import LeakCheck, confirm_leak, snapshot_storages
     from pytest_gpumem.diagnose.microbatch import MicrobatchError, Plan, max_microbatch, plan_accumulation, plan_for
     from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, oom_report, release_oom
     from pytest_gpumem.judge.limits import LimitExceeded
-    from pytest_gpumem.judge.verdict import Tolerance, parse_tolerance
     from pytest_gpumem.measurement.devicelimit import device_limit
     from pytest_gpumem.measurement.engines import make_engine
     from pytest_gpumem.measurement.recorder import Span, measure

@@ -28,7 +28,6 @@ from pathlib import Path
 from tabulate import tabulate
 
 from pytest_gpumem.baselines import (
-    BASELINE_METRICS,
     CALL_SPAN,
     DEFAULT_FILENAME,
     BaselineEntry,
@@ -38,8 +37,8 @@ from pytest_gpumem.baselines import (
     parse,
     save,
 )
-from pytest_gpumem.data.figures import METRICS
-from pytest_gpumem.judge.verdict import Tolerance, metric_info, parse_tolerance
+from pytest_gpumem.data.findings import Tolerance, parse_tolerance
+from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
 from pytest_gpumem.units import format_percent
 
 __all__ = ["main"]

@@ -63,7 +63,8 @@ import pytest_gpumem
 from fixtures.zoo import MODELS, PRECISIONS, SIZES, ZooModel, zoo
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.budgets.formulas import mlp_activations
-from pytest_gpumem.data.figures import CATEGORIES, Measurement
+from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.diagnose.leaks import confirm_leak, snapshot_storages
 from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR
 from pytest_gpumem.judge.record import TestRecord

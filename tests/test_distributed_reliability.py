@@ -24,11 +24,12 @@ import torch
 
 from pytest_gpumem import DistributedError, RankContext, run_ranks
 from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.findings import Limit, Tolerance
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.verdict import Limit, Tolerance, check_limits
+from pytest_gpumem.judge.verdict import check_limits
 from pytest_gpumem.plugin.gate import write_artifacts
 from pytest_gpumem.plugin.torchrun import Launch, rank_span, rename
-from pytest_gpumem.report.text import measurement_table, summary_rows, terminal_summary
+from pytest_gpumem.report.text import failure_text, measurement_table, summary_rows, terminal_summary
 
 # --------------------------------------------------------------------------- processes (Linux /proc)
 
@@ -234,7 +235,7 @@ def test_a_ranks_limit_findings_are_named_for_its_span() -> None:
     record = _rank_record("t.py::test_over", 4000, 1024, Launch(1, 2, 1))
     assert [m.name for m in record.measurements] == ["call@rank1-of-2"]
     assert [(f.span, f.status) for f in record.findings] == [("call@rank1-of-2", "exceeded")]
-    assert record.message().startswith("[call@rank1-of-2] peak cost 3.91 KiB exceeds the limit 1.00 KiB")
+    assert failure_text(record).startswith("[call@rank1-of-2] peak cost 3.91 KiB exceeds the limit 1.00 KiB")
 
 
 def test_the_markers_tolerance_still_covers_every_span_of_a_rank() -> None:

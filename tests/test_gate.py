@@ -10,8 +10,8 @@ import torch
 
 from conftest import forget_last_failure, run, run_fresh
 from pytest_gpumem.baselines import Environment
+from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.verdict import Tolerance
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.plugin.gate import Gate, GateOptions
 from pytest_gpumem.plugin.marker import parse_marker

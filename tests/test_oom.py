@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pytest_gpumem.data.figures import CATEGORIES
+from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.diagnose.census import live_tensors
 from pytest_gpumem.diagnose.oom import (
     OomReport,

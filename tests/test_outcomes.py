@@ -200,7 +200,7 @@ def test_under(gpumem):
     page = path.read_text(encoding="utf-8")
     parser = _SvgParser()
     parser.feed(page)
-    from pytest_gpumem.data.figures import CATEGORIES
+    from pytest_gpumem.data.metrics import CATEGORIES
 
     assert [c for c in CATEGORIES if c in parser.categories] == list(CATEGORIES)
     assert any("limit peak" in line for line in parser.lines)

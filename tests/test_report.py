@@ -16,9 +16,11 @@ from torch import nn
 from conftest import run
 from pytest_gpumem import measure
 from pytest_gpumem.baselines import BaselineEntry
-from pytest_gpumem.data.figures import METRICS, Measurement, Phase
+from pytest_gpumem.data.figures import Measurement, Phase
+from pytest_gpumem.data.findings import Finding, Limit, Tolerance
+from pytest_gpumem.data.metrics import METRICS
 from pytest_gpumem.judge.record import TestRecord as Record
-from pytest_gpumem.judge.verdict import Finding, Limit, Tolerance, check_values, compare_baseline
+from pytest_gpumem.judge.verdict import check_values, compare_baseline
 from pytest_gpumem.plugin.fixture import run_step
 from pytest_gpumem.report.text import (
     SUMMARY_HEADERS,

@@ -17,6 +17,7 @@ from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.measurement.recorder import measure
 from pytest_gpumem.plugin.marker import parse_marker
 from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, Freezer, RunOptions, TestRun, choose_device
+from pytest_gpumem.report.text import failure_text
 
 F32 = 4
 ENV = Environment.detect("cpu").to_dict()
@@ -48,7 +49,7 @@ def test_a_passing_test_gives_its_figures_and_checks_its_limits(engine: Engine) 
     assert (call.cost("peak"), call.cost("allocated"), call.retained) == (12 * 1024, 4 * 1024, 0)
     assert [(f.metric, f.status) for f in record.findings] == [("peak", "ok"), ("allocated", "exceeded")]
     assert record.failed and not record.recordable
-    assert "allocated" in record.message() and "exceeds" in record.message()
+    assert "allocated" in failure_text(record) and "exceeds" in failure_text(record)
 
 
 def test_a_failing_test_is_recorded_but_not_judged(engine: Engine) -> None:

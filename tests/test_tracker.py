@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pytest_gpumem import measure
-from pytest_gpumem.data.figures import CATEGORIES
+from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement.engines.tracker import StorageTracker, cuda_rounded
 
 

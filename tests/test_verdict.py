@@ -11,19 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pytest_gpumem.baselines import BaselineEntry, StaleEntry
-from pytest_gpumem.data.figures import CATEGORIES, Measurement
+from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.findings import Finding, Limit, Tolerance, failure_message, parse_tolerance
+from pytest_gpumem.data.metrics import CATEGORIES, metric_info
 from pytest_gpumem.judge.verdict import (
-    Finding,
-    Limit,
-    Tolerance,
     changed_categories,
     check_limits,
     check_values,
     compare_baseline,
     compare_values,
-    failure_message,
-    metric_info,
-    parse_tolerance,
     stale_findings,
 )
 

@@ -48,7 +48,7 @@ system. Nothing is ever pickled.
 
 from __future__ import annotations
 
-from pytest_gpumem.baselines.canonical import BASELINE_METRICS, CALL_SPAN, SCHEMA_VERSION
+from pytest_gpumem.baselines.canonical import CALL_SPAN, SCHEMA_VERSION
 from pytest_gpumem.baselines.environment import ALLOCATOR_VARIABLES, ENGINES, Environment, allocator_settings
 from pytest_gpumem.baselines.loading import load, parse
 from pytest_gpumem.baselines.saving import ORPHAN_AGE_S, save
@@ -57,7 +57,6 @@ from pytest_gpumem.baselines.validation import BaselineFileError
 
 __all__ = [
     "ALLOCATOR_VARIABLES",
-    "BASELINE_METRICS",
     "CALL_SPAN",
     "DEFAULT_FILENAME",
     "ENGINES",

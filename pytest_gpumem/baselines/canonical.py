@@ -15,9 +15,9 @@ from dataclasses import fields
 from typing import Any
 
 from pytest_gpumem.baselines.environment import Environment, allocator_rank
-from pytest_gpumem.data.figures import CATEGORIES, METRICS
+from pytest_gpumem.data.metrics import CATEGORIES, METRICS
 
-__all__ = ["BASELINE_METRICS", "CALL_SPAN", "SCHEMA_VERSION", "json_bytes"]
+__all__ = ["CALL_SPAN", "SCHEMA_VERSION", "json_bytes"]
 
 #: Version of the file layout this release writes and the only one it reads.
 #: Adding keys does not change it (older releases keep keys they do not know);
@@ -27,8 +27,6 @@ SCHEMA_VERSION = 1
 #: The span that covers a whole test call; other spans are ``gpumem.measure(name)`` blocks.
 CALL_SPAN = "call"
 
-#: Figures whose cost :meth:`BaselineStore.record` stores for every span by default.
-BASELINE_METRICS: tuple[str, ...] = ("peak", "allocated", "reserved")
 
 # Canonical key order inside the file. Keys not listed come after, sorted.
 TOP_ORDER = ("schema", "environments")

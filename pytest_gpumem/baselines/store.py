@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.baselines.canonical import (
-    BASELINE_METRICS,
     CALL_SPAN,
     ENV_ORDER,
     SCHEMA_VERSION,
@@ -21,7 +20,8 @@ from pytest_gpumem.baselines.canonical import (
 )
 from pytest_gpumem.baselines.environment import Environment
 from pytest_gpumem.baselines.validation import BaselineFileError, validate
-from pytest_gpumem.data.figures import CATEGORIES, Measurement
+from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.metrics import BASELINE_METRICS, CATEGORIES
 
 __all__ = ["BaselineEntry", "BaselineStore", "StaleEntry"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pytest_gpumem.baselines.canonical import SCHEMA_VERSION
 from pytest_gpumem.baselines.environment import check_label
-from pytest_gpumem.data.figures import METRICS
+from pytest_gpumem.data.metrics import METRICS
 
 __all__ = ["MAX_DEPTH", "BaselineFileError"]
 

@@ -13,27 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS
+
 __all__ = [
-    "CATEGORIES",
-    "COUNT_METRICS",
-    "METRICS",
-    "PHASES",
     "CompiledCodeNotMeasured",
     "Measurement",
     "PartialFigures",
     "Phase",
     "Timeline",
 ]
-
-#: Breakdown categories, in report order. They sum to the peak.
-CATEGORIES: tuple[str, ...] = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "activations",
-    "temporaries",
-    "other",
-)
 
 
 class CompiledCodeNotMeasured(Warning):
@@ -48,16 +36,6 @@ class PartialFigures(Warning):
     """A span's figures miss memory the engine could not see (work on a thread it could not
     watch, storages made outside PyTorch's operators); the notes of its :class:`Measurement`
     say what. Make it an error with ``-W error::pytest_gpumem.data.figures.PartialFigures``."""
-
-
-#: Phases of a training step, in order.
-PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
-
-#: Figures that limits and baselines can name.
-METRICS: tuple[str, ...] = ("peak", "allocated", "reserved", "retained")
-
-#: Figures that are not bytes: the largest microbatch that fits (a count; higher is better).
-COUNT_METRICS: tuple[str, ...] = ("max_microbatch",)
 
 
 @dataclass(frozen=True)

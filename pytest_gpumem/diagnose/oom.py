@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tabulate import tabulate
 
-from pytest_gpumem.data.figures import CATEGORIES
+from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.diagnose.census import (
     TOP,
     LiveTensor,

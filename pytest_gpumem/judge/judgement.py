@@ -15,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pytest_gpumem.baselines import BASELINE_METRICS, BaselineStore, Environment
+from pytest_gpumem.baselines import BaselineStore, Environment
 from pytest_gpumem.budgets.expressions import BudgetError
 from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.findings import Finding, Limit, Tolerance
+from pytest_gpumem.data.metrics import BASELINE_METRICS
 from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.verdict import Finding, Limit, Tolerance, check_limits, compare_baseline, default_tolerance
+from pytest_gpumem.judge.verdict import check_limits, compare_baseline, default_tolerance
 
 __all__ = ["RESERVED_TOLERANCE_FLOOR", "JudgeOptions", "baseline_metrics", "judge", "metric_tolerances"]
 

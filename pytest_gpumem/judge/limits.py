@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_gpumem.budgets.expressions import BudgetError, BudgetExpr, parse_budget
-from pytest_gpumem.judge.verdict import Limit, Tolerance, parse_tolerance
+from pytest_gpumem.data.findings import Limit, Tolerance, parse_tolerance
 from pytest_gpumem.units import SizeError, parse_size
 
 __all__ = [

@@ -13,9 +13,8 @@ from typing import Any
 
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.data.figures import Measurement, Timeline
+from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.judge.limits import LimitSpec
-from pytest_gpumem.judge.verdict import Finding, Tolerance, failure_message
-from pytest_gpumem.report.text import finding_from_dict, finding_to_dict, measurement_table
 
 __all__ = ["TIMELINE_SAMPLES", "TestRecord"]
 
@@ -81,25 +80,14 @@ class TestRecord:
     def tolerance(self, span: str) -> Tolerance | None:
         """The baseline tolerance of ``span``: its own, else the marker's; None for the run's default."""
         given = self.tolerances.get(span) or self.tolerances.get("call")
-        return None if given is None else Tolerance(given["relative"], int(given["absolute"]))
+        return None if given is None else Tolerance.from_dict(given)
 
     def set_tolerance(self, span: str, tolerance: Tolerance) -> None:
-        self.tolerances[span] = {"relative": tolerance.relative, "absolute": tolerance.absolute}
+        self.tolerances[span] = tolerance.to_dict()
 
     def timeline_of_call(self) -> Timeline:
         """The call's timeline, empty when none was recorded."""
         return Timeline.empty() if self.timeline is None else Timeline.from_dict(self.timeline)
-
-    def message(self, *, width: int | None = None) -> str:
-        """The failure text: errors, the broken checks, the reports, then the figures."""
-        parts = [f"gpumem: {error}" for error in self.errors]
-        broken = [finding for finding in self.findings if finding.failed]
-        if broken:
-            parts.append(failure_message(broken))
-        parts.extend(self.reports)
-        if self.measurements:
-            parts.append(measurement_table(self.measurements, width=width))
-        return "\n\n".join(parts)
 
     # -- wire format ------------------------------------------------------------------
 
@@ -109,7 +97,7 @@ class TestRecord:
             "nodeid": self.nodeid,
             "measurements": [m.to_dict() for m in self.measurements],
             "asked": {span: [spec.to_dict() for spec in specs] for span, specs in self.asked.items()},
-            "findings": [finding_to_dict(f) for f in self.findings],
+            "findings": [f.to_dict() for f in self.findings],
             "errors": list(self.errors),
             "environment": self.environment,
             "tolerances": dict(self.tolerances),
@@ -128,7 +116,7 @@ class TestRecord:
             nodeid=data["nodeid"],
             measurements=[Measurement.from_dict(m) for m in data["measurements"]],
             asked={span: [LimitSpec.from_dict(spec) for spec in specs] for span, specs in data["asked"].items()},
-            findings=[finding_from_dict(f) for f in data["findings"]],
+            findings=[Finding.from_dict(f) for f in data["findings"]],
             errors=list(data["errors"]),
             environment=data["environment"],
             tolerances=dict(data["tolerances"]),

@@ -1,7 +1,9 @@
-"""Verdicts: a measurement against limits, budgets and baselines, as :class:`Finding` objects.
+"""The rules of a verdict: a measurement against limits, budgets and baselines, as
+:class:`~pytest_gpumem.data.findings.Finding` objects. The judge
+(:func:`~pytest_gpumem.judge.judgement.judge`) applies them.
 
 Pure functions, no I/O. Every size is bytes unless a metric says otherwise
-(:class:`MetricInfo`). Limits, budgets and baselines all compare *costs*: a
+(:class:`~pytest_gpumem.data.metrics.MetricInfo`). Limits, budgets and baselines all compare *costs*: a
 figure minus its span's start (:meth:`Measurement.cost`), what the test or span
 itself added, so test order, shared fixtures, the CUDA context and library
 workspaces do not move them. Whether the whole process fits a device of a given
@@ -16,303 +18,43 @@ on one side is ``"n/a"`` too but does not fail (nothing was promised).
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from decimal import Decimal
-from fractions import Fraction
-from functools import cached_property
-from typing import Literal, cast
+from typing import cast
 
-from pytest_gpumem.baselines import BASELINE_METRICS, BaselineEntry, StaleEntry
-from pytest_gpumem.data.figures import CATEGORIES, COUNT_METRICS, METRICS, Measurement
-from pytest_gpumem.units import SizeError, format_delta, format_percent, format_size, parse_size
+from pytest_gpumem.baselines import BaselineEntry, StaleEntry
+from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.findings import Finding, Kind, Limit, Status, Tolerance
+from pytest_gpumem.data.metrics import (
+    BASELINE_METRICS,
+    CATEGORIES,
+    COUNT_METRICS,
+    METRIC_TABLE,
+    METRICS,
+    metric_info,
+)
 
 __all__ = [
-    "COST_METRICS",
     "DEFAULT_TOLERANCES",
-    "METRIC_INFO",
-    "Finding",
-    "Kind",
-    "Limit",
-    "MetricInfo",
-    "Status",
-    "Tolerance",
     "changed_categories",
     "check_limits",
     "check_values",
     "compare_baseline",
     "compare_values",
     "default_tolerance",
-    "failure_message",
-    "metric_info",
-    "parse_tolerance",
     "stale_findings",
 ]
-
-Kind = Literal["limit", "budget", "baseline"]
-Status = Literal["ok", "exceeded", "regressed", "improved", "new", "other-environment", "stale", "n/a"]
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-@dataclass(frozen=True)
-class MetricInfo:
-    """How to compare and show a metric.
-
-    ``higher_is_better`` flips every comparison: a limit becomes a minimum and
-    a regression is the value dropping (e.g. the largest microbatch that fits).
-    ``unit`` is ``"bytes"`` (shown with :func:`~pytest_gpumem.units.format_size`)
-    or ``"count"`` (shown as a plain integer); a :class:`Tolerance`'s absolute
-    floor is in this unit.
-    """
-
-    name: str
-    higher_is_better: bool = False
-    unit: Literal["bytes", "count"] = "bytes"
-
-    def format(self, value: int | None) -> str:
-        """``value`` for people: ``"1.50 MiB"`` for bytes, ``"8"`` for counts, ``"n/a"`` for ``None``."""
-        if value is None:
-            return "n/a"
-        return format_size(value) if self.unit == "bytes" else str(value)
-
-    def format_delta(self, value: int | None) -> str:
-        """A signed difference: ``"+1.50 MiB"`` for bytes, ``"-2"`` for counts."""
-        if value is None:
-            return "n/a"
-        return format_delta(value) if self.unit == "bytes" else f"{value:+d}"
-
-
-#: Metrics this release knows how to compare; any other name is bytes, lower is better.
-METRIC_INFO: Mapping[str, MetricInfo] = {
-    **{name: MetricInfo(name) for name in METRICS},
-    "max_microbatch": MetricInfo("max_microbatch", higher_is_better=True, unit="count"),
-}
-
-
-_HIGHER_IS_BETTER = frozenset(name for name, info in METRIC_INFO.items() if info.higher_is_better)
-
-
-def metric_info(metric: str) -> MetricInfo:
-    """The :class:`MetricInfo` of ``metric`` (bytes, lower is better, when not in :data:`METRIC_INFO`)."""
-    return METRIC_INFO.get(metric) or MetricInfo(metric)
-
-
-# --------------------------------------------------------------------------- tolerance
-
-_PERCENT_RE = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%$")
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """How far a cost may move from its baseline before it counts as changed.
-
-    ``relative`` is a fraction of the baseline (``0.02`` for 2%), ``absolute``
-    a floor in the metric's unit (bytes). The allowed change is the larger of
-    the two: :meth:`allowed`. ``Tolerance()`` demands exact equality.
-    """
-
-    relative: float = 0.0
-    absolute: int = 0
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.relative) and self.relative >= 0):
-            raise ValueError(f"invalid tolerance: relative {self.relative!r} must be a finite fraction >= 0")
-        if isinstance(self.absolute, bool) or not isinstance(self.absolute, int) or self.absolute < 0:
-            raise ValueError(f"invalid tolerance: absolute {self.absolute!r} must be a whole number of bytes >= 0")
-
-    @cached_property
-    def _ratio(self) -> tuple[int, int]:
-        """``relative`` as the exact decimal fraction it was written as (0.29 is 29/100, not the float)."""
-        exact = Fraction(repr(self.relative))
-        return exact.numerator, exact.denominator
-
-    def allowed(self, baseline: int) -> int:
-        """``max(relative * |baseline|, absolute)``, rounded down (exact for comparing whole bytes)."""
-        numerator, denominator = self._ratio
-        return max(numerator * abs(baseline) // denominator, self.absolute)
-
-    def describe(self, info: MetricInfo | None = None) -> str:
-        """``"2%"``, ``"1.00 MiB"``, ``"2% or 1.00 MiB, whichever is larger"`` or ``"0 (exact)"``."""
-        info = info or MetricInfo("")
-        percent = f"{(Decimal(repr(self.relative)) * 100).normalize():f}%"
-        if self.relative and self.absolute:
-            return f"{percent} or {info.format(self.absolute)}, whichever is larger"
-        if self.relative:
-            return percent
-        if self.absolute:
-            return info.format(self.absolute)
-        return "0 (exact)"
-
-    def __str__(self) -> str:
-        return self.describe()
-
 
 _EXACT = Tolerance()
 
 #: The tolerance of each baseline figure when no ``tolerance=`` (span, marker) and no
-#: ``--gpumem-tolerance`` sets one. ``peak`` and ``allocated`` are exact: every engine counts
-#: them to the byte (the CPU tracker counts storages; on CUDA the caching allocator's counters
-#: gave identical bytes for identical steps on an H100), so any change is a change in what the
-#: code allocates, and a percentage would hide a real regression at every scale (2% of a 12 MiB
-#: step let a +476 KiB float64 loss through; 2% of a 20 GiB step is a 400 MiB activation copy).
-#: ``reserved`` depends on the cache's history and keeps "2% or 1 MiB" (and at least one 20 MiB
-#: segment, see the gate). A figure not named here is exact.
-DEFAULT_TOLERANCES: dict[str, Tolerance] = {
-    "peak": _EXACT,
-    "allocated": _EXACT,
-    "reserved": Tolerance(0.02, 2**20),
-}
+#: ``--gpumem-tolerance`` sets one: the metric table's (:data:`~pytest_gpumem.data.metrics.METRIC_TABLE`,
+#: which says why ``peak`` and ``allocated`` are exact). A figure not named there is exact.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {info.name: Tolerance(*info.tolerance) for info in METRIC_TABLE}
 
 
 def default_tolerance(metric: str) -> Tolerance:
     """The tolerance ``metric`` is compared with when nothing sets one: :data:`DEFAULT_TOLERANCES`."""
     return DEFAULT_TOLERANCES.get(metric, _EXACT)
-
-
-def parse_tolerance(text: str) -> Tolerance:
-    """Read a tolerance: ``"2%"``, ``"1MiB"``, ``"2%,1MiB"`` (either order, spaces allowed) or ``"0"``.
-
-    Sizes follow :func:`~pytest_gpumem.units.parse_size` (``"1MB"`` is 2**20
-    bytes). Raises ``ValueError`` naming the value for anything else: an
-    empty part, a negative or non-finite number, two percentages or two sizes.
-    """
-    if not isinstance(text, str):
-        raise ValueError(f"invalid tolerance {text!r}: expected a string like '2%', '1MiB' or '2%,1MiB'")
-    if not text.strip():
-        raise ValueError(f"invalid tolerance {text!r}: the string is empty; write e.g. '2%', '1MiB' or '2%,1MiB'")
-    relative: Decimal | None = None
-    absolute: int | None = None
-    for part in (piece.strip() for piece in text.split(",")):
-        if not part:
-            raise ValueError(f"invalid tolerance {text!r}: empty part; write e.g. '2%,1MiB'")
-        if part.endswith("%"):
-            match = _PERCENT_RE.match(part)
-            if match is None:
-                raise ValueError(f"invalid tolerance {text!r}: {part!r} is not a percentage such as '2%' or '0.5%'")
-            if relative is not None:
-                raise ValueError(f"invalid tolerance {text!r}: more than one percentage")
-            relative = Decimal(match[1]) / 100
-        else:
-            try:
-                size = parse_size(part)
-            except SizeError as exc:
-                raise ValueError(f"invalid tolerance {text!r}: {exc}") from None
-            if absolute is not None:
-                raise ValueError(f"invalid tolerance {text!r}: more than one size")
-            absolute = size
-    return Tolerance(relative=float(relative or 0), absolute=absolute or 0)
-
-
-# --------------------------------------------------------------------------- limits and findings
-
-
-@dataclass(frozen=True)
-class Limit:
-    """A stated bound on one figure of a span.
-
-    Attributes:
-        metric: the figure it bounds: one of :data:`~pytest_gpumem.data.figures.METRICS`
-            or a later metric name.
-        value: the bound in the metric's unit (bytes for figures).
-        source: the bound as the user wrote it (``"4GB"``, ``"16Ψ + 2GiB"``).
-        kind: ``"limit"`` (a size the user stated) or ``"budget"`` (a bound
-            computed from theory, e.g. bytes per parameter); anything else
-            raises ``ValueError``.
-    """
-
-    metric: str
-    value: int
-    source: str
-    kind: str = "limit"
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("limit", "budget"):
-            raise ValueError(f"invalid limit kind {self.kind!r}: expected 'limit' or 'budget'")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """The outcome of comparing one figure of one span with one reference.
-
-    Attributes:
-        test: the pytest node id.
-        span: ``"call"`` or a ``gpumem.measure(name)`` name (``"*"`` for a
-            stale baseline: all its spans).
-        metric: the compared figure (``"*"`` for a stale baseline).
-        kind: ``"limit"``, ``"budget"`` or ``"baseline"``.
-        status: ``"ok"``; ``"exceeded"`` (a limit or budget broken);
-            ``"regressed"`` / ``"improved"`` (beyond the tolerance of the
-            baseline); ``"new"`` (no baseline yet); ``"other-environment"``
-            (baselines exist only for other environments, named in
-            ``detail``); ``"stale"`` (a baseline whose test is gone); ``"n/a"``
-            (the figure or its reference is unknown).
-        measured: the compared figure: its cost (:meth:`Measurement.cost`) for
-            byte figures, ``retained`` and counts as they are; ``None`` when unknown.
-        reference: the limit, budget or baseline value; ``None`` when none.
-        tolerance: the tolerance a baseline comparison used.
-        changed: for a ``peak`` regression where both sides have a breakdown at the
-            peak: category → bytes it changed by, every category that changed
-            (grown largest first, then shrunk), so they add up to the change of
-            the peak (:func:`changed_categories`).
-        detail: free text: the limit as written, the budget expression, the
-            other environments' keys, why a figure is n/a.
-        strict: whether ``improved``, ``new``, ``other-environment`` and
-            ``stale`` fail (they only inform otherwise).
-    """
-
-    test: str
-    span: str
-    metric: str
-    kind: Kind
-    status: Status
-    measured: int | None = None
-    reference: int | None = None
-    tolerance: Tolerance | None = None
-    changed: Mapping[str, int] = field(default_factory=dict, hash=False)
-    detail: str = ""
-    strict: bool = False
-
-    @property
-    def delta(self) -> int | None:
-        """``measured - reference`` (in the metric's unit); ``None`` when either is unknown."""
-        if self.measured is None or self.reference is None:
-            return None
-        return self.measured - self.reference
-
-    @property
-    def delta_pct(self) -> float | None:
-        """:attr:`delta` as a percentage of :attr:`reference`; ``None`` when unknown or the reference is 0."""
-        delta = self.delta
-        if delta is None or not self.reference:
-            return None
-        return 100.0 * delta / self.reference
-
-    @property
-    def ratio(self) -> float | None:
-        """``measured / reference`` (for budgets: measured over theory); ``None`` when unknown or reference is 0."""
-        if self.measured is None or not self.reference:
-            return None
-        return self.measured / self.reference
-
-    @property
-    def failed(self) -> bool:
-        """True when this finding fails the test.
-
-        ``exceeded`` and ``regressed`` always fail, and so does ``n/a`` on a
-        limit or budget; ``improved``, ``new``, ``other-environment`` and
-        ``stale`` fail only when :attr:`strict`.
-        """
-        if self.status in ("exceeded", "regressed"):
-            return True
-        if self.status == "n/a":
-            return self.kind != "baseline"
-        if self.status in ("improved", "new", "other-environment", "stale"):
-            return self.strict
-        return False
 
 
 def check_limits(test: str, measurement: Measurement, limits: Iterable[Limit]) -> list[Finding]:
@@ -435,7 +177,7 @@ def compare_values(
             findings.append(Finding(test, span, metric, "baseline", "n/a", None, reference, tol, {}, "not measured"))
             continue
         allowed = tol.allowed(reference)
-        worse = reference - measured if metric in _HIGHER_IS_BETTER else measured - reference
+        worse = reference - measured if metric_info(metric).higher_is_better else measured - reference
         status = "regressed" if worse > allowed else "improved" if -worse > allowed else "ok"
         changed: Mapping[str, int] = {}
         # the breakdown is the peak's: it explains a peak, not what stayed allocated at the end
@@ -484,68 +226,3 @@ def stale_findings(stale: Iterable[StaleEntry], *, strict: bool = False) -> list
         )
         for entry in stale
     ]
-
-
-# --------------------------------------------------------------------------- messages
-
-
-#: Figures whose limits and baselines compare the cost (figure minus the span's start).
-COST_METRICS: tuple[str, ...] = ("peak", "allocated", "reserved")
-
-
-def _compared(metric: str) -> str:
-    """How a message names what was compared: ``"peak cost"``; ``retained`` and counts as they are."""
-    return f"{metric} cost" if metric in COST_METRICS else metric
-
-
-def failure_message(findings: Iterable[Finding]) -> str:
-    """The text attached to a failing test: one line per failed finding, in order ("" when none failed).
-
-    Each line names the span (when not the whole call), the metric, the
-    measured figure, the limit / budget / baseline, the excess in bytes and
-    percent, the tolerance, and the breakdown categories that grew.
-    """
-    return "\n".join(_line(finding) for finding in findings if finding.failed)
-
-
-def _line(f: Finding) -> str:
-    info = metric_info(f.metric)
-    where = "" if f.span in ("call", "*") else f"[{f.span}] "
-    excess = f"{info.format_delta(f.delta)} ({format_percent(f.delta, f.reference)})"
-    if f.status == "stale":
-        return f"stale baseline: {f.test} no longer exists; baselines kept for {f.detail}; prune them"
-    if f.kind in ("limit", "budget"):
-        bound = f"{f.kind} {info.format(f.reference)}" + (f" ({f.detail})" if f.status != "n/a" and f.detail else "")
-        if f.status == "n/a":
-            return (
-                f"{where}{f.metric} is n/a ({f.detail}), so the {bound} cannot be checked: "
-                "remove it where this figure cannot be measured"
-            )
-        verb = "is below the minimum" if info.higher_is_better else "exceeds the"
-        text = f"{where}{_compared(f.metric)} {info.format(f.measured)} {verb} {bound} by {excess}"
-        if f.kind == "budget" and f.ratio is not None:
-            text += f", {f.ratio:.2f}x the theory"
-        return text
-    tolerance = ""
-    if f.tolerance is not None and f.reference is not None:
-        allowed = f.tolerance.allowed(f.reference)
-        tolerance = f", tolerance {f.tolerance.describe(info)}" + (f" (±{info.format(allowed)})" if allowed else "")
-    cost = f"{where}{_compared(f.metric)} {info.format(f.measured)}"
-    if f.status == "regressed":
-        text = f"{cost} regressed from baseline {info.format(f.reference)} by {excess}{tolerance}"
-        if f.changed:
-            text += "; by category at the peak: " + ", ".join(f"{c} {format_delta(d)}" for c, d in f.changed.items())
-            moved = sum(f.changed.values()) - (f.delta or 0)
-            if moved:  # the categories are absolute, the cost is from the span's start
-                text += f" (the span's start moved by {format_delta(moved)})"
-        return text
-    if f.status == "improved":
-        return (
-            f"{cost} improved on baseline {info.format(f.reference)} by {excess}{tolerance}; "
-            "refresh it with --gpumem-update-baselines"
-        )
-    if f.status == "other-environment":
-        return f"{cost} has no baseline in this environment ({f.detail}); record one with --gpumem-update-baselines"
-    if f.status == "new":
-        return f"{cost} has no baseline ({f.detail}); record one with --gpumem-update-baselines"
-    return f"{cost}: {f.status} {f.detail}".rstrip()  # pragma: no cover - statuses that never fail

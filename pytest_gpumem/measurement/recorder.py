@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from pytest_gpumem.budgets.formulas import tracked_psi
-from pytest_gpumem.data.figures import CATEGORIES, CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline
+from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline
+from pytest_gpumem.data.findings import Tolerance, failure_message
+from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.judge.judgement import judge
 from pytest_gpumem.judge.limits import LimitExceeded, LimitSpec, check_span_name, parse_span_limits
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.verdict import Tolerance, failure_message
 from pytest_gpumem.measurement.engines import make_engine, resolve_device
 from pytest_gpumem.measurement.engines.base import Engine, Reading
 from pytest_gpumem.measurement.engines.tracker import describe_compiled

@@ -31,7 +31,7 @@ from pytest_gpumem.plugin.gate import Gate, write_artifacts
 from pytest_gpumem.plugin.marker import GpumemSpec, marker_help, parse_marker
 from pytest_gpumem.plugin.options import OPTIONS, OptionError, Settings
 from pytest_gpumem.plugin.torchrun import launch, rename
-from pytest_gpumem.report.text import terminal_summary
+from pytest_gpumem.report.text import failure_text, terminal_summary
 
 if TYPE_CHECKING:
     import torch
@@ -449,7 +449,7 @@ class GpumemManager(MarkerCheck):
             record.errors.append(self._error)
         if report.passed and record.failed:  # the one place a test's outcome changes
             report.outcome = "failed"
-            report.longrepr = record.message(width=_terminal_width(self.config))
+            report.longrepr = failure_text(record, reports=record.reports, width=_terminal_width(self.config))
         elif report.failed and record.reports:
             _append(report, "gpumem", "\n\n".join(record.reports))
         if report.failed or self.settings.artifacts_all:

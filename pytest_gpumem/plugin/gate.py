@@ -27,9 +27,10 @@ from pytest_gpumem.baselines import (
     save,
 )
 from pytest_gpumem.baselines.canonical import json_bytes
+from pytest_gpumem.data.findings import Finding, Tolerance, failure_message
 from pytest_gpumem.judge.judgement import JudgeOptions, baseline_metrics, judge
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.verdict import Finding, Tolerance, failure_message, stale_findings
+from pytest_gpumem.judge.verdict import stale_findings
 from pytest_gpumem.report.artifacts import artifact_path, render_html, write_html
 from pytest_gpumem.report.text import json_report, markdown_report
 

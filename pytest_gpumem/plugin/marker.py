@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_gpumem.data.figures import METRICS
+from pytest_gpumem.data.findings import Tolerance
+from pytest_gpumem.data.metrics import METRICS
 from pytest_gpumem.judge.limits import LimitSpec, SpecError, parse_limit, parse_tolerance_keyword
-from pytest_gpumem.judge.verdict import Tolerance
 from pytest_gpumem.measurement.observe import ObserveError, parse_observe
 from pytest_gpumem.units import SizeError, parse_size
 

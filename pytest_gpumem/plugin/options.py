@@ -13,8 +13,8 @@ from typing import Any
 
 from pytest_gpumem import __version__
 from pytest_gpumem.baselines import DEFAULT_FILENAME
+from pytest_gpumem.data.findings import parse_tolerance
 from pytest_gpumem.judge.limits import SpecError
-from pytest_gpumem.judge.verdict import parse_tolerance
 from pytest_gpumem.measurement.observe import parse_observe
 from pytest_gpumem.plugin.gate import GateOptions
 from pytest_gpumem.plugin.marker import parse_device, parse_predict

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from pytest_gpumem.data.figures import CATEGORIES, Measurement, Timeline
+from pytest_gpumem.data.figures import Measurement, Timeline
+from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.units import UNITS, format_delta, format_size
 
 __all__ = ["MAX_NAME_LENGTH", "artifact_path", "artifact_stem", "render_html", "write_html"]

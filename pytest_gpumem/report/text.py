@@ -29,17 +29,17 @@ import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-from pytest_gpumem.data.figures import CATEGORIES, COUNT_METRICS, METRICS, PHASES, Measurement, Phase
-from pytest_gpumem.judge.verdict import Finding, Tolerance, metric_info
+from pytest_gpumem.data.figures import Measurement, Phase
+from pytest_gpumem.data.findings import Finding, failure_message
+from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, PHASES, metric_info
 from pytest_gpumem.units import SizeError, format_percent, format_size, parse_size
 
 __all__ = [
     "breakdown_rows",
     "environment_notes",
-    "finding_from_dict",
-    "finding_to_dict",
+    "failure_text",
     "json_report",
     "markdown_report",
     "measurement_table",
@@ -894,48 +894,6 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
 REPORT_SCHEMA = 1
 
 
-def finding_to_dict(finding: Finding) -> dict[str, object]:
-    """A finding as JSON-ready data (sizes in bytes)."""
-    return {
-        "test": finding.test,
-        "span": finding.span,
-        "metric": finding.metric,
-        "kind": finding.kind,
-        "status": finding.status,
-        "failed": finding.failed,
-        "measured": finding.measured,
-        "reference": finding.reference,
-        "delta": finding.delta,
-        "delta_pct": None if finding.delta_pct is None else round(finding.delta_pct, 4),
-        "ratio": None if finding.ratio is None else round(finding.ratio, 6),
-        "tolerance": None
-        if finding.tolerance is None
-        else {"relative": finding.tolerance.relative, "absolute": finding.tolerance.absolute},
-        "tolerance_text": None if finding.tolerance is None else str(finding.tolerance),
-        "changed": dict(finding.changed),
-        "detail": finding.detail,
-        "strict": finding.strict,
-    }
-
-
-def finding_from_dict(data: Mapping[str, Any]) -> Finding:
-    """Rebuild a finding written by :func:`finding_to_dict`."""
-    tolerance = data.get("tolerance")
-    return Finding(
-        test=str(data["test"]),
-        span=str(data["span"]),
-        metric=str(data["metric"]),
-        kind=data["kind"],
-        status=data["status"],
-        measured=data.get("measured"),
-        reference=data.get("reference"),
-        tolerance=None if tolerance is None else Tolerance(float(tolerance["relative"]), int(tolerance["absolute"])),
-        changed={str(k): int(v) for k, v in (data.get("changed") or {}).items()},
-        detail=str(data.get("detail", "")),
-        strict=bool(data.get("strict", False)),
-    )
-
-
 def json_report(
     records: Iterable[RecordLike],
     *,
@@ -962,7 +920,7 @@ def json_report(
                 "nodeid": record.nodeid,
                 "environment": getattr(record, "environment", None),
                 "measurements": [m.to_dict() for m in record.measurements],
-                "findings": [finding_to_dict(f) for f in record.findings],
+                "findings": [f.to_dict() for f in record.findings],
                 "errors": list(record.errors),
             }
         )
@@ -972,7 +930,7 @@ def json_report(
         "generator": generator,
         "environments": list(environments),
         "tests": tests,
-        "other_findings": [finding_to_dict(f) for f in extra_findings],
+        "other_findings": [f.to_dict() for f in extra_findings],
         "summary": counts,
     }
 
@@ -1018,3 +976,16 @@ def markdown_report(
         lines += ["", "Stale baselines (their tests no longer exist):", ""]
         lines += [f"- `{_md(f.test)}`" for f in stale]
     return "\n".join(lines) + "\n"
+
+
+def failure_text(record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None) -> str:
+    """The text of a test that failed on memory: its errors, the broken checks, ``reports``
+    (the out-of-memory report, the leaked tensors), then its figures."""
+    parts = [f"gpumem: {error}" for error in record.errors]
+    broken = [finding for finding in record.findings if finding.failed]
+    if broken:
+        parts.append(failure_message(broken))
+    parts.extend(reports)
+    if record.measurements:
+        parts.append(measurement_table(record.measurements, width=width))
+    return "\n\n".join(parts)

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from pytest_gpumem.data.figures import CATEGORIES
+from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.tracker import (
     TEMPORARIES,

@@ -55,7 +55,7 @@ try:
 except ImportError:  # pragma: no cover - torch moved it
     OpOverload = None  # type: ignore[assignment,misc]
 
-from pytest_gpumem.data.figures import CATEGORIES
+from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded, format_size
 

@@ -1,0 +1,326 @@
+"""Findings: a figure compared with a limit, a budget or a baseline, and the words for it.
+
+A :class:`Finding` is plain data, with its JSON form (:meth:`Finding.to_dict`) and its
+one-line message (:func:`failure_message`); a :class:`Tolerance` says how far a cost may
+move from its baseline. The judge (:mod:`pytest_gpumem.judge`) makes findings; the reports
+(:mod:`pytest_gpumem.report`) show them. Every size is bytes unless a metric says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from fractions import Fraction
+from functools import cached_property
+from typing import Any, Literal
+
+from pytest_gpumem.data.metrics import COST_METRICS, MetricInfo, metric_info
+from pytest_gpumem.units import SizeError, format_delta, format_percent, parse_size
+
+__all__ = ["Finding", "Kind", "Limit", "Status", "Tolerance", "failure_message", "parse_tolerance"]
+
+Kind = Literal["limit", "budget", "baseline"]
+Status = Literal["ok", "exceeded", "regressed", "improved", "new", "other-environment", "stale", "n/a"]
+
+# --------------------------------------------------------------------------- tolerance
+
+_PERCENT_RE = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%$")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a cost may move from its baseline before it counts as changed.
+
+    ``relative`` is a fraction of the baseline (``0.02`` for 2%), ``absolute``
+    a floor in the metric's unit (bytes). The allowed change is the larger of
+    the two: :meth:`allowed`. ``Tolerance()`` demands exact equality.
+    """
+
+    relative: float = 0.0
+    absolute: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.relative) and self.relative >= 0):
+            raise ValueError(f"invalid tolerance: relative {self.relative!r} must be a finite fraction >= 0")
+        if isinstance(self.absolute, bool) or not isinstance(self.absolute, int) or self.absolute < 0:
+            raise ValueError(f"invalid tolerance: absolute {self.absolute!r} must be a whole number of bytes >= 0")
+
+    @cached_property
+    def _ratio(self) -> tuple[int, int]:
+        """``relative`` as the exact decimal fraction it was written as (0.29 is 29/100, not the float)."""
+        exact = Fraction(repr(self.relative))
+        return exact.numerator, exact.denominator
+
+    def allowed(self, baseline: int) -> int:
+        """``max(relative * |baseline|, absolute)``, rounded down (exact for comparing whole bytes)."""
+        numerator, denominator = self._ratio
+        return max(numerator * abs(baseline) // denominator, self.absolute)
+
+    def describe(self, info: MetricInfo | None = None) -> str:
+        """``"2%"``, ``"1.00 MiB"``, ``"2% or 1.00 MiB, whichever is larger"`` or ``"0 (exact)"``."""
+        info = info or MetricInfo("")
+        percent = f"{(Decimal(repr(self.relative)) * 100).normalize():f}%"
+        if self.relative and self.absolute:
+            return f"{percent} or {info.format(self.absolute)}, whichever is larger"
+        if self.relative:
+            return percent
+        if self.absolute:
+            return info.format(self.absolute)
+        return "0 (exact)"
+
+    def to_dict(self) -> dict[str, float | int]:
+        """JSON-ready: ``{"relative": 0.02, "absolute": 1048576}``."""
+        return {"relative": self.relative, "absolute": self.absolute}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Tolerance:
+        """Read what :meth:`to_dict` wrote."""
+        return cls(float(data["relative"]), int(data["absolute"]))
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def parse_tolerance(text: str) -> Tolerance:
+    """Read a tolerance: ``"2%"``, ``"1MiB"``, ``"2%,1MiB"`` (either order, spaces allowed) or ``"0"``.
+
+    Sizes follow :func:`~pytest_gpumem.units.parse_size` (``"1MB"`` is 2**20
+    bytes). Raises ``ValueError`` naming the value for anything else: an
+    empty part, a negative or non-finite number, two percentages or two sizes.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"invalid tolerance {text!r}: expected a string like '2%', '1MiB' or '2%,1MiB'")
+    if not text.strip():
+        raise ValueError(f"invalid tolerance {text!r}: the string is empty; write e.g. '2%', '1MiB' or '2%,1MiB'")
+    relative: Decimal | None = None
+    absolute: int | None = None
+    for part in (piece.strip() for piece in text.split(",")):
+        if not part:
+            raise ValueError(f"invalid tolerance {text!r}: empty part; write e.g. '2%,1MiB'")
+        if part.endswith("%"):
+            match = _PERCENT_RE.match(part)
+            if match is None:
+                raise ValueError(f"invalid tolerance {text!r}: {part!r} is not a percentage such as '2%' or '0.5%'")
+            if relative is not None:
+                raise ValueError(f"invalid tolerance {text!r}: more than one percentage")
+            relative = Decimal(match[1]) / 100
+        else:
+            try:
+                size = parse_size(part)
+            except SizeError as exc:
+                raise ValueError(f"invalid tolerance {text!r}: {exc}") from None
+            if absolute is not None:
+                raise ValueError(f"invalid tolerance {text!r}: more than one size")
+            absolute = size
+    return Tolerance(relative=float(relative or 0), absolute=absolute or 0)
+
+
+# --------------------------------------------------------------------------- limits and findings
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A stated bound on one figure of a span.
+
+    Attributes:
+        metric: the figure it bounds: one of :data:`~pytest_gpumem.data.figures.METRICS`
+            or a later metric name.
+        value: the bound in the metric's unit (bytes for figures).
+        source: the bound as the user wrote it (``"4GB"``, ``"16Ψ + 2GiB"``).
+        kind: ``"limit"`` (a size the user stated) or ``"budget"`` (a bound
+            computed from theory, e.g. bytes per parameter); anything else
+            raises ``ValueError``.
+    """
+
+    metric: str
+    value: int
+    source: str
+    kind: str = "limit"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("limit", "budget"):
+            raise ValueError(f"invalid limit kind {self.kind!r}: expected 'limit' or 'budget'")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The outcome of comparing one figure of one span with one reference.
+
+    Attributes:
+        test: the pytest node id.
+        span: ``"call"`` or a ``gpumem.measure(name)`` name (``"*"`` for a
+            stale baseline: all its spans).
+        metric: the compared figure (``"*"`` for a stale baseline).
+        kind: ``"limit"``, ``"budget"`` or ``"baseline"``.
+        status: ``"ok"``; ``"exceeded"`` (a limit or budget broken);
+            ``"regressed"`` / ``"improved"`` (beyond the tolerance of the
+            baseline); ``"new"`` (no baseline yet); ``"other-environment"``
+            (baselines exist only for other environments, named in
+            ``detail``); ``"stale"`` (a baseline whose test is gone); ``"n/a"``
+            (the figure or its reference is unknown).
+        measured: the compared figure: its cost (:meth:`Measurement.cost`) for
+            byte figures, ``retained`` and counts as they are; ``None`` when unknown.
+        reference: the limit, budget or baseline value; ``None`` when none.
+        tolerance: the tolerance a baseline comparison used.
+        changed: for a ``peak`` regression where both sides have a breakdown at the
+            peak: category → bytes it changed by, every category that changed
+            (grown largest first, then shrunk), so they add up to the change of
+            the peak (:func:`changed_categories`).
+        detail: free text: the limit as written, the budget expression, the
+            other environments' keys, why a figure is n/a.
+        strict: whether ``improved``, ``new``, ``other-environment`` and
+            ``stale`` fail (they only inform otherwise).
+    """
+
+    test: str
+    span: str
+    metric: str
+    kind: Kind
+    status: Status
+    measured: int | None = None
+    reference: int | None = None
+    tolerance: Tolerance | None = None
+    changed: Mapping[str, int] = field(default_factory=dict, hash=False)
+    detail: str = ""
+    strict: bool = False
+
+    @property
+    def delta(self) -> int | None:
+        """``measured - reference`` (in the metric's unit); ``None`` when either is unknown."""
+        if self.measured is None or self.reference is None:
+            return None
+        return self.measured - self.reference
+
+    @property
+    def delta_pct(self) -> float | None:
+        """:attr:`delta` as a percentage of :attr:`reference`; ``None`` when unknown or the reference is 0."""
+        delta = self.delta
+        if delta is None or not self.reference:
+            return None
+        return 100.0 * delta / self.reference
+
+    @property
+    def ratio(self) -> float | None:
+        """``measured / reference`` (for budgets: measured over theory); ``None`` when unknown or reference is 0."""
+        if self.measured is None or not self.reference:
+            return None
+        return self.measured / self.reference
+
+    @property
+    def failed(self) -> bool:
+        """True when this finding fails the test.
+
+        ``exceeded`` and ``regressed`` always fail, and so does ``n/a`` on a
+        limit or budget; ``improved``, ``new``, ``other-environment`` and
+        ``stale`` fail only when :attr:`strict`.
+        """
+        if self.status in ("exceeded", "regressed"):
+            return True
+        if self.status == "n/a":
+            return self.kind != "baseline"
+        if self.status in ("improved", "new", "other-environment", "stale"):
+            return self.strict
+        return False
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready data (sizes in bytes), with the derived figures for the reports' readers."""
+        return {
+            "test": self.test,
+            "span": self.span,
+            "metric": self.metric,
+            "kind": self.kind,
+            "status": self.status,
+            "failed": self.failed,
+            "measured": self.measured,
+            "reference": self.reference,
+            "delta": self.delta,
+            "delta_pct": None if self.delta_pct is None else round(self.delta_pct, 4),
+            "ratio": None if self.ratio is None else round(self.ratio, 6),
+            "tolerance": None if self.tolerance is None else self.tolerance.to_dict(),
+            "tolerance_text": None if self.tolerance is None else str(self.tolerance),
+            "changed": dict(self.changed),
+            "detail": self.detail,
+            "strict": self.strict,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Finding:
+        """Rebuild a finding written by :meth:`to_dict`."""
+        tolerance = data.get("tolerance")
+        return cls(
+            test=str(data["test"]),
+            span=str(data["span"]),
+            metric=str(data["metric"]),
+            kind=data["kind"],
+            status=data["status"],
+            measured=data.get("measured"),
+            reference=data.get("reference"),
+            tolerance=None if tolerance is None else Tolerance.from_dict(tolerance),
+            changed={str(k): int(v) for k, v in (data.get("changed") or {}).items()},
+            detail=str(data.get("detail", "")),
+            strict=bool(data.get("strict", False)),
+        )
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def _compared(metric: str) -> str:
+    """How a message names what was compared: ``"peak cost"``; ``retained`` and counts as they are."""
+    return f"{metric} cost" if metric in COST_METRICS else metric
+
+
+def failure_message(findings: Iterable[Finding]) -> str:
+    """The text attached to a failing test: one line per failed finding, in order ("" when none failed).
+
+    Each line names the span (when not the whole call), the metric, the
+    measured figure, the limit / budget / baseline, the excess in bytes and
+    percent, the tolerance, and the breakdown categories that grew.
+    """
+    return "\n".join(_line(finding) for finding in findings if finding.failed)
+
+
+def _line(f: Finding) -> str:
+    info = metric_info(f.metric)
+    where = "" if f.span in ("call", "*") else f"[{f.span}] "
+    excess = f"{info.format_delta(f.delta)} ({format_percent(f.delta, f.reference)})"
+    if f.status == "stale":
+        return f"stale baseline: {f.test} no longer exists; baselines kept for {f.detail}; prune them"
+    if f.kind in ("limit", "budget"):
+        bound = f"{f.kind} {info.format(f.reference)}" + (f" ({f.detail})" if f.status != "n/a" and f.detail else "")
+        if f.status == "n/a":
+            return (
+                f"{where}{f.metric} is n/a ({f.detail}), so the {bound} cannot be checked: "
+                "remove it where this figure cannot be measured"
+            )
+        verb = "is below the minimum" if info.higher_is_better else "exceeds the"
+        text = f"{where}{_compared(f.metric)} {info.format(f.measured)} {verb} {bound} by {excess}"
+        if f.kind == "budget" and f.ratio is not None:
+            text += f", {f.ratio:.2f}x the theory"
+        return text
+    tolerance = ""
+    if f.tolerance is not None and f.reference is not None:
+        allowed = f.tolerance.allowed(f.reference)
+        tolerance = f", tolerance {f.tolerance.describe(info)}" + (f" (±{info.format(allowed)})" if allowed else "")
+    cost = f"{where}{_compared(f.metric)} {info.format(f.measured)}"
+    if f.status == "regressed":
+        text = f"{cost} regressed from baseline {info.format(f.reference)} by {excess}{tolerance}"
+        if f.changed:
+            text += "; by category at the peak: " + ", ".join(f"{c} {format_delta(d)}" for c, d in f.changed.items())
+            moved = sum(f.changed.values()) - (f.delta or 0)
+            if moved:  # the categories are absolute, the cost is from the span's start
+                text += f" (the span's start moved by {format_delta(moved)})"
+        return text
+    if f.status == "improved":
+        return (
+            f"{cost} improved on baseline {info.format(f.reference)} by {excess}{tolerance}; "
+            "refresh it with --gpumem-update-baselines"
+        )
+    if f.status == "other-environment":
+        return f"{cost} has no baseline in this environment ({f.detail}); record one with --gpumem-update-baselines"
+    if f.status == "new":
+        return f"{cost} has no baseline ({f.detail}); record one with --gpumem-update-baselines"
+    return f"{cost}: {f.status} {f.detail}".rstrip()  # pragma: no cover - statuses that never fail
