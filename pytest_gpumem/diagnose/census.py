@@ -23,8 +23,8 @@ from tabulate import tabulate
 
 from pytest_gpumem.diagnose.holders import frame_locals, module_level_objects, referrer_names
 from pytest_gpumem.measurement import frozen
-from pytest_gpumem.measurement.engines.tracker import StorageTracker, cuda_rounded
-from pytest_gpumem.units import format_size
+from pytest_gpumem.measurement.engines import Engine
+from pytest_gpumem.units import cuda_rounded, format_size
 
 __all__ = [
     "Census",
@@ -123,14 +123,14 @@ class StorageGroup:
 
 
 def storage_groups(
-    device: torch.device, tracker: StorageTracker | None = None, *, counted_only: bool = False
+    device: torch.device, engine: Engine | None = None, *, counted_only: bool = False
 ) -> dict[int, StorageGroup]:
     """Every Python-reachable tensor on ``device``, grouped by storage (the storage's C pointer).
 
-    ``counted_only``: keep only storages that ``tracker`` counts.
+    ``counted_only``: keep only storages that ``engine``'s tracker counts.
     """
     on_device = _on_device(device)
-    rounding = device.type != "cpu" or (tracker is not None and tracker.cuda_rounding)
+    rounding = device.type != "cpu" or (engine is not None and engine.cuda_rounding)
     groups: dict[int, StorageGroup] = {}
     tensor_type = torch.Tensor
     # Frozen objects are invisible to gc.get_objects(): the plugin's own (frozen before the
@@ -141,7 +141,7 @@ def storage_groups(
         if gc.get_freeze_count():
             gc.unfreeze()
         objects = gc.get_objects()
-    with _reading(tracker):  # one reading of the tracker's counts for every storage asked about
+    with _reading(engine):  # one reading of the tracker's counts for every storage asked about
         for obj in objects:
             cls = type(obj)
             if not (cls is tensor_type or issubclass(cls, tensor_type)):
@@ -156,15 +156,15 @@ def storage_groups(
             group = groups.get(key)
             if group is None:
                 nbytes = int(storage.nbytes())
-                if nbytes == 0 or (counted_only and tracker is not None and tracker.category_of(obj) is None):
+                if nbytes == 0 or (counted_only and engine is not None and engine.category_of(obj) is None):
                     continue
                 group = groups[key] = StorageGroup(storage, cuda_rounded(nbytes) if rounding else nbytes)
             group.tensors.append(obj)
     return groups
 
 
-def _reading(tracker: StorageTracker | None) -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext() if tracker is None else tracker.reading()
+def _reading(engine: Engine | None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if engine is None else engine.reading()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -277,14 +277,14 @@ def traceback_frames(tb: TracebackType | None) -> list[FrameType]:
 def describe(
     group: StorageGroup,
     names: Mapping[int, tuple[str, str | None]],
-    tracker: StorageTracker | None,
+    engine: Engine | None,
     hint: str | None = None,
 ) -> LiveTensor:
     """A :class:`LiveTensor` for ``group``: a named tensor if any, else its largest view."""
     named = [t for t in group.tensors if id(t) in names]
     chosen = named[0] if named else max(group.tensors, key=lambda t: t.numel())
     name, name_category = names.get(id(chosen), (hint, None))
-    category = tracker.category_of(chosen) if tracker is not None else None
+    category = engine.category_of(chosen) if engine is not None else None
     return LiveTensor(
         nbytes=group.nbytes,
         shape=tuple(int(n) for n in chosen.shape),
@@ -349,7 +349,7 @@ class Census:
 def live_tensors(
     device: torch.device | str,
     *,
-    tracker: StorageTracker | None = None,
+    engine: Engine | None = None,
     objects: Iterable[Any] = (),
     frames: Iterable[FrameType] = (),
     top: int | None = TOP,
@@ -364,20 +364,20 @@ def live_tensors(
     modules and optimizers, see :func:`tensor_names`) and from the local
     variables of ``frames``.
     """
-    live = take_census(torch.device(device), tracker, objects, frames, top)
+    live = take_census(torch.device(device), engine, objects, frames, top)
     return live.tensors, live.count, live.nbytes
 
 
 def take_census(
     device: torch.device,
-    tracker: StorageTracker | None = None,
+    engine: Engine | None = None,
     objects: Iterable[Any] = (),
     frames: Iterable[FrameType] = (),
     top: int | None = TOP,
     *,
     counted_only: bool = False,
 ) -> Census:
-    """:func:`live_tensors` as a :class:`Census`; ``counted_only`` keeps only storages ``tracker`` counts."""
+    """:func:`live_tensors` as a :class:`Census`; ``counted_only`` keeps only storages ``engine``'s tracker counts."""
     objects, frames = list(objects), list(frames)
     held = module_level_objects()
     local_names, labels = _frame_names(frames, [*objects, *(obj for _, obj in held.values())])
@@ -386,15 +386,15 @@ def take_census(
     names = tensor_names([*objects, *(obj for key, (_, obj) in held.items() if key in labels)], labels)
     for key, value in local_names.items():
         names.setdefault(key, value)
-    groups = storage_groups(device, tracker, counted_only=counted_only)
+    groups = storage_groups(device, engine, counted_only=counted_only)
     ordered = sorted(groups.values(), key=lambda g: g.nbytes, reverse=True)
     chosen = ordered if top is None else ordered[:top]
     unnamed = [group for group in chosen if not any(id(t) in names for t in group.tensors)]
     if unnamed:  # what else holds them: a cache, a compiler's graph, a global container
         for tensor, name in holder_hints(unnamed, {}, thaw=False).values():
             names[id(tensor)] = (name, None)
-    with _reading(tracker):
-        tensors = tuple(describe(group, names, tracker) for group in chosen)
+    with _reading(engine):
+        tensors = tuple(describe(group, names, engine) for group in chosen)
     return Census(tensors, len(ordered), sum(g.nbytes for g in ordered))
 
 

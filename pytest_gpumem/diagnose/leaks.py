@@ -75,7 +75,7 @@ def snapshot_storages(engine: Engine) -> StorageSnapshot:
     of milliseconds in a large process). The snapshot keeps no storage alive.
     """
     engine.synchronize()
-    groups = storage_groups(engine.device, engine.tracker)
+    groups = storage_groups(engine.device, engine)
     refs = {key: weakref.ref(group.storage) for key, group in groups.items()}
     del groups
     return StorageSnapshot(
@@ -251,7 +251,7 @@ def confirm_leak(
 
 
 def _leaked_tensors(engine: Engine, snapshot: StorageSnapshot, top: int) -> tuple[tuple[LiveTensor, ...], int, int]:
-    groups = storage_groups(engine.device, engine.tracker)
+    groups = storage_groups(engine.device, engine)
     new = [group for group in groups.values() if not snapshot.alive_at_start(group.storage)]
     del groups
     new.sort(key=lambda g: g.nbytes, reverse=True)
@@ -261,6 +261,6 @@ def _leaked_tensors(engine: Engine, snapshot: StorageSnapshot, top: int) -> tupl
     del new
     hints = holder_hints(chosen, module_level_names())
     named = {id(tensor): (name, None) for tensor, name in hints.values()}
-    described = tuple(describe(group, named, engine.tracker) for group in chosen)
+    described = tuple(describe(group, named, engine) for group in chosen)
     del hints
     return described, count, total

@@ -229,7 +229,6 @@ def oom_report(
     message. ``frames`` (innermost first) name tensors held by local variables;
     by default they are ``exc``'s traceback frames.
     """
-    tracker = engine.tracker
     exact = requested is not None
     if requested is None and exc is not None:
         parsed = requested_bytes(str(exc))
@@ -238,7 +237,7 @@ def oom_report(
     if frames is None:
         frames = traceback_frames(exc.__traceback__) if exc is not None else ()
     objects = list(recorder.tracked) if recorder is not None else []
-    live = take_census(engine.device, tracker, objects, frames, top, counted_only=engine.exact)
+    live = take_census(engine.device, engine, objects, frames, top, counted_only=engine.exact)
     return OomReport(
         device=str(engine.device),
         engine=engine.name,
@@ -250,7 +249,7 @@ def oom_report(
         reserved=engine.reserved(),
         limit=engine.memory_limit(),
         phase=recorder.phase if recorder is not None else None,
-        breakdown=None if tracker is None else tracker.breakdown(),
+        breakdown=engine.breakdown(),
         largest=live.tensors,
         live_count=live.count,
         live_bytes=live.nbytes,
@@ -289,10 +288,8 @@ class OomWatch:
         self._installed = False
 
     def __enter__(self) -> OomWatch:
-        tracker = self.engine.tracker
-        if tracker is not None and not self._installed:
-            self._previous = tracker.on_oom
-            tracker.on_oom = self._on_oom
+        if self.engine.categorizes and not self._installed:
+            self._previous = self.engine.swap_oom_callback(self._on_oom)
             self._installed = True
         return self
 
@@ -301,9 +298,8 @@ class OomWatch:
 
     def close(self) -> None:
         """Restore the tracker's previous ``on_oom`` callback (idempotent)."""
-        tracker = self.engine.tracker
-        if tracker is not None and self._installed:
-            tracker.on_oom = self._previous
+        if self._installed:
+            self.engine.swap_oom_callback(self._previous)
             self._installed = False
             self._previous = None
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from pytest_gpumem.budgets.expressions import BudgetError, BudgetExpr, parse_budget
 from pytest_gpumem.data.findings import Limit, Tolerance, parse_tolerance
+from pytest_gpumem.data.metrics import SPAN_METRICS
 from pytest_gpumem.units import SizeError, parse_size
 
 __all__ = [
@@ -27,7 +28,7 @@ __all__ = [
 ]
 
 #: Keywords ``gpumem.measure(name, ...)`` accepts.
-SPAN_KEYWORDS: tuple[str, ...] = ("peak", "allocated", "reserved", "tolerance")
+SPAN_KEYWORDS: tuple[str, ...] = (*SPAN_METRICS, "tolerance")
 
 
 class SpecError(ValueError):

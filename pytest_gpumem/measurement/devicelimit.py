@@ -9,15 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 
-from pytest_gpumem.measurement.engines.tracker import StorageTracker
+from pytest_gpumem.measurement.engines import Engine, StorageTracker
+from pytest_gpumem.measurement.recorder import engine_for
 from pytest_gpumem.units import parse_size
-
-if TYPE_CHECKING:
-    from pytest_gpumem.measurement.engines.base import Engine
 
 __all__ = ["device_limit"]
 
@@ -54,11 +51,8 @@ def device_limit(target: Engine | StorageTracker | str | torch.device, limit: in
         finally:
             target.limit = previous
         return
-    from pytest_gpumem.measurement.recorder import engine_for
-
     engine = engine_for(target)
-    tracker = engine.tracker
-    if engine.exact and isinstance(target, (str, torch.device)) and tracker is not None and not tracker.active:
+    if engine.exact and isinstance(target, (str, torch.device)) and not engine.sees_allocations:
         raise ValueError(
             f"device_limit({str(target)!r}, ...): the CPU engine sees allocations only while it measures; "
             "use it inside a measured test or a measure() block, or pass the engine"

@@ -33,9 +33,8 @@ from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.judge.judgement import judge
 from pytest_gpumem.judge.limits import LimitExceeded, LimitSpec, check_span_name, parse_span_limits
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.measurement.engines import make_engine, resolve_device
+from pytest_gpumem.measurement.engines import describe_compiled, make_engine, resolve_device
 from pytest_gpumem.measurement.engines.base import Engine, Reading
-from pytest_gpumem.measurement.engines.tracker import describe_compiled
 from pytest_gpumem.units import parse_size
 
 __all__ = ["Recorder", "Span", "activate", "engine_for", "measure"]
@@ -108,7 +107,7 @@ class Recorder:
 
     def __init__(self, engine: Engine, *, timeline: bool = False, saved_tensors: bool = True) -> None:
         self.engine = engine
-        self.timeline = timeline and engine.tracker is not None
+        self.timeline = timeline and engine.categorizes
         self.saved_tensors = saved_tensors
         self.tracked: list[Any] = []
         self._tracked_ids: set[int] = set()
@@ -174,7 +173,7 @@ class Recorder:
             if isinstance(obj, torch.nn.Module):
                 self._handles.append(obj.register_forward_pre_hook(self._forward_pre))
                 self._handles.append(obj.register_forward_hook(self._forward_post))
-                if self.engine.tracker is not None:
+                if self.engine.categorizes:
                     for param in obj.parameters():
                         if param.requires_grad:
                             self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
@@ -185,29 +184,29 @@ class Recorder:
             self._classify()
 
     def _classify(self) -> None:
-        tracker = self.engine.tracker
-        if tracker is None:
+        engine = self.engine
+        if not engine.categorizes:
             return
         for obj in self.tracked:
             if isinstance(obj, torch.nn.Module):
                 params = list(obj.parameters())
-                tracker.register(params, "parameters")
-                tracker.register([p.grad for p in params if p.grad is not None], "gradients")
+                engine.classify(params, "parameters")
+                engine.classify([p.grad for p in params if p.grad is not None], "gradients")
             else:
                 self._classify_optimizer(obj)
 
     def _classify_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        tracker = self.engine.tracker
-        if tracker is None:
+        engine = self.engine
+        if not engine.categorizes:
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        tracker.register(params, "parameters")
-        tracker.register([p.grad for p in params if p.grad is not None], "gradients")
+        engine.classify(params, "parameters")
+        engine.classify([p.grad for p in params if p.grad is not None], "gradients")
         # a wrapper that shards the optimizer (ZeroRedundancyOptimizer) keeps the rank's state in
         # the optimizer it wraps, ``.optim``
         inner = getattr(optimizer, "optim", None)
         holders = [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
-        tracker.register(
+        engine.classify(
             [
                 value
                 for holder in holders
@@ -248,9 +247,8 @@ class Recorder:
             self.set_phase(None)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
-        tracker = self.engine.tracker
-        if tracker is not None and self.active and param.grad is not None:
-            tracker.register((param.grad,), "gradients")
+        if self.active and param.grad is not None:
+            self.engine.classify((param.grad,), "gradients")
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self.external_phases:
@@ -282,8 +280,7 @@ class Recorder:
         if token is not None:  # the engine reads this moment later: so is the transition
             self._deferred.append(("phase", token, old, phase))
             return
-        tracker = self.engine.tracker
-        self._transition(old, phase, self.engine.allocated(), tracker.events if tracker is not None else 0)
+        self._transition(old, phase, self.engine.allocated(), self.engine.events)
 
     def _transition(self, old: str | None, new: str | None, now: int, events: int) -> None:
         """Phases change with ``now`` bytes allocated, after ``events`` tracker events."""
@@ -299,7 +296,7 @@ class Recorder:
                 else:
                     state.count += 1
                     state.peak = max(state.peak, now)
-            if self.engine.tracker is not None:
+            if self.engine.categorizes:
                 self._marks.append((events, new))
 
     # -- spans -----------------------------------------------------------------
@@ -334,24 +331,24 @@ class Recorder:
 
     def _reading(self) -> contextlib.AbstractContextManager[None]:
         """Readings taken together, at one moment (one profiler read when observing allocations)."""
-        tracker = self.engine.tracker
-        return contextlib.nullcontext() if tracker is None else tracker.reading()
+        return self.engine.reading()
 
     def _open_state(self, name: str) -> _SpanState:
         self._fold()
-        tracker = self.engine.tracker
-        now = self.engine.allocated()
+        engine = self.engine
+        now = engine.allocated()
+        breakdown = engine.breakdown()
         state = _SpanState(
             name=name,
             start=now,
-            start_reserved=self.engine.reserved(),
-            counters=self.engine.counters(),
-            start_event=tracker.events if tracker is not None else 0,
+            start_reserved=engine.reserved(),
+            counters=engine.counters(),
+            start_event=engine.events,
             peak=now,
-            breakdown=None if tracker is None else tuple(tracker.breakdown().values()),
-            saved_peak=self.engine.saved_bytes(),
-            compiled_from=len(tracker.compiled_frames) if tracker is not None else 0,
-            notes_from=len(tracker.notes) if tracker is not None else 0,
+            breakdown=None if breakdown is None else tuple(breakdown.values()),
+            saved_peak=engine.saved_bytes(),
+            compiled_from=len(engine.compiled_frames),
+            notes_from=len(engine.notes),
         )
         if self._phase is not None:
             state.phases[self._phase] = _PhaseState(now, now, now)
@@ -365,10 +362,9 @@ class Recorder:
 
     def _allocated_now(self) -> tuple[int, dict[str, int] | None]:
         now = self.engine.allocated()
-        tracker = self.engine.tracker
-        if tracker is None:
+        parts = self.engine.breakdown()
+        if parts is None:
             return now, None
-        parts = tracker.breakdown()
         parts["other"] += max(0, now - sum(parts.values()))
         return now, parts
 
@@ -395,8 +391,7 @@ class Recorder:
             end, end_breakdown = self._allocated_now() if allocated is None else allocated
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
         self._warn_compiled(state)
-        tracker = self.engine.tracker
-        notes = () if tracker is None else tuple(dict.fromkeys(tracker.notes[state.notes_from :]))
+        notes = tuple(dict.fromkeys(self.engine.notes[state.notes_from :]))
         for note in notes:
             warnings.warn(PartialFigures(f"span {state.name!r}: {note}"), stacklevel=2)
         return Measurement(
@@ -425,10 +420,10 @@ class Recorder:
     def _warn_compiled(self, state: _SpanState) -> None:
         """Say loudly when TorchDynamo ran compiled frames eagerly under the tracker (see
         :class:`CompiledCodeNotMeasured`): the span's figures are then the eager program's."""
-        tracker = self.engine.tracker
-        if tracker is None or len(tracker.compiled_frames) <= state.compiled_from:
+        frames = self.engine.compiled_frames
+        if len(frames) <= state.compiled_from:
             return
-        shown = describe_compiled(tracker.compiled_frames[state.compiled_from :])
+        shown = describe_compiled(list(frames[state.compiled_from :]))
         warnings.warn(
             CompiledCodeNotMeasured(
                 f"span {state.name!r} measured the eager program, not the torch.compile'd one: "
@@ -442,12 +437,14 @@ class Recorder:
 
     def timeline_since(self, start_event: int) -> Timeline | None:
         """The tracker's samples from ``start_event`` on, as a :class:`Timeline`."""
-        tracker = self.engine.tracker
-        if tracker is None or tracker.timeline is None:
+        engine = self.engine
+        timeline = engine.timeline_samples()
+        now = engine.breakdown()
+        if timeline is None or now is None:
             return None
-        samples = [(event, parts) for event, parts in tracker.timeline if event >= start_event]
-        if not samples or samples[-1][0] != tracker.events:
-            samples.append((tracker.events, tuple(tracker.breakdown().values())))
+        samples = [(event, parts) for event, parts in timeline if event >= start_event]
+        if not samples or samples[-1][0] != engine.events:
+            samples.append((engine.events, tuple(now.values())))
         events = tuple(event - start_event for event, _ in samples)
         series = {category: tuple(parts[i] for _, parts in samples) for i, category in enumerate(CATEGORIES)}
         marks = tuple((event - start_event, label) for event, label in self._marks if event >= start_event)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gpumem.baselines import BaselineFileError, Environment
+from pytest_gpumem.data.metrics import METRICS
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.plugin import hookspecs
@@ -418,7 +419,7 @@ class GpumemManager(MarkerCheck):
             rename(record, self._launch)
         for measurement in record.measurements:
             prefix = "gpumem" if measurement.name == "call" else f"gpumem[{measurement.name}]"
-            for metric in ("peak", "allocated", "reserved", "retained"):
+            for metric in METRICS:
                 value = measurement.figure(metric)
                 if value is not None:
                     item.user_properties.append((f"{prefix}.{metric}", value))

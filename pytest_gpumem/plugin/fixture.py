@@ -10,10 +10,11 @@ import torch
 
 from pytest_gpumem.budgets.formulas import Budget, model_states, tracked_psi
 from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.metrics import SPAN_METRICS
 from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT, DistributedError, RankContext, run_ranks
 from pytest_gpumem.diagnose.microbatch import Plan, plan_for
 from pytest_gpumem.diagnose.microbatch import max_microbatch as search_microbatch
-from pytest_gpumem.judge.limits import SPAN_KEYWORDS, LimitSpec, check_span_name, parse_span_limits
+from pytest_gpumem.judge.limits import LimitSpec, check_span_name, parse_span_limits
 from pytest_gpumem.measurement.recorder import Recorder, Span
 from pytest_gpumem.units import parse_size
 
@@ -85,7 +86,7 @@ class GpuMem:
             raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{self.nodeid}: gpumem.distributed: {exc}") from None
-        limits = [spec for spec in self._marker_limits if spec.metric in SPAN_KEYWORDS]
+        limits = [spec for spec in self._marker_limits if spec.metric in SPAN_METRICS]
         self.recorder.ranks_measured = True
         named = []
         for rank, measurement in enumerate(measurements):

@@ -28,6 +28,7 @@ from pytest_gpumem.baselines import (
 )
 from pytest_gpumem.baselines.canonical import json_bytes
 from pytest_gpumem.data.findings import Finding, Tolerance, failure_message
+from pytest_gpumem.data.metrics import DRAWN_METRICS
 from pytest_gpumem.judge.judgement import JudgeOptions, baseline_metrics, judge
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.judge.verdict import stale_findings
@@ -205,7 +206,7 @@ def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
     call = record.measurements[0]
     lines: dict[str, int] = {} if record.device_limit is None else {"device limit": record.device_limit}
     for finding in record.findings:
-        if finding.span != call.name or finding.reference is None or finding.metric not in ("peak", "allocated"):
+        if finding.span != call.name or finding.reference is None or finding.metric not in DRAWN_METRICS:
             continue
         lines[f"{finding.kind} {finding.metric}"] = finding.reference + call.start
     details = [failure_message([f for f in record.findings if f.failed])] if record.failed else []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_gpumem.data.findings import Tolerance
-from pytest_gpumem.data.metrics import METRICS
+from pytest_gpumem.data.metrics import METRIC_TABLE, METRICS
 from pytest_gpumem.judge.limits import LimitSpec, SpecError, parse_limit, parse_tolerance_keyword
 from pytest_gpumem.measurement.observe import ObserveError, parse_observe
 from pytest_gpumem.units import SizeError, parse_size
@@ -29,10 +29,7 @@ __all__ = [
 
 #: Keywords the ``gpumem`` marker accepts, each with what it means (the marker's help is made from it).
 MARKER_KEYWORD_HELP: dict[str, str] = {
-    "peak": "limit on the highest allocated bytes during the call",
-    "allocated": "limit on the bytes allocated as the test function returns",
-    "reserved": "limit on the highest bytes the caching allocator held (CUDA only)",
-    "retained": "limit on what the test left allocated after it (a leak check: '0B')",
+    **{info.name: info.meaning for info in METRIC_TABLE if info.meaning},  # the limits, in METRICS order
     "device": "'auto', 'cpu', 'cuda' or 'cuda:N' (overrides --gpumem-device)",
     "breakdown": "True/False: run the storage tracker on CUDA for the breakdown by category",
     "observe": "CPU engine: 'operators' (default) or 'allocations' (compiled code runs as compiled)",

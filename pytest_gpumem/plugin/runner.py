@@ -28,14 +28,14 @@ import torch
 
 from pytest_gpumem.budgets.expressions import BudgetError, parse_budget
 from pytest_gpumem.data.figures import PartialFigures
+from pytest_gpumem.data.metrics import SPAN_METRICS
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
 from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, release_oom
-from pytest_gpumem.judge.limits import SPAN_KEYWORDS, LimitSpec
+from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
 from pytest_gpumem.measurement import frozen
-from pytest_gpumem.measurement.engines import cuda_available, make_engine, resolve_device
+from pytest_gpumem.measurement.engines import cuda_available, make_engine, resolve_device, unseen_note
 from pytest_gpumem.measurement.engines.base import Engine
-from pytest_gpumem.measurement.engines.tracker import StorageTracker, unseen_note
 from pytest_gpumem.measurement.recorder import Recorder, activate
 from pytest_gpumem.plugin.marker import GpumemSpec
 from pytest_gpumem.plugin.returnwatch import watch_return
@@ -113,8 +113,8 @@ class Engines:
             engine = self._engines[key] = make_engine(
                 device, breakdown=breakdown, cuda_rounding=self.cuda_rounding, observe=observe, predict=predict
             )
-            if self.freezer is not None and engine.tracker is not None:
-                self.freezer.scan(engine.tracker)
+            if self.freezer is not None and engine.categorizes:
+                self.freezer.scan(engine)
         return engine
 
     def cpu(self) -> Engine:
@@ -152,9 +152,9 @@ class Freezer:
         gc.freeze()
         self.active = True
 
-    def scan(self, tracker: StorageTracker) -> None:
-        """Let ``tracker`` register every tensor alive, frozen ones included."""
-        tracker.scan(extra=frozen.tensors() if frozen.known() else ())
+    def scan(self, engine: Engine) -> None:
+        """Let ``engine``'s tracker register every tensor alive, frozen ones included."""
+        engine.scan(extra=frozen.tensors() if frozen.known() else ())
 
     def stop(self) -> None:
         if self.active:
@@ -210,7 +210,7 @@ class TestRun:
         self.engine = engine
         self.environment = environment
         self.options = options or RunOptions()
-        self.recorder = Recorder(engine, timeline=engine.tracker is not None)
+        self.recorder = Recorder(engine, timeline=engine.categorizes)
         self.recorder.device_limit = spec.device_limit if spec.device_limit is not None else self.options.device_limit
         self._stack = contextlib.ExitStack()  # what lives as long as the call: the recorder's activation
         self._watches = contextlib.ExitStack()  # what is left just before the call span closes
@@ -283,8 +283,8 @@ class TestRun:
             release_oom(exc, engine)  # what the failed test held goes; the traceback ends at the user's line
         engine.settle()  # library workspaces stay: they were there at the start reading too
         notes = call.notes
-        if engine.exact and engine.tracker is not None:  # the tracker is the engine: what did it miss?
-            unseen = engine.tracker.scan()
+        if engine.exact:  # the tracker is the engine: what did it miss?
+            unseen = engine.scan()
             if unseen > 0:
                 notes = (*notes, unseen_note(unseen))
                 warnings.warn(PartialFigures(f"{self.nodeid}: {notes[-1]}"), stacklevel=2)
@@ -316,7 +316,7 @@ class TestRun:
         self._snapshot = None
         limits = list(spec.limits)
         if recorder.ranks_measured:  # the marker's peak/allocated/reserved went to every rank's span
-            limits = [limit for limit in limits if limit.metric not in SPAN_KEYWORDS]
+            limits = [limit for limit in limits if limit.metric not in SPAN_METRICS]
         if self.options.leak_check and allowed is None:
             limits.append(LimitSpec("retained", "0B (gpumem_leak_check)", parse_budget("0")))
         if spec.min_microbatch is not None:

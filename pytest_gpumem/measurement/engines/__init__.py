@@ -18,15 +18,19 @@ import torch
 
 from pytest_gpumem.measurement.engines.base import Engine, Reading
 from pytest_gpumem.measurement.engines.cuda import cuda_available
+from pytest_gpumem.measurement.engines.tracker import StorageTracker, describe_compiled, unseen_note
 from pytest_gpumem.measurement.observe import parse_observe
 
 __all__ = [
     "DEVICE_HELP",
     "Engine",
     "Reading",
+    "StorageTracker",
     "cuda_available",
+    "describe_compiled",
     "make_engine",
     "resolve_device",
+    "unseen_note",
 ]
 
 #: The device names pytest-gpumem accepts, as error messages spell them.

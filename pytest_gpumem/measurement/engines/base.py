@@ -1,21 +1,25 @@
 """What every engine offers: readings of one device's memory, and the few actions on it
 that the rest of the package needs (clean state, empty cache, emulated limits, history).
 
-Nothing outside :mod:`pytest_gpumem.measurement.engines` asks which engine it has: what differs
-between engines is a member of this protocol.
+Nothing outside :mod:`pytest_gpumem.measurement.engines` asks which engine it has, nor reaches
+its storage tracker: what differs between engines is a member of this protocol, and what the
+recorder, the census, the leak check and the out-of-memory watch need of a tracker are the
+members of :class:`TrackerMembers` (which every engine here gets from its tracker, or its absence).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
-__all__ = ["Engine", "Reading"]
+__all__ = ["Engine", "Reading", "TrackerMembers"]
 
 
 @dataclass
@@ -62,9 +66,52 @@ class Engine(Protocol):
     def cuda_rounding(self) -> bool:
         """True when the CPU engine counts every storage as the CUDA allocator's 512-byte blocks."""
 
+    # -- what the storage tracker knows (TrackerMembers) -------------------------------
+
     @property
-    def tracker(self) -> StorageTracker | None:
-        """The storage tracker giving breakdowns, activations and timelines, if any."""
+    def categorizes(self) -> bool:
+        """True when a storage tracker watches this engine's device: breakdowns by category,
+        timelines, the category of a storage, compiled frames and notes come from it."""
+
+    @property
+    def events(self) -> int:
+        """Allocations and frees the tracker has seen (0 without one): the clock of timelines."""
+
+    @property
+    def compiled_frames(self) -> Sequence[tuple[bool, str]]:
+        """Frames TorchDynamo ran eagerly under the tracker: (a library's, ``qualname (file:line)``)."""
+
+    @property
+    def notes(self) -> Sequence[str]:
+        """What the tracker could not see (work on another thread, storages made outside operators)."""
+
+    @property
+    def sees_allocations(self) -> bool:
+        """True while allocations are seen: always on an allocator's device; on the CPU engine
+        only while its tracker runs."""
+
+    def classify(self, tensors: Iterable[Any], category: str) -> None:
+        """Count ``tensors``' storages as ``category`` from now on (a no-op without a tracker)."""
+
+    def category_of(self, tensor: Any) -> str | None:
+        """The category the tracker counts ``tensor``'s storage in; None when uncounted or untracked."""
+
+    def breakdown(self) -> dict[str, int] | None:
+        """Allocated bytes by category now; None without a tracker."""
+
+    def timeline_samples(self) -> Sequence[tuple[int, tuple[int, ...]]] | None:
+        """The tracker's (event, bytes by category) samples; None when it keeps none."""
+
+    def reading(self) -> AbstractContextManager[None]:
+        """Readings taken inside the block are of one moment (one read when observing allocations)."""
+
+    def scan(self, extra: Iterable[Any] = ()) -> int:
+        """Count every tensor alive (and ``extra``) that the tracker had not seen; returns their
+        bytes (0 without a tracker)."""
+
+    def swap_oom_callback(self, callback: Callable[[int], None] | None) -> Callable[[int], None] | None:
+        """Call ``callback(nbytes)`` at an allocation refused by an emulated limit (with a tracker);
+        returns the previous callback."""
 
     @property
     def predicts(self) -> str | None:
@@ -148,3 +195,54 @@ class Engine(Protocol):
     def record_history(self, path: str) -> AbstractContextManager[str | None]:
         """Record allocation history during the block and write a memory snapshot to ``path`` at its
         end; yields the path, or None (and writes nothing) where the engine keeps no history."""
+
+
+class TrackerMembers:
+    """The :class:`Engine` members that come from an optional storage tracker (``self.tracker``)."""
+
+    tracker: StorageTracker | None
+
+    @property
+    def categorizes(self) -> bool:
+        return self.tracker is not None
+
+    @property
+    def events(self) -> int:
+        return 0 if self.tracker is None else self.tracker.events
+
+    @property
+    def compiled_frames(self) -> Sequence[tuple[bool, str]]:
+        return () if self.tracker is None else self.tracker.compiled_frames
+
+    @property
+    def notes(self) -> Sequence[str]:
+        return () if self.tracker is None else self.tracker.notes
+
+    @property
+    def sees_allocations(self) -> bool:
+        return self.tracker is None or self.tracker.active
+
+    def classify(self, tensors: Iterable[Any], category: str) -> None:
+        if self.tracker is not None:
+            self.tracker.register(tensors, category)
+
+    def category_of(self, tensor: Any) -> str | None:
+        return None if self.tracker is None else self.tracker.category_of(tensor)
+
+    def breakdown(self) -> dict[str, int] | None:
+        return None if self.tracker is None else self.tracker.breakdown()
+
+    def timeline_samples(self) -> Sequence[tuple[int, tuple[int, ...]]] | None:
+        return None if self.tracker is None else self.tracker.timeline
+
+    def reading(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext() if self.tracker is None else self.tracker.reading()
+
+    def scan(self, extra: Iterable[Any] = ()) -> int:
+        return 0 if self.tracker is None else self.tracker.scan(extra=extra)
+
+    def swap_oom_callback(self, callback: Callable[[int], None] | None) -> Callable[[int], None] | None:
+        if self.tracker is None:
+            return None
+        previous, self.tracker.on_oom = self.tracker.on_oom, callback
+        return previous

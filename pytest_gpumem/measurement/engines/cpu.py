@@ -8,13 +8,13 @@ from contextlib import contextmanager
 
 import torch
 
-from pytest_gpumem.measurement.engines.base import Reading
+from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
 __all__ = ["CpuEngine"]
 
 
-class CpuEngine:
+class CpuEngine(TrackerMembers):
     """Counts tensor storages on the CPU (see :mod:`pytest_gpumem.measurement.engines.tracker`).
 
     ``cuda_rounding`` rounds every storage up to the CUDA caching allocator's

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pytest_gpumem.measurement.engines.base import Reading
+from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.saved import SavedTensors
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
@@ -73,7 +73,7 @@ def _memory_api() -> Any:
     return torch.cuda
 
 
-class CudaEngine:
+class CudaEngine(TrackerMembers):
     """Reads one CUDA-like device's caching allocator.
 
     Args:
