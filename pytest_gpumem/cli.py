@@ -25,8 +25,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tabulate import tabulate
-
 from pytest_gpumem.baselines import (
     CALL_SPAN,
     DEFAULT_FILENAME,
@@ -39,6 +37,7 @@ from pytest_gpumem.baselines import (
 )
 from pytest_gpumem.data.findings import Tolerance, parse_tolerance
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
+from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_percent
 
 __all__ = ["main"]
@@ -279,16 +278,8 @@ def _shown(metric: str, value: int | None, exact: bool) -> str:
 
 
 def _table(rows: list[list[str]], headers: list[str], right_from: int, markdown: bool) -> str:
-    align = ["left"] * right_from + ["right"] * (len(headers) - right_from)
-    if markdown:  # a "|" in a node id (a parameter) would end the cell
-        rows = [[cell.replace("|", "\\|") for cell in row] for row in rows]
-    return tabulate(
-        rows,
-        headers=headers,
-        tablefmt="github" if markdown else "simple",
-        colalign=align,
-        disable_numparse=True,
-    )
+    right = range(right_from, len(headers))
+    return markdown_table(headers, rows, right=right) if markdown else table(headers, rows, right=right)
 
 
 def _heading(key: str, detail: str, markdown: bool) -> str:

@@ -118,7 +118,7 @@ def test_show_markdown(capsys: pytest.CaptureFixture[str], here: Path) -> None:
     code, out, _ = run(capsys, "show", "--markdown", "--env", "H100")
     assert code == 0
     assert out.splitlines()[0] == f"### `{H100.key}` (1 test)"
-    assert f"| {TRAIN} | call   |" in out and "|-" in out
+    assert f"| {TRAIN} | call |" in out and "|:-" in out
 
 
 def test_markdown_escapes_bars_in_node_ids(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_markdown_escapes_bars_in_node_ids(capsys: pytest.CaptureFixture[str], t
     store.record(CPU, "t.py::test_mode[a|b]", {"call": entry(MiB)})
     save(store, tmp_path / "b.json")
     code, out, _ = run(capsys, "show", "--file", str(tmp_path / "b.json"), "--markdown")
-    assert code == 0 and "| t.py::test_mode[a\\|b] | call   |" in out
+    assert code == 0 and "| t.py::test_mode[a\\|b] | call |" in out
 
 
 def test_show_another_file_and_an_empty_one(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

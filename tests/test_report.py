@@ -24,8 +24,6 @@ from pytest_gpumem.judge.verdict import check_values, compare_baseline
 from pytest_gpumem.plugin.fixture import run_step
 from pytest_gpumem.report.text import (
     SUMMARY_HEADERS,
-    _elide_id,
-    _short,
     breakdown_rows,
     environment_notes,
     json_report,
@@ -34,6 +32,7 @@ from pytest_gpumem.report.text import (
     summary_rows,
     summary_table,
 )
+from pytest_gpumem.tables import elide_id, short_id
 from pytest_gpumem.units import format_size
 
 WIDTHS = (80, 100, 120, 1000)
@@ -168,7 +167,7 @@ def test_a_wide_terminal_gets_one_row_per_figure_with_its_test_id(steps: Steps, 
         assert all(line.startswith("test_") for line in rows) and len(rows) == 13
     else:  # the test id on a line of its own, its rows under it
         title = [line for line in table[: table.index(exceeded)] if not line.startswith(" ")][-1]
-        assert title == _elide_id("test_transformer_memory.py::TestLlamaBlock::" + name, width)
+        assert title == elide_id("test_transformer_memory.py::TestLlamaBlock::" + name, width)
         assert exceeded.startswith("  call")
 
 
@@ -199,12 +198,12 @@ def test_a_test_id_wider_than_the_terminal_is_elided_in_the_middle_keeping_the_n
     nested = ADAMW_ID.replace("tests/", "tests/" + "deeply/nested/" * 4)
     records = [Record(nested, r.measurements, r.findings) for r in suite(steps)[1:2]]
     assert len(nested) > 80
-    for verbosity, shown in ((0, _short(nested)), (1, nested)):
+    for verbosity, shown in ((0, short_id(nested)), (1, nested)):
         text = summary_table(records, width=80, verbosity=verbosity)
         assert_fits(text, 80)
         titles = [line for line in lines_of(text) if "::" in line]
-        assert titles == [_elide_id(shown, 80)] * (1 if verbosity == 0 else 3)  # -v: breakdown and phases too
-    title = _elide_id(nested, 80)
+        assert titles == [elide_id(shown, 80)] * (1 if verbosity == 0 else 3)  # -v: breakdown and phases too
+    title = elide_id(nested, 80)
     assert title.startswith("tests/deeply/") and "…" in title and title.endswith("::test_adamw_step")
 
 
@@ -227,7 +226,7 @@ LLAMA = "tests/models/test_llama.py::TestLlama::test_step[fp32]"
     ],
 )
 def test_elide_id_keeps_the_name_and_parametrize_id(nodeid: str, width: int, expected: str) -> None:
-    assert _elide_id(nodeid, width) == expected
+    assert elide_id(nodeid, width) == expected
 
 
 @settings(max_examples=300, deadline=None)

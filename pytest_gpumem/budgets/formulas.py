@@ -27,8 +27,8 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from tabulate import tabulate
 
+from pytest_gpumem.tables import table
 from pytest_gpumem.units import format_size
 
 __all__ = [
@@ -532,10 +532,7 @@ class Budget:
             for name, nbytes in self.items.items()
         ]
         rows.append(("total", f"{self.total:,}", format_size(self.total), _per_psi(self.total, self.psi)))
-        table = tabulate(
-            rows, headers=("item", "bytes", "size", "bytes per Ψ"), colalign=("left", "right", "right", "right")
-        )
-        return f"{title}\n{table}"
+        return f"{title}\n{table(('item', 'bytes', 'size', 'bytes per Ψ'), rows, right=(1, 2, 3))}"
 
 
 def _per_psi(nbytes: int, psi: int) -> str:

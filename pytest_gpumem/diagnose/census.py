@@ -19,11 +19,11 @@ from types import FrameType, TracebackType
 from typing import Any
 
 import torch
-from tabulate import tabulate
 
 from pytest_gpumem.diagnose.holders import frame_locals, module_level_objects, referrer_names
 from pytest_gpumem.measurement import frozen
 from pytest_gpumem.measurement.engines import Engine
+from pytest_gpumem.tables import table
 from pytest_gpumem.units import cuda_rounded, format_size
 
 __all__ = [
@@ -399,7 +399,7 @@ def take_census(
 
 
 def live_table(tensors: Iterable[LiveTensor]) -> str:
-    """A tabulate table of ``tensors``: bytes, shape, dtype, category, held by."""
+    """A table of ``tensors``: bytes, shape, dtype, category, held by."""
     rows = [
         [
             format_size(t.nbytes),
@@ -410,4 +410,4 @@ def live_table(tensors: Iterable[LiveTensor]) -> str:
         ]
         for t in tensors
     ]
-    return tabulate(rows, headers=("bytes", "shape", "dtype", "category", "held by"), disable_numparse=True)
+    return table(("bytes", "shape", "dtype", "category", "held by"), rows)

@@ -25,7 +25,6 @@ from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tabulate import tabulate
 
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.diagnose.census import (
@@ -37,6 +36,7 @@ from pytest_gpumem.diagnose.census import (
     traceback_frames,
 )
 from pytest_gpumem.diagnose.holders import library_dirs
+from pytest_gpumem.tables import table
 from pytest_gpumem.units import format_size
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ class OomReport:
         return max(0, self.allocated - self.live_bytes)
 
     def format(self) -> str:
-        """The report as text for a failure message (tabulate tables)."""
+        """The report as text for a failure message (with its tables)."""
         head = f"out of memory on {self.device}"
         if self.phase is not None:
             head += f" during {self.phase}"
@@ -174,7 +174,7 @@ class OomReport:
         text = "\n".join(lines)
         if self.breakdown is not None:
             rows = [[category, format_size(self.breakdown.get(category, 0))] for category in CATEGORIES]
-            text += "\n\nallocated by category\n" + tabulate(rows, headers=("category", "bytes"), disable_numparse=True)
+            text += "\n\nallocated by category\n" + table(("category", "bytes"), rows)
         if self.largest:
             title = (
                 f"largest live tensors ({len(self.largest)} of {self.live_count} storages, "

@@ -24,8 +24,6 @@ shows it.
 
 from __future__ import annotations
 
-import re
-import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,14 @@ from typing import Protocol
 from pytest_gpumem.data.figures import Measurement, Phase
 from pytest_gpumem.data.findings import Finding, failure_message
 from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, PHASES, metric_info
+from pytest_gpumem.tables import (
+    Col,
+    Table,
+    plain,
+    short_id,
+    wrap,
+    wrap_items,
+)
 from pytest_gpumem.units import SizeError, format_percent, format_size, parse_size
 
 __all__ = [
@@ -81,14 +87,6 @@ SIGNED_METRICS = ("allocated", "retained")
 #: Metrics without an absolute figure: the figure is already a difference (its cost).
 COST_ONLY_METRICS = ("retained",)
 
-#: A test's rows under its id, when the test ids do not fit in a column.
-GROUP_INDENT = "  "
-#: Between two columns; :data:`TIGHT_SEP` where nothing else makes a table fit.
-SEP = "  "
-TIGHT_SEP = " "
-#: Marks what elision left out.
-ELLIPSIS = "…"
-
 LEGEND_COST = "cost = measured − the span's start: what limits and baselines compare"
 LEGEND_DELTA = "Δ\xa0=\xa0cost\xa0−\xa0baseline"  # no-break spaces: wrapped whole (shown as spaces)
 LEGEND_SIGNED = "a negative allocated or retained cost: the span freed more than it allocated"
@@ -108,262 +106,6 @@ class RecordLike(Protocol):
     @property
     def failed(self) -> bool:
         """The test fails on memory (the one rule: :attr:`TestRecord.failed`)."""
-
-
-# --------------------------------------------------------------------------- text fitting
-
-
-def _short(nodeid: str) -> str:
-    """The node id without the folders of its file (parametrize ids may hold "/" too)."""
-    path, sep, rest = nodeid.partition("::")
-    return path.rsplit("/", 1)[-1] + sep + rest
-
-
-def _elide_middle(text: str, width: int) -> str:
-    """``text`` in at most ``width`` characters: its start and end around "…"."""
-    if len(text) <= width:
-        return text
-    if width <= 1:
-        return ELLIPSIS[: max(width, 0)]
-    keep = width - len(ELLIPSIS)
-    tail = keep // 2
-    return text[: keep - tail] + ELLIPSIS + (text[len(text) - tail :] if tail else "")
-
-
-#: The rank a span is measured on, at the end of its name: ``call@rank1-of-2`` (torchrun),
-#: ``rank1-of-2`` (``gpumem.distributed``), ``rank0-of-2@rank1-of-2`` (both).
-_RANK_RE = re.compile(r"(?:@?rank\d+-of-\d+)+$")
-
-
-def _span_floor(name: str) -> int:
-    """The fewest characters :func:`_elide_span` keeps of ``name``: its rank, whole."""
-    match = _RANK_RE.search(name)
-    if match is None:
-        return 0
-    return len(name) if match.start() == 0 else min(len(name), len(ELLIPSIS) + len(match.group()))
-
-
-def _elide_span(name: str, width: int) -> str:
-    """A span name in at most ``width`` characters that keeps its rank: what comes before the
-    rank is elided (``f…@rank1-of-2``), never the rank (unless ``width`` is below :func:`_span_floor`)."""
-    if len(name) <= width:
-        return name
-    match = _RANK_RE.search(name)
-    if match is not None and match.start() > 0 and width - len(match.group()) >= len(ELLIPSIS):
-        return _elide_middle(name[: match.start()], width - len(match.group())) + match.group()
-    return _elide_middle(name, width)
-
-
-def _elide_id(nodeid: str, width: int) -> str:
-    """A node id in at most ``width`` characters, keeping its function name and parametrize id.
-
-    The part before the name is elided first, in its middle
-    (``tests/mo…::TestLlama::test_step[fp32]``), then dropped (``…test_step[fp32]``);
-    when the name alone does not fit, the name is elided in its middle.
-    """
-    if len(nodeid) <= width:
-        return nodeid
-    base, bracket, params = nodeid.partition("[")
-    head, sep, function = base.rpartition("::")
-    if not sep:
-        return _elide_middle(nodeid, width)
-    name = function + bracket + params
-    room = width - len(sep + name)
-    if room >= len(ELLIPSIS):
-        return _elide_middle(head, room) + sep + name
-    if width > len(name):
-        return ELLIPSIS + name
-    return _elide_middle(name, width)
-
-
-#: A size as :func:`~pytest_gpumem.units.format_size` writes it, for wrapping.
-_SIZE_RE = re.compile(r"(\d) ([KMGT]?i?B)\b")
-
-#: Fewest characters a wrapped line keeps for its text; below, indents give way.
-MIN_TEXT = 12
-
-
-def _plain(text: str) -> str:
-    """``text`` with its no-break spaces (what wrapping keeps together) as spaces."""
-    return text.replace("\xa0", " ")
-
-
-def _indents(width: int, first: str, rest: str) -> tuple[str, str]:
-    """The indents of wrapped lines, or none where they would leave less than :data:`MIN_TEXT` for the text."""
-    return (first, rest) if width - max(len(first), len(rest)) >= MIN_TEXT else ("", "")
-
-
-def _wrap(text: str, width: int | None, first: str = "", rest: str = "") -> list[str]:
-    """``text`` wrapped to ``width`` (no limit when None), with indents that give way at tiny widths."""
-    if width is None:
-        return [_plain(first + text)]
-    first, rest = _indents(width, first, rest)
-    lines = textwrap.wrap(
-        _SIZE_RE.sub("\\1\xa0\\2", text),  # a size's number and unit stay on one line
-        width=max(width, 1),
-        initial_indent=first,
-        subsequent_indent=rest,
-        break_long_words=True,
-        break_on_hyphens=False,
-    )
-    return [_plain(line) for line in lines] or [first.rstrip()]
-
-
-@dataclass(frozen=True)
-class _Col:
-    """A column: its header, alignment, and how it gives way when the table is too wide."""
-
-    header: str
-    right: bool = False
-    elastic: bool = False  # cells may be elided to fit
-    min_width: int = 0  # narrowest an elastic column gets (never below its header)
-    optional: bool = False  # left out when every cell is empty
-    label: str | None = None  # its name in the one-record-per-block layout (None: the header)
-    joins: bool = False  # block layout: in parentheses after the previous pair ("Δ +1.00 MiB (+3.1%)")
-    drop: int = 0  # left out to fit a narrow width before falling back to blocks: 1 first, then 2; 0 never
-    span: bool = False  # holds span names: elided by _elide_span, never narrower than a rank
-
-
-def _fit(text: str, width: int, col: _Col) -> str:
-    if len(text) > width:
-        text = _elide_span(text, width) if col.span else _elide_middle(text, width)
-    return text.rjust(width) if col.right else text.ljust(width)
-
-
-def _widths(cols: Sequence[_Col], rows: Sequence[Sequence[str]], width: int | None, sep: str = SEP) -> list[int] | None:
-    """Column widths that fit ``width``, elastic columns narrowed in order (not below ``min_width`` nor their
-    header); None when impossible."""
-    natural = [max([len(col.header), *(len(row[i]) for row in rows)]) for i, col in enumerate(cols)]
-    excess = 0 if width is None else sum(natural) + len(sep) * (len(cols) - 1) - width
-    widths = list(natural)
-    for i, col in enumerate(cols):
-        if excess <= 0:
-            break
-        if col.elastic:
-            floor = min(natural[i], max(col.min_width, len(col.header)))
-            if col.span:
-                floor = max([floor, *(_span_floor(row[i]) for row in rows)])
-            cut = min(excess, widths[i] - floor)
-            widths[i] -= cut
-            excess -= cut
-    return widths if excess <= 0 else None
-
-
-def _lines(
-    cols: Sequence[_Col], rows: Sequence[Sequence[str]], widths: Sequence[int], indent: str = "", sep: str = SEP
-) -> list[str]:
-    def line(cells: Sequence[str]) -> str:
-        return (indent + sep.join(_fit(c, w, col) for c, w, col in zip(cells, widths, cols, strict=True))).rstrip()
-
-    return [line([col.header for col in cols]), indent + sep.join("-" * w for w in widths), *(line(r) for r in rows)]
-
-
-@dataclass
-class _Table:
-    """Rows grouped by a title (a test id) or not; rendered to fit a width by :meth:`render`."""
-
-    cols: Sequence[_Col]
-    groups: list[tuple[str, list[list[str]]]]
-    title: _Col | None = None  # the column the group titles fill in the flat layout (only when they fit whole)
-    lead: int = 1  # block layout: how many cells name a record ("call peak")
-    status: int | None = None  # block layout: the cell shown right after the name
-
-    def _keep(self, keep: Sequence[int]) -> _Table:
-        """The table with only the columns at ``keep``; the naming columns and the status are always kept."""
-        return _Table(
-            [self.cols[i] for i in keep],
-            [(title, [[row[i] for i in keep] for row in group]) for title, group in self.groups],
-            self.title,
-            self.lead,
-            None if self.status is None else list(keep).index(self.status),
-        )
-
-    def render(self, width: int | None) -> list[str]:
-        """The lines of the table in ``width``: one row per record, the test id in a column of its own if it fits,
-        else above its rows, with fewer columns if need be (named in a line below), then one space between
-        columns, else one record per block."""
-        rows = [row for _, group in self.groups for row in group]
-        table = self._keep([i for i, col in enumerate(self.cols) if not col.optional or any(row[i] for row in rows)])
-        if table.title is not None:
-            flat_cols = [table.title, *table.cols]
-            flat_rows = [[title, *row] for title, group in table.groups for row in group]
-            widths = _widths(flat_cols, flat_rows, width)
-            if widths is not None:
-                return _lines(flat_cols, flat_rows, widths)
-        levels = sorted({0, *(col.drop for col in table.cols)})
-        for level, sep in [*((level, SEP) for level in levels), (levels[-1], TIGHT_SEP)]:
-            keep = [i for i, col in enumerate(table.cols) if not 0 < col.drop <= level]
-            lines = table._keep(keep)._grouped(width, sep)
-            if lines is not None:
-                left_out = [col.header for i, col in enumerate(table.cols) if i not in keep]
-                if left_out:
-                    lines += _wrap(f"(left out to fit {width} columns: {', '.join(left_out)})", width)
-                return lines
-        return table._blocks(width)
-
-    def _grouped(self, width: int | None, sep: str = SEP) -> list[str] | None:
-        """One row per record under its group's title (without titles: a plain table); None when too wide."""
-        rows = [row for _, group in self.groups for row in group]
-        if self.title is None:
-            widths = _widths(self.cols, rows, width, sep)
-            return None if widths is None else _lines(self.cols, rows, widths, "", sep)
-        widths = _widths(self.cols, rows, None if width is None else width - len(GROUP_INDENT), sep)
-        if widths is None:
-            return None
-        lines = _lines(self.cols, [], widths, GROUP_INDENT, sep)
-        for title, group in self.groups:
-            lines.append(title if width is None else _elide_id(title, width))
-            lines += _lines(self.cols, group, widths, GROUP_INDENT, sep)[2:]
-        return lines
-
-    def _blocks(self, width: int | None) -> list[str]:
-        """One record per block: its name, then "label value" pairs, wrapped to ``width``."""
-        lines: list[str] = []
-        indent = GROUP_INDENT if self.title is not None else ""
-        for title, rows in self.groups:
-            if self.title is not None:
-                lines.append(title if width is None else _elide_id(title, width))
-            for row in rows:
-                name = " ".join(cell for cell in row[: self.lead] if cell)
-                status = row[self.status] if self.status is not None else ""
-                head = [f"{name}:" if name else "", f"{status};" if status else ""]
-                pairs: list[str] = []
-                for i, (col, cell) in enumerate(zip(self.cols, row, strict=True)):
-                    if i < self.lead or i == self.status or not cell:
-                        continue
-                    label = col.header if col.label is None else col.label
-                    if col.joins and pairs:
-                        pairs[-1] += f" ({cell})"
-                    else:
-                        pairs.append(f"{label} {cell}".strip())
-                items = [item for item in head if item] + [pair + "," for pair in pairs[:-1]] + pairs[-1:]
-                if items and not pairs:
-                    items[-1] = items[-1].rstrip(":;")
-                lines += _wrap_items(items, width, indent, indent + "    ")
-        return lines
-
-
-def _wrap_items(items: Sequence[str], width: int | None, first: str, rest: str) -> list[str]:
-    """``items`` joined by spaces and wrapped to ``width`` between items (an item breaks only when it must)."""
-    if width is None:
-        return [_plain(first + " ".join(items))]
-    first, rest = _indents(width, first, rest)
-    lines: list[str] = []
-    line = first
-    for item in items:
-        if line.strip() and len(line) + 1 + len(item) <= width:
-            line += " " + item
-        elif not line.strip() and len(line) + len(item) <= width:
-            line += item
-        else:
-            if line.strip():
-                lines.append(line)
-            pieces = _wrap(item, width, rest, rest)
-            lines += pieces[:-1]
-            line = pieces[-1]
-    if line.strip():
-        lines.append(line)
-    return lines
 
 
 class _Notes:
@@ -388,9 +130,9 @@ class _Notes:
             mark = f"[{number}] "
             indent = " " * len(mark)
             first, *rest = text.split("\n")
-            lines += _wrap(mark + first, width, "", indent)
+            lines += wrap(mark + first, width, "", indent)
             for paragraph in rest:
-                lines += _wrap_items(_key_items(paragraph), width, indent, indent + "  ")
+                lines += wrap_items(_key_items(paragraph), width, indent, indent + "  ")
         return lines
 
 
@@ -539,7 +281,7 @@ def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int)
 
 
 def _test_id(nodeid: str, verbosity: int) -> str:
-    return nodeid if verbosity > 0 else _short(nodeid)
+    return nodeid if verbosity > 0 else short_id(nodeid)
 
 
 def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False, verbosity: int = 0) -> list[list[str]]:
@@ -581,7 +323,7 @@ def _legend(rows: Sequence[_Row]) -> list[str]:
     return lines
 
 
-def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markdown: bool = False) -> _Table:
+def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markdown: bool = False) -> Table:
     groups = _grouped(
         (
             row.test if markdown else _test_id(row.test, verbosity),
@@ -591,18 +333,18 @@ def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markd
     )
     span, metric, measured, cost, limit, baseline, delta, percent, status = SUMMARY_HEADERS[1:]
     cols = (
-        _Col(span, elastic=True, min_width=8, span=True),
-        _Col(metric),
-        _Col(measured, right=True),
-        _Col(cost, right=True),
-        _Col(limit, right=True, optional=True),
-        _Col(baseline, right=True, optional=True, drop=2),
-        _Col(delta, right=True, optional=True),
-        _Col(percent, right=True, optional=True, joins=True, drop=1),
-        _Col(status, label=""),
+        Col(span, elastic=True, min_width=8, span=True),
+        Col(metric),
+        Col(measured, right=True),
+        Col(cost, right=True),
+        Col(limit, right=True, optional=True),
+        Col(baseline, right=True, optional=True, drop=2),
+        Col(delta, right=True, optional=True),
+        Col(percent, right=True, optional=True, joins=True, drop=1),
+        Col(status, label=""),
     )
-    test = _Col(SUMMARY_HEADERS[0])
-    return _Table(cols, groups, test, lead=2, status=_CELL["status"])
+    test = Col(SUMMARY_HEADERS[0])
+    return Table(cols, groups, test, lead=2, status=_CELL["status"])
 
 
 def summary_table(
@@ -632,7 +374,7 @@ def summary_table(
     lines += _summary_table(rows, notes, verbosity).render(width)
     below = notes.lines(width)
     for text in _legend(rows):
-        below += _wrap(text, width, "", "  ")
+        below += wrap(text, width, "", "  ")
     if below:
         lines += ["", *below]
     if verbosity > 0 and not (only_problems or verbosity < 0):
@@ -676,23 +418,23 @@ def terminal_summary(
     shown = [f for f in stale if f.failed or not quiet]
     if shown:
         prune = "" if pruning else " (remove them with --gpumem-update-baselines --gpumem-prune)"
-        lines += _wrap(f"stale baselines, their tests no longer exist{prune}:", width)
+        lines += wrap(f"stale baselines, their tests no longer exist{prune}:", width)
         lines += [f"  {finding.test}  [{finding.detail}]" for finding in shown]  # ids and paths are never broken
     if baselines is not None:
         path, written = baselines
         lines.append(f"baselines {'written to' if written else 'unchanged in'} {path}")
         skipped = [r.nodeid for r in records if not r.passed or r.failed]
         if skipped:
-            lines += _wrap(f"not recorded, the test or its memory check failed: {', '.join(skipped)}", width)
+            lines += wrap(f"not recorded, the test or its memory check failed: {', '.join(skipped)}", width)
     return "\n".join(line for line in lines if line)
 
 
 def _environment_lines(keys: Sequence[str], width: int | None) -> list[str]:
     if len(keys) == 1:
-        return _wrap_items(["environment:", *_key_items(keys[0])], width, "", "  ")
+        return wrap_items(["environment:", *_key_items(keys[0])], width, "", "  ")
     lines = ["environments:"] if keys else []
     for key in keys:
-        lines += _wrap_items(_key_items(key), width, "  ", "    ")
+        lines += wrap_items(_key_items(key), width, "  ", "    ")
     return lines
 
 
@@ -730,7 +472,7 @@ def breakdown_rows(measurements: Sequence[tuple[str, Measurement]], *, phases: b
         peaks = [_phase_peak(measurement.phases[p]) if p in measurement.phases else "" for p in PHASES]
         rows.append(
             [
-                _short(test),
+                short_id(test),
                 measurement.name,
                 *_categories(measurement),
                 *(peaks if phases else ()),
@@ -751,17 +493,17 @@ BREAKDOWN_HEADERS = (
 )
 
 _BREAKDOWN_COLS = (
-    _Col("span", elastic=True, min_width=8, span=True),
-    *(_Col(c, right=True) for c in CATEGORIES),
-    _Col("saved for backward", right=True),
-    _Col("Ψ", right=True, optional=True),
+    Col("span", elastic=True, min_width=8, span=True),
+    *(Col(c, right=True) for c in CATEGORIES),
+    Col("saved for backward", right=True),
+    Col("Ψ", right=True, optional=True),
 )
 _PHASE_COLS = (
-    _Col("span", elastic=True, min_width=8, span=True),
-    _Col("phase"),
-    _Col("start", right=True),
-    _Col("peak", right=True),
-    _Col("end", right=True),
+    Col("span", elastic=True, min_width=8, span=True),
+    Col("phase"),
+    Col("start", right=True),
+    Col("peak", right=True),
+    Col("end", right=True),
 )
 
 
@@ -794,7 +536,7 @@ def _breakdown_cells(measurement: Measurement) -> list[list[str]]:
 
 def _count_legend(measurements: Iterable[Measurement], width: int | None) -> list[str]:
     if any(phase.count > 1 for m in measurements for phase in m.phases.values()):
-        return _wrap(LEGEND_COUNT, width, "", "  ")
+        return wrap(LEGEND_COUNT, width, "", "  ")
     return []
 
 
@@ -802,12 +544,12 @@ def _detail_tables(measurements: Sequence[tuple[str, Measurement]], width: int |
     """``-v``: the breakdown at the peak and the phases of every span, by test."""
     breakdown = _grouped((_test_id(test, verbosity), _breakdown_cells(m)) for test, m in measurements)
     phases = _grouped((_test_id(test, verbosity), _phase_cells(m)) for test, m in measurements)
-    id_col = _Col("test")
+    id_col = Col("test")
     lines: list[str] = []
     if breakdown:
-        lines += ["", *_wrap("breakdown at peak", width), *_Table(_BREAKDOWN_COLS, breakdown, id_col).render(width)]
+        lines += ["", *wrap("breakdown at peak", width), *Table(_BREAKDOWN_COLS, breakdown, id_col).render(width)]
     if phases:
-        lines += ["", *_wrap("phases", width), *_Table(_PHASE_COLS, phases, id_col, lead=2).render(width)]
+        lines += ["", *wrap("phases", width), *Table(_PHASE_COLS, phases, id_col, lead=2).render(width)]
         lines += _count_legend((m for _, m in measurements), width)
     return lines
 
@@ -818,18 +560,18 @@ def environment_notes(records: Iterable[RecordLike]) -> list[str]:
     for record in records:
         other = next((f for f in record.findings if f.status == "other-environment"), None)
         if other is not None:
-            notes.append(f"{_short(record.nodeid)}: {_one_line(_other_environments(other.detail))}")
+            notes.append(f"{short_id(record.nodeid)}: {_one_line(_other_environments(other.detail))}")
     return notes
 
 
 # --------------------------------------------------------------------------- failure messages
 
 _FIGURE_COLS = (
-    _Col("span", elastic=True, min_width=8, span=True),
-    _Col("metric"),
-    _Col("start", right=True),
-    _Col("measured", right=True),
-    _Col("cost", right=True),
+    Col("span", elastic=True, min_width=8, span=True),
+    Col("metric"),
+    Col("start", right=True),
+    Col("measured", right=True),
+    Col("cost", right=True),
 )
 
 
@@ -863,8 +605,8 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
     span). Every line fits in ``width`` (``None``: no limit).
     """
     engines = sorted({f"{m.device} ({m.engine} engine)" for m in measurements})
-    lines = _wrap(f"figures on {', '.join(engines)}", width) if engines else []
-    lines += _Table(_FIGURE_COLS, [("", [row for m in measurements for row in _figure_rows(m)])], lead=2).render(width)
+    lines = wrap(f"figures on {', '.join(engines)}", width) if engines else []
+    lines += Table(_FIGURE_COLS, [("", [row for m in measurements for row in _figure_rows(m)])], lead=2).render(width)
     unknown = [  # retained is the whole call's only: a test's named spans have none
         metric
         for metric in METRICS
@@ -877,13 +619,13 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
         legend.append(f"not known on this engine: {', '.join(unknown)}")
     legend += [f"partial figures of {m.name}: {note}" for m in measurements for note in m.notes]
     for text in legend:
-        lines += _wrap(text, width, "", "  ")
+        lines += wrap(text, width, "", "  ")
     breakdown = [row for m in measurements for row in _breakdown_cells(m)]
     if breakdown:
-        lines += ["", *_wrap("breakdown at peak", width), *_Table(_BREAKDOWN_COLS, [("", breakdown)]).render(width)]
+        lines += ["", *wrap("breakdown at peak", width), *Table(_BREAKDOWN_COLS, [("", breakdown)]).render(width)]
     phases = [row for m in measurements for row in _phase_cells(m)]
     if phases:
-        lines += ["", *_wrap("phases", width), *_Table(_PHASE_COLS, [("", phases)], lead=2).render(width)]
+        lines += ["", *wrap("phases", width), *Table(_PHASE_COLS, [("", phases)], lead=2).render(width)]
         lines += _count_legend(measurements, width)
     return "\n".join(lines)
 
@@ -968,7 +710,7 @@ def markdown_report(
         for row in cells:
             lines.append("| " + " | ".join(_md(cell) for cell in [title, *row]) + " |")
     below = [f"- [{number}] {_one_line(text)}" for number, text in enumerate(notes.texts, 1)]
-    below += [f"- {_plain(text)}" for text in _legend(rows)]
+    below += [f"- {plain(text)}" for text in _legend(rows)]
     if below:
         lines += ["", *below]
     stale = [f for f in extra_findings if f.status == "stale"]
