@@ -39,7 +39,7 @@ ZOO_SUITE = textwrap.dedent(
     """
     import pytest
 
-    from fixtures.zoo import PRECISIONS, zoo
+    from pytest_gpumem.validate.zoo import PRECISIONS, zoo
 
     MODELS = [model for model in zoo("small") if model.available]
 

@@ -1,4 +1,6 @@
-"""The command line: ``python -m pytest_gpumem baselines show|diff|prune``.
+"""The command line: ``python -m pytest_gpumem baselines show|diff|prune`` and ``validate``.
+
+``validate`` (GPU validation, :mod:`pytest_gpumem.validate`) has a command line of its own.
 
 Reads and edits a baseline file without running pytest: ``show`` prints its
 baselines, ``diff`` compares two versions of it (a path or a git ``REV:PATH``
@@ -57,6 +59,10 @@ class CommandError(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["validate"]:  # GPU validation: its own command line (imports torch)
+        from pytest_gpumem.validate.main import main as validate
+
+        return validate(arguments[1:])
     parser, actions = _parser()
     try:
         args, _ = parser.parse_known_args(arguments)
@@ -111,6 +117,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         epilog="Exit status: 0 success, 1 a cost grew (diff --fail-on-growth), 2 an error.",
     )
     commands = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
+    commands.add_parser(  # parsed by pytest_gpumem.validate.main (main() hands it over before parsing)
+        "validate",
+        help="check pytest-gpumem on this machine's GPU and write a record (see docs/validation.md)",
+        add_help=False,
+    )
     group = commands.add_parser(
         "baselines",
         help="show, compare or prune the baseline file",

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from fixtures.gpt2 import GPT2, PRESETS, Block, GPT2Config, gpt2
 from pytest_gpumem.budgets.formulas import (
     PRECISIONS,
     Budget,
@@ -25,6 +24,7 @@ from pytest_gpumem.budgets.formulas import (
     registered_optimizers,
     transformer_layer_activations,
 )
+from pytest_gpumem.validate.gpt2 import GPT2, PRESETS, Block, GPT2Config, gpt2
 
 GPT2_SMALL_PSI = 124_439_808
 GPT2_XL_PSI = 1_557_611_200

@@ -1,6 +1,6 @@
 """The H100 prediction against the figures recorded on an H100 (torch 2.11, ``record.json``).
 
-Each zoo training step (``fixtures.zoo``, size ``small``: the size the record holds) is run
+Each zoo training step (``pytest_gpumem.validate.zoo``, size ``small``: the size the record holds) is run
 on the CPU under the prediction engine with the record's protocol: one warm-up step, the
 clean-state protocol of the version that made the record (library workspaces freed, cache
 emptied), then the measured step, whose threads create their workspaces again. The
@@ -38,10 +38,10 @@ from typing import Any
 import pytest
 import torch
 
-from fixtures.zoo import zoo
 from pytest_gpumem.measurement.engines.predict import PredictEngine
 from pytest_gpumem.plugin.fixture import run_step
 from pytest_gpumem.targets import target
+from pytest_gpumem.validate.zoo import zoo
 
 #: each test runs a whole zoo step of the recorded size (up to 64 MiB activations, about 40 s in all)
 pytestmark = pytest.mark.slow

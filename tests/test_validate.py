@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,28 +18,39 @@ from typing import Any
 import pytest
 import torch
 
-from fixtures.zoo import PRECISIONS, zoo
 from pytest_gpumem import measure
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.plugin.fixture import run_step
 from pytest_gpumem.units import format_size
+from pytest_gpumem.validate.compare import explain_gap, gap_parts, zoo_figures
+from pytest_gpumem.validate.main import main
+from pytest_gpumem.validate.record import plugin_installed, record_name, run_suite, suite_environment
+from pytest_gpumem.validate.reference import reference_adam, reference_determinism, reference_linear, reference_mlp
+from pytest_gpumem.validate.render import zoo_table_rows
+from pytest_gpumem.validate.results import (
+    MLP_REFERENCE,
+    RECORD_FILE,
+    SCHEMA,
+    STATS_FILE,
+    SUMMARY_FILE,
+    Check,
+    Run,
+    suite_check,
+)
+from pytest_gpumem.validate.zoo import PRECISIONS, zoo
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu-validate"
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import gpu_validate_lib as lib  # noqa: E402
-
 CPU = torch.device("cpu")
 MiB = 2**20
 
 
 @pytest.fixture(scope="module")
 def cpu_only_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``scripts/gpu-validate --cpu-only --size tiny`` run as a user would run it; its output and record folder."""
+    """``python -m pytest_gpumem validate --cpu-only --size tiny`` run as a user would run it, from
+    another folder; its output and record folder."""
     out = tmp_path_factory.mktemp("record")
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu-only", "--out", str(out), "--size", "tiny"],
+        [sys.executable, "-m", "pytest_gpumem", "validate", "--cpu-only", "--out", str(out), "--size", "tiny"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -51,7 +63,7 @@ def cpu_only_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.C
 
 
 def record_of(folder: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((folder / lib.RECORD_FILE).read_text(encoding="utf-8"))
+    data: dict[str, Any] = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
     return data
 
 
@@ -63,7 +75,7 @@ def test_cpu_only_run_passes_and_writes_a_small_record(cpu_only_run: tuple[Any, 
     assert folder.name == f"cpu-only-torch{major}.{minor}"
     names = sorted(path.name for path in folder.iterdir())
     # what the device tool brings back: at most 8 files of 16 MiB; a CPU-only record has no GPU files
-    assert names == sorted([lib.RECORD_FILE, lib.SUMMARY_FILE, lib.STATS_FILE])
+    assert names == sorted([RECORD_FILE, SUMMARY_FILE, STATS_FILE])
     assert all((folder / name).stat().st_size < MiB for name in names)
     assert "allocated CPU" in done.stdout and "gap GPU − CPU explained" in done.stdout
     assert "n/a (no GPU run)" in done.stdout
@@ -74,15 +86,15 @@ def test_cpu_only_run_passes_and_writes_a_small_record(cpu_only_run: tuple[Any, 
 def test_cpu_only_record_structure(cpu_only_run: tuple[Any, Path]) -> None:
     _, folder = cpu_only_run
     record = record_of(folder)
-    assert record["schema"] == lib.SCHEMA
+    assert record["schema"] == SCHEMA
     assert record["mode"] == "cpu-only"
     assert record["environment"] is None and record["environment_key"] is None
     assert record["cpu_environment_key"] == Environment.detect("cpu", cuda_rounding=True).key
     assert record["suite"] is None and record["snapshot"] is None
     assert record["figures"]["cublas_workspace"] == 0  # the CPU engine counts tensors: no workspace
-    assert json.loads((folder / lib.STATS_FILE).read_text()) == {"workloads": {}, "snapshot": None}
+    assert json.loads((folder / STATS_FILE).read_text()) == {"workloads": {}, "snapshot": None}
 
-    checks = [lib.Check.from_dict(c) for c in record["checks"]]
+    checks = [Check.from_dict(c) for c in record["checks"]]
     assert [c for c in checks if c.passed is False] == []
     groups = {c.group for c in checks}
     assert {"reference", "determinism", "replay"} <= groups
@@ -102,8 +114,8 @@ def test_cpu_only_record_structure(cpu_only_run: tuple[Any, Path]) -> None:
             cpu = record["workloads"][row["cpu"]]["measurement"]
             assert row["figures"]["cpu"] == {"allocated": cpu["allocated"], "peak": cpu["peak"], "reserved": None}
             assert cpu["engine"] == "cpu" and cpu["cuda_rounding"] is True and cpu["psi"] == row["psi"]
-    summary = (folder / lib.SUMMARY_FILE).read_text(encoding="utf-8")
-    assert "| mlp | fp32 |" in summary and "n/a (no GPU run)" in summary
+    summary = (folder / SUMMARY_FILE).read_text(encoding="utf-8")
+    assert re.search(r"^\| mlp +\| fp32 +\|", summary, re.M) and "n/a (no GPU run)" in summary
 
 
 @pytest.mark.slow
@@ -127,8 +139,8 @@ def test_cpu_figures_equal_what_measure_reports(cpu_only_run: tuple[Any, Path], 
 
 @pytest.mark.slow
 def test_linear_reference_on_cpu() -> None:
-    run = lib.Run(CPU, "tiny")
-    lib.reference_linear(run)
+    run = Run(CPU, "tiny")
+    reference_linear(run)
     assert [c for c in run.checks if not c.passed] == []
     init = run.outcomes["reference.linear-init"].measurement
     assert init.cost("allocated") == 256_000 + 1_024  # 256·250·4 bytes; 1,000 bias bytes take a 1,024-byte block
@@ -140,8 +152,8 @@ def test_linear_reference_on_cpu() -> None:
 @pytest.mark.slow
 def test_adam_reference_on_cpu() -> None:
     """Adam's first step: exp_avg and exp_avg_sq, and the two step counters, which live on the CPU here."""
-    run = lib.Run(CPU, "tiny")
-    lib.reference_adam(run)
+    run = Run(CPU, "tiny")
+    reference_adam(run)
     params = 1024 * 1024 * 4 + 1024 * 4
     for label in ("default", "fused"):
         step = run.outcomes[f"reference.adam-{label}-first-step"].measurement
@@ -152,9 +164,9 @@ def test_adam_reference_on_cpu() -> None:
 @pytest.mark.slow
 def test_mlp_reference_on_cpu() -> None:
     """bf16 MLP: 18·b·s·d bytes saved with GELU, 10·b·s·d with ReLU, by both accountings."""
-    run = lib.Run(CPU, "tiny")
-    lib.reference_mlp(run)
-    b, s, d = lib.MLP_REFERENCE["tiny"]
+    run = Run(CPU, "tiny")
+    reference_mlp(run)
+    b, s, d = MLP_REFERENCE["tiny"]
     assert run.outcomes["reference.mlp-gelu-forward"].measurement.saved_activations == 18 * b * s * d
     assert run.outcomes["reference.mlp-relu-forward"].measurement.saved_activations == 10 * b * s * d
     allocator = {c.name: c.measured for c in run.checks if "allocated after forward" in c.name}
@@ -164,8 +176,8 @@ def test_mlp_reference_on_cpu() -> None:
 
 @pytest.mark.slow
 def test_determinism_on_cpu() -> None:
-    run = lib.Run(CPU, "tiny")
-    lib.reference_determinism(run, zoo("tiny", ("mlp",))[0])
+    run = Run(CPU, "tiny")
+    reference_determinism(run, zoo("tiny", ("mlp",))[0])
     (check,) = run.checks
     assert check.passed, check.detail
     first, second = (run.outcomes[f"determinism.run-{i}"].measurement for i in (1, 2))
@@ -182,21 +194,21 @@ def test_gap_parts_account_for_every_byte() -> None:
     plain = measured_step(model, cuda_rounding=False)
     rounded = measured_step(model, cuda_rounding=True)
     for metric in ("allocated", "peak"):
-        parts = lib.gap_parts(plain, rounded, rounded, metric)
+        parts = gap_parts(plain, rounded, rounded, metric)
         assert parts["total"] == getattr(rounded, metric) - getattr(plain, metric) > 0
         assert parts["outside_tensors"] == 0
         assert parts["tensors"] == parts["total"] == sum(parts["by_category"].values())
-    text = lib.explain_gap(plain, rounded, rounded)
+    text = explain_gap(plain, rounded, rounded)
     assert text.startswith("allocated +") and "outside tensors + " in text and "; peak +" in text
-    assert lib.explain_gap(plain, None, None) == "n/a (no GPU run)"
+    assert explain_gap(plain, None, None) == "n/a (no GPU run)"
 
     # the zoo row and its table cells, as a GPU run fills them (here both sides are CPU figures)
     row = {"model": "block", "precision": "fp32", "psi": plain.psi, "cpu": "plain", "gpu": "rounded"}
     row |= {"gpu_tensors": "rounded", "skipped": None}
-    row |= lib.zoo_figures(row, {"plain": plain, "rounded": rounded})
+    row |= zoo_figures(row, {"plain": plain, "rounded": rounded})
     assert row["ratio"]["peak"] == round(rounded.peak / plain.peak, 4) > 1
-    assert row["gap"]["allocated"] == lib.gap_parts(plain, rounded, rounded, "allocated")
-    (cells,) = lib.zoo_table_rows([row])
+    assert row["gap"]["allocated"] == gap_parts(plain, rounded, rounded, "allocated")
+    (cells,) = zoo_table_rows([row])
     assert cells[:6] == [
         "block",
         "fp32",
@@ -228,30 +240,30 @@ def measured_step(model: Any, *, cuda_rounding: bool) -> Any:
     ],
 )
 def test_record_name_is_filesystem_safe(device: str | None, torch_version: str, name: str) -> None:
-    assert lib.record_name(device, torch_version) == name
+    assert record_name(device, torch_version) == name
 
 
 def test_cpu_only_refuses_to_write_recorded_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert lib.main(["--cpu-only"]) == 2
-    assert lib.main(["--cpu-only", "--out", str(ROOT / "fixtures" / "recorded")]) == 2
+    assert main(["--cpu-only"]) == 2
+    assert main(["--cpu-only", "--out", str(ROOT / "fixtures" / "recorded")]) == 2
     assert "only a GPU run" in capsys.readouterr().err
-    assert lib.main(["--cpu-only", "--out", str(tmp_path), "--models", "mlp,resnet"]) == 2
+    assert main(["--cpu-only", "--out", str(tmp_path), "--models", "mlp,resnet"]) == 2
     assert "unknown zoo model(s) 'resnet'" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_gpu_mode_without_a_gpu_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert lib.main(["--out", str(tmp_path)]) == 2
+    assert main(["--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
 def test_suite_environment_loads_the_plugin_from_the_checkout() -> None:
     """The checkout first on an absolute PYTHONPATH; the plugin through PYTEST_PLUGINS unless installed."""
-    env = lib.suite_environment({"PYTHONPATH": "elsewhere", "PYTEST_PLUGINS": "other"})
+    env = suite_environment({"PYTHONPATH": "elsewhere", "PYTEST_PLUGINS": "other"})
     assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "elsewhere"]
-    plugins = "other" if lib.plugin_installed() else "other,pytest_gpumem.plugin"
+    plugins = "other" if plugin_installed() else "other,pytest_gpumem.plugin"
     assert env["PYTEST_PLUGINS"] == plugins
 
 
@@ -259,10 +271,10 @@ def test_suite_environment_loads_the_plugin_from_the_checkout() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script's own run is the test")
 def test_suite_without_a_gpu_skips_everything_and_fails_the_check() -> None:
     """The CUDA suite as the script runs it: here every test skips, which a GPU run must not accept."""
-    summary, output = lib.run_suite([], timeout=240)
+    summary, output = run_suite([], timeout=240)
     assert summary["exit_code"] == 0, output
     assert summary["tests"] == summary["skipped"] > 0, output
     assert summary["failures"] == summary["errors"] == 0
     assert summary["command"].startswith("python -m pytest tests -m cuda")
-    check = lib.suite_check(summary)
+    check = suite_check(summary)
     assert check.passed is False and f"{summary['skipped']} skipped" in check.detail

@@ -1,0 +1,179 @@
+"""``python -m pytest_gpumem validate``: validate pytest-gpumem on a CUDA GPU and record what it saw."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pytest_gpumem.baselines import Environment
+from pytest_gpumem.validate.compare import zoo_comparison
+from pytest_gpumem.validate.record import build_record, record_name, run_suite, take_snapshot, write_record
+from pytest_gpumem.validate.reference import (
+    counter_checks,
+    reference_adam,
+    reference_determinism,
+    reference_hand_counters,
+    reference_linear,
+    reference_mlp,
+    reference_workspaces,
+)
+from pytest_gpumem.validate.render import render_terminal
+from pytest_gpumem.validate.replay import replay
+from pytest_gpumem.validate.results import CHECKOUT, SNAPSHOT_ENTRIES, Check, Run, log, suite_check
+from pytest_gpumem.validate.zoo import MODELS, SIZES, zoo
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pytest_gpumem validate",
+        description=(
+            "Validate pytest-gpumem on a CUDA GPU and record what it saw (in a checkout: under "
+            "fixtures/recorded/; installed: under ./gpumem-validation/ unless --out says where)."
+        ),
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder in which the record folder <gpu-model>-torch<version>/ is written "
+        "(default: fixtures/recorded; required with --cpu-only)",
+    )
+    parser.add_argument(
+        "--cpu-only",
+        "--dry-run",
+        dest="cpu_only",
+        action="store_true",
+        help="run only what needs no GPU (CPU half of the zoo, references on the CPU engine); GPU figures are n/a",
+    )
+    parser.add_argument("--device", default="cuda", help="the CUDA device (default: cuda, the current one)")
+    parser.add_argument("--size", choices=SIZES, default="small", help="zoo and reference sizes (default: small)")
+    parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated zoo models (default: {','.join(MODELS)}; those whose package is missing are skipped)",
+    )
+    parser.add_argument("--skip-suite", action="store_true", help="do not run the CUDA test suite")
+    parser.add_argument("--suite-timeout", type=float, default=300.0, help="seconds for the CUDA suite (default 300)")
+    parser.add_argument("--pytest-arg", action="append", default=[], help="an extra argument for the CUDA suite")
+    parser.add_argument(
+        "--snapshot-entries", type=int, default=SNAPSHOT_ENTRIES, help="allocation history kept in the snapshot"
+    )
+    return parser
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the validation; 0 when every check passed, 1 when one failed, 2 when it could not run."""
+    options = _parser().parse_args(argv)
+    recorded = None if CHECKOUT is None else CHECKOUT / "fixtures" / "recorded"
+    if options.cpu_only:
+        if options.out is None:
+            print("gpu-validate: --cpu-only needs --out DIR (only a GPU run writes under fixtures/)", file=sys.stderr)
+            return 2
+        if recorded is not None and _inside(options.out, recorded):
+            print(f"gpu-validate: --cpu-only must not write under {recorded}: only a GPU run may", file=sys.stderr)
+            return 2
+    elif not torch.cuda.is_available():
+        print(
+            "gpu-validate: no CUDA device is available; run on a GPU machine, "
+            "or use --cpu-only --out DIR to exercise the CPU half",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        models = zoo(options.size, tuple(m.strip() for m in options.models.split(",") if m.strip()))
+    except ValueError as exc:
+        print(f"gpu-validate: {exc}", file=sys.stderr)
+        return 2
+
+    gpu = None if options.cpu_only else _cuda_device(options.device)
+    device = gpu or torch.device("cpu")
+    run = Run(device=device, size=options.size)
+    environment = None if gpu is None else Environment.detect("cuda", gpu)
+    folder = (options.out or recorded or Path("gpumem-validation")) / record_name(
+        None if environment is None else environment.device_name, torch.__version__
+    )
+
+    suite: dict[str, Any] | None = None
+    suite_log: str | None = None
+    if gpu is not None and not options.skip_suite and CHECKOUT is None:
+        log("the CUDA test suite runs only from a checkout of pytest-gpumem: skipped (--skip-suite)")
+    elif gpu is not None and not options.skip_suite:
+        log("running the CUDA test suite")
+        suite, suite_log = run_suite(options.pytest_arg, options.suite_timeout)
+        run.checks.append(suite_check(suite))
+
+    snapshot_bytes: bytes | None = None
+    snapshot_info: dict[str, Any] | None = None
+    snapshot_stats: dict[str, Any] | None = None
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
+        torch.empty(1, device=gpu)
+        torch.cuda.memory._record_memory_history(max_entries=options.snapshot_entries, stacks="python")
+    try:
+        reference_linear(run)
+        reference_adam(run)
+        reference_mlp(run)
+    finally:
+        if gpu is not None:
+            with run.guard("reference", "memory snapshot of the reference workloads"):
+                snapshot_bytes, snapshot_stats, snapshot_info = take_snapshot(gpu, options.snapshot_entries)
+            torch.cuda.memory._record_memory_history(enabled=None)
+    reference_hand_counters(run)
+    first = next((m for m in models if m.available), None)
+    if first is not None:
+        reference_determinism(run, first)
+    reference_workspaces(run, [m for m in models if m.available])
+    zoo_comparison(run, models, gpu)
+    counter_checks(run)
+
+    stats = {
+        "workloads": {name: o.stats for name, o in run.outcomes.items() if o.stats is not None},
+        "snapshot": snapshot_stats,
+    }
+    record = build_record(
+        run,
+        mode="cpu-only" if gpu is None else "gpu",
+        environment=environment,
+        suite=suite,
+        snapshot=snapshot_info,
+        models=models,
+    )
+    write_record(folder, record, stats, snapshot=snapshot_bytes, suite_log=suite_log)
+    log(f"replaying {folder}")
+    try:
+        replayed = replay(folder)
+    except Exception as exc:  # a record CI could not read: say so, keep the record for inspection
+        replayed = [Check("replay", "the record reads back", False, detail=f"{type(exc).__name__}: {exc}")]
+    record["checks"] += [c.to_dict() for c in replayed]
+    files = write_record(folder, record, stats, snapshot=snapshot_bytes, suite_log=suite_log)
+
+    print(render_terminal(record))
+    print()
+    print(f"record: {folder}")
+    for path in files:
+        print(f"  {path.name}  {path.stat().st_size:,} B")
+    checks = [Check.from_dict(c) for c in record["checks"]]
+    return 1 if any(c.passed is False for c in checks) else 0
+
+
+def _cuda_device(spec: str) -> torch.device:
+    device = torch.device(spec)
+    if device.type != "cuda":
+        raise SystemExit(f"gpu-validate: --device must be a CUDA device, got {spec!r}")
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

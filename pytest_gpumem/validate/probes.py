@@ -1,0 +1,114 @@
+"""Probes: a workload measured by the plugin and read from PyTorch's own counters in the same span."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from pytest_gpumem.measurement.engines.cpu import CpuEngine
+from pytest_gpumem.measurement.engines.tracker import StorageTracker
+from pytest_gpumem.measurement.recorder import Recorder, Span, measure
+from pytest_gpumem.validate.results import Outcome
+
+# --------------------------------------------------------------------------- probes
+
+
+class TensorEngine(CpuEngine):
+    """The storage tracker alone on any device: bytes of tensor storages, rounded to 512-byte blocks.
+
+    On CUDA it sees what the caching allocator holds for tensors, not what it holds
+    outside them (cuBLAS, cuDNN and attention workspaces, unsplit blocks): the
+    difference to the allocator's figures is those bytes.
+    """
+
+    name = "cuda-tensors"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(tracker=StorageTracker(device, cuda_rounding=True))
+        self.device = device
+
+
+class Probe:
+    """Yielded by :func:`probe`: the span, and after the block the :class:`Outcome`."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self.device = device
+        self.span: Span | None = None
+        self.counters: dict[str, int] | None = None
+        self.stats: dict[str, Any] | None = None
+        self._outcome: Outcome | None = None
+
+    def allocated_now(self) -> int:
+        """Allocated bytes now: PyTorch's ``memory_allocated`` on CUDA, the engine's count elsewhere."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        assert self.span is not None
+        return self.span.recorder.engine.allocated()
+
+    @property
+    def outcome(self) -> Outcome:
+        if self._outcome is None:
+            raise RuntimeError(f"probe {self.name!r} has no outcome until its block ends")
+        return self._outcome
+
+
+@contextlib.contextmanager
+def probe(
+    name: str,
+    device: torch.device,
+    *,
+    breakdown: bool = False,
+    track: Sequence[Any] = (),
+    tensors_only: bool = False,
+) -> Iterator[Probe]:
+    """Measure the block with ``measure()`` and, on CUDA, read PyTorch's counters around it.
+
+    On CUDA, peaks are reset at the start of the block and PyTorch's counters and the raw
+    ``memory_stats()`` are read at its end, inside the same span: with nothing tracked (no
+    phase windows) the plugin's peak, allocated and reserved must equal them to the byte.
+    ``tensors_only`` measures with :class:`TensorEngine` instead (no counters). The CPU
+    engine rounds storages to CUDA's 512-byte blocks.
+    """
+    made = Probe(name, device)
+    cuda = device.type == "cuda" and not tensors_only
+    span: Span
+    with _span(name, device, breakdown=breakdown, track=track, tensors_only=tensors_only) as span:
+        made.span = span
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        yield made
+        if cuda:
+            torch.cuda.synchronize(device)
+            made.counters = {
+                "max_memory_allocated": int(torch.cuda.max_memory_allocated(device)),
+                "memory_allocated": int(torch.cuda.memory_allocated(device)),
+                "max_memory_reserved": int(torch.cuda.max_memory_reserved(device)),
+            }
+            made.stats = dict(torch.cuda.memory_stats(device))
+    comparable = not track  # tracked modules open phase windows, which reset the peaks mid-span
+    made._outcome = Outcome(
+        name, span.measurement, made.counters if comparable else None, made.stats if comparable else None
+    )
+
+
+@contextlib.contextmanager
+def _span(
+    name: str, device: torch.device, *, breakdown: bool, track: Sequence[Any], tensors_only: bool
+) -> Iterator[Span]:
+    if not tensors_only:
+        with measure(name, device=device, breakdown=breakdown, cuda_rounding=True, track=tuple(track)) as span:
+            yield span
+        return
+    recorder = Recorder(TensorEngine(device))
+    recorder.track(*track)
+    recorder.begin()
+    try:
+        with recorder.span(name) as span:
+            yield span
+    finally:
+        recorder.end()

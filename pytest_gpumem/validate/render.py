@@ -1,0 +1,127 @@
+"""The record as text: the terminal tables and ``summary.md``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pytest_gpumem.tables import markdown_table, table
+from pytest_gpumem.units import format_size
+from pytest_gpumem.validate.results import Check, suite_check
+
+# --------------------------------------------------------------------------- tables
+
+
+def _bytes(value: int | None) -> str:
+    return "n/a" if value is None else f"{value:,}"
+
+
+def check_rows(checks: Sequence[Check]) -> list[list[str]]:
+    return [[c.group, c.name, _bytes(c.measured), _bytes(c.expected), c.result, c.detail] for c in checks]
+
+
+CHECK_HEADERS = ("group", "check", "measured B", "expected B", "result", "detail")
+ZOO_HEADERS = (
+    "model",
+    "precision",
+    "Ψ",
+    "allocated CPU",
+    "allocated GPU",
+    "×",
+    "peak CPU",
+    "peak GPU",
+    "×",
+    "reserved GPU",
+    "gap GPU − CPU explained",
+)
+
+
+def zoo_table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    out = []
+    for row in rows:
+        if row.get("skipped"):
+            out.append([row["model"], row["precision"], "", *["n/a"] * 7, f"skipped: {row['skipped']}"])
+            continue
+        figures = row.get("figures") or {}
+        cpu, gpu = figures.get("cpu") or {}, figures.get("gpu") or {}
+        ratio = row.get("ratio") or {}
+        out.append(
+            [
+                row["model"],
+                row["precision"],
+                "n/a" if row.get("psi") is None else f"{row['psi']:,}",
+                format_size(cpu.get("allocated")),
+                format_size(gpu.get("allocated")),
+                "n/a" if ratio.get("allocated") is None else f"{ratio['allocated']:.3f}",
+                format_size(cpu.get("peak")),
+                format_size(gpu.get("peak")),
+                "n/a" if ratio.get("peak") is None else f"{ratio['peak']:.3f}",
+                format_size(gpu.get("reserved")),
+                str(row.get("explanation", "")),
+            ]
+        )
+    return out
+
+
+GAP_LEGEND = (
+    "Gaps: *outside tensors* is what the caching allocator holds beyond tensor storages "
+    "(cuBLAS/cuBLASLt, cuDNN and attention workspaces, and large blocks it did not split: up to "
+    "1 MiB each); *tensors* is how the GPU's tensor storages (the storage tracker run on the GPU, "
+    "512-byte rounding) differ from the CPU engine's, by category: step counters that AdamW keeps "
+    "on the CPU when training on a GPU (optimizer_state −512 B per parameter tensor), kernels that "
+    "save other tensors (SDPA's flash/efficient backends keep log-sum-exp rows instead of "
+    "attention weights), autocast's different CPU and CUDA op lists, dropout masks (bool on CUDA, "
+    "the activation's dtype on CPU)."
+)
+
+
+def _suite_line(suite: Mapping[str, Any] | None) -> str:
+    if suite is None:
+        return "CUDA suite: not run"
+    return suite_check(suite).detail
+
+
+def render_terminal(record: Mapping[str, Any], *, width: int | None = None) -> str:
+    """The tables printed at the end of a run, fitted to ``width`` (None: lines as long as they need)."""
+    checks = [Check.from_dict(c) for c in record["checks"]]
+    lines = [
+        f"gpu-validate: {record['mode']} run on {record['device']}, torch {record['torch']}",
+        f"environment: {record['environment_key'] or 'n/a (no GPU)'}",
+        f"CPU engine:  {record['cpu_environment_key']}",
+        _suite_line(record.get("suite")),
+        "",
+        table(CHECK_HEADERS, check_rows(checks), right=(2, 3), width=width),
+        "",
+        table(ZOO_HEADERS, zoo_table_rows(record["zoo"]), width=width),
+    ]
+    failed = [c for c in checks if c.passed is False]
+    if failed:
+        lines += ["", "FAILED checks:", *(f"- [{c.group}] {c.name}: {c.detail}" for c in failed)]
+    return "\n".join(lines)
+
+
+def render_markdown(record: Mapping[str, Any]) -> str:
+    """``summary.md``: the environment, the suite, every check, the zoo table and its legend."""
+    checks = [Check.from_dict(c) for c in record["checks"]]
+    failed = sum(1 for c in checks if c.passed is False)
+    lines = [
+        f"# gpu-validate: {record['device']} ({record['mode']})",
+        "",
+        f"- environment: `{record['environment_key'] or 'n/a (no GPU)'}`",
+        f"- CPU engine: `{record['cpu_environment_key']}`",
+        f"- torch {record['torch']}, transformers {record.get('transformers') or 'not installed'}",
+        f"- {_suite_line(record.get('suite'))}",
+        f"- {len(checks)} checks, {failed} failed; zoo size `{record['size']}`",
+        "",
+        "## Checks",
+        "",
+        *markdown_table(CHECK_HEADERS, check_rows(checks), right=(2, 3)).splitlines(),
+        "",
+        "## CPU engine (CUDA rounding) vs GPU: one AdamW training step",
+        "",
+        *markdown_table(ZOO_HEADERS, zoo_table_rows(record["zoo"])).splitlines(),
+        "",
+        GAP_LEGEND,
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,177 @@
+"""The results of a validation run: checks, outcomes, the run that collects them, and the record's files."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import traceback
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pytest_gpumem.data.figures import Measurement
+
+#: The source checkout this package runs from (it holds ``tests/`` and ``fixtures/recorded/``); None
+#: when pytest-gpumem is installed: the CUDA test suite runs only from a checkout.
+_TOP = Path(__file__).resolve().parents[2]
+CHECKOUT: Path | None = _TOP if (_TOP / "tests").is_dir() and (_TOP / "pyproject.toml").is_file() else None
+
+#: Version of ``record.json``'s layout.
+SCHEMA = 1
+
+RECORD_FILE = "record.json"
+SUMMARY_FILE = "summary.md"
+STATS_FILE = "memory_stats.json"
+SNAPSHOT_FILE = "snapshot.pickle"
+SUITE_LOG = "cuda-suite.log"
+#: Every file a record may hold (the device tool brings back at most 8 files of 16 MiB each).
+RECORD_FILES: tuple[str, ...] = (RECORD_FILE, SUMMARY_FILE, STATS_FILE, SNAPSHOT_FILE, SUITE_LOG)
+
+#: Allocation-history entries kept for the memory snapshot.
+SNAPSHOT_ENTRIES = 2_000
+#: Largest snapshot file written; longer histories are cut from the front until it fits.
+SNAPSHOT_LIMIT = 12 * 2**20
+#: Last bytes of the CUDA suite's output kept in ``cuda-suite.log``.
+SUITE_LOG_LIMIT = 256 * 2**10
+
+#: Shapes ``(b, s, d)`` of the bf16 MLP reference per zoo size: the issue's figure on a GPU, tiny for tests.
+MLP_REFERENCE: Mapping[str, tuple[int, int, int]] = {"small": (2, 4096, 1024), "tiny": (2, 64, 64)}
+
+PROTOCOL = 2
+
+GROUPS: tuple[str, ...] = ("suite", "reference", "determinism", "counters", "zoo", "replay")
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Check:
+    """One assertion, with the figures behind it.
+
+    ``passed`` is None when the check does not apply here (a GPU figure on a CPU-only run).
+    ``measured`` and ``expected`` are bytes where the check compares sizes.
+    """
+
+    group: str
+    name: str
+    passed: bool | None
+    measured: int | None = None
+    expected: int | None = None
+    detail: str = ""
+
+    @property
+    def result(self) -> str:
+        return "n/a" if self.passed is None else ("ok" if self.passed else "FAILED")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "name": self.name,
+            "passed": self.passed,
+            "measured": self.measured,
+            "expected": self.expected,
+            "detail": self.detail,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Check:
+        return cls(
+            group=str(data["group"]),
+            name=str(data["name"]),
+            passed=data.get("passed"),
+            measured=data.get("measured"),
+            expected=data.get("expected"),
+            detail=str(data.get("detail", "")),
+        )
+
+
+@dataclass
+class Outcome:
+    """A measured workload: the plugin's figures and, on CUDA, PyTorch's own read at the same moment.
+
+    ``counters`` holds ``max_memory_allocated``, ``memory_allocated`` and
+    ``max_memory_reserved`` read at the end of the span (peaks were reset at its start);
+    ``stats`` the raw ``memory_stats()`` read right with them. Both are None off CUDA.
+    """
+
+    name: str
+    measurement: Measurement
+    counters: dict[str, int] | None = None
+    stats: dict[str, Any] | None = None
+
+
+@dataclass
+class Run:
+    """What a validation run collects: outcomes by name, checks, reported figures."""
+
+    device: torch.device
+    size: str
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+    figures: dict[str, int | None] = field(default_factory=dict)
+    zoo_rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def add(self, outcome: Outcome) -> Outcome:
+        if outcome.name in self.outcomes:
+            raise ValueError(f"outcome {outcome.name!r} recorded twice")
+        self.outcomes[outcome.name] = outcome
+        return outcome
+
+    def check(
+        self,
+        group: str,
+        name: str,
+        measured: int | None,
+        expected: int | None,
+        detail: str = "",
+    ) -> Check:
+        """Record ``measured == expected`` (n/a when either is None)."""
+        passed = None if measured is None or expected is None else measured == expected
+        made = Check(group, name, passed, measured, expected, detail)
+        self.checks.append(made)
+        return made
+
+    @contextlib.contextmanager
+    def guard(self, group: str, name: str) -> Iterator[None]:
+        """Run a workload; an exception becomes a failed check and the run goes on."""
+        log(f"{group}: {name}")
+        try:
+            yield
+        except Exception as exc:  # one broken workload must not lose the others' data
+            where = traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]
+            self.checks.append(Check(group, name, False, detail=f"{type(exc).__name__}: {exc} | {''.join(where)}"))
+        finally:
+            release(self.device)
+
+
+def log(message: str) -> None:
+    """Progress on stderr (stdout carries the tables)."""
+    print(f"[gpu-validate] {message}", file=sys.stderr, flush=True)
+
+
+def release(device: torch.device) -> None:
+    """Collect garbage and, on CUDA, return cached blocks, so the next workload starts clean."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def suite_check(summary: Mapping[str, Any]) -> Check:
+    """The suite passed: exit 0, tests ran, none failed, none skipped (with a GPU nothing may skip)."""
+    tests, skipped = summary.get("tests"), summary.get("skipped")
+    passed = summary.get("exit_code") == 0 and bool(tests) and not summary.get("failures") and not skipped
+    detail = (
+        f"{tests} test(s), {summary.get('failures')} failed, {summary.get('errors')} error(s), "
+        f"{skipped} skipped, exit {summary.get('exit_code')}, {summary.get('seconds')} s: {summary.get('command')}"
+    )
+    return Check("suite", "CUDA test suite (pytest tests -m cuda)", passed, detail=detail)
