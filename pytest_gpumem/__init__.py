@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 #: Public name → the module that defines it.
 _EXPORTS: dict[str, str] = {
     # measuring
-    "measure": "pytest_gpumem.measurement.recorder",
+    "measure": "pytest_gpumem.measurement.active",
     "Span": "pytest_gpumem.measurement.recorder",
     "GpuMem": "pytest_gpumem.plugin.fixture",
     "make_engine": "pytest_gpumem.measurement.engines",
@@ -145,8 +145,9 @@ if TYPE_CHECKING:
     from pytest_gpumem.diagnose.microbatch import MicrobatchError, Plan, max_microbatch, plan_accumulation, plan_for
     from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, oom_report, release_oom
     from pytest_gpumem.judge.limits import LimitExceeded
+    from pytest_gpumem.measurement.active import measure
     from pytest_gpumem.measurement.devicelimit import device_limit
     from pytest_gpumem.measurement.engines import make_engine
-    from pytest_gpumem.measurement.recorder import Span, measure
+    from pytest_gpumem.measurement.recorder import Span
     from pytest_gpumem.plugin.fixture import GpuMem
     from pytest_gpumem.units import format_size, parse_size

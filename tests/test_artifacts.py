@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from pytest_gpumem.data.figures import Measurement, Phase, Timeline
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.report.artifacts import MAX_NAME_LENGTH, artifact_path, artifact_stem, render_html, write_html
+from pytest_gpumem.report.artifacts import MAX_NAME_LENGTH, artifact_path, artifact_stem, write_html
+from pytest_gpumem.report.html import render_html
 from pytest_gpumem.units import format_size
 
 GiB = 1 << 30

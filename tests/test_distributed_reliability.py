@@ -27,9 +27,10 @@ from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Limit, Tolerance
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.judge.verdict import check_limits
-from pytest_gpumem.plugin.gate import write_artifacts
 from pytest_gpumem.plugin.torchrun import Launch, rank_span, rename
-from pytest_gpumem.report.text import failure_text, measurement_table, summary_rows, terminal_summary
+from pytest_gpumem.report.artifacts import write_artifacts
+from pytest_gpumem.report.details import failure_text, measurement_table
+from pytest_gpumem.report.text import summary_rows, terminal_summary
 
 # --------------------------------------------------------------------------- processes (Linux /proc)
 

@@ -12,12 +12,12 @@ from conftest import forget_last_failure
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.judge.judgement import judge
 from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.measurement.active import measure
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.engines.base import Engine
-from pytest_gpumem.measurement.recorder import measure
 from pytest_gpumem.plugin.marker import parse_marker
 from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, Freezer, RunOptions, TestRun, choose_device
-from pytest_gpumem.report.text import failure_text
+from pytest_gpumem.report.details import failure_text
 
 F32 = 4
 ENV = Environment.detect("cpu").to_dict()
@@ -130,7 +130,7 @@ def test_a_negative_budget_with_the_model_tracked_gives_no_tracking_hint(engine:
     model = torch.nn.Linear(4, 4)  # Ψ = 20
 
     def body() -> None:
-        from pytest_gpumem.measurement.recorder import _ACTIVE
+        from pytest_gpumem.measurement.active import _ACTIVE
 
         recorder = _ACTIVE.get()
         assert recorder is not None

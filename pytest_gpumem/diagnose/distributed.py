@@ -147,7 +147,7 @@ def _rank_main(
     _die_with_parent(group)
     import torch.distributed as dist
 
-    from pytest_gpumem.measurement.recorder import measure
+    from pytest_gpumem.measurement.active import measure
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     where = _device_for(rank, device)

@@ -103,7 +103,7 @@ def max_microbatch(
     if limit is not None and engine is None:
         raise ValueError("max_microbatch: limit needs the engine of the device the step runs on")
     if isinstance(engine, (str, torch.device)):
-        from pytest_gpumem.measurement.recorder import engine_for
+        from pytest_gpumem.measurement.active import engine_for
 
         engine = engine_for(engine)
     nbytes = None if limit is None else parse_size(limit)

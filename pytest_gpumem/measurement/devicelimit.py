@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 import torch
 
+from pytest_gpumem.measurement.active import engine_for
 from pytest_gpumem.measurement.engines import Engine, StorageTracker
-from pytest_gpumem.measurement.recorder import engine_for
 from pytest_gpumem.units import parse_size
 
 __all__ = ["device_limit"]

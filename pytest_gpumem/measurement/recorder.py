@@ -16,10 +16,8 @@ it, and the optimizer's step pre/post hooks bracket "optimizer".
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -28,33 +26,13 @@ import torch
 
 from pytest_gpumem.budgets.formulas import tracked_psi
 from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline
-from pytest_gpumem.data.findings import Tolerance, failure_message
+from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.judge.judgement import judge
-from pytest_gpumem.judge.limits import LimitExceeded, LimitSpec, check_span_name, parse_span_limits
-from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.measurement.engines import describe_compiled, make_engine, resolve_device
+from pytest_gpumem.judge.limits import LimitSpec, parse_span_limits
+from pytest_gpumem.measurement.engines import describe_compiled
 from pytest_gpumem.measurement.engines.base import Engine, Reading
-from pytest_gpumem.units import parse_size
 
-__all__ = ["Recorder", "Span", "activate", "engine_for", "measure"]
-
-_ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pytest_gpumem_recorder", default=None)
-
-
-def engine_for(target: Engine | str | torch.device | None) -> Engine:
-    """The engine for ``target``: ``target`` itself when it is an engine; for a device name
-    (``"cpu"``, ``"cuda:0"``, ``"auto"``) the engine measuring that device now (inside a
-    measured test or a :func:`measure` block), else a new one from
-    :func:`~pytest_gpumem.measurement.engines.make_engine`.
-    """
-    if target is not None and not isinstance(target, (str, torch.device)):
-        return target
-    device = resolve_device(target)
-    active = _ACTIVE.get()
-    if active is not None and active.active and active.engine.device == device:
-        return active.engine
-    return make_engine(device)
+__all__ = ["Recorder", "Span"]
 
 
 @dataclass
@@ -575,83 +553,3 @@ class Span:
     def __repr__(self) -> str:
         state = "open" if self._measurement is None else f"peak={self._measurement.peak}"
         return f"<Span {self.name!r} {state}>"
-
-
-@contextmanager
-def measure(
-    name: str = "span",
-    *,
-    device: str | torch.device | None = None,
-    track: tuple[Any, ...] | list[Any] = (),
-    breakdown: bool = False,
-    cuda_rounding: bool = False,
-    timeline: bool = False,
-    device_limit: int | str | None = None,
-    observe: str = "operators",
-    predict: str | None = None,
-    **limits: Any,
-) -> Iterator[Span]:
-    """Measure the memory a block of code costs, inside or outside pytest.
-
-    Inside a test that the plugin measures (or inside another ``measure``
-    block on the same device), the span joins that recording. Otherwise it
-    starts its own on ``device`` (``"cpu"``, ``"cuda:0"``; default: CUDA when
-    available, else CPU), after the clean-state protocol. ``device_limit``
-    (bytes or a size such as ``"24GiB"``) runs the block as if the device had
-    that much memory (see :func:`pytest_gpumem.device_limit`). ``observe="allocations"``
-    has the CPU engine read the CPU allocator's reports instead of watching operators, so
-    that ``torch.compile``'d code runs as compiled (no emulated device limit then).
-    ``predict="h100"`` runs the block on the CPU engine and reports what that GPU would
-    show (see :mod:`pytest_gpumem.measurement.engines.predict`; ``device`` must then be the CPU). Limits
-    (``peak="4GiB"``, ``allocated=...``) are checked when the block ends:
-    outside pytest a broken limit raises :class:`pytest_gpumem.LimitExceeded`.
-
-    Example::
-
-        with measure("step", track=(model, opt)) as m:
-            train_step()
-        print(m.peak, m.breakdown)
-    """
-    active = _ACTIVE.get()
-    target = None if device is None else resolve_device(device)
-    if predict is not None and target is None:
-        target = torch.device("cpu")
-    nbytes = None if device_limit is None else parse_size(device_limit)
-    if active is not None and active.active and (target is None or target == active.engine.device):
-        active.track(*track)
-        with contextlib.ExitStack() as stack:
-            if nbytes is not None:
-                stack.enter_context(active.engine.limit_memory(nbytes))
-            span = stack.enter_context(active.span(check_span_name(name), **limits))
-            yield span
-        return
-    engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe, predict=predict)
-    recorder = Recorder(engine, timeline=timeline)
-    recorder.track(*track)
-    recorder.begin()
-    token = _ACTIVE.set(recorder)
-    try:
-        with contextlib.ExitStack() as stack:
-            if nbytes is not None:
-                stack.enter_context(engine.limit_memory(nbytes))
-            span = stack.enter_context(recorder.span(name, **limits))
-            yield span
-    finally:
-        _ACTIVE.reset(token)
-        recorder.end()
-    if span.limits:
-        record = TestRecord(span.name, measurements=[span.measurement], asked={span.name: list(span.limits)})
-        judge(record)
-        if record.failed:
-            broken = [finding for finding in record.findings if finding.failed]
-            raise LimitExceeded("\n\n".join([*record.errors, *([failure_message(broken)] if broken else [])]))
-
-
-@contextmanager
-def activate(recorder: Recorder) -> Iterator[Recorder]:
-    """Make ``recorder`` the one that :func:`measure` blocks join (the plugin uses this)."""
-    token = _ACTIVE.set(recorder)
-    try:
-        yield recorder
-    finally:
-        _ACTIVE.reset(token)

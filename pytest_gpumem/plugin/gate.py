@@ -10,13 +10,10 @@ Markdown reports. No pytest, no torch.
 
 from __future__ import annotations
 
-import json
 import os
-import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pytest_gpumem.baselines import (
     BaselineEntry,
@@ -26,16 +23,13 @@ from pytest_gpumem.baselines import (
     load,
     save,
 )
-from pytest_gpumem.baselines.canonical import json_bytes
-from pytest_gpumem.data.findings import Finding, Tolerance, failure_message
-from pytest_gpumem.data.metrics import DRAWN_METRICS
+from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.judge.judgement import JudgeOptions, baseline_metrics, judge
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.judge.verdict import stale_findings
-from pytest_gpumem.report.artifacts import artifact_path, render_html, write_html
-from pytest_gpumem.report.text import json_report, markdown_report
+from pytest_gpumem.report.formats import write_reports
 
-__all__ = ["Gate", "GateOptions", "write_artifacts"]
+__all__ = ["Gate", "GateOptions"]
 
 
 @dataclass(frozen=True)
@@ -143,81 +137,12 @@ class Gate:
 
     def write_reports(self) -> None:
         """The JSON report, the Markdown report, and the GitHub step summary, as the options ask."""
-        records = list(self.records.values())
-        if not records and not self.stale:
-            return
-        environments: list[dict[str, Any]] = []
-        for record in records:
-            if record.environment is not None and record.environment_key not in [e["key"] for e in environments]:
-                environments.append({"key": record.environment_key, **record.environment})
         options = self.options
-        if options.json_path is not None:
-            data = json_report(
-                records, environments=environments, extra_findings=self.stale, generator=options.generator
-            )
-            _report("JSON", options.json_path, json_bytes(json.dumps(data, indent=2, ensure_ascii=False) + "\n"))
-        markdown = markdown_report(records, header=", ".join(self.environment_keys()), extra_findings=self.stale)
-        if options.markdown_path is not None:
-            _report("Markdown", options.markdown_path, markdown.encode("utf-8", "backslashreplace"))
-        summary = os.environ.get("GITHUB_STEP_SUMMARY")
-        if summary and options.step_summary:
-            try:
-                with open(summary, "a", encoding="utf-8", errors="backslashreplace") as handle:
-                    handle.write(markdown)
-            except OSError as exc:
-                raise OSError(
-                    exc.errno, f"could not append to $GITHUB_STEP_SUMMARY ({summary}): {exc.strerror}"
-                ) from exc
-
-
-def _report(kind: str, path: Path, data: bytes) -> None:
-    """:func:`_replace`, whose error names the report and the path it could not write."""
-    try:
-        _replace(path, data)
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
-        raise OSError(exc.errno, f"could not write the {kind} report {path}: {exc.strerror or exc}{where}") from exc
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """Write a report atomically: a temporary file beside ``path`` replaces it once complete, so a
-    failure leaves the previous report (or none), never an empty or partial one.
-
-    Node ids from file names that are not UTF-8 hold lone surrogates: the reports write them
-    escaped (``\\udcff``), as the baseline file does (see :func:`~pytest_gpumem.baselines.canonical.json_bytes`).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        temporary.write_bytes(data)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
-def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
-    """Write the HTML memory timeline of ``record``'s call; returns the artifact paths (with its snapshot).
-
-    Lines drawn across the chart (absolute, as the chart is): the emulated device
-    limit, and the call's limits, budgets and baselines on ``peak`` and ``allocated``
-    (they bound costs: drawn at the call's start plus the bound).
-    """
-    call = record.measurements[0]
-    lines: dict[str, int] = {} if record.device_limit is None else {"device limit": record.device_limit}
-    for finding in record.findings:
-        if finding.span != call.name or finding.reference is None or finding.metric not in DRAWN_METRICS:
-            continue
-        lines[f"{finding.kind} {finding.metric}"] = finding.reference + call.start
-    details = [failure_message([f for f in record.findings if f.failed])] if record.failed else []
-    details += record.reports
-    # under torchrun the call is the rank's (call@rank1-of-2): each rank writes a page of its own
-    path = artifact_path(directory, record.nodeid if call.name == "call" else f"{record.nodeid}@{call.name}", ".html")
-    page = render_html(
-        title=record.nodeid, measurement=call, timeline=record.timeline_of_call(), lines=lines, details=details
-    )
-    write_html(path, page)
-    return [str(path)] + ([record.snapshot] if record.snapshot else [])
-
-
-__all__ += ["BaselineFileError"]
+        write_reports(
+            list(self.records.values()),
+            self.stale,
+            json_path=options.json_path,
+            markdown_path=options.markdown_path,
+            step_summary=os.environ.get("GITHUB_STEP_SUMMARY") if options.step_summary else None,
+            generator=options.generator,
+        )

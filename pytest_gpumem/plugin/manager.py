@@ -24,11 +24,12 @@ from pytest_gpumem.plugin.collection import (
     worker_index,
 )
 from pytest_gpumem.plugin.ending import RunEnd
-from pytest_gpumem.plugin.gate import Gate, write_artifacts
+from pytest_gpumem.plugin.gate import Gate
 from pytest_gpumem.plugin.marker import GpumemSpec
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.torchrun import launch, rename
-from pytest_gpumem.report.text import failure_text
+from pytest_gpumem.report.artifacts import write_artifacts
+from pytest_gpumem.report.details import failure_text
 
 if TYPE_CHECKING:
     from pytest_gpumem.measurement.engines import Engine

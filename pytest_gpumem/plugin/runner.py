@@ -34,9 +34,10 @@ from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, release_oom
 from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
 from pytest_gpumem.measurement import frozen
+from pytest_gpumem.measurement.active import activate
 from pytest_gpumem.measurement.engines import cuda_available, make_engine, resolve_device, unseen_note
 from pytest_gpumem.measurement.engines.base import Engine
-from pytest_gpumem.measurement.recorder import Recorder, activate
+from pytest_gpumem.measurement.recorder import Recorder
 from pytest_gpumem.plugin.marker import GpumemSpec
 from pytest_gpumem.plugin.returnwatch import watch_return
 from pytest_gpumem.report.artifacts import artifact_path

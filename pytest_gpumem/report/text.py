@@ -27,28 +27,34 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
-from pytest_gpumem.data.figures import Measurement, Phase
-from pytest_gpumem.data.findings import Finding, failure_message
-from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, PHASES, metric_info
+from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.findings import Finding
+from pytest_gpumem.data.metrics import COUNT_METRICS, METRICS, metric_info
+from pytest_gpumem.report.cells import (
+    COST_ONLY_METRICS,
+    LEGEND_COST,
+    LEGEND_DELTA,
+    LEGEND_SIGNED,
+    SIGNED_METRICS,
+    RecordLike,
+    cost_text,
+    grouped,
+    one_line,
+    other_environments,
+)
+from pytest_gpumem.report.details import detail_tables, test_id
 from pytest_gpumem.tables import (
     Col,
     Table,
     plain,
-    short_id,
     wrap,
     wrap_items,
 )
 from pytest_gpumem.units import SizeError, format_percent, format_size, parse_size
 
 __all__ = [
-    "breakdown_rows",
-    "environment_notes",
-    "failure_text",
-    "json_report",
     "markdown_report",
-    "measurement_table",
     "summary_rows",
     "summary_table",
     "terminal_summary",
@@ -80,32 +86,6 @@ SUMMARY_HEADERS = ("test", "span", "metric", "measured", "cost", "limit", "basel
 
 #: Index of each of a summary row's cells after the test id.
 _CELL = {name: i for i, name in enumerate(SUMMARY_HEADERS[1:])}
-
-#: Metrics whose cost is a net change, shown signed (they can be negative).
-SIGNED_METRICS = ("allocated", "retained")
-
-#: Metrics without an absolute figure: the figure is already a difference (its cost).
-COST_ONLY_METRICS = ("retained",)
-
-LEGEND_COST = "cost = measured − the span's start: what limits and baselines compare"
-LEGEND_DELTA = "Δ\xa0=\xa0cost\xa0−\xa0baseline"  # no-break spaces: wrapped whole (shown as spaces)
-LEGEND_SIGNED = "a negative allocated or retained cost: the span freed more than it allocated"
-LEGEND_COUNT = "×N: the phase ran N times in the span (e.g. a warm-up step and the measured step)"
-
-
-class RecordLike(Protocol):
-    """What the reports read of a test's record (:class:`pytest_gpumem.judge.record.TestRecord`)."""
-
-    nodeid: str
-    measurements: list[Measurement]
-    findings: list[Finding]
-    errors: list[str]
-    #: the test's own code passed (in every phase)
-    passed: bool
-
-    @property
-    def failed(self) -> bool:
-        """The test fails on memory (the one rule: :attr:`TestRecord.failed`)."""
 
 
 class _Notes:
@@ -139,12 +119,6 @@ class _Notes:
 # --------------------------------------------------------------------------- cells
 
 
-def _cost_text(metric: str, value: int | None) -> str:
-    """A cost (or a baseline, which is a recorded cost): signed for net changes."""
-    info = metric_info(metric)
-    return info.format_delta(value) if metric in SIGNED_METRICS else info.format(value)
-
-
 def _percent(delta: int, reference: int | None) -> str:
     """Δ as a percentage of the baseline's size: a cost that frees less than its baseline grew (+)."""
     return format_percent(delta, None if reference is None else abs(reference))
@@ -156,23 +130,6 @@ def _plain_size(text: str) -> bool:
     except SizeError:
         return False
     return True
-
-
-def _other_environments(detail: str) -> str:
-    """A note on a finding's other environments: one paragraph per environment key.
-
-    The finding's detail reads "baselines only for: KEY; KEY"; a detail without
-    the prefix is taken as the keys alone.
-    """
-    prefix = "baselines only for: "
-    keys = (detail[len(prefix) :] if detail.startswith(prefix) else detail).split("; ")
-    return "\n".join(["no baseline in this environment; baselines only for:", *keys])
-
-
-def _one_line(note: str) -> str:
-    """A note's paragraphs on one line: the first, then the others separated by "; "."""
-    first, *rest = note.split("\n")
-    return first + (" " + "; ".join(rest) if rest else "")
 
 
 def _limit_note(finding: Finding) -> str | None:
@@ -229,9 +186,9 @@ def _metric_row(
         measurement.name,
         metric,
         "" if metric in COST_ONLY_METRICS else info.format(value),
-        _cost_text(metric, measurement.cost(metric)),
+        cost_text(metric, measurement.cost(metric)),
         "" if limit is None else info.format(limit.reference),
-        "" if baseline is None or baseline.reference is None else _cost_text(metric, baseline.reference),
+        "" if baseline is None or baseline.reference is None else cost_text(metric, baseline.reference),
         "" if baseline is None or baseline.delta is None else info.format_delta(baseline.delta),
         "" if baseline is None or baseline.delta is None else _percent(baseline.delta, baseline.reference),
         status,
@@ -253,7 +210,7 @@ def _metric_row(
         notes[_CELL["measured"]] = "partial: " + "; ".join(measurement.notes)
     other = next((f for f in findings if f.status == "other-environment"), None)
     if other is not None:
-        notes[_CELL["status"]] = _other_environments(other.detail)
+        notes[_CELL["status"]] = other_environments(other.detail)
     return _Row(test, any(f.failed for f in findings), cells, notes)
 
 
@@ -280,10 +237,6 @@ def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int)
     return [row for _, rows in tests for row in rows]
 
 
-def _test_id(nodeid: str, verbosity: int) -> str:
-    return nodeid if verbosity > 0 else short_id(nodeid)
-
-
 def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False, verbosity: int = 0) -> list[list[str]]:
     """The summary's rows as text, one per test, span and metric, in :data:`SUMMARY_HEADERS` order.
 
@@ -301,8 +254,8 @@ def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False, 
     """
     table = []
     for row in _rows(records, only_problems=only_problems, verbosity=verbosity):
-        cells = [cell + (f" ({_one_line(row.notes[i])})" if i in row.notes else "") for i, cell in enumerate(row.cells)]
-        table.append([_test_id(row.test, verbosity), *cells])
+        cells = [cell + (f" ({one_line(row.notes[i])})" if i in row.notes else "") for i, cell in enumerate(row.cells)]
+        table.append([test_id(row.test, verbosity), *cells])
     return table
 
 
@@ -324,9 +277,9 @@ def _legend(rows: Sequence[_Row]) -> list[str]:
 
 
 def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markdown: bool = False) -> Table:
-    groups = _grouped(
+    groups = grouped(
         (
-            row.test if markdown else _test_id(row.test, verbosity),
+            row.test if markdown else test_id(row.test, verbosity),
             [[cell + (f" {notes.ref(row.notes[i])}" if i in row.notes else "") for i, cell in enumerate(row.cells)]],
         )
         for row in rows
@@ -379,7 +332,7 @@ def summary_table(
         lines += ["", *below]
     if verbosity > 0 and not (only_problems or verbosity < 0):
         measurements = [(record.nodeid, m) for record in records for m in record.measurements]
-        lines += _detail_tables(measurements, width, verbosity)
+        lines += detail_tables(measurements, width, verbosity)
     return "\n".join(lines)
 
 
@@ -438,245 +391,6 @@ def _environment_lines(keys: Sequence[str], width: int | None) -> list[str]:
     return lines
 
 
-# --------------------------------------------------------------------------- breakdown and phases
-
-
-def _phase_name(phase: Phase) -> str:
-    return phase.name if phase.count == 1 else f"{phase.name} ×{phase.count}"
-
-
-def _phase_peak(phase: Phase) -> str:
-    return format_size(phase.peak) if phase.count == 1 else f"{format_size(phase.peak)} ×{phase.count}"
-
-
-def _psi(measurement: Measurement) -> str:
-    return "" if measurement.psi is None else f"{measurement.psi:,}"
-
-
-def _categories(measurement: Measurement) -> list[str]:
-    breakdown = measurement.breakdown
-    return [format_size(breakdown.get(c)) if breakdown is not None else "n/a" for c in CATEGORIES]
-
-
-def breakdown_rows(measurements: Sequence[tuple[str, Measurement]], *, phases: bool = True) -> list[list[str]]:
-    """One row per (test, span) with a breakdown or phases, in ``BREAKDOWN_HEADERS`` order.
-
-    Bytes by category at the peak, each phase's peak (``"19.05 MiB ×2"`` when the
-    phase ran twice in the span), saved for backward, Ψ. ``phases=False`` leaves
-    the phase columns out (``BREAKDOWN_HEADERS`` without them).
-    """
-    rows = []
-    for test, measurement in measurements:
-        if measurement.breakdown is None and not measurement.phases:
-            continue
-        peaks = [_phase_peak(measurement.phases[p]) if p in measurement.phases else "" for p in PHASES]
-        rows.append(
-            [
-                short_id(test),
-                measurement.name,
-                *_categories(measurement),
-                *(peaks if phases else ()),
-                format_size(measurement.saved_activations),
-                _psi(measurement),
-            ]
-        )
-    return rows
-
-
-BREAKDOWN_HEADERS = (
-    "test",
-    "span",
-    *CATEGORIES,
-    *(f"{phase} peak" for phase in PHASES),
-    "saved for backward",
-    "Ψ",
-)
-
-_BREAKDOWN_COLS = (
-    Col("span", elastic=True, min_width=8, span=True),
-    *(Col(c, right=True) for c in CATEGORIES),
-    Col("saved for backward", right=True),
-    Col("Ψ", right=True, optional=True),
-)
-_PHASE_COLS = (
-    Col("span", elastic=True, min_width=8, span=True),
-    Col("phase"),
-    Col("start", right=True),
-    Col("peak", right=True),
-    Col("end", right=True),
-)
-
-
-def _phase_cells(measurement: Measurement) -> list[list[str]]:
-    return [
-        [measurement.name, _phase_name(p), format_size(p.start), format_size(p.peak), format_size(p.end)]
-        for p in measurement.phases.values()
-    ]
-
-
-def _grouped(pairs: Iterable[tuple[str, list[list[str]]]]) -> list[tuple[str, list[list[str]]]]:
-    """Rows by title, consecutive rows with the same title in one group."""
-    groups: list[tuple[str, list[list[str]]]] = []
-    for title, rows in pairs:
-        if not rows:
-            continue
-        if groups and groups[-1][0] == title:
-            groups[-1][1].extend(rows)
-        else:
-            groups.append((title, list(rows)))
-    return groups
-
-
-def _breakdown_cells(measurement: Measurement) -> list[list[str]]:
-    if measurement.breakdown is None:
-        return []
-    saved = format_size(measurement.saved_activations)
-    return [[measurement.name, *_categories(measurement), saved, _psi(measurement)]]
-
-
-def _count_legend(measurements: Iterable[Measurement], width: int | None) -> list[str]:
-    if any(phase.count > 1 for m in measurements for phase in m.phases.values()):
-        return wrap(LEGEND_COUNT, width, "", "  ")
-    return []
-
-
-def _detail_tables(measurements: Sequence[tuple[str, Measurement]], width: int | None, verbosity: int) -> list[str]:
-    """``-v``: the breakdown at the peak and the phases of every span, by test."""
-    breakdown = _grouped((_test_id(test, verbosity), _breakdown_cells(m)) for test, m in measurements)
-    phases = _grouped((_test_id(test, verbosity), _phase_cells(m)) for test, m in measurements)
-    id_col = Col("test")
-    lines: list[str] = []
-    if breakdown:
-        lines += ["", *wrap("breakdown at peak", width), *Table(_BREAKDOWN_COLS, breakdown, id_col).render(width)]
-    if phases:
-        lines += ["", *wrap("phases", width), *Table(_PHASE_COLS, phases, id_col, lead=2).render(width)]
-        lines += _count_legend((m for _, m in measurements), width)
-    return lines
-
-
-def environment_notes(records: Iterable[RecordLike]) -> list[str]:
-    """One line per test whose baselines exist only for other environments, naming them."""
-    notes = []
-    for record in records:
-        other = next((f for f in record.findings if f.status == "other-environment"), None)
-        if other is not None:
-            notes.append(f"{short_id(record.nodeid)}: {_one_line(_other_environments(other.detail))}")
-    return notes
-
-
-# --------------------------------------------------------------------------- failure messages
-
-_FIGURE_COLS = (
-    Col("span", elastic=True, min_width=8, span=True),
-    Col("metric"),
-    Col("start", right=True),
-    Col("measured", right=True),
-    Col("cost", right=True),
-)
-
-
-def _figure_rows(measurement: Measurement) -> list[list[str]]:
-    """Span, metric, start, measured, cost: one row per known figure (a difference or a count has no start)."""
-    rows = []
-    for metric in METRICS + COUNT_METRICS:
-        value = measurement.figure(metric)
-        if value is None:
-            continue
-        start = measurement.start_reserved if metric == "reserved" else measurement.start
-        rows.append(
-            [
-                measurement.name,
-                metric,
-                "" if metric in COST_ONLY_METRICS or metric in COUNT_METRICS else format_size(start),
-                "" if metric in COST_ONLY_METRICS else metric_info(metric).format(value),
-                _cost_text(metric, measurement.cost(metric)),
-            ]
-        )
-    return rows
-
-
-def measurement_table(measurements: Sequence[Measurement], *, width: int | None = None) -> str:
-    """The figures of one test's spans, for its failure message.
-
-    One row per span and figure: ``start`` (what the span began with),
-    ``measured`` (absolute) and ``cost`` (their difference, signed for
-    ``allocated`` and ``retained``); then the breakdown at the peak with saved
-    for backward and Ψ, and the phases (``forward ×2``: entered twice in the
-    span). Every line fits in ``width`` (``None``: no limit).
-    """
-    engines = sorted({f"{m.device} ({m.engine} engine)" for m in measurements})
-    lines = wrap(f"figures on {', '.join(engines)}", width) if engines else []
-    lines += Table(_FIGURE_COLS, [("", [row for m in measurements for row in _figure_rows(m)])], lead=2).render(width)
-    unknown = [  # retained is the whole call's only: a test's named spans have none
-        metric
-        for metric in METRICS
-        if metric not in COST_ONLY_METRICS and measurements and all(m.figure(metric) is None for m in measurements)
-    ]
-    legend = [LEGEND_COST]
-    if any((m.cost(metric) or 0) < 0 for m in measurements for metric in SIGNED_METRICS):
-        legend.append(LEGEND_SIGNED)
-    if unknown:
-        legend.append(f"not known on this engine: {', '.join(unknown)}")
-    legend += [f"partial figures of {m.name}: {note}" for m in measurements for note in m.notes]
-    for text in legend:
-        lines += wrap(text, width, "", "  ")
-    breakdown = [row for m in measurements for row in _breakdown_cells(m)]
-    if breakdown:
-        lines += ["", *wrap("breakdown at peak", width), *Table(_BREAKDOWN_COLS, [("", breakdown)]).render(width)]
-    phases = [row for m in measurements for row in _phase_cells(m)]
-    if phases:
-        lines += ["", *wrap("phases", width), *Table(_PHASE_COLS, [("", phases)], lead=2).render(width)]
-        lines += _count_legend(measurements, width)
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- JSON
-
-#: Version of the JSON report's layout (see README, "Reports").
-REPORT_SCHEMA = 1
-
-
-def json_report(
-    records: Iterable[RecordLike],
-    *,
-    environments: Sequence[dict[str, object]],
-    extra_findings: Sequence[Finding] = (),
-    generator: str = "",
-) -> dict[str, object]:
-    """The JSON report: environments, every measurement, every verdict.
-
-    ``environments`` are the environments' ``to_dict()`` with their ``key``;
-    ``extra_findings`` are findings that belong to no test that ran (stale
-    baselines).
-    """
-    tests = []
-    counts = dict.fromkeys(("tests", "failed", "exceeded", "regressed", "improved", "new", "n/a"), 0)
-    for record in records:
-        counts["tests"] += 1
-        counts["failed"] += int(record.failed)
-        for finding in record.findings:
-            if finding.status in counts:
-                counts[finding.status] += 1
-        tests.append(
-            {
-                "nodeid": record.nodeid,
-                "environment": getattr(record, "environment", None),
-                "measurements": [m.to_dict() for m in record.measurements],
-                "findings": [f.to_dict() for f in record.findings],
-                "errors": list(record.errors),
-            }
-        )
-    counts["stale"] = sum(1 for f in extra_findings if f.status == "stale")
-    return {
-        "schema": REPORT_SCHEMA,
-        "generator": generator,
-        "environments": list(environments),
-        "tests": tests,
-        "other_findings": [f.to_dict() for f in extra_findings],
-        "summary": counts,
-    }
-
-
 # --------------------------------------------------------------------------- Markdown
 
 
@@ -709,7 +423,7 @@ def markdown_report(
     for title, cells in _summary_table(rows, notes, 0, markdown=True).groups:
         for row in cells:
             lines.append("| " + " | ".join(_md(cell) for cell in [title, *row]) + " |")
-    below = [f"- [{number}] {_one_line(text)}" for number, text in enumerate(notes.texts, 1)]
+    below = [f"- [{number}] {one_line(text)}" for number, text in enumerate(notes.texts, 1)]
     below += [f"- {plain(text)}" for text in _legend(rows)]
     if below:
         lines += ["", *below]
@@ -718,16 +432,3 @@ def markdown_report(
         lines += ["", "Stale baselines (their tests no longer exist):", ""]
         lines += [f"- `{_md(f.test)}`" for f in stale]
     return "\n".join(lines) + "\n"
-
-
-def failure_text(record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None) -> str:
-    """The text of a test that failed on memory: its errors, the broken checks, ``reports``
-    (the out-of-memory report, the leaked tensors), then its figures."""
-    parts = [f"gpumem: {error}" for error in record.errors]
-    broken = [finding for finding in record.findings if finding.failed]
-    if broken:
-        parts.append(failure_message(broken))
-    parts.extend(reports)
-    if record.measurements:
-        parts.append(measurement_table(record.measurements, width=width))
-    return "\n\n".join(parts)

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem.measurement.active import measure
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
-from pytest_gpumem.measurement.recorder import Recorder, Span, measure
+from pytest_gpumem.measurement.recorder import Recorder, Span
 from pytest_gpumem.validate.results import Outcome
 
 # --------------------------------------------------------------------------- probes

@@ -14,7 +14,8 @@ from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.measurement.engines.cuda import reading_from_stats
-from pytest_gpumem.report.text import markdown_report, measurement_table, summary_rows
+from pytest_gpumem.report.details import measurement_table
+from pytest_gpumem.report.text import markdown_report, summary_rows
 from pytest_gpumem.units import format_size
 from pytest_gpumem.validate.compare import zoo_figures
 from pytest_gpumem.validate.record import load_snapshot

@@ -1,0 +1,95 @@
+"""What the report's tables share: the record they read, the legends, and how a cost, a
+note and an environment's key are written in a cell."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.findings import Finding
+from pytest_gpumem.data.metrics import metric_info
+
+__all__ = [
+    "COST_ONLY_METRICS",
+    "LEGEND_COST",
+    "LEGEND_COUNT",
+    "LEGEND_DELTA",
+    "LEGEND_SIGNED",
+    "SIGNED_METRICS",
+    "RecordLike",
+    "cost_text",
+    "grouped",
+    "one_line",
+    "other_environments",
+]
+
+#: Metrics whose cost is a net change, shown signed (they can be negative).
+SIGNED_METRICS = ("allocated", "retained")
+
+
+#: Metrics without an absolute figure: the figure is already a difference (its cost).
+COST_ONLY_METRICS = ("retained",)
+
+
+LEGEND_COST = "cost = measured − the span's start: what limits and baselines compare"
+
+
+LEGEND_DELTA = "Δ\xa0=\xa0cost\xa0−\xa0baseline"  # no-break spaces: wrapped whole (shown as spaces)
+
+
+LEGEND_SIGNED = "a negative allocated or retained cost: the span freed more than it allocated"
+
+
+LEGEND_COUNT = "×N: the phase ran N times in the span (e.g. a warm-up step and the measured step)"
+
+
+class RecordLike(Protocol):
+    """What the reports read of a test's record (:class:`pytest_gpumem.judge.record.TestRecord`)."""
+
+    nodeid: str
+    measurements: list[Measurement]
+    findings: list[Finding]
+    errors: list[str]
+    #: the test's own code passed (in every phase)
+    passed: bool
+
+    @property
+    def failed(self) -> bool:
+        """The test fails on memory (the one rule: :attr:`TestRecord.failed`)."""
+
+
+def cost_text(metric: str, value: int | None) -> str:
+    """A cost (or a baseline, which is a recorded cost): signed for net changes."""
+    info = metric_info(metric)
+    return info.format_delta(value) if metric in SIGNED_METRICS else info.format(value)
+
+
+def one_line(note: str) -> str:
+    """A note's paragraphs on one line: the first, then the others separated by "; "."""
+    first, *rest = note.split("\n")
+    return first + (" " + "; ".join(rest) if rest else "")
+
+
+def other_environments(detail: str) -> str:
+    """A note on a finding's other environments: one paragraph per environment key.
+
+    The finding's detail reads "baselines only for: KEY; KEY"; a detail without
+    the prefix is taken as the keys alone.
+    """
+    prefix = "baselines only for: "
+    keys = (detail[len(prefix) :] if detail.startswith(prefix) else detail).split("; ")
+    return "\n".join(["no baseline in this environment; baselines only for:", *keys])
+
+
+def grouped(pairs: Iterable[tuple[str, list[list[str]]]]) -> list[tuple[str, list[list[str]]]]:
+    """Rows by title, consecutive rows with the same title in one group."""
+    groups: list[tuple[str, list[list[str]]]] = []
+    for title, rows in pairs:
+        if not rows:
+            continue
+        if groups and groups[-1][0] == title:
+            groups[-1][1].extend(rows)
+        else:
+            groups.append((title, list(rows)))
+    return groups

@@ -1,0 +1,235 @@
+"""One test's figures as tables: the breakdown by category and the phases (``-v``), and the
+text of a test that failed on memory (its broken checks, then its figures)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from pytest_gpumem.data.figures import Measurement, Phase
+from pytest_gpumem.data.findings import failure_message
+from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, PHASES, metric_info
+from pytest_gpumem.report.cells import (
+    COST_ONLY_METRICS,
+    LEGEND_COST,
+    LEGEND_COUNT,
+    LEGEND_SIGNED,
+    SIGNED_METRICS,
+    RecordLike,
+    cost_text,
+    grouped,
+    one_line,
+    other_environments,
+)
+from pytest_gpumem.tables import (
+    Col,
+    Table,
+    short_id,
+    wrap,
+)
+from pytest_gpumem.units import format_size
+
+__all__ = [
+    "BREAKDOWN_HEADERS",
+    "breakdown_rows",
+    "detail_tables",
+    "environment_notes",
+    "failure_text",
+    "measurement_table",
+    "test_id",
+]
+
+
+def test_id(nodeid: str, verbosity: int) -> str:
+    return nodeid if verbosity > 0 else short_id(nodeid)
+
+
+# --------------------------------------------------------------------------- breakdown and phases
+
+
+def _phase_name(phase: Phase) -> str:
+    return phase.name if phase.count == 1 else f"{phase.name} ×{phase.count}"
+
+
+def _phase_peak(phase: Phase) -> str:
+    return format_size(phase.peak) if phase.count == 1 else f"{format_size(phase.peak)} ×{phase.count}"
+
+
+def _psi(measurement: Measurement) -> str:
+    return "" if measurement.psi is None else f"{measurement.psi:,}"
+
+
+def _categories(measurement: Measurement) -> list[str]:
+    breakdown = measurement.breakdown
+    return [format_size(breakdown.get(c)) if breakdown is not None else "n/a" for c in CATEGORIES]
+
+
+def breakdown_rows(measurements: Sequence[tuple[str, Measurement]], *, phases: bool = True) -> list[list[str]]:
+    """One row per (test, span) with a breakdown or phases, in ``BREAKDOWN_HEADERS`` order.
+
+    Bytes by category at the peak, each phase's peak (``"19.05 MiB ×2"`` when the
+    phase ran twice in the span), saved for backward, Ψ. ``phases=False`` leaves
+    the phase columns out (``BREAKDOWN_HEADERS`` without them).
+    """
+    rows = []
+    for test, measurement in measurements:
+        if measurement.breakdown is None and not measurement.phases:
+            continue
+        peaks = [_phase_peak(measurement.phases[p]) if p in measurement.phases else "" for p in PHASES]
+        rows.append(
+            [
+                short_id(test),
+                measurement.name,
+                *_categories(measurement),
+                *(peaks if phases else ()),
+                format_size(measurement.saved_activations),
+                _psi(measurement),
+            ]
+        )
+    return rows
+
+
+BREAKDOWN_HEADERS = (
+    "test",
+    "span",
+    *CATEGORIES,
+    *(f"{phase} peak" for phase in PHASES),
+    "saved for backward",
+    "Ψ",
+)
+
+_BREAKDOWN_COLS = (
+    Col("span", elastic=True, min_width=8, span=True),
+    *(Col(c, right=True) for c in CATEGORIES),
+    Col("saved for backward", right=True),
+    Col("Ψ", right=True, optional=True),
+)
+_PHASE_COLS = (
+    Col("span", elastic=True, min_width=8, span=True),
+    Col("phase"),
+    Col("start", right=True),
+    Col("peak", right=True),
+    Col("end", right=True),
+)
+
+
+def _phase_cells(measurement: Measurement) -> list[list[str]]:
+    return [
+        [measurement.name, _phase_name(p), format_size(p.start), format_size(p.peak), format_size(p.end)]
+        for p in measurement.phases.values()
+    ]
+
+
+def _breakdown_cells(measurement: Measurement) -> list[list[str]]:
+    if measurement.breakdown is None:
+        return []
+    saved = format_size(measurement.saved_activations)
+    return [[measurement.name, *_categories(measurement), saved, _psi(measurement)]]
+
+
+def _count_legend(measurements: Iterable[Measurement], width: int | None) -> list[str]:
+    if any(phase.count > 1 for m in measurements for phase in m.phases.values()):
+        return wrap(LEGEND_COUNT, width, "", "  ")
+    return []
+
+
+def detail_tables(measurements: Sequence[tuple[str, Measurement]], width: int | None, verbosity: int) -> list[str]:
+    """``-v``: the breakdown at the peak and the phases of every span, by test."""
+    breakdown = grouped((test_id(test, verbosity), _breakdown_cells(m)) for test, m in measurements)
+    phases = grouped((test_id(test, verbosity), _phase_cells(m)) for test, m in measurements)
+    id_col = Col("test")
+    lines: list[str] = []
+    if breakdown:
+        lines += ["", *wrap("breakdown at peak", width), *Table(_BREAKDOWN_COLS, breakdown, id_col).render(width)]
+    if phases:
+        lines += ["", *wrap("phases", width), *Table(_PHASE_COLS, phases, id_col, lead=2).render(width)]
+        lines += _count_legend((m for _, m in measurements), width)
+    return lines
+
+
+def environment_notes(records: Iterable[RecordLike]) -> list[str]:
+    """One line per test whose baselines exist only for other environments, naming them."""
+    notes = []
+    for record in records:
+        other = next((f for f in record.findings if f.status == "other-environment"), None)
+        if other is not None:
+            notes.append(f"{short_id(record.nodeid)}: {one_line(other_environments(other.detail))}")
+    return notes
+
+
+# --------------------------------------------------------------------------- failure messages
+
+_FIGURE_COLS = (
+    Col("span", elastic=True, min_width=8, span=True),
+    Col("metric"),
+    Col("start", right=True),
+    Col("measured", right=True),
+    Col("cost", right=True),
+)
+
+
+def _figure_rows(measurement: Measurement) -> list[list[str]]:
+    """Span, metric, start, measured, cost: one row per known figure (a difference or a count has no start)."""
+    rows = []
+    for metric in METRICS + COUNT_METRICS:
+        value = measurement.figure(metric)
+        if value is None:
+            continue
+        start = measurement.start_reserved if metric == "reserved" else measurement.start
+        rows.append(
+            [
+                measurement.name,
+                metric,
+                "" if metric in COST_ONLY_METRICS or metric in COUNT_METRICS else format_size(start),
+                "" if metric in COST_ONLY_METRICS else metric_info(metric).format(value),
+                cost_text(metric, measurement.cost(metric)),
+            ]
+        )
+    return rows
+
+
+def measurement_table(measurements: Sequence[Measurement], *, width: int | None = None) -> str:
+    """The figures of one test's spans, for its failure message.
+
+    One row per span and figure: ``start`` (what the span began with),
+    ``measured`` (absolute) and ``cost`` (their difference, signed for
+    ``allocated`` and ``retained``); then the breakdown at the peak with saved
+    for backward and Ψ, and the phases (``forward ×2``: entered twice in the
+    span). Every line fits in ``width`` (``None``: no limit).
+    """
+    engines = sorted({f"{m.device} ({m.engine} engine)" for m in measurements})
+    lines = wrap(f"figures on {', '.join(engines)}", width) if engines else []
+    lines += Table(_FIGURE_COLS, [("", [row for m in measurements for row in _figure_rows(m)])], lead=2).render(width)
+    unknown = [  # retained is the whole call's only: a test's named spans have none
+        metric
+        for metric in METRICS
+        if metric not in COST_ONLY_METRICS and measurements and all(m.figure(metric) is None for m in measurements)
+    ]
+    legend = [LEGEND_COST]
+    if any((m.cost(metric) or 0) < 0 for m in measurements for metric in SIGNED_METRICS):
+        legend.append(LEGEND_SIGNED)
+    if unknown:
+        legend.append(f"not known on this engine: {', '.join(unknown)}")
+    legend += [f"partial figures of {m.name}: {note}" for m in measurements for note in m.notes]
+    for text in legend:
+        lines += wrap(text, width, "", "  ")
+    breakdown = [row for m in measurements for row in _breakdown_cells(m)]
+    if breakdown:
+        lines += ["", *wrap("breakdown at peak", width), *Table(_BREAKDOWN_COLS, [("", breakdown)]).render(width)]
+    phases = [row for m in measurements for row in _phase_cells(m)]
+    if phases:
+        lines += ["", *wrap("phases", width), *Table(_PHASE_COLS, [("", phases)], lead=2).render(width)]
+        lines += _count_legend(measurements, width)
+    return "\n".join(lines)
+
+
+def failure_text(record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None) -> str:
+    """The text of a test that failed on memory: its errors, the broken checks, ``reports``
+    (the out-of-memory report, the leaked tensors), then its figures."""
+    parts = [f"gpumem: {error}" for error in record.errors]
+    broken = [finding for finding in record.findings if finding.failed]
+    if broken:
+        parts.append(failure_message(broken))
+    parts.extend(reports)
+    if record.measurements:
+        parts.append(measurement_table(record.measurements, width=width))
+    return "\n\n".join(parts)

@@ -1,0 +1,595 @@
+"""A measured test as one self-contained HTML page: :func:`render_html` draws a
+:class:`~pytest_gpumem.data.figures.Measurement` and its
+:class:`~pytest_gpumem.data.figures.Timeline` with an inline SVG chart: no scripts, no
+network, no files beside it, so it can be uploaded as a CI artifact and opened anywhere.
+All sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from pytest_gpumem.data.figures import Measurement, Timeline
+from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.units import UNITS, format_delta, format_size
+
+__all__ = ["render_html"]
+
+# ---------------------------------------------------------------------------
+# HTML page
+# ---------------------------------------------------------------------------
+
+#: Fill colour of each category (colour-blind-friendly Tableau 10 hues).
+_COLOURS: Mapping[str, str] = MappingProxyType(
+    {
+        "parameters": "#4e79a7",
+        "gradients": "#f28e2b",
+        "optimizer_state": "#59a14f",
+        "activations": "#e15759",
+        "temporaries": "#b07aa1",
+        "other": "#a0a0a0",
+    }
+)
+_LINE_COLOURS = ("#b3261e", "#1f3a5f", "#6a3d9a", "#00796b", "#8d6e00")
+_NO_LINES: Mapping[str, int] = MappingProxyType({})
+
+# Chart geometry, in SVG user units (the chart scales to the page width).
+_WIDTH, _HEIGHT = 1000, 470
+_LEFT, _RIGHT, _TOP, _BOTTOM = 84, 780, 62, 410
+_MAX_COLUMNS = 350  # samples drawn at most: one per ~2 horizontal units
+_CHAR_WIDTH = 6.2  # rough width of one character of 11-unit text
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+_FIGURE_MEANINGS: Mapping[str, str] = MappingProxyType(
+    {
+        "start": "allocated when the span began",
+        "peak": "highest allocated during the span",
+        "allocated": "allocated when the span ended",
+        "reserved": "highest held by the caching allocator",
+        "retained": "allocated at test end minus at test start (leak indicator)",
+    }
+)
+
+_CSS = """
+:root { color-scheme: light; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif;
+  color: #1d2330; background: #f6f7f9; margin: 0; }
+main { max-width: 1080px; margin: 0 auto; padding: 20px 24px 32px; }
+h1 { font-size: 20px; margin: 0 0 4px; word-break: break-all; }
+h2 { font-size: 15px; margin: 0 0 8px; }
+.meta { color: #5b6474; margin: 0 0 14px; }
+.meta b { color: #1d2330; font-weight: 600; }
+.card { background: #fff; border: 1px solid #dde1e7; border-radius: 8px; padding: 14px 16px; margin: 0 0 14px;
+  overflow-x: auto; }
+figure { margin: 0; }
+figure svg { display: block; width: 100%; height: auto; }
+figcaption { color: #5b6474; font-size: 12px; margin-top: 4px; }
+.grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(380px, 1fr)); gap: 14px; }
+.grid .card { margin: 0; }
+table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
+th, td { padding: 3px 8px; border-bottom: 1px solid #eceff3; text-align: left; vertical-align: top; }
+th { font-weight: 600; color: #5b6474; font-size: 12px; }
+td.num, th.num { text-align: right; white-space: nowrap; }
+td.note { color: #5b6474; font-size: 12px; }
+tr.total td { font-weight: 600; border-bottom: none; }
+.na { color: #98a0ad; }
+.swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 6px; }
+pre { margin: 0; white-space: pre-wrap; word-break: break-word; font: 12.5px/1.45 ui-monospace, SFMono-Regular,
+  Menlo, Consolas, "Liberation Mono", monospace; background: #fff8e6; border-left: 3px solid #e0a100;
+  padding: 10px 12px; border-radius: 4px; }
+footer { color: #98a0ad; font-size: 12px; text-align: center; padding-bottom: 16px; }
+svg text { font-family: system-ui, -apple-system, "Segoe UI", Roboto, Arial, sans-serif; font-size: 11px;
+  fill: #3b4352; }
+svg .tick { font-variant-numeric: tabular-nums; }
+svg .axis-title { font-size: 12px; fill: #5b6474; }
+svg .grid-line { stroke: #e6e9ee; stroke-width: 1; }
+svg .axis { stroke: #8a93a3; stroke-width: 1; }
+svg .phase line { stroke: #3b4352; stroke-width: 1; stroke-dasharray: 3 3; }
+svg .phase text { font-weight: 600; }
+svg .ref line { stroke-width: 1.6; stroke-dasharray: 7 4; }
+svg .band { fill-opacity: 0.88; }
+svg .band:hover { fill-opacity: 1; }
+svg .empty { font-size: 13px; fill: #98a0ad; }
+"""
+
+
+def render_html(
+    *,
+    title: str,
+    measurement: Measurement,
+    timeline: Timeline,
+    lines: Mapping[str, int] = _NO_LINES,
+    details: Sequence[str] = (),
+) -> str:
+    """One self-contained HTML page showing ``measurement`` and ``timeline``.
+
+    The page holds an inline SVG chart of allocated bytes over the span: one
+    stacked area per category of :data:`CATEGORIES` (``<path data-category>``,
+    x = event index, each sample held until the next event), phase boundaries
+    from ``timeline.marks`` as labelled vertical lines (``data-phase``), one
+    labelled horizontal line per entry of ``lines`` (``data-line``; e.g.
+    ``{"limit peak": 4 << 30}``), and the highest sample marked (``data-peak``).
+    Long timelines are drawn with at most 350 columns, each showing its highest
+    sample, so the page stays small. Below the chart: ``details`` (e.g. failure
+    messages) in a ``<pre>``, the figures of ``measurement`` with their costs
+    (unknown figures read "n/a"), its breakdown at the peak and its phases.
+
+    Every user-controlled string is HTML-escaped (control characters become
+    U+FFFD). The page loads nothing: no scripts, no external style sheets,
+    fonts or images; a Content-Security-Policy forbids fetching anything.
+    """
+    samples = _samples(timeline)
+    peak_sample = max(samples, key=lambda s: s.total) if samples else None
+    chart = _Chart.build(samples, timeline, measurement, lines)
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en">',
+        "<head>",
+        '<meta charset="utf-8">',
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{_esc(title)} · pytest-gpumem</title>",
+        f"<style>{_CSS}</style>",
+        "</head>",
+        "<body>",
+        "<main>",
+        f"<h1>{_esc(title)}</h1>",
+        f'<p class="meta">{_meta_line(measurement)}</p>',
+    ]
+    if details:  # browsers drop a newline right after <pre>: the one written here, not the first line's
+        parts += ['<section class="card details">', "<h2>Details</h2>", f"<pre>\n{_esc(chr(10).join(details))}</pre>"]
+        parts.append("</section>")
+    parts += [
+        '<section class="card">',
+        "<h2>Allocated memory over the span</h2>",
+        "<figure>",
+        chart.svg(samples, peak_sample, measurement),
+        f"<figcaption>{_esc(chart.caption(len(samples), timeline))}</figcaption>",
+        "</figure>",
+        "</section>",
+        _figures_table(measurement),
+        '<div class="grid">',
+        _breakdown_table(measurement, peak_sample),
+        _phases_table(measurement),
+        "</div>",
+        "</main>",
+        "<footer>pytest-gpumem · self-contained page: no scripts, no network</footer>",
+        "</body>",
+        "</html>",
+        "",
+    ]
+    return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """The bytes of each category, held from event ``start`` until ``end`` (exclusive)."""
+
+    start: int
+    end: int
+    values: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.values)
+
+
+def _samples(timeline: Timeline) -> list[_Sample]:
+    """The timeline as steps sorted by event; missing or short series read 0."""
+    columns = [tuple(timeline.series.get(category, ())) for category in CATEGORIES]
+    rows = sorted(
+        (
+            (int(event), tuple(max(0, int(column[i])) if i < len(column) else 0 for column in columns))
+            for i, event in enumerate(timeline.events)
+        ),
+        key=lambda row: row[0],
+    )
+    return [
+        _Sample(event, rows[i + 1][0] if i + 1 < len(rows) else event + 1, values)
+        for i, (event, values) in enumerate(rows)
+    ]
+
+
+def _downsample(samples: list[_Sample], lo: float, hi: float, columns: int) -> list[_Sample]:
+    """At most ``columns`` steps: per column of the x range, its highest sample, spanning the column."""
+    if len(samples) <= columns:
+        return samples
+    width = (hi - lo) / columns
+    merged: list[_Sample] = []
+    bucket: list[_Sample] = []
+    current = -1
+    for sample in samples:
+        column = min(columns - 1, int((sample.start - lo) / width))
+        if bucket and column != current:
+            merged.append(_merge(bucket))
+            bucket = []
+        current = column
+        bucket.append(sample)
+    merged.append(_merge(bucket))
+    return merged
+
+
+def _merge(bucket: list[_Sample]) -> _Sample:
+    highest = max(bucket, key=lambda s: s.total)
+    return _Sample(bucket[0].start, bucket[-1].end, highest.values)
+
+
+@dataclass(frozen=True)
+class _Chart:
+    """Scales of the chart: event range ``x_lo..x_hi`` and bytes ``0..y_top``."""
+
+    x_lo: float
+    x_hi: float
+    y_top: int
+    y_step: int
+    lines: tuple[tuple[str, int], ...]
+    marks: tuple[tuple[int, str], ...]
+    downsampled: int
+
+    @classmethod
+    def build(
+        cls, samples: list[_Sample], timeline: Timeline, measurement: Measurement, lines: Mapping[str, int]
+    ) -> _Chart:
+        xs = [float(s.start) for s in samples] + [float(s.end) for s in samples]
+        xs += [float(event) for event, _ in timeline.marks]
+        x_lo, x_hi = (min(xs), max(xs)) if xs else (0.0, 1.0)
+        if x_hi <= x_lo:
+            x_hi = x_lo + 1.0
+        ref = tuple((str(name), max(0, int(value))) for name, value in lines.items())
+        highest = max([measurement.peak, *(s.total for s in samples), *(v for _, v in ref), 1])
+        step = 1
+        while step * 5 < highest:
+            step <<= 1
+        y_top = step * math.ceil(highest * 1.06 / step)
+        drawn = len(_downsample(samples, x_lo, x_hi, _MAX_COLUMNS))
+        marks = tuple((int(event), str(label)) for event, label in timeline.marks)
+        return cls(x_lo, x_hi, y_top, step, ref, marks, drawn if drawn < len(samples) else 0)
+
+    def x(self, event: float) -> float:
+        return _LEFT + (event - self.x_lo) / (self.x_hi - self.x_lo) * (_RIGHT - _LEFT)
+
+    def y(self, nbytes: float) -> float:
+        return _BOTTOM - max(0.0, nbytes) / self.y_top * (_BOTTOM - _TOP)
+
+    def caption(self, count: int, timeline: Timeline) -> str:
+        if not count:
+            return "No timeline samples were recorded for this span; the chart shows the measured peak only."
+        first, last = min(timeline.events), max(timeline.events)
+        where = f"at event {first:,}" if first == last else f"over events {first:,}–{last:,}"
+        text = (
+            f"{count:,} sample{'s' if count != 1 else ''} {where}"
+            " (x: allocation/free event index; each sample holds until the next)."
+        )
+        if self.downsampled:
+            text += f" Drawn as {self.downsampled} columns, each showing its highest sample."
+        return text + " Hover an area for its figures."
+
+    def svg(self, samples: list[_Sample], peak: _Sample | None, measurement: Measurement) -> str:
+        out = [
+            f'<svg viewBox="0 0 {_WIDTH} {_HEIGHT}" role="img" aria-label="allocated bytes by category over the span">',
+            *self._legend(),
+            *self._axes(),
+            *self._bands(samples, peak, measurement),
+            *self._phases(),
+            *self._references(),
+            *self._peak(peak, measurement),
+            "</svg>",
+        ]
+        return "\n".join(out)
+
+    def _legend(self) -> list[str]:
+        out = ['<g class="legend">']
+        x = float(_LEFT)
+        for category in CATEGORIES:
+            label = _label(category)
+            out.append(
+                f'<g data-legend="{category}"><title>{label}</title>'
+                f'<rect x="{_n(x)}" y="16" width="12" height="12" rx="2" fill="{_COLOURS[category]}"/>'
+                f'<text x="{_n(x + 17)}" y="26.5">{label}</text></g>'
+            )
+            x += 17 + len(label) * _CHAR_WIDTH + 18
+        out.append("</g>")
+        return out
+
+    def _axes(self) -> list[str]:
+        out = ['<g class="axes">']
+        for tick in range(0, self.y_top + 1, self.y_step):
+            y = _n(self.y(tick))
+            out.append(f'<line class="grid-line" x1="{_LEFT}" y1="{y}" x2="{_RIGHT}" y2="{y}"/>')
+            label_y = _n(self.y(tick) + 4)
+            out.append(f'<text class="tick" x="{_LEFT - 8}" y="{label_y}" text-anchor="end">{_tick_label(tick)}</text>')
+        for tick in _event_ticks(self.x_lo, self.x_hi):
+            x = _n(self.x(tick))
+            out.append(f'<line class="axis" x1="{x}" y1="{_BOTTOM}" x2="{x}" y2="{_BOTTOM + 5}"/>')
+            out.append(f'<text class="tick" x="{x}" y="{_BOTTOM + 19}" text-anchor="middle">{tick:,}</text>')
+        out += [
+            f'<line class="axis" x1="{_LEFT}" y1="{_BOTTOM}" x2="{_RIGHT}" y2="{_BOTTOM}"/>',
+            f'<line class="axis" x1="{_LEFT}" y1="{_TOP}" x2="{_LEFT}" y2="{_BOTTOM}"/>',
+            f'<text class="axis-title" x="{(_LEFT + _RIGHT) // 2}" y="{_BOTTOM + 44}" text-anchor="middle">'
+            "allocation / free event</text>",
+            f'<text class="axis-title" x="18" y="{(_TOP + _BOTTOM) // 2}" text-anchor="middle" '
+            f'transform="rotate(-90 18 {(_TOP + _BOTTOM) // 2})">allocated</text>',
+            "</g>",
+        ]
+        return out
+
+    def _bands(self, samples: list[_Sample], peak: _Sample | None, measurement: Measurement) -> list[str]:
+        drawn = _downsample(samples, self.x_lo, self.x_hi, _MAX_COLUMNS)
+        at_peak = _breakdown_at_peak(measurement, peak)
+        out = ['<g class="bands">']
+        for k, category in enumerate(CATEGORIES):
+            top: list[tuple[float, float]] = []
+            bottom: list[tuple[float, float]] = []
+            for sample in drawn:
+                below = sum(sample.values[:k])
+                x0, x1 = self.x(sample.start), self.x(sample.end)
+                y_lo, y_hi = self.y(below), self.y(below + sample.values[k])
+                top += [(x0, y_hi), (x1, y_hi)]
+                bottom += [(x0, y_lo), (x1, y_lo)]
+            ring = top + bottom[::-1]
+            highest = max((s.values[k] for s in samples), default=0)
+            share = f" ({100 * at_peak[k] / measurement.peak:.1f}% of peak)" if at_peak and measurement.peak else ""
+            hover = f"{_label(category)}: {format_size(at_peak[k]) if at_peak else 'n/a'} at peak{share}"
+            hover += f"; highest {format_size(highest)}" if samples else ""
+            out.append(
+                f'<path class="band" data-category="{category}" fill="{_COLOURS[category]}" d="{_path(ring)}">'
+                f"<title>{_esc(hover)}</title></path>"
+            )
+        if not samples:
+            out.append(
+                f'<text class="empty" x="{(_LEFT + _RIGHT) // 2}" y="{_BOTTOM - 24}" text-anchor="middle">'
+                "no timeline samples</text>"
+            )
+        out.append("</g>")
+        return out
+
+    def _phases(self) -> list[str]:
+        if not self.marks:
+            return []
+        out = ['<g class="phases">']
+        rows: list[float] = []  # right end of the last label in each row of labels
+        for event, label in sorted(self.marks, key=lambda mark: mark[0]):
+            x = self.x(event)
+            text = _truncate(label, 24)
+            width = len(text) * _CHAR_WIDTH + 8
+            row = next((i for i, end in enumerate(rows) if end < x), len(rows))
+            if row == len(rows):
+                rows.append(0.0)
+            rows[row] = x + 4 + width
+            out.append(
+                f'<g class="phase"><title>{_esc(label)} begins at event {event:,}</title>'
+                f'<line data-phase="{_esc(label)}" data-event="{event}" x1="{_n(x)}" y1="{_TOP}" x2="{_n(x)}" '
+                f'y2="{_BOTTOM}"/>'
+                f'<text x="{_n(x + 4)}" y="{_TOP + 12 + 13 * row}" paint-order="stroke" stroke="#fff" '
+                f'stroke-width="3">{_esc(text)}</text></g>'
+            )
+        out.append("</g>")
+        return out
+
+    def _references(self) -> list[str]:
+        if not self.lines:
+            return []
+        out = ['<g class="refs">']
+        placed = _spread([self.y(value) + 4 for _, value in self.lines], gap=13, lo=_TOP + 4, hi=_BOTTOM + 4)
+        for i, ((name, value), label_y) in enumerate(zip(self.lines, placed, strict=True)):
+            colour = _LINE_COLOURS[i % len(_LINE_COLOURS)]
+            y = _n(self.y(value))
+            text = f"{_truncate(name, 22)} {format_size(value)}"
+            out.append(
+                f'<g class="ref"><title>{_esc(name)}: {format_size(value)} ({value:,} B)</title>'
+                f'<line data-line="{_esc(name)}" data-bytes="{value}" x1="{_LEFT}" y1="{y}" x2="{_RIGHT}" y2="{y}" '
+                f'stroke="{colour}"/>'
+                f'<text x="{_RIGHT + 6}" y="{_n(label_y)}" fill="{colour}">{_esc(text)}</text></g>'
+            )
+        out.append("</g>")
+        return out
+
+    def _peak(self, peak: _Sample | None, measurement: Measurement) -> list[str]:
+        if peak is None:
+            level, label = _n(self.y(measurement.peak)), _n(self.y(measurement.peak) - 5)
+            return [
+                f'<g class="peak"><title>measured peak: {format_size(measurement.peak)}</title>'
+                f'<line data-peak="{measurement.peak}" x1="{_LEFT}" y1="{level}" x2="{_RIGHT}" y2="{level}" '
+                'stroke="#1d2330" stroke-width="1.2" stroke-dasharray="2 3"/>'
+                f'<text x="{_LEFT + 6}" y="{label}">peak {format_size(measurement.peak)}</text></g>'
+            ]
+        x, y = self.x((peak.start + peak.end) / 2), self.y(peak.total)
+        text = f"peak {format_size(peak.total)} @ event {peak.start:,}"
+        right = x + 8 + len(text) * _CHAR_WIDTH < _RIGHT
+        label_x = x + 8 if right else x - 8
+        label_y = y - 8 if y - 8 > _TOP + 30 else y + 16
+        return [
+            f'<g class="peak"><title>highest sample: {format_size(peak.total)} ({peak.total:,} B) at event '
+            f"{peak.start:,}</title>"
+            f'<circle data-peak="{peak.total}" cx="{_n(x)}" cy="{_n(y)}" r="4.5" fill="#fff" stroke="#1d2330" '
+            'stroke-width="2"/>'
+            f'<text x="{_n(label_x)}" y="{_n(label_y)}" text-anchor="{"start" if right else "end"}" '
+            f'font-weight="600" paint-order="stroke" stroke="#fff" stroke-width="3">{text}</text></g>'
+        ]
+
+
+# ---------------------------------------------------------------------------
+# Tables and helpers
+# ---------------------------------------------------------------------------
+
+
+def _meta_line(m: Measurement) -> str:
+    items = [f"span <b>{_esc(m.name)}</b>", f"engine <b>{_esc(m.engine)}</b>", f"device <b>{_esc(m.device)}</b>"]
+    if m.psi is not None:
+        items.append(f"Ψ <b>{m.psi:,}</b> trainable parameters")
+    if m.cuda_rounding:
+        items.append("sizes rounded to CUDA's 512 B blocks")
+    return " · ".join(items)
+
+
+def _figures_table(m: Measurement) -> str:
+    rows = ['<section class="card"><h2>Figures</h2><table>']
+    rows.append('<tr><th>figure</th><th class="num">value</th><th class="num">cost</th><th>meaning</th></tr>')
+    for metric, meaning in _FIGURE_MEANINGS.items():
+        if metric == "start":
+            value, cost = _size(m.start), ""
+        elif metric == "retained":
+            value, cost = _cell(format_delta(m.retained)), ""
+        else:
+            value, cost = _size(m.figure(metric)), _cell(format_delta(m.cost(metric)))
+        rows.append(f'<tr><td>{metric}</td><td class="num">{value}</td><td class="num">{cost}</td>')
+        rows.append(f'<td class="note">{meaning}</td></tr>')
+    extras = (
+        ("requested peak", m.requested_peak, "highest bytes the code asked for"),
+        ("saved activations", m.saved_activations, "storages saved for backward"),
+        ("driver used", m.driver_used, "device memory in use, all processes (NVML)"),
+        ("driver, this process", m.driver_process, "device memory of this process (NVML)"),
+    )
+    for name, figure, meaning in extras:
+        if figure is not None:
+            rows.append(f'<tr><td>{name}</td><td class="num">{_size(figure)}</td><td></td>')
+            rows.append(f'<td class="note">{meaning}</td></tr>')
+    for name, count in (("alloc retries", m.num_alloc_retries), ("out-of-memory errors", m.num_ooms)):
+        if count is not None:
+            rows.append(f'<tr><td>{name}</td><td class="num">{count:,}</td><td></td><td></td></tr>')
+    rows.append("</table></section>")
+    return "".join(rows)
+
+
+def _breakdown_at_peak(m: Measurement, peak: _Sample | None) -> tuple[int, ...] | None:
+    if m.breakdown is not None:
+        return tuple(int(m.breakdown.get(category, 0)) for category in CATEGORIES)
+    return None if peak is None else peak.values
+
+
+def _breakdown_table(m: Measurement, peak: _Sample | None) -> str:
+    rows = ['<section class="card"><h2>Breakdown at peak</h2>']
+    values = _breakdown_at_peak(m, peak)
+    if values is None:
+        rows.append('<p class="na">not measured (n/a)</p></section>')
+        return "".join(rows)
+    if m.breakdown is None:
+        rows.append('<p class="na">from the highest timeline sample</p>')
+    total = sum(values)
+    rows.append('<table><tr><th>category</th><th class="num">bytes</th><th class="num">share</th></tr>')
+    for category, value in zip(CATEGORIES, values, strict=True):
+        share = f"{100 * value / total:.1f}%" if total else _cell("n/a")
+        rows.append(
+            f'<tr data-category="{category}"><td><span class="swatch" style="background:{_COLOURS[category]}"></span>'
+            f'{_label(category)}</td><td class="num">{_size(value)}</td><td class="num">{share}</td></tr>'
+        )
+    rows.append(f'<tr class="total"><td>total</td><td class="num">{_size(total)}</td><td></td></tr>')
+    rows.append("</table></section>")
+    return "".join(rows)
+
+
+def _phases_table(m: Measurement) -> str:
+    rows = ['<section class="card"><h2>Phases</h2>']
+    if not m.phases:
+        rows.append('<p class="na">no phases recorded</p></section>')
+        return "".join(rows)
+    rows.append(
+        '<table><tr><th>phase</th><th class="num">start</th><th class="num">peak</th><th class="num">end</th>'
+        '<th class="num">peak − start</th></tr>'
+    )
+    for name, phase in m.phases.items():
+        rows.append(
+            f'<tr data-phase="{_esc(name)}"><td>{_esc(name)}</td><td class="num">{_size(phase.start)}</td>'
+            f'<td class="num">{_size(phase.peak)}</td><td class="num">{_size(phase.end)}</td>'
+            f'<td class="num">{_cell(format_delta(phase.peak - phase.start))}</td></tr>'
+        )
+    rows.append("</table></section>")
+    return "".join(rows)
+
+
+def _esc(text: object) -> str:
+    """``text`` as HTML text or attribute value: escaped, control characters and lone surrogates replaced."""
+    return html.escape(_CONTROL.sub("\ufffd", str(text)), quote=True)
+
+
+def _cell(text: str) -> str:
+    return '<span class="na">n/a</span>' if text == "n/a" else _esc(text)
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return _cell("n/a")
+    return f'<span title="{nbytes:,} B">{format_size(nbytes)}</span>'
+
+
+def _label(category: str) -> str:
+    return category.replace("_", " ")
+
+
+def _truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _n(value: float) -> str:
+    """A coordinate with one decimal, without a trailing ``.0``."""
+    text = f"{value:.1f}"
+    return text[:-2] if text.endswith(".0") else text
+
+
+def _path(points: list[tuple[float, float]]) -> str:
+    """SVG path data for a closed ring through ``points``: H/V where possible, collinear points dropped."""
+    rounded: list[tuple[str, str]] = []
+    for x, y in points:
+        point = (_n(x), _n(y))
+        if not rounded or rounded[-1] != point:
+            rounded.append(point)
+    kept: list[tuple[str, str]] = []
+    for i, point in enumerate(rounded):
+        if 0 < i < len(rounded) - 1:
+            before, after = rounded[i - 1], rounded[i + 1]
+            if before[0] == point[0] == after[0] or before[1] == point[1] == after[1]:
+                continue
+        kept.append(point)
+    if not kept:
+        return ""
+    commands = [f"M{kept[0][0]},{kept[0][1]}"]
+    for (x0, y0), (x1, y1) in itertools.pairwise(kept):
+        if y0 == y1:
+            commands.append(f"H{x1}")
+        elif x0 == x1:
+            commands.append(f"V{y1}")
+        else:
+            commands.append(f"L{x1},{y1}")
+    return "".join(commands) + "Z"
+
+
+def _spread(positions: list[float], *, gap: float, lo: float, hi: float) -> list[float]:
+    """``positions`` moved apart so that no two are closer than ``gap``, kept within ``lo..hi`` where possible."""
+    order = sorted(range(len(positions)), key=lambda i: positions[i])
+    placed = [positions[i] for i in order]
+    for j in range(len(placed)):
+        placed[j] = max(placed[j], lo if j == 0 else placed[j - 1] + gap)
+    overflow = placed[-1] - hi if placed else 0.0
+    if overflow > 0:
+        placed[-1] -= overflow
+        for j in range(len(placed) - 2, -1, -1):
+            placed[j] = min(placed[j], placed[j + 1] - gap)
+    result = [0.0] * len(positions)
+    for j, i in enumerate(order):
+        result[i] = placed[j]
+    return result
+
+
+def _tick_label(nbytes: int) -> str:
+    """``format_size`` with the fewest decimals that still show ``nbytes`` exactly (up to 3)."""
+    unit = max((u for u in UNITS.values() if u <= nbytes), default=1)
+    for precision in range(3):
+        if round(nbytes / unit, precision) * unit == nbytes:
+            return format_size(nbytes, precision)
+    return format_size(nbytes, 3)
+
+
+def _event_ticks(lo: float, hi: float) -> list[int]:
+    """Round event indexes (1, 2 or 5 times a power of ten apart) between ``lo`` and ``hi``."""
+    raw = (hi - lo) / 6
+    magnitude = 10 ** math.floor(math.log10(raw)) if raw >= 1 else 1
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    first = math.ceil(lo / step) * step
+    return list(range(int(first), math.floor(hi) + 1, int(step)))
