@@ -54,8 +54,8 @@ _EXPORTS: dict[str, str] = {
     "Budget": "pytest_gpumem.budgets.formulas",
     "mlp_activations": "pytest_gpumem.budgets.formulas",
     "transformer_layer_activations": "pytest_gpumem.budgets.formulas",
-    "register_optimizer": "pytest_gpumem.budgets.formulas",
-    "OptimizerState": "pytest_gpumem.budgets.formulas",
+    "register_optimizer": "pytest_gpumem.budgets.optimizers",
+    "OptimizerState": "pytest_gpumem.budgets.optimizers",
     "parse_budget": "pytest_gpumem.budgets.expressions",
     # sizes and tolerances
     "Tolerance": "pytest_gpumem.data.findings",
@@ -129,13 +129,12 @@ if TYPE_CHECKING:
     from pytest_gpumem.budgets.expressions import parse_budget
     from pytest_gpumem.budgets.formulas import (
         Budget,
-        OptimizerState,
         count_parameters,
         mlp_activations,
         model_states,
-        register_optimizer,
         transformer_layer_activations,
     )
+    from pytest_gpumem.budgets.optimizers import OptimizerState, register_optimizer
     from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, Phase, Timeline
     from pytest_gpumem.data.findings import Tolerance, parse_tolerance
     from pytest_gpumem.data.metrics import CATEGORIES, METRICS, PHASES

@@ -14,16 +14,13 @@ from torch import nn
 from pytest_gpumem.budgets.formulas import (
     PRECISIONS,
     Budget,
-    OptimizerState,
     Precision,
     count_parameters,
     mlp_activations,
     model_states,
-    optimizer_state,
-    register_optimizer,
-    registered_optimizers,
     transformer_layer_activations,
 )
+from pytest_gpumem.budgets.optimizers import OptimizerState, optimizer_state, register_optimizer, registered_optimizers
 from pytest_gpumem.validate.gpt2 import GPT2, PRESETS, Block, GPT2Config, gpt2
 
 GPT2_SMALL_PSI = 124_439_808

@@ -7,7 +7,8 @@ import torch
 
 from pytest_gpumem import measure
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.measurement.engines.tracker import StorageTracker, cuda_rounded
+from pytest_gpumem.measurement.engines.tracker import StorageTracker
+from pytest_gpumem.units import cuda_rounded
 
 
 def mlp(d: int, activation: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

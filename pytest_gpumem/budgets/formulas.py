@@ -18,9 +18,7 @@ figure and every budget item is a count of bytes.
 
 from __future__ import annotations
 
-import inspect
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from types import MappingProxyType
@@ -28,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem.budgets.optimizers import OptimizerState, optimizer_state, registered_optimizers
 from pytest_gpumem.tables import table
 from pytest_gpumem.units import format_size
 
@@ -36,16 +35,11 @@ __all__ = [
     "PRECISIONS",
     "RECOMPUTE",
     "Budget",
-    "OptimizerRule",
-    "OptimizerState",
     "ParamCount",
     "Precision",
     "count_parameters",
     "mlp_activations",
     "model_states",
-    "optimizer_state",
-    "register_optimizer",
-    "registered_optimizers",
     "tracked_psi",
     "transformer_layer_activations",
 ]
@@ -233,243 +227,6 @@ def _precision(precision: str | Precision) -> Precision:
         raise ValueError(f"unknown precision {precision!r}; expected one of {names} or a Precision") from None
 
 
-# --------------------------------------------------------------------------- optimizer state rules
-
-
-@dataclass(frozen=True)
-class OptimizerState:
-    """The state an optimizer keeps for one parameter group.
-
-    Attributes:
-        elements: per-element state, name → number of elements (not bytes);
-            stored at the precision recipe's ``state_bytes`` per element.
-            Use torch's own state names (``"exp_avg"``).
-        nbytes: state whose width does not follow the recipe (a quantized
-            state, say), name → bytes.
-        scalars: scalar state tensors, name → number of tensors (``"step"`` →
-            one per parameter tensor); each is one element of
-            ``scalar_dtype``.
-        scalars_on_device: True when the scalar tensors live on the
-            parameters' device (``fused`` or ``capturable`` optimizers); False
-            when torch keeps them on the CPU.
-        scalar_dtype: dtype of the scalar tensors.
-    """
-
-    elements: Mapping[str, int] = field(default_factory=dict)
-    nbytes: Mapping[str, int] = field(default_factory=dict)
-    scalars: Mapping[str, int] = field(default_factory=dict)
-    scalars_on_device: bool = False
-    scalar_dtype: torch.dtype = torch.float32
-
-
-#: A state rule: ``fn(group, params) -> OptimizerState``. ``group`` is the
-#: parameter group's hyper-parameters (``optimizer.param_groups[i]``, or the
-#: optimizer's defaults when it is named by a string); ``params`` are all the
-#: tensors of that group (possibly on ``meta``: read shapes, never data).
-OptimizerRule = Callable[[Mapping[str, Any], Sequence[torch.Tensor]], OptimizerState]
-
-# The optimizer registry: the only module-level mutable state.
-_RULES: dict[type[torch.optim.Optimizer], OptimizerRule] = {}
-_NAMES: dict[str, type[torch.optim.Optimizer]] = {}
-
-
-def register_optimizer(
-    optimizer_class: type[torch.optim.Optimizer], fn: OptimizerRule, *, name: str | None = None
-) -> None:
-    """Register ``fn`` as the state rule of ``optimizer_class`` (and its subclasses).
-
-    ``fn(group, params)`` receives one parameter group's hyper-parameters and
-    tensors and returns an :class:`OptimizerState`. ``name`` (default: the class
-    name in lower case) lets :func:`model_states` accept the optimizer as a
-    string. Registering a class again replaces its rule.
-    """
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"{optimizer_class!r} is not a torch.optim.Optimizer subclass")
-    if not callable(fn):
-        raise TypeError(f"the state rule of {optimizer_class.__name__} must be callable, got {fn!r}")
-    _RULES[optimizer_class] = fn
-    _NAMES[(name or optimizer_class.__name__).lower()] = optimizer_class
-
-
-def registered_optimizers() -> Mapping[str, type[torch.optim.Optimizer]]:
-    """The optimizers :func:`model_states` knows, by the name it accepts."""
-    return MappingProxyType(dict(_NAMES))
-
-
-def _rule_for(optimizer_class: type[torch.optim.Optimizer]) -> OptimizerRule:
-    for cls in optimizer_class.__mro__:
-        rule = _RULES.get(cls)
-        if rule is not None:
-            return rule
-    raise ValueError(
-        f"no state rule for optimizer {optimizer_class.__name__}; "
-        f"register one with pytest_gpumem.budgets.formulas.register_optimizer({optimizer_class.__name__}, fn)"
-    )
-
-
-def _defaults(optimizer_class: type[torch.optim.Optimizer]) -> dict[str, Any]:
-    signature = inspect.signature(optimizer_class.__init__)
-    return {
-        name: param.default
-        for name, param in signature.parameters.items()
-        if name not in ("self", "params") and param.default is not inspect.Parameter.empty
-    }
-
-
-def optimizer_state(
-    optimizer: torch.optim.Optimizer | str,
-    params: Sequence[torch.Tensor] = (),
-    options: Mapping[str, Any] | None = None,
-) -> list[OptimizerState]:
-    """The state rule's answer for each parameter group of ``optimizer``.
-
-    An optimizer object is read as it is (its ``param_groups``; ``params`` and
-    ``options`` must be left out). A name (``"adamw"``, see
-    :func:`registered_optimizers`) stands for that optimizer over ``params``
-    with its default hyper-parameters, updated by ``options``.
-    """
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if options or params:
-            raise ValueError("params and optimizer options apply only to an optimizer named by a string")
-        rule = _rule_for(type(optimizer))
-        return [rule(MappingProxyType(group), tuple(group["params"])) for group in optimizer.param_groups]
-    if not isinstance(optimizer, str):
-        raise TypeError(f"expected a torch.optim.Optimizer or a name, got {type(optimizer).__name__}")
-    cls = _NAMES.get(optimizer.lower())
-    if cls is None:
-        names = ", ".join(repr(name) for name in sorted(_NAMES))
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {names}")
-    group = _defaults(cls)
-    for key, value in (options or {}).items():
-        if key not in group:
-            raise ValueError(f"{cls.__name__} has no option {key!r}; its options are {', '.join(sorted(group))}")
-        group[key] = value
-    return [_rule_for(cls)(MappingProxyType(group), tuple(params))]
-
-
-def _scalar_dtype(fused: bool = False) -> torch.dtype:
-    """torch.optim.optimizer._get_scalar_dtype: float32, or float64 when it is the default dtype."""
-    if fused:
-        return torch.float32
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def _with_grad(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors that get a gradient, hence lazily created state."""
-    return [p for p in params if p.requires_grad]
-
-
-def _numel(params: Iterable[torch.Tensor]) -> int:
-    return sum(p.numel() for p in params)
-
-
-def _adam(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
-    live = _with_grad(params)
-    n = _numel(live)
-    elements = {"exp_avg": n, "exp_avg_sq": n}
-    if group.get("amsgrad"):
-        elements["max_exp_avg_sq"] = n
-    fused = bool(group.get("fused"))
-    return OptimizerState(
-        elements=elements,
-        scalars={"step": len(live)},
-        scalars_on_device=fused or bool(group.get("capturable")),
-        scalar_dtype=_scalar_dtype(fused),
-    )
-
-
-def _sgd(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
-    if not group.get("momentum"):
-        return OptimizerState()
-    return OptimizerState(elements={"momentum_buffer": _numel(_with_grad(params))})
-
-
-def _adagrad(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
-    # Adagrad creates its state in __init__, for every tensor of the group.
-    fused = bool(group.get("fused"))
-    return OptimizerState(
-        elements={"sum": _numel(params)},
-        scalars={"step": len(params)},
-        scalars_on_device=fused,
-        scalar_dtype=_scalar_dtype(fused),
-    )
-
-
-def _rmsprop(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
-    live = _with_grad(params)
-    n = _numel(live)
-    elements = {"square_avg": n}
-    if group.get("momentum", 0) > 0:
-        elements["momentum_buffer"] = n
-    if group.get("centered"):
-        elements["grad_avg"] = n
-    return OptimizerState(
-        elements=elements,
-        scalars={"step": len(live)},
-        scalars_on_device=bool(group.get("capturable")),
-        scalar_dtype=_scalar_dtype(),
-    )
-
-
-def _capturable_rule(*names: str, scalars: tuple[str, ...] = ("step",)) -> OptimizerRule:
-    """A rule for optimizers with one full-size state per name and CPU scalars unless capturable."""
-
-    def rule(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
-        live = _with_grad(params)
-        n = _numel(live)
-        return OptimizerState(
-            elements=dict.fromkeys(names, n),
-            scalars=dict.fromkeys(scalars, len(live)),
-            scalars_on_device=bool(group.get("capturable")),
-            scalar_dtype=_scalar_dtype(),
-        )
-
-    return rule
-
-
-def _adafactor(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
-    # torch/optim/_adafactor.py: a tensor of 2 or more dims keeps a row factor
-    # (its shape with the last dim set to 1) and a column factor (its shape with
-    # the next-to-last dim set to 1); other tensors keep a full "variance".
-    live = _with_grad(params)
-    row = col = variance = 0
-    for p in live:
-        shape = tuple(p.shape)
-        if len(shape) > 1:
-            row += math.prod(shape[:-1])
-            col += math.prod(shape[:-2]) * shape[-1]
-        else:
-            variance += p.numel()
-    elements = {name: n for name, n in (("row_var", row), ("col_var", col), ("variance", variance)) if n}
-    return OptimizerState(elements=elements, scalars={"step": len(live)}, scalar_dtype=_scalar_dtype())
-
-
-def _muon(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
-    return OptimizerState(elements={"momentum_buffer": _numel(_with_grad(params))})
-
-
-def _register_builtins() -> None:
-    optim = torch.optim
-    register_optimizer(optim.SGD, _sgd)
-    register_optimizer(optim.Adam, _adam)
-    register_optimizer(optim.AdamW, _adam)
-    register_optimizer(optim.Adagrad, _adagrad)
-    register_optimizer(optim.RMSprop, _rmsprop)
-    register_optimizer(optim.Adamax, _capturable_rule("exp_avg", "exp_inf"))
-    register_optimizer(optim.RAdam, _capturable_rule("exp_avg", "exp_avg_sq"))
-    register_optimizer(optim.NAdam, _capturable_rule("exp_avg", "exp_avg_sq", scalars=("step", "mu_product")))
-    register_optimizer(optim.Adadelta, _capturable_rule("square_avg", "acc_delta"))
-    adafactor = getattr(optim, "Adafactor", None)  # torch >= 2.5
-    if adafactor is not None:
-        register_optimizer(adafactor, _adafactor)
-    muon = getattr(optim, "Muon", None)  # torch >= 2.9
-    if muon is not None:
-        register_optimizer(muon, _muon)
-
-
-_register_builtins()
-
-
 # --------------------------------------------------------------------------- model states
 
 
@@ -603,8 +360,8 @@ def model_states(
     mods = _as_modules(modules)
     params = _unique_parameters(mods)
     trainable = [p for p in params if p.requires_grad]
-    psi = _numel(trainable)
-    frozen = _numel(p for p in params if not p.requires_grad)
+    psi = sum(p.numel() for p in trainable)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
     if device is not None:
         budget_device = torch.device(device)
     elif params:
@@ -626,7 +383,7 @@ def model_states(
             states = optimizer_state(optimizer, options=optimizer_options)
         else:
             states = optimizer_state(optimizer, trainable, optimizer_options)
-            optimizer_name = _NAMES[optimizer.lower()].__name__
+            optimizer_name = registered_optimizers()[optimizer.lower()].__name__
         _add_states(items, states, recipe, budget_device)
     elif optimizer_options:
         raise ValueError("optimizer_options given without an optimizer")

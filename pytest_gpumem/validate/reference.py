@@ -13,10 +13,9 @@ from pytest_gpumem.diagnose.leaks import confirm_leak, snapshot_storages
 from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR
 from pytest_gpumem.measurement.active import activate, measure
 from pytest_gpumem.measurement.engines import make_engine
-from pytest_gpumem.measurement.engines.tracker import cuda_rounded
 from pytest_gpumem.measurement.recorder import Recorder
 from pytest_gpumem.plugin.fixture import run_step
-from pytest_gpumem.units import format_size
+from pytest_gpumem.units import cuda_rounded, format_size
 from pytest_gpumem.validate.compare import zoo_step
 from pytest_gpumem.validate.probes import probe
 from pytest_gpumem.validate.results import MLP_REFERENCE, Check, Run

@@ -17,8 +17,10 @@ import re
 import torch
 
 from pytest_gpumem.measurement.engines.base import Engine, Reading
+from pytest_gpumem.measurement.engines.compiled import describe_compiled
 from pytest_gpumem.measurement.engines.cuda import cuda_available
-from pytest_gpumem.measurement.engines.tracker import StorageTracker, describe_compiled, unseen_note
+from pytest_gpumem.measurement.engines.storages import unseen_note
+from pytest_gpumem.measurement.engines.tracker import StorageTracker
 from pytest_gpumem.measurement.observe import parse_observe
 
 __all__ = [

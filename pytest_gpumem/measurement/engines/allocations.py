@@ -42,15 +42,10 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.measurement.engines.followers import follow_threads
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
-from pytest_gpumem.measurement.engines.tracker import (
-    TEMPORARIES,
-    Block,
-    StorageTracker,
-    Window,
-    _Entry,
-    _follow_threads,
-)
+from pytest_gpumem.measurement.engines.storages import Block, Entry, Window
+from pytest_gpumem.measurement.engines.tracker import TEMPORARIES, StorageTracker
 from pytest_gpumem.units import cuda_rounded
 
 __all__ = ["MARK", "AllocationTracker", "ProfilerInUse"]
@@ -151,13 +146,13 @@ class AllocationTracker(StorageTracker):
         self._begin_count(timeline)
         self._begin_session()
         self._profiling = True
-        _follow_threads(self, follow=True)
+        follow_threads(self, follow=True)
         if saved_tensors:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, unpack)
             self._saved_hooks.__enter__()
 
     def stop(self) -> None:
-        _follow_threads(self, follow=False)
+        follow_threads(self, follow=False)
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
@@ -188,8 +183,8 @@ class AllocationTracker(StorageTracker):
             block: Any = self._entries.get(ptr)
             if type(block) is not Block:
                 continue
-            entry = _Entry(storage, self._freed)
-            for field in _Entry.__slots__:
+            entry = Entry(storage, self._freed)
+            for field in Entry.__slots__:
                 setattr(entry, field, getattr(block, field))
             self._entries[ptr] = entry
             for token, saved in self._saved_entries.items():

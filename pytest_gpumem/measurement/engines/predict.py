@@ -26,7 +26,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from pytest_gpumem.measurement.engines.base import Reading
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
-from pytest_gpumem.measurement.engines.tracker import OTHER, Block, StorageTracker, _Mode
+from pytest_gpumem.measurement.engines.dispatch import TrackerMode
+from pytest_gpumem.measurement.engines.storages import Block
+from pytest_gpumem.measurement.engines.tracker import OTHER, StorageTracker
 from pytest_gpumem.targets import AttentionBackend, Target, Workspace
 
 __all__ = ["PredictEngine", "PredictTracker"]
@@ -36,7 +38,7 @@ __all__ = ["PredictEngine", "PredictTracker"]
 _MAIN, _BACKWARD = "main", "backward"
 
 
-class _PredictMode(_Mode):
+class _PredictMode(TrackerMode):
     """The tracker's dispatch mode, which also sees the operators that make a thread's workspaces."""
 
     def __torch_dispatch__(
@@ -102,7 +104,7 @@ class PredictTracker(StorageTracker):
             kernels.__exit__(None, None, None)
         super().stop()
 
-    def _make_mode(self) -> _Mode:
+    def _make_mode(self) -> TrackerMode:
         return _PredictMode(self)
 
     def _follow(self, stack: contextlib.ExitStack) -> None:

@@ -18,7 +18,7 @@ and everything else that existed before is "other".
 Threads: torch's dispatch modes and saved-tensor hooks are per thread. While a tracker
 watches, threads started with ``threading.Thread.start`` and callables submitted to a
 ``concurrent.futures.ThreadPoolExecutor`` (whenever its threads were started) run under
-the tracker too (:func:`_follow_threads`); one count, under a lock, serves every thread, so
+the tracker too (:func:`follow_threads`); one count, under a lock, serves every thread, so
 the peak of threads running at once is the peak of their sum.
 
 What it does not see: memory that kernels allocate internally without creating
@@ -33,18 +33,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import os
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import (
-    TorchDispatchMode,
     _get_current_dispatch_mode_stack,
     _pop_mode,
     _push_mode,
@@ -56,8 +51,17 @@ except ImportError:  # pragma: no cover - torch moved it
     OpOverload = None  # type: ignore[assignment,misc]
 
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.measurement.engines.dispatch import TrackerMode
+from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
-from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded, format_size
+from pytest_gpumem.measurement.engines.storages import (
+    _PLAIN,
+    Entry,
+    OutOfMemory,
+    Window,
+    local_tensors,
+)
+from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded
 
 __all__ = ["CUDA_BLOCK", "StorageTracker", "Window", "cuda_rounded"]
 
@@ -65,321 +69,6 @@ PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(
 
 #: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
 TIMELINE_LIMIT = 4096
-
-
-@dataclass
-class Window:
-    """Highest allocated bytes since the window opened, the breakdown then, and its event index;
-    ``saved_peak``: the highest bytes held for backward at one time in the window."""
-
-    peak: int
-    breakdown: tuple[int, ...]
-    event: int = 0
-    saved_peak: int = 0
-    #: set when the window is read later (see :meth:`AllocationTracker.take_window`)
-    pending: int | None = None
-
-
-#: How the tracker treats an operator's outputs (cached per operator, from its schema).
-#: SKIP: every output is a view of an input, or the operator writes in place without
-#: resizing (``add_``, ``t``, ``detach``): no storage can appear or change size.
-#: FRESH: no output aliases an input: a storage not yet counted is an allocation.
-#: ALIAS: outputs that may alias and resize an input (``resize_``, ``set_``, ``out=``,
-#: mixed schemas): a known storage is re-measured, an unknown one is not counted.
-SKIP, FRESH, ALIAS = 0, 1, 2
-
-
-def _output_kind(func: Any) -> int:
-    """SKIP, FRESH or ALIAS for the operator ``func`` (see above), from its schema."""
-    try:
-        schema = func._schema
-        infos = [r.alias_info for r in schema.returns]
-        has_out = any(a.is_out for a in schema.arguments)
-        name = schema.name
-    except AttributeError:
-        return FRESH
-    # lift_fresh aliases a tensor that torch.tensor(data) built outside the dispatcher:
-    # its output is a new storage as far as anything here can see
-    if all(info is None for info in infos) or name == "aten::lift_fresh":
-        return FRESH
-    if any(info is None for info in infos) or has_out or "resize" in name or "set_" in name:
-        return ALIAS
-    # views (alias, no write) and in-place operators that keep their storage's size
-    return SKIP
-
-
-def _operator(func: Any) -> tuple[Callable[..., Any], int]:
-    """How the mode calls ``func``, and its output kind.
-
-    A plain ``OpOverload`` is called through its C++ handle ``_op``, as its
-    ``__call__`` does: one Python frame less per operator.
-    """
-    call = func
-    if OpOverload is not None and type(func).__call__ is OpOverload.__call__:
-        call = getattr(func, "_op", func)
-    return call, _output_kind(func)
-
-
-class _Entry(weakref.ref):  # type: ignore[type-arg]
-    """One tracked storage: a weak reference to it, with its counted bytes and category.
-
-    Being the weak reference itself (rather than holding one and a callback closure)
-    makes registering a storage one object instead of three, and it has no Python
-    ``__init__``: :meth:`StorageTracker._add` sets the fields. That runs once per
-    allocation while tracking.
-
-    Fields: ``key`` (the storage's ``_cdata``), ``nbytes`` (counted bytes),
-    ``category``, ``serial`` (registration order), ``moved`` (event index since
-    which it has had its category), ``saves`` (how many autograd graphs hold it
-    now), ``prior`` (its category before it was saved for backward).
-    """
-
-    __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "serial")
-    key: int
-    nbytes: int
-    category: int
-    serial: int
-    moved: int
-    saves: int
-    prior: int
-
-
-class Block:
-    """A tracked allocation that is no storage the tracker can watch (one seen in the
-    profiler's stream, a library workspace of a predicted device): the fields of the tracker's
-    entries, and alive (calling it returns itself) until the tracker is told it is freed."""
-
-    __slots__ = _Entry.__slots__  # set by StorageTracker._insert, as for the tracker's entries
-    key: int
-    nbytes: int
-    category: int
-    serial: int
-    moved: int
-    saves: int
-    prior: int
-
-    def __call__(self) -> Block:
-        return self
-
-
-_RESIZE_WATCHERS: list[StorageTracker] = []
-_original_resize: Any = None
-
-
-def _resize_watch(tracker: StorageTracker, *, watch: bool) -> None:
-    """Tell ``tracker`` of storages resized in place while it watches (``UntypedStorage.resize_``
-    runs under no operator); the method is restored when no tracker watches."""
-    global _original_resize
-    if watch:
-        if tracker not in _RESIZE_WATCHERS:
-            _RESIZE_WATCHERS.append(tracker)
-        if _original_resize is None:
-            _original_resize = torch.UntypedStorage.resize_
-
-            def resize_(storage: torch.UntypedStorage, size: int) -> Any:
-                result = _original_resize(storage, size)
-                for watcher in list(_RESIZE_WATCHERS):
-                    watcher._storage_resized(storage)
-                return result
-
-            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
-    else:
-        if tracker in _RESIZE_WATCHERS:
-            _RESIZE_WATCHERS.remove(tracker)
-        if not _RESIZE_WATCHERS and _original_resize is not None:
-            torch.UntypedStorage.resize_ = _original_resize  # type: ignore[method-assign]
-            _original_resize = None
-
-
-_FOLLOWERS: list[StorageTracker] = []
-_original_start: Any = None
-_original_submit: Any = None
-
-
-def _follow_threads(tracker: StorageTracker, *, follow: bool) -> None:
-    """While ``tracker`` watches, threads started (``threading.Thread.start``) and callables
-    submitted to thread pools (``ThreadPoolExecutor.submit``) run under it as well: torch's
-    dispatch modes and saved-tensor hooks are per thread. The methods are restored when no
-    tracker watches."""
-    global _original_start, _original_submit
-    if follow:
-        if tracker not in _FOLLOWERS:
-            _FOLLOWERS.append(tracker)
-        if _original_start is None:
-            _original_start, _original_submit = threading.Thread.start, ThreadPoolExecutor.submit
-            threading.Thread.start = _start  # type: ignore[method-assign,assignment]
-            ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign,assignment]
-    else:
-        if tracker in _FOLLOWERS:
-            _FOLLOWERS.remove(tracker)
-        if not _FOLLOWERS and _original_start is not None:
-            threading.Thread.start = _original_start  # type: ignore[method-assign]
-            ThreadPoolExecutor.submit = _original_submit  # type: ignore[method-assign]
-            _original_start = _original_submit = None
-
-
-def _start(thread: threading.Thread) -> None:
-    """``Thread.start`` while trackers watch: the thread's ``run`` runs under them."""
-    trackers = [tracker for tracker in _FOLLOWERS if tracker.active]
-    if trackers:
-        run = thread.run
-
-        def followed() -> None:
-            try:
-                _call_followed(trackers, run)
-            finally:
-                thread.__dict__.pop("run", None)  # let go of the trackers with the thread's work
-
-        thread.run = followed  # type: ignore[method-assign]
-    start: Any = _original_start or threading.Thread.start
-    start(thread)
-
-
-def _submit(executor: ThreadPoolExecutor, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """``ThreadPoolExecutor.submit`` while trackers watch: ``fn`` runs under them on the pool's
-    thread, whenever that thread was started."""
-    trackers = [tracker for tracker in _FOLLOWERS if tracker.active]
-    submit: Any = _original_submit or ThreadPoolExecutor.submit
-    if not trackers:
-        return submit(executor, fn, *args, **kwargs)
-    return submit(executor, _call_followed, trackers, fn, *args, **kwargs)
-
-
-def _call_followed(trackers: list[StorageTracker], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on this thread, watched by those of ``trackers`` still active."""
-    with contextlib.ExitStack() as stack:
-        for tracker in trackers:
-            if tracker.active:
-                tracker._follow(stack)
-        return fn(*args, **kwargs)
-
-
-def unseen_note(nbytes: int) -> str:
-    """The note on figures that missed ``nbytes`` found alive later by a scan."""
-    return (
-        f"{format_size(nbytes)} alive at the end were allocated where the tensor tracker could not see them "
-        "(on a thread started before the measurement, or outside PyTorch's operators): retained counts them, "
-        "peak and allocated may miss them (not seen while they were made)"
-    )
-
-
-#: Tensor types that hold their own storage: every other tensor type is looked into (local_tensors).
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-
-
-def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
-    """The tensors a wrapper subclass holds (a ``DTensor``: its local shard; FSDP2's sharded
-    parameters are such), flattened; None for a tensor that holds its own storage.
-
-    A wrapper's own storage is a placeholder of its global size: the bytes are its local tensors'.
-    """
-    flatten = getattr(type(tensor), "__tensor_flatten__", None)
-    if flatten is None:
-        return None
-    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-    found: list[torch.Tensor] = []
-    for name in names:
-        inner = getattr(tensor, name)
-        if not isinstance(inner, torch.Tensor):  # a DeviceMesh, a spec: not memory
-            continue
-        nested = local_tensors(inner) if type(inner) not in _PLAIN else None
-        found.extend(nested if nested is not None else [inner])
-    return found
-
-
-class OutOfMemory(torch.OutOfMemoryError):
-    """Raised by the tracker when an emulated device limit would be exceeded."""
-
-
-#: The plugin's own frames are never the user's compiled code: while a compiled function runs
-#: eagerly, TorchDynamo is asked about every Python frame it calls, the plugin's hooks too.
-_PLUGIN_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
-_TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep
-
-
-def _skipped_frame() -> tuple[Any, bool, str] | None:
-    """The frame TorchDynamo is about to run eagerly, from its caller's ``frame`` argument:
-    (its code object, whether it is a library's code, ``qualname (file:line)``); None for the
-    plugin's frames."""
-    caller: Any = sys._getframe(2)
-    for _ in range(4):
-        if caller is None:
-            break
-        code = getattr(caller.f_locals.get("frame"), "f_code", None)
-        if code is not None:
-            if code.co_filename.startswith(_PLUGIN_ROOT):
-                return None
-            name = getattr(code, "co_qualname", code.co_name)
-            library = code.co_filename.startswith((_TORCH_ROOT, "<"))  # torch's, or generated code
-            return code, library, f"{name} ({code.co_filename}:{code.co_firstlineno})"
-        caller = caller.f_back
-    return None, False, "a torch.compile'd function"
-
-
-def describe_compiled(frames: list[tuple[bool, str]]) -> str:
-    """The frames worth naming to a user: their own code first, else torch modules' ``forward``."""
-    own = [text for in_torch, text in frames if not in_torch]
-    forwards = [text for in_torch, text in frames if in_torch and ".forward (" in text]
-    names = list(dict.fromkeys(own or forwards or ["a torch.compile'd function"]))
-    return "; ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-class _Mode(TorchDispatchMode):
-    """Sees each operator's outputs and reports new storages to the tracker.
-
-    This runs once per operator: views and in-place operators (a third of a
-    training step's operators) return at the first dictionary lookup.
-    """
-
-    def __init__(self, tracker: StorageTracker) -> None:
-        super().__init__()
-        self.tracker = tracker
-        self.operators = tracker._operators
-        # bound once (the lock's methods too: cheaper than a with-statement): this runs once per operator
-        self.acquire, self.release = tracker._lock.acquire, tracker._lock.release
-        self.output, self.outputs = tracker._output, tracker._outputs
-        #: set once the mode is on the stack: from then on only TorchDynamo asks
-        #: :meth:`ignore_compile_internals` (the mode's own ``__enter__`` asks it first)
-        self.armed = False
-
-    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
-        """TorchDynamo asks every dispatch mode on the stack this before it compiles or runs a
-        ``torch.compile``'d frame; False makes it run the frame eagerly, operator by operator,
-        which is what the tracker sees. True would let compiled code run unseen (Inductor's
-        kernels allocate their buffers outside the dispatcher), so the answer stays False and
-        the skipped frame is reported instead: figures of the eager program must never pass
-        for figures of the compiled one in silence."""
-        if self.armed:
-            frame = _skipped_frame()
-            if frame is not None:
-                code, library, text = frame
-                self.tracker.compiled_frames.append((library, text))
-                if code is not None:
-                    self.tracker.skipped_codes.add(code)
-        return False
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        operator = self.operators.get(func)
-        if operator is None:
-            operator = self.operators[func] = _operator(func)
-        call, kind = operator
-        out = call(*args, **kwargs) if kwargs else call(*args)
-        if kind:
-            self.acquire()  # one count for every thread the tracker watches
-            try:
-                if isinstance(out, torch.Tensor):
-                    self.output(out, kind == FRESH)
-                else:
-                    self.outputs(out, kind == FRESH)
-            finally:
-                self.release()
-        return out
 
 
 class StorageTracker:
@@ -398,7 +87,7 @@ class StorageTracker:
     def __init__(self, device: torch.device, *, cuda_rounding: bool = False) -> None:
         self.device = torch.device(device)
         self.cuda_rounding = cuda_rounding
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, Entry] = {}
         self._serial = 0
         self._by_category = [0] * len(CATEGORIES)
         self.current = 0
@@ -415,7 +104,7 @@ class StorageTracker:
         #: notes on what the figures miss since :meth:`start` (threads it could not follow)
         self.notes: list[str] = []
         self._freed = self._on_freed  # one bound method for every weak reference
-        self._mode: _Mode | None = None
+        self._mode: TrackerMode | None = None
         self._saved_hooks: Any = None
         self._param_keys: set[int] = set()
         #: bytes of the distinct storages autograd holds for backward now (parameters excluded).
@@ -423,7 +112,7 @@ class StorageTracker:
         #: number of allocation/free events seen so far.
         self.events = 0
         #: ``torch.compile``'d frames that TorchDynamo ran eagerly because the tracker's
-        #: dispatch mode was active (see :meth:`_Mode.ignore_compile_internals`).
+        #: dispatch mode was active (see :meth:`TrackerMode.ignore_compile_internals`).
         self.compiled_frames: list[tuple[bool, str]] = []
         #: their code objects: TorchDynamo marks a code it skips to be skipped from then on;
         #: :meth:`stop` clears that mark, so the code is compiled again once the span is over.
@@ -459,7 +148,7 @@ class StorageTracker:
             nbytes = cuda_rounded(nbytes)
         if self.limit is not None and self.current + nbytes > self.limit:
             self._refuse(nbytes)
-        self._insert(_Entry(storage, self._freed), key, nbytes, category)
+        self._insert(Entry(storage, self._freed), key, nbytes, category)
 
     def _insert(self, entry: Any, key: int, nbytes: int, category: int) -> None:
         """Count ``entry`` (a new allocation of ``nbytes`` under ``key``) in ``category``."""
@@ -490,7 +179,7 @@ class StorageTracker:
             f"over the emulated device limit of {self.limit} bytes (pytest-gpumem CPU engine)"
         )
 
-    def _on_freed(self, entry: _Entry) -> None:
+    def _on_freed(self, entry: Entry) -> None:
         """Weak-reference callback: the storage of ``entry`` is being freed (on any thread)."""
         key = entry.key
         self._acquire()
@@ -654,7 +343,7 @@ class StorageTracker:
         """The key ``storage`` is counted under: the identity of its C++ object (None: not counted)."""
         return int(storage._cdata)
 
-    def _move(self, entry: _Entry, index: int, *, discovered: bool = True) -> None:
+    def _move(self, entry: Entry, index: int, *, discovered: bool = True) -> None:
         """Give ``entry`` the category ``index``.
 
         ``discovered``: the storage is found to *be* of that category (a gradient
@@ -758,8 +447,8 @@ class StorageTracker:
         self._mode = self._make_mode()
         self._mode.__enter__()
         self._mode.armed = True
-        _resize_watch(self, watch=True)
-        _follow_threads(self, follow=True)
+        watch_resizes(self, watch=True)
+        follow_threads(self, follow=True)
         if saved_tensors:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
             self._saved_hooks.__enter__()
@@ -778,9 +467,9 @@ class StorageTracker:
         if self._saved_hooks is not None:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, unpack))
 
-    def _make_mode(self) -> _Mode:
+    def _make_mode(self) -> TrackerMode:
         """The dispatch mode that reports operators' outputs to this tracker."""
-        return _Mode(self)
+        return TrackerMode(self)
 
     def _begin_count(self, timeline: bool) -> None:
         """Events count from here: a new window at the current count, the timeline (if kept) restarted."""
@@ -801,8 +490,8 @@ class StorageTracker:
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
-        _resize_watch(self, watch=False)
-        _follow_threads(self, follow=False)
+        watch_resizes(self, watch=False)
+        follow_threads(self, follow=False)
         self._forget_skips()
 
     def _forget_skips(self) -> None:
@@ -852,7 +541,7 @@ class StorageTracker:
         self._save(entry)
         return Released(tensor, self._unsave, entry)
 
-    def _save(self, entry: _Entry) -> None:
+    def _save(self, entry: Entry) -> None:
         """Autograd holds ``entry`` for backward once more: counted once however often it is held."""
         with self._lock:
             if entry.saves == 0:
@@ -864,7 +553,7 @@ class StorageTracker:
                     self._move(entry, ACTIVATIONS, discovered=False)
             entry.saves += 1
 
-    def _unsave(self, entry: _Entry) -> None:
+    def _unsave(self, entry: Entry) -> None:
         with self._lock:
             entry.saves -= 1
             if entry.saves == 0:

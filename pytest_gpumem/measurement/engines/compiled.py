@@ -1,0 +1,47 @@
+"""Frames TorchDynamo runs eagerly under the storage tracker: which are the user's, and how a report names them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+try:
+    from torch._ops import OpOverload
+except ImportError:  # pragma: no cover - torch moved it
+    OpOverload = None  # type: ignore[assignment,misc]
+
+
+#: The plugin's own frames are never the user's compiled code: while a compiled function runs
+#: eagerly, TorchDynamo is asked about every Python frame it calls, the plugin's hooks too.
+PLUGIN_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep
+
+
+def skipped_frame() -> tuple[Any, bool, str] | None:
+    """The frame TorchDynamo is about to run eagerly, from its caller's ``frame`` argument:
+    (its code object, whether it is a library's code, ``qualname (file:line)``); None for the
+    plugin's frames."""
+    caller: Any = sys._getframe(2)
+    for _ in range(4):
+        if caller is None:
+            break
+        code = getattr(caller.f_locals.get("frame"), "f_code", None)
+        if code is not None:
+            if code.co_filename.startswith(PLUGIN_ROOT):
+                return None
+            name = getattr(code, "co_qualname", code.co_name)
+            library = code.co_filename.startswith((TORCH_ROOT, "<"))  # torch's, or generated code
+            return code, library, f"{name} ({code.co_filename}:{code.co_firstlineno})"
+        caller = caller.f_back
+    return None, False, "a torch.compile'd function"
+
+
+def describe_compiled(frames: list[tuple[bool, str]]) -> str:
+    """The frames worth naming to a user: their own code first, else torch modules' ``forward``."""
+    own = [text for in_torch, text in frames if not in_torch]
+    forwards = [text for in_torch, text in frames if in_torch and ".forward (" in text]
+    names = list(dict.fromkeys(own or forwards or ["a torch.compile'd function"]))
+    return "; ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

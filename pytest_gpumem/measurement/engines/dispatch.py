@@ -1,0 +1,84 @@
+"""The storage tracker's dispatch mode: every operator's outputs, seen as they are made."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+)
+
+try:
+    from torch._ops import OpOverload
+except ImportError:  # pragma: no cover - torch moved it
+    OpOverload = None  # type: ignore[assignment,misc]
+
+from pytest_gpumem.measurement.engines.compiled import skipped_frame
+from pytest_gpumem.measurement.engines.storages import (
+    FRESH,
+    operator_of,
+)
+
+if TYPE_CHECKING:
+    from pytest_gpumem.measurement.engines.tracker import StorageTracker
+
+__all__ = ["TrackerMode"]
+
+
+class TrackerMode(TorchDispatchMode):
+    """Sees each operator's outputs and reports new storages to the tracker.
+
+    This runs once per operator: views and in-place operators (a third of a
+    training step's operators) return at the first dictionary lookup.
+    """
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.operators = tracker._operators
+        # bound once (the lock's methods too: cheaper than a with-statement): this runs once per operator
+        self.acquire, self.release = tracker._lock.acquire, tracker._lock.release
+        self.output, self.outputs = tracker._output, tracker._outputs
+        #: set once the mode is on the stack: from then on only TorchDynamo asks
+        #: :meth:`ignore_compile_internals` (the mode's own ``__enter__`` asks it first)
+        self.armed = False
+
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        """TorchDynamo asks every dispatch mode on the stack this before it compiles or runs a
+        ``torch.compile``'d frame; False makes it run the frame eagerly, operator by operator,
+        which is what the tracker sees. True would let compiled code run unseen (Inductor's
+        kernels allocate their buffers outside the dispatcher), so the answer stays False and
+        the skipped frame is reported instead: figures of the eager program must never pass
+        for figures of the compiled one in silence."""
+        if self.armed:
+            frame = skipped_frame()
+            if frame is not None:
+                code, library, text = frame
+                self.tracker.compiled_frames.append((library, text))
+                if code is not None:
+                    self.tracker.skipped_codes.add(code)
+        return False
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        operator = self.operators.get(func)
+        if operator is None:
+            operator = self.operators[func] = operator_of(func)
+        call, kind = operator
+        out = call(*args, **kwargs) if kwargs else call(*args)
+        if kind:
+            self.acquire()  # one count for every thread the tracker watches
+            try:
+                if isinstance(out, torch.Tensor):
+                    self.output(out, kind == FRESH)
+                else:
+                    self.outputs(out, kind == FRESH)
+            finally:
+                self.release()
+        return out

@@ -1,0 +1,150 @@
+"""What the storage tracker keeps per storage and per window (entries, blocks, windows),
+and the words for what it missed."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:
+    from torch._ops import OpOverload
+except ImportError:  # pragma: no cover - torch moved it
+    OpOverload = None  # type: ignore[assignment,misc]
+
+from pytest_gpumem.units import format_size
+
+
+@dataclass
+class Window:
+    """Highest allocated bytes since the window opened, the breakdown then, and its event index;
+    ``saved_peak``: the highest bytes held for backward at one time in the window."""
+
+    peak: int
+    breakdown: tuple[int, ...]
+    event: int = 0
+    saved_peak: int = 0
+    #: set when the window is read later (see :meth:`AllocationTracker.take_window`)
+    pending: int | None = None
+
+
+#: How the tracker treats an operator's outputs (cached per operator, from its schema).
+#: SKIP: every output is a view of an input, or the operator writes in place without
+#: resizing (``add_``, ``t``, ``detach``): no storage can appear or change size.
+#: FRESH: no output aliases an input: a storage not yet counted is an allocation.
+#: ALIAS: outputs that may alias and resize an input (``resize_``, ``set_``, ``out=``,
+#: mixed schemas): a known storage is re-measured, an unknown one is not counted.
+SKIP, FRESH, ALIAS = 0, 1, 2
+
+
+def output_kind(func: Any) -> int:
+    """SKIP, FRESH or ALIAS for the operator ``func`` (see above), from its schema."""
+    try:
+        schema = func._schema
+        infos = [r.alias_info for r in schema.returns]
+        has_out = any(a.is_out for a in schema.arguments)
+        name = schema.name
+    except AttributeError:
+        return FRESH
+    # lift_fresh aliases a tensor that torch.tensor(data) built outside the dispatcher:
+    # its output is a new storage as far as anything here can see
+    if all(info is None for info in infos) or name == "aten::lift_fresh":
+        return FRESH
+    if any(info is None for info in infos) or has_out or "resize" in name or "set_" in name:
+        return ALIAS
+    # views (alias, no write) and in-place operators that keep their storage's size
+    return SKIP
+
+
+def operator_of(func: Any) -> tuple[Callable[..., Any], int]:
+    """How the mode calls ``func``, and its output kind.
+
+    A plain ``OpOverload`` is called through its C++ handle ``_op``, as its
+    ``__call__`` does: one Python frame less per operator.
+    """
+    call = func
+    if OpOverload is not None and type(func).__call__ is OpOverload.__call__:
+        call = getattr(func, "_op", func)
+    return call, output_kind(func)
+
+
+class Entry(weakref.ref):  # type: ignore[type-arg]
+    """One tracked storage: a weak reference to it, with its counted bytes and category.
+
+    Being the weak reference itself (rather than holding one and a callback closure)
+    makes registering a storage one object instead of three, and it has no Python
+    ``__init__``: :meth:`StorageTracker._add` sets the fields. That runs once per
+    allocation while tracking.
+
+    Fields: ``key`` (the storage's ``_cdata``), ``nbytes`` (counted bytes),
+    ``category``, ``serial`` (registration order), ``moved`` (event index since
+    which it has had its category), ``saves`` (how many autograd graphs hold it
+    now), ``prior`` (its category before it was saved for backward).
+    """
+
+    __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "serial")
+    key: int
+    nbytes: int
+    category: int
+    serial: int
+    moved: int
+    saves: int
+    prior: int
+
+
+class Block:
+    """A tracked allocation that is no storage the tracker can watch (one seen in the
+    profiler's stream, a library workspace of a predicted device): the fields of the tracker's
+    entries, and alive (calling it returns itself) until the tracker is told it is freed."""
+
+    __slots__ = Entry.__slots__  # set by StorageTracker._insert, as for the tracker's entries
+    key: int
+    nbytes: int
+    category: int
+    serial: int
+    moved: int
+    saves: int
+    prior: int
+
+    def __call__(self) -> Block:
+        return self
+
+
+def unseen_note(nbytes: int) -> str:
+    """The note on figures that missed ``nbytes`` found alive later by a scan."""
+    return (
+        f"{format_size(nbytes)} alive at the end were allocated where the tensor tracker could not see them "
+        "(on a thread started before the measurement, or outside PyTorch's operators): retained counts them, "
+        "peak and allocated may miss them (not seen while they were made)"
+    )
+
+
+#: Tensor types that hold their own storage: every other tensor type is looked into (local_tensors).
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors a wrapper subclass holds (a ``DTensor``: its local shard; FSDP2's sharded
+    parameters are such), flattened; None for a tensor that holds its own storage.
+
+    A wrapper's own storage is a placeholder of its global size: the bytes are its local tensors'.
+    """
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    found: list[torch.Tensor] = []
+    for name in names:
+        inner = getattr(tensor, name)
+        if not isinstance(inner, torch.Tensor):  # a DeviceMesh, a spec: not memory
+            continue
+        nested = local_tensors(inner) if type(inner) not in _PLAIN else None
+        found.extend(nested if nested is not None else [inner])
+    return found
+
+
+class OutOfMemory(torch.OutOfMemoryError):
+    """Raised by the tracker when an emulated device limit would be exceeded."""
