@@ -37,6 +37,7 @@ class TrackerMode(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
         self.operators = tracker._operators
+        self.hooks = tracker.operator_hooks
         # bound once (the lock's methods too: cheaper than a with-statement): this runs once per operator
         self.acquire, self.release = tracker._lock.acquire, tracker._lock.release
         self.output, self.outputs = tracker._output, tracker._outputs
@@ -69,8 +70,14 @@ class TrackerMode(TorchDispatchMode):
     ) -> Any:
         operator = self.operators.get(func)
         if operator is None:
-            operator = self.operators[func] = operator_of(func)
-        call, kind = operator
+            operator = self.operators[func] = (*operator_of(func), self.hooks.get(func._overloadpacket.__name__))
+        call, kind, hook = operator
+        if hook is not None:
+            self.acquire()
+            try:
+                hook(args)
+            finally:
+                self.release()
         out = call(*args, **kwargs) if kwargs else call(*args)
         if kind:
             self.acquire()  # one count for every thread the tracker watches

@@ -12,7 +12,7 @@ reading, so a test's cost never includes a workspace an earlier test did or did 
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Iterator
@@ -22,105 +22,65 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from pytest_gpumem.measurement.engines.base import Reading
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
-from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.storages import Block
 from pytest_gpumem.measurement.engines.tracker import OTHER, StorageTracker
 from pytest_gpumem.targets import AttentionBackend, Target, Workspace
 
-__all__ = ["PredictEngine", "PredictTracker"]
+__all__ = ["PredictEngine", "Prediction"]
 
 #: The thread a workspace belongs to: the caller's, or the autograd engine's device thread,
 #: which runs a CUDA backward (on the CPU, backward runs on the caller's thread).
 _MAIN, _BACKWARD = "main", "backward"
 
 
-class _PredictMode(TrackerMode):
-    """The tracker's dispatch mode, which also sees the operators that make a thread's workspaces."""
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        tracker = self.tracker
-        assert isinstance(tracker, PredictTracker)
-        name = func._overloadpacket.__name__
-        if name in tracker.workspace_operators:
-            with tracker._lock:
-                tracker.matrix_product(name, args)
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-class PredictTracker(StorageTracker):
-    """The storage tracker, its allocations mirrored in a model of the target's caching allocator."""
+class Prediction:
+    """A model of the target's caching allocator that follows the storage tracker's count (the
+    tracker's :class:`~pytest_gpumem.measurement.engines.tracker.StorageObserver`), the library
+    workspaces the target's kernels create, and the target's kernels where their memory differs
+    from the CPU's. It composes a tracker of its own: :attr:`tracker`."""
 
     def __init__(self, target: Target) -> None:
-        super().__init__(torch.device("cpu"), cuda_rounding=True)
         from pytest_gpumem.targets import CachingAllocatorModel
 
         self.target = target
         self.model = CachingAllocatorModel(target.allocator)
-        self.workspace_operators = frozenset().union(*(w.operators for w in target.workspaces))
         self._workspaces: dict[tuple[str, str], Block] = {}
         self._synthetic_keys = itertools.count(1)
-        self._kernels: _DeviceKernels | None = None
+        operators = frozenset().union(*(w.operators for w in target.workspaces))
+        self.tracker = StorageTracker(
+            torch.device("cpu"),
+            cuda_rounding=True,
+            observer=self,
+            operator_hooks={name: functools.partial(self.matrix_product, name) for name in operators},
+            thread_contexts=(lambda: _DeviceKernels(self),),
+        )
 
-    # -- the model follows the tracker's entries -----------------------------------------
+    # -- the model follows the tracker's blocks ------------------------------------------
 
-    def _insert(self, entry: Any, key: int, nbytes: int, category: int) -> None:
+    def allocated(self, key: int, nbytes: int) -> None:
         self.model.malloc(key, nbytes)
-        super()._insert(entry, key, nbytes, category)
 
-    def _on_freed(self, entry: Any) -> None:
-        key = entry.key
-        with self._lock:
-            if self._entries.get(key) is entry and key in self.model:  # not if resized to nothing before
-                self.model.free(key)
-            super()._on_freed(entry)
+    def freed(self, key: int) -> None:
+        if key in self.model:  # not if resized to nothing before
+            self.model.free(key)
 
-    def _resize_entry(self, entry: Any, nbytes: int) -> None:
+    def resized(self, key: int, nbytes: int) -> None:
         """A storage resized in place is, to the caching allocator, a free and a new block."""
-        key = entry.key
         if key in self.model:
             self.model.free(key)
         if nbytes:
             self.model.malloc(key, nbytes)
-        super()._resize_entry(entry, nbytes)
-
-    def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
-        super().start(saved_tensors=saved_tensors, timeline=timeline)
-        self._kernels = _DeviceKernels(self)
-        self._kernels.__enter__()
-
-    def stop(self) -> None:
-        kernels, self._kernels = self._kernels, None
-        if kernels is not None:
-            kernels.__exit__(None, None, None)
-        super().stop()
-
-    def _make_mode(self) -> TrackerMode:
-        return _PredictMode(self)
-
-    def _follow(self, stack: contextlib.ExitStack) -> None:
-        """Watch the calling thread, the target's kernels too (a function mode is per thread)."""
-        watched = any(getattr(mode, "tracker", None) is self for mode in _get_current_dispatch_mode_stack())
-        super()._follow(stack)
-        if self._kernels is not None and not watched:
-            stack.enter_context(_DeviceKernels(self))
 
     def count_new(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count ``tensors``, made while the tracker was set aside, as this moment's allocations."""
-        self.register([t for t in tensors if t is not None], "temporaries")
+        self.tracker.register([t for t in tensors if t is not None], "temporaries")
 
     # -- workspaces ----------------------------------------------------------------
 
-    def matrix_product(self, name: str, args: tuple[Any, ...]) -> None:
+    def matrix_product(self, name: str, args: tuple[Any, ...]) -> None:  # called under the tracker's lock
         """The thread running operator ``name`` gets the workspaces it uses, if it has none yet."""
         thread = _BACKWARD if torch._C._current_graph_task_id() != -1 else _MAIN
         for workspace in self.target.workspaces:
@@ -130,10 +90,8 @@ class PredictTracker(StorageTracker):
                 self._create(workspace, thread)
 
     def _create(self, workspace: Workspace, thread: str) -> None:
-        entry = Block()
         key = -next(self._synthetic_keys)  # storages' keys are addresses: never negative
-        self._workspaces[(workspace.library, thread)] = entry
-        self._insert(entry, key, workspace.nbytes, OTHER)
+        self._workspaces[(workspace.library, thread)] = self.tracker.add_block(key, workspace.nbytes)
 
     def warm_workspaces(self) -> None:
         """Create every workspace a training step's threads get: the caller's thread all of
@@ -147,8 +105,8 @@ class PredictTracker(StorageTracker):
 
     def release_workspaces(self) -> None:
         """Free every workspace (what ``torch._C._cuda_clearCublasWorkspaces()`` does)."""
-        for entry in self._workspaces.values():
-            self._on_freed(entry)
+        for block in self._workspaces.values():
+            self.tracker.remove_block(block)
         self._workspaces.clear()
 
     @property
@@ -175,7 +133,7 @@ class _DeviceKernels(TorchFunctionMode):
     from the CPU's: scaled-dot-product attention (the backend the target would choose) and
     training-mode dropout (the fused kernel, which keeps a bool mask)."""
 
-    def __init__(self, tracker: PredictTracker) -> None:
+    def __init__(self, tracker: Prediction) -> None:
         super().__init__()
         self.tracker = tracker
         self.target = tracker.target
@@ -245,7 +203,7 @@ def choose_backend(
 
 
 def _attention(
-    tracker: PredictTracker,
+    tracker: Prediction,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -342,8 +300,8 @@ class PredictEngine(CpuEngine):
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self.predictor = PredictTracker(target)
-        super().__init__(tracker=self.predictor)
+        self.predictor = Prediction(target)
+        super().__init__(tracker=self.predictor.tracker)
         self._workspace_total: int | None = None
 
     @property

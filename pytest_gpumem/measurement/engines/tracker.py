@@ -35,8 +35,8 @@ import gc
 import itertools
 import sys
 import threading
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import (
@@ -56,6 +56,7 @@ from pytest_gpumem.measurement.engines.followers import follow_threads, watch_re
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.storages import (
     _PLAIN,
+    Block,
     Entry,
     OutOfMemory,
     Window,
@@ -63,12 +64,25 @@ from pytest_gpumem.measurement.engines.storages import (
 )
 from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded
 
-__all__ = ["CUDA_BLOCK", "StorageTracker", "Window", "cuda_rounded"]
+__all__ = ["CUDA_BLOCK", "StorageObserver", "StorageTracker", "Window", "cuda_rounded"]
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
 
 #: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
 TIMELINE_LIMIT = 4096
+
+
+class StorageObserver(Protocol):
+    """Follows a tracker's count block by block (keys are storages' addresses, or a block's own)."""
+
+    def allocated(self, key: int, nbytes: int) -> None:
+        """A block of ``nbytes`` is counted under ``key``."""
+
+    def freed(self, key: int) -> None:
+        """The block under ``key`` is freed."""
+
+    def resized(self, key: int, nbytes: int) -> None:
+        """The block under ``key`` holds ``nbytes`` now (a storage resized in place)."""
 
 
 class StorageTracker:
@@ -82,11 +96,29 @@ class StorageTracker:
         device: the device whose storages are counted (``cpu``, ``cuda:0``...).
         cuda_rounding: count each storage as the CUDA caching allocator would:
             rounded up to 512-byte blocks.
+        observer: told of every block counted, freed and resized (:class:`StorageObserver`),
+            under the tracker's lock: a model of another allocator follows the count this way.
+        operator_hooks: operator name (``"mm"``) → called with the operator's arguments just
+            before it runs, under the lock (the prediction's library workspaces).
+        thread_contexts: made and entered on every thread the tracker watches, after its
+            dispatch mode, left before it (the prediction's kernels: a function mode is per thread).
     """
 
-    def __init__(self, device: torch.device, *, cuda_rounding: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        cuda_rounding: bool = False,
+        observer: StorageObserver | None = None,
+        operator_hooks: Mapping[str, Callable[[tuple[Any, ...]], None]] | None = None,
+        thread_contexts: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]] = (),
+    ) -> None:
         self.device = torch.device(device)
         self.cuda_rounding = cuda_rounding
+        self.observer = observer
+        self.operator_hooks = dict(operator_hooks or {})
+        self.thread_contexts = tuple(thread_contexts)
+        self._contexts: contextlib.ExitStack | None = None
         self._entries: dict[int, Entry] = {}
         self._serial = 0
         self._by_category = [0] * len(CATEGORIES)
@@ -96,7 +128,7 @@ class StorageTracker:
         # has not been copied yet: a rising count (a forward pass) then costs no copy
         # per allocation; the copy is made before anything lowers or moves a count.
         self._pending = False
-        self._operators: dict[Any, tuple[Callable[..., Any], int]] = {}
+        self._operators: dict[Any, tuple[Callable[..., Any], int, Callable[[tuple[Any, ...]], None] | None]] = {}
         #: held while the counts change: threads the tracker follows change them too (reentrant:
         #: a storage freed by a garbage collection inside a change is counted out on the same thread)
         self._lock = threading.RLock()
@@ -160,6 +192,8 @@ class StorageTracker:
         entry.serial = self._serial
         entry.moved = events
         entry.saves = 0
+        if self.observer is not None:
+            self.observer.allocated(key, nbytes)
         self._entries[key] = entry
         self._by_category[category] += nbytes
         self.current = current = self.current + nbytes
@@ -171,6 +205,18 @@ class StorageTracker:
         if self.timeline is not None:
             self._sample()
 
+    def add_block(self, key: int, nbytes: int, category: str = "other") -> Block:
+        """Count ``nbytes`` that no storage holds (a library's workspace) under ``key`` (never a
+        storage's: negative); returns the block, for :meth:`remove_block`."""
+        block = Block()
+        with self._lock:
+            self._insert(block, key, nbytes, CATEGORIES.index(category))
+        return block
+
+    def remove_block(self, block: Block) -> None:
+        """Count out a block made by :meth:`add_block`."""
+        self._on_freed(block)
+
     def _refuse(self, nbytes: int) -> None:
         if self.on_oom is not None:
             self.on_oom(nbytes)
@@ -179,13 +225,15 @@ class StorageTracker:
             f"over the emulated device limit of {self.limit} bytes (pytest-gpumem CPU engine)"
         )
 
-    def _on_freed(self, entry: Entry) -> None:
+    def _on_freed(self, entry: Entry | Block) -> None:
         """Weak-reference callback: the storage of ``entry`` is being freed (on any thread)."""
         key = entry.key
         self._acquire()
         try:
             if self._entries.get(key) is not entry:
                 return
+            if self.observer is not None:
+                self.observer.freed(key)
             if self._pending:
                 self._settle()
             del self._entries[key]
@@ -277,6 +325,8 @@ class StorageTracker:
         delta = nbytes - entry.nbytes
         if delta > 0 and self.limit is not None and self.current + delta > self.limit:
             self._refuse(delta)
+        if self.observer is not None:
+            self.observer.resized(entry.key, nbytes)
         if self._pending and delta < 0:
             self._settle()
         entry.nbytes = nbytes
@@ -452,6 +502,10 @@ class StorageTracker:
         if saved_tensors:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
             self._saved_hooks.__enter__()
+        if self.thread_contexts:
+            self._contexts = contextlib.ExitStack()
+            for make in self.thread_contexts:
+                self._contexts.enter_context(make())
 
     def _follow(self, stack: contextlib.ExitStack) -> None:
         """Watch the calling thread (one this tracker did not start on) until ``stack`` closes:
@@ -466,6 +520,9 @@ class StorageTracker:
         stack.callback(_pop_mode)
         if self._saved_hooks is not None:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, unpack))
+        if self._contexts is not None:
+            for make in self.thread_contexts:
+                stack.enter_context(make())
 
     def _make_mode(self) -> TrackerMode:
         """The dispatch mode that reports operators' outputs to this tracker."""
@@ -484,6 +541,9 @@ class StorageTracker:
 
     def stop(self) -> None:
         """Stop watching operators. Frees of counted storages are still seen."""
+        if self._contexts is not None:
+            contexts, self._contexts = self._contexts, None
+            contexts.close()
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
