@@ -180,7 +180,9 @@ def test_observed(gpumem):
 
 
 def test_make_engine_names_what_cannot_be_predicted() -> None:
-    with pytest.raises(ValueError, match=r"predict='h100' needs observe='operators', not 'allocations'"):
+    with pytest.raises(
+        ValueError, match=r"observe='allocations' cannot predict='h100': a prediction follows the operators"
+    ):
         make_engine("cpu", predict="h100", observe="allocations")
     with pytest.raises(ValueError, match=r"predict='a100' is not a known GPU"):
         make_engine("cpu", predict="a100")

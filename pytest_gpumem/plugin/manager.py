@@ -15,6 +15,7 @@ from pytest_gpumem.baselines import BaselineFileError, Environment
 from pytest_gpumem.data.metrics import METRICS
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.measurement.observe import choose_observe, observe_conflict
 from pytest_gpumem.plugin.collection import (
     SPEC_ERROR_KEY,
     SPEC_KEY,
@@ -175,27 +176,17 @@ class GpumemManager(MarkerCheck, RunEnd):
         return worker
 
     def _observe(self, item: pytest.Item, spec: GpumemSpec, predict: str | None) -> str:
-        """How the CPU engine observes this test: an emulated device limit and a prediction need
-        the operator tracker (an allocation replayed afterwards cannot be refused; a prediction
-        follows the operators), so the run's ``--gpumem-observe=allocations`` yields to them; the
-        test's own ``observe="allocations"`` under ``--gpumem-device-limit`` or a prediction is an
-        error."""
+        """How the CPU engine observes this test (:func:`~pytest_gpumem.measurement.observe.choose_observe`):
+        the run's ``--gpumem-observe=allocations`` yields to a prediction or an emulated device
+        limit; the test's own ``observe="allocations"`` under one of them is an error."""
         settings = self.settings
-        if spec.observe is None:
-            needs = spec.device_limit is not None or settings.device_limit is not None or predict is not None
-            return "operators" if needs else settings.observe
-        if spec.observe == "allocations" and predict is not None:
-            pytest.fail(
-                f"{item.nodeid}: observe='allocations' cannot predict={predict!r} (a prediction follows the operators)",
-                pytrace=False,
-            )
-        if spec.observe == "allocations" and spec.device_limit is None and settings.device_limit is not None:
-            pytest.fail(
-                f"{item.nodeid}: observe='allocations' cannot run under --gpumem-device-limit="
-                f"{settings.device_limit} (an emulated device limit needs observe='operators')",
-                pytrace=False,
-            )
-        return spec.observe
+        run_limit = None if settings.device_limit is None else f"--gpumem-device-limit={settings.device_limit}"
+        limit = None if spec.device_limit is not None else run_limit  # the marker's own was checked at collection
+        conflict = observe_conflict(spec.observe, predict=predict, limit=limit)
+        if conflict is not None:
+            pytest.fail(f"{item.nodeid}: {conflict}", pytrace=False)
+        needs_limit = spec.device_limit is not None or settings.device_limit is not None
+        return choose_observe(spec.observe, default=settings.observe, predict=predict, limit=needs_limit)
 
     def _environment(self, engine: Engine) -> dict[str, Any]:
         key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{engine.predicts}"

@@ -14,7 +14,7 @@ from typing import Any
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import METRIC_TABLE, METRICS
 from pytest_gpumem.judge.limits import LimitSpec, SpecError, parse_limit, parse_tolerance_keyword
-from pytest_gpumem.measurement.observe import ObserveError, parse_observe
+from pytest_gpumem.measurement.observe import ObserveError, observe_conflict, parse_observe
 from pytest_gpumem.units import SizeError, parse_size
 
 __all__ = [
@@ -145,15 +145,14 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
             f"unknown keyword {', '.join(map(repr, unknown))}; expected one of {', '.join(MARKER_KEYWORDS)}"
         )
     limits = tuple(parse_limit(metric, merged[metric]) for metric in METRICS if merged.get(metric) is not None)
-    if merged.get("observe") == "allocations" and merged.get("predict") is not None:
-        raise SpecError(
-            f"observe='allocations' cannot predict={merged['predict']!r}: a prediction follows the operators"
-        )
-    if merged.get("observe") == "allocations" and merged.get("device_limit") is not None:
-        raise SpecError(
-            f"observe='allocations' cannot run under device_limit={merged['device_limit']!r}: "
-            "an emulated device limit needs observe='operators'"
-        )
+    limit = merged.get("device_limit")
+    conflict = observe_conflict(
+        merged.get("observe"),
+        predict=merged.get("predict"),
+        limit=None if limit is None else f"device_limit={limit!r}",
+    )
+    if conflict is not None:
+        raise SpecError(conflict)
     return GpumemSpec(
         limits=limits,
         device=None if merged.get("device") is None else parse_device(merged["device"]),

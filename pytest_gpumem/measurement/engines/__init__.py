@@ -21,7 +21,7 @@ from pytest_gpumem.measurement.engines.compiled import describe_compiled
 from pytest_gpumem.measurement.engines.cuda import cuda_available
 from pytest_gpumem.measurement.engines.storages import unseen_note
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
-from pytest_gpumem.measurement.observe import parse_observe
+from pytest_gpumem.measurement.observe import observe_conflict, parse_observe
 
 __all__ = [
     "DEVICE_HELP",
@@ -95,8 +95,9 @@ def make_engine(
 
         if resolved.type != "cpu":
             raise ValueError(f"predict={predict!r} runs on the CPU engine, not on {str(resolved)!r}")
-        if observe != "operators":
-            raise ValueError(f"predict={predict!r} needs observe='operators', not {observe!r}")
+        conflict = observe_conflict(observe, predict=predict)
+        if conflict is not None:
+            raise ValueError(conflict)
         return PredictEngine(target(predict))
     if resolved.type == "cpu":
         if observe == "allocations":
