@@ -45,3 +45,14 @@ def describe_compiled(frames: list[tuple[bool, str]]) -> str:
     forwards = [text for in_torch, text in frames if in_torch and ".forward (" in text]
     names = list(dict.fromkeys(own or forwards or ["a torch.compile'd function"]))
     return "; ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def forget_skips(codes: set[Any]) -> None:
+    """Undo what a dispatch mode made TorchDynamo remember: it skips a code it ran eagerly
+    under a dispatch mode on every later call too. Its state is reset, so the next call
+    compiles it again (from Inductor's caches where they hold it) and runs it compiled."""
+    reset_code = getattr(sys.modules.get("torch._dynamo"), "reset_code", None)
+    if reset_code is None:
+        return
+    for code in codes:
+        reset_code(code)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -148,3 +148,16 @@ def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
 
 class OutOfMemory(torch.OutOfMemoryError):
     """Raised by the tracker when an emulated device limit would be exceeded."""
+
+
+class StorageObserver(Protocol):
+    """Follows a tracker's count block by block (keys are storages' addresses, or a block's own)."""
+
+    def allocated(self, key: int, nbytes: int) -> None:
+        """A block of ``nbytes`` is counted under ``key``."""
+
+    def freed(self, key: int) -> None:
+        """The block under ``key`` is freed."""
+
+    def resized(self, key: int, nbytes: int) -> None:
+        """The block under ``key`` holds ``nbytes`` now (a storage resized in place)."""

@@ -33,10 +33,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import (
@@ -51,6 +50,7 @@ except ImportError:  # pragma: no cover - torch moved it
     OpOverload = None  # type: ignore[assignment,misc]
 
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.measurement.engines.compiled import forget_skips
 from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
@@ -59,6 +59,7 @@ from pytest_gpumem.measurement.engines.storages import (
     Block,
     Entry,
     OutOfMemory,
+    StorageObserver,
     Window,
     local_tensors,
 )
@@ -70,19 +71,6 @@ PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(
 
 #: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
 TIMELINE_LIMIT = 4096
-
-
-class StorageObserver(Protocol):
-    """Follows a tracker's count block by block (keys are storages' addresses, or a block's own)."""
-
-    def allocated(self, key: int, nbytes: int) -> None:
-        """A block of ``nbytes`` is counted under ``key``."""
-
-    def freed(self, key: int) -> None:
-        """The block under ``key`` is freed."""
-
-    def resized(self, key: int, nbytes: int) -> None:
-        """The block under ``key`` holds ``nbytes`` now (a storage resized in place)."""
 
 
 class StorageTracker:
@@ -100,8 +88,7 @@ class StorageTracker:
             under the tracker's lock: a model of another allocator follows the count this way.
         operator_hooks: operator name (``"mm"``) → called with the operator's arguments just
             before it runs, under the lock (the prediction's library workspaces).
-        thread_contexts: made and entered on every thread the tracker watches, after its
-            dispatch mode, left before it (the prediction's kernels: a function mode is per thread).
+        thread_contexts: entered on every thread it watches, after its dispatch mode (the prediction's kernels).
     """
 
     def __init__(
@@ -552,18 +539,8 @@ class StorageTracker:
             mode.__exit__(None, None, None)
         watch_resizes(self, watch=False)
         follow_threads(self, follow=False)
-        self._forget_skips()
-
-    def _forget_skips(self) -> None:
-        """Undo what the dispatch mode made TorchDynamo remember: it skips a code it ran eagerly
-        under a dispatch mode on every later call too. Its state is reset, so the next call
-        compiles it again (from Inductor's caches where they hold it) and runs it compiled."""
         codes, self.skipped_codes = self.skipped_codes, set()
-        reset_code = getattr(sys.modules.get("torch._dynamo"), "reset_code", None)
-        if reset_code is None:
-            return
-        for code in codes:
-            reset_code(code)
+        forget_skips(codes)
 
     def _pack(self, tensor: torch.Tensor) -> Held:
         if type(tensor) not in _PLAIN:

@@ -1,0 +1,82 @@
+"""The package's layout holds its bounds: modules of at most 600 lines, a pytest layer of
+wiring (each of its modules at most 300 lines), a tracker private to the engines, public names
+listed once, and a plugin that pytest loads without torch. The layers themselves are checked
+by import-linter's contracts (``lint-imports``, pyproject's ``[tool.importlinter]``)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pytest_gpumem
+
+PACKAGE = Path(pytest_gpumem.__file__).resolve().parent
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def test_no_module_is_over_600_lines() -> None:
+    long = {str(path.relative_to(PACKAGE)): _lines(path) for path in MODULES if _lines(path) > 600}
+    assert not long, long
+
+
+def test_the_pytest_layer_is_wiring_in_modules_of_at_most_300_lines() -> None:
+    plugin = PACKAGE / "plugin"
+    wiring = [plugin / name for name in ("__init__.py", "collection.py", "manager.py", "ending.py")]
+    assert {path: _lines(path) for path in wiring if _lines(path) > 300} == {}
+    hooks = [
+        node.name for node in ast.parse((plugin / "__init__.py").read_text()).body if isinstance(node, ast.FunctionDef)
+    ]
+    assert hooks and all(name.startswith("pytest_") or name == "gpumem" or name.startswith("_") for name in hooks)
+
+
+def test_only_the_engines_reach_a_storage_tracker() -> None:
+    """Outside ``measurement/engines`` nothing reads ``.tracker`` of an engine: what the rest of
+    the package needs of a tracker is a member of the Engine protocol."""
+    engines = PACKAGE / "measurement" / "engines"
+    found = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in MODULES
+        if engines not in path.parents
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute)
+        and node.attr == "tracker"
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+    assert not found, found
+
+
+def test_public_names_are_listed_once_and_each_loads() -> None:
+    stub = ast.parse((PACKAGE / "__init__.pyi").read_text(encoding="utf-8"))
+    listed = [alias.name for node in stub.body if isinstance(node, ast.ImportFrom) for alias in node.names]
+    assert len(listed) == len(set(listed)) and sorted(listed) == pytest_gpumem.__all__
+    init = ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))
+    literals = {
+        item.value
+        for node in ast.walk(init)
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict))
+        for item in ast.walk(node)
+        if isinstance(item, ast.Constant)
+    }
+    imported = {alias.name for node in ast.walk(init) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert not (set(listed) & (literals | imported))  # no second list of them in __init__.py
+    assert all(getattr(pytest_gpumem, name) is not None for name in listed)
+    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
+        pytest_gpumem.nothing_here  # noqa: B018
+
+
+def test_pytest_loads_the_plugin_without_torch() -> None:
+    """Loading the plugin (as pytest does, through its entry point) imports no torch: a suite
+    without a measured test pays nothing for it (benchmarks/bench_import.py times it)."""
+    code = (
+        "import sys, pytest, pytest_gpumem.plugin; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.strip() == "[]", done.stdout
