@@ -3,7 +3,7 @@
 Three suites, each run in a fresh pytest session per round:
 
 - ``demo``: the demo suite (``examples/``), as a user runs it;
-- ``zoo``: one measured training step per zoo model (``fixtures/zoo.py``: MLP, transformer
+- ``zoo``: one measured training step per zoo model (``pytest_gpumem/validate/zoo.py``: MLP, transformer
   block, GPT-2, Llama when ``transformers`` is installed) in fp32 and bf16;
 - ``own``: the project's benchmark suite (``bench_overhead.py``'s 200 training-step tests,
   MLPs with AdamW or SGD with momentum).

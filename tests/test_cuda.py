@@ -1,6 +1,6 @@
 """CUDA figures against PyTorch's own allocator counters. Skipped without a GPU.
 
-These run on a GPU machine (``scripts/gpu-validate`` runs them and records the data
+These run on a GPU machine (``python -m pytest_gpumem validate`` runs them and records the data
 that CPU tests replay). Nothing here is mocked: without a device they do not run.
 """
 

@@ -12,7 +12,7 @@ figure, and the calls of the emulated device limit and of the leak check.
 These are facts about OUR code, not about the driver or the caching allocator: the
 stand-in's numbers are invented, distinct per key so that a figure read from the wrong
 key shows. Nothing here says what a device measures; that is checked on a GPU only
-(``tests/test_cuda.py``, ``scripts/gpu-validate``).
+(``tests/test_cuda.py``, ``python -m pytest_gpumem validate``).
 """
 
 from __future__ import annotations

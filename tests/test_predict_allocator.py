@@ -104,7 +104,7 @@ def test_targets_are_data_and_names_are_checked() -> None:
 
 def test_the_allocation_trace_recorded_on_an_h100_replays_to_the_same_segments(recorded_h100: Path) -> None:
     """The memory snapshot recorded on the H100 (torch 2.11, the reference workloads of
-    ``scripts/gpu-validate``): its trace replayed through the model reserves the same segments,
+    ``python -m pytest_gpumem validate``): its trace replayed through the model reserves the same segments,
     in the same order, and ends with the snapshot's segments, block for block."""
     with (recorded_h100 / "snapshot.pickle").open("rb") as file:
         snapshot = pickle.load(file)

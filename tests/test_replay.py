@@ -1,6 +1,6 @@
 """Replay of recorded GPU data on the CPU: the parts of the plugin that interpret it.
 
-``scripts/gpu-validate`` on a GPU machine writes ``fixtures/recorded/<gpu>-torch<x.y>/``:
+``python -m pytest_gpumem validate`` on a GPU machine writes ``fixtures/recorded/<gpu>-torch<x.y>/``:
 ``record.json`` (the plugin's measurements, PyTorch's counters, the environment, the zoo
 table), ``memory_stats.json`` (raw ``memory_stats()`` dumps) and ``snapshot.pickle``. For every
 such folder the tests below check, in normal CI without a GPU, that
@@ -93,7 +93,7 @@ if RECORDED:
 
 @pytest.fixture(scope="module")
 def cpu_record(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A record written by ``scripts/gpu-validate --cpu-only`` (in-process, tiny zoo, MLP only)."""
+    """A record written by ``python -m pytest_gpumem validate --cpu-only`` (in-process, tiny zoo, MLP only)."""
     out = tmp_path_factory.mktemp("cpu-record")
     main(["--cpu-only", "--out", str(out), "--size", "tiny", "--models", "mlp"])  # its checks: test_validate.py
     (folder,) = recorded_folders(out)

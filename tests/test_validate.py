@@ -1,4 +1,4 @@
-"""``scripts/gpu-validate`` on the CPU: its CPU half, its record, and the reference workloads' CPU figures.
+"""``python -m pytest_gpumem validate`` on the CPU: its CPU half, its record, and the reference workloads' CPU figures.
 
 The GPU half needs a CUDA device and runs on a GPU machine (see ``docs``: "Validating on a
 GPU"); here the script runs with ``--cpu-only`` on the tiny zoo, and the reference workloads

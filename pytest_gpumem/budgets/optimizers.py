@@ -84,7 +84,7 @@ def _rule_for(optimizer_class: type[torch.optim.Optimizer]) -> OptimizerRule:
             return rule
     raise ValueError(
         f"no state rule for optimizer {optimizer_class.__name__}; "
-        f"register one with pytest_gpumem.budgets.formulas.register_optimizer({optimizer_class.__name__}, fn)"
+        f"register one with pytest_gpumem.budgets.optimizers.register_optimizer({optimizer_class.__name__}, fn)"
     )
 
 

@@ -68,14 +68,14 @@ def max_microbatch(
             samples (build the batch inside; return nothing the search should keep).
         start: the first size tried (>= 1).
         limit: an emulated device limit for each try (bytes or a size string such
-            as ``"8GB"``), through :func:`~pytest_gpumem.diagnose.oom.device_limit`; needs
+            as ``"8GB"``), through :func:`~pytest_gpumem.measurement.devicelimit.device_limit`; needs
             ``engine``. None: the device's real memory. On the CPU engine the
             tracker is started for the search when it is not running.
         upper: the largest size worth trying (say the global batch). Without it
             a step that never runs out of memory never stops growing, so on the
             CPU engine without a limit it is required.
         engine: the engine of the device the step runs on, or its name
-            (``"cpu"``, ``"cuda:0"``; see :func:`~pytest_gpumem.measurement.recorder.engine_for`):
+            (``"cpu"``, ``"cuda:0"``; see :func:`~pytest_gpumem.measurement.active.engine_for`):
             needed for ``limit``, and on CUDA-like devices it lets the search
             empty the allocator's cache between tries.
         cleanup: called after every try, successful or not, before garbage

@@ -25,15 +25,15 @@ def device_limit(target: Engine | StorageTracker | str | torch.device, limit: in
 
     ``target`` is an engine (:func:`pytest_gpumem.make_engine`), a device name
     (``"cpu"``, ``"cuda:0"``, ``"auto"``: the engine measuring that device now,
-    inside a measured test or a :func:`~pytest_gpumem.measurement.recorder` block, else a new
-    one; see :func:`~pytest_gpumem.measurement.recorder.engine_for`) or a bare
+    inside a measured test or a :func:`~pytest_gpumem.measurement.active.measure` block, else a new
+    one; see :func:`~pytest_gpumem.measurement.active.engine_for`) or a bare
     :class:`~pytest_gpumem.measurement.engines.tracker.StorageTracker`; ``limit`` is bytes or
     a size string (``"8GB"``, see :func:`~pytest_gpumem.units.parse_size`).
 
     * CPU engine / tracker: an allocation that would take the tracker's
       *allocated* bytes over the limit raises :class:`torch.OutOfMemoryError`,
       but only while the tracker runs (it sees allocations only then; inside a
-      measured test or a :func:`~pytest_gpumem.measurement.recorder` block it does). Bytes
+      measured test or a :func:`~pytest_gpumem.measurement.active.measure` block it does). Bytes
       already allocated never raise.
     * CUDA-like engine: the caching allocator is capped with
       ``set_per_process_memory_fraction(limit / total)``: its *reserved* memory

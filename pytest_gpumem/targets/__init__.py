@@ -4,7 +4,7 @@ A *target* is one GPU family with one PyTorch version, described by a row of
 ``targets.json``: the device it stands for, the caching allocator's constants
 (:class:`~pytest_gpumem.targets.allocator.AllocatorRules`), and the library workspaces its
 threads allocate. A new GPU or PyTorch version is a new row, checked against a new record
-made on that GPU by ``scripts/gpu-validate`` (the row's ``record``).
+made on that GPU by ``python -m pytest_gpumem validate`` (the row's ``record``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The machinery behind ``python -m pytest_gpumem validate``: workloads, checks, the record, its replay.
 
-``scripts/gpu-validate`` validates pytest-gpumem on a real GPU and records what it saw, so
+``python -m pytest_gpumem validate`` validates pytest-gpumem on a real GPU and records what it saw, so
 that CPU-only CI can replay the parts of the plugin that interpret GPU data. On a CUDA
 machine it
 

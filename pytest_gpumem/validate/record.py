@@ -204,7 +204,7 @@ def build_record(
     return {
         "schema": SCHEMA,
         "protocol": PROTOCOL,
-        "generator": f"scripts/gpu-validate (pytest-gpumem {pytest_gpumem.__version__})",
+        "generator": f"python -m pytest_gpumem validate (pytest-gpumem {pytest_gpumem.__version__})",
         "mode": mode,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
