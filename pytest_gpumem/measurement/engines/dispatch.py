@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import (
@@ -20,8 +22,20 @@ from pytest_gpumem.measurement.engines.storages import (
     operator_of,
 )
 
-if TYPE_CHECKING:
-    from pytest_gpumem.measurement.engines.tracker import StorageTracker
+
+class Dispatched(Protocol):
+    """What a storage tracker offers its dispatch mode."""
+
+    _operators: dict[Any, tuple[Callable[..., Any], int, Callable[[tuple[Any, ...]], None] | None]]
+    operator_hooks: dict[str, Callable[[tuple[Any, ...]], None]]
+    _lock: threading.RLock
+    compiled_frames: list[tuple[bool, str]]
+    skipped_codes: set[Any]
+
+    def _output(self, out: torch.Tensor, fresh: bool) -> None: ...
+
+    def _outputs(self, out: Any, fresh: bool) -> None: ...
+
 
 __all__ = ["TrackerMode"]
 
@@ -33,7 +47,7 @@ class TrackerMode(TorchDispatchMode):
     training step's operators) return at the first dictionary lookup.
     """
 
-    def __init__(self, tracker: StorageTracker) -> None:
+    def __init__(self, tracker: Dispatched) -> None:
         super().__init__()
         self.tracker = tracker
         self.operators = tracker._operators

@@ -15,17 +15,25 @@ try:
 except ImportError:  # pragma: no cover - torch moved it
     OpOverload = None  # type: ignore[assignment,misc]
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pytest_gpumem.measurement.engines.tracker import StorageTracker
+from typing import Protocol
 
 
-RESIZE_WATCHERS: list[StorageTracker] = []
+class Follower(Protocol):
+    """What a storage tracker offers the threads it follows and the storages it watches."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def _follow(self, stack: contextlib.ExitStack) -> None: ...
+
+    def _storage_resized(self, storage: torch.UntypedStorage) -> None: ...
+
+
+RESIZE_WATCHERS: list[Follower] = []
 _original_resize: Any = None
 
 
-def watch_resizes(tracker: StorageTracker, *, watch: bool) -> None:
+def watch_resizes(tracker: Follower, *, watch: bool) -> None:
     """Tell ``tracker`` of storages resized in place while it watches (``UntypedStorage.resize_``
     runs under no operator); the method is restored when no tracker watches."""
     global _original_resize
@@ -50,12 +58,12 @@ def watch_resizes(tracker: StorageTracker, *, watch: bool) -> None:
             _original_resize = None
 
 
-FOLLOWERS: list[StorageTracker] = []
+FOLLOWERS: list[Follower] = []
 _original_start: Any = None
 _original_submit: Any = None
 
 
-def follow_threads(tracker: StorageTracker, *, follow: bool) -> None:
+def follow_threads(tracker: Follower, *, follow: bool) -> None:
     """While ``tracker`` watches, threads started (``threading.Thread.start``) and callables
     submitted to thread pools (``ThreadPoolExecutor.submit``) run under it as well: torch's
     dispatch modes and saved-tensor hooks are per thread. The methods are restored when no
@@ -104,7 +112,7 @@ def _submit(executor: ThreadPoolExecutor, fn: Callable[..., Any], /, *args: Any,
     return submit(executor, call_followed, trackers, fn, *args, **kwargs)
 
 
-def call_followed(trackers: list[StorageTracker], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def call_followed(trackers: list[Follower], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` on this thread, watched by those of ``trackers`` still active."""
     with contextlib.ExitStack() as stack:
         for tracker in trackers:
