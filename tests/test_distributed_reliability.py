@@ -153,6 +153,22 @@ def test_what_a_finished_rank_left_running_ends_with_the_run(tmp_path: Path, mon
     assert left == set()
 
 
+#: The conftest of a pytest that a test stops from outside: every thread's stack on SIGUSR1,
+#: into a file of its own (pytest captures the standard streams).
+STACKS_ON_SIGUSR1 = """
+import faulthandler, signal
+STACKS = open("stacks.txt", "w")
+faulthandler.register(signal.SIGUSR1, file=STACKS, all_threads=True)
+"""
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
 SLEEPING_RANKS = """
 import os
 import subprocess
@@ -190,17 +206,20 @@ def test_no_process_outlives_a_pytest_that_is_stopped_while_ranks_run(
     pytest; the ranks notice their parent is gone. SIGINT, to pytest alone: the ranks are in
     groups of their own, pytest stops them)."""
     (tmp_path / "test_sleeping.py").write_text(SLEEPING_RANKS)
+    (tmp_path / "conftest.py").write_text(STACKS_ON_SIGUSR1)
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
     env = {**os.environ, "GPUMEM_TEST_PIDS": str(pids_dir), "PYTEST_ADDOPTS": "-p no:randomly -p no:cacheprovider"}
-    pytest_process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "test_sleeping.py", "-q"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    output = tmp_path / "output.txt"
+    with output.open("w") as out:
+        pytest_process = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "test_sleeping.py", "-q"],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     started: set[int] = set()
     try:
         files = _wait_for_files(pids_dir, 2, 120)
@@ -208,7 +227,17 @@ def test_no_process_outlives_a_pytest_that_is_stopped_while_ranks_run(
         assert _pids_written(files) <= started  # the ranks and their `sleep`s, with the resource tracker
         assert len(started) >= 5
         os.kill(pytest_process.pid, how)
-        pytest_process.wait(30)
+        try:
+            pytest_process.wait(30)
+        except subprocess.TimeoutExpired:  # say where it is stuck: every thread's stack, and its output
+            os.kill(pytest_process.pid, signal.SIGUSR1)
+            time.sleep(2)
+            stacks = (tmp_path / "stacks.txt").read_text(errors="replace")
+            processes = {pid: _command(pid) for pid in _descendants(pytest_process.pid)}
+            pytest.fail(
+                f"pytest did not end within 30 s of {how.name}; its processes: {processes}\n"
+                f"its threads:\n{stacks}\nits output:\n{output.read_text(errors='replace')[-4000:]}"
+            )
         left = _wait_gone(started, 10)
         assert pytest_process.returncode == status  # pytest still ends as the signal ends it
     finally:

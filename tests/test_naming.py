@@ -5,6 +5,8 @@ them (``model.weight.grad``, ``MODELS['big'].weight``, ``opt.state[model.weight]
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import run, run_fresh
@@ -135,4 +137,4 @@ def test_an_out_of_memory_report_names_what_an_earlier_test_left_behind(pytester
     result.assert_outcomes(passed=1, failed=1)
     table = result.stdout.str().split("largest live tensors")[1].split("- gpumem artifacts -")[0]
     # two levels up the referrers: the dict, and the object whose attribute it is
-    assert "4.00 MiB  1024×1024  float32  other       Compiled.constants['w']" in table, table
+    assert re.search(r"4\.00 MiB  1024×1024  float32  other +Compiled\.constants\['w'\]", table), table

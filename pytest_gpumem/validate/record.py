@@ -311,10 +311,11 @@ def scrub_paths(value: Any, paths: Mapping[str, str] | None = None) -> Any:
         done = cleaned.get(text)
         if done is None:
             done = text
-            for pattern, name in _LAYOUTS:  # installed packages before the prefix that holds them
+            for pattern, name in _LAYOUTS[:2]:  # installed packages before the prefix that holds them
                 done = pattern.sub(name, done)
             for prefix, name in prefixes:
                 done = done.replace(prefix, name)
+            done = _LAYOUTS[2][0].sub(_LAYOUTS[2][1], done)  # another machine's temporary folders
             cleaned[text] = done
         return done
 
