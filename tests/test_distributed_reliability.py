@@ -162,6 +162,12 @@ faulthandler.register(signal.SIGUSR1, file=STACKS, all_threads=True)
 """
 
 
+def _interruptible_child() -> None:
+    """Give a child the default SIGINT: a shell runs a background job (CI's script, say) with
+    SIGINT ignored, children inherit that, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _command(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -219,6 +225,7 @@ def test_no_process_outlives_a_pytest_that_is_stopped_while_ranks_run(
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_interruptible_child,
         )
     started: set[int] = set()
     try:
@@ -492,7 +499,15 @@ def test_ctrl_c_while_rank_zero_waits_for_the_others_ends_it_at_once_and_cleanly
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}"]
     command += ["--redirects=3", "--log-dir=logs", "-m", "pytest", "test_late.py", "--gpumem-update-baselines"]
     with open(tmp_path / "torchrun.log", "wb") as log:
-        launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=log, start_new_session=True)
+        launcher = subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            preexec_fn=_interruptible_child,
+        )
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob("logs/*/attempt_0/0/stdout.log")) and time.monotonic() < deadline:
