@@ -15,6 +15,8 @@ from sybil import Document, Example, Region, Sybil
 from sybil.example import SybilFailure
 from sybil.parsers.markdown import ClearNamespaceParser, PythonCodeBlockParser, SkipParser
 
+from pytest_gpumem.budgets import optimizers
+
 ROOT = Path(__file__).resolve().parent.parent
 #: ``<!-- test-file: test_x.py -->`` (or ``quickstart``) on the line before a block.
 _TEST_FILE = re.compile(r"<!--\s*(?:quickstart|test-file):\s*(test_\w+\.py)\s*-->\s*$")
@@ -75,12 +77,15 @@ def _run_test_file(example: Example) -> str | None:
 
 #: The working directory to return to, and the temporary folder, of the document running now.
 _RUNNING: dict[str, str] = {}
+#: The optimizer registry as it was before the document ran.
+_REGISTRY: dict[str, Any] = {}
 
 
 def _setup(namespace: dict[str, Any]) -> None:
     """Each document runs in a fresh temporary folder (what an example writes lands there)."""
     import tempfile
 
+    _REGISTRY.update(rules=dict(optimizers._RULES), names=dict(optimizers._NAMES))
     _RUNNING["folder"] = tempfile.mkdtemp(prefix="gpumem-docs-")
     _RUNNING["cwd"] = os.getcwd()
     os.chdir(_RUNNING["folder"])
@@ -94,6 +99,11 @@ def _teardown(namespace: dict[str, Any]) -> None:
     os.chdir(_RUNNING.pop("cwd"))
     shutil.rmtree(_RUNNING.pop("folder"), ignore_errors=True)
     namespace.clear()
+    # An example's registered optimizer leaves with it: its rule's globals were the namespace.
+    optimizers._RULES.clear()
+    optimizers._RULES.update(_REGISTRY.pop("rules"))
+    optimizers._NAMES.clear()
+    optimizers._NAMES.update(_REGISTRY.pop("names"))
     gc.collect()
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from fractions import Fraction
 from typing import Any
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from pytest_gpumem.budgets import optimizers
 from pytest_gpumem.budgets.formulas import (
     PRECISIONS,
     Budget,
@@ -412,7 +413,18 @@ def _ema_sign_rule(group: Mapping[str, Any], params: Any) -> OptimizerState:
     )
 
 
-def test_register_user_optimizer() -> None:
+@pytest.fixture
+def registry() -> Iterator[None]:
+    """A test that registers an optimizer takes it away again: the registry is the process's."""
+    rules, names = dict(optimizers._RULES), dict(optimizers._NAMES)
+    yield
+    optimizers._RULES.clear()
+    optimizers._RULES.update(rules)
+    optimizers._NAMES.clear()
+    optimizers._NAMES.update(names)
+
+
+def test_register_user_optimizer(registry: None) -> None:
     model = mlp()
     optimizer = EmaSign(model.parameters())
     with pytest.raises(ValueError, match=r"no state rule for optimizer EmaSign; register one"):
