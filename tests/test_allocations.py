@@ -8,6 +8,7 @@ running sum of PyTorch's own allocation events for that step.
 
 from __future__ import annotations
 
+import gc
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,9 @@ def _figures(m: Measurement) -> tuple[Any, ...]:
 
 
 def _measure_step(observe: str, build: Callable[[], tuple[Any, Any, torch.Tensor]]) -> Measurement:
+    # The figures count every live storage, garbage that waits for the collector too: an earlier
+    # test's cycle, collected between the two engines' steps, would make their starts differ.
+    gc.collect()
     torch.manual_seed(0)
     model, optimizer, x = build()
 
