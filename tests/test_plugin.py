@@ -341,6 +341,44 @@ def test_keeps_a_local():
     assert not any("retained" in line and "exceeds" in line for line in result.outlines)
 
 
+def test_the_return_watch_traces_no_call_of_the_test_body(pytester: pytest.Pytester) -> None:
+    """Reading ``allocated`` as the test returns must not leave a tracer over the test's body:
+    one asked at every Python call made each operator of a training step ~3 µs slower."""
+    pytester.makepyfile(
+        """
+import sys, pytest, torch
+
+def helper():
+    return sys.gettrace()
+
+@pytest.mark.gpumem(allocated="64KiB")
+def test_untraced():
+    x = torch.ones(256)
+    assert sys.gettrace() is None and helper() is None
+"""
+    )
+    run(pytester).assert_outcomes(passed=1)
+
+
+def test_measuring_does_not_import_torchdynamo(pytester: pytest.Pytester) -> None:
+    """torch wraps a dispatch mode's handler in TorchDynamo's ``disable``, which imports TorchDynamo
+    (0.8 s) at the first operator; the tracker's mode turns TorchDynamo's frame hook off itself."""
+    pytester.makepyfile(
+        """
+import sys, pytest, torch
+
+@pytest.mark.gpumem(peak="1MiB")
+def test_step():
+    model = torch.nn.Linear(16, 16)
+    model(torch.randn(4, 16)).sum().backward()
+
+def test_after():
+    assert "torch._dynamo" not in sys.modules
+"""
+    )
+    run_fresh(pytester, "-p", "no:randomly").assert_outcomes(passed=2)
+
+
 @pytest.mark.slow
 def test_retained_catches_a_leak(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(

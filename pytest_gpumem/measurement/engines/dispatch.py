@@ -16,6 +16,11 @@ try:
 except ImportError:  # pragma: no cover - torch moved it
     OpOverload = None  # type: ignore[assignment,misc]
 
+try:  # TorchDynamo's frame hook, a C function of torch itself: importing it does not import TorchDynamo
+    from torch._C._dynamo.eval_frame import set_eval_frame
+except ImportError:  # pragma: no cover - torch moved it: the mode keeps torch's own wrapper
+    set_eval_frame = None
+
 from pytest_gpumem.measurement.engines.compiled import skipped_frame
 from pytest_gpumem.measurement.engines.storages import (
     FRESH,
@@ -59,6 +64,15 @@ class TrackerMode(TorchDispatchMode):
         #: :meth:`ignore_compile_internals` (the mode's own ``__enter__`` asks it first)
         self.armed = False
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: torch would wrap ``__torch_dispatch__`` in ``torch._dynamo.disable``, so that
+        TorchDynamo never compiles the mode's own frames. The wrapper imports TorchDynamo at the
+        first operator (0.8 s, which a suite that never compiles does not pay otherwise) and costs
+        about 1.4 µs per operator (three Python frames); :meth:`__torch_dispatch__` does what it
+        does, turning TorchDynamo's frame hook off while it runs, with one C call."""
+        return set_eval_frame is None
+
     def ignore_compile_internals(self) -> bool:  # type: ignore[override]
         """TorchDynamo asks every dispatch mode on the stack this before it compiles or runs a
         ``torch.compile``'d frame; False makes it run the frame eagerly, operator by operator,
@@ -82,24 +96,32 @@ class TrackerMode(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        operator = self.operators.get(func)
-        if operator is None:
-            operator = self.operators[func] = (*operator_of(func), self.hooks.get(func._overloadpacket.__name__))
-        call, kind, hook = operator
-        if hook is not None:
-            self.acquire()
-            try:
-                hook(args)
-            finally:
-                self.release()
-        out = call(*args, **kwargs) if kwargs else call(*args)
-        if kind:
-            self.acquire()  # one count for every thread the tracker watches
-            try:
-                if isinstance(out, torch.Tensor):
-                    self.output(out, kind == FRESH)
-                else:
-                    self.outputs(out, kind == FRESH)
-            finally:
-                self.release()
-        return out
+        # TorchDynamo's frame hook, set while a torch.compile'd function runs, must not compile the
+        # mode's own frames (nor an operator's Python kernel): off while it works, as the wrapper
+        # torch puts around other modes does (see _should_skip_dynamo)
+        prior = set_eval_frame(None) if set_eval_frame is not None else None
+        try:
+            operator = self.operators.get(func)
+            if operator is None:
+                operator = self.operators[func] = (*operator_of(func), self.hooks.get(func._overloadpacket.__name__))
+            call, kind, hook = operator
+            if hook is not None:
+                self.acquire()
+                try:
+                    hook(args)
+                finally:
+                    self.release()
+            out = call(*args, **kwargs) if kwargs else call(*args)
+            if kind:
+                self.acquire()  # one count for every thread the tracker watches
+                try:
+                    if isinstance(out, torch.Tensor):
+                        self.output(out, kind == FRESH)
+                    else:
+                        self.outputs(out, kind == FRESH)
+                finally:
+                    self.release()
+            return out
+        finally:
+            if prior is not None:
+                set_eval_frame(prior)
