@@ -128,6 +128,38 @@ TEST = textwrap.dedent(
     """
 )
 
+ENCODER_TEST_FILE = textwrap.dedent(
+    '''
+    """2-layer TransformerEncoder training steps on the CPU, each measured by pytest-gpumem."""
+
+    import pytest
+    import torch
+    from torch import nn
+
+
+    def train():
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(128, 4, 512, batch_first=True, dropout=0.0)
+        model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(8, 64, 128)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+    {tests}
+    '''
+)
+
+ENCODER_TEST = textwrap.dedent(
+    """
+    @pytest.mark.gpumem(peak="1GiB")
+    def test_encoder_{index}():
+        train()
+    """
+)
+
 CUDA_CONFTEST = textwrap.dedent(
     '''
     """GPU suite written by benchmarks/bench_overhead.py --cuda."""
@@ -187,8 +219,9 @@ CUDA_TEST = textwrap.dedent(
 )
 
 
-def write_suite(folder: Path, tests: int, *, cuda: bool = False) -> None:
-    """Write ``tests`` marked training-step tests in ``FILES`` files and a conftest (the GPU suite with ``cuda``)."""
+def write_suite(folder: Path, tests: int, *, cuda: bool = False, suite: str = "mlp") -> None:
+    """Write ``tests`` marked training-step tests in ``FILES`` files and a conftest (the GPU suite
+    with ``cuda``; on the CPU, ``suite`` is ``"mlp"`` or ``"encoder"``)."""
     (folder / "conftest.py").write_text(CUDA_CONFTEST if cuda else CONFTEST)
     per_file = -(-tests // FILES)
     for f in range(FILES):
@@ -196,6 +229,9 @@ def write_suite(folder: Path, tests: int, *, cuda: bool = False) -> None:
         if cuda:
             body = "".join(CUDA_TEST.format(index=i, d_model=256 + 64 * (i % 4)) for i in indices)
             (folder / f"test_steps_{f}.py").write_text(CUDA_TEST_FILE.format(tests=body))
+        elif suite == "encoder":
+            body = "".join(ENCODER_TEST.format(index=i) for i in indices)
+            (folder / f"test_steps_{f}.py").write_text(ENCODER_TEST_FILE.format(tests=body))
         else:
             body = "".join(TEST.format(index=i, optimizer="adamw" if i % 2 else "sgd-momentum") for i in indices)
             (folder / f"test_steps_{f}.py").write_text(TEST_FILE.format(tests=body))
@@ -266,12 +302,18 @@ def main() -> None:
         "--tests", type=int, default=None, help="number of generated tests (default 200; 60 with --cuda)"
     )
     parser.add_argument("--cuda", action="store_true", help="the GPU suite: TransformerEncoder steps on cuda")
+    parser.add_argument(
+        "--suite",
+        choices=("mlp", "encoder"),
+        default="mlp",
+        help="the CPU suite: tiny MLP steps (default) or 2-layer TransformerEncoder steps (40 tests by default)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; figures are medians (default 3)")
     parser.add_argument("--slow", type=float, default=None, help="slower than this (s): run once (30; 600 --cuda)")
     parser.add_argument("--keep", type=Path, default=None, help="write the suite here and keep it")
     options = parser.parse_args()
     if options.tests is None:
-        options.tests = 60 if options.cuda else 200
+        options.tests = 60 if options.cuda else 40 if options.suite == "encoder" else 200
     if options.slow is None:
         options.slow = 600.0 if options.cuda else 30.0
 
@@ -279,7 +321,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gpumem-bench-") as tmp:
         folder = options.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        write_suite(folder, options.tests, cuda=options.cuda)
+        write_suite(folder, options.tests, cuda=options.cuda, suite=options.suite)
         run_session(folder, runs[0], None)  # warm the file cache and torch's first import
         for round_index in range(options.repeat):
             order = runs if round_index % 2 == 0 else runs[::-1]
@@ -304,7 +346,13 @@ def main() -> None:
                 f"{(median - reference) / options.tests * 1000:+.2f}",
             ]
         )
-    suite = "TransformerEncoder steps on CUDA" if options.cuda else "MLP steps on the CPU"
+    suite = (
+        "TransformerEncoder steps on CUDA"
+        if options.cuda
+        else "TransformerEncoder steps on the CPU"
+        if options.suite == "encoder"
+        else "MLP steps on the CPU"
+    )
     print(f"{options.tests} tests ({suite}), up to {options.repeat} interleaved rounds, OMP_NUM_THREADS=1")
     print(tabulate(rows, headers=["variant", "wall s", "rounds", "× off", "ms/test"], disable_numparse=True))
 

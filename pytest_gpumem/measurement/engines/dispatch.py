@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - torch moved it
 try:  # TorchDynamo's frame hook, a C function of torch itself: importing it does not import TorchDynamo
     from torch._C._dynamo.eval_frame import set_eval_frame
 except ImportError:  # pragma: no cover - torch moved it: the mode keeps torch's own wrapper
-    set_eval_frame = None
+    set_eval_frame = None  # type: ignore[assignment]
 
 from pytest_gpumem.measurement.engines.compiled import skipped_frame
 from pytest_gpumem.measurement.engines.storages import (
