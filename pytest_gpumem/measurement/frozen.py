@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
+from pytest_gpumem.measurement.engines.storages import tensors_among
+
 __all__ = ["forget", "known", "remember", "tensors", "thaw"]
 
 _tensors: list[weakref.ref[torch.Tensor]] = []
@@ -26,15 +28,12 @@ _known = False
 def remember() -> None:
     """Remember every tensor the collector sees now (call just before ``gc.freeze()``)."""
     global _known
-    tensor_type = torch.Tensor
     found = []
-    for obj in gc.get_objects():
-        cls = type(obj)
-        if cls is tensor_type or issubclass(cls, tensor_type):
-            try:
-                found.append(weakref.ref(obj))
-            except TypeError:  # a tensor subclass without weak references
-                continue
+    for obj in tensors_among(gc.get_objects()):
+        try:
+            found.append(weakref.ref(obj))
+        except TypeError:  # a tensor subclass without weak references
+            continue
     _tensors[:] = found
     _known = True
 

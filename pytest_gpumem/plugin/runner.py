@@ -259,9 +259,11 @@ class TestRun:
         """:meth:`start`, call ``function``, :meth:`finish`: the whole run, outside pytest."""
         self.start(getattr(function, "__code__", None))
         try:
-            function()
+            returned = function()
         except Exception as exc:
             return self.finish(exc)
+        self._watches.close()  # allocated is read with what the function returned alive, as at its return
+        del returned
         return self.finish(None)
 
     def finish(self, exc: BaseException | None) -> TestRecord:

@@ -31,7 +31,7 @@ from pytest_gpumem.measurement.engines.storages import (
 class Dispatched(Protocol):
     """What a storage tracker offers its dispatch mode."""
 
-    _operators: dict[Any, tuple[Callable[..., Any], int, Callable[[tuple[Any, ...]], None] | None]]
+    _operators: dict[int, tuple[Callable[..., Any], int, Callable[[tuple[Any, ...]], None] | None, Any]]
     operator_hooks: dict[str, Callable[[tuple[Any, ...]], None]]
     _lock: threading.RLock
     compiled_frames: list[tuple[bool, str]]
@@ -101,10 +101,13 @@ class TrackerMode(TorchDispatchMode):
         # torch puts around other modes does (see _should_skip_dynamo)
         prior = set_eval_frame(None) if set_eval_frame is not None else None
         try:
-            operator = self.operators.get(func)
+            # by identity: an operator's own __hash__ is a Python method; the entry holds the
+            # operator, so its identity is not reused while the table has it
+            operator = self.operators.get(id(func))
             if operator is None:
-                operator = self.operators[func] = (*operator_of(func), self.hooks.get(func._overloadpacket.__name__))
-            call, kind, hook = operator
+                hook = self.hooks.get(func._overloadpacket.__name__)
+                operator = self.operators[id(func)] = (*operator_of(func), hook, func)
+            call, kind, hook, _ = operator
             if hook is not None:
                 self.acquire()
                 try:

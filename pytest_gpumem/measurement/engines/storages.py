@@ -3,6 +3,7 @@ and the words for what it missed."""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,6 +125,28 @@ def unseen_note(nbytes: int) -> str:
 
 #: Tensor types that hold their own storage: every other tensor type is looked into (local_tensors).
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+class _TensorKinds(dict):  # type: ignore[type-arg]
+    """type → whether it is a tensor type, filled as types are met (``__missing__``): looked up
+    by ``map``, in C, for every object the garbage collector lists."""
+
+    def __missing__(self, kind: type) -> bool:
+        found = self[kind] = issubclass(kind, torch.Tensor)
+        return found
+
+
+_TENSOR_KINDS = _TensorKinds()
+
+
+def tensors_among(objects: list[Any]) -> list[Any]:
+    """The tensors (of any tensor type) among ``objects``, in order.
+
+    The loop runs in C (``map`` and ``itertools.compress`` over a type cache): per test the
+    plugin looks through every object the collector tracks twice, a few thousand to a few
+    hundred thousand of them; a Python loop asking ``issubclass`` of each took twice as long.
+    """
+    return list(itertools.compress(objects, map(_TENSOR_KINDS.__getitem__, map(type, objects))))
 
 
 def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:

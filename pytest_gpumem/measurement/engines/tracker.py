@@ -62,6 +62,7 @@ from pytest_gpumem.measurement.engines.storages import (
     StorageObserver,
     Window,
     local_tensors,
+    tensors_among,
 )
 from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded
 
@@ -115,7 +116,8 @@ class StorageTracker:
         # has not been copied yet: a rising count (a forward pass) then costs no copy
         # per allocation; the copy is made before anything lowers or moves a count.
         self._pending = False
-        self._operators: dict[Any, tuple[Callable[..., Any], int, Callable[[tuple[Any, ...]], None] | None]] = {}
+        #: id(operator) → how the dispatch mode calls it, its output kind, its hook, the operator
+        self._operators: dict[int, tuple[Callable[..., Any], int, Callable[[tuple[Any, ...]], None] | None, Any]] = {}
         #: held while the counts change: threads the tracker follows change them too (reentrant:
         #: a storage freed by a garbage collection inside a change is counted out on the same thread)
         self._lock = threading.RLock()
@@ -421,17 +423,13 @@ class StorageTracker:
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         others: list[torch.Tensor] = []
-        tensor_type = torch.Tensor
         parameter_type = torch.nn.Parameter
-        for obj in itertools.chain(gc.get_objects(), extra):
-            cls = type(obj)
-            if cls is tensor_type:
-                others.append(obj)
-            elif cls is parameter_type:
+        for obj in itertools.chain(tensors_among(gc.get_objects()), tensors_among(list(extra))):
+            if type(obj) is parameter_type:
                 params.append(obj)
                 if obj.grad is not None:
                     grads.append(obj.grad)
-            elif issubclass(cls, tensor_type):
+            else:
                 others.append(obj)
         self.register(others)
         self.register(params, "parameters")
