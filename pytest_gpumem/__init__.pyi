@@ -119,6 +119,9 @@ from .measurement.devicelimit import (
 from .measurement.engines import (
     make_engine as make_engine,
 )
+from .measurement.engines.fake import (
+    FakeModeError as FakeModeError,
+)
 from .measurement.recorder import (
     Span as Span,
 )

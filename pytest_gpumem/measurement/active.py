@@ -52,6 +52,7 @@ def measure(
     device_limit: int | str | None = None,
     observe: str = "operators",
     predict: str | None = None,
+    fake: bool = False,
     **limits: Any,
 ) -> Iterator[Span]:
     """Measure the memory a block of code costs, inside or outside pytest.
@@ -65,7 +66,10 @@ def measure(
     has the CPU engine read the CPU allocator's reports instead of watching operators, so
     that ``torch.compile``'d code runs as compiled (no emulated device limit then).
     ``predict="h100"`` runs the block on the CPU engine and reports what that GPU would
-    show (see :mod:`pytest_gpumem.measurement.engines.predict`; ``device`` must then be the CPU). Limits
+    show (see :mod:`pytest_gpumem.measurement.engines.predict`; ``device`` must then be the CPU);
+    with ``fake=True`` the block runs on fake tensors (shapes and dtypes, no data: see
+    :mod:`pytest_gpumem.measurement.engines.fake`), so the model, optimizer and batch it makes
+    need no memory: build them inside the block. Limits
     (``peak="4GiB"``, ``allocated=...``) are checked when the block ends:
     outside pytest a broken limit raises :class:`pytest_gpumem.LimitExceeded`.
 
@@ -76,6 +80,14 @@ def measure(
         print(m.peak, m.breakdown)
     """
     active = _ACTIVE.get()
+    joined = active if active is not None and active.active else None
+    if fake and joined is not None and not joined.fake:
+        raise ValueError(
+            "fake=True applies to a whole measurement: this block joins one on real tensors "
+            "(put fake=True on the test's marker, or measure the block on its own)"
+        )
+    if fake and predict is None and not (joined is not None and joined.fake):
+        raise ValueError("fake=True needs predict= (the GPU whose figures the fake run predicts, e.g. 'h100')")
     target = None if device is None else resolve_device(device)
     if predict is not None and target is None:
         target = torch.device("cpu")
@@ -91,17 +103,23 @@ def measure(
     engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe, predict=predict)
     recorder = Recorder(engine, timeline=timeline)
     recorder.track(*track)
-    recorder.begin()
-    token = _ACTIVE.set(recorder)
-    try:
-        with contextlib.ExitStack() as stack:
-            if nbytes is not None:
-                stack.enter_context(engine.limit_memory(nbytes))
-            span = stack.enter_context(recorder.span(name, **limits))
-            yield span
-    finally:
-        _ACTIVE.reset(token)
-        recorder.end()
+    with contextlib.ExitStack() as faked:
+        if fake:  # below the tracker's dispatch mode, which sees each operator's fake outputs
+            from pytest_gpumem.measurement.engines.fake import fake_mode
+
+            recorder.fake = True
+            faked.enter_context(fake_mode())
+        recorder.begin()
+        token = _ACTIVE.set(recorder)
+        try:
+            with contextlib.ExitStack() as stack:
+                if nbytes is not None:
+                    stack.enter_context(engine.limit_memory(nbytes))
+                span = stack.enter_context(recorder.span(name, **limits))
+                yield span
+        finally:
+            _ACTIVE.reset(token)
+            recorder.end()
     if span.limits:
         record = TestRecord(span.name, measurements=[span.measurement], asked={span.name: list(span.limits)})
         judge(record)

@@ -108,6 +108,8 @@ class Recorder:
         self.device_limit: int | None = None
         #: the largest microbatch size found by ``gpumem.max_microbatch()``, if it ran.
         self.max_microbatch: int | None = None
+        #: the recording runs on fake tensors (``fake=True``: shapes, no data)
+        self.fake = False
 
     # -- life cycle ------------------------------------------------------------
 

@@ -154,6 +154,13 @@ class GpumemManager(MarkerCheck, RunEnd):
         predict = spec.predict or settings.predict
         observe = self._observe(item, spec, predict)
         engine = self._engines.get(device, breakdown=breakdown, observe=observe, predict=predict)
+        # the run's --gpumem-fake applies to the predicted tests; a marker's fake=True needs a prediction
+        fake = (spec.fake if spec.fake is not None else settings.fake and predict is not None) and device.type == "cpu"
+        if fake and predict is None:
+            pytest.fail(
+                f"{item.nodeid}: fake=True needs a prediction: predict= on the marker or --gpumem-predict",
+                pytrace=False,
+            )
         options = RunOptions(
             leak_check=settings.leak_check,
             snapshots=settings.artifacts if settings.snapshot else None,
@@ -165,6 +172,7 @@ class GpumemManager(MarkerCheck, RunEnd):
             engine,
             environment=self._environment(engine),
             options=options,
+            fake=fake,
         )
 
     def _gpu_index(self) -> int | None:

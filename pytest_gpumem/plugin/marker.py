@@ -34,6 +34,7 @@ MARKER_KEYWORD_HELP: dict[str, str] = {
     "breakdown": "True/False: run the storage tracker on CUDA for the breakdown by category",
     "observe": "CPU engine: 'operators' (default) or 'allocations' (compiled code runs as compiled)",
     "predict": "CPU engine: report what this GPU would show (e.g. 'h100'); ignored on a GPU",
+    "fake": "True/False: with a prediction, run the test on fake tensors (shapes, no data); ignored on a GPU",
     "tolerance": "baseline tolerance of this test: '2%', '1MiB' or '2%,1MiB'",
     "device_limit": "run as if the device had this much memory: '24GiB'",
     "min_microbatch": "the largest microbatch gpumem.max_microbatch() finds must be at least this (an int)",
@@ -64,6 +65,8 @@ class GpumemSpec:
     observe: str | None = None
     #: the GPU whose figures the CPU engine predicts (a target of :mod:`pytest_gpumem.targets`); None: the run's option
     predict: str | None = None
+    #: run on fake tensors (a prediction without data); None: the run's option
+    fake: bool | None = None
     tolerance: Tolerance | None = None
     #: emulated device size in bytes: the test runs as if the device had this much memory
     device_limit: int | None = None
@@ -159,6 +162,7 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
         breakdown=None if merged.get("breakdown") is None else _bool("breakdown", merged["breakdown"]),
         observe=None if merged.get("observe") is None else _observe(merged["observe"]),
         predict=None if merged.get("predict") is None else parse_predict(merged["predict"]),
+        fake=None if merged.get("fake") is None else _bool("fake", merged["fake"]),
         tolerance=None if merged.get("tolerance") is None else parse_tolerance_keyword(merged["tolerance"]),
         device_limit=None if merged.get("device_limit") is None else _size("device_limit", merged["device_limit"]),
         min_microbatch=None

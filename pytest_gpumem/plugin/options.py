@@ -79,6 +79,12 @@ OPTIONS: tuple[Option, ...] = (
         "and its library workspaces, from the CPU run's allocations. Ignored on CUDA.",
         metavar="GPU",
     ),
+    Option(
+        "fake",
+        "CPU engine, with a prediction: run the predicted tests on fake tensors (shapes and dtypes, no data), "
+        "so that models larger than this machine are predicted. Ignored on CUDA.",
+        flag=True,
+    ),
     Option("baselines", f"baseline file (default: {DEFAULT_FILENAME} at the rootdir).", metavar="PATH"),
     Option("update-baselines", "record the figures of tests that ran and passed into the baseline file.", flag=True),
     Option(
@@ -124,6 +130,7 @@ class Settings:
     cuda_rounding: bool
     observe: str
     predict: str | None
+    fake: bool
     device_limit: int | None
     leak_check: bool
     artifacts: Path
@@ -193,6 +200,7 @@ class Settings:
             cuda_rounding=flag("gpumem_cuda_rounding"),
             observe=parsed("gpumem_observe", parse_observe, "operators"),
             predict=parsed("gpumem_predict", parse_predict),
+            fake=flag("gpumem_fake"),
             device_limit=parsed("gpumem_device_limit", parse_size),
             leak_check=flag("gpumem_leak_check"),
             artifacts=artifacts,

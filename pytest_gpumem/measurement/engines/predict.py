@@ -12,6 +12,7 @@ reading, so a test's cost never includes a workspace an earlier test did or did 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -118,9 +119,16 @@ class Prediction:
 def _set_aside() -> Iterator[None]:
     """Run CPU code the target would not run, unseen: no dispatch mode (the tracker's) and no
     saved-tensor hooks (autograd graphs made inside save what the CPU's kernels need)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+    with contextlib.ExitStack() as stack:
+        popped = stack.enter_context(_disable_current_modes())
+        # fake tensors stay fake (fake=True): the kernels' own tensors (a mask's scalars) must be too
+        for mode in reversed(popped):
+            if isinstance(mode, FakeTensorMode):
+                stack.enter_context(mode)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
         yield
 
 

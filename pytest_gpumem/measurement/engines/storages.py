@@ -4,8 +4,9 @@ and the words for what it missed."""
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -167,6 +168,36 @@ def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
         nested = local_tensors(inner) if type(inner) not in _PLAIN else None
         found.extend(nested if nested is not None else [inner])
     return found
+
+
+def sort_scanned(tensors: Iterable[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+    """The parameters, their gradients and the other tensors among ``tensors`` (a scan's finds).
+
+    A fake tensor made from a small value keeps a real copy of it (``constant``, for ``.item()``):
+    torch's bookkeeping under fake mode, not memory of the modelled run, so it is left out.
+    """
+    params: list[Any] = []
+    grads: list[Any] = []
+    others: list[Any] = []
+    parameter_type = torch.nn.Parameter
+    # loaded by whoever makes fake tensors; a scan is no reason to load it
+    fake_type = getattr(sys.modules.get("torch._subclasses.fake_tensor"), "FakeTensor", None)
+    copies: set[int] = set()
+    for tensor in tensors:
+        kind = type(tensor)
+        if kind is parameter_type:
+            params.append(tensor)
+            if tensor.grad is not None:
+                grads.append(tensor.grad)
+            continue
+        others.append(tensor)
+        if fake_type is not None and kind is not torch.Tensor and isinstance(tensor, fake_type):
+            constant = getattr(tensor, "constant", None)
+            if isinstance(constant, torch.Tensor):
+                copies.add(id(constant))
+    if copies:
+        others = [tensor for tensor in others if id(tensor) not in copies]
+    return params, grads, others
 
 
 class OutOfMemory(torch.OutOfMemoryError):

@@ -62,6 +62,7 @@ from pytest_gpumem.measurement.engines.storages import (
     StorageObserver,
     Window,
     local_tensors,
+    sort_scanned,
     tensors_among,
 )
 from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded
@@ -420,17 +421,9 @@ class StorageTracker:
             return self.current - before
 
     def _scan(self, extra: Iterable[object] = ()) -> None:
-        params: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        others: list[torch.Tensor] = []
-        parameter_type = torch.nn.Parameter
-        for obj in itertools.chain(tensors_among(gc.get_objects()), tensors_among(list(extra))):
-            if type(obj) is parameter_type:
-                params.append(obj)
-                if obj.grad is not None:
-                    grads.append(obj.grad)
-            else:
-                others.append(obj)
+        params, grads, others = sort_scanned(
+            itertools.chain(tensors_among(gc.get_objects()), tensors_among(list(extra)))
+        )
         self.register(others)
         self.register(params, "parameters")
         self.register(grads, "gradients")

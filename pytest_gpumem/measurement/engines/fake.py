@@ -1,0 +1,102 @@
+"""Fake mode: a prediction with no tensor data.
+
+Under PyTorch's ``FakeTensorMode`` every tensor made (modules, optimizer state, the batch, every
+intermediate) is a ``FakeTensor``: shapes, dtypes and a storage size, no data. The prediction
+engine's tracker sits above it on the dispatch-mode stack and sees each operator's fake outputs
+as it sees real ones, so the allocator model, the workspaces and the attention backend get the
+same requests. A model far larger than the machine runs in seconds and a few MiB.
+
+Where fake outputs differ from what the kernels allocate, :class:`FakeKernels` corrects them:
+
+* Reduced losses whose kernels keep the unreduced loss's storage: ``mse_loss``,
+  ``smooth_l1_loss`` and ``soft_margin_loss`` (TensorIterator's full-size output, resized to a
+  0-dim tensor, which never shrinks a storage) and ``binary_cross_entropy`` (``empty_like(input)``,
+  resized the same way). The meta kernels make a 4-byte output; the CPU and CUDA kernels leave the
+  0-dim loss in a storage the size of the unreduced loss, alive as long as the loss is. Fake mode
+  gives the output's storage that size (``tests/test_fake.py`` checks each against the CPU kernel).
+
+A step that needs a tensor's value (``.item()``, ``nonzero()``, a shape that depends on data) or
+that mixes in a real tensor cannot run on fake tensors: :class:`FakeModeError` names the line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+
+from pytest_gpumem.measurement.engines.compiled import PLUGIN_ROOT, TORCH_ROOT
+
+__all__ = ["FakeKernels", "FakeModeError", "fake_mode"]
+
+_aten = torch.ops.aten
+
+#: operator → index of its ``reduction`` argument: kernels whose reduced output keeps the
+#: storage of the unreduced loss (see the module's docstring)
+REDUCED_IN_PLACE: dict[Any, int] = {
+    _aten.mse_loss.default: 2,
+    _aten.smooth_l1_loss.default: 2,
+    _aten.soft_margin_loss.default: 2,
+    _aten.binary_cross_entropy.default: 3,
+}
+
+
+class FakeModeError(RuntimeError):
+    """The measured code cannot run on fake tensors (it needs a value, or a real tensor reached it)."""
+
+
+def user_line() -> str:
+    """``file:line`` of the innermost frame that is neither torch's nor the plugin's (the user's code)."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith((TORCH_ROOT, PLUGIN_ROOT)) and not filename.startswith("<"):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "an unknown line"
+
+
+class FakeKernels(FakeTensorMode):
+    """``FakeTensorMode`` with the storage sizes of the kernels it stands for, and errors that
+    name the user's line."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            raise FakeModeError(
+                f"fake mode cannot run {user_line()}: {func} needs the values of a tensor (.item(), "
+                "nonzero(), a shape that depends on data), and a fake tensor has none; measure this step "
+                "without fake=True, or keep the value out of the measured code"
+            ) from exc
+        except AssertionError as exc:
+            if "convert all Tensors to FakeTensors" not in str(exc):
+                raise
+            raise FakeModeError(
+                f"fake mode cannot run {user_line()}: {func} got a real tensor; under fake=True the model, "
+                "the optimizer and the batch must be made inside the measured code (a tensor made before "
+                "it, or by a fixture, holds real data)"
+            ) from exc
+        index = REDUCED_IN_PLACE.get(func)
+        if index is not None:
+            reduction = args[index] if len(args) > index else (kwargs or {}).get("reduction", 1)
+            if reduction and isinstance(out, torch.Tensor):
+                shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+                out.untyped_storage().resize_(shape.numel() * out.element_size())
+        return out
+
+
+@contextlib.contextmanager
+def fake_mode() -> Iterator[FakeKernels]:
+    """Run the block on fake tensors (see the module's docstring)."""
+    with FakeKernels() as mode:
+        yield mode

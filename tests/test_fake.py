@@ -1,0 +1,252 @@
+"""Fake mode (``fake=True``): the H100 prediction of a step that runs on fake tensors, no data.
+
+On the zoo steps that do not branch on fake tensors (``mlp`` and ``block``, fp32 and bf16) the
+fake run's figures equal the real-tensor prediction's to the byte, span and phases included.
+The ``transformers`` models take another path when they see fake tensors (docs/prediction.md).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+
+from conftest import run
+from pytest_gpumem import Measurement, measure
+from pytest_gpumem.measurement.engines.fake import REDUCED_IN_PLACE, FakeModeError, fake_mode
+from pytest_gpumem.plugin.fixture import run_step
+from pytest_gpumem.validate.zoo import zoo
+
+_LOSSES = {
+    torch.ops.aten.mse_loss.default: lambda a, b, reduction: F.mse_loss(a, b, reduction=reduction),
+    torch.ops.aten.smooth_l1_loss.default: lambda a, b, reduction: F.smooth_l1_loss(a, b, reduction=reduction),
+    torch.ops.aten.soft_margin_loss.default: lambda a, b, reduction: F.soft_margin_loss(a, b, reduction=reduction),
+    torch.ops.aten.binary_cross_entropy.default: lambda a, b, reduction: F.binary_cross_entropy(
+        a, b, reduction=reduction
+    ),
+}
+
+
+def test_every_kernel_rule_has_a_check() -> None:
+    assert set(_LOSSES) == set(REDUCED_IN_PLACE)
+
+
+@pytest.mark.parametrize("op", list(_LOSSES), ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_a_fake_loss_holds_the_storage_the_cpu_kernel_holds(op: Any, reduction: str) -> None:
+    """The CPU kernels leave a reduced loss in the storage of the unreduced one (never shrunk by
+    the resize to 0-dim); so do the CUDA kernels, which share the code. Fake mode does the same."""
+    loss = _LOSSES[op]
+    a, b = torch.rand(32, 48), torch.rand(32, 48)
+    real = loss(a, b, reduction).untyped_storage().nbytes()
+    with fake_mode():
+        fake_out = loss(torch.rand(32, 48), torch.rand(32, 48), reduction)
+        assert isinstance(fake_out, FakeTensor)
+        fake = fake_out.untyped_storage().nbytes()
+    assert fake == real == 32 * 48 * 4  # not the 4 B of a 0-dim tensor: the rule is needed
+
+
+def _figures(m: Measurement) -> dict[str, Any]:
+    return {
+        "start": m.start,
+        "peak": m.peak,
+        "allocated": m.allocated,
+        "reserved": m.reserved,
+        "breakdown": m.breakdown,
+        "allocated_breakdown": m.allocated_breakdown,
+        "saved_activations": m.saved_activations,
+        "psi": m.psi,
+        "phases": {name: (p.start, p.peak, p.end, p.count) for name, p in m.phases.items()},
+    }
+
+
+def _zoo_step(name: str, precision: str, *, fake: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The zoo step built and warmed up inside one prediction, then a measured step: the figures
+    of the step and of the whole block."""
+    (model,) = zoo("small", (name,))
+    cpu = torch.device("cpu")
+    with measure("whole", device="cpu", predict="h100", fake=fake) as whole:
+        step = model.build(cpu, precision)
+        run_step(step.model, step.optimizer, step.batch, step.loss_fn, amp=step.amp, device=cpu)
+        with measure("step", track=(step.model, step.optimizer), fake=fake) as span:
+            run_step(step.model, step.optimizer, step.batch, step.loss_fn, amp=step.amp, device=cpu)
+        if fake:
+            assert all(isinstance(p, FakeTensor) for p in step.model.parameters())
+    return _figures(span.measurement), _figures(whole.measurement)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp", "block"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fake_prediction_equals_the_real_tensor_prediction_to_the_byte(name: str, precision: str) -> None:
+    real = _zoo_step(name, precision, fake=False)
+    fake = _zoo_step(name, precision, fake=True)
+    assert fake == real
+    assert real[0]["peak"] > real[0]["start"] > 0
+
+
+_LARGE_STEP = """
+import resource, torch
+from pytest_gpumem import measure
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()  # torch's lazy imports, before the reading
+before = peak()
+with measure("build", device="cpu", predict="h100", fake=True):
+    model = torch.nn.Sequential(torch.nn.Linear(32768, 32768), torch.nn.Linear(32768, 32768))
+    optimizer = torch.optim.AdamW(model.parameters())
+    with measure("step", track=(model, optimizer), fake=True) as span:
+        model(torch.randn(8, 32768)).sum().backward()
+        optimizer.step()
+end = span.measurement.allocated_breakdown
+print(peak() - before, span.measurement.psi, end["parameters"], end["gradients"], end["optimizer_state"])
+"""
+
+
+def test_a_model_larger_than_the_machine_allocates_nothing() -> None:
+    """2.1 B fp32 parameters with AdamW (34 GiB on the device), predicted in a fresh process
+    whose peak memory grows by less than 512 MiB."""
+    done = subprocess.run([sys.executable, "-c", _LARGE_STEP], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    grown, psi, parameters, gradients, optimizer_state = map(int, done.stdout.split())
+    assert psi == 2 * (32768 * 32768 + 32768)
+    assert (parameters, gradients) == (4 * psi, 4 * psi)
+    # exp_avg and exp_avg_sq, and a 4-byte step counter per parameter tensor in a 512-byte block
+    assert optimizer_state == 8 * psi + 4 * 512
+    assert grown < 512 * 1024 * 1024
+
+
+def _line_of(marker: str) -> int:
+    """The number of the line of this file that ends with ``marker``."""
+    with open(__file__, encoding="utf-8") as source:
+        return next(number for number, text in enumerate(source, 1) if text.rstrip().endswith(marker))
+
+
+def test_a_value_the_step_needs_is_an_error_naming_the_line() -> None:
+    with pytest.raises(FakeModeError) as caught, measure("step", device="cpu", predict="h100", fake=True):
+        x = torch.randn(4, 4)
+        if x.sum().item() > 0:  # the line named: .item()
+            pass
+    line = _line_of("# the line named: .item()")
+    assert f"{__file__}:{line}" in str(caught.value)
+    assert "needs the values of a tensor" in str(caught.value)
+
+
+def test_a_real_tensor_in_a_fake_step_is_an_error_naming_the_line() -> None:
+    weight = torch.randn(4, 4)  # made before the block: real
+    with pytest.raises(FakeModeError) as caught, measure("step", device="cpu", predict="h100", fake=True):
+        torch.randn(2, 4) @ weight  # the line named: a real tensor
+    line = _line_of("# the line named: a real tensor")
+    assert f"{__file__}:{line}" in str(caught.value)
+    assert "got a real tensor" in str(caught.value)
+
+
+def test_fake_needs_a_prediction_and_a_fake_recording() -> None:
+    with pytest.raises(ValueError, match=r"fake=True needs predict="), measure("step", device="cpu", fake=True):
+        pass
+    with (
+        measure("outer", device="cpu", predict="h100"),
+        pytest.raises(ValueError, match=r"joins one on real tensors"),
+        measure("inner", fake=True),
+    ):
+        pass
+
+
+def test_after_a_fake_block_tensors_are_real_again() -> None:
+    with measure("step", device="cpu", predict="h100", fake=True):
+        assert isinstance(torch.ones(2), FakeTensor)
+    assert type(torch.ones(2)) is torch.Tensor
+
+
+SUITE = """
+import pytest, torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+def step(n=32768):
+    model = torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.Linear(n, n))  # 2.1 B parameters
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, n)).sum().backward()
+    optimizer.step()
+    assert all(isinstance(p, FakeTensor) for p in model.parameters())
+    return model, optimizer
+
+@pytest.mark.gpumem(predict="h100", fake=True, allocated="35GiB")
+def test_fits():
+    model, optimizer = step()
+
+@pytest.mark.gpumem(predict="h100", fake=True, device_limit="24GiB")
+def test_does_not_fit():
+    step()
+
+@pytest.mark.gpumem(predict="h100", fake=True)
+def test_needs_a_value():
+    x = torch.randn(3)
+    print(x.max().item())  # the value
+"""
+
+
+def test_the_marker_runs_a_test_on_fake_tensors(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_fake_suite=SUITE)
+    result = run(pytester, "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=2)
+    text = result.stdout.str()
+    assert "test_does_not_fit" in text and "over the emulated device limit" in text
+    assert "parameters" in text and "optimizer_state" in text  # the categories at the failing allocation
+    assert "fake mode cannot run" in text and "test_fake_suite.py:23" in text
+
+
+def test_the_option_runs_predicted_tests_on_fake_tensors(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import pytest, torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+@pytest.mark.gpumem(predict="h100", peak="40GiB")
+def test_predicted():
+    model = torch.nn.Linear(32768, 32768)
+    model(torch.randn(4, 32768)).sum().backward()
+    assert isinstance(model.weight.grad, FakeTensor)
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_not_predicted_stays_real():
+    assert type(torch.ones(2)) is torch.Tensor
+"""
+    )
+    run(pytester, "--gpumem-fake").assert_outcomes(passed=2)
+
+
+def test_fake_without_a_prediction_is_an_error_naming_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import pytest
+
+@pytest.mark.gpumem(fake=True)
+def test_unpredicted():
+    pass
+"""
+    )
+    result = run(pytester)
+    result.assert_outcomes(errors=1)  # at set-up, before the test runs
+    result.stdout.fnmatch_lines(["*test_unpredicted: fake=True needs a prediction*"])
+
+
+def test_a_bad_fake_value_is_a_collection_error_naming_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import pytest
+
+@pytest.mark.gpumem(predict="h100", fake="yes")
+def test_bad_value():
+    pass
+"""
+    )
+    result = run(pytester)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*test_bad_value: fake='yes' must be True or False*"])
