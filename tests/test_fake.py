@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from conftest import run
-from pytest_gpumem import Measurement, measure
+from pytest_gpumem import Measurement, max_microbatch, measure
 from pytest_gpumem.measurement.engines.fake import REDUCED_IN_PLACE, FakeModeError, fake_mode
 from pytest_gpumem.plugin.fixture import run_step
 from pytest_gpumem.validate.zoo import zoo
@@ -250,3 +250,32 @@ def test_bad_value():
     result = run(pytester)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*test_bad_value: fake='yes' must be True or False*"])
+
+
+def _gpt2_step(**config: Any) -> Any:
+    from pytest_gpumem.validate.gpt2 import gpt2
+
+    def step(size: int) -> None:
+        torch.manual_seed(0)
+        model = gpt2("gpt2", **config)
+        optimizer = torch.optim.AdamW(model.parameters())
+        tokens = torch.randint(0, model.config.vocab_size, (size, model.config.n_positions))
+        _, loss = model(tokens, tokens)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def test_max_microbatch_on_fake_tensors_finds_what_real_tensors_find() -> None:
+    tiny = {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 512, "n_positions": 256}
+    real = max_microbatch(_gpt2_step(**tiny), limit="200MiB", predict="h100", upper=512)
+    fake = max_microbatch(_gpt2_step(**tiny), limit="200MiB", predict="h100", fake=True, upper=512)
+    assert fake == real > 1
+
+
+def test_max_microbatch_names_what_it_cannot_search() -> None:
+    with pytest.raises(ValueError, match=r"fake=True needs predict="):
+        max_microbatch(lambda size: None, fake=True, upper=4)
+    with pytest.raises(ValueError, match=r"engine= or predict=, not both"):
+        max_microbatch(lambda size: None, predict="h100", engine="cpu", upper=4)

@@ -60,6 +60,8 @@ def max_microbatch(
     upper: int | None = None,
     engine: Engine | str | torch.device | None = None,
     cleanup: Callable[[], Any] | None = None,
+    predict: str | None = None,
+    fake: bool = False,
 ) -> int:
     """The largest microbatch size in ``[start, upper]`` that ``step`` runs without running out of memory.
 
@@ -85,6 +87,12 @@ def max_microbatch(
             failed try's frames, ``gc.collect()`` (when allocated memory did not
             come back to where it was before the try, or without ``engine``) and
             ``empty_cache()`` (CUDA) are done here.
+        predict: search on the CPU engine as this GPU would (``"h100"``; see
+            docs/prediction.md): the search runs in a measurement of its own, or joins the
+            running one; instead of ``engine``.
+        fake: with ``predict``, every try runs on fake tensors (shapes, no data): build the
+            model, optimizer and batch inside ``step``; a model larger than this machine is
+            searched in seconds.
 
     Returns:
         The largest size that fits, or 0 when not even ``start`` fits (a
@@ -96,6 +104,15 @@ def max_microbatch(
     (optimizer state created at the first step) stays for the next tries, so
     warm the step up first when steady state is what matters.
     """
+    if predict is not None or fake:
+        if predict is None:
+            raise ValueError("max_microbatch: fake=True needs predict= (the GPU whose memory is searched)")
+        if engine is not None:
+            raise ValueError("max_microbatch: give engine= or predict=, not both")
+        from pytest_gpumem.measurement.active import measure
+
+        with measure("max_microbatch", device="cpu", predict=predict, fake=fake):
+            return max_microbatch(step, start=start, limit=limit, upper=upper, engine="cpu", cleanup=cleanup)
     _check_size("start", start, 1)
     _check_size("upper", upper, 1)
     if upper is not None and upper < start:
