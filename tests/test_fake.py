@@ -279,3 +279,41 @@ def test_max_microbatch_names_what_it_cannot_search() -> None:
         max_microbatch(lambda size: None, fake=True, upper=4)
     with pytest.raises(ValueError, match=r"engine= or predict=, not both"):
         max_microbatch(lambda size: None, predict="h100", engine="cpu", upper=4)
+
+
+def test_a_llama_7b_fine_tune_does_not_fit_an_80gb_h100(pytester: pytest.Pytester) -> None:
+    """A transformers Llama-7B built from its config (bf16 autocast, fp32 AdamW: 16 bytes of each
+    of 6.7 B parameters), predicted on fake tensors: out of memory in the optimizer step, with the
+    categories at the refused allocation."""
+    pytest.importorskip("transformers")
+    pytester.makepyfile(
+        """
+import pytest, torch, transformers
+
+@pytest.mark.gpumem(predict="h100", fake=True, device_limit="80GB")
+def test_llama_7b(gpumem):
+    config = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    gpumem.track(model, optimizer)
+    tokens = torch.randint(0, config.vocab_size, (1, 2048))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+"""
+    )
+    result = run(pytester, "-p", "no:randomly")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*out of memory on cpu during optimizer (at the failed allocation)*",
+            "*limit:     80.00 GiB*",
+            "parameters       25.10 GiB",
+            "gradients        25.10 GiB",
+            "optimizer_state  29.69 GiB",
+        ]
+    )

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import run_fresh
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.diagnose.census import live_tensors
 from pytest_gpumem.diagnose.oom import (
@@ -444,3 +445,24 @@ def test_modules_are_named_by_the_callers_variable_not_self(recorder: Recorder, 
     assert {"model.fc.weight", "model.fc.bias"} <= held
     assert any(str(name).startswith("local 'wide' in forward (test_oom.py:") for name in held)
     assert report.requested == batch * HIDDEN * F32
+
+
+def test_the_report_knows_optimizer_state_made_in_the_step_that_failed(pytester: pytest.Pytester) -> None:
+    """Adam's state is made inside its first step(); an allocation refused there is reported
+    with that state as optimizer state (the optimizer's ``state`` says so), not as temporaries."""
+    pytester.makepyfile(
+        """
+import pytest, torch
+
+@pytest.mark.gpumem(device="cpu", device_limit="14MiB")
+def test_first_step(gpumem):
+    model = torch.nn.Linear(1024, 1024)
+    optimizer = torch.optim.Adam(model.parameters(), foreach=False)
+    gpumem.track(model, optimizer)
+    model(torch.randn(8, 1024)).sum().backward()
+    optimizer.step()
+"""
+    )
+    result = run_fresh(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*during optimizer*", "optimizer_state  4.0*MiB"])

@@ -237,6 +237,8 @@ def oom_report(
     if frames is None:
         frames = traceback_frames(exc.__traceback__) if exc is not None else ()
     objects = list(recorder.tracked) if recorder is not None else []
+    if recorder is not None:
+        recorder.reclassify()
     live = take_census(engine.device, engine, objects, frames, top, counted_only=engine.exact)
     return OomReport(
         device=str(engine.device),

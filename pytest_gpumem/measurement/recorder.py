@@ -163,6 +163,12 @@ class Recorder:
         if self.active:
             self._classify()
 
+    def reclassify(self) -> None:
+        """Give the tracked objects' tensors their categories now (an out-of-memory report does
+        this: an optimizer's state made in the step that failed is known as such only from its
+        ``state``)."""
+        self._classify()
+
     def _classify(self) -> None:
         engine = self.engine
         if not engine.categorizes:
