@@ -317,3 +317,27 @@ def test_llama_7b(gpumem):
             "optimizer_state  29.69 GiB",
         ]
     )
+
+
+def test_the_fixtures_train_step_runs_on_fake_tensors(pytester: pytest.Pytester) -> None:
+    """``gpumem.train_step`` (warm-up, then a measured step in phases) and span limits with Ψ
+    work on fake tensors: 2.1 GiB of parameters, exactly 16Ψ after the step."""
+    pytester.makepyfile(
+        """
+import pytest, torch
+from torch import nn
+
+@pytest.mark.gpumem(predict="h100", fake=True)
+def test_step(gpumem):
+    model = nn.Sequential(nn.Linear(8192, 32768), nn.GELU(), nn.Linear(32768, 8192))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(16, 8192)
+    gpumem.train_step(model, optimizer, (x, x), nn.functional.mse_loss)
+    (step,) = gpumem.spans
+    assert set(step.phases) == {"forward", "backward", "optimizer"}
+    end = step.allocated_breakdown
+    assert (end["parameters"], end["gradients"]) == (4 * gpumem.psi, 4 * gpumem.psi)
+    assert end["optimizer_state"] == 8 * gpumem.psi + 4 * 512  # and four 4-byte step counters
+"""
+    )
+    run(pytester).assert_outcomes(passed=1)
