@@ -122,6 +122,9 @@ from .measurement.engines import (
 from .measurement.engines.fake import (
     FakeModeError as FakeModeError,
 )
+from .measurement.engines.fake import (
+    FakeTensorsDiffer as FakeTensorsDiffer,
+)
 from .measurement.recorder import (
     Span as Span,
 )

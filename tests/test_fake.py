@@ -317,6 +317,7 @@ def test_llama_7b(gpumem):
             "optimizer_state  29.69 GiB",
         ]
     )
+    result.stdout.fnmatch_lines(["*FakeTensorsDiffer: *test_llama_7b: LlamaForCausalLM ran on fake tensors*"])
 
 
 def test_the_fixtures_train_step_runs_on_fake_tensors(pytester: pytest.Pytester) -> None:

@@ -119,6 +119,10 @@ def measure(
                 yield span
         finally:
             _ACTIVE.reset(token)
+            if fake:
+                from pytest_gpumem.measurement.engines.fake import warn_tracing_paths
+
+                warn_tracing_paths(recorder.tracked, name)
             recorder.end()
     if span.limits:
         record = TestRecord(span.name, measurements=[span.measurement], asked={span.name: list(span.limits)})

@@ -296,6 +296,10 @@ class TestRun:
             timeline = recorder.timeline_since(self._state.start_event)
         finally:
             self._stack.close()
+            if self.fake:
+                from pytest_gpumem.measurement.engines.fake import warn_tracing_paths
+
+                warn_tracing_paths(recorder.tracked, self.nodeid)
             recorder.end()
             self._faked.close()
         if oom is not None and exc is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,7 +37,7 @@ from torch._subclasses.fake_tensor import (
 
 from pytest_gpumem.measurement.engines.compiled import PLUGIN_ROOT, TORCH_ROOT
 
-__all__ = ["FakeKernels", "FakeModeError", "fake_mode"]
+__all__ = ["FakeKernels", "FakeModeError", "FakeTensorsDiffer", "fake_mode", "warn_tracing_paths"]
 
 _aten = torch.ops.aten
 
@@ -52,6 +53,39 @@ REDUCED_IN_PLACE: dict[Any, int] = {
 
 class FakeModeError(RuntimeError):
     """The measured code cannot run on fake tensors (it needs a value, or a real tensor reached it)."""
+
+
+class FakeTensorsDiffer(Warning):
+    """Code measured on fake tensors may have run another path than it runs on real ones (a
+    library that checks for fake tensors): the figures are those of that path."""
+
+
+#: libraries that check for fake tensors and run another path on them, and what changes
+TRACING_PATHS = {
+    "transformers": "it takes its tracing path on fake tensors (a materialised causal mask, "
+    "repeat_kv for grouped-query attention), so the figures can differ from the eager run's",
+}
+
+
+def warn_tracing_paths(objects: Any, name: str) -> None:
+    """Warn (:class:`FakeTensorsDiffer`) when a tracked module of ``objects`` comes from a library
+    of :data:`TRACING_PATHS`; ``name`` is the test or span."""
+    for library, why in TRACING_PATHS.items():
+        kinds = sorted(
+            {
+                type(obj).__name__
+                for obj in objects
+                if isinstance(obj, torch.nn.Module) and type(obj).__module__.split(".")[0] == library
+            }
+        )
+        if kinds:
+            warnings.warn(
+                FakeTensorsDiffer(
+                    f"{name}: {', '.join(kinds)} ran on fake tensors and {library} checks for them: {why} "
+                    "(docs/will-it-fit.md)"
+                ),
+                stacklevel=3,
+            )
 
 
 def user_line() -> str:
