@@ -289,13 +289,14 @@ def machine_paths() -> dict[str, str]:
     return {os.path.realpath(path): name for path, name in found.items() if path and path != os.sep}
 
 
-#: Folders that name a machine whatever its layout: an environment's installed packages, a
-#: Python's standard library, and the folders ``tempfile`` makes.
+#: Folders that name a machine whatever its layout: an environment's installed packages and a
+#: Python's standard library (read before the machine's own prefixes, which may hold them) ...
 _LAYOUTS = (
     (re.compile(r"(?:/[^/\s\"']+)+/site-packages(?=/)"), "<site-packages>"),
     (re.compile(r"(?:/[^/\s\"']+)*/lib/python3\.\d+(?=/)"), "<python>"),
-    (re.compile(r"/tmp/[^/\s\"']+"), "<tmp>"),
 )
+#: ... and another machine's temporary folders (read after them: this machine's TMPDIR is one).
+_OTHER_TMP = re.compile(r"/tmp/[^/\s\"']+")
 
 
 def scrub_paths(value: Any, paths: Mapping[str, str] | None = None) -> Any:
@@ -311,11 +312,11 @@ def scrub_paths(value: Any, paths: Mapping[str, str] | None = None) -> Any:
         done = cleaned.get(text)
         if done is None:
             done = text
-            for pattern, name in _LAYOUTS[:2]:  # installed packages before the prefix that holds them
+            for pattern, name in _LAYOUTS:
                 done = pattern.sub(name, done)
             for prefix, name in prefixes:
                 done = done.replace(prefix, name)
-            done = _LAYOUTS[2][0].sub(_LAYOUTS[2][1], done)  # another machine's temporary folders
+            done = _OTHER_TMP.sub("<tmp>", done)
             cleaned[text] = done
         return done
 
