@@ -101,29 +101,19 @@ def measure(
             yield span
         return
     engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe, predict=predict)
-    recorder = Recorder(engine, timeline=timeline)
+    recorder = Recorder(engine, timeline=timeline, fake=fake, label=name)
     recorder.track(*track)
-    with contextlib.ExitStack() as faked:
-        if fake:  # below the tracker's dispatch mode, which sees each operator's fake outputs
-            from pytest_gpumem.measurement.engines.fake import fake_mode
-
-            recorder.fake = True
-            faked.enter_context(fake_mode())
-        recorder.begin()
-        token = _ACTIVE.set(recorder)
-        try:
-            with contextlib.ExitStack() as stack:
-                if nbytes is not None:
-                    stack.enter_context(engine.limit_memory(nbytes))
-                span = stack.enter_context(recorder.span(name, **limits))
-                yield span
-        finally:
-            _ACTIVE.reset(token)
-            if fake:
-                from pytest_gpumem.measurement.engines.fake import warn_tracing_paths
-
-                warn_tracing_paths(recorder.tracked, name)
-            recorder.end()
+    recorder.begin()
+    token = _ACTIVE.set(recorder)
+    try:
+        with contextlib.ExitStack() as stack:
+            if nbytes is not None:
+                stack.enter_context(engine.limit_memory(nbytes))
+            span = stack.enter_context(recorder.span(name, **limits))
+            yield span
+    finally:
+        _ACTIVE.reset(token)
+        recorder.end()
     if span.limits:
         record = TestRecord(span.name, measurements=[span.measurement], asked={span.name: list(span.limits)})
         judge(record)

@@ -81,9 +81,20 @@ class Recorder:
         engine: where bytes are read.
         timeline: keep allocated-by-category samples for plots (needs a tracker).
         saved_tensors: count the bytes autograd holds for backward (``saved_tensors_hooks``).
+        fake: run between :meth:`begin` and :meth:`end` on fake tensors (shapes, no data; see
+            :mod:`pytest_gpumem.measurement.engines.fake`).
+        label: what the recording is of, in its warnings (the test's node id, a span's name).
     """
 
-    def __init__(self, engine: Engine, *, timeline: bool = False, saved_tensors: bool = True) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        timeline: bool = False,
+        saved_tensors: bool = True,
+        fake: bool = False,
+        label: str = "a measurement",
+    ) -> None:
         self.engine = engine
         self.timeline = timeline and engine.categorizes
         self.saved_tensors = saved_tensors
@@ -109,14 +120,26 @@ class Recorder:
         #: the largest microbatch size found by ``gpumem.max_microbatch()``, if it ran.
         self.max_microbatch: int | None = None
         #: the recording runs on fake tensors (``fake=True``: shapes, no data)
-        self.fake = False
+        self.fake = fake
+        self.label = label
+        #: the fake tensors' mode while recording: entered before the engine starts and left after
+        #: it stops, below the tracker's dispatch mode, which sees each operator's fake outputs
+        self._faked = contextlib.ExitStack()
 
     # -- life cycle ------------------------------------------------------------
 
     def begin(self) -> None:
         """Clean the device and start watching (the engine's tracker or saved-tensor counter, hooks)."""
-        self.engine.clean()
-        self.engine.start(saved_tensors=self.saved_tensors, timeline=self.timeline)
+        if self.fake:
+            from pytest_gpumem.measurement.engines.fake import fake_mode
+
+            self._faked.enter_context(fake_mode())
+        try:
+            self.engine.clean()
+            self.engine.start(saved_tensors=self.saved_tensors, timeline=self.timeline)
+        except BaseException:
+            self._faked.close()
+            raise
         self._classify()
         self.active = True
 
@@ -129,6 +152,11 @@ class Recorder:
         self._handles.clear()
         self._phase = None
         self.external_phases = False
+        if self.fake:
+            from pytest_gpumem.measurement.engines.fake import warn_tracing_paths
+
+            warn_tracing_paths(self.tracked, self.label)
+        self._faked.close()
         self.tracked.clear()
         self._tracked_ids.clear()
 

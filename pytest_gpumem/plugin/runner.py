@@ -212,12 +212,8 @@ class TestRun:
         self.engine = engine
         self.environment = environment
         self.options = options or RunOptions()
-        self.recorder = Recorder(engine, timeline=engine.categorizes)
+        self.recorder = Recorder(engine, timeline=engine.categorizes, fake=fake, label=nodeid)
         self.recorder.device_limit = spec.device_limit if spec.device_limit is not None else self.options.device_limit
-        self.fake = fake
-        #: fake tensors (``fake=True``): entered before the recorder begins and left after it ends,
-        #: below the tracker's dispatch mode, which sees each operator's fake outputs
-        self._faked = contextlib.ExitStack()
         self._stack = contextlib.ExitStack()  # what lives as long as the call: the recorder's activation
         self._watches = contextlib.ExitStack()  # what is left just before the call span closes
         self._returned: list[tuple[int, dict[str, int] | None]] = []
@@ -241,16 +237,7 @@ class TestRun:
         self._started = True
         _forget_last_failure()
         recorder = self.recorder
-        if self.fake:
-            from pytest_gpumem.measurement.engines.fake import fake_mode
-
-            recorder.fake = True
-            self._faked.enter_context(fake_mode())
-        try:
-            recorder.begin()  # collects garbage and registers what is alive
-        except BaseException:
-            self._faked.close()
-            raise
+        recorder.begin()  # collects garbage and registers what is alive
         try:
             self._snapshot = snapshot_storages(self.engine) if self.leak_check else None
             self._stack.enter_context(activate(recorder))
@@ -267,7 +254,6 @@ class TestRun:
             self._watches.close()
             self._stack.close()
             recorder.end()
-            self._faked.close()
             raise
 
     def run(self, function: Callable[[], Any]) -> TestRecord:
@@ -296,12 +282,7 @@ class TestRun:
             timeline = recorder.timeline_since(self._state.start_event)
         finally:
             self._stack.close()
-            if self.fake:
-                from pytest_gpumem.measurement.engines.fake import warn_tracing_paths
-
-                warn_tracing_paths(recorder.tracked, self.nodeid)
             recorder.end()
-            self._faked.close()
         if oom is not None and exc is not None:
             release_oom(exc, engine)  # what the failed test held goes; the traceback ends at the user's line
         engine.settle()  # library workspaces stay: they were there at the start reading too
