@@ -8,6 +8,13 @@ its :class:`~pytest_gpumem.data.figures.Measurement` back. A rank that raises, d
 running at the timeout fails the whole run with that rank's report, and no rank process is
 left behind.
 
+With ``predict=`` each rank's figures are a GPU's, predicted on the CPU engine. With
+``fake=True`` as well no rank process is started: one process runs the ranks one after another,
+each on fake tensors (:mod:`pytest_gpumem.measurement.engines.fake`) and over PyTorch's fake
+process group (the ``"fake"`` backend: collectives that move no data, whose outputs the step
+allocates as it does on real ranks), so a sharded step of any size is predicted per rank, for
+any world size, without its memory or its ranks.
+
 No process outlives the run: each rank runs in a process group of its own, with the processes
 it starts, and the whole group is stopped, whether the run ends, fails or times out. A rank
 also ends its group as soon as the process that started it is gone (pytest killed from
@@ -25,7 +32,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -64,7 +71,7 @@ class RankContext:
         rank: this process's rank.
         world_size: the number of ranks.
         device: the ``torch.device`` this rank measures (put its model and batch there).
-        backend: the process group's backend (``"gloo"``, ``"nccl"``).
+        backend: the process group's backend (``"gloo"``, ``"nccl"``; ``"fake"`` with ``fake=True``).
     """
 
     rank: int
@@ -72,6 +79,11 @@ class RankContext:
     device: torch.device
     backend: str
     _recorder: Any = field(default=None, repr=False)
+
+    @property
+    def fake(self) -> bool:
+        """True where the rank runs on fake tensors over the fake process group (``fake=True``)."""
+        return self.backend == "fake"
 
     def track(self, *objects: Any) -> None:
         """Register this rank's modules and optimizers for the breakdown, the phases and Ψ
@@ -131,6 +143,43 @@ def _die_with_parent(group: int | None) -> None:
     threading.Thread(target=watch, name="gpumem-parent-watch", daemon=True).start()
 
 
+def _measured_rank(
+    rank: int,
+    world_size: int,
+    backend: str,
+    where: torch.device,
+    timeout: float,
+    fn: Callable[[int, RankContext], Any],
+    predict: str | None,
+    **init: Any,
+) -> Measurement:
+    """Initialise the default process group as ``rank``, run ``fn`` inside :func:`measure`, end the group."""
+    import torch.distributed as dist
+
+    from pytest_gpumem.measurement.active import measure
+
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=max(timeout, 1.0)), **init
+    )
+    try:
+        ctx = RankContext(rank, world_size, where, backend)
+        with measure(f"rank{rank}", device=where, predict=predict, fake=backend == "fake") as span:
+            ctx._recorder = span.recorder
+            try:
+                fn(rank, ctx)
+            finally:
+                ctx._recorder = None
+        return span.measurement
+    finally:
+        dist.destroy_process_group()
+
+
+def _failure(rank: int, exc: BaseException) -> tuple[int, str, str]:
+    """The message a rank sends when ``exc`` ended it."""
+    oom = isinstance(exc, torch.OutOfMemoryError)
+    return (rank, "oom" if oom else "error", "".join(traceback.format_exception(exc)))
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -140,36 +189,101 @@ def _rank_main(
     timeout: float,
     fn: Callable[[int, RankContext], Any],
     results: Any,
+    predict: str | None = None,
 ) -> None:
     """The body of one rank process (started by :func:`run_ranks`)."""
     group = _own_group()
     results.put((rank, "started", group))
     _die_with_parent(group)
-    import torch.distributed as dist
-
-    from pytest_gpumem.measurement.active import measure
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     where = _device_for(rank, device)
     try:
         if where.type == "cuda":
             torch.cuda.set_device(where)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=max(timeout, 1.0)))
-        try:
-            ctx = RankContext(rank, world_size, where, backend)
-            with measure(f"rank{rank}", device=where) as span:
-                ctx._recorder = span.recorder
-                try:
-                    fn(rank, ctx)
-                finally:
-                    ctx._recorder = None
-            results.put((rank, "ok", span.measurement.to_dict()))
-        finally:
-            dist.destroy_process_group()
+        measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict)
+        results.put((rank, "ok", measurement.to_dict()))
     except BaseException as exc:  # the parent reports it: nothing may escape as a silent exit code
-        oom = isinstance(exc, torch.OutOfMemoryError)
-        text = "".join(traceback.format_exception(exc))
-        results.put((rank, "oom" if oom else "error", text))
+        results.put(_failure(rank, exc))
+
+
+def _forget_earlier_ranks() -> None:
+    """Clear the caches in which DTensor keeps what an earlier rank of this process computed.
+
+    Its sharding propagation (the Python cache and the C++ fast path's), redistribution plans and
+    mesh topologies are cached by value, and device meshes of equal shape compare equal across
+    ranks: a later rank would be handed results that hold the earlier rank's meshes instead of
+    computing its own, as its own process would. Every rank starts as if it were the first
+    (``tests/test_fake_ranks.py`` checks a rank run alone against the same rank run after others).
+    """
+    import importlib
+
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    caches = (
+        ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached"),
+        ("torch.distributed.tensor._redistribute", "_gen_transform_infos"),
+        ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+        ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh"),
+    )
+    for module_name, path in caches:
+        try:
+            found: Any = importlib.import_module(module_name)
+            for part in path.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError):
+            continue
+        clear = getattr(found, "cache_clear", found)
+        clear()
+
+
+def _fake_ranks_main(
+    ranks: list[int],
+    world_size: int,
+    timeout: float,
+    fn: Callable[[int, RankContext], Any],
+    results: Any,
+    predict: str,
+) -> None:
+    """The body of the one process that runs ``ranks`` over the fake process group, one after another."""
+    group = _own_group()
+    for rank in ranks:
+        results.put((rank, "started", group))
+    _die_with_parent(group)
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    for rank in ranks:
+        _forget_earlier_ranks()
+        try:
+            measurement = _measured_rank(
+                rank, world_size, "fake", torch.device("cpu"), timeout, fn, predict, store=FakeStore()
+            )
+        except BaseException as exc:
+            results.put(_failure(rank, _on_fake_ranks(exc)))
+            return
+        results.put((rank, "ok", measurement.to_dict()))
+
+
+#: what stops DistributedDataParallel over the fake process group
+_DDP_ON_FAKE_RANKS = (
+    "DistributedDataParallel cannot run over the fake process group: it checks the parameters' values "
+    "across ranks when it is built and its reducer needs each all-reduce's result, which the fake process "
+    "group does not give. DDP keeps a whole replica on every rank, so its per-rank memory does not depend "
+    "on the world size: predict the step without DDP on fake tensors and add its gradient buckets (4 bytes "
+    "per parameter, none with gradient_as_bucket_view=True), or run real ranks (fake=False)"
+)
+
+
+def _on_fake_ranks(exc: BaseException) -> BaseException:
+    """``exc``, or an error that says why where a known limit of the fake process group raised it."""
+    from pytest_gpumem.measurement.engines.fake import FakeModeError
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if any(frame.filename.replace(os.sep, "/").endswith("torch/nn/parallel/distributed.py") for frame in frames):
+        error = FakeModeError(_DDP_ON_FAKE_RANKS)
+        error.__cause__ = exc
+        return error
+    return exc
 
 
 def _ended(exitcode: int | None) -> str:
@@ -230,7 +344,7 @@ def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> 
 @contextlib.contextmanager
 def _processes(groups: dict[int, int | None]) -> Iterator[list[Any]]:
     """The rank processes; on leaving, any still alive is terminated, then killed, each with its
-    process group (``groups``: rank → the group it made), so that nothing it started is left."""
+    process group (``groups``: the process's index → the group it made), so that nothing it started is left."""
     processes: list[Any] = []
     try:
         with _stopped_on_sigterm(processes, groups):
@@ -258,6 +372,9 @@ def run_ranks(
     backend: str | None = None,
     device: str = "cpu",
     timeout: float = DEFAULT_TIMEOUT,
+    predict: str | None = None,
+    fake: bool = False,
+    ranks: Iterable[int] | None = None,
 ) -> list[Measurement]:
     """Run ``fn(rank, ctx)`` in ``world_size`` rank processes; one :class:`Measurement` per rank, in rank order.
 
@@ -268,10 +385,15 @@ def run_ranks(
         device: ``"cpu"`` (every rank on the CPU engine) or ``"cuda"`` (rank ``r`` on ``cuda:r``:
             the machine needs ``world_size`` GPUs).
         timeout: seconds for the whole run; ranks still running then are stopped.
+        predict: a GPU (``"h100"``): each rank's figures are that GPU's, predicted on the CPU
+            engine (``device`` must be ``"cpu"``).
+        fake: with ``predict``, run the ranks on fake tensors over the fake process group, one
+            after another in one process (see the module's docstring); ``backend`` must be None.
+        ranks: with ``fake``, the ranks to run (default: all); the result follows this order.
 
     Raises:
-        ValueError: a bad ``world_size``, ``device``, ``backend`` or ``timeout``, or more ranks
-            than CUDA devices.
+        ValueError: a bad ``world_size``, ``device``, ``backend``, ``timeout``, ``predict``,
+            ``fake`` or ``ranks``, or more ranks than CUDA devices.
         TypeError: ``fn`` cannot be sent to a rank process.
         DistributedError: a rank raised, ran out of memory, died, or did not finish in time.
     """
@@ -281,6 +403,15 @@ def run_ranks(
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if predict is not None:
+        from pytest_gpumem.targets import parse_predict
+
+        predict = parse_predict(predict)  # a ValueError naming the known GPUs
+        if device != "cpu":
+            raise ValueError(
+                f"predict={predict!r} runs the ranks on the CPU engine: device must be 'cpu', got {device!r}"
+            )
+    wanted = _wanted_ranks(world_size, fake, predict, backend, ranks)
     if device == "cuda":
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if world_size > available:
@@ -288,8 +419,8 @@ def run_ranks(
                 f"world_size={world_size} needs {world_size} CUDA devices, this machine has {available}: "
                 "use fewer ranks, or device='cpu' (gloo) to run every rank on the CPU engine"
             )
-    chosen = backend or ("nccl" if device == "cuda" else "gloo")
-    if chosen not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+    chosen = "fake" if fake else backend or ("nccl" if device == "cuda" else "gloo")
+    if chosen not in ("gloo", "nccl", "mpi", "ucc", "xccl", "fake"):
         raise ValueError(f"backend {chosen!r} is not a torch.distributed backend")
     try:
         pickle.dumps(fn)
@@ -307,13 +438,15 @@ def run_ranks(
     figures: dict[int, Measurement] = {}
     reports: dict[int, str] = {}
     groups: dict[int, int | None] = {}
+    #: rank → the index of the process that runs it
+    owner = dict.fromkeys(wanted, 0) if fake else {rank: rank for rank in wanted}
     deadline = time.monotonic() + timeout
 
     def take(message: tuple[int, str, Any]) -> bool:
         """File a rank's message; True when it reports a failure."""
         rank, status, payload = message
         if status == "started":
-            groups[rank] = payload
+            groups[owner[rank]] = payload
             return False
         if status == "ok":
             figures[rank] = Measurement.from_dict(payload)
@@ -326,21 +459,25 @@ def run_ranks(
         """Ranks whose process ended without a message."""
         return [
             rank
-            for rank, process in enumerate(processes)
-            if rank not in figures and rank not in reports and not process.is_alive()
+            for rank in wanted
+            if rank not in figures and rank not in reports and not processes[owner[rank]].is_alive()
         ]
 
     with _processes(groups) as processes:
-        for rank in range(world_size):
-            process = context.Process(
-                target=_rank_main,
-                args=(rank, world_size, port, chosen, device, timeout, fn, results),
-                daemon=True,
-            )
+        if fake:
+            starts: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+                (_fake_ranks_main, (wanted, world_size, timeout, fn, results, predict))
+            ]
+        else:
+            starts = [
+                (_rank_main, (rank, world_size, port, chosen, device, timeout, fn, results, predict)) for rank in wanted
+            ]
+        for target, args in starts:
+            process = context.Process(target=target, args=args, daemon=True)
             process.start()
             processes.append(process)
         failed = False
-        while not failed and len(figures) + len(reports) < world_size:
+        while not failed and len(figures) + len(reports) < len(wanted):
             try:
                 failed = take(results.get(timeout=0.2))
             except queue.Empty:
@@ -350,19 +487,48 @@ def run_ranks(
                     except queue.Empty:
                         failed = True
             if not failed and time.monotonic() > deadline:
-                for rank in range(world_size):
+                for rank in wanted:
                     if rank not in figures:
                         reports[rank] = f"rank {rank} did not finish within {timeout:g} s"
                 failed = True
         if failed:  # the others may wait on the failed rank forever: collect what is on its way, stop them
             grace = time.monotonic() + 1.0
-            while time.monotonic() < grace and len(figures) + len(reports) < world_size:
+            while time.monotonic() < grace and len(figures) + len(reports) < len(wanted):
                 with contextlib.suppress(queue.Empty):
                     take(results.get(timeout=0.1))
             for rank in silent(processes):  # died without a word: its peers' errors follow
-                reports[rank] = f"rank {rank} {_ended(processes[rank].exitcode)}"
+                reports[rank] = f"rank {rank} {_ended(processes[owner[rank]].exitcode)}"
     if reports:
         ordered = dict(sorted(reports.items()))
+        if fake:  # the ranks run one after another: only the first that failed has a story
+            first = next(rank for rank in wanted if rank in ordered)
+            ordered = {first: ordered[first]}
         names = ", ".join(map(str, ordered))
-        raise DistributedError(f"{len(reports)} of {world_size} ranks failed (rank {names})", ordered)
-    return [figures[rank] for rank in range(world_size)]
+        raise DistributedError(f"{len(ordered)} of {len(wanted)} ranks failed (rank {names})", ordered)
+    return [figures[rank] for rank in wanted]
+
+
+def _wanted_ranks(
+    world_size: int, fake: bool, predict: str | None, backend: str | None, ranks: Iterable[int] | None
+) -> list[int]:
+    """The ranks to run, checked against the other arguments."""
+    if not isinstance(fake, bool):
+        raise ValueError(f"fake must be True or False, got {fake!r}")
+    if fake and predict is None:
+        raise ValueError("fake=True needs predict= (the GPU whose figures the fake ranks predict, e.g. 'h100')")
+    if fake and backend is not None:
+        raise ValueError(f"fake=True runs the ranks over the fake process group: leave backend unset, got {backend!r}")
+    if ranks is None:
+        return list(range(world_size))
+    if not fake:
+        raise ValueError("ranks= chooses ranks to run with fake=True; real ranks all run (a collective waits for each)")
+    try:
+        chosen = list(ranks)
+    except TypeError:
+        raise ValueError(f"ranks must be a list of ranks in 0..{world_size - 1}, got {ranks!r}") from None
+    bad = [r for r in chosen if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
+    if bad or not chosen or len(set(chosen)) != len(chosen):
+        raise ValueError(
+            f"ranks must be distinct ints in 0..{world_size - 1} (world_size={world_size}), at least one, got {ranks!r}"
+        )
+    return chosen

@@ -67,6 +67,9 @@ class GpuMem:
         backend: str | None = None,
         device: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        predict: str | None = None,
+        fake: bool | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> list[Measurement]:
         """Run ``fn(rank, ctx)`` in ``world_size`` rank processes, each measured; returns their
         :class:`Measurement` in rank order (see :mod:`pytest_gpumem.diagnose.distributed`).
@@ -75,13 +78,29 @@ class GpuMem:
         ``allocated`` and ``reserved`` limits and budgets apply to every rank (Ψ is the rank's
         own tracked trainable parameters: ``ctx.track(model, optimizer)`` in ``fn``), and
         baselines are kept per rank and world size. ``device``: ``"cpu"`` or ``"cuda"`` (rank
-        ``r`` on ``cuda:r``); default: the test's device type. A rank that fails, runs out of
-        memory or does not finish in ``timeout`` seconds fails the test with its report.
+        ``r`` on ``cuda:r``); default: the test's device type. ``predict`` and ``fake`` default
+        to the test's (its marker's ``predict=`` and ``fake=``, ``--gpumem-predict``,
+        ``--gpumem-fake``); with ``fake`` the ranks run one after another in one process over
+        the fake process group, and ``ranks`` chooses which (default: all). A rank that fails,
+        runs out of memory or does not finish in ``timeout`` seconds fails the test with its report.
         """
         __tracebackhide__ = True
-        where = device or ("cuda" if self.device.type == "cuda" else "cpu")
+        if predict is None:
+            predict = self.recorder.engine.predicts
+        if fake is None:
+            fake = self.recorder.fake
+        where = device or ("cuda" if self.device.type == "cuda" and predict is None else "cpu")
         try:
-            measurements = run_ranks(fn, world_size, backend=backend, device=where, timeout=timeout)
+            measurements = run_ranks(
+                fn,
+                world_size,
+                backend=backend,
+                device=where,
+                timeout=timeout,
+                predict=predict,
+                fake=fake,
+                ranks=ranks,
+            )
         except DistributedError as exc:
             raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
         except (ValueError, TypeError) as exc:
@@ -89,8 +108,8 @@ class GpuMem:
         limits = [spec for spec in self._marker_limits if spec.metric in SPAN_METRICS]
         self.recorder.ranks_measured = True
         named = []
-        for rank, measurement in enumerate(measurements):
-            name = f"rank{rank}-of-{world_size}"
+        for measurement in measurements:
+            name = f"{measurement.name}-of-{world_size}"  # run_ranks names each rank's span rank{r}
             if name in self.recorder.span_names:
                 raise ValueError(f"{self.nodeid}: span name {name!r} is used twice in this test")
             measurement = replace(measurement, name=name)
@@ -445,8 +464,17 @@ class UnmeasuredGpuMem:
         backend: str | None = None,
         device: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        predict: str | None = None,
+        fake: bool | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> list[Unmeasured]:
         __tracebackhide__ = True
+        if predict is not None or fake:
+            import pytest
+
+            pytest.skip(
+                "gpumem.distributed(predict=...) predicts by measuring: skipped while pytest-gpumem is disabled"
+            )
         where = device or ("cuda" if self.device.type == "cuda" else "cpu")
         try:
             run_ranks(fn, world_size, backend=backend, device=where, timeout=timeout)

@@ -15,6 +15,12 @@ Where fake outputs differ from what the kernels allocate, :class:`FakeKernels` c
   0-dim loss in a storage the size of the unreduced loss, alive as long as the loss is. Fake mode
   gives the output's storage that size (``tests/test_fake.py`` checks each against the CPU kernel).
 
+Integer ranges made on the CPU by ``torch.arange`` (at most :data:`CONSTANT_RANGE` elements) keep
+their values, as ``torch.tensor(...)`` does under ``FakeTensorMode``, and so do the integer and boolean CPU
+tensors computed from such values alone: a device mesh reads its rank map (``init_device_mesh``,
+FSDP2's ``fully_shard``), and fake mode could not build one otherwise. They are still counted as
+the allocations they are.
+
 A step that needs a tensor's value (``.item()``, ``nonzero()``, a shape that depends on data) or
 that mixes in a real tensor cannot run on fake tensors: :class:`FakeModeError` names the line.
 """
@@ -33,6 +39,7 @@ from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
+    unset_fake_temporarily,
 )
 
 from pytest_gpumem.measurement.engines.compiled import PLUGIN_ROOT, TORCH_ROOT
@@ -49,6 +56,12 @@ REDUCED_IN_PLACE: dict[Any, int] = {
     _aten.soft_margin_loss.default: 2,
     _aten.binary_cross_entropy.default: 3,
 }
+
+
+#: the largest integer range that keeps its values on fake tensors (a device mesh of this many ranks)
+CONSTANT_RANGE = 1 << 16
+
+_RANGES = frozenset({_aten.arange.default, _aten.arange.start, _aten.arange.start_step})
 
 
 class FakeModeError(RuntimeError):
@@ -120,6 +133,8 @@ class FakeKernels(FakeTensorMode):
                 "the optimizer and the batch must be made inside the measured code (a tensor made before "
                 "it, or by a fixture, holds real data)"
             ) from exc
+        if func in _RANGES and isinstance(out, torch.Tensor):
+            return self._constant_range(func, args, kwargs, out)
         index = REDUCED_IN_PLACE.get(func)
         if index is not None:
             reduction = args[index] if len(args) > index else (kwargs or {}).get("reduction", 1)
@@ -127,6 +142,27 @@ class FakeKernels(FakeTensorMode):
                 shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
                 out.untyped_storage().resize_(shape.numel() * out.element_size())
         return out
+
+    def may_turn_const(self, t: torch.Tensor) -> bool:
+        """Besides ``FakeTensorMode``'s one-element constants, integer and boolean CPU tensors of up to
+        :data:`CONSTANT_RANGE` elements computed from constants keep their values."""
+        if super().may_turn_const(t):
+            return True
+        return (
+            not self.is_our_fake(t)
+            and t.layout == torch.strided
+            and t.device.type == "cpu"
+            and not (t.is_floating_point() or t.is_complex())
+            and t.numel() <= CONSTANT_RANGE
+        )
+
+    def _constant_range(self, func: Any, args: Any, kwargs: Any, out: torch.Tensor) -> torch.Tensor:
+        """``out`` with its values when it is a small integer range on the CPU (see the module's docstring)."""
+        if out.is_floating_point() or out.is_complex() or out.device.type != "cpu" or out.numel() > CONSTANT_RANGE:
+            return out
+        with unset_fake_temporarily():
+            real = func(*args, **(kwargs or {}))
+        return self.fake_tensor_converter.from_real_tensor(self, real, make_constant=True)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,251 @@
+"""Fake ranks: a sharded step predicted per rank in one process, on fake tensors, over the fake
+process group (``run_ranks(..., predict="h100", fake=True)``, ``gpumem.distributed``).
+
+The proof is the real thing: the same step on real gloo ranks (one process each, real tensors)
+predicted for the same GPU gives the same figures, to the byte, rank by rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import run
+from pytest_gpumem import DistributedError, RankContext, model_states, run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    x = torch.randn(32, 256)
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=False)
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+
+
+def fsdp_step(rank: int, ctx: RankContext) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ctx.track(model, optimizer)
+    _train(model, optimizer)
+
+
+def zero_step(rank: int, ctx: RankContext) -> None:
+    """ZeRO-1: every rank keeps the whole model and gradients, the optimizer state of its share."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = _model()
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
+    ctx.track(model, optimizer)
+    _train(model, optimizer)
+
+
+def ddp_step(rank: int, ctx: RankContext) -> None:
+    model = nn.parallel.DistributedDataParallel(_model())
+    optimizer = torch.optim.AdamW(model.parameters())
+    _train(model, optimizer)
+
+
+def reads_a_value(rank: int, ctx: RankContext) -> None:
+    model = _model()
+    if model(torch.randn(2, 256)).sum().item() > 0:  # a value: fake tensors have none
+        pass
+
+
+def _figures(measurement: Any) -> tuple[Any, ...]:
+    return (
+        measurement.peak,
+        measurement.allocated,
+        measurement.reserved,
+        measurement.psi,
+        dict(measurement.breakdown or {}),
+        dict(measurement.allocated_breakdown or {}),
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("step", [fsdp_step, zero_step], ids=["fsdp2", "zero1"])
+def test_fake_ranks_give_the_real_ranks_prediction_to_the_byte(step: Any, world_size: int) -> None:
+    """Each rank's peak, allocated, reserved, Ψ and breakdowns on fake tensors over the fake
+    process group equal those of real gloo ranks predicted for the H100."""
+    real = run_ranks(step, world_size, predict="h100")
+    fake = run_ranks(step, world_size, predict="h100", fake=True)
+    assert [_figures(m) for m in fake] == [_figures(m) for m in real]
+    assert [m.name for m in fake] == [f"rank{r}" for r in range(world_size)]
+    assert multiprocessing.active_children() == []
+
+
+def test_each_rank_runs_as_if_it_were_the_first() -> None:
+    """Ranks run one after another in one process, yet a rank's figures do not depend on the
+    ranks before it (DTensor's caches are cleared between ranks). On 3 ranks FSDP2's shards are
+    uneven (1024 rows: 342, 342, 340), so the last rank holds less, as it does on real ranks."""
+    alone = run_ranks(fsdp_step, 3, predict="h100", fake=True, ranks=[2])
+    after = run_ranks(fsdp_step, 3, predict="h100", fake=True)
+    assert _figures(after[2]) == _figures(alone[0])
+    assert after[0].psi == after[1].psi == 342 * 256 + 342 + 86 * 1024 + 86
+    assert after[2].psi == 340 * 256 + 340 + 84 * 1024 + 84
+    assert after[2].allocated < after[0].allocated
+    assert [m.name for m in run_ranks(fsdp_step, 3, predict="h100", fake=True, ranks=[2, 0])] == ["rank2", "rank0"]
+
+
+def test_fsdp2_on_fake_ranks_holds_16_bytes_per_parameter_of_its_shard() -> None:
+    """After the step each rank holds its shard's fp32 parameters, gradients and AdamW state,
+    16 bytes per parameter of its shard, each tensor in whole 512-byte blocks of the allocator
+    (the second bias's shard, 64 floats, takes a block of 512 B), and the step counters: one
+    float32 scalar per parameter tensor, a 512-byte block each in the prediction."""
+    world_size = 4
+    shards = [256 * 256, 256, 64 * 1024, 64]  # rows of 1024 and 256 split in 4
+    blocks = sum(-(-4 * numel // 512) * 512 for numel in shards)
+    assert blocks == 4 * sum(shards) + 256
+    for m in run_ranks(fsdp_step, world_size, predict="h100", fake=True):
+        psi = m.psi
+        assert psi == sum(shards) == (256 * 1024 + 1024 + 1024 * 256 + 256) // world_size
+        parts = m.allocated_breakdown
+        assert parts is not None
+        assert (parts["parameters"], parts["gradients"]) == (blocks, blocks)
+        assert parts["optimizer_state"] == 2 * blocks + 4 * 512
+        budget = model_states([_model()], "adamw", "fp32", zero_stage=3, world_size=world_size)
+        assert budget.total == 16 * psi + 4  # the budget splits the 4 counters' 16 bytes
+
+
+def test_ddp_on_fake_ranks_is_an_error_that_says_why() -> None:
+    with pytest.raises(DistributedError) as caught:
+        run_ranks(ddp_step, 2, predict="h100", fake=True, timeout=120)
+    text = str(caught.value)
+    assert text.startswith("1 of 2 ranks failed (rank 0)")
+    assert "DistributedDataParallel cannot run over the fake process group" in text
+    assert "gradient_as_bucket_view=True" in text
+    assert multiprocessing.active_children() == []
+
+
+def test_a_value_on_fake_ranks_is_an_error_that_names_the_line() -> None:
+    with pytest.raises(DistributedError) as caught:
+        run_ranks(reads_a_value, 2, predict="h100", fake=True, timeout=120)
+    assert "FakeModeError: fake mode cannot run" in str(caught.value)
+    assert "test_fake_ranks.py:" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"fake": True}, r"fake=True needs predict="),
+        ({"fake": True, "predict": "h100", "backend": "gloo"}, r"leave backend unset, got 'gloo'"),
+        ({"ranks": [0]}, r"ranks= chooses ranks to run with fake=True"),
+        ({"fake": True, "predict": "h100", "ranks": [0, 2]}, r"ranks must be distinct ints in 0\.\.1 .*got \[0, 2\]"),
+        ({"fake": True, "predict": "h100", "ranks": [1, 1]}, r"ranks must be distinct ints.*got \[1, 1\]"),
+        ({"fake": True, "predict": "h100", "ranks": []}, r"at least one, got \[\]"),
+        ({"fake": True, "predict": "h100", "ranks": 1}, r"ranks must be a list of ranks in 0\.\.1, got 1"),
+        ({"fake": "yes", "predict": "h100"}, r"fake must be True or False, got 'yes'"),
+        ({"predict": "h800"}, r"predict='h800' is not a known GPU"),
+        ({"predict": "h100", "device": "cuda"}, r"device must be 'cpu', got 'cuda'"),
+    ],
+)
+def test_bad_arguments_are_errors_that_name_the_value(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        run_ranks(fsdp_step, 2, **kwargs)
+
+
+def test_the_fixture_predicts_ranks_as_spans_of_the_test(pytester: pytest.Pytester) -> None:
+    """``gpumem.distributed`` takes ``predict`` and ``fake`` from the marker; ``ranks`` picks
+    ranks 0 and 7 of 8; each is a span of the test, judged against the marker's budget."""
+    pytester.makepyfile(
+        """
+import pytest, torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+
+def step(rank, ctx):
+    assert ctx.fake and ctx.backend == "fake" and ctx.world_size == 8
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ctx.track(model, optimizer)
+    model(torch.randn(16, 1024)).sum().backward()
+    optimizer.step()
+
+
+@pytest.mark.gpumem(predict="h100", fake=True, allocated="16Ψ + 80MiB")
+def test_sharded(gpumem):
+    ranks = gpumem.distributed(step, world_size=8, ranks=[0, 7])
+    assert [r.name for r in ranks] == ["rank0-of-8", "rank7-of-8"]
+    assert [r.psi for r in ranks] == [(1024 * 1024 + 1024) * 4 // 8] * 2
+
+
+@pytest.mark.gpumem(predict="h100", fake=True, allocated="16Ψ")
+def test_over_budget(gpumem):
+    gpumem.distributed(step, world_size=8, ranks=[3])
+"""
+    )
+    result = run(pytester, "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["[[]rank3-of-8[]] allocated cost * exceeds the budget * (16Ψ) by *"])
+
+
+def llama_70b_step(rank: int, ctx: RankContext) -> None:
+    """A transformers Llama-70B-shaped model (80 layers, d=8192, GQA 64/8 heads, SwiGLU 28672),
+    FSDP2 on every decoder layer and the root, bf16 autocast, fp32 AdamW, batch 1 × 2048."""
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    config = transformers.LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ctx.track(model, optimizer)
+    tokens = torch.randint(0, config.vocab_size, (1, 2048))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+
+
+#: Llama-70B-shaped: 80 layers of attention (q, o: d²; k, v: d·d/8), SwiGLU (3·d·28672) and two
+#: RMSNorms, the embedding and the untied head (32000·d each), the final norm
+LLAMA_70B_PSI = 80 * (2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) + 2 * 32000 * 8192 + 8192
+
+
+def test_a_llama_70b_fsdp2_step_is_predicted_per_rank_on_64_fake_ranks() -> None:
+    """Ranks 0 and 63 of 64: every dimension divides by 64, so each holds Ψ/64 of the 69 B
+    parameters and, after the step, 16 bytes per parameter of its shard (and the 723 step
+    counters, 512 B each in the prediction): 16.06 GiB, beside which the peak shows what the
+    unsharded layers and the activations of a 2048-token step add."""
+    pytest.importorskip("transformers")
+    ranks = run_ranks(llama_70b_step, 64, predict="h100", fake=True, ranks=[0, 63], timeout=900)
+    psi = LLAMA_70B_PSI // 64
+    assert LLAMA_70B_PSI % 64 == 0
+    for m in ranks:
+        assert m.psi == psi
+        parts = m.allocated_breakdown
+        assert parts is not None
+        assert (parts["parameters"], parts["gradients"]) == (4 * psi, 4 * psi)
+        assert parts["optimizer_state"] == 8 * psi + 723 * 512
+        assert m.peak > 16 * psi
+    assert _figures(ranks[0])[:4] == _figures(ranks[1])[:4]
