@@ -123,6 +123,56 @@ def test_a_model_larger_than_the_machine_allocates_nothing() -> None:
     assert grown < 512 * 1024 * 1024
 
 
+def _blocks(nbytes: int) -> int:
+    """``nbytes`` in the caching allocator's 512-byte blocks."""
+    return -(-nbytes // 512) * 512
+
+
+def test_a_gpt2_xl_step_holds_its_budget_term_by_term() -> None:
+    """GPT-2 XL (1.56 B parameters in 580 tensors; fp32, AdamW, batch 1 × 1,024) on fake tensors:
+    after the step, each model state is the budget's term plus the allocator's rounding of each
+    tensor to 512-byte blocks (86,784 B over the 580 parameters), the step counters are 512 B
+    each instead of the budget's 4, and what the step keeps beside them is named: the logits and
+    the loss it returned, the token ids, the cuBLAS workspaces (and the allocator's blocks that
+    it did not split)."""
+    from pytest_gpumem import model_states
+    from pytest_gpumem.validate.gpt2 import gpt2
+
+    with measure("step", device="cpu", predict="h100", fake=True) as span:
+        model = gpt2("gpt2-xl")
+        optimizer = torch.optim.AdamW(model.parameters())
+        span.recorder.track(model, optimizer)
+        tokens = torch.randint(0, model.config.vocab_size, (1, 1024))
+        logits, loss = model(tokens, tokens)
+        loss.backward()
+        optimizer.step()
+        budget = model_states(model, optimizer, "fp32")
+        sizes = [4 * p.numel() for p in model.parameters()]
+        workspaces = span.recorder.engine.workspaces
+    psi = span.measurement.psi
+    assert psi == 1_557_611_200 and len(sizes) == 580
+    rounding = sum(map(_blocks, sizes)) - 4 * psi
+    assert rounding == 86_784
+    assert budget.items == {
+        "parameters": 4 * psi,
+        "gradients": 4 * psi,
+        "exp_avg": 4 * psi,
+        "exp_avg_sq": 4 * psi,
+        "step counters": 4 * 580,
+    }
+    end = span.measurement.allocated_breakdown
+    assert end is not None
+    assert end["parameters"] == budget.items["parameters"] + rounding
+    assert end["gradients"] == budget.items["gradients"] + rounding
+    assert end["optimizer_state"] == budget.items["exp_avg"] + budget.items["exp_avg_sq"] + 2 * rounding + 580 * 512
+    assert end["parameters"] + end["gradients"] + end["optimizer_state"] == budget.total + 4 * rounding + 580 * 508
+    kept = _blocks(logits.numel() * 4) + _blocks(loss.numel() * 4) + _blocks(tokens.numel() * 8)
+    assert end["temporaries"] == kept == 205_861_376
+    assert end["activations"] == 0
+    assert workspaces == 68_157_440 and end["other"] >= workspaces
+    assert span.measurement.allocated == sum(end.values())
+
+
 def _line_of(marker: str) -> int:
     """The number of the line of this file that ends with ``marker``."""
     with open(__file__, encoding="utf-8") as source:
