@@ -12,8 +12,9 @@ models up to ``--real-max`` parameters: the larger ones do not fit a 24 GiB runn
 
 A last table predicts one rank of a sharded step over the fake process group
 (``run_ranks(..., predict="h100", fake=True, ranks=[r])``): a ``transformers``
-Llama-70B-shaped model with FSDP2 on every decoder layer and the root, bf16 autocast, fp32
-AdamW, batch 1 × 2,048, on 8 and 64 ranks: the seconds of the call (the process that runs
+Llama-70B-shaped model built on the meta device, FSDP2 on every decoder layer and the root,
+each layer checkpointed, bf16 autocast without its cast cache, fp32 AdamW, batch 1 × 2,048,
+on 8 and 64 ranks: the seconds of the call (the process that runs
 the rank started, the rank predicted) and the peak resident memory of that process.
 """
 
@@ -88,15 +89,19 @@ def llama_70b_fsdp(rank: int, ctx: Any) -> None:
         num_key_value_heads=8,
         vocab_size=32000,
         max_position_embeddings=4096,
+        use_cache=False,
     )
-    model = transformers.LlamaForCausalLM(config)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable()
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
+    model.to_empty(device=ctx.device)
     optimizer = torch.optim.AdamW(model.parameters())
     ctx.track(model, optimizer)
     tokens = torch.randint(0, config.vocab_size, (1, 2048))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
     optimizer.step()

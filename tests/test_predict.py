@@ -7,7 +7,9 @@ the figures recorded on an H100.
 
 from __future__ import annotations
 
+import functools
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -278,3 +280,35 @@ def test_autocast_casts_by_the_targets_lists() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert (x @ x).pow(3).dtype == torch.bfloat16
         assert torch.mv(x, x[0]).dtype == torch.float32
+
+
+def _checkpointed_gpt2_step(fake: bool, checkpointed: bool) -> tuple[Any, ...]:
+    """A small GPT-2 step whose blocks are checkpointed (recomputed in backward), predicted."""
+    from torch.utils.checkpoint import checkpoint
+
+    from pytest_gpumem.validate.gpt2 import gpt2
+
+    with measure("step", device="cpu", predict="h100", fake=fake) as span:
+        torch.manual_seed(0)
+        model = gpt2("gpt2", n_layer=2, n_embd=256, n_head=4, vocab_size=1024, n_positions=256)
+        if checkpointed:
+            blocks = list(model.h)
+            for block in blocks:
+                block.forward = functools.partial(checkpoint, type(block).forward.__get__(block), use_reentrant=False)
+        tokens = torch.randint(0, 1024, (4, 256))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(tokens, tokens)
+        loss.backward()
+    m = span.measurement
+    return m.peak, m.allocated, m.reserved, m.saved_activations, dict(m.breakdown or {})
+
+
+def test_activation_checkpointing_recomputes_with_the_targets_kernels() -> None:
+    """Checkpointed blocks run again in backward: the recomputation runs the target's attention
+    kernel as the forward did, so it saves the same tensors (PyTorch checks), on real and fake
+    tensors alike; it keeps less for backward than the same step without checkpointing."""
+    real = _checkpointed_gpt2_step(fake=False, checkpointed=True)
+    assert _checkpointed_gpt2_step(fake=True, checkpointed=True) == real
+    plain = _checkpointed_gpt2_step(fake=False, checkpointed=False)
+    assert real[3] < plain[3]  # saved activations
+    assert real[0] < plain[0]  # peak

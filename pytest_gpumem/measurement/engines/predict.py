@@ -16,13 +16,13 @@ import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from pytest_gpumem.measurement.engines.base import Reading
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
@@ -117,12 +117,14 @@ class Prediction:
 
 @contextmanager
 def _set_aside() -> Iterator[None]:
-    """Run CPU code the target would not run, unseen: no dispatch mode (the tracker's) and no
-    saved-tensor hooks (autograd graphs made inside save what the CPU's kernels need)."""
+    """Run CPU code the target would not run, unseen: no dispatch mode (the tracker's), not the
+    target's kernels (:class:`_DeviceKernels`, on the stack in backward: the CPU's run here) and
+    no saved-tensor hooks (autograd graphs made inside save what the CPU's kernels need)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_without_device_kernels())
         popped = stack.enter_context(_disable_current_modes())
         # fake tensors stay fake (fake=True): the kernels' own tensors (a mask's scalars) must be too
         for mode in reversed(popped):
@@ -132,8 +134,78 @@ def _set_aside() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _without_device_kernels() -> Iterator[None]:
+    """The torch-function modes but :class:`_DeviceKernels` while the block runs."""
+    modes = _get_current_function_mode_stack()
+    if not any(isinstance(mode, _DeviceKernels) for mode in modes):
+        yield
+        return
+    for _ in modes:
+        torch._C._pop_torch_function_stack()
+    try:
+        for mode in modes:
+            if not isinstance(mode, _DeviceKernels):
+                torch._C._push_on_torch_function_stack(mode)
+        yield
+    finally:
+        while torch._C._len_torch_function_stack():
+            torch._C._pop_torch_function_stack()
+        for mode in modes:
+            torch._C._push_on_torch_function_stack(mode)
+
+
 def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+_TENSOR_BACKWARD = torch.Tensor.backward
+
+
+def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
+    """``loss.backward(...)`` or ``torch.autograd.backward(...)`` as a call that starts PyTorch's
+    autograd engine directly, as ``torch.autograd.backward`` does once the torch-function modes
+    have had their turn (calling either again would give the modes their turn again); None where
+    this PyTorch lacks the helpers or the arguments are of a kind not followed here (the call then
+    runs as before)."""
+    import inspect
+
+    try:
+        from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+        from torch.autograd.graph import _engine_run_backward
+    except ImportError:
+        return None
+    try:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    given = bound.arguments
+    if func is _TENSOR_BACKWARD:
+        tensors, grads = given.get("self"), given.get("gradient")
+    else:
+        if given.get("grad_variables") is not None:
+            return None
+        tensors, grads = given.get("tensors"), given.get("grad_tensors")
+    retain_graph, create_graph = given.get("retain_graph"), given.get("create_graph", False)
+    inputs = given.get("inputs")
+    outputs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ())
+    if inputs is None:
+        wrt: tuple[torch.Tensor, ...] = ()
+    elif isinstance(inputs, torch.Tensor):
+        wrt = (inputs,)
+    elif isinstance(inputs, (list, tuple)) and inputs:
+        wrt = tuple(inputs)
+    else:
+        return None
+    if not outputs or not all(isinstance(t, torch.Tensor) for t in (*outputs, *wrt)):
+        return None
+
+    def run() -> None:
+        made = _make_grads(outputs, _tensor_or_tensors_to_tuple(grads, len(outputs)), is_grads_batched=False)
+        retain = create_graph if retain_graph is None else retain_graph
+        _engine_run_backward(outputs, made, retain, create_graph, wrt, allow_unreachable=True, accumulate_grad=True)
+
+    return run
 
 
 class _DeviceKernels(TorchFunctionMode):
@@ -150,6 +222,15 @@ class _DeviceKernels(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func is _TENSOR_BACKWARD or func is torch.autograd.backward:
+            run = _backward_call(func, args, kwargs)
+            if run is not None:
+                # a mode is off while its handler runs, and backward keeps the modes it starts
+                # with: it starts with this one back on, so that what it runs of the forward again
+                # (activation checkpointing's recomputation) runs the target's kernels, as the
+                # forward did, and saves the same tensors
+                with self:
+                    return run()
         if func is F.scaled_dot_product_attention and self.target.attention_order:
             return _attention(self.tracker, *args, **kwargs)
         if func is F.dropout and self.target.dropout_mask == "bool":
