@@ -13,37 +13,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_distributed import _model, _train, fsdp_step  # the same steps as on real ranks
 from torch import nn
 
 from conftest import run
 from pytest_gpumem import DistributedError, RankContext, model_states, run_ranks
 
 pytestmark = pytest.mark.slow
-
-
-def _model() -> nn.Module:
-    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
-
-
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    x = torch.randn(32, 256)
-    for _ in range(2):
-        optimizer.zero_grad(set_to_none=False)
-        model(x).pow(2).mean().backward()
-        optimizer.step()
-
-
-def fsdp_step(rank: int, ctx: RankContext) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    model = _model()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters())
-    ctx.track(model, optimizer)
-    _train(model, optimizer)
 
 
 def zero_step(rank: int, ctx: RankContext) -> None:
