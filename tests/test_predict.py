@@ -312,3 +312,45 @@ def test_activation_checkpointing_recomputes_with_the_targets_kernels() -> None:
     plain = _checkpointed_gpt2_step(fake=False, checkpointed=False)
     assert real[3] < plain[3]  # saved activations
     assert real[0] < plain[0]  # peak
+
+
+def _adamw_state(**options: Any) -> tuple[int, int]:
+    """The predicted optimizer state after an AdamW step of a 4-tensor MLP, and the bytes of
+    its exp_avg and exp_avg_sq (each tensor in 512-byte blocks)."""
+    torch.manual_seed(0)
+    with measure("step", device="cpu", predict="h100") as span:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.Linear(100, 10))
+        optimizer = torch.optim.AdamW(model.parameters(), **options)
+        span.recorder.track(model, optimizer)
+        model(torch.randn(4, 64)).sum().backward()
+        optimizer.step()
+    moments = 2 * sum(-(-4 * p.numel() // 512) * 512 for p in model.parameters())
+    end = span.measurement.allocated_breakdown
+    assert end is not None
+    return end["optimizer_state"], moments
+
+
+def test_optimizer_scalars_kept_on_the_gpus_host_are_not_counted() -> None:
+    """AdamW's step counters are host tensors on a GPU unless the optimizer is fused (then they
+    live with the parameters, a 512-byte block each)."""
+    state, moments = _adamw_state()
+    assert state == moments
+    state, moments = _adamw_state(fused=True)
+    assert state == moments + 4 * 512
+
+
+def test_step_counters_made_before_the_prediction_are_not_counted() -> None:
+    """A warm-up step outside the prediction makes the step counters; the prediction's start
+    (which counts every tensor alive) leaves them out: the parameters, gradients and moments."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.Linear(100, 10))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    with measure("step", device="cpu", predict="h100", track=(model, optimizer)) as span:
+        pass
+    blocks = sum(-(-4 * p.numel() // 512) * 512 for p in model.parameters())
+    breakdown = span.measurement.allocated_breakdown
+    assert breakdown is not None
+    assert breakdown["optimizer_state"] == 2 * blocks
+    assert (breakdown["parameters"], breakdown["gradients"]) == (blocks, blocks)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import itertools
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -57,6 +59,7 @@ class Prediction:
             observer=self,
             operator_hooks={name: functools.partial(self.matrix_product, name) for name in operators},
             thread_contexts=(lambda: _DeviceKernels(self),),
+            elsewhere=optimizer_host_state,
         )
 
     # -- the model follows the tracker's blocks ------------------------------------------
@@ -74,6 +77,10 @@ class Prediction:
             self.model.free(key)
         if nbytes:
             self.model.malloc(key, nbytes)
+
+    def on_host(self, tensor: torch.Tensor) -> None:
+        """``tensor``, made while the tracker was set aside, lives on the target's host: never counted."""
+        self.tracker.elsewhere(tensor)
 
     def count_new(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count ``tensors``, made while the tracker was set aside, as this moment's allocations."""
@@ -161,6 +168,42 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
 
 _TENSOR_BACKWARD = torch.Tensor.backward
 
+#: the optimizers' scalar states that live on the host unless the optimizer is fused or
+#: capturable (the names the budgets' optimizer rules give them)
+HOST_SCALARS = ("step", "mu_product")
+
+
+def optimizer_host_state() -> Iterator[torch.Tensor]:
+    """The scalar states of the live optimizers that a GPU run keeps on its host: AdamW's step
+    counters and the like, made by a step run before the prediction started (a warm-up)."""
+    optimizer_type = torch.optim.Optimizer
+    for obj in gc.get_objects():
+        # by type: isinstance() reads __class__, which some objects warn about (torch.distributed.reduce_op)
+        if not issubclass(type(obj), optimizer_type):
+            continue
+        for group in obj.param_groups:
+            if group.get("fused") or group.get("capturable"):
+                continue
+            for param in group["params"]:
+                state = obj.state.get(param)
+                if not state:
+                    continue
+                for name in HOST_SCALARS:
+                    value = state.get(name)
+                    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_cpu:
+                        yield value
+
+
+def _made_by_an_optimizer() -> bool:
+    """Whether the code calling the torch function handled now is one of ``torch.optim``'s
+    optimizers, with the CPU as the default device (so that a tensor it makes without a device
+    is on the host when it trains on a GPU)."""
+    if torch.get_default_device().type != "cpu":
+        return False
+    frame: Any = sys._getframe(2)  # past __torch_function__ and this function
+    caller = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return isinstance(caller, str) and caller.startswith("torch.optim.")
+
 
 def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
     """``loss.backward(...)`` or ``torch.autograd.backward(...)`` as a call that starts PyTorch's
@@ -231,6 +274,14 @@ class _DeviceKernels(TorchFunctionMode):
                 # forward did, and saves the same tensors
                 with self:
                     return run()
+        if func is torch.tensor and kwargs.get("device") in (None, "cpu") and _made_by_an_optimizer():
+            # an optimizer's scalar state made on the host (AdamW's step counters, unless fused
+            # or capturable: ``device="cpu"`` written as such, or no device with the CPU as the
+            # default one; ``device=p.device`` is a torch.device, and on the target the GPU's)
+            with _set_aside():
+                out = func(*args, **kwargs)
+            self.tracker.on_host(out)
+            return out
         if func is F.scaled_dot_product_attention and self.target.attention_order:
             return _attention(self.tracker, *args, **kwargs)
         if func is F.dropout and self.target.dropout_mask == "bool":
