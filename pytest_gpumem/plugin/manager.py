@@ -233,6 +233,11 @@ class GpumemManager(MarkerCheck, RunEnd):
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
+        if report.when == "teardown":  # done with this test: what it kept would cost every later collection
+            for key in (RUN_KEY, RECORD_KEY):
+                if key in item.stash:
+                    del item.stash[key]
+            return report
         record = item.stash.get(RECORD_KEY, None)
         if report.when != "call" or record is None:
             return report
@@ -261,6 +266,7 @@ class GpumemManager(MarkerCheck, RunEnd):
         data = getattr(report, "gpumem", None)
         if data is None or report.when != "call":
             return
+        del report.gpumem  # type: ignore[attr-defined]  # read once: kept, it would cost every later collection
         record = TestRecord.from_dict(data)
         if report.failed and record.passed:
             record.passed = False  # failed for a reason of pytest's (XPASS(strict)) or another plugin's
