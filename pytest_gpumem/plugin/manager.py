@@ -234,9 +234,10 @@ class GpumemManager(MarkerCheck, RunEnd):
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
         if report.when == "teardown":  # done with this test: what it kept would cost every later collection
-            for key in (RUN_KEY, RECORD_KEY):
-                if key in item.stash:
-                    del item.stash[key]
+            if RUN_KEY in item.stash:
+                del item.stash[RUN_KEY]
+            if RECORD_KEY in item.stash:
+                del item.stash[RECORD_KEY]
             return report
         record = item.stash.get(RECORD_KEY, None)
         if report.when != "call" or record is None:
@@ -266,7 +267,7 @@ class GpumemManager(MarkerCheck, RunEnd):
         data = getattr(report, "gpumem", None)
         if data is None or report.when != "call":
             return
-        del report.gpumem  # type: ignore[attr-defined]  # read once: kept, it would cost every later collection
+        del report.gpumem  # read once: kept, it would cost every later collection
         record = TestRecord.from_dict(data)
         if report.failed and record.passed:
             record.passed = False  # failed for a reason of pytest's (XPASS(strict)) or another plugin's
