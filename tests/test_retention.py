@@ -1,10 +1,10 @@
-"""What the plugin keeps of a finished test: its judged record, nothing more.
+"""What the plugin keeps of a finished test: its judged record as text, nothing the collector traverses.
 
 Every object kept alive is traversed again by every later full collection, and the plugin
 collects garbage twice a test (the clean-state protocol): whatever a test leaves behind makes
 every later test slower, so a suite's cost would grow with the square of its length. The
 measuring machinery of a test (its run, recorder, engine hooks) and the record's transport on
-the report are dropped when the test ends.
+the report are dropped when the test ends; the judged record is kept as its JSON text.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ def pytest_sessionfinish(session):
 """
 
 
-def test_a_finished_test_keeps_only_its_record(pytester: pytest.Pytester) -> None:
+def test_a_finished_test_keeps_nothing_the_collector_traverses(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(SUITE)
     result = run_fresh(pytester, "-s", "-p", "no:randomly")
     result.assert_outcomes(passed=20)
-    # no run, no recorder; one judged record a test (the baselines and reports need them); no
-    # report still carrying the record it brought
-    result.stdout.fnmatch_lines(["*KEPT 0 0 20 0"])
+    # no run, no recorder, no record object (the judged records are text), no report still
+    # carrying the record it brought
+    result.stdout.fnmatch_lines(["*KEPT 0 0 0 0"])

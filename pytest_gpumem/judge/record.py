@@ -8,6 +8,8 @@ the test report (``report.gpumem``). No torch, no pytest.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +18,7 @@ from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.judge.limits import LimitSpec
 
-__all__ = ["TIMELINE_SAMPLES", "TestRecord"]
+__all__ = ["TIMELINE_SAMPLES", "RecordStore", "TestRecord"]
 
 #: Most samples of a timeline kept in a test's record (for the HTML artifact).
 TIMELINE_SAMPLES = 512
@@ -127,3 +129,33 @@ class TestRecord:
             device_limit=data.get("device_limit"),
             workspaces=data.get("workspaces"),
         )
+
+
+class RecordStore(MutableMapping[str, TestRecord]):
+    """A run's judged records by node id, each kept as the JSON text of :meth:`TestRecord.to_dict`.
+
+    A string holds no references: the garbage collector never traverses it, where a record's
+    dozens of lists, dicts and objects would be traversed by every full collection for the rest
+    of the run (the plugin collects twice a test). Reading a record decodes a copy: a change
+    to it is kept by storing it again.
+    """
+
+    def __init__(self, records: Mapping[str, TestRecord] | None = None) -> None:
+        self._texts: dict[str, str] = {}
+        if records:
+            self.update(records)
+
+    def __getitem__(self, nodeid: str) -> TestRecord:
+        return TestRecord.from_dict(json.loads(self._texts[nodeid]))
+
+    def __setitem__(self, nodeid: str, record: TestRecord) -> None:
+        self._texts[nodeid] = json.dumps(record.to_dict(), separators=(",", ":"))
+
+    def __delitem__(self, nodeid: str) -> None:
+        del self._texts[nodeid]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._texts)
+
+    def __len__(self) -> int:
+        return len(self._texts)

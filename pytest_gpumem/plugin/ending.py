@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gpumem.baselines import BaselineFileError
+from pytest_gpumem.judge.record import RecordStore
 from pytest_gpumem.plugin.collection import CollectionBook
 from pytest_gpumem.plugin.gate import Gate
 from pytest_gpumem.plugin.options import Settings
@@ -77,7 +78,7 @@ class RunEnd(CollectionBook):
             return False
         if gathered is None:
             return False
-        self.gate.records = merge(gathered)
+        self.gate.records = RecordStore(merge(gathered))
         return True
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:

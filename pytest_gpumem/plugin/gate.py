@@ -25,7 +25,7 @@ from pytest_gpumem.baselines import (
 )
 from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.judge.judgement import JudgeOptions, baseline_metrics, judge
-from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.judge.record import RecordStore, TestRecord
 from pytest_gpumem.judge.verdict import stale_findings
 from pytest_gpumem.report.formats import write_reports
 
@@ -53,7 +53,8 @@ class Gate:
 
     def __init__(self, options: GateOptions) -> None:
         self.options = options
-        self.records: dict[str, TestRecord] = {}
+        #: the judged records, by node id (kept as text: see :class:`RecordStore`)
+        self.records = RecordStore()
         self.stale: list[Finding] = []
         self._store: BaselineStore | None = None
         #: whether :meth:`finish` wrote the baseline file
@@ -72,12 +73,11 @@ class Gate:
 
     def judge(self, record: TestRecord) -> list[Finding]:
         """Judge ``record`` (:func:`~pytest_gpumem.judge.judgement.judge`) with the baseline file;
-        keeps it for the end of the run and returns its findings.
+        keeps it for the end of the run (a copy: :class:`RecordStore`) and returns its findings.
 
         The file is read only when a comparison needs it; when it cannot be read, the record's
         limits are still judged and :class:`BaselineFileError` is raised after.
         """
-        self.records[record.nodeid] = record
         options = self.options
         store: BaselineStore | None = None
         problem: BaselineFileError | None = None
@@ -87,6 +87,7 @@ class Gate:
             except BaselineFileError as exc:
                 problem = exc
         findings = judge(record, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
+        self.records[record.nodeid] = record  # judged: with its findings (store it again after changing it)
         if problem is not None:
             raise problem
         return findings

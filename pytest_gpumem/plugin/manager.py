@@ -263,6 +263,7 @@ class GpumemManager(MarkerCheck, RunEnd):
             judged = self.gate.records.get(report.nodeid)
             if judged is not None:
                 judged.passed = False
+                self.gate.records[report.nodeid] = judged  # the store keeps copies
             return
         data = getattr(report, "gpumem", None)
         if data is None or report.when != "call":
@@ -276,6 +277,7 @@ class GpumemManager(MarkerCheck, RunEnd):
         except BaselineFileError as exc:  # under xdist the controller reads the file at the first record
             self._error = f"gpumem baselines: {exc}"
             record.errors.append(self._error)
+            self.gate.records[record.nodeid] = record  # the store keeps a copy: with the error
         if report.passed and record.failed:  # the one place a test's outcome changes
             report.outcome = "failed"
             report.longrepr = failure_text(record, reports=record.reports, width=_terminal_width(self.config))
