@@ -283,7 +283,7 @@ def _session(
     assert outcomes == Counter({"passed": len(reports) - failed, "failed": failed}) - Counter(), [
         r.longreprtext for r in reports
     ]
-    records = {r.nodeid.split("::")[-1]: TestRecord.from_dict(r.gpumem) for r in reports}
+    records = {r.nodeid.split("::")[-1]: TestRecord.from_json(r.gpumem) for r in reports}
     per_test: dict[str, list[str]] = {}
     current: list[str] | None = None
     for call in cuda.calls:

@@ -111,6 +111,15 @@ class TestRecord:
             "workspaces": self.workspaces,
         }
 
+    def to_json(self) -> str:
+        """:meth:`to_dict` as compact JSON text."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> TestRecord:
+        """Read what :meth:`to_json` wrote."""
+        return cls.from_dict(json.loads(text))
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TestRecord:
         """Read what :meth:`to_dict` wrote."""
@@ -146,10 +155,10 @@ class RecordStore(MutableMapping[str, TestRecord]):
             self.update(records)
 
     def __getitem__(self, nodeid: str) -> TestRecord:
-        return TestRecord.from_dict(json.loads(self._texts[nodeid]))
+        return TestRecord.from_json(self._texts[nodeid])
 
     def __setitem__(self, nodeid: str, record: TestRecord) -> None:
-        self._texts[nodeid] = json.dumps(record.to_dict(), separators=(",", ":"))
+        self._texts[nodeid] = record.to_json()
 
     def __delitem__(self, nodeid: str) -> None:
         del self._texts[nodeid]

@@ -3,7 +3,7 @@ library together. Each hook is a few lines over an object that works without pyt
 
 * :class:`~pytest_gpumem.plugin.runner.TestRun` measures one test where it runs and returns
   its :class:`~pytest_gpumem.judge.record.TestRecord`, attached to the call report
-  (``report.gpumem``, so it travels to the xdist controller);
+  (``report.gpumem``, as JSON text, so that it travels to the xdist controller);
 * :class:`~pytest_gpumem.plugin.gate.Gate`, in the process that owns the run, compares
   each record with the baseline file, and at the end records and writes it once,
   with the reports;

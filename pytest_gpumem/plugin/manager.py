@@ -250,7 +250,9 @@ class GpumemManager(MarkerCheck, RunEnd):
                 value = measurement.figure(metric)
                 if value is not None:
                     item.user_properties.append((f"{prefix}.{metric}", value))
-        report.gpumem = record.to_dict()  # type: ignore[attr-defined]  # travels to the xdist controller
+        # travels to the xdist controller; as JSON text, which the garbage collector never traverses
+        # (the reports stay alive to the end of the run)
+        report.gpumem = record.to_json()  # type: ignore[attr-defined]
         return report
 
     # -- judging (in the process that owns the run) -------------------------------------
@@ -268,8 +270,7 @@ class GpumemManager(MarkerCheck, RunEnd):
         data = getattr(report, "gpumem", None)
         if data is None or report.when != "call":
             return
-        del report.gpumem  # read once: kept, it would cost every later collection
-        record = TestRecord.from_dict(data)
+        record = TestRecord.from_json(data)
         if report.failed and record.passed:
             record.passed = False  # failed for a reason of pytest's (XPASS(strict)) or another plugin's
         try:

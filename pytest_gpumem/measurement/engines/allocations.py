@@ -93,6 +93,8 @@ class AllocationTracker(StorageTracker):
         cuda_rounding: count each allocation as the CUDA caching allocator would.
     """
 
+    observes = "allocations"
+
     def __init__(self, device: torch.device, *, cuda_rounding: bool = False) -> None:
         super().__init__(device, cuda_rounding=cuda_rounding)
         if self.device.type != "cpu":

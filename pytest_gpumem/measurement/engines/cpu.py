@@ -49,7 +49,7 @@ class CpuEngine(TrackerMembers):
     @property
     def observe(self) -> str:
         """How allocations are seen: "operators" (dispatch mode) or "allocations" (the allocator's reports)."""
-        return "operators" if type(self.tracker) is StorageTracker else "allocations"
+        return self.tracker.observes
 
     def allocated(self) -> int:
         self.tracker.flush()

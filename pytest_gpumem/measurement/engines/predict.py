@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from pytest_gpumem.measurement.engines.base import Reading
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
-from pytest_gpumem.measurement.engines.storages import Block
+from pytest_gpumem.measurement.engines.storages import Block, Elsewhere
 from pytest_gpumem.measurement.engines.tracker import OTHER, StorageTracker
 from pytest_gpumem.targets import AttentionBackend, Target, Workspace
 
@@ -37,6 +37,39 @@ __all__ = ["PredictEngine", "Prediction"]
 #: The thread a workspace belongs to: the caller's, or the autograd engine's device thread,
 #: which runs a CUDA backward (on the CPU, backward runs on the caller's thread).
 _MAIN, _BACKWARD = "main", "backward"
+
+
+class _TargetTracker(StorageTracker):
+    """The prediction's storage tracker: what the target keeps on its host is not counted, by
+    operators or scans (the optimizers' host scalars, found before every scan)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._host = Elsewhere()
+
+    def on_host(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage is on the target's host: not counted while ``tensor`` lives;
+        counted out if it was."""
+        with self._lock:
+            key = int(tensor.untyped_storage()._cdata)
+            self._host.add(key, tensor)
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._on_freed(entry)
+
+    def _not_on_host(self, tensor: Any) -> bool:
+        try:
+            return int(tensor.untyped_storage()._cdata) not in self._host
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return True
+
+    def _register(self, tensors: Iterable[torch.Tensor], category: str | None) -> None:
+        super()._register([t for t in tensors if self._not_on_host(t)], category)
+
+    def _scan(self, extra: Iterable[object] = ()) -> None:
+        for tensor in optimizer_host_state():
+            self.on_host(tensor)
+        super()._scan(extra)
 
 
 class Prediction:
@@ -53,13 +86,12 @@ class Prediction:
         self._workspaces: dict[tuple[str, str], Block] = {}
         self._synthetic_keys = itertools.count(1)
         operators = frozenset().union(*(w.operators for w in target.workspaces))
-        self.tracker = StorageTracker(
+        self.tracker = _TargetTracker(
             torch.device("cpu"),
             cuda_rounding=True,
             observer=self,
             operator_hooks={name: functools.partial(self.matrix_product, name) for name in operators},
             thread_contexts=(lambda: _DeviceKernels(self),),
-            elsewhere=optimizer_host_state,
         )
 
     # -- the model follows the tracker's blocks ------------------------------------------
@@ -80,7 +112,7 @@ class Prediction:
 
     def on_host(self, tensor: torch.Tensor) -> None:
         """``tensor``, made while the tracker was set aside, lives on the target's host: never counted."""
-        self.tracker.elsewhere(tensor)
+        self.tracker.on_host(tensor)
 
     def count_new(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count ``tensors``, made while the tracker was set aside, as this moment's allocations."""

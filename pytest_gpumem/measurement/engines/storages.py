@@ -115,6 +115,25 @@ class Block:
         return self
 
 
+class Elsewhere:
+    """Storages on this device that the device measured does not hold (a prediction's host
+    tensors), by key, each with a weak reference to a tensor that holds it: once that is gone
+    the key may be another storage's, and is forgotten."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def add(self, key: int, tensor: torch.Tensor) -> None:
+        self._refs[key] = weakref.ref(tensor)
+
+    def __contains__(self, key: object) -> bool:
+        ref = self._refs.get(key)  # type: ignore[call-overload]
+        if ref is not None and ref() is None:
+            del self._refs[key]  # type: ignore[arg-type]
+            return False
+        return ref is not None
+
+
 def unseen_note(nbytes: int) -> str:
     """The note on figures that missed ``nbytes`` found alive later by a scan."""
     return (

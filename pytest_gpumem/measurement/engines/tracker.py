@@ -34,7 +34,6 @@ import contextlib
 import gc
 import itertools
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -94,6 +93,9 @@ class StorageTracker:
         thread_contexts: entered on every thread it watches, after its dispatch mode (the prediction's kernels).
     """
 
+    #: how it sees allocations: "operators" (its dispatch mode); "allocations" (the allocator's reports)
+    observes = "operators"
+
     def __init__(
         self,
         device: torch.device,
@@ -102,20 +104,14 @@ class StorageTracker:
         observer: StorageObserver | None = None,
         operator_hooks: Mapping[str, Callable[[tuple[Any, ...]], None]] | None = None,
         thread_contexts: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]] = (),
-        elsewhere: Callable[[], Iterable[torch.Tensor]] | None = None,
     ) -> None:
         self.device = torch.device(device)
-        #: called before each scan: tensors on this device that the device measured does not hold
-        self.find_elsewhere = elsewhere
         self.cuda_rounding = cuda_rounding
         self.observer = observer
         self.operator_hooks = dict(operator_hooks or {})
         self.thread_contexts = tuple(thread_contexts)
         self._contexts: contextlib.ExitStack | None = None
         self._entries: dict[int, Entry] = {}
-        #: storages that live elsewhere on the device measured (a prediction's host tensors): key →
-        #: a weak reference to a tensor that holds it (a dead one: the key may be another's now)
-        self._elsewhere: dict[int, weakref.ref[torch.Tensor]] = {}
         self._serial = 0
         self._by_category = [0] * len(CATEGORIES)
         self.current = 0
@@ -372,7 +368,7 @@ class StorageTracker:
                 key = self._key(storage)
             except (RuntimeError, NotImplementedError):  # no storage, or no data (fake tensors)
                 continue
-            if key is None or self._is_elsewhere(key):
+            if key is None:
                 continue
             entry = self._entries.get(key)
             if entry is None:
@@ -385,26 +381,6 @@ class StorageTracker:
                 self._move(entry, index)
             if index == PARAMETERS:
                 self._param_keys.add(key)
-
-    def elsewhere(self, tensor: torch.Tensor) -> None:
-        """``tensor``'s storage is not on the device measured, though it is on this one (a
-        prediction runs on the CPU what the target keeps on its host): not counted, by operators
-        or scans, while ``tensor`` lives; counted out if it was."""
-        with self._lock:
-            key = int(tensor.untyped_storage()._cdata)
-            self._elsewhere[key] = weakref.ref(tensor)
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._on_freed(entry)
-
-    def _is_elsewhere(self, key: int) -> bool:
-        ref = self._elsewhere.get(key)
-        if ref is None:
-            return False
-        if ref() is None:  # gone: the address may hold a storage of the device now
-            del self._elsewhere[key]
-            return False
-        return True
 
     def _key(self, storage: torch.UntypedStorage) -> int | None:
         """The key ``storage`` is counted under: the identity of its C++ object (None: not counted)."""
@@ -448,9 +424,6 @@ class StorageTracker:
             return self.current - before
 
     def _scan(self, extra: Iterable[object] = ()) -> None:
-        if self.find_elsewhere is not None:
-            for tensor in self.find_elsewhere():
-                self.elsewhere(tensor)
         params, grads, others = sort_scanned(
             itertools.chain(tensors_among(gc.get_objects()), tensors_among(list(extra)))
         )
