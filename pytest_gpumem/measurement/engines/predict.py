@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import itertools
 import math
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from pytest_gpumem.measurement.engines.base import Reading
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
-from pytest_gpumem.measurement.engines.storages import Block, Elsewhere
+from pytest_gpumem.measurement.engines.storages import Block, Kinds, instances_among
 from pytest_gpumem.measurement.engines.tracker import OTHER, StorageTracker
 from pytest_gpumem.targets import AttentionBackend, Target, Workspace
 
@@ -41,35 +41,42 @@ _MAIN, _BACKWARD = "main", "backward"
 
 class _TargetTracker(StorageTracker):
     """The prediction's storage tracker: what the target keeps on its host is not counted, by
-    operators or scans (the optimizers' host scalars, found before every scan)."""
+    operators or scans (the optimizers' host scalars, found at every scan)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._host = Elsewhere()
+        #: key of a storage on the target's host → a weak reference to a tensor that holds it
+        #: (once that is gone the key may be another storage's, and is forgotten)
+        self._host: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def on_host(self, tensor: torch.Tensor) -> None:
         """``tensor``'s storage is on the target's host: not counted while ``tensor`` lives;
         counted out if it was."""
         with self._lock:
             key = int(tensor.untyped_storage()._cdata)
-            self._host.add(key, tensor)
+            self._host[key] = weakref.ref(tensor)
             entry = self._entries.get(key)
             if entry is not None:
                 self._on_freed(entry)
 
     def _not_on_host(self, tensor: Any) -> bool:
         try:
-            return int(tensor.untyped_storage()._cdata) not in self._host
+            key = int(tensor.untyped_storage()._cdata)
         except (AttributeError, RuntimeError, NotImplementedError):
             return True
+        ref = self._host.get(key)
+        if ref is not None and ref() is None:
+            del self._host[key]
+            ref = None
+        return ref is None
 
     def _register(self, tensors: Iterable[torch.Tensor], category: str | None) -> None:
         super()._register([t for t in tensors if self._not_on_host(t)], category)
 
-    def _scan(self, extra: Iterable[object] = ()) -> None:
-        for tensor in optimizer_host_state():
+    def _register_scanned(self, objects: list[Any], extra: Iterable[object]) -> None:
+        for tensor in optimizer_host_state(objects):
             self.on_host(tensor)
-        super()._scan(extra)
+        super()._register_scanned(objects, extra)
 
 
 class Prediction:
@@ -205,14 +212,14 @@ _TENSOR_BACKWARD = torch.Tensor.backward
 HOST_SCALARS = ("step", "mu_product")
 
 
-def optimizer_host_state() -> Iterator[torch.Tensor]:
-    """The scalar states of the live optimizers that a GPU run keeps on its host: AdamW's step
-    counters and the like, made by a step run before the prediction started (a warm-up)."""
-    optimizer_type = torch.optim.Optimizer
-    for obj in gc.get_objects():
-        # by type: isinstance() reads __class__, which some objects warn about (torch.distributed.reduce_op)
-        if not issubclass(type(obj), optimizer_type):
-            continue
+_OPTIMIZER_KINDS = Kinds(torch.optim.Optimizer)
+
+
+def optimizer_host_state(objects: list[Any]) -> Iterator[torch.Tensor]:
+    """The scalar states that a GPU run keeps on its host, of the optimizers among ``objects``
+    (a scan's): AdamW's step counters and the like, made by a step run before the prediction
+    started (a warm-up)."""
+    for obj in instances_among(objects, _OPTIMIZER_KINDS):
         for group in obj.param_groups:
             if group.get("fused") or group.get("capturable"):
                 continue

@@ -115,25 +115,6 @@ class Block:
         return self
 
 
-class Elsewhere:
-    """Storages on this device that the device measured does not hold (a prediction's host
-    tensors), by key, each with a weak reference to a tensor that holds it: once that is gone
-    the key may be another storage's, and is forgotten."""
-
-    def __init__(self) -> None:
-        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
-
-    def add(self, key: int, tensor: torch.Tensor) -> None:
-        self._refs[key] = weakref.ref(tensor)
-
-    def __contains__(self, key: object) -> bool:
-        ref = self._refs.get(key)  # type: ignore[call-overload]
-        if ref is not None and ref() is None:
-            del self._refs[key]  # type: ignore[arg-type]
-            return False
-        return ref is not None
-
-
 def unseen_note(nbytes: int) -> str:
     """The note on figures that missed ``nbytes`` found alive later by a scan."""
     return (
@@ -147,26 +128,36 @@ def unseen_note(nbytes: int) -> str:
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
-class _TensorKinds(dict):  # type: ignore[type-arg]
-    """type → whether it is a tensor type, filled as types are met (``__missing__``): looked up
-    by ``map``, in C, for every object the garbage collector lists."""
+class Kinds(dict):  # type: ignore[type-arg]
+    """type → whether it is a subclass of ``base``, filled as types are met (``__missing__``):
+    looked up by ``map``, in C, for every object the garbage collector lists."""
+
+    def __init__(self, base: type) -> None:
+        super().__init__()
+        self.base = base
 
     def __missing__(self, kind: type) -> bool:
-        found = self[kind] = issubclass(kind, torch.Tensor)
+        found = self[kind] = issubclass(kind, self.base)
         return found
 
 
-_TENSOR_KINDS = _TensorKinds()
+_TENSOR_KINDS = Kinds(torch.Tensor)
 
 
-def tensors_among(objects: list[Any]) -> list[Any]:
-    """The tensors (of any tensor type) among ``objects``, in order.
+def instances_among(objects: list[Any], kinds: Kinds) -> list[Any]:
+    """The instances of ``kinds.base`` (or of a subclass) among ``objects``, in order.
 
     The loop runs in C (``map`` and ``itertools.compress`` over a type cache): per test the
     plugin looks through every object the collector tracks twice, a few thousand to a few
     hundred thousand of them; a Python loop asking ``issubclass`` of each took twice as long.
+    By type, never ``isinstance``: that reads ``__class__``, which some objects warn about.
     """
-    return list(itertools.compress(objects, map(_TENSOR_KINDS.__getitem__, map(type, objects))))
+    return list(itertools.compress(objects, map(kinds.__getitem__, map(type, objects))))
+
+
+def tensors_among(objects: list[Any]) -> list[Any]:
+    """The tensors (of any tensor type) among ``objects``, in order (:func:`instances_among`)."""
+    return instances_among(objects, _TENSOR_KINDS)
 
 
 def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:

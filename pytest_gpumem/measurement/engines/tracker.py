@@ -424,9 +424,11 @@ class StorageTracker:
             return self.current - before
 
     def _scan(self, extra: Iterable[object] = ()) -> None:
-        params, grads, others = sort_scanned(
-            itertools.chain(tensors_among(gc.get_objects()), tensors_among(list(extra)))
-        )
+        self._register_scanned(gc.get_objects(), extra)
+
+    def _register_scanned(self, objects: list[Any], extra: Iterable[object]) -> None:
+        """Register the tensors among ``objects`` (the collector's) and ``extra``."""
+        params, grads, others = sort_scanned(itertools.chain(tensors_among(objects), tensors_among(list(extra))))
         self.register(others)
         self.register(params, "parameters")
         self.register(grads, "gradients")
