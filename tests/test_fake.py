@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from conftest import run
+from conftest import run, run_fresh
 from pytest_gpumem import Measurement, max_microbatch, measure
 from pytest_gpumem.measurement.engines.fake import REDUCED_IN_PLACE, FakeModeError, fake_mode
 from pytest_gpumem.plugin.fixture import run_step
@@ -356,7 +356,10 @@ def test_llama_7b(gpumem):
     optimizer.step()
 """
     )
-    result = run(pytester, "-p", "no:randomly")
+    # in a process of its own: transformers' modules imported inside an in-process session are
+    # dropped when it ends (pytester restores sys.modules), while the package object stays with
+    # the classes it cached (LlamaConfig), so a later test of this process would mix two copies
+    result = run_fresh(pytester, "-p", "no:randomly")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [

@@ -79,6 +79,23 @@ def test_gate_records_then_judges(tmp_path: Path) -> None:
     assert [f.status for f in judged.judge(measured("t.py::b", 1000))] == ["new", "new"]  # reserved: n/a on CPU
 
 
+def test_the_judged_records_know_their_environments_without_being_decoded(tmp_path: Path) -> None:
+    judged = gate(tmp_path)
+    cpu = measured("t.py::a", 1000)
+    other = measured("t.py::b", 1000)
+    other.environment = Environment.detect("cpu", cuda_rounding=True).to_dict()
+    judged.judge(cpu)
+    judged.judge(other)
+    keys = {cpu.environment_key: None, other.environment_key: None}
+    assert judged.environments() == dict(sorted(keys.items()))
+    # what the store answers is what the records say when decoded
+    assert {r.environment_key for r in judged.records.values()} == set(keys)
+    del judged.records["t.py::b"]
+    assert judged.environments() == {cpu.environment_key: None}
+    judged.records["t.py::a"] = measured("t.py::a", 10)  # stored again: its entry is replaced
+    assert list(judged.environments()) == [cpu.environment_key] and len(judged.records) == 1
+
+
 def test_a_record_tolerance_beats_the_runs(tmp_path: Path) -> None:
     first = gate(tmp_path, update=True)
     first.judge(measured("t.py::a", 1000))

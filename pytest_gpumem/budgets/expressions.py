@@ -26,6 +26,7 @@ recursive-descent parser: nothing is ever passed to ``eval``.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -430,6 +431,13 @@ def parse_budget(text: str | int) -> BudgetExpr:
         return BudgetExpr(str(text), Number(Fraction(text), str(text)))
     if not isinstance(text, str):
         raise BudgetError(f"{text!r} is not a budget: expected a string like '16Ψ + 2GiB'")
+    return _parse_text(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_text(text: str) -> BudgetExpr:
+    """:func:`parse_budget` of a string, parsed once: an expression is immutable, and every
+    measured test's marker and record give the same few texts (a failure is not cached)."""
     if not text.strip():
         raise BudgetError(f"{text!r}: the budget expression is empty")
     root = _Parser(text).parse()

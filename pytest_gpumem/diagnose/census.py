@@ -159,6 +159,8 @@ def storage_groups(
                 if nbytes == 0 or (counted_only and engine is not None and engine.category_of(obj) is None):
                     continue
                 group = groups[key] = StorageGroup(storage, cuda_rounded(nbytes) if rounding else nbytes)
+            elif any(tensor is obj for tensor in group.tensors):
+                continue  # listed twice: a remembered frozen tensor that someone else unfroze
             group.tensors.append(obj)
     return groups
 

@@ -151,6 +151,9 @@ class RecordStore(MutableMapping[str, TestRecord]):
 
     def __init__(self, records: Mapping[str, TestRecord] | None = None) -> None:
         self._texts: dict[str, str] = {}
+        #: each record's environment key and workspace bytes (strings and ints: nothing to traverse),
+        #: so that the run's environments are known without decoding every record
+        self._environments: dict[str, tuple[str | None, int | None]] = {}
         if records:
             self.update(records)
 
@@ -159,9 +162,20 @@ class RecordStore(MutableMapping[str, TestRecord]):
 
     def __setitem__(self, nodeid: str, record: TestRecord) -> None:
         self._texts[nodeid] = record.to_json()
+        self._environments[nodeid] = (record.environment_key, record.workspaces)
 
     def __delitem__(self, nodeid: str) -> None:
         del self._texts[nodeid]
+        del self._environments[nodeid]
+
+    def environments(self) -> dict[str, int | None]:
+        """The environment keys of the records, sorted, each with the workspace bytes its device
+        held (the first record's that knows them)."""
+        found: dict[str, int | None] = {}
+        for key, workspaces in self._environments.values():
+            if key is not None and found.get(key) is None:
+                found[key] = workspaces
+        return dict(sorted(found.items()))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._texts)

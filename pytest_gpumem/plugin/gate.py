@@ -129,21 +129,19 @@ class Gate:
 
     def environments(self) -> dict[str, int | None]:
         """The environment keys of the records, sorted, each with the workspace bytes its device held."""
-        found: dict[str, int | None] = {}
-        for record in self.records.values():
-            key = record.environment_key
-            if key is not None and found.get(key) is None:
-                found[key] = record.workspaces
-        return dict(sorted(found.items()))
+        return self.records.environments()
 
     def write_reports(self) -> None:
         """The JSON report, the Markdown report, and the GitHub step summary, as the options ask."""
         options = self.options
+        step_summary = os.environ.get("GITHUB_STEP_SUMMARY") if options.step_summary else None
+        if options.json_path is None and options.markdown_path is None and not step_summary:
+            return  # no report asked for: the records are not decoded
         write_reports(
             list(self.records.values()),
             self.stale,
             json_path=options.json_path,
             markdown_path=options.markdown_path,
-            step_summary=os.environ.get("GITHUB_STEP_SUMMARY") if options.step_summary else None,
+            step_summary=step_summary,
             generator=options.generator,
         )

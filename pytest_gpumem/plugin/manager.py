@@ -68,6 +68,10 @@ class GpumemManager(MarkerCheck, RunEnd):
         self._engines: Engines | None = None
         self._freezer: Freezer | None = None
         self._environments: dict[str, dict[str, Any]] = {}
+        #: the record a report carries, handed to the judge in this process as the object it
+        #: was made from (the report's JSON text, decoded, is the same record): held from the
+        #: report's making to its logging, never longer
+        self._handoff: tuple[str, TestRecord] | None = None
         self._start_book()
         self._error: str | None = None
         try:
@@ -252,7 +256,9 @@ class GpumemManager(MarkerCheck, RunEnd):
                     item.user_properties.append((f"{prefix}.{metric}", value))
         # travels to the xdist controller; as JSON text, which the garbage collector never traverses
         # (the reports stay alive to the end of the run)
-        report.gpumem = record.to_json()  # type: ignore[attr-defined]
+        report.gpumem = text = record.to_json()  # type: ignore[attr-defined]
+        if not self.worker:
+            self._handoff = (text, record)
         return report
 
     # -- judging (in the process that owns the run) -------------------------------------
@@ -268,9 +274,10 @@ class GpumemManager(MarkerCheck, RunEnd):
                 self.gate.records[report.nodeid] = judged  # the store keeps copies
             return
         data = getattr(report, "gpumem", None)
+        handoff, self._handoff = self._handoff, None
         if data is None or report.when != "call":
             return
-        record = TestRecord.from_json(data)
+        record = handoff[1] if handoff is not None and handoff[0] is data else TestRecord.from_json(data)
         if report.failed and record.passed:
             record.passed = False  # failed for a reason of pytest's (XPASS(strict)) or another plugin's
         try:
