@@ -111,9 +111,12 @@ class TestRecord:
             "workspaces": self.workspaces,
         }
 
-    def to_json(self) -> str:
-        """:meth:`to_dict` as compact JSON text."""
-        return json.dumps(self.to_dict(), separators=(",", ":"))
+    def to_json(self, *, timeline: bool = True) -> str:
+        """:meth:`to_dict` as compact JSON text (without the call's timeline: ``timeline=False``)."""
+        data = self.to_dict()
+        if not timeline:
+            data["timeline"] = None
+        return json.dumps(data, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> TestRecord:
@@ -146,7 +149,8 @@ class RecordStore(MutableMapping[str, TestRecord]):
     A string holds no references: the garbage collector never traverses it, where a record's
     dozens of lists, dicts and objects would be traversed by every full collection for the rest
     of the run (the plugin collects twice a test). Reading a record decodes a copy: a change
-    to it is kept by storing it again.
+    to it is kept by storing it again. The call's timeline is not kept: it is drawn only in a
+    test's own artifact, written before the run ends, and nothing after reads it.
     """
 
     def __init__(self, records: Mapping[str, TestRecord] | None = None) -> None:
@@ -161,7 +165,7 @@ class RecordStore(MutableMapping[str, TestRecord]):
         return TestRecord.from_json(self._texts[nodeid])
 
     def __setitem__(self, nodeid: str, record: TestRecord) -> None:
-        self._texts[nodeid] = record.to_json()
+        self._texts[nodeid] = record.to_json(timeline=False)
         self._environments[nodeid] = (record.environment_key, record.workspaces)
 
     def __delitem__(self, nodeid: str) -> None:
