@@ -35,26 +35,27 @@ from typing import Any
 
 import torch
 from tabulate import tabulate
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_overhead import ENCODER_TEST_FILE
 
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 from pytest_gpumem.plugin.marker import parse_marker
 from pytest_gpumem.plugin.runner import Engines, Freezer, TestRun
 
 
-def body() -> None:
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(128, 4, 512, batch_first=True, dropout=0.0)
-    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(8, 64, 128)
-    for _ in range(3):
-        opt.zero_grad(set_to_none=True)
-        model(x).pow(2).mean().backward()
-        opt.step()
+def _encoder_body() -> Callable[[], None]:
+    """The encoder suite's ``train()``, from the very text ``bench_overhead.py`` writes."""
+    namespace: dict[str, Any] = {}
+    exec(ENCODER_TEST_FILE.format(tests=""), namespace)
+    train: Callable[[], None] = namespace["train"]
+    return train
+
+
+body = _encoder_body()
 
 
 class EmptyMode(TorchDispatchMode):
