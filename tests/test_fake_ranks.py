@@ -13,7 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from test_distributed import _model, _train, fsdp_step  # the same steps as on real ranks
+from test_distributed import (  # the same steps as on real ranks
+    _model,
+    _train,
+    ddp_bucket_view_step,
+    ddp_step,
+    fsdp_step,
+)
+from test_distributed import zero_step as zero_ddp_step
 from torch import nn
 
 from conftest import run
@@ -32,10 +39,17 @@ def zero_step(rank: int, ctx: RankContext) -> None:
     _train(model, optimizer)
 
 
-def ddp_step(rank: int, ctx: RankContext) -> None:
+def ddp_hook_step(rank: int, ctx: RankContext) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
     model = nn.parallel.DistributedDataParallel(_model())
-    optimizer = torch.optim.AdamW(model.parameters())
-    _train(model, optimizer)
+    model.register_comm_hook(None, fp16_compress_hook)
+    _train(model, torch.optim.AdamW(model.parameters()))
+
+
+def ddp_unused_step(rank: int, ctx: RankContext) -> None:
+    model = nn.parallel.DistributedDataParallel(_model(), find_unused_parameters=True)
+    _train(model, torch.optim.AdamW(model.parameters()))
 
 
 def reads_a_value(rank: int, ctx: RankContext) -> None:
@@ -56,7 +70,11 @@ def _figures(measurement: Any) -> tuple[Any, ...]:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("step", [fsdp_step, zero_step], ids=["fsdp2", "zero1"])
+@pytest.mark.parametrize(
+    "step",
+    [fsdp_step, zero_step, zero_ddp_step, ddp_step, ddp_bucket_view_step],
+    ids=["fsdp2", "zero1", "zero1-ddp", "ddp", "ddp-bucket-view"],
+)
 def test_fake_ranks_give_the_real_ranks_prediction_to_the_byte(step: Any, world_size: int) -> None:
     """Each rank's peak, allocated, reserved, Ψ and breakdowns on fake tensors over the fake
     process group equal those of real gloo ranks predicted for the H100."""
@@ -100,13 +118,40 @@ def test_fsdp2_on_fake_ranks_holds_16_bytes_per_parameter_of_its_shard() -> None
         assert budget.total == 16 * psi + 4  # the budget splits the 4 counters' 16 bytes
 
 
-def test_ddp_on_fake_ranks_is_an_error_that_says_why() -> None:
+@pytest.mark.parametrize(("step", "buckets"), [(ddp_step, 1), (ddp_bucket_view_step, 0)], ids=["ddp", "bucket-view"])
+def test_ddp_on_64_fake_ranks_keeps_a_whole_replica_and_its_buckets_on_every_rank(step: Any, buckets: int) -> None:
+    """DDP's per-rank memory does not depend on the world size: every rank of 64 holds the whole
+    model's fp32 parameters, gradients and AdamW state, and DDP's gradient buckets, one more copy
+    of the gradients, unless the gradients are views of the buckets (``gradient_as_bucket_view``)."""
+    psi = sum(p.numel() for p in _model().parameters())
+    blocks = sum(-(-4 * p.numel() // 512) * 512 for p in _model().parameters())
+    ranks = run_ranks(step, 64, predict="h100", fake=True, ranks=[0, 63], timeout=600)
+    assert [m.name for m in ranks] == ["rank0", "rank63"]
+    assert _figures(ranks[0]) == _figures(ranks[1])
+    for m in ranks:
+        assert m.psi == psi
+        parts = m.allocated_breakdown
+        assert parts is not None
+        assert (parts["parameters"], parts["gradients"], parts["optimizer_state"]) == (blocks, blocks, 2 * blocks)
+        assert parts["temporaries"] == buckets * 4 * psi  # one flat bucket buffer of fp32 gradients
+
+
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        (ddp_hook_step, "a DDP communication hook cannot run on fake ranks"),
+        (ddp_unused_step, "nor find_unused_parameters=True or static_graph=True"),
+    ],
+    ids=["comm-hook", "find-unused-parameters"],
+)
+def test_what_ddp_cannot_do_on_fake_ranks_is_an_error_that_says_why(step: Any, message: str) -> None:
+    """DDP runs on fake ranks with its default all-reduce; a hook of the user's own, or finding
+    unused parameters (values DDP reads), cannot, and the error says what to do instead."""
     with pytest.raises(DistributedError) as caught:
-        run_ranks(ddp_step, 2, predict="h100", fake=True, timeout=120)
+        run_ranks(step, 2, predict="h100", fake=True, timeout=120)
     text = str(caught.value)
     assert text.startswith("1 of 2 ranks failed (rank 0)")
-    assert "DistributedDataParallel cannot run over the fake process group" in text
-    assert "gradient_as_bucket_view=True" in text
+    assert "FakeModeError" in text and message in text and "fake=False" in text
     assert multiprocessing.active_children() == []
 
 

@@ -13,7 +13,9 @@ With ``predict=`` each rank's figures are a GPU's, predicted on the CPU engine. 
 each on fake tensors (:mod:`pytest_gpumem.measurement.engines.fake`) and over PyTorch's fake
 process group (the ``"fake"`` backend: collectives that move no data, whose outputs the step
 allocates as it does on real ranks), so a sharded step of any size is predicted per rank, for
-any world size, without its memory or its ranks.
+any world size, without its memory or its ranks. DistributedDataParallel runs there too
+(:mod:`pytest_gpumem.diagnose.fake_ddp`): its gradients' all-reduce is in place, as on real
+ranks, and the checks and bookkeeping it does on values are kept out of the fake tensors.
 
 No process outlives the run: each rank runs in a process group of its own, with the processes
 it starts, and the whole group is stopped, whether the run ends, fails or times out. A rank
@@ -252,6 +254,9 @@ def _fake_ranks_main(
     _die_with_parent(group)
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
+    from pytest_gpumem.diagnose.fake_ddp import ddp_on_fake_ranks
+
+    ddp_on_fake_ranks()
     for rank in ranks:
         _forget_earlier_ranks()
         try:
@@ -264,23 +269,17 @@ def _fake_ranks_main(
         results.put((rank, "ok", measurement.to_dict()))
 
 
-#: what stops DistributedDataParallel over the fake process group
-_DDP_ON_FAKE_RANKS = (
-    "DistributedDataParallel cannot run over the fake process group: it checks the parameters' values "
-    "across ranks when it is built and its reducer needs each all-reduce's result, which the fake process "
-    "group does not give. DDP keeps a whole replica on every rank, so its per-rank memory does not depend "
-    "on the world size: predict the step without DDP on fake tensors and add its gradient buckets (4 bytes "
-    "per parameter, none with gradient_as_bucket_view=True), or run real ranks (fake=False)"
-)
-
-
 def _on_fake_ranks(exc: BaseException) -> BaseException:
     """``exc``, or an error that says why where a known limit of the fake process group raised it."""
     from pytest_gpumem.measurement.engines.fake import FakeModeError
 
+    if isinstance(exc, FakeModeError):  # says why already (a value the step reads, a hook refused)
+        return exc
     frames = traceback.extract_tb(exc.__traceback__)
     if any(frame.filename.replace(os.sep, "/").endswith("torch/nn/parallel/distributed.py") for frame in frames):
-        error = FakeModeError(_DDP_ON_FAKE_RANKS)
+        from pytest_gpumem.diagnose.fake_ddp import DDP_ON_FAKE_RANKS
+
+        error = FakeModeError(DDP_ON_FAKE_RANKS)
         error.__cause__ = exc
         return error
     return exc

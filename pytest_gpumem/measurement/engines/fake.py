@@ -21,6 +21,11 @@ tensors computed from such values alone: a device mesh reads its rank map (``ini
 FSDP2's ``fully_shard``), and fake mode could not build one otherwise. They are still counted as
 the allocations they are.
 
+Inside :func:`real_bookkeeping` (DistributedDataParallel's bucket rebuild on fake ranks: C++ that
+writes and reads small integer tensors through accessors and broadcasts them), integer CPU tensors
+are made real, and an operator whose tensors are all real runs on them: those are the allocations
+the real run makes, and the tracker counts them as such.
+
 A step that needs a tensor's value (``.item()``, ``nonzero()``, a shape that depends on data) or
 that mixes in a real tensor cannot run on fake tensors: :class:`FakeModeError` names the line.
 """
@@ -44,7 +49,7 @@ from torch._subclasses.fake_tensor import (
 
 from pytest_gpumem.measurement.engines.compiled import PLUGIN_ROOT, TORCH_ROOT
 
-__all__ = ["FakeKernels", "FakeModeError", "FakeTensorsDiffer", "fake_mode", "warn_tracing_paths"]
+__all__ = ["FakeKernels", "FakeModeError", "FakeTensorsDiffer", "fake_mode", "real_bookkeeping", "warn_tracing_paths"]
 
 _aten = torch.ops.aten
 
@@ -62,6 +67,35 @@ REDUCED_IN_PLACE: dict[Any, int] = {
 CONSTANT_RANGE = 1 << 16
 
 _RANGES = frozenset({_aten.arange.default, _aten.arange.start, _aten.arange.start_step})
+
+_INTEGERS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+#: depth of :func:`real_bookkeeping` blocks running now
+_bookkeeping = 0
+
+
+@contextlib.contextmanager
+def real_bookkeeping() -> Iterator[None]:
+    """Run the block's integer CPU bookkeeping on real tensors (see the module's docstring)."""
+    global _bookkeeping
+    _bookkeeping += 1
+    try:
+        yield
+    finally:
+        _bookkeeping -= 1
+
+
+def _real_bookkeeping(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``func`` runs on real tensors inside :func:`real_bookkeeping`: an empty integer CPU
+    tensor, or an operator whose tensors are all real."""
+    if func is _aten.empty.memory_format:
+        device = (kwargs or {}).get("device")
+        return (kwargs or {}).get("dtype") in _INTEGERS and (device is None or torch.device(device).type == "cpu")
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+    return bool(tensors) and not any(isinstance(tensor, FakeTensor) for tensor in tensors)
 
 
 class FakeModeError(RuntimeError):
@@ -117,6 +151,9 @@ class FakeKernels(FakeTensorMode):
     name the user's line."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _bookkeeping and _real_bookkeeping(func, args, kwargs):
+            with unset_fake_temporarily():
+                return func(*args, **(kwargs or {}))
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
