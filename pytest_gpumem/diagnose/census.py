@@ -132,6 +132,7 @@ def storage_groups(
     on_device = _on_device(device)
     rounding = device.type != "cpu" or (engine is not None and engine.cuda_rounding)
     groups: dict[int, StorageGroup] = {}
+    listed: set[int] = set()  # ids of the tensors grouped: a remembered frozen tensor someone else unfroze comes twice
     tensor_type = torch.Tensor
     # Frozen objects are invisible to gc.get_objects(): the plugin's own (frozen before the
     # first test) are remembered; objects someone else froze go back to the collector.
@@ -144,7 +145,7 @@ def storage_groups(
     with _reading(engine):  # one reading of the tracker's counts for every storage asked about
         for obj in objects:
             cls = type(obj)
-            if not (cls is tensor_type or issubclass(cls, tensor_type)):
+            if not (cls is tensor_type or issubclass(cls, tensor_type)) or id(obj) in listed:
                 continue
             try:
                 if not on_device(obj):
@@ -159,8 +160,7 @@ def storage_groups(
                 if nbytes == 0 or (counted_only and engine is not None and engine.category_of(obj) is None):
                     continue
                 group = groups[key] = StorageGroup(storage, cuda_rounded(nbytes) if rounding else nbytes)
-            elif any(tensor is obj for tensor in group.tensors):
-                continue  # listed twice: a remembered frozen tensor that someone else unfroze
+            listed.add(id(obj))
             group.tensors.append(obj)
     return groups
 

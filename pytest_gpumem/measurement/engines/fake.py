@@ -43,9 +43,11 @@ import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     unset_fake_temporarily,
 )
+from torch.utils._pytree import tree_leaves
 
 from pytest_gpumem.measurement.engines.compiled import PLUGIN_ROOT, TORCH_ROOT
 
@@ -91,9 +93,6 @@ def _real_bookkeeping(func: Any, args: Any, kwargs: Any) -> bool:
     if func is _aten.empty.memory_format:
         device = (kwargs or {}).get("device")
         return (kwargs or {}).get("dtype") in _INTEGERS and (device is None or torch.device(device).type == "cpu")
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._pytree import tree_leaves
-
     tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
     return bool(tensors) and not any(isinstance(tensor, FakeTensor) for tensor in tensors)
 
