@@ -7,6 +7,7 @@ run on the CPU engine with CUDA rounding, where their figures are known to the b
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from pytest_gpumem import measure
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.plugin.fixture import run_step
 from pytest_gpumem.units import format_size
+from pytest_gpumem.validate.against import MEASURED, differences, load_record
 from pytest_gpumem.validate.compare import explain_gap, gap_parts, zoo_figures
 from pytest_gpumem.validate.main import main
 from pytest_gpumem.validate.record import plugin_installed, record_name, run_suite, suite_environment
@@ -40,6 +42,7 @@ from pytest_gpumem.validate.results import (
 from pytest_gpumem.validate.zoo import PRECISIONS, zoo
 
 ROOT = Path(__file__).resolve().parents[1]
+H100 = ROOT / "fixtures" / "recorded" / "nvidia-h100-80gb-hbm3-torch2.11"
 CPU = torch.device("cpu")
 MiB = 2**20
 
@@ -50,7 +53,19 @@ def cpu_only_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.C
     another folder; its output and record folder."""
     out = tmp_path_factory.mktemp("record")
     done = subprocess.run(
-        [sys.executable, "-m", "pytest_gpumem", "validate", "--cpu-only", "--out", str(out), "--size", "tiny"],
+        [
+            sys.executable,
+            "-m",
+            "pytest_gpumem",
+            "validate",
+            "--cpu-only",
+            "--out",
+            str(out),
+            "--size",
+            "tiny",
+            "--against",
+            str(H100),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -278,3 +293,50 @@ def test_suite_without_a_gpu_skips_everything_and_fails_the_check() -> None:
     assert summary["command"].startswith("python -m pytest tests -m cuda")
     check = suite_check(summary)
     assert check.passed is False and f"{summary['skipped']} skipped" in check.detail
+
+
+@pytest.mark.slow
+def test_cpu_only_record_is_compared_with_the_committed_one(cpu_only_run: tuple[Any, Path]) -> None:
+    _, folder = cpu_only_run
+    against = record_of(folder)["against"]
+    committed = load_record(H100)
+    assert against["record"] == H100.name
+    assert against["environment"] == committed["environment_key"]
+    # the CPU-only run holds the zoo's CPU workloads at the tiny size; the H100 record holds them at small
+    assert "zoo.mlp.fp32.cpu" not in against["only_here"]
+    assert any(line.startswith("zoo.mlp.fp32.cpu peak: ") for line in against["differences"])
+    assert f"## Against `{H100.name}`" in (folder / SUMMARY_FILE).read_text(encoding="utf-8")
+
+
+def test_a_record_against_itself_has_no_differences() -> None:
+    record = load_record(H100)
+    against = differences(record, record, H100.name)
+    assert against["differences"] == [] and against["only_here"] == [] and against["only_there"] == []
+    figures = sum(
+        len([k for k in MEASURED if w["measurement"].get(k) is not None]) + len(w["counters"] or {})
+        for w in record["workloads"].values()
+    )
+    assert against["same"] == figures + len(record["figures"])
+
+
+def test_a_changed_figure_is_named_with_both_values() -> None:
+    record = load_record(H100)
+    changed = copy.deepcopy(record)
+    peak = record["workloads"]["zoo.mlp.fp32.cuda"]["measurement"]["peak"]
+    changed["workloads"]["zoo.mlp.fp32.cuda"]["measurement"]["peak"] = peak + 512
+    del changed["workloads"]["reference.linear-init"]
+    against = differences(changed, record, H100.name)
+    assert against["differences"] == [f"zoo.mlp.fp32.cuda peak: {peak:,} → {peak + 512:,} B (+512 B)"]
+    assert against["only_there"] == ["reference.linear-init"]
+
+
+def test_against_a_folder_without_a_record_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--cpu-only", "--out", str(tmp_path / "out"), "--size", "tiny", "--against", str(tmp_path)])
+    assert code == 2
+    assert f"--against {tmp_path}" in capsys.readouterr().err
+
+
+def test_trace_of_the_mlp_needs_the_mlp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--cpu-only", "--out", str(tmp_path), "--size", "tiny", "--models", "block", "--trace", "mlp"])
+    assert code == 2
+    assert "--trace mlp needs the mlp model" in capsys.readouterr().err

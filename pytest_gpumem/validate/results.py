@@ -43,6 +43,11 @@ MLP_REFERENCE: Mapping[str, tuple[int, int, int]] = {"small": (2, 4096, 1024), "
 
 PROTOCOL = 2
 
+#: What the memory snapshot's allocation history may cover (``validate --trace``).
+TRACES: tuple[str, ...] = ("mlp", "reference")
+#: The workload traced by ``--trace mlp``: the zoo MLP's fp32 AdamW step on the GPU (after its warm-up).
+TRACED_STEP = "trace.zoo.mlp.fp32"
+
 GROUPS: tuple[str, ...] = ("suite", "reference", "determinism", "counters", "zoo", "replay")
 
 

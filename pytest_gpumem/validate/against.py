@@ -1,0 +1,77 @@
+"""A new record against a committed one: which figures of the workloads both hold differ (``validate --against``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pytest_gpumem.validate.results import RECORD_FILE
+
+#: The figures of a workload's measurement compared between records: bytes the allocator or the
+#: tracker counts. The driver's figures (NVML) are left out: they hold the CUDA context, which
+#: depends on the driver and on what else the process loaded.
+MEASURED = (
+    "start",
+    "peak",
+    "allocated",
+    "reserved",
+    "start_reserved",
+    "retained",
+    "requested_peak",
+    "saved_activations",
+    "psi",
+)
+
+
+def load_record(folder: Path) -> dict[str, Any]:
+    """The ``record.json`` of a record folder (or the file itself)."""
+    path = folder / RECORD_FILE if folder.is_dir() else folder
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or "workloads" not in data:
+        raise ValueError(f"{path} is not a validation record (no workloads)")
+    return data
+
+
+def differences(record: Mapping[str, Any], previous: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The figures of the workloads (and the reported figures) both records hold, compared.
+
+    Returns ``{"record": name, "environment": its key, "same": n, "differences": [lines],
+    "only_here": [...], "only_there": [...]}``; a line names the workload, the figure, both
+    values and the difference.
+    """
+    lines: list[str] = []
+    same = 0
+    ours, theirs = record["workloads"], previous["workloads"]
+    for workload in sorted(set(ours) & set(theirs)):
+        pairs = _figures(ours[workload]), _figures(theirs[workload])
+        for figure in sorted(set(pairs[0]) & set(pairs[1])):
+            new, old = pairs[0][figure], pairs[1][figure]
+            if new == old:
+                same += 1
+            elif isinstance(new, int) and isinstance(old, int):
+                lines.append(f"{workload} {figure}: {old:,} → {new:,} B ({new - old:+,} B)")
+            else:
+                lines.append(f"{workload} {figure}: {old} → {new}")
+    for figure in sorted(set(record.get("figures", {})) & set(previous.get("figures", {}))):
+        new, old = record["figures"][figure], previous["figures"][figure]
+        if new == old:
+            same += 1
+        else:
+            lines.append(f"figures {figure}: {old} → {new}")
+    return {
+        "record": name,
+        "environment": previous.get("environment_key"),
+        "same": same,
+        "differences": lines,
+        "only_here": sorted(set(ours) - set(theirs)),
+        "only_there": sorted(set(theirs) - set(ours)),
+    }
+
+
+def _figures(workload: Mapping[str, Any]) -> dict[str, Any]:
+    measurement = workload.get("measurement") or {}
+    figures = {key: measurement.get(key) for key in MEASURED if measurement.get(key) is not None}
+    figures.update({f"torch.{key}": value for key, value in (workload.get("counters") or {}).items()})
+    return figures
