@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from conftest import CPU_ENV as CPU
 from conftest import run
-from pytest_gpumem.baselines import BaselineEntry, BaselineFileError, BaselineStore, load, save, saving
+from pytest_gpumem.baselines import BaselineEntry, BaselineFileError, BaselineStore, Environment, load, save, saving
 
 pytest_plugins = ["pytester"]
 
+#: The environment the plugin's CPU sessions here record under (the running torch's version).
+CPU = Environment.detect("cpu", cuda_rounding=False)
 ENTRY = BaselineEntry({"peak": 1024, "allocated": 512, "reserved": None}, start=0)
 
 

@@ -141,7 +141,9 @@ def test_the_first_matmul_of_a_span_costs_no_workspace() -> None:
     with measure("backward", device=dev) as span:
         y.sum().backward()
     grads = 64 * 256 * 4 + 256 * 250 * 4 + 1024  # x.grad, weight.grad, bias.grad (1,000 B in a 1,024 B block)
-    assert span.cost("allocated") == grads - 64 * 250 * 4  # the output's graph is freed
+    # Linear saved x and the weight (both alive before the span) and the test still holds y:
+    # what stays is the gradients alone
+    assert span.cost("allocated") == grads
     del y
 
 
@@ -178,8 +180,10 @@ def test_saved_activations_are_counted_without_the_tracker() -> None:
     assert span.saved_activations == 18 * b * s * d
     with measure("backward", device=dev) as backward:
         out.float().pow(2).mean().backward()
-    # what autograd held at the start of backward, released as backward went
-    assert backward.saved_activations == 18 * b * s * d
+    # a span counts what is saved for backward inside it: pow saves its input, the fp32 copy of
+    # the output (what autograd held before the span is the forward span's figure); the CPU
+    # engine counts the same
+    assert backward.saved_activations == b * s * d * 4
     del out
 
 

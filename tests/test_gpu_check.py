@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,46 @@ def test_summary_names_the_device_the_parts_and_the_failures() -> None:
     assert "| fast-slice | skipped (the budget was gone (3 s left)) | 0 |  |  |  |" in text
     assert "- FAILED t::a: boom" in text
     assert "- cpu on/off: 1.04" in text
+
+
+def test_parts_run_in_order_within_their_budgets_and_the_summary_says_what_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The orchestration on a machine without a GPU: the device facts are the one thing stood in
+    for (they come from torch.cuda); the commands are real processes with real deadlines. The
+    second part may take longer than the whole run: it is stopped at the run's deadline, and the
+    third is skipped."""
+    python = sys.executable
+    parts = [
+        gpu_check.Part("passes", 60, "a quick command", [gpu_check.Command("ok", [python, "-c", "pass"], "script")]),
+        gpu_check.Part(
+            "sleeps",
+            600,
+            "past the run's budget",
+            [gpu_check.Command("sleep", [python, "-c", "import time; time.sleep(600)"], "script")],
+        ),
+        gpu_check.Part("late", 60, "after the budget", [gpu_check.Command("never", [python, "-c", "pass"], "script")]),
+    ]
+    facts = {"cuda_available": True, "device": "stand-in", "total_memory": 2**30, "compute_capability": "0.0"}
+    facts |= {"torch": torch.__version__, "cuda": None, "cudnn": None, "python": "3"}
+    monkeypatch.setattr(gpu_check, "device_facts", lambda env: dict(facts))
+    monkeypatch.setattr(gpu_check, "MIN_PART", 1.0)
+    code = gpu_check.run(parts, tmp_path, budget=7)
+    summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
+    statuses = [(p["name"], p["status"]) for p in summary["parts"]]
+    assert code == 1
+    assert statuses == [("passes", "passed"), ("sleeps", "timed out"), ("late", "skipped")]
+    assert summary["parts"][2]["why"].startswith("the budget was gone (")
+    assert "[gpu-check] stopped after" in (tmp_path / "sleeps.log").read_text(encoding="utf-8")
+    text = (tmp_path / "summary.md").read_text(encoding="utf-8")
+    assert "| passes | passed |" in text and "| sleeps | timed out |" in text and "| late | skipped (the budget" in text
+
+
+def test_validation_records_the_suite_as_skipped_when_the_cuda_tests_did_not_run(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "import sys; print(sys.argv[1:])", "--suite-from", str(tmp_path / "none.xml")]
+    argv += ["--suite-log", str(tmp_path / "none.log"), "--trace", "mlp"]
+    result = gpu_check.run_command(
+        gpu_check.Command("v", argv, "script"), gpu_check.environment(), 60, tmp_path / "v.log"
+    )
+    assert result["exit_code"] == 0
+    assert "['--skip-suite', '--trace', 'mlp']" in (tmp_path / "v.log").read_text(encoding="utf-8")

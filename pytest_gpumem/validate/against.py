@@ -9,20 +9,14 @@ from typing import Any
 
 from pytest_gpumem.validate.results import RECORD_FILE
 
-#: The figures of a workload's measurement compared between records: bytes the allocator or the
-#: tracker counts. The driver's figures (NVML) are left out: they hold the CUDA context, which
-#: depends on the driver and on what else the process loaded.
-MEASURED = (
-    "start",
-    "peak",
-    "allocated",
-    "reserved",
-    "start_reserved",
-    "retained",
-    "requested_peak",
-    "saved_activations",
-    "psi",
-)
+#: The figures of a workload's measurement compared between records, as costs (the figure minus
+#: its span's start, as limits and baselines compare them), so that what the device held before
+#: a workload (the library workspaces the clean-state protocol keeps, earlier workloads' tensors)
+#: does not show as a difference of every figure. The driver's figures (NVML) are left out: they
+#: hold the CUDA context, which depends on the driver and on what else the process loaded.
+COSTS = ("peak", "allocated", "requested_peak")
+#: Figures compared as they are.
+ABSOLUTE = ("retained", "saved_activations", "psi")
 
 
 def load_record(folder: Path) -> dict[str, Any]:
@@ -63,6 +57,7 @@ def differences(record: Mapping[str, Any], previous: Mapping[str, Any], name: st
     return {
         "record": name,
         "environment": previous.get("environment_key"),
+        "protocols": [previous.get("protocol", 1), record.get("protocol", 1)],
         "same": same,
         "differences": lines,
         "only_here": sorted(set(ours) - set(theirs)),
@@ -71,7 +66,18 @@ def differences(record: Mapping[str, Any], previous: Mapping[str, Any], name: st
 
 
 def _figures(workload: Mapping[str, Any]) -> dict[str, Any]:
-    measurement = workload.get("measurement") or {}
-    figures = {key: measurement.get(key) for key in MEASURED if measurement.get(key) is not None}
-    figures.update({f"torch.{key}": value for key, value in (workload.get("counters") or {}).items()})
+    """A workload's comparable figures: costs above its start, the reserved cost above the reserved
+    start, PyTorch's counters likewise, and the figures that are no readings of the device."""
+    m = workload.get("measurement") or {}
+    start, start_reserved = m.get("start"), m.get("start_reserved")
+    figures: dict[str, Any] = {}
+    if start is not None:
+        figures.update({f"{key} cost": m[key] - start for key in COSTS if m.get(key) is not None})
+        counters = workload.get("counters") or {}
+        for key in ("max_memory_allocated", "memory_allocated"):
+            if counters.get(key) is not None:
+                figures[f"torch.{key} cost"] = counters[key] - start
+    if m.get("reserved") is not None and start_reserved is not None:
+        figures["reserved cost"] = m["reserved"] - start_reserved
+    figures.update({key: m[key] for key in ABSOLUTE if m.get(key) is not None})
     return figures

@@ -14,7 +14,7 @@ import torch
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.validate.against import differences, load_record
 from pytest_gpumem.validate.compare import zoo_comparison, zoo_step
-from pytest_gpumem.validate.record import build_record, record_name, run_suite, take_snapshot, write_record
+from pytest_gpumem.validate.record import build_record, record_name, run_suite, suite_from, take_snapshot, write_record
 from pytest_gpumem.validate.reference import (
     counter_checks,
     reference_adam,
@@ -70,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-suite", action="store_true", help="do not run the CUDA test suite")
     parser.add_argument("--suite-timeout", type=float, default=300.0, help="seconds for the CUDA suite (default 300)")
     parser.add_argument("--pytest-arg", action="append", default=[], help="an extra argument for the CUDA suite")
+    parser.add_argument(
+        "--suite-from",
+        type=Path,
+        metavar="JUNIT_XML",
+        help="the CUDA suite already ran on this machine (`pytest tests -m cuda --junitxml=FILE`): record its result "
+        "from that JUnit XML file instead of running it again",
+    )
+    parser.add_argument("--suite-log", type=Path, help="with --suite-from: that run's output, kept in the record")
     parser.add_argument(
         "--snapshot-entries", type=int, default=SNAPSHOT_ENTRIES, help="allocation history kept in the snapshot"
     )
@@ -142,7 +150,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     suite: dict[str, Any] | None = None
     suite_log: str | None = None
-    if gpu is not None and not options.skip_suite and CHECKOUT is None:
+    if gpu is not None and options.suite_from is not None:
+        try:
+            suite, suite_log = suite_from(options.suite_from, options.suite_log)
+        except (OSError, ValueError) as exc:
+            print(f"gpu-validate: --suite-from {options.suite_from}: {exc}", file=sys.stderr)
+            return 2
+        run.checks.append(suite_check(suite))
+    elif gpu is not None and not options.skip_suite and CHECKOUT is None:
         log("the CUDA test suite runs only from a checkout of pytest-gpumem: skipped (--skip-suite)")
     elif gpu is not None and not options.skip_suite:
         log("running the CUDA test suite")
