@@ -492,6 +492,9 @@ def test_the_judge_decides_which_limits_apply_to_the_call() -> None:
     assert limits_of(record, "step") == []  # the run's and the marker's checks are the call's
     record.asked["call"].append(parse_limit("retained", "1KiB"))  # the marker's bound wins over the run's 0
     assert [s.text for s in limits_of(record, "call") if s.metric == "retained"] == ["1KiB"]
+    # with ranks measured, each rank's span asked for the marker's span limits: the call keeps the rest
+    record.ranks_measured = True
+    assert [s.metric for s in limits_of(record, "call")] == ["retained", "max_microbatch"]
     # under torchrun the call span is named for its rank: the first span is still the call
     renamed = TestRecord(TEST, [dataclasses.replace(call, name="call@rank1-of-2")], leak_check=True)
     assert [s.metric for s in limits_of(renamed, "call@rank1-of-2")] == ["retained"]

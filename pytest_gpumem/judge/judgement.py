@@ -19,7 +19,7 @@ from pytest_gpumem.baselines import BaselineStore, Environment
 from pytest_gpumem.budgets.expressions import BudgetError, parse_budget
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding, Limit, Tolerance
-from pytest_gpumem.data.metrics import BASELINE_METRICS, MEASURED_BASELINE_METRICS
+from pytest_gpumem.data.metrics import BASELINE_METRICS, MEASURED_BASELINE_METRICS, metric_info
 from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.judge.rule import tolerance_for
@@ -72,12 +72,15 @@ def judge(
 
 def limits_of(record: TestRecord, span: str) -> list[LimitSpec]:
     """The limits and budgets that apply to ``span`` of ``record``, as written, in order: what the
-    span asked for; for the test's call (its first span), also a ``retained`` of 0 when the run
-    checks every test for leaks (:attr:`TestRecord.leak_check`) and the marker bounds no
-    ``retained``, and the marker's ``min_microbatch`` as a minimum on ``max_microbatch``."""
+    span asked for. For the test's call (its first span): the marker's, less those that a span
+    can bound when the test measured ranks (each rank's span asked for them); a ``retained`` of 0
+    when the run checks every test for leaks (:attr:`TestRecord.leak_check`) and the marker
+    bounds no ``retained``; the marker's ``min_microbatch`` as a minimum on ``max_microbatch``."""
     limits = list(record.asked.get(span, ()))
     if not record.measurements or span != record.measurements[0].name:
         return limits
+    if record.ranks_measured:
+        limits = [limit for limit in limits if not metric_info(limit.metric).span_limit]
     if record.leak_check and not any(limit.metric == LEAK_CHECK.metric for limit in limits):
         limits.append(LEAK_CHECK)
     if record.min_microbatch is not None:

@@ -51,6 +51,8 @@ class TestRecord:
         leak_check: the run checks every test for leaks (``--gpumem-leak-check``): the call's
             ``retained`` must be 0 unless the marker bounds it.
         min_microbatch: the marker's lower bound on the largest microbatch that fits.
+        ranks_measured: the test measured ranks (``gpumem.distributed``): each rank's span asked
+            for the marker's span limits (``peak``, ``allocated``, ``reserved``) instead of the call.
         leak_report: the confirmed leak check's report (the leaked tensors), for the judge to
             add to :attr:`reports` when the ``retained`` check fails; None when no leak was checked.
     """
@@ -72,6 +74,7 @@ class TestRecord:
     asked: dict[str, list[LimitSpec]] = field(default_factory=dict)
     leak_check: bool = False
     min_microbatch: int | None = None
+    ranks_measured: bool = False
     leak_report: str | None = None
 
     @property
@@ -120,6 +123,7 @@ class TestRecord:
             "workspaces": self.workspaces,
             "leak_check": self.leak_check,
             "min_microbatch": self.min_microbatch,
+            "ranks_measured": self.ranks_measured,
             "leak_report": self.leak_report,
         }
 
@@ -154,6 +158,7 @@ class TestRecord:
             workspaces=data.get("workspaces"),
             leak_check=bool(data.get("leak_check", False)),
             min_microbatch=data.get("min_microbatch"),
+            ranks_measured=bool(data.get("ranks_measured", False)),
             leak_report=data.get("leak_report"),
         )
 

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.figures import PartialFigures
-from pytest_gpumem.data.metrics import SPAN_METRICS
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
 from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, release_oom
 from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
@@ -311,13 +310,11 @@ class TestRun:
             if leak.retained > 0:  # the judge adds it to the failure when the retained check fails
                 record.leak_report = leak.format()
         self._snapshot = None
-        limits = list(spec.limits)
-        if recorder.ranks_measured:  # the marker's peak/allocated/reserved went to every rank's span
-            limits = [limit for limit in limits if limit.metric not in SPAN_METRICS]
         record.leak_check = self.options.leak_check
         record.min_microbatch = spec.min_microbatch
+        record.ranks_measured = recorder.ranks_measured
         record.measurements = [call] + [span.measurement for span in recorder.spans]
-        record.asked = {"call": limits} if limits else {}
+        record.asked = {"call": list(spec.limits)} if spec.limits else {}
         if spec.tolerance is not None:
             record.set_tolerance("call", spec.tolerance)
         for span in recorder.spans:
