@@ -10,10 +10,12 @@ tolerance and its tolerance floor. Pure: no I/O, no torch, no pytest.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Literal
 
 from pytest_gpumem.data.findings import Tolerance
-from pytest_gpumem.data.metrics import METRIC_TABLE, metric_info
+from pytest_gpumem.data.metrics import METRIC_TABLE, MetricInfo, metric_info
 
 __all__ = [
     "BaselineStatus",
@@ -47,16 +49,25 @@ def tolerance_for(metric: str, given: Tolerance | None) -> Tolerance:
     A given tolerance's absolute part is bytes: a figure in another unit (a count) keeps only
     its relative part. Then the absolute part is at least the metric's tolerance floor.
     """
-    info = metric_info(metric)
     if given is None:
-        tolerance = Tolerance(*info.tolerance)
-    elif info.unit != "bytes" and given.absolute:
-        tolerance = Tolerance(given.relative, 0)
-    else:
-        tolerance = given
-    if tolerance.absolute < info.tolerance_floor:
-        tolerance = Tolerance(tolerance.relative, info.tolerance_floor)
-    return tolerance
+        return _DEFAULTS.get(metric) or _EXACT
+    info = metric_info(metric)
+    absolute = given.absolute if info.unit == "bytes" else 0
+    absolute = max(absolute, info.tolerance_floor)
+    return given if absolute == given.absolute else Tolerance(given.relative, absolute)
+
+
+def _floored(info: MetricInfo, tolerance: Tolerance) -> Tolerance:
+    floor = info.tolerance_floor
+    return tolerance if tolerance.absolute >= floor else Tolerance(tolerance.relative, floor)
+
+
+_EXACT = Tolerance()
+#: Each figure's tolerance when none is set (its default, at least its floor); made once, so that
+#: each keeps the exact ratio :meth:`Tolerance.allowed` computes on first use.
+_DEFAULTS: Mapping[str, Tolerance] = MappingProxyType(
+    {info.name: _floored(info, Tolerance(*info.tolerance)) for info in METRIC_TABLE}
+)
 
 
 def baseline_status(metric: str, measured: int, reference: int, tolerance: Tolerance) -> BaselineStatus:
