@@ -42,9 +42,11 @@ class MetricInfo:
     ``higher_is_better`` flips every comparison: a limit becomes a minimum and
     a regression is the value dropping (e.g. the largest microbatch that fits).
     ``unit`` is ``"bytes"`` (shown with :func:`~pytest_gpumem.units.format_size`)
-    or ``"count"`` (shown as a plain integer). A tolerance's absolute part is
-    bytes: it bounds byte figures only (a count is compared with its relative
-    part), and :attr:`tolerance_floor` is in the figure's unit.
+    or ``"count"`` (shown as a plain integer). A tolerance a user sets
+    (``"2%,1MiB"``) has its absolute part in bytes: it bounds byte figures only,
+    a count is compared with its relative part; :attr:`tolerance` and
+    :attr:`tolerance_floor` are in the figure's own unit
+    (:func:`~pytest_gpumem.judge.rule.tolerance_for` applies them).
     """
 
     name: str
@@ -72,7 +74,7 @@ class MetricInfo:
     baseline: Literal["always", "measured", ""] = ""
     #: drawn as a line across the HTML timeline when a limit, budget or baseline bounds it
     drawn: bool = False
-    #: default baseline tolerance: (a fraction of the baseline, an absolute floor in bytes)
+    #: default baseline tolerance: (a fraction of the baseline, an absolute floor in its unit)
     tolerance: tuple[float, int] = (0.0, 0)
     #: the least absolute tolerance its baselines are compared with, whatever tolerance is set (in its unit)
     tolerance_floor: int = 0
