@@ -39,6 +39,7 @@ from pytest_gpumem.baselines import (
 )
 from pytest_gpumem.data.findings import Tolerance, parse_tolerance
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
+from pytest_gpumem.judge.rule import baseline_status, describe_default_tolerances, tolerance_for
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_percent
 
@@ -174,9 +175,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     diff.add_argument(
         "--tolerance",
         type=_tolerance,
-        default=Tolerance(),
         metavar="TOL",
-        help="growth that --fail-on-growth lets pass: '2%%', '1MiB' or '2%%,1MiB' (default: 0, any growth)",
+        help=(
+            "how much worse --fail-on-growth lets a cost get, as pytest's --gpumem-tolerance: '2%%', '1MiB' or "
+            "'2%%,1MiB' (a size bounds byte figures only; default: each figure's own, as for pytest: "
+            + describe_default_tolerances().replace("%", "%%")
+            + ")"
+        ),
     )
     display(diff)
     diff.set_defaults(handler=_diff)
@@ -356,12 +361,11 @@ class _Change:
         return None if self.old is None or self.new is None else self.new - self.old
 
     def worse(self, tolerance: Tolerance) -> bool:
-        """Whether the cost grew beyond ``tolerance`` (fell, for a metric where higher is better)."""
-        delta = self.delta
-        if delta is None or self.old is None:
+        """Whether the cost got worse beyond ``tolerance`` (the figure's, :func:`tolerance_for`): the
+        judge's rule (:func:`~pytest_gpumem.judge.rule.baseline_status`) with the old cost as the baseline."""
+        if self.old is None or self.new is None:
             return False
-        worse = -delta if metric_info(self.metric).higher_is_better else delta
-        return worse > tolerance.allowed(self.old)
+        return baseline_status(self.metric, self.new, self.old, tolerance) == "regressed"
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -401,12 +405,14 @@ def _diff(args: argparse.Namespace) -> int:
     ]
     blocks.append("; ".join(summary) or "no differences")
     print("\n\n".join(blocks))
-    worse = [change for change in changes if change.worse(args.tolerance)]
+    tolerances = {change.metric: tolerance_for(change.metric, args.tolerance) for change in changes}
+    worse = [change for change in changes if change.worse(tolerances[change.metric])]
     if args.fail_on_growth and worse:
-        lines = [f"{_count(len(worse), 'cost')} got worse beyond the tolerance {args.tolerance.describe()}:"]
+        lines = [f"{_count(len(worse), 'cost')} got worse beyond {'its' if len(worse) == 1 else 'their'} tolerance:"]
         for change in worse:
             was, now = (_shown(change.metric, value, args.bytes) for value in (change.old, change.new))
-            lines.append(f"  {change.test} [{change.span}] {change.metric}: {was} -> {now}")
+            tolerance = tolerances[change.metric].describe(metric_info(change.metric))
+            lines.append(f"  {change.test} [{change.span}] {change.metric}: {was} -> {now} (tolerance {tolerance})")
         print("\n".join(lines), file=sys.stderr)
         return EXIT_GREW
     return 0

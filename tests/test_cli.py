@@ -258,13 +258,13 @@ def test_diff_fail_on_growth_and_tolerance(capsys: pytest.CaptureFixture[str], h
     code, out, err = run(capsys, "diff", "gpumem-baselines.json", str(new), "--fail-on-growth")
     assert code == 1 and "costs: 1 grew" in out
     assert err.splitlines() == [
-        "2 costs got worse beyond the tolerance 0 (exact):",
-        f"  {MICRO} [call] max_microbatch: 16 -> 12",
-        f"  {TRAIN} [call] peak: 52.00 MiB -> 60.00 MiB",
+        "2 costs got worse beyond their tolerance:",
+        f"  {MICRO} [call] max_microbatch: 16 -> 12 (tolerance 0 (exact))",
+        f"  {TRAIN} [call] peak: 52.00 MiB -> 60.00 MiB (tolerance 0 (exact))",
     ]
     # 15.4% growth passes a 20% tolerance; the microbatch fell by 25%, beyond it
     code, _, err = run(capsys, "diff", "gpumem-baselines.json", str(new), "--fail-on-growth", "--tolerance", "20%")
-    assert code == 1 and err.splitlines()[1:] == [f"  {MICRO} [call] max_microbatch: 16 -> 12"]
+    assert code == 1 and err.splitlines()[1:] == [f"  {MICRO} [call] max_microbatch: 16 -> 12 (tolerance 20%)"]
     code, _, err = run(capsys, "diff", "gpumem-baselines.json", str(new), "--fail-on-growth", "--tolerance", "30%")
     assert (code, err) == (0, "")
     # without the option growth is reported, not failed; the same file twice has no differences

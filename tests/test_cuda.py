@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from pytest_gpumem import measure
+from pytest_gpumem.data.metrics import METRIC_INFO
 from pytest_gpumem.diagnose.leaks import confirm_leak, snapshot_storages
-from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR
 from pytest_gpumem.measurement.engines import make_engine
+
+_RESERVED_FLOOR = METRIC_INFO["reserved"].tolerance_floor
 
 pytestmark = pytest.mark.cuda
 
@@ -101,7 +103,7 @@ def test_step(gpumem, run):
     assert len(lines) == 2
     assert lines[0][:2] == lines[1][:2]  # peak and allocated: to the byte
     # reserved moves with the process's allocation history, by whole segments at most
-    assert abs(int(lines[0][2]) - int(lines[1][2])) <= RESERVED_TOLERANCE_FLOOR
+    assert abs(int(lines[0][2]) - int(lines[1][2])) <= _RESERVED_FLOOR
 
 
 def test_require_gpu_passes_with_a_gpu(pytester: pytest.Pytester) -> None:

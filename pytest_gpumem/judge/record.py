@@ -46,7 +46,15 @@ class TestRecord:
             the test (created by the clean-state protocol; in ``start``, never in a cost);
             None where there are none (the CPU engine).
         asked: the limits and budgets of each span by span name (``"call"`` for the marker's),
-            as written; the judge (:func:`~pytest_gpumem.judge.judgement.judge`) resolves and checks them.
+            as written; the judge (:func:`~pytest_gpumem.judge.judgement.judge`) decides which
+            apply (:func:`~pytest_gpumem.judge.judgement.limits_of`), resolves and checks them.
+        leak_check: the run checks every test for leaks (``--gpumem-leak-check``): the call's
+            ``retained`` must be 0 unless the marker bounds it.
+        min_microbatch: the marker's lower bound on the largest microbatch that fits.
+        ranks_measured: the test measured ranks (``gpumem.distributed``): each rank's span asked
+            for the marker's span limits (``peak``, ``allocated``, ``reserved``) instead of the call.
+        leak_report: the confirmed leak check's report (the leaked tensors), for the judge to
+            add to :attr:`reports` when the ``retained`` check fails; None when no leak was checked.
     """
 
     __test__ = False  # a name pytest would otherwise collect
@@ -64,6 +72,10 @@ class TestRecord:
     device_limit: int | None = None
     workspaces: int | None = None
     asked: dict[str, list[LimitSpec]] = field(default_factory=dict)
+    leak_check: bool = False
+    min_microbatch: int | None = None
+    ranks_measured: bool = False
+    leak_report: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -109,6 +121,10 @@ class TestRecord:
             "snapshot": self.snapshot,
             "device_limit": self.device_limit,
             "workspaces": self.workspaces,
+            "leak_check": self.leak_check,
+            "min_microbatch": self.min_microbatch,
+            "ranks_measured": self.ranks_measured,
+            "leak_report": self.leak_report,
         }
 
     def to_json(self, *, timeline: bool = True) -> str:
@@ -140,6 +156,10 @@ class TestRecord:
             snapshot=data.get("snapshot"),
             device_limit=data.get("device_limit"),
             workspaces=data.get("workspaces"),
+            leak_check=bool(data.get("leak_check", False)),
+            min_microbatch=data.get("min_microbatch"),
+            ranks_measured=bool(data.get("ranks_measured", False)),
+            leak_report=data.get("leak_report"),
         )
 
 

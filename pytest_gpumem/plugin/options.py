@@ -15,6 +15,7 @@ from pytest_gpumem import __version__
 from pytest_gpumem.baselines import DEFAULT_FILENAME
 from pytest_gpumem.data.findings import parse_tolerance
 from pytest_gpumem.judge.limits import SpecError
+from pytest_gpumem.judge.rule import describe_default_tolerances
 from pytest_gpumem.measurement.observe import parse_observe
 from pytest_gpumem.plugin.gate import GateOptions
 from pytest_gpumem.plugin.marker import parse_device, parse_predict
@@ -89,8 +90,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("update-baselines", "record the figures of tests that ran and passed into the baseline file.", flag=True),
     Option(
         "tolerance",
-        "tolerance of baseline comparisons: '2%', '1MiB', '2%,1MiB' or '0' (default: exact bytes for peak "
-        "and allocated, 2%,1MiB and at least 20 MiB for reserved).",
+        "tolerance of baseline comparisons: '2%', '1MiB', '2%,1MiB' or '0'; a size bounds byte figures only "
+        f"(default: {describe_default_tolerances()}).",
         metavar="TOL",
     ),
     Option("strict", "fail on new, improved, other-environment and stale baselines too (ratcheting CI).", flag=True),

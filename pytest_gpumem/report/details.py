@@ -174,13 +174,14 @@ def _figure_rows(measurement: Measurement) -> list[list[str]]:
         value = measurement.figure(metric)
         if value is None:
             continue
-        start = measurement.start_reserved if metric == "reserved" else measurement.start
+        info = metric_info(metric)
+        start: int | None = getattr(measurement, info.cost) if info.cost else None
         rows.append(
             [
                 measurement.name,
                 metric,
-                "" if metric in COST_ONLY_METRICS or metric in COUNT_METRICS else format_size(start),
-                "" if metric in COST_ONLY_METRICS else metric_info(metric).format(value),
+                info.format(start) if info.cost else "",
+                "" if info.whole_call else info.format(value),
                 cost_text(metric, measurement.cost(metric)),
             ]
         )
@@ -199,7 +200,7 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
     engines = sorted({f"{m.device} ({m.engine} engine)" for m in measurements})
     lines = wrap(f"figures on {', '.join(engines)}", width) if engines else []
     lines += Table(_FIGURE_COLS, [("", [row for m in measurements for row in _figure_rows(m)])], lead=2).render(width)
-    unknown = [  # retained is the whole call's only: a test's named spans have none
+    unknown = [  # a whole call's figure (retained): a test's named spans have none
         metric
         for metric in METRICS
         if metric not in COST_ONLY_METRICS and measurements and all(m.figure(metric) is None for m in measurements)

@@ -175,9 +175,9 @@ def _metric_row(
     value = measurement.figure(metric)
     if value is None and not findings:
         return None
-    if metric == "retained" and not findings and not value and verbosity < 1:
-        return None  # nothing retained and nothing asked: shown with -v
     info = metric_info(metric)
+    if info.whole_call and not findings and not value and verbosity < 1:
+        return None  # nothing retained and nothing asked: shown with -v
     limits = sorted((f for f in findings if f.kind in ("limit", "budget")), key=lambda f: not f.failed)
     limit = limits[0] if limits else None
     baseline = next((f for f in findings if f.kind == "baseline"), None)
@@ -206,7 +206,7 @@ def _metric_row(
         note = compared if not note else f"{note}; {compared}"
     if note:
         notes[_CELL["limit"]] = note
-    if measurement.notes and metric in ("peak", "allocated", "retained"):  # a partial figure says so
+    if measurement.notes and info.unit == "bytes" and not info.allocator:  # a partial figure (the tracker's) says so
         notes[_CELL["measured"]] = "partial: " + "; ".join(measurement.notes)
     other = next((f for f in findings if f.status == "other-environment"), None)
     if other is not None:

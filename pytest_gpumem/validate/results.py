@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR
+from pytest_gpumem.data.metrics import METRIC_INFO
 
 #: The source checkout this package runs from (it holds ``tests/`` and ``fixtures/recorded/``); None
 #: when pytest-gpumem is installed: the CUDA test suite runs only from a checkout.
@@ -184,7 +184,7 @@ def cached_free(m: Measurement) -> int:
 def reserved_slack(*runs: Measurement) -> int:
     """How far ``reserved``'s cost may move between runs of the same step in one process: one
     allocator segment, or the bytes any of the runs found cached free at its start."""
-    return max(RESERVED_TOLERANCE_FLOOR, *(cached_free(m) for m in runs))
+    return max(METRIC_INFO["reserved"].tolerance_floor, *(cached_free(m) for m in runs))
 
 
 def suite_check(summary: Mapping[str, Any]) -> Check:
