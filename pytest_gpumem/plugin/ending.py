@@ -34,12 +34,11 @@ class RunEnd(CollectionBook):
         if self.worker:
             self._worker_output()
             return
-        complete = self._collection_complete and (self._xdist or self._whole_suite())
         if self._launch is not None and not self._gather(session):
             return  # another rank writes, or the gather failed and nothing may be written
         if self._error is None:
             try:
-                self.gate.finish(self._collected if complete and self._collected else None, skipped=self._skipped)
+                self.gate.finish(self._collection())
             except (BaselineFileError, OSError) as exc:
                 session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
                 self._error = f"gpumem: could not write the baseline file: {exc}"
@@ -100,7 +99,8 @@ class RunEnd(CollectionBook):
             width=terminalreporter._tw.fullwidth,
             verbosity=int(self.config.getoption("verbose")),
             baselines=None if not update else (self.settings.gate.baselines, gate.written),
-            pruning=self.settings.gate.prune,
+            pruning=self.settings.gate.prune and self.settings.gate.update,
+            kept=gate.kept,
         )
         if text is not None:
             terminalreporter.write_sep("=", "gpumem")
