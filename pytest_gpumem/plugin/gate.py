@@ -135,13 +135,14 @@ class Gate:
         """The environment keys of the records, sorted, each with the workspace bytes its device held."""
         return self.records.environments()
 
-    def write_reports(self) -> None:
-        """The JSON report, the Markdown report, and the GitHub step summary, as the options ask."""
+    def write_reports(self) -> list[str]:
+        """The JSON report, the Markdown report, and the GitHub step summary, as the options ask; one
+        line per report that could not be written (naming its path and the reason)."""
         options = self.options
         step_summary = os.environ.get("GITHUB_STEP_SUMMARY") if options.step_summary else None
         if options.json_path is None and options.markdown_path is None and not step_summary:
-            return  # no report asked for: the records are not decoded
-        write_reports(
+            return []  # no report asked for: the records are not decoded
+        return write_reports(
             list(self.records.values()),
             self.stale,
             json_path=options.json_path,
