@@ -201,7 +201,7 @@ def test_a_rank_past_the_timeout_is_stopped() -> None:
     [
         ({"world_size": 0}, "world_size must be a positive int, got 0"),
         ({"device": "tpu"}, "device must be 'cpu' or 'cuda', got 'tpu'"),
-        ({"timeout": 0}, "timeout must be a positive number of seconds, got 0"),
+        ({"timeout": 0}, "timeout must be a positive, finite number of seconds"),
         ({"backend": "carrier-pigeon"}, "backend 'carrier-pigeon' is not a torch.distributed backend"),
     ],
 )

@@ -58,6 +58,9 @@ class MetricInfo:
     drawn: bool = False
     #: default baseline tolerance: (a fraction of the baseline, an absolute floor in the unit)
     tolerance: tuple[float, int] = (0.0, 0)
+    #: its cost can be below 0: a span that frees what was alive at its start (a baseline file
+    #: holding a negative value for any other figure is refused)
+    signed: bool = False
 
     def format(self, value: int | None) -> str:
         """``value`` for people: ``"1.50 MiB"`` for bytes, ``"8"`` for counts, ``"n/a"`` for ``None``."""
@@ -95,6 +98,7 @@ METRIC_TABLE: tuple[MetricInfo, ...] = (
         span_limit=True,
         baseline=True,
         drawn=True,
+        signed=True,
     ),
     MetricInfo(
         "reserved",
@@ -104,7 +108,7 @@ METRIC_TABLE: tuple[MetricInfo, ...] = (
         baseline=True,
         tolerance=(0.02, 2**20),
     ),
-    MetricInfo("retained", meaning="limit on what the test left allocated after it (a leak check: '0B')"),
+    MetricInfo("retained", meaning="limit on what the test left allocated after it (a leak check: '0B')", signed=True),
     MetricInfo("max_microbatch", higher_is_better=True, unit="count"),
 )
 
