@@ -251,3 +251,13 @@ def test_the_fixture_names_the_test_and_the_timeout(pytester: pytest.Pytester) -
     result.stdout.fnmatch_lines(
         ["*ValueError: test_nan.py::test_nan: gpumem.distributed: timeout must be a positive, finite number*nan*"]
     )
+
+
+@pytest.mark.parametrize("value", [10**400, 10**5000, 2**63], ids=["10**400", "10**5000", "2**63"])
+def test_a_min_microbatch_too_large_is_a_spec_error(value: int) -> None:
+    from pytest_gpumem.plugin.marker import parse_marker
+
+    with pytest.raises(SpecError, match=r"min_microbatch=.* must be a positive int"):
+        parse_marker([((), {"min_microbatch": value})])
+    with pytest.raises(SpecError, match=r"device_limit=an integer of about .* too large"):
+        parse_marker([((), {"device_limit": value * 10**400})])
