@@ -22,6 +22,7 @@ __all__ = [
     "format_delta",
     "format_percent",
     "format_size",
+    "format_sizes",
     "parse_size",
     "shown",
 ]
@@ -155,10 +156,40 @@ def format_delta(nbytes: int | None, precision: int = 2) -> str:
     return text if nbytes <= 0 else "+" + text
 
 
+def format_sizes(*counts: int | None) -> tuple[str, ...]:
+    """Format byte counts to be read side by side: counts that differ never read the same.
+
+    :func:`format_size` first; where two different counts would print alike (``8.14 MiB`` and
+    ``8.14 MiB`` for 4 KiB apart), two more decimals, then exact bytes with thousands separators
+    (``7,266,560 B`` and ``7,266,328 B``).
+    """
+    known = [count for count in counts if count is not None]
+    distinct = len(set(known))
+    for precision in (2, 4):
+        texts = tuple(format_size(count, precision) for count in counts)
+        if len({text for text, count in zip(texts, counts, strict=True) if count is not None}) == distinct:
+            return texts
+    return tuple("n/a" if count is None else f"{count:,} B" for count in counts)
+
+
 def format_percent(numerator: int | None, denominator: int | None) -> str:
-    """Format ``numerator / denominator`` as a signed percentage, ``"n/a"`` when unknown."""
+    """Format ``numerator / denominator`` as a signed percentage, ``"n/a"`` when unknown.
+
+    A change below 0.05% keeps two significant digits (``"+0.048%"``; ``"+<0.001%"`` below that),
+    never ``"+0.0%"`` for a change that is there; a growth of 1000% or more is the factor the
+    figure was multiplied by (``"×8,192"``), not a six-digit percentage. A negative denominator
+    (a cost below its span's start) counts by its size.
+    """
     if numerator is None or denominator is None:
         return "n/a"
     if denominator == 0:
         return "n/a" if numerator else "+0.0%"
-    return f"{100.0 * numerator / denominator:+.1f}%"
+    percent = 100.0 * numerator / abs(denominator)
+    if percent >= 1000:
+        factor = 1 + numerator / abs(denominator)
+        return f"×{factor:,.0f}" if factor >= 100 else f"×{factor:.1f}"
+    if numerator and abs(percent) < 0.05:
+        if abs(percent) < 0.001:
+            return f"{'+' if numerator > 0 else '-'}<0.001%"
+        return f"{percent:+.2g}%"
+    return f"{percent:+.1f}%"

@@ -307,31 +307,41 @@ def failure_message(findings: Iterable[Finding]) -> str:
     return "\n".join(_line(finding) for finding in findings if finding.failed)
 
 
+def _factor(ratio: float) -> str:
+    """A ratio with two decimals, more when those would read 1.00 for a ratio that is not 1."""
+    for digits in (2, 3, 4, 5, 6):
+        text = f"{ratio:.{digits}f}"
+        if float(text) != 1.0 or ratio == 1.0:
+            return text
+    return text
+
+
 def _line(f: Finding) -> str:
     info = metric_info(f.metric)
     where = "" if f.span in ("call", "*") else f"[{f.span}] "
     excess = f"{info.format_delta(f.delta)} ({format_percent(f.delta, f.reference)})"
     if f.status == "stale":
         return f"stale baseline: {f.test} no longer exists; baselines kept for {f.detail}; prune them"
+    measured, reference = info.format_pair(f.measured, f.reference)  # never the same text for two values
     if f.kind in ("limit", "budget"):
-        bound = f"{f.kind} {info.format(f.reference)}" + (f" ({f.detail})" if f.status != "n/a" and f.detail else "")
+        bound = f"{f.kind} {reference}" + (f" ({f.detail})" if f.status != "n/a" and f.detail else "")
         if f.status == "n/a":
             return (
                 f"{where}{f.metric} is n/a ({f.detail}), so the {bound} cannot be checked: "
                 "remove it where this figure cannot be measured"
             )
         verb = "is below the minimum" if info.higher_is_better else "exceeds the"
-        text = f"{where}{_compared(f.metric)} {info.format(f.measured)} {verb} {bound} by {excess}"
+        text = f"{where}{_compared(f.metric)} {measured} {verb} {bound} by {excess}"
         if f.kind == "budget" and f.ratio is not None:
-            text += f", {f.ratio:.2f}x the theory"
+            text += f", {_factor(f.ratio)}x the theory"
         return text
     tolerance = ""
     if f.tolerance is not None and f.reference is not None:
         allowed = f.tolerance.allowed(f.reference)
         tolerance = f", tolerance {f.tolerance.describe(info)}" + (f" (±{info.format(allowed)})" if allowed else "")
-    cost = f"{where}{_compared(f.metric)} {info.format(f.measured)}"
+    cost = f"{where}{_compared(f.metric)} {measured}"
     if f.status == "regressed":
-        text = f"{cost} regressed from baseline {info.format(f.reference)} by {excess}{tolerance}"
+        text = f"{cost} regressed from baseline {reference} by {excess}{tolerance}"
         if f.changed:
             text += "; by category at the peak: " + ", ".join(f"{c} {format_delta(d)}" for c, d in f.changed.items())
             moved = sum(f.changed.values()) - (f.delta or 0)
@@ -340,8 +350,7 @@ def _line(f: Finding) -> str:
         return text
     if f.status == "improved":
         return (
-            f"{cost} improved on baseline {info.format(f.reference)} by {excess}{tolerance}; "
-            "refresh it with --gpumem-update-baselines"
+            f"{cost} improved on baseline {reference} by {excess}{tolerance}; refresh it with --gpumem-update-baselines"
         )
     if f.status == "other-environment":
         return f"{cost} has no baseline in this environment ({f.detail}); record one with --gpumem-update-baselines"

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from pytest_gpumem.units import format_delta, format_size
+from pytest_gpumem.units import format_delta, format_size, format_sizes
 
 __all__ = [
     "BASELINE_METRICS",
@@ -67,6 +67,14 @@ class MetricInfo:
         if value is None:
             return "n/a"
         return format_size(value) if self.unit == "bytes" else str(value)
+
+    def format_pair(self, first: int | None, second: int | None) -> tuple[str, str]:
+        """Two values read side by side (a figure and its limit or baseline): values that differ never
+        read the same (:func:`~pytest_gpumem.units.format_sizes`)."""
+        if self.unit != "bytes":
+            return self.format(first), self.format(second)
+        shown = format_sizes(first, second)
+        return shown[0], shown[1]
 
     def format_delta(self, value: int | None) -> str:
         """A signed difference: ``"+1.50 MiB"`` for bytes, ``"-2"`` for counts."""
