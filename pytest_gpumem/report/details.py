@@ -261,7 +261,9 @@ def _beyond_model_states(record: RecordLike, broken: Sequence[Finding]) -> list[
             f"{name} {format_size(size)}" for name, size in categories.items() if name not in _MODEL_STATES and size
         ]
         where = "" if finding.span == "call" else f"[{finding.span}] "
-        lines.append(
-            f"{where}{finding.metric} {when} beyond the model states: {', '.join(beyond) if beyond else 'nothing'}"
-        )
+        if beyond:
+            lines.append(f"{where}{finding.metric} {when} beyond the model states: {', '.join(beyond)}")
+        else:
+            states = ", ".join(f"{name} {format_size(categories.get(name, 0))}" for name in _MODEL_STATES)
+            lines.append(f"{where}{finding.metric} {when}: nothing beyond the model states ({states})")
     return lines
