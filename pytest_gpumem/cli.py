@@ -10,7 +10,8 @@ of tests whose file is gone. Every size is bytes, shown as KiB / MiB / GiB
 
 Exit status: 0 on success; 1 when ``diff --fail-on-growth`` found a cost that
 grew beyond the tolerance; 2 for a usage error, a file that cannot be read, a
-filter that matches nothing, or a failed ``git show``. Errors are one line on
+filter that matches nothing, a ``prune`` pattern that matches every test
+without ``--all``, a failed write, or a failed ``git show``. Errors are one line on
 standard error (followed by a ``hint:`` line where the file error has advice),
 never a traceback.
 
@@ -190,10 +191,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "prune",
         help="remove baselines of tests, of an environment, or of tests whose file is gone",
         description=(
-            "Remove baselines and write the file again (atomically). Name the tests (node ids, or path "
-            "prefixes such as tests/test_old.py), or use --missing; with --env alone, remove that "
-            "whole environment; with --env and tests or --missing, remove them from that environment only."
+            "Remove baselines and write the file again (atomically); what is removed is printed before "
+            "the file is written. Name the tests (node ids, or path prefixes such as tests/test_old.py), or "
+            "use --missing; with --env alone, remove that whole environment; with --env and tests or "
+            "--missing, remove them from that environment only. A pattern that matches every test in the "
+            "file ('', '.', '/', a glob, a folder holding them all) is refused unless --all is given."
         ),
+        epilog="Exit status: 0 removed (or nothing to remove), 2 an error or a refusal: nothing was written.",
     )
     prune.add_argument("--file", type=Path, default=Path(DEFAULT_FILENAME), metavar="PATH", help=file_help)
     common(
@@ -211,6 +215,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         type=Path,
         metavar="DIR",
         help="what node ids are relative to, for --missing (default: the baseline file's folder)",
+    )
+    prune.add_argument(
+        "--all",
+        action="store_true",
+        help="remove every test of the chosen environments (all of them without --env); also lets a TEST "
+        "pattern match every test",
     )
     prune.add_argument("--dry-run", action="store_true", help="print what would be removed; write nothing")
     prune.set_defaults(handler=_prune)
@@ -465,29 +475,35 @@ def _change_row(change: _Change, exact: bool) -> list[str]:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    if not (args.tests or args.missing or args.env):
-        raise CommandError("name what to remove: TEST ..., --missing, or --env KEY for a whole environment")
+    if not (args.tests or args.missing or args.env is not None or args.all):
+        raise CommandError("name what to remove: TEST ..., --missing, --env KEY for a whole environment, or --all")
     if args.tests and args.missing:
         raise CommandError("give either TEST ... or --missing, not both")
+    if args.missing and args.all:
+        raise CommandError("give either --missing or --all, not both")
+    if args.env is not None and not args.env.strip():
+        raise CommandError("--env: empty; name an environment (a part of its key that only it contains)")
     store = _read(args.file)
     keys = list(store.environment_keys())
     if args.env is not None:
         keys = [_one_environment(store, args.env)]
-    verb = "would remove" if args.dry_run else "removed"
+    verb = "would remove" if args.dry_run else "removing"
     lines: list[str] = []
     removed = 0
-    if args.env is not None and not (args.tests or args.missing):
+    whole = args.env is not None and not (args.tests or args.missing or args.all)
+    if whole:
         (key,) = keys
-        count = len(store.tests(key))
+        removed = len(store.tests(key))
         store.remove_environment(key)
-        lines.append(f"{verb} environment {key!r} ({_count(count, 'test')})")
-        removed = count
+        lines.append(f"{verb} environment {key!r} ({_count(removed, 'test')})")
     else:
         if args.missing:
             rootdir = args.rootdir if args.rootdir is not None else args.file.resolve().parent
             doomed = _missing(store, keys, rootdir)
-        else:
-            doomed = _named(store, keys, args.tests)
+        elif args.tests:
+            doomed = _named(store, keys, args.tests, everything=args.all)
+        else:  # --all
+            doomed = {key: list(store.tests(key)) for key in keys if store.tests(key)}
         for key in keys:
             tests = doomed.get(key, [])
             if tests:
@@ -499,13 +515,16 @@ def _prune(args: argparse.Namespace) -> int:
     if not removed:
         print("nothing to prune")
         return 0
+    print("\n".join(lines), flush=True)  # what is removed, before the file is written
     if not args.dry_run:
         try:
             save(store)
         except OSError as exc:  # the file is as it was: save() writes a temporary file, then renames it
             raise CommandError(f"{args.file}: cannot write: {exc.strerror or exc}; the file is unchanged") from None
-    summary = f"{verb} the baselines of {_count(removed, 'test')} from {args.file}"
-    print("\n".join([*lines, summary + (" (dry run: nothing written)" if args.dry_run else "")]))
+    if args.dry_run:
+        print(f"would remove the baselines of {_count(removed, 'test')} from {args.file} (dry run: nothing written)")
+    else:
+        print(f"removed the baselines of {_count(removed, 'test')} from {args.file}")
     return 0
 
 
@@ -522,11 +541,23 @@ def _one_environment(store: BaselineStore, text: str) -> str:
     raise CommandError(f"--env {text!r} matches {len(chosen)} environments, name one: {_listed(chosen)}")
 
 
-def _named(store: BaselineStore, keys: Sequence[str], names: Sequence[str]) -> dict[str, list[str]]:
-    """Tests of ``keys`` that ``names`` name (node ids or path prefixes); raises for a name that matches none."""
+def _named(
+    store: BaselineStore, keys: Sequence[str], names: Sequence[str], *, everything: bool = False
+) -> dict[str, list[str]]:
+    """Tests of ``keys`` that ``names`` name (node ids or path prefixes); raises for a name that matches
+    none, and (unless ``everything``) for a pattern that matches every test in the file: an unset shell
+    variable, ``.``, a glob, a folder that holds every test. A whole node id is what it names."""
+    every = {(key, test) for key in store.environment_keys() for test in store.tests(key)}
     doomed: dict[str, list[str]] = {}
     for name in names:
         found = [entry for key in keys for entry in store.stale((), key, roots=[name])]
+        matched = {(entry.environment, entry.test) for entry in found}
+        exact = any(entry.test == name for entry in found)
+        if not everything and not exact and (matched == every or _matches_anything(name)):
+            raise CommandError(
+                f"TEST {name!r} matches every test in the file{' (patterns are not globs)' if '*' in name else ''}: "
+                "name the tests to remove, or pass --all to remove every baseline; nothing removed"
+            )
         if not found:
             raise CommandError(f"TEST {name!r} matches no baseline (give a node id or a path prefix); nothing removed")
         for entry in found:
@@ -534,6 +565,11 @@ def _named(store: BaselineStore, keys: Sequence[str], names: Sequence[str]) -> d
             if entry.test not in tests:
                 tests.append(entry.test)
     return {key: sorted(tests) for key, tests in doomed.items()}
+
+
+def _matches_anything(name: str) -> bool:
+    """Whether ``name`` is no pattern at all: empty, the current or root folder, a glob of nothing."""
+    return not name.strip().replace("\\", "/").strip("./*?")
 
 
 def _missing(store: BaselineStore, keys: Sequence[str], rootdir: Path) -> dict[str, list[str]]:

@@ -248,3 +248,41 @@ def test_step(gpumem):
     for device_name in ("cuda", "cpu"):
         result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--gpumem-device={device_name}")
         result.assert_outcomes(passed=1)
+
+
+SNAPSHOT_SUITE = """
+import pytest, torch
+
+
+@pytest.mark.gpumem(device="cuda")
+def test_step():
+    x = torch.ones(2**20, device="cuda")
+    (x * 2).sum()
+"""
+
+
+def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path) -> None:
+    """A full disk (RLIMIT_FSIZE) while the snapshot pickle is written: a warning naming it, the test
+    passes, no half-written pickle, and allocation history is switched off after it."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    (tmp_path / "test_snap.py").write_text(SNAPSHOT_SUITE)
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "--gpumem-snapshot"]
+    command += ["--gpumem-artifacts=art", "--gpumem-artifacts-all"]
+    written = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    assert written.returncode == 0, written.stdout
+    (pickle,) = (tmp_path / "art").glob("*.snapshot.pickle")
+    pickle.unlink()  # the page stays: the failed run cannot replace it
+
+    def full_disk() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    failed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, preexec_fn=full_disk)
+    text = " ".join(failed.stdout.split())
+    assert failed.returncode == 0, text
+    assert "1 passed" in text and "INTERNALERROR" not in text and "Traceback" not in text
+    assert f"could not write the memory snapshot {pickle}: File too large" in text
+    assert [name for name in os.listdir(tmp_path / "art") if "snapshot" in name] == []

@@ -18,6 +18,7 @@ from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, metri
 __all__ = [
     "CompiledCodeNotMeasured",
     "Measurement",
+    "OutputNotWritten",
     "PartialFigures",
     "Phase",
     "Timeline",
@@ -36,6 +37,13 @@ class PartialFigures(Warning):
     """A span's figures miss memory the engine could not see (work on a thread it could not
     watch, storages made outside PyTorch's operators); the notes of its :class:`Measurement`
     say what. Make it an error with ``-W error::pytest_gpumem.data.figures.PartialFigures``."""
+
+
+class OutputNotWritten(Warning):
+    """A report, an artifact page or a memory snapshot the run was asked for could not be written
+    (the message names the path and the reason: a folder at its name, a full disk, permissions).
+    The run goes on and its exit status is what its tests say; make it an error with
+    ``-W error::pytest_gpumem.data.figures.OutputNotWritten`` to fail the run instead."""
 
 
 @dataclass(frozen=True)

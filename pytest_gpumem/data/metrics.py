@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from pytest_gpumem.units import format_delta, format_size
+from pytest_gpumem.units import format_delta, format_size, format_sizes
 
 __all__ = [
     "BASELINE_METRICS",
@@ -60,7 +60,9 @@ class MetricInfo:
     #: its span began: limits and baselines compare the figure minus it, its *cost*; "" for a
     #: figure compared as it is (already a difference, or a count)
     cost: str = ""
-    #: its cost is a net change, which can be negative: shown with its sign
+    #: its cost is a net change, which can be negative (a span that frees what was alive at its
+    #: start): shown with its sign; a baseline file holding a negative value for any other figure
+    #: is refused
     signed: bool = False
     #: the whole test's net change (allocated after it minus before it): there is no absolute
     #: figure, only its cost, and only the ``call`` span has it
@@ -84,6 +86,14 @@ class MetricInfo:
         if value is None:
             return "n/a"
         return format_size(value) if self.unit == "bytes" else str(value)
+
+    def format_pair(self, first: int | None, second: int | None) -> tuple[str, str]:
+        """Two values read side by side (a figure and its limit or baseline): values that differ never
+        read the same (:func:`~pytest_gpumem.units.format_sizes`)."""
+        if self.unit != "bytes":
+            return self.format(first), self.format(second)
+        shown = format_sizes(first, second)
+        return shown[0], shown[1]
 
     def format_delta(self, value: int | None) -> str:
         """A signed difference: ``"+1.50 MiB"`` for bytes, ``"-2"`` for counts."""

@@ -26,6 +26,7 @@ outside), and a SIGTERM sent to pytest while the ranks run stops them before pyt
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import queue
@@ -47,6 +48,8 @@ __all__ = ["DistributedError", "RankContext", "run_ranks"]
 
 #: Seconds a run may take, all ranks together, unless the caller says otherwise.
 DEFAULT_TIMEOUT = 300.0
+#: The longest a run may be given (seconds): a week.
+MAX_TIMEOUT = 7 * 24 * 3600
 
 #: The signal that ends a process at once (Windows has no SIGKILL: there, terminating is killing).
 _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
@@ -400,8 +403,15 @@ def run_ranks(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if (
+        not isinstance(timeout, (int, float))
+        or isinstance(timeout, bool)
+        or not math.isfinite(timeout)
+        or not 0 < timeout <= MAX_TIMEOUT
+    ):
+        raise ValueError(
+            f"timeout must be a positive, finite number of seconds (at most {MAX_TIMEOUT:,}: a week), got {timeout!r}"
+        )
     if predict is not None:
         from pytest_gpumem.targets import parse_predict
 

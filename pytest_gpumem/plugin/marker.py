@@ -15,7 +15,7 @@ from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import METRIC_TABLE, METRICS
 from pytest_gpumem.judge.limits import LimitSpec, SpecError, parse_limit, parse_tolerance_keyword
 from pytest_gpumem.measurement.observe import ObserveError, observe_conflict, parse_observe
-from pytest_gpumem.units import SizeError, parse_size
+from pytest_gpumem.units import MAX_BYTES, SizeError, parse_size, shown
 
 __all__ = [
     "MARKER_KEYWORDS",
@@ -86,7 +86,7 @@ def parse_device(value: object) -> str:
         value = str(value)
     text = value.strip() if isinstance(value, str) else None
     if text is None or _DEVICE_RE.match(text) is None:
-        raise SpecError(f"device={value!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        raise SpecError(f"device={shown(value)} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
     return text
 
 
@@ -94,7 +94,7 @@ def _size(name: str, value: object) -> int:
     try:
         return parse_size(value)
     except SizeError as exc:
-        raise SpecError(f"{name}={value!r}: {exc}") from None
+        raise SpecError(f"{name}={shown(value)}: {exc}") from None
 
 
 def _observe(value: object) -> str:
@@ -105,14 +105,14 @@ def _observe(value: object) -> str:
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{name}={value!r} must be a positive int (a microbatch size)")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BYTES:
+        raise SpecError(f"{name}={shown(value)} must be a positive int (a microbatch size) of at most 2**63 - 1")
     return value
 
 
 def _bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise SpecError(f"{name}={value!r} must be True or False")
+        raise SpecError(f"{name}={shown(value)} must be True or False")
     return value
 
 
@@ -152,7 +152,7 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
     conflict = observe_conflict(
         merged.get("observe"),
         predict=merged.get("predict"),
-        limit=None if limit is None else f"device_limit={limit!r}",
+        limit=None if limit is None else f"device_limit={shown(limit)}",
     )
     if conflict is not None:
         raise SpecError(conflict)

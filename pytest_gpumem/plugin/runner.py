@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pytest_gpumem.data.figures import PartialFigures
+from pytest_gpumem.data.figures import OutputNotWritten, PartialFigures
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
 from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, release_oom
 from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
@@ -244,14 +245,25 @@ class TestRun:
             if recorder.device_limit is not None:
                 watches.enter_context(self.engine.limit_memory(recorder.device_limit))
             if self.options.snapshots is not None:
-                path = artifact_path(self.options.snapshots, self.nodeid, ".snapshot.pickle")
-                self._history = watches.enter_context(self.engine.record_history(str(path)))
+                self._history = self._record_history(watches, self.options.snapshots)
             watches.enter_context(watch_return(code, lambda: self._returned.append(recorder.allocated_now())))
         except BaseException:
             self._watches.close()
             self._stack.close()
             recorder.end()
             raise
+
+    def _record_history(self, watches: contextlib.ExitStack, folder: Path) -> str | None:
+        """Record the allocation history for this test's memory snapshot; a path that cannot hold it
+        (a symbolic link pointing elsewhere at its name) is a warning and no snapshot."""
+        try:
+            path = artifact_path(folder, self.nodeid, ".snapshot.pickle")
+        except ValueError as exc:
+            warnings.warn(
+                OutputNotWritten(f"could not write the memory snapshot of {self.nodeid}: {exc}"), stacklevel=3
+            )
+            return None
+        return watches.enter_context(self.engine.record_history(str(path)))
 
     def run(self, function: Callable[[], Any]) -> TestRecord:
         """:meth:`start`, call ``function``, :meth:`finish`: the whole run, outside pytest."""
@@ -275,6 +287,8 @@ class TestRun:
                     oom = self._watch.report_for(exc)
             finally:
                 self._watches.close()
+            if self._history is not None and not os.path.exists(self._history):
+                self._history = None  # it could not be written: an OutputNotWritten warning said why
             call = recorder.close(self._state, allocated=self._returned[-1] if self._returned else None)
             timeline = recorder.timeline_since(self._state.start_event)
         finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pytest_gpumem.data.figures import Measurement, Phase
-from pytest_gpumem.data.findings import failure_message
+from pytest_gpumem.data.findings import Finding, failure_message
 from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, PHASES, metric_info
 from pytest_gpumem.report.cells import (
     COST_ONLY_METRICS,
@@ -229,8 +229,42 @@ def failure_text(record: RecordLike, *, reports: Sequence[str] = (), width: int 
     parts = [f"gpumem: {error}" for error in record.errors]
     broken = [finding for finding in record.findings if finding.failed]
     if broken:
-        parts.append(failure_message(broken))
+        parts.append("\n".join([failure_message(broken), *_beyond_model_states(record, broken)]))
     parts.extend(reports)
     if record.measurements:
         parts.append(measurement_table(record.measurements, width=width))
     return "\n\n".join(parts)
+
+
+#: The categories a budget of model states counts (``16Ψ``): what the others hold is named apart.
+_MODEL_STATES = ("parameters", "gradients", "optimizer_state")
+
+
+def _beyond_model_states(record: RecordLike, broken: Sequence[Finding]) -> list[str]:
+    """For each broken limit or budget on ``peak`` or ``allocated`` of a span whose engine knows the
+    categories: the bytes it held beyond the model states (activations, temporaries, other), which
+    are what most often goes over a budget of model states."""
+    lines: list[str] = []
+    spans = {measurement.name: measurement for measurement in record.measurements}
+    for finding in broken:
+        measurement = spans.get(finding.span)
+        if finding.kind not in ("limit", "budget") or finding.status != "exceeded" or measurement is None:
+            continue
+        if finding.metric == "peak":
+            categories, when = measurement.breakdown, "at the peak"
+        elif finding.metric == "allocated":
+            categories, when = measurement.allocated_breakdown, "at the return"
+        else:
+            continue
+        if not categories:
+            continue
+        beyond = [
+            f"{name} {format_size(size)}" for name, size in categories.items() if name not in _MODEL_STATES and size
+        ]
+        where = "" if finding.span == "call" else f"[{finding.span}] "
+        if beyond:
+            lines.append(f"{where}{finding.metric} {when} beyond the model states: {', '.join(beyond)}")
+        else:
+            states = ", ".join(f"{name} {format_size(categories.get(name, 0))}" for name in _MODEL_STATES)
+            lines.append(f"{where}{finding.metric} {when}: nothing beyond the model states ({states})")
+    return lines

@@ -351,12 +351,14 @@ def terminal_summary(
     verbosity: int = 0,
     baselines: tuple[Path, bool] | None = None,
     pruning: bool = False,
+    kept: Mapping[str, int] | None = None,
 ) -> str | None:
     """The gpumem section at the end of a run; None when there is nothing to say.
 
     ``environments`` maps each key to the bytes of library workspaces its device kept
     (None where there are none); ``baselines`` is ``(path, written)`` when the run
-    recorded baselines; ``pruning`` whether it removes stale ones. Below verbosity 0
+    recorded baselines; ``pruning`` whether it removes stale ones; ``kept`` how many tests' baselines
+    the run could not judge stale, by why (shown when it prunes, or verbose). Below verbosity 0
     only problems are shown, and nothing when there is none.
     """
     quiet = verbosity < 0
@@ -373,6 +375,11 @@ def terminal_summary(
         prune = "" if pruning else " (remove them with --gpumem-update-baselines --gpumem-prune)"
         lines += wrap(f"stale baselines, their tests no longer exist{prune}:", width)
         lines += [f"  {finding.test}  [{finding.detail}]" for finding in shown]  # ids and paths are never broken
+    if kept and (pruning or verbosity > 0) and not quiet:
+        total = sum(kept.values())
+        reasons = "; ".join(f"{count} {why}" for why, count in sorted(kept.items(), key=lambda item: -item[1]))
+        noun = "test" if total == 1 else "tests"
+        lines += wrap(f"kept the baselines of {total} {noun} this run could not judge: {reasons}", width)
     if baselines is not None:
         path, written = baselines
         lines.append(f"baselines {'written to' if written else 'unchanged in'} {path}")

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
 
+from pytest_gpumem.data.figures import OutputNotWritten
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.saved import SavedTensors
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
@@ -231,15 +233,28 @@ class CudaEngine(TrackerMembers):
 
     @contextmanager
     def record_history(self, path: str) -> Iterator[str | None]:
-        """Record allocation history (Python stacks) and dump a snapshot pickle to ``path`` at the end."""
+        """Record allocation history (Python stacks) and dump a snapshot pickle to ``path`` at the end.
+
+        The pickle is written whole or not at all (a temporary file renamed into place); one that
+        cannot be written (a full disk, a folder at its name) is an :class:`OutputNotWritten`
+        warning naming the path and the reason, and the history is switched off either way."""
         memory = torch.cuda.memory
         memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
         try:
             yield path
         finally:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            memory._dump_snapshot(path)
-            memory._record_memory_history(enabled=None)
+            temporary = f"{path}.{os.getpid()}.tmp"
+            try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                memory._dump_snapshot(temporary)
+                os.replace(temporary, path)
+            except OSError as exc:
+                with suppress(OSError):
+                    os.unlink(temporary)
+                problem = f"could not write the memory snapshot {path}: {exc.strerror or exc}"
+                warnings.warn(OutputNotWritten(problem), stacklevel=3)
+            finally:
+                memory._record_memory_history(enabled=None)
 
     def _total_memory(self) -> int:
         return int(self._backend.get_device_properties(self.device).total_memory)
