@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS
+from pytest_gpumem.data.sites import SiteProfile
 
 __all__ = [
     "CompiledCodeNotMeasured",
@@ -168,6 +169,10 @@ class Measurement:
         notes: what the figures miss, one sentence each (work on threads the engine could
             not watch, storages found alive later that it did not see made); empty when they
             are complete.
+        sites: where the bytes alive at the peak and at the end were made
+            (:class:`~pytest_gpumem.data.sites.SiteProfile`); ``None`` when sites were not
+            recorded (they are only on a baseline update, a failing test's second run, or
+            ``--gpumem-sites=always``).
     """
 
     name: str
@@ -192,6 +197,7 @@ class Measurement:
     cuda_rounding: bool = False
     max_microbatch: int | None = None
     notes: tuple[str, ...] = ()
+    sites: SiteProfile | None = None
 
     def figure(self, metric: str) -> int | None:
         """The absolute figure named ``metric`` (one of :data:`METRICS` or :data:`COUNT_METRICS`)."""
@@ -242,6 +248,8 @@ class Measurement:
             "max_microbatch": self.max_microbatch,
             "notes": list(self.notes),
         }
+        if self.sites is not None:
+            data["sites"] = self.sites.to_dict()
         return data
 
     @classmethod
@@ -270,6 +278,7 @@ class Measurement:
             cuda_rounding=bool(data.get("cuda_rounding", False)),
             max_microbatch=_opt_int(data.get("max_microbatch")),
             notes=tuple(str(note) for note in data.get("notes") or ()),
+            sites=None if data.get("sites") is None else SiteProfile.from_dict(data["sites"]),
         )
 
 

@@ -17,6 +17,7 @@ from pytest_gpumem.baselines import Environment
 from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.judge.limits import LimitSpec
+from pytest_gpumem.judge.sites import SiteDiff
 
 __all__ = ["TIMELINE_SAMPLES", "RecordStore", "TestRecord"]
 
@@ -47,6 +48,9 @@ class TestRecord:
             None where there are none (the CPU engine).
         asked: the limits and budgets of each span by span name (``"call"`` for the marker's),
             as written; the judge (:func:`~pytest_gpumem.judge.judgement.judge`) resolves and checks them.
+        site_changes: by span name, the sites whose bytes changed against the site profile
+            stored with the span's baseline (:func:`~pytest_gpumem.judge.sites.diff_sites`);
+            only for spans whose figures carry sites and whose baseline has them.
     """
 
     __test__ = False  # a name pytest would otherwise collect
@@ -64,6 +68,7 @@ class TestRecord:
     device_limit: int | None = None
     workspaces: int | None = None
     asked: dict[str, list[LimitSpec]] = field(default_factory=dict)
+    site_changes: dict[str, SiteDiff] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -95,7 +100,7 @@ class TestRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data: what travels from an xdist worker to the controller."""
-        return {
+        data = {
             "nodeid": self.nodeid,
             "measurements": [m.to_dict() for m in self.measurements],
             "asked": {span: [spec.to_dict() for spec in specs] for span, specs in self.asked.items()},
@@ -110,6 +115,9 @@ class TestRecord:
             "device_limit": self.device_limit,
             "workspaces": self.workspaces,
         }
+        if self.site_changes:
+            data["site_changes"] = {span: diff.to_dict() for span, diff in self.site_changes.items()}
+        return data
 
     def to_json(self, *, timeline: bool = True) -> str:
         """:meth:`to_dict` as compact JSON text (without the call's timeline: ``timeline=False``)."""
@@ -140,6 +148,7 @@ class TestRecord:
             snapshot=data.get("snapshot"),
             device_limit=data.get("device_limit"),
             workspaces=data.get("workspaces"),
+            site_changes={span: SiteDiff.from_dict(d) for span, d in (data.get("site_changes") or {}).items()},
         )
 
 

@@ -28,6 +28,7 @@ from pytest_gpumem.budgets.formulas import tracked_psi
 from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.data.sites import SiteConfig, build_profile
 from pytest_gpumem.judge.limits import LimitSpec, parse_span_limits
 from pytest_gpumem.measurement.engines import describe_compiled
 from pytest_gpumem.measurement.engines.base import Engine, Reading
@@ -55,6 +56,7 @@ class _SpanState:
     reserved_peak: int | None = None
     requested_peak: int | None = None
     saved_peak: int | None = None
+    sites: Any = None
     compiled_from: int = 0
     notes_from: int = 0
     phases: dict[str, _PhaseState] = field(default_factory=dict)
@@ -63,6 +65,7 @@ class _SpanState:
         if reading.peak > self.peak or (reading.peak == self.peak and self.breakdown is None):
             self.peak = reading.peak
             self.breakdown = reading.breakdown
+            self.sites = reading.sites
         if reading.reserved_peak is not None:
             self.reserved_peak = max(self.reserved_peak or 0, reading.reserved_peak)
         if reading.requested_peak is not None:
@@ -84,6 +87,8 @@ class Recorder:
         fake: run between :meth:`begin` and :meth:`end` on fake tensors (shapes, no data; see
             :mod:`pytest_gpumem.measurement.engines.fake`).
         label: what the recording is of, in its warnings (the test's node id, a span's name).
+        sites: record where storages are made, chosen so (:class:`~pytest_gpumem.data.sites.SiteConfig`);
+            each span's :class:`Measurement` then carries its site profile. None: not recorded.
     """
 
     def __init__(
@@ -94,8 +99,13 @@ class Recorder:
         saved_tensors: bool = True,
         fake: bool = False,
         label: str = "a measurement",
+        sites: SiteConfig | None = None,
     ) -> None:
         self.engine = engine
+        self.sites = sites
+        #: whether the engine records sites now (it may not be able to: observe="allocations")
+        self.recording_sites = False
+        self._end_sites: Any = None
         self.timeline = timeline and engine.categorizes
         self.saved_tensors = saved_tensors
         self.tracked: list[Any] = []
@@ -137,6 +147,7 @@ class Recorder:
         try:
             self.engine.clean()
             self.engine.start(saved_tensors=self.saved_tensors, timeline=self.timeline)
+            self.recording_sites = self.sites is not None and self.engine.start_sites(self.sites)
         except BaseException:
             self._faked.close()
             raise
@@ -146,6 +157,9 @@ class Recorder:
     def end(self) -> None:
         """Stop watching; remove every hook this recorder installed and let go of tracked objects."""
         self.active = False
+        if self.recording_sites:
+            self.engine.stop_sites()
+            self.recording_sites = False
         self.engine.stop()
         for handle in self._handles:
             handle.remove()
@@ -291,6 +305,8 @@ class Recorder:
             return
         token = self._fold(defer=True)
         old, self._phase = self._phase, phase
+        if self.recording_sites:
+            self.engine.site_phase(phase)
         if token is not None:  # the engine reads this moment later: so is the transition
             self._deferred.append(("phase", token, old, phase))
             return
@@ -361,6 +377,7 @@ class Recorder:
             peak=now,
             breakdown=None if breakdown is None else tuple(breakdown.values()),
             saved_peak=engine.saved_bytes(),
+            sites=engine.sites_now() if self.recording_sites else None,
             compiled_from=len(engine.compiled_frames),
             notes_from=len(engine.notes),
         )
@@ -375,6 +392,8 @@ class Recorder:
             return self._allocated_now()
 
     def _allocated_now(self) -> tuple[int, dict[str, int] | None]:
+        if self.recording_sites:
+            self._end_sites = self.engine.sites_now()
         now = self.engine.allocated()
         parts = self.engine.breakdown()
         if parts is None:
@@ -402,7 +421,11 @@ class Recorder:
             self._open.remove(state)
             counters = self.engine.counters()
             used, mine = self.engine.driver()
+            end_sites = self._end_sites
             end, end_breakdown = self._allocated_now() if allocated is None else allocated
+            if allocated is None or end_sites is None:
+                end_sites = self._end_sites
+            self._end_sites = None
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
         self._warn_compiled(state)
         notes = tuple(dict.fromkeys(self.engine.notes[state.notes_from :]))
@@ -429,6 +452,7 @@ class Recorder:
             psi=self.psi,
             cuda_rounding=self.engine.cuda_rounding,
             notes=notes,
+            sites=build_profile(self.engine.site_figures(state.sites, end_sites)) if self.recording_sites else None,
         )
 
     def _warn_compiled(self, state: _SpanState) -> None:

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+from pytest_gpumem.data.sites import Site, SiteConfig
+from pytest_gpumem.measurement.engines.sites import Found, SiteRecorder, found_sites
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
 __all__ = ["Engine", "Reading", "TrackerMembers"]
@@ -42,6 +44,8 @@ class Reading:
     requested_peak: int | None = None
     saved_peak: int | None = None
     pending: int | None = None
+    #: bytes by site at the window's peak while sites are recorded (the engine's own form)
+    sites: Any = None
 
 
 class Engine(Protocol):
@@ -112,6 +116,31 @@ class Engine(Protocol):
     def swap_oom_callback(self, callback: Callable[[int], None] | None) -> Callable[[int], None] | None:
         """Call ``callback(nbytes)`` at an allocation refused by an emulated limit (with a tracker);
         returns the previous callback."""
+
+    # -- sites: where storages are made (only when asked) ---------------------------------
+
+    def start_sites(self, config: SiteConfig) -> bool:
+        """Record where each storage is made from now on (:mod:`pytest_gpumem.data.sites`); False
+        where this engine cannot (the CPU engine observing allocations)."""
+
+    def stop_sites(self) -> None:
+        """Stop recording sites."""
+
+    def site_phase(self, phase: str | None) -> None:
+        """The phase running from now on, for the sites of what is made (None: outside phases)."""
+
+    def sites_now(self) -> Any:
+        """Bytes by site now (the engine's own form, for :meth:`site_figures`); None without sites."""
+
+    def site_figures(self, peak: Any, end: Any) -> list[Found]:
+        """The sites of a span from what :meth:`take_window` (at its peak) and :meth:`sites_now`
+        (at its end) gave."""
+
+    def site_of(self, tensor: Any) -> Site | None:
+        """Where ``tensor``'s storage was made, when sites were recorded then; None otherwise."""
+
+    def site_here(self) -> Site | None:
+        """The site of the code running now, while sites are recorded; None otherwise."""
 
     @property
     def predicts(self) -> str | None:
@@ -246,3 +275,31 @@ class TrackerMembers:
             return None
         previous, self.tracker.on_oom = self.tracker.on_oom, callback
         return previous
+
+    def start_sites(self, config: SiteConfig) -> bool:
+        if self.tracker is None or self.tracker.observes != "operators":
+            return False
+        self.tracker.record_sites(SiteRecorder(config))
+        return True
+
+    def stop_sites(self) -> None:
+        if self.tracker is not None and self.tracker.sites is not None:
+            self.tracker.record_sites(None)
+
+    def site_phase(self, phase: str | None) -> None:
+        if self.tracker is not None and self.tracker.sites is not None:
+            self.tracker.sites.phase = phase or ""
+
+    def sites_now(self) -> Any:
+        return None if self.tracker is None else self.tracker.site_snapshot()
+
+    def site_figures(self, peak: Any, end: Any) -> list[Found]:
+        return found_sites(peak, end)
+
+    def site_of(self, tensor: Any) -> Site | None:
+        state = None if self.tracker is None else self.tracker.site_of(tensor)
+        return None if state is None else state.site()
+
+    def site_here(self) -> Site | None:
+        sites = None if self.tracker is None else self.tracker.sites
+        return None if sites is None else sites.site_here()

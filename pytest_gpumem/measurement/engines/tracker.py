@@ -54,6 +54,7 @@ from pytest_gpumem.measurement.engines.compiled import forget_skips
 from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
+from pytest_gpumem.measurement.engines.sites import SiteRecorder
 from pytest_gpumem.measurement.engines.storages import (
     _PLAIN,
     Block,
@@ -144,6 +145,8 @@ class StorageTracker:
         self.skipped_codes: set[Any] = set()
         self.timeline: list[tuple[int, tuple[int, ...]]] | None = None
         self._timeline_stride = 1
+        #: the sites of the storages made, while they are recorded (None: not recorded, the usual case)
+        self.sites: SiteRecorder | None = None
         #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
         self.limit: int | None = None
         #: called with the request size (bytes) just before a limit OOM is raised.
@@ -233,6 +236,8 @@ class StorageTracker:
             self._by_category[entry.category] -= entry.nbytes
             self.current -= entry.nbytes
             self._param_keys.discard(key)
+            if self.sites is not None:
+                self.sites.freed(entry)
             self.events += 1
             if self.timeline is not None:
                 self._sample()
@@ -243,6 +248,15 @@ class StorageTracker:
         """Copy the breakdown into the window: the count is at its peak and is about to change."""
         self._window.breakdown = tuple(self._by_category)
         self._pending = False
+        if self.sites is not None:
+            self._window.sites = self.site_snapshot()
+
+    def site_snapshot(self) -> Any:
+        """The bytes by site now (:meth:`SiteRecorder.snapshot`); None while sites are not recorded."""
+        if self.sites is None:
+            return None
+        with self._lock:
+            return self.sites.snapshot(self._by_category, len(self._entries))
 
     def _event(self) -> None:
         """Count an event that may raise the count (the categories are already updated)."""
@@ -306,6 +320,8 @@ class StorageTracker:
         if entry is None:
             if fresh:
                 self._add(storage, key, TEMPORARIES)
+                if self.sites is not None:
+                    self.sites.made(self._entries[key], tensor)
             return
         nbytes = storage.nbytes()
         if self.cuda_rounding:
@@ -325,6 +341,8 @@ class StorageTracker:
         entry.nbytes = nbytes
         self._by_category[entry.category] += delta
         self.current += delta
+        if self.sites is not None:
+            self.sites.resized(entry, delta)
         self._event()
 
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
@@ -397,7 +415,8 @@ class StorageTracker:
         if self._pending:
             self._settle()
         window = self._window
-        if discovered and entry.moved <= window.event:
+        at_peak = discovered and entry.moved <= window.event
+        if at_peak:
             # Alive at the window's peak with the same category since: it was part of
             # that peak, and it is what it turns out to be now (a gradient is known as
             # one only after AccumulateGrad, an optimizer state after step()).
@@ -405,6 +424,8 @@ class StorageTracker:
             parts[entry.category] -= entry.nbytes
             parts[index] += entry.nbytes
             window.breakdown = tuple(parts)
+        if self.sites is not None:
+            self.sites.moved(entry, entry.category, index, window.sites if at_peak else None)
         self._by_category[entry.category] -= entry.nbytes
         self._by_category[index] += entry.nbytes
         entry.category = index
@@ -432,6 +453,24 @@ class StorageTracker:
         self.register(others)
         self.register(params, "parameters")
         self.register(grads, "gradients")
+
+    def record_sites(self, sites: SiteRecorder | None) -> None:
+        """Record the site of every storage made from now on (None: stop); the open window's
+        peak starts from the counts now (what exists is :data:`~pytest_gpumem.data.sites.BEFORE`)."""
+        with self._lock:
+            if self._pending:
+                self._settle()
+            self.sites = sites
+            self._window.sites = self.site_snapshot()
+
+    def site_of(self, tensor: torch.Tensor) -> Any:
+        """The site state ``tensor``'s storage was made at while sites were recorded; None otherwise."""
+        try:
+            entry = self._entries.get(self._key(tensor.untyped_storage()) or 0)
+        except (RuntimeError, NotImplementedError):
+            return None
+        state = None if entry is None else getattr(entry, "site", None)
+        return state if state is not None and state.owner is self.sites else None
 
     def category_of(self, tensor: torch.Tensor) -> str | None:
         """The category of ``tensor``'s storage, or None when it is not counted."""
@@ -464,6 +503,7 @@ class StorageTracker:
                 self._settle()
             window = self._window
             self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
+            self._window.sites = self.site_snapshot()
             return window
 
     # -- activity --------------------------------------------------------------
@@ -520,6 +560,7 @@ class StorageTracker:
         if self.timeline is not None:
             self.timeline.append((0, tuple(self._by_category)))
         self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
+        self._window.sites = self.site_snapshot()
         self._pending = False
 
     def stop(self) -> None:
