@@ -336,13 +336,16 @@ def _order(figures: SiteFigures) -> tuple[int, int, str]:
 
 
 def build_profile(
-    found: Iterable[tuple[Site, str, SiteCounts | None, SiteCounts | None, tuple[str, ...]]],
+    found: Iterable[tuple[Site, str, SiteCounts | None, SiteCounts | None, tuple[str, ...]]] | None,
     *,
     limit: int = CARRIED_SITES,
-) -> SiteProfile:
+) -> SiteProfile | None:
     """A profile of what the engines found: ``(site, phase, at the peak, at the end, examples)``
     for each site and phase that made storages; merged by site key (the phase of the larger
-    part wins, a category is that of the most bytes), its ``limit`` largest sites listed."""
+    part wins, a category is that of the most bytes), its ``limit`` largest sites listed.
+    None for None (sites were not recorded)."""
+    if found is None:
+        return None
     merged: dict[str, tuple[Site, dict[str, int], SiteCounts, SiteCounts, tuple[str, ...]]] = {}
     for site, phase, peak, end, examples in found:
         peak, end = peak or SiteCounts(), end or SiteCounts()

@@ -87,8 +87,7 @@ class Recorder:
         fake: run between :meth:`begin` and :meth:`end` on fake tensors (shapes, no data; see
             :mod:`pytest_gpumem.measurement.engines.fake`).
         label: what the recording is of, in its warnings (the test's node id, a span's name).
-        sites: record where storages are made, chosen so (:class:`~pytest_gpumem.data.sites.SiteConfig`);
-            each span's :class:`Measurement` then carries its site profile. None: not recorded.
+        sites: record where storages are made, so chosen: each span's figures then carry their sites.
     """
 
     def __init__(
@@ -102,10 +101,7 @@ class Recorder:
         sites: SiteConfig | None = None,
     ) -> None:
         self.engine = engine
-        self.sites = sites
-        #: whether the engine records sites now (it may not be able to: observe="allocations")
-        self.recording_sites = False
-        self._end_sites: Any = None
+        self.sites, self._end_sites = sites, engine.sites_now()  # then: bytes by site as allocated is read
         self.timeline = timeline and engine.categorizes
         self.saved_tensors = saved_tensors
         self.tracked: list[Any] = []
@@ -147,7 +143,7 @@ class Recorder:
         try:
             self.engine.clean()
             self.engine.start(saved_tensors=self.saved_tensors, timeline=self.timeline)
-            self.recording_sites = self.sites is not None and self.engine.start_sites(self.sites)
+            self.engine.start_sites(self.sites)  # not on every engine: observe="allocations"
         except BaseException:
             self._faked.close()
             raise
@@ -157,10 +153,7 @@ class Recorder:
     def end(self) -> None:
         """Stop watching; remove every hook this recorder installed and let go of tracked objects."""
         self.active = False
-        if self.recording_sites:
-            self.engine.stop_sites()
-            self.recording_sites = False
-        self.engine.stop()
+        self.engine.stop()  # and recording sites
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -305,8 +298,7 @@ class Recorder:
             return
         token = self._fold(defer=True)
         old, self._phase = self._phase, phase
-        if self.recording_sites:
-            self.engine.site_phase(phase)
+        self.engine.site_phase(phase)
         if token is not None:  # the engine reads this moment later: so is the transition
             self._deferred.append(("phase", token, old, phase))
             return
@@ -377,7 +369,7 @@ class Recorder:
             peak=now,
             breakdown=None if breakdown is None else tuple(breakdown.values()),
             saved_peak=engine.saved_bytes(),
-            sites=engine.sites_now() if self.recording_sites else None,
+            sites=engine.sites_now(),
             compiled_from=len(engine.compiled_frames),
             notes_from=len(engine.notes),
         )
@@ -392,8 +384,7 @@ class Recorder:
             return self._allocated_now()
 
     def _allocated_now(self) -> tuple[int, dict[str, int] | None]:
-        if self.recording_sites:
-            self._end_sites = self.engine.sites_now()
+        self._end_sites = self.engine.sites_now()
         now = self.engine.allocated()
         parts = self.engine.breakdown()
         if parts is None:
@@ -421,11 +412,7 @@ class Recorder:
             self._open.remove(state)
             counters = self.engine.counters()
             used, mine = self.engine.driver()
-            end_sites = self._end_sites
             end, end_breakdown = self._allocated_now() if allocated is None else allocated
-            if allocated is None or end_sites is None:
-                end_sites = self._end_sites
-            self._end_sites = None
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
         self._warn_compiled(state)
         notes = tuple(dict.fromkeys(self.engine.notes[state.notes_from :]))
@@ -452,7 +439,7 @@ class Recorder:
             psi=self.psi,
             cuda_rounding=self.engine.cuda_rounding,
             notes=notes,
-            sites=build_profile(self.engine.site_figures(state.sites, end_sites)) if self.recording_sites else None,
+            sites=build_profile(self.engine.site_figures(state.sites, self._end_sites)),
         )
 
     def _warn_compiled(self, state: _SpanState) -> None:
@@ -499,9 +486,7 @@ class Recorder:
 
 
 def _diff(now: Mapping[str, int], before: Mapping[str, int], key: str) -> int | None:
-    if key not in now or key not in before:
-        return None
-    return now[key] - before[key]
+    return now[key] - before[key] if key in now and key in before else None
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -119,12 +119,9 @@ class Engine(Protocol):
 
     # -- sites: where storages are made (only when asked) ---------------------------------
 
-    def start_sites(self, config: SiteConfig) -> bool:
-        """Record where each storage is made from now on (:mod:`pytest_gpumem.data.sites`); False
-        where this engine cannot (the CPU engine observing allocations)."""
-
-    def stop_sites(self) -> None:
-        """Stop recording sites."""
+    def start_sites(self, config: SiteConfig | None) -> bool:
+        """Record where each storage is made from now on (:mod:`pytest_gpumem.data.sites`; None: do
+        nothing); False where this engine cannot (the CPU engine observing allocations)."""
 
     def site_phase(self, phase: str | None) -> None:
         """The phase running from now on, for the sites of what is made (None: outside phases)."""
@@ -132,9 +129,9 @@ class Engine(Protocol):
     def sites_now(self) -> Any:
         """Bytes by site now (the engine's own form, for :meth:`site_figures`); None without sites."""
 
-    def site_figures(self, peak: Any, end: Any) -> list[Found]:
+    def site_figures(self, peak: Any, end: Any) -> list[Found] | None:
         """The sites of a span from what :meth:`take_window` (at its peak) and :meth:`sites_now`
-        (at its end) gave."""
+        (at its end) gave; None when ``end`` is (sites were not recorded)."""
 
     def site_of(self, tensor: Any) -> Site | None:
         """Where ``tensor``'s storage was made, when sites were recorded then; None otherwise."""
@@ -194,7 +191,7 @@ class Engine(Protocol):
         (unless ``saved_tensors`` is False); ``timeline`` keeps samples for plots (needs the tracker)."""
 
     def stop(self) -> None:
-        """Stop watching (frees of what was counted are still seen)."""
+        """Stop watching (frees of what was counted are still seen), and recording sites."""
 
     def settle(self) -> None:
         """Collect garbage and wait for the device, so that a reading shows only what is alive."""
@@ -276,15 +273,11 @@ class TrackerMembers:
         previous, self.tracker.on_oom = self.tracker.on_oom, callback
         return previous
 
-    def start_sites(self, config: SiteConfig) -> bool:
-        if self.tracker is None or self.tracker.observes != "operators":
+    def start_sites(self, config: SiteConfig | None) -> bool:
+        if config is None or self.tracker is None or self.tracker.observes != "operators":
             return False
         self.tracker.record_sites(SiteRecorder(config))
         return True
-
-    def stop_sites(self) -> None:
-        if self.tracker is not None and self.tracker.sites is not None:
-            self.tracker.record_sites(None)
 
     def site_phase(self, phase: str | None) -> None:
         if self.tracker is not None and self.tracker.sites is not None:
@@ -293,8 +286,8 @@ class TrackerMembers:
     def sites_now(self) -> Any:
         return None if self.tracker is None else self.tracker.site_snapshot()
 
-    def site_figures(self, peak: Any, end: Any) -> list[Found]:
-        return found_sites(peak, end)
+    def site_figures(self, peak: Any, end: Any) -> list[Found] | None:
+        return None if end is None else found_sites(peak, end)
 
     def site_of(self, tensor: Any) -> Site | None:
         state = None if self.tracker is None else self.tracker.site_of(tensor)

@@ -100,6 +100,7 @@ class CpuEngine(TrackerMembers):
 
     def stop(self) -> None:
         self.tracker.stop()
+        self.tracker.record_sites(None)
 
     def settle(self) -> None:
         gc.collect()

@@ -156,6 +156,7 @@ class CudaEngine(TrackerMembers):
     def stop(self) -> None:
         if self.tracker is not None:
             self.tracker.stop()
+            self.tracker.record_sites(None)
         elif self._saved is not None:
             self._saved.stop()
 

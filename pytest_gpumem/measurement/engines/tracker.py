@@ -44,17 +44,12 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
-try:
-    from torch._ops import OpOverload
-except ImportError:  # pragma: no cover - torch moved it
-    OpOverload = None  # type: ignore[assignment,misc]
-
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement.engines.compiled import forget_skips
 from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
-from pytest_gpumem.measurement.engines.sites import SiteRecorder
+from pytest_gpumem.measurement.engines.sites import TrackedSites
 from pytest_gpumem.measurement.engines.storages import (
     _PLAIN,
     Block,
@@ -76,7 +71,7 @@ PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(
 TIMELINE_LIMIT = 4096
 
 
-class StorageTracker:
+class StorageTracker(TrackedSites):
     """Counts the bytes of tensor storages on one device, by category.
 
     Use :meth:`scan` to register what already exists, then :meth:`start` /
@@ -145,8 +140,7 @@ class StorageTracker:
         self.skipped_codes: set[Any] = set()
         self.timeline: list[tuple[int, tuple[int, ...]]] | None = None
         self._timeline_stride = 1
-        #: the sites of the storages made, while they are recorded (None: not recorded, the usual case)
-        self.sites: SiteRecorder | None = None
+        self.sites = None  # where storages are made, only when asked (TrackedSites)
         #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
         self.limit: int | None = None
         #: called with the request size (bytes) just before a limit OOM is raised.
@@ -236,8 +230,6 @@ class StorageTracker:
             self._by_category[entry.category] -= entry.nbytes
             self.current -= entry.nbytes
             self._param_keys.discard(key)
-            if self.sites is not None:
-                self.sites.freed(entry)
             self.events += 1
             if self.timeline is not None:
                 self._sample()
@@ -248,15 +240,7 @@ class StorageTracker:
         """Copy the breakdown into the window: the count is at its peak and is about to change."""
         self._window.breakdown = tuple(self._by_category)
         self._pending = False
-        if self.sites is not None:
-            self._window.sites = self.site_snapshot()
-
-    def site_snapshot(self) -> Any:
-        """The bytes by site now (:meth:`SiteRecorder.snapshot`); None while sites are not recorded."""
-        if self.sites is None:
-            return None
-        with self._lock:
-            return self.sites.snapshot(self._by_category, len(self._entries))
+        self._window.sites = self.site_snapshot()
 
     def _event(self) -> None:
         """Count an event that may raise the count (the categories are already updated)."""
@@ -415,8 +399,7 @@ class StorageTracker:
         if self._pending:
             self._settle()
         window = self._window
-        at_peak = discovered and entry.moved <= window.event
-        if at_peak:
+        if discovered and entry.moved <= window.event:
             # Alive at the window's peak with the same category since: it was part of
             # that peak, and it is what it turns out to be now (a gradient is known as
             # one only after AccumulateGrad, an optimizer state after step()).
@@ -425,7 +408,7 @@ class StorageTracker:
             parts[index] += entry.nbytes
             window.breakdown = tuple(parts)
         if self.sites is not None:
-            self.sites.moved(entry, entry.category, index, window.sites if at_peak else None)
+            self._site_moved(entry, index, discovered)
         self._by_category[entry.category] -= entry.nbytes
         self._by_category[index] += entry.nbytes
         entry.category = index
@@ -453,24 +436,6 @@ class StorageTracker:
         self.register(others)
         self.register(params, "parameters")
         self.register(grads, "gradients")
-
-    def record_sites(self, sites: SiteRecorder | None) -> None:
-        """Record the site of every storage made from now on (None: stop); the open window's
-        peak starts from the counts now (what exists is :data:`~pytest_gpumem.data.sites.BEFORE`)."""
-        with self._lock:
-            if self._pending:
-                self._settle()
-            self.sites = sites
-            self._window.sites = self.site_snapshot()
-
-    def site_of(self, tensor: torch.Tensor) -> Any:
-        """The site state ``tensor``'s storage was made at while sites were recorded; None otherwise."""
-        try:
-            entry = self._entries.get(self._key(tensor.untyped_storage()) or 0)
-        except (RuntimeError, NotImplementedError):
-            return None
-        state = None if entry is None else getattr(entry, "site", None)
-        return state if state is not None and state.owner is self.sites else None
 
     def category_of(self, tensor: torch.Tensor) -> str | None:
         """The category of ``tensor``'s storage, or None when it is not counted."""
@@ -502,8 +467,7 @@ class StorageTracker:
             if self._pending:
                 self._settle()
             window = self._window
-            self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
-            self._window.sites = self.site_snapshot()
+            self._window = self._new_window()
             return window
 
     # -- activity --------------------------------------------------------------
@@ -559,8 +523,7 @@ class StorageTracker:
         self.notes = []
         if self.timeline is not None:
             self.timeline.append((0, tuple(self._by_category)))
-        self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
-        self._window.sites = self.site_snapshot()
+        self._window = self._new_window()
         self._pending = False
 
     def stop(self) -> None:
