@@ -287,7 +287,7 @@ class SiteProfile:
         under :data:`OTHER_SITES` (its ``n``: how many sites). The file sorts the keys."""
         stored: dict[str, str] = {}
         used = 0
-        left = list(self.sites)
+        left = [s for s in self.sites if s.site.key != BEFORE]  # the span's start, not a site of it
         while left:
             text = left[0].stored()
             size = len(left[0].site.key) + len(text) + 16  # quotes, colon, indent, comma, newline

@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pytest_gpumem.data.sites import Site, SiteFigures, SiteProfile
+from pytest_gpumem.data.sites import BEFORE, Site, SiteFigures, SiteProfile
 
 __all__ = ["SiteChange", "SiteDiff", "diff_sites"]
 
@@ -107,8 +107,8 @@ class SiteDiff:
 
 def diff_sites(span: str, baseline: SiteProfile, current: SiteProfile) -> SiteDiff:
     """The sites of ``current`` (this run) that changed against ``baseline`` (the stored profile)."""
-    before = list(baseline.sites)
-    after = list(current.sites)
+    before = [s for s in baseline.sites if s.site.key != BEFORE]  # the start: not what the span made
+    after = [s for s in current.sites if s.site.key != BEFORE]
     pairs: list[tuple[SiteFigures, SiteFigures]] = []
     matchers: list[Callable[[Site], Hashable]] = [
         lambda site: site.key,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding
-from pytest_gpumem.data.sites import SiteFigures, SiteProfile
+from pytest_gpumem.data.sites import BEFORE, SiteFigures, SiteProfile
 from pytest_gpumem.judge.sites import SiteChange, SiteDiff
 from pytest_gpumem.report.cells import RecordLike
 from pytest_gpumem.tables import Col, Table, markdown_table, wrap
@@ -92,7 +92,7 @@ def top_rows(profile: SiteProfile, moment: str) -> list[list[str]]:
     return [
         _cells(figures, format_size(key(figures)), "")
         for figures in sorted(profile.sites, key=lambda s: -key(s))
-        if key(figures)
+        if key(figures) and figures.site.key != BEFORE
     ]
 
 

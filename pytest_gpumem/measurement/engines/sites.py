@@ -124,6 +124,7 @@ class SiteFilter:
 
 def source_line(filename: str, line: int) -> str:
     """The stripped source line, shortened to :data:`CODE_CHARS` characters ("" when unknown)."""
+    linecache.checkcache(filename)  # the file as it is now, not as an earlier read cached it
     text = " ".join(linecache.getline(filename, line).split())
     return text if len(text) <= CODE_CHARS else text[: CODE_CHARS - 1] + "…"
 

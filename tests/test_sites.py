@@ -1,0 +1,308 @@
+"""Sites end to end: a small real model and a training step in a pytest session, its baseline
+recorded with sites, then three regressions (an fp32 copy of the logits kept, the batch doubled,
+an eval pass without ``no_grad``): each failure names the file and line that grew, its category
+and phase, and the site's bytes equal the growth to the byte (CPU engine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import run
+from pytest_gpumem.baselines import load
+from pytest_gpumem.data.sites import OTHER_SITES, SiteProfile
+
+pytest_plugins = ["pytester"]
+
+F32 = 4
+BATCH, SEQ, VOCAB, WIDTH = 4, 16, 96, 32
+
+MODEL = """\
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = torch.nn.functional.gelu(h)
+        return x + self.down(h)
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, vocab, width):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.block = Block(width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        x = self.block(x)
+        return self.head(x)
+"""
+
+TEST = f"""\
+import os
+
+import pytest
+import torch
+
+from tinymodel import Tiny
+
+REGRESSION = os.environ.get("SITES_REGRESSION", "")
+
+
+@pytest.mark.gpumem
+def test_step(gpumem):
+    torch.manual_seed(0)
+    model = Tiny({VOCAB}, {WIDTH})
+    opt = torch.optim.AdamW(model.parameters())
+    gpumem.track(model, opt)
+    batch = {2 * BATCH} if REGRESSION == "batch" else {BATCH}
+    idx = torch.randint(0, {VOCAB}, (batch, {SEQ}))
+    if REGRESSION == "eval":
+        evaluated = model(idx)
+    else:
+        with torch.no_grad():
+            evaluated = model(idx)
+    for _ in range(2):
+        logits = model(idx)
+        if REGRESSION == "copy":
+            kept = logits.detach().float().clone()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    del evaluated
+"""
+
+
+def _line(source: str, text: str) -> int:
+    """The number of the line of ``source`` that holds ``text`` (once)."""
+    found = [number for number, line in enumerate(source.splitlines(), 1) if text in line]
+    assert len(found) == 1, (text, found)
+    return found[0]
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(tinymodel=MODEL, test_train=TEST)
+    pytester.syspathinsert()
+    result = run(pytester, "--gpumem-update-baselines")
+    result.assert_outcomes(passed=1)
+    return pytester
+
+
+def _regressed(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, regression: str, *args: str
+) -> tuple[pytest.RunResult, dict[str, Any]]:
+    monkeypatch.setenv("SITES_REGRESSION", regression)
+    report = pytester.path / "report.json"
+    result = run(pytester, f"--gpumem-json={report}", *args)
+    result.assert_outcomes(failed=1)
+    return result, json.loads(report.read_text())["tests"][0]
+
+
+def _peak_growth(test: dict[str, Any]) -> int:
+    finding = next(f for f in test["findings"] if f["metric"] == "peak" and f["span"] == "call")
+    assert finding["status"] == "regressed"
+    return int(finding["delta"])
+
+
+def _changes(test: dict[str, Any]) -> list[dict[str, Any]]:
+    return test["site_changes"]["call"]["changes"]
+
+
+def test_a_kept_fp32_copy_of_the_logits_is_named_with_its_line_category_phase_and_bytes(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # one row a site
+    result, test = _regressed(suite, monkeypatch, "copy")
+    growth = _peak_growth(test)
+    copy_bytes = BATCH * SEQ * VOCAB * F32
+    assert growth == copy_bytes  # alive at the peak: it is the whole growth
+    new = [c for c in _changes(test) if c["status"] == "new"]
+    assert len(new) == 1
+    site = new[0]["site"]
+    line = _line(TEST, "kept = logits.detach()")
+    assert (site["file"], site["line"], site["function"]) == ("test_train.py", line, "test_step")
+    assert (site["category"], site["phase"]) == ("temporaries", "forward")
+    assert new[0]["delta"]["peak"] == copy_bytes
+    assert site["examples"][0] == f"({BATCH}, {SEQ}, {VOCAB}) float32"
+    assert sum(c["delta"]["peak"] for c in _changes(test)) == growth
+    text = result.stdout.str()
+    assert "at the peak, against the baseline (sites by growth):" in text
+    row = next(line for line in text.splitlines() if "new since the baseline" in line)
+    assert f"test_train.py:{line} test_step" in row and "kept = logits.detach().float().clone()" in row
+    assert "sites from a second run" in text
+
+
+def test_a_doubled_batch_names_the_widest_activation_and_the_sites_add_up_to_the_growth(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, test = _regressed(suite, monkeypatch, "batch")
+    growth = _peak_growth(test)
+    changes = _changes(test)
+    assert sum(c["delta"]["peak"] for c in changes) == growth
+    by_growth = sorted(changes, key=lambda c: -c["delta"]["peak"])
+    widest = [c for c in by_growth if c["site"]["code"] == "h = self.up(x)"]
+    assert len(widest) == 1
+    site = widest[0]["site"]
+    where = ("tinymodel.py", _line(MODEL, "h = self.up(x)"), "Block.forward")
+    assert (site["file"], site["line"], site["function"]) == where
+    assert (site["category"], site["phase"]) == ("activations", "forward")
+    assert widest[0]["delta"]["peak"] == BATCH * SEQ * 4 * WIDTH * F32  # one more batch of the 4x-wide activation
+    assert widest[0]["status"] == "changed"
+
+
+def test_an_eval_pass_without_no_grad_names_the_activations_its_graph_keeps(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, test = _regressed(suite, monkeypatch, "eval")
+    growth = _peak_growth(test)
+    changes = _changes(test)
+    assert sum(c["delta"]["peak"] for c in changes) == growth
+    gelu = next(c for c in changes if c["site"]["code"] == "h = torch.nn.functional.gelu(h)")
+    assert (gelu["site"]["line"], gelu["site"]["category"], gelu["site"]["phase"]) == (
+        _line(MODEL, "h = torch.nn.functional.gelu(h)"),
+        "activations",
+        "forward",
+    )
+    # saved by the eval graph (its output is kept alive with it): one batch of the 4x-wide activation
+    assert gelu["delta"]["peak"] == BATCH * SEQ * 4 * WIDTH * F32
+    assert all(c["site"]["category"] == "activations" for c in changes if c["delta"]["peak"] > 0)
+
+
+def test_quiet_shows_the_largest_change_in_one_line_and_verbose_shows_every_site(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quiet, _ = _regressed(suite, monkeypatch, "batch", "-q")
+    lines = [line for line in quiet.stdout.lines if "against the baseline" in line]
+    assert len(lines) == 2  # peak and allocated: one line each
+    assert "sites by growth" in lines[0] and "+" in lines[0]
+    default, test = _regressed(suite, monkeypatch, "batch")
+    verbose, _ = _regressed(suite, monkeypatch, "batch", "-v")
+    shown = [line for line in default.stdout.lines if "more with -v" in line]
+    assert shown, default.stdout.str()
+    peak_changes = [c for c in _changes(test) if c["delta"]["peak"]]
+    assert f"({len(peak_changes)} of " in verbose.stdout.str()
+    assert "more with -v" not in verbose.stdout.str().split("at the end")[0]
+
+
+def test_code_moved_without_changing_memory_passes_and_stores_the_same_sites(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    baselines = suite.path / "gpumem-baselines.json"
+    before = baselines.read_text()
+    # unrelated edits: lines added above every function, the two classes swapped in their file
+    header = "# a comment\n# another\n\n\n"
+    blocks = MODEL.split("\n\n\nclass ")
+    moved = header + blocks[0] + "\n\n\nclass " + blocks[2].rstrip() + "\n\n\nclass " + blocks[1].rstrip() + "\n"
+    suite.makepyfile(tinymodel=moved, test_train=header + TEST)
+    report = suite.path / "report.json"
+    run(suite, "--gpumem-sites=always", f"--gpumem-json={report}").assert_outcomes(passed=1)
+    test = json.loads(report.read_text())["tests"][0]
+    assert test["site_changes"]["call"]["changes"] == []  # compared, and nothing changed
+    assert test["measurements"][0]["sites"]["sites"][0]["line"] > 0
+    run(suite, "--gpumem-update-baselines").assert_outcomes(passed=1)
+    assert baselines.read_text() == before  # the stored sites did not move with the lines
+
+
+def test_the_baseline_file_grows_by_at_most_2_kib_a_test_and_reads_back(suite: pytest.Pytester) -> None:
+    baselines = suite.path / "gpumem-baselines.json"
+    with_sites = len(baselines.read_bytes())
+    run(suite, "--gpumem-update-baselines", "--gpumem-sites=off").assert_outcomes(passed=1)
+    without = len(baselines.read_bytes())
+    assert 0 < with_sites - without <= 2048 + 64  # the sites' text, its key and indent
+    run(suite, "--gpumem-update-baselines").assert_outcomes(passed=1)
+    store = load(baselines)
+    key = store.environment_keys()[0]
+    entry = store.entry(key, "test_train.py::test_step")
+    assert entry is not None
+    profile = entry.sites
+    assert isinstance(profile, SiteProfile) and profile.sites
+    assert all(not s.site.line and s.site.offset >= 0 for s in profile.sites)  # offsets, never lines
+    raw = json.loads(baselines.read_text())
+    stored = raw["environments"][key]["tests"]["test_train.py::test_step"]["spans"]["call"]["sites"]
+    assert list(stored) == sorted(stored)  # one line per site, in key order: a change is a one-line diff
+    assert not any(str(Path.cwd()) in value or "0x" in value for value in stored.values())
+    assert OTHER_SITES not in stored or stored[OTHER_SITES].startswith("peak=")
+
+
+def test_a_baseline_without_sites_compares_as_before_and_the_failure_shows_the_largest_sites(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run(suite, "--gpumem-update-baselines", "--gpumem-sites=off").assert_outcomes(passed=1)
+    result, test = _regressed(suite, monkeypatch, "copy")
+    assert "site_changes" not in test
+    assert _peak_growth(test) == BATCH * SEQ * VOCAB * F32
+    text = result.stdout.str()
+    assert "at the peak, the largest sites:" in text
+    assert "sites from a second run" in text
+
+
+def test_sites_off_runs_no_second_run(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    result, test = _regressed(suite, monkeypatch, "copy", "--gpumem-sites=off")
+    assert "site_changes" not in test and "sites" not in test["measurements"][0]
+    assert "sites from a second run" not in result.stdout.str()
+    assert "against the baseline" not in result.stdout.str()
+
+
+def test_a_limit_failure_shows_the_largest_sites_at_the_peak(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    pytester.makepyfile(
+        """
+        import pytest, torch
+
+        @pytest.mark.gpumem(peak="1KiB")
+        def test_big():
+            small = torch.ones(64)
+            big = torch.ones(1024, 1024)
+            del small, big
+        """
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "at the peak, the largest sites:" in text
+    row = next(line for line in text.splitlines() if "big = torch.ones(1024, 1024)" in line)
+    assert "4.00 MiB" in row and "test_big" in row
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--gpumem-sites=sometimes"], "--gpumem-sites / ini gpumem_sites: sites='sometimes' is not one of"),
+        (["--gpumem-sites-include=no_such_package_here"], "no package or module named 'no_such_package_here'"),
+    ],
+)
+def test_bad_sites_options_are_usage_errors(pytester: pytest.Pytester, args: list[str], words: str) -> None:
+    pytester.makepyfile("def test_nothing(): pass")
+    result = run(pytester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert words in result.stderr.str()
+
+
+def test_a_bad_sites_marker_keyword_is_a_collection_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpumem(sites="maybe")
+        def test_x():
+            pass
+        """
+    )
+    result = run(pytester)
+    result.assert_outcomes(errors=1)
+    assert "sites='maybe' is not one of" in result.stdout.str()
