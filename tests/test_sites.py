@@ -306,3 +306,47 @@ def test_a_bad_sites_marker_keyword_is_a_collection_error(pytester: pytest.Pytes
     result = run(pytester)
     result.assert_outcomes(errors=1)
     assert "sites='maybe' is not one of" in result.stdout.str()
+
+
+RECORDED = Path(__file__).resolve().parent.parent / "fixtures" / "recorded" / "nvidia-h100-80gb-hbm3-torch2.11"
+
+
+def test_a_recorded_h100_trace_replays_to_the_allocators_counter_and_names_its_python_sites() -> None:
+    """The committed H100 snapshot (Python stacks, the trace's last entries): replayed from the
+    bytes it implies at its start, the trace ends at the allocator's own ``allocated`` count read
+    with it, the blocks it leaves alive are the snapshot's active blocks (address and size), and the
+    sites at its peak add up to that peak, named from the frames of the validation script."""
+    from pytest_gpumem.measurement.engines.traces import replay_moments, replay_trace
+    from pytest_gpumem.validate.record import load_snapshot
+
+    snapshot = load_snapshot(RECORDED / "snapshot.pickle")
+    stats = json.loads((RECORDED / "memory_stats.json").read_text())["snapshot"]
+    index = json.loads((RECORDED / "record.json").read_text())["snapshot"]["device_index"]
+    events = snapshot["device_traces"][index]
+    allocs = sum(int(e["size"]) for e in events if e["action"] == "alloc")
+    frees = sum(int(e["size"]) for e in events if e["action"] == "free_requested")
+    start = stats["allocated_bytes.all.current"] - allocs + frees
+    end = replay_moments(events, start, {"end": len(events) - 1})["end"]
+    assert end.allocated == stats["allocated_bytes.all.current"]
+    active = {
+        block["address"]: block["size"]
+        for segment in snapshot["segments"]
+        if segment.get("device", index) == index
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    }
+    assert end.blocks and {addr: size for addr, (size, _) in end.blocks.items()}.items() <= active.items()
+
+    def name_of(filename: str) -> str | None:
+        return filename.removeprefix("<checkout>/") if filename.startswith("<checkout>/scripts/") else None
+
+    peaks, _ = replay_trace(events, name_of, start=start, windows=[0])  # not stamped: one window
+    found = peaks[0]
+    allocated, highest = start, start
+    for event in events:
+        allocated += int(event["size"]) if event["action"] == "alloc" else 0
+        allocated -= int(event["size"]) if event["action"] == "free_requested" else 0
+        highest = max(highest, allocated)
+    assert sum(counts.total for _, _, counts, _, _ in found if counts is not None) == highest
+    named = [site for site, _, _, _, _ in found if site.file == "scripts/gpu_validate_lib.py"]
+    assert named and all(site.function and site.line > 0 for site in named)
