@@ -6,6 +6,7 @@ and phase, and the site's bytes equal the growth to the byte (CPU engine)."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -350,3 +351,55 @@ def test_a_recorded_h100_trace_replays_to_the_allocators_counter_and_names_its_p
     assert sum(counts.total for _, _, counts, _, _ in found if counts is not None) == highest
     named = [site for site, _, _, _, _ in found if site.file == "scripts/gpu_validate_lib.py"]
     assert named and all(site.function and site.line > 0 for site in named)
+
+
+def test_an_out_of_memory_report_names_the_line_that_failed_and_where_each_live_tensor_was_made(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    source = """
+        import pytest, torch
+
+        @pytest.mark.gpumem(device_limit="6MiB")
+        def test_too_big():
+            first = torch.ones(1024, 1024)
+            second = torch.ones(1024, 1024)
+            del first, second
+        """
+    pytester.makepyfile(test_oom_site=source)
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    lines = textwrap.dedent(source).strip("\n").splitlines()
+    second = lines.index("    second = torch.ones(1024, 1024)") + 1
+    first = lines.index("    first = torch.ones(1024, 1024)") + 1
+    assert f"at:        test_oom_site.py:{second} test_too_big" in text
+    row = next(line for line in text.splitlines() if line.startswith("4.00 MiB") and "made at" not in line)
+    assert row.rstrip().endswith(f"test_oom_site.py:{first} test_too_big")
+    assert "(sites from a second run)" in text
+
+
+def test_a_leak_report_names_where_each_leaked_tensor_was_made(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    pytester.makepyfile(
+        test_leak_site="""
+        import pytest, torch
+
+        CACHE = []
+
+        def remember(n):
+            CACHE.append(torch.zeros(n))
+
+        @pytest.mark.gpumem(retained="0B")
+        def test_leaks():
+            remember(4096)
+        """
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "made at" in text
+    row = next(line for line in text.splitlines() if line.startswith("16.00 KiB"))
+    assert "test_leak_site.py:6 remember" in row  # the line in remember() that made it

@@ -315,13 +315,12 @@ class TrackedSites:
         self.sites.moved(entry, entry.category, index, window.sites if at_peak else None)
 
     def site_of(self, tensor: Any) -> _State | None:
-        """The site ``tensor``'s storage was made at while sites were recorded; None otherwise."""
+        """The site ``tensor``'s storage was made at, when sites were recorded then; None otherwise."""
         try:
             entry = self._entries.get(self._key(tensor.untyped_storage()) or 0)
         except (RuntimeError, NotImplementedError):
             return None
-        state = None if entry is None else getattr(entry, "site", None)
-        return state if state is not None and state.owner is self.sites else None
+        return None if entry is None else getattr(entry, "site", None)  # made while some recording was on
 
 
 def found_sites(peak: Mapping[Any, SiteCounts] | None, end: Mapping[Any, SiteCounts] | None) -> list[Found]:
