@@ -39,6 +39,8 @@ from pytest_gpumem.baselines import (
 )
 from pytest_gpumem.data.findings import Tolerance, parse_tolerance
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
+from pytest_gpumem.judge.sites import diff_sites
+from pytest_gpumem.report.sites import PROFILE_HEADERS, profile_rows, site_diff_rows
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_percent
 
@@ -141,6 +143,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     def display(p: argparse.ArgumentParser) -> None:
         p.add_argument("--bytes", action="store_true", help="show exact byte counts instead of KiB / MiB / GiB")
         p.add_argument("--markdown", action="store_true", help="print Markdown tables (for a pull-request comment)")
+        p.add_argument(
+            "--sites", action="store_true", help="also the sites stored with each span (where bytes were made)"
+        )
 
     file_help = f"the baseline file (default: {DEFAULT_FILENAME} in the current folder)"
 
@@ -325,6 +330,11 @@ def _show(args: argparse.Namespace) -> int:
         ]
         table = _table(rows, ["test", "span", *metrics], 2, args.markdown)
         blocks.append(f"{_heading(key, _count(len(tests), 'test'), args.markdown)}\n\n{table}")
+        for test in tests if args.sites else ():
+            for name, entry in spans[test].items():
+                if entry.sites is not None:
+                    sites = _table(profile_rows(entry.sites, exact=args.bytes), list(PROFILE_HEADERS), 4, args.markdown)
+                    blocks.append(f"{test} [{name}] sites\n\n{sites}")
     print("\n\n".join(blocks))
     return 0
 
@@ -393,6 +403,12 @@ def _diff(args: argparse.Namespace) -> int:
         table = _table(rows, ["change", "test", "span", "metric", "old", "new", "Δ", "Δ%"], 4, args.markdown)
         tests = len({change.test for change in found})
         blocks.append(f"{_heading(key, _count(tests, 'test') + ' changed', args.markdown)}\n\n{table}")
+        for test, span in dict.fromkeys((c.test, c.span) for c in found) if args.sites else ():
+            earlier, later = old.entry(key, test, span), new.entry(key, test, span)
+            if earlier is not None and later is not None and earlier.sites is not None and later.sites is not None:
+                rows = site_diff_rows(diff_sites(span, earlier.sites, later.sites), exact=args.bytes)
+                headers = ["site", "code", "change", "Δ at peak", "Δ at end"]
+                blocks.append(f"{test} [{span}] sites by growth\n\n{_table(rows, headers, 3, args.markdown)}")
     kinds = {kind: sum(change.kind == kind for change in changes) for kind in _CHANGE_KINDS}
     summary = [
         f"{label}: " + ", ".join(f"{number} {kind}" for kind, number in counts.items() if number)

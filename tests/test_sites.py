@@ -403,3 +403,28 @@ def test_a_leak_report_names_where_each_leaked_tensor_was_made(
     assert "made at" in text
     row = next(line for line in text.splitlines() if line.startswith("16.00 KiB"))
     assert "test_leak_site.py:6 remember" in row  # the line in remember() that made it
+
+
+def test_baselines_show_and_diff_print_the_stored_sites(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pytest_gpumem.cli import main
+
+    baselines = suite.path / "gpumem-baselines.json"
+    old = suite.path / "old.json"
+    old.write_bytes(baselines.read_bytes())
+    monkeypatch.setenv("SITES_REGRESSION", "copy")
+    run(suite, "--gpumem-update-baselines").assert_outcomes(passed=1)
+    capsys.readouterr()
+    assert main(["baselines", "show", "--file", str(baselines), "--sites", "--bytes"]) == 0
+    shown = capsys.readouterr().out
+    line = _line(TEST, "kept = logits.detach()")
+    offset = line - _line(TEST, "@pytest.mark.gpumem")  # from the function's first line: its decorator
+    row = next(text for text in shown.splitlines() if text.startswith(f"test_train.py:test_step+{offset} "))
+    copy_bytes = BATCH * SEQ * VOCAB * F32
+    assert "kept = logits.detach().float().clone()" in row and "temporaries" in row and str(copy_bytes) in row
+    assert main(["baselines", "diff", str(old), str(baselines), "--sites", "--bytes"]) == 0
+    diffed = capsys.readouterr().out
+    assert "test_train.py::test_step [call] sites by growth" in diffed
+    row = next(text for text in diffed.splitlines() if text.startswith(f"test_train.py:test_step+{offset} "))
+    assert "new since the baseline" in row and f"+{copy_bytes}" in row

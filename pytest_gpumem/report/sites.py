@@ -21,7 +21,20 @@ from pytest_gpumem.report.cells import RecordLike
 from pytest_gpumem.tables import Col, Table, markdown_table, wrap
 from pytest_gpumem.units import format_delta, format_size
 
-__all__ = ["SITE_HEADERS", "SiteTable", "site_lines", "site_markdown", "site_section_html", "site_tables"]
+__all__ = [
+    "PROFILE_HEADERS",
+    "SITE_HEADERS",
+    "SiteTable",
+    "profile_rows",
+    "site_diff_rows",
+    "site_lines",
+    "site_markdown",
+    "site_section_html",
+    "site_tables",
+]
+
+#: The columns of a stored profile (``baselines show --sites``).
+PROFILE_HEADERS = ("site", "code", "category", "phase", "at peak", "at end", "tensors")
 
 #: Rows shown by default; ``-v`` shows every one the record has, ``-q`` the first line only.
 SHOWN = 5
@@ -227,3 +240,37 @@ def site_section_html(record: RecordLike) -> str:
             + f"</table>{notes}</section>"
         )
     return "\n".join(cards)
+
+
+def _bytes(nbytes: int, exact: bool, *, signed: bool = False) -> str:
+    if exact:
+        return f"{nbytes:+d}" if signed else str(nbytes)
+    return format_delta(nbytes) if signed else format_size(nbytes)
+
+
+def profile_rows(profile: SiteProfile, *, exact: bool = False) -> list[list[str]]:
+    """A stored profile's sites as rows of :data:`PROFILE_HEADERS` (the others summed last)."""
+    rows = [
+        [s.site.key, s.site.code, s.category, s.phase, _bytes(s.peak, exact), _bytes(s.end, exact), str(s.count)]
+        for s in profile.sites
+    ]
+    if profile.rest_sites:
+        rest = f"({profile.rest_sites} other sites)"
+        rows.append([rest, "", "", "", _bytes(profile.rest_peak, exact), _bytes(profile.rest_end, exact), ""])
+    return rows
+
+
+def site_diff_rows(diff: SiteDiff, *, exact: bool = False) -> list[list[str]]:
+    """The sites that changed between two stored profiles: site, code, status, Δ at the peak, Δ at the end."""
+    order = {id(c): i for i, c in enumerate(diff.at("peak") + [c for c in diff.at("end") if not c.delta("peak")])}
+    changes = sorted(diff.changes, key=lambda c: order.get(id(c), len(order)))
+    return [
+        [
+            c.figures.site.key,
+            c.figures.site.code,
+            _NOTES.get(c.status, "changed"),
+            _bytes(c.delta("peak"), exact, signed=True),
+            _bytes(c.delta("end"), exact, signed=True),
+        ]
+        for c in changes
+    ]
