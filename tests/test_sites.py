@@ -428,3 +428,70 @@ def test_baselines_show_and_diff_print_the_stored_sites(
     assert "test_train.py::test_step [call] sites by growth" in diffed
     row = next(text for text in diffed.splitlines() if text.startswith(f"test_train.py:test_step+{offset} "))
     assert "new since the baseline" in row and f"+{copy_bytes}" in row
+
+
+def test_a_fake_mode_prediction_that_does_not_fit_names_its_sites_in_the_predicted_blocks(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    pytester.makepyfile(
+        test_fit="""
+        import pytest, torch
+
+        class MLP(torch.nn.Module):
+            def __init__(self, width):
+                super().__init__()
+                self.up = torch.nn.Linear(width, 8 * width)
+                self.down = torch.nn.Linear(8 * width, width)
+
+            def forward(self, x):
+                return self.down(torch.relu(self.up(x)))
+
+        @pytest.mark.gpumem(predict="h100", fake=True, peak="64MiB")
+        def test_fits(gpumem):
+            model = MLP(2048)
+            opt = torch.optim.AdamW(model.parameters())
+            gpumem.track(model, opt)
+            model(torch.randn(512, 2048)).sum().backward()
+            opt.step()
+        """
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "at the peak, the largest sites:" in text
+    row = next(line for line in text.splitlines() if "self.up = torch.nn.Linear(width, 8 * width)" in line)
+    # the weight and the bias, each in whole 512-byte blocks of the predicted H100 allocator
+    assert "128.06 MiB" in row and "parameters" in row and "test_fit.py:6 MLP.__init__" in row
+    assert "(16384, 2048) float32" in row
+
+
+def test_with_transformers_included_the_site_is_in_the_models_own_code(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("transformers")
+    pytester.makepyfile(
+        test_hf="""
+        import pytest, torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        @pytest.mark.gpumem
+        def test_step(gpumem):
+            config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
+            model = GPT2LMHeadModel(config)
+            gpumem.track(model)
+            idx = torch.randint(0, 64, (2, 16))
+            model(idx, labels=idx).loss.backward()
+        """
+    )
+    report = pytester.path / "report.json"
+    run(pytester, "--gpumem-sites=always", "--gpumem-sites-include=transformers", f"--gpumem-json={report}")
+    sites = json.loads(report.read_text())["tests"][0]["measurements"][0]["sites"]["sites"]
+    files = {site["file"] for site in sites}
+    assert "transformers/models/gpt2/modeling_gpt2.py" in files
+    activations = [s for s in sites if s["category"] == "activations"]
+    outside = {s["code"] for s in activations if not s["file"].startswith("transformers/")}
+    assert activations and outside <= {"idx = torch.randint(0, 64, (2, 16))"}  # the input, saved by the embedding
+    run(pytester, "--gpumem-sites=always", f"--gpumem-json={report}")
+    sites = json.loads(report.read_text())["tests"][0]["measurements"][0]["sites"]["sites"]
+    assert {site["file"] for site in sites} <= {"test_hf.py", ""}  # not included: the test's own lines

@@ -42,7 +42,7 @@ SHOWN = 5
 SITE_HEADERS = ("change", "category", "phase", "site", "code", "tensors", "example", "note")
 
 _COLS = (
-    Col("change", right=True),
+    Col("change", right=True),  # "bytes" for a table of the largest sites
     Col("category"),
     Col("phase", optional=True),
     Col("site"),
@@ -71,6 +71,8 @@ class SiteTable:
     rows: list[list[str]]
     footer: str
     second_run: str
+    #: the rows are changes against a baseline (else the largest sites)
+    changes: bool = True
 
 
 def _example(figures: SiteFigures) -> str:
@@ -155,7 +157,7 @@ def _table(
     rest = profile.rest_peak if moment == "peak" else profile.rest_end
     footer = f"({len(rows)} sites; {profile.rest_sites} more hold {format_size(rest)})" if profile.rest_sites else ""
     title = f"{where}{_AT[moment]}, the largest sites:"
-    return SiteTable(span, moment, title, rows, footer, _second_run(profile))
+    return SiteTable(span, moment, title, rows, footer, _second_run(profile), changes=False)
 
 
 def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0) -> list[str]:
@@ -172,7 +174,8 @@ def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int =
         rows = table.rows if verbosity > 0 else table.rows[:SHOWN]
         lines += wrap(table.title, width)
         if rows:
-            rendered = Table(_COLS, [("", rows)], lead=1).render(None if width is None else width - 2)
+            cols = _COLS if table.changes else (Col("bytes", right=True), *_COLS[1:])
+            rendered = Table(cols, [("", rows)], lead=1).render(None if width is None else width - 2)
             lines += ["  " + line for line in rendered]
         left = len(table.rows) - len(rows)
         footer = table.footer + (f" ({left} more with -v)" if left else "")
