@@ -495,3 +495,25 @@ def test_with_transformers_included_the_site_is_in_the_models_own_code(
     run(pytester, "--gpumem-sites=always", f"--gpumem-json={report}")
     sites = json.loads(report.read_text())["tests"][0]["measurements"][0]["sites"]["sites"]
     assert {site["file"] for site in sites} <= {"test_hf.py", ""}  # not included: the test's own lines
+
+
+def rank_step(rank: int, ctx: Any) -> None:
+    """A rank that keeps a tensor of its own size (rank 1 twice rank 0's)."""
+    import torch
+
+    ctx.kept = torch.ones(1024 * (rank + 1))  # the line each rank's sites name
+    torch.ones(64).sum()
+
+
+@pytest.mark.slow
+def test_each_rank_records_its_own_sites() -> None:
+    from pytest_gpumem import run_ranks
+    from pytest_gpumem.data.sites import SiteConfig
+
+    config = SiteConfig(str(Path(__file__).resolve().parent))
+    line = _line(Path(__file__).read_text(), "# the line each" + " rank's sites name")
+    for rank, measurement in enumerate(run_ranks(rank_step, 2, sites=config)):
+        assert measurement.sites is not None
+        kept = next(s for s in measurement.sites.sites if s.site.line == line)
+        assert (kept.site.file, kept.site.function) == ("test_sites.py", "rank_step")
+        assert kept.peak == 1024 * (rank + 1) * F32
