@@ -517,3 +517,57 @@ def test_each_rank_records_its_own_sites() -> None:
         kept = next(s for s in measurement.sites.sites if s.site.line == line)
         assert (kept.site.file, kept.site.function) == ("test_sites.py", "rank_step")
         assert kept.peak == 1024 * (rank + 1) * F32
+
+
+def test_the_markdown_report_and_the_html_artifact_carry_the_sites_table(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    markdown = suite.path / "report.md"
+    artifacts = suite.path / "artifacts"
+    _regressed(suite, monkeypatch, "copy", f"--gpumem-markdown={markdown}", f"--gpumem-artifacts={artifacts}")
+    text = markdown.read_text()
+    assert "### Sites" in text
+    line = _line(TEST, "kept = logits.detach()")
+    row = next(r for r in text.splitlines() if f"test_train.py:{line} test_step" in r)
+    assert "+24.00 KiB" in row and "new since the baseline" in row and "kept = logits.detach().float().clone()" in row
+    page = next(artifacts.glob("*.html")).read_text()
+    assert 'class="card sites"' in page and "baseline run" in page and "this run" in page
+    assert f'data-site="test_train.py:{line} test_step"' in page
+
+
+def test_under_xdist_the_worker_runs_the_failing_test_again_with_sites(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, test = _regressed(suite, monkeypatch, "copy", "-n", "2")
+    new = [c for c in _changes(test) if c["status"] == "new"]
+    assert len(new) == 1 and new[0]["delta"]["peak"] == BATCH * SEQ * VOCAB * F32
+
+
+def test_a_second_run_whose_figures_differ_says_so_and_keeps_the_first_runs_figures(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        """
+        import pytest, torch
+
+        @pytest.fixture
+        def trained():
+            model = torch.nn.Linear(64, 64)
+            return model, torch.optim.AdamW(model.parameters())
+
+        @pytest.mark.gpumem(peak="1KiB")
+        def test_step(trained):
+            model, opt = trained
+            model(torch.ones(8, 64)).sum().backward()
+            opt.step()  # Adam's state: made by the first run, already there in the second
+        """
+    )
+    report = pytester.path / "report.json"
+    result = run(pytester, f"--gpumem-json={report}")
+    result.assert_outcomes(failed=1)
+    assert "the second run's figures differ (peak cost" in result.stdout.str()
+    test = json.loads(report.read_text())["tests"][0]
+    finding = next(f for f in test["findings"] if f["metric"] == "peak")
+    sites = test["measurements"][0]["sites"]
+    assert sites["second_run"] and "the first run's" in sites["note"]
+    assert str(finding["measured"]) in sites["note"]  # the figure shown is the first run's
