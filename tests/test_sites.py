@@ -571,3 +571,24 @@ def test_a_second_run_whose_figures_differ_says_so_and_keeps_the_first_runs_figu
     sites = test["measurements"][0]["sites"]
     assert sites["second_run"] and "the first run's" in sites["note"]
     assert str(finding["measured"]) in sites["note"]  # the figure shown is the first run's
+
+
+def test_a_baseline_file_with_a_bad_site_is_refused_naming_the_file_the_site_and_the_value(
+    suite: pytest.Pytester,
+) -> None:
+    baselines = suite.path / "gpumem-baselines.json"
+    before = baselines.read_text()
+    tree = json.loads(before)
+    key = next(iter(tree["environments"]))
+    sites = tree["environments"][key]["tests"]["test_train.py::test_step"]["spans"]["call"]["sites"]
+    site = next(iter(sites))
+    sites[site] = "peak=lots end=0 n=1 activations forward"
+    baselines.write_text(json.dumps(tree, indent=2))
+    result = run(suite)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    error = result.stderr.str()
+    assert "gpumem-baselines.json:" in error and site in error and "'peak=lots end=0 n=1" in error
+    assert run(suite, "--gpumem-update-baselines").ret == pytest.ExitCode.USAGE_ERROR  # never overwritten
+    assert json.loads(baselines.read_text())["environments"][key]["tests"]["test_train.py::test_step"]["spans"]["call"][
+        "sites"
+    ][site].startswith("peak=lots")
