@@ -81,6 +81,8 @@ def second_run(
 
     if _mode(settings, run.spec) != "rerun" or run.options.sites is not None or settings.site_config is None:
         return record
+    if not run.engine.records_sites:  # the CPU engine observing allocations: no second run for nothing
+        return record
     if exc is not None:
         if not is_oom(exc):
             return record

@@ -119,6 +119,10 @@ class Engine(Protocol):
 
     # -- sites: where storages are made (only when asked) ---------------------------------
 
+    @property
+    def records_sites(self) -> bool:
+        """True when :meth:`start_sites` can record sites on this engine."""
+
     def start_sites(self, config: SiteConfig | None) -> bool:
         """Record where each storage is made from now on (:mod:`pytest_gpumem.data.sites`; None: do
         nothing); False where this engine cannot (the CPU engine observing allocations)."""
@@ -273,8 +277,12 @@ class TrackerMembers:
         previous, self.tracker.on_oom = self.tracker.on_oom, callback
         return previous
 
+    @property
+    def records_sites(self) -> bool:
+        return self.tracker is not None and self.tracker.observes == "operators"
+
     def start_sites(self, config: SiteConfig | None) -> bool:
-        if config is None or self.tracker is None or self.tracker.observes != "operators":
+        if config is None or not self.records_sites or self.tracker is None:
             return False
         self.tracker.record_sites(SiteRecorder(config))
         return True

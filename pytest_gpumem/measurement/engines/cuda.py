@@ -174,8 +174,13 @@ class CudaEngine(TrackerMembers):
 
     # -- sites: the allocator's history, replayed (measurement/engines/traces.py) -----------
 
+    @property
+    def records_sites(self) -> bool:
+        """The allocator's history with Python stacks (CUDA; ROCm has it too)."""
+        return self.device.type == "cuda" and hasattr(torch._C, "_cuda_record_memory_history")
+
     def start_sites(self, config: SiteConfig | None) -> bool:
-        if config is None:
+        if config is None or not self.records_sites:
             return False
         self._sites = _TraceSites(self.device, SiteFilter(config), self.allocated())
         return True
