@@ -38,9 +38,12 @@ from pytest_gpumem.baselines import (
     parse,
     save,
 )
+from pytest_gpumem.baselines.selection import SelectionError, environment_named, listed, tests_missing, tests_named
 from pytest_gpumem.data.findings import Tolerance, parse_tolerance
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
 from pytest_gpumem.judge.rule import baseline_status, describe_default_tolerances, tolerance_for
+from pytest_gpumem.judge.sites import diff_sites
+from pytest_gpumem.report.sites import PROFILE_HEADERS, profile_rows, site_diff_rows
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_percent
 
@@ -81,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaselineFileError as exc:
         message, _, hint = str(exc).partition("\n")
         _error(f"{args.command}: error: {message}", hint)
-    except CommandError as exc:
+    except (CommandError, SelectionError) as exc:
         _error(f"{args.command}: error: {exc}")
     except BrokenPipeError:  # the reader went away (``| head``): not an error of ours
         _quiet_stdout()
@@ -143,6 +146,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     def display(p: argparse.ArgumentParser) -> None:
         p.add_argument("--bytes", action="store_true", help="show exact byte counts instead of KiB / MiB / GiB")
         p.add_argument("--markdown", action="store_true", help="print Markdown tables (for a pull-request comment)")
+        p.add_argument(
+            "--sites", action="store_true", help="also the sites stored with each span (where bytes were made)"
+        )
 
     file_help = f"the baseline file (default: {DEFAULT_FILENAME} in the current folder)"
 
@@ -270,12 +276,8 @@ def _environments(stores: Iterable[BaselineStore], text: str | None) -> list[str
         return keys
     chosen = [key for key in keys if text.casefold() in key.casefold()]
     if not chosen:
-        raise CommandError(f"--env {text!r} matches no environment; the keys are: {_listed(keys)}")
+        raise CommandError(f"--env {text!r} matches no environment; the keys are: {listed(keys)}")
     return chosen
-
-
-def _listed(keys: Sequence[str]) -> str:
-    return "; ".join(repr(key) for key in keys) if keys else "(none: the file has no baselines)"
 
 
 def _matches(test: str, texts: Sequence[str]) -> bool:
@@ -340,6 +342,11 @@ def _show(args: argparse.Namespace) -> int:
         ]
         table = _table(rows, ["test", "span", *metrics], 2, args.markdown)
         blocks.append(f"{_heading(key, _count(len(tests), 'test'), args.markdown)}\n\n{table}")
+        for test in tests if args.sites else ():
+            for name, entry in spans[test].items():
+                if entry.sites is not None:
+                    sites = _table(profile_rows(entry.sites, exact=args.bytes), list(PROFILE_HEADERS), 4, args.markdown)
+                    blocks.append(f"{test} [{name}] sites\n\n{sites}")
     print("\n\n".join(blocks))
     return 0
 
@@ -407,6 +414,12 @@ def _diff(args: argparse.Namespace) -> int:
         table = _table(rows, ["change", "test", "span", "metric", "old", "new", "Δ", "Δ%"], 4, args.markdown)
         tests = len({change.test for change in found})
         blocks.append(f"{_heading(key, _count(tests, 'test') + ' changed', args.markdown)}\n\n{table}")
+        for test, span in dict.fromkeys((c.test, c.span) for c in found) if args.sites else ():
+            earlier, later = old.entry(key, test, span), new.entry(key, test, span)
+            if earlier is not None and later is not None and earlier.sites is not None and later.sites is not None:
+                rows = site_diff_rows(diff_sites(span, earlier.sites, later.sites), exact=args.bytes)
+                headers = ["site", "code", "change", "Δ at peak", "Δ at end"]
+                blocks.append(f"{test} [{span}] sites by growth\n\n{_table(rows, headers, 3, args.markdown)}")
     kinds = {kind: sum(change.kind == kind for change in changes) for kind in _CHANGE_KINDS}
     summary = [
         f"{label}: " + ", ".join(f"{number} {kind}" for kind, number in counts.items() if number)
@@ -486,7 +499,7 @@ def _prune(args: argparse.Namespace) -> int:
     store = _read(args.file)
     keys = list(store.environment_keys())
     if args.env is not None:
-        keys = [_one_environment(store, args.env)]
+        keys = [environment_named(store, args.env)]
     verb = "would remove" if args.dry_run else "removing"
     lines: list[str] = []
     removed = 0
@@ -499,9 +512,9 @@ def _prune(args: argparse.Namespace) -> int:
     else:
         if args.missing:
             rootdir = args.rootdir if args.rootdir is not None else args.file.resolve().parent
-            doomed = _missing(store, keys, rootdir)
+            doomed = tests_missing(store, keys, rootdir)
         elif args.tests:
-            doomed = _named(store, keys, args.tests, everything=args.all)
+            doomed = tests_named(store, keys, args.tests, everything=args.all)
         else:  # --all
             doomed = {key: list(store.tests(key)) for key in keys if store.tests(key)}
         for key in keys:
@@ -526,72 +539,3 @@ def _prune(args: argparse.Namespace) -> int:
     else:
         print(f"removed the baselines of {_count(removed, 'test')} from {args.file}")
     return 0
-
-
-def _one_environment(store: BaselineStore, text: str) -> str:
-    """The key ``text`` names: the key itself, or the only key that contains it (case-insensitive)."""
-    keys = store.environment_keys()
-    if text in keys:
-        return text
-    chosen = [key for key in keys if text.casefold() in key.casefold()]
-    if len(chosen) == 1:
-        return chosen[0]
-    if not chosen:
-        raise CommandError(f"--env {text!r} matches no environment; the keys are: {_listed(keys)}")
-    raise CommandError(f"--env {text!r} matches {len(chosen)} environments, name one: {_listed(chosen)}")
-
-
-def _named(
-    store: BaselineStore, keys: Sequence[str], names: Sequence[str], *, everything: bool = False
-) -> dict[str, list[str]]:
-    """Tests of ``keys`` that ``names`` name (node ids or path prefixes); raises for a name that matches
-    none, and (unless ``everything``) for a pattern that matches every test in the file: an unset shell
-    variable, ``.``, a glob, a folder that holds every test. A whole node id is what it names."""
-    every = {(key, test) for key in store.environment_keys() for test in store.tests(key)}
-    doomed: dict[str, list[str]] = {}
-    for name in names:
-        found = [entry for key in keys for entry in store.stale((), key, roots=[name])]
-        matched = {(entry.environment, entry.test) for entry in found}
-        exact = any(entry.test == name for entry in found)
-        if not everything and not exact and (matched == every or _matches_anything(name)):
-            raise CommandError(
-                f"TEST {name!r} matches every test in the file{' (patterns are not globs)' if '*' in name else ''}: "
-                "name the tests to remove, or pass --all to remove every baseline; nothing removed"
-            )
-        if not found:
-            raise CommandError(f"TEST {name!r} matches no baseline (give a node id or a path prefix); nothing removed")
-        for entry in found:
-            tests = doomed.setdefault(entry.environment, [])
-            if entry.test not in tests:
-                tests.append(entry.test)
-    return {key: sorted(tests) for key, tests in doomed.items()}
-
-
-def _matches_anything(name: str) -> bool:
-    """Whether ``name`` is no pattern at all: empty, the current or root folder, a glob of nothing."""
-    return not name.strip().replace("\\", "/").strip("./*?")
-
-
-def _missing(store: BaselineStore, keys: Sequence[str], rootdir: Path) -> dict[str, list[str]]:
-    """Tests of ``keys`` whose file (the node id up to ``::``) does not exist under ``rootdir``.
-
-    Refuses when no test file exists at all: ``rootdir`` is then most likely
-    not the folder node ids are relative to, and pruning would empty the file.
-    """
-    if not rootdir.is_dir():
-        raise CommandError(f"--rootdir {str(rootdir)!r}: no such folder")
-    exists: dict[str, bool] = {}
-    doomed: dict[str, list[str]] = {}
-    for key in keys:
-        for test in store.tests(key):
-            path = test.split("::", 1)[0]
-            if path not in exists:
-                exists[path] = (rootdir / path).exists()
-            if not exists[path]:
-                doomed.setdefault(key, []).append(test)
-    if exists and not any(exists.values()):
-        raise CommandError(
-            f"none of the {_count(len(exists), 'test file')} exists under {rootdir}: is it the rootdir? "
-            "Pass --rootdir DIR, or name the tests to remove; nothing removed"
-        )
-    return doomed

@@ -286,3 +286,54 @@ def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path) -> None
     assert "1 passed" in text and "INTERNALERROR" not in text and "Traceback" not in text
     assert f"could not write the memory snapshot {pickle}: File too large" in text
     assert [name for name in os.listdir(tmp_path / "art") if "snapshot" in name] == []
+
+
+def test_sites_on_cuda_name_the_line_that_grew_with_its_blocks_to_the_byte() -> None:
+    """The allocator's history, replayed: a tensor kept alive in the second of two otherwise equal
+    runs is the one new site, in this file at its line, and its bytes are the peak's growth."""
+    import inspect
+    from pathlib import Path
+
+    from pytest_gpumem.data.sites import SiteConfig
+    from pytest_gpumem.judge.sites import diff_sites
+    from pytest_gpumem.measurement.recorder import Recorder
+
+    dev = device()
+    engine = make_engine(dev)
+    config = SiteConfig(str(Path(__file__).resolve().parent))
+    frame = inspect.currentframe()
+    assert frame is not None
+    lines: list[int] = []
+
+    def step(keep: bool) -> tuple[object, torch.Tensor | None]:
+        recorder = Recorder(engine, sites=config)
+        recorder.begin()
+        try:
+            state = recorder.open("call")
+            x = torch.ones(256, 1024, device=dev)
+            y = x * 2
+            lines.append(inspect.currentframe().f_lineno + 1)  # type: ignore[union-attr]
+            kept = (y + 1) if keep else None
+            z = (x + y).sum()
+            del x, y, z
+            return recorder.close(state), kept
+        finally:
+            recorder.end()
+
+    base, _ = step(False)
+    grown, kept = step(True)
+    growth = grown.cost("peak") - base.cost("peak")  # type: ignore[attr-defined]
+    assert growth == 2**20
+    diff = diff_sites("call", base.sites, grown.sites)  # type: ignore[attr-defined]
+    new = [change for change in diff.changes if change.status == "new"]
+    assert len(new) == 1, diff.changes
+    site = new[0].figures.site
+    assert (site.file, site.line, site.function) == (
+        Path(__file__).name,
+        lines[-1],
+        "test_sites_on_cuda_name_the_line_that_grew_with_its_blocks_to_the_byte.<locals>.step",
+    )
+    assert new[0].delta("peak") == growth
+    assert sum(change.delta("peak") for change in diff.changes) == growth
+    assert sum(s.peak for s in grown.sites.sites) + grown.sites.rest_peak == grown.peak  # type: ignore[attr-defined]
+    del kept

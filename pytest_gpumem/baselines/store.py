@@ -22,6 +22,7 @@ from pytest_gpumem.baselines.environment import Environment
 from pytest_gpumem.baselines.validation import BaselineFileError, validate
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import BASELINE_METRICS, CATEGORIES
+from pytest_gpumem.data.sites import SITES_BUDGET, SiteProfile
 
 __all__ = ["BaselineEntry", "BaselineStore", "StaleEntry"]
 
@@ -38,7 +39,8 @@ class BaselineEntry:
             never compared).
         breakdown: bytes by category at the peak (absolute, sums to the
             absolute peak); ``None`` when not measured.
-        extra: keys of the span this release does not know, kept verbatim.
+        extra: keys of the span this release does not know, kept verbatim; ``"sites"``, the
+            span's site profile as the file keeps it (:attr:`sites` reads it).
     """
 
     costs: Mapping[str, int | None]
@@ -53,11 +55,13 @@ class BaselineEntry:
         metrics: Iterable[str] = BASELINE_METRICS,
         *,
         extra_costs: Mapping[str, int | None] | None = None,
+        sites_budget: int = SITES_BUDGET,
     ) -> BaselineEntry:
         """The entry that records ``measurement``: ``measurement.cost(m)`` for each of ``metrics``.
 
         ``extra_costs`` adds figures that a :class:`Measurement` does not carry
-        (for a later metric such as ``max_microbatch``).
+        (for a later metric such as ``max_microbatch``). The measurement's site profile, when it
+        has one, is kept in at most ``sites_budget`` characters (:meth:`SiteProfile.to_stored`).
         """
         costs: dict[str, int | None] = {metric: measurement.cost(metric) for metric in metrics}
         if extra_costs:
@@ -66,7 +70,15 @@ class BaselineEntry:
         if measurement.breakdown is not None:  # every category, 0 where absent, as Measurement.to_dict writes it
             breakdown = {c: int(measurement.breakdown.get(c, 0)) for c in CATEGORIES}
             breakdown.update((c, int(v)) for c, v in measurement.breakdown.items() if c not in breakdown)
-        return cls(costs=costs, start=measurement.start, breakdown=breakdown)
+        extra = {} if measurement.sites is None else {"sites": measurement.sites.to_stored(sites_budget)}
+        return cls(costs=costs, start=measurement.start, breakdown=breakdown, extra=extra)
+
+    @property
+    def sites(self) -> SiteProfile | None:
+        """The site profile recorded with this baseline; None for a baseline recorded without sites.
+        Raises ``ValueError`` naming the site for one the file holds wrong (loading checks them)."""
+        raw = self.extra.get("sites")
+        return None if raw is None else SiteProfile.from_stored(raw)
 
     def cost(self, metric: str) -> int | None:
         """The recorded cost of ``metric``; ``None`` when unknown or not recorded."""
@@ -238,8 +250,8 @@ class BaselineStore:
             written = entry._raw()
             old = old_spans.get(name)
             if old:
-                # keep what this entry does not write; drop a breakdown it no longer has
-                kept = {k: v for k, v in old.items() if k not in written and k != "breakdown"}
+                # keep what this entry does not write; drop a breakdown or sites it no longer has
+                kept = {k: v for k, v in old.items() if k not in written and k not in ("breakdown", "sites")}
                 if kept:
                     written = {**kept, **written}
             new_spans[name] = written

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.baselines.canonical import SCHEMA_VERSION
 from pytest_gpumem.baselines.environment import check_label
 from pytest_gpumem.data.metrics import COUNT_METRICS, METRIC_TABLE, METRICS
+from pytest_gpumem.data.sites import parse_stored_site
 from pytest_gpumem.units import MAX_BYTES, shown
 
 __all__ = ["MAX_DEPTH", "BaselineFileError"]
@@ -171,6 +172,8 @@ def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | 
                         problem = _out_of_range(value, signed=span_key not in _UNSIGNED_KEYS)
                         if problem:
                             raise fail(("environments", key, "tests", test, "spans", name, span_key), problem)
+                if "sites" in span:
+                    _check_sites(span["sites"], ("environments", key, "tests", test, "spans", name, "sites"), fail)
                 breakdown = span.get("breakdown")
                 if breakdown is not None and not (
                     isinstance(breakdown, dict) and all(type(v) is int for v in breakdown.values())
@@ -195,6 +198,17 @@ def _out_of_range(value: Any, *, signed: bool) -> str | None:
     if value < 0 and not signed:
         return f"{value} is negative: this figure is never below 0"
     return None
+
+
+def _check_sites(sites: Any, where: tuple[str, ...], fail: Callable[..., BaselineFileError]) -> None:
+    """A span's ``sites``: an object of site key → ``"peak=<bytes> end=<bytes> n=<count> ..."``."""
+    if not isinstance(sites, dict):
+        raise fail(where, f"expected an object of site figures, found {_json_type(sites)}")
+    for site, value in sites.items():
+        try:
+            parse_stored_site(site, value)
+        except ValueError as exc:
+            raise fail((*where, site), str(exc)) from None
 
 
 def _too_deep(value: Any) -> bool:

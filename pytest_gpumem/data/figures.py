@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, metric_info
+from pytest_gpumem.data.sites import SiteProfile
 
 __all__ = [
     "CompiledCodeNotMeasured",
@@ -176,6 +177,10 @@ class Measurement:
         notes: what the figures miss, one sentence each (work on threads the engine could
             not watch, storages found alive later that it did not see made); empty when they
             are complete.
+        sites: where the bytes alive at the peak and at the end were made
+            (:class:`~pytest_gpumem.data.sites.SiteProfile`); ``None`` when sites were not
+            recorded (they are only on a baseline update, a failing test's second run, or
+            ``--gpumem-sites=always``).
     """
 
     name: str
@@ -200,6 +205,7 @@ class Measurement:
     cuda_rounding: bool = False
     max_microbatch: int | None = None
     notes: tuple[str, ...] = ()
+    sites: SiteProfile | None = None
 
     def figure(self, metric: str) -> int | None:
         """The absolute figure named ``metric`` (one of :data:`METRICS` or :data:`COUNT_METRICS`)."""
@@ -229,6 +235,9 @@ class Measurement:
         data["allocated_breakdown"] = _categories(self.allocated_breakdown)
         data["phases"] = {name: phase.to_dict() for name, phase in self.phases.items()}
         data["notes"] = list(self.notes)
+        sites = data.pop("sites")
+        if sites is not None:
+            data["sites"] = sites.to_dict()
         return data
 
     @classmethod
@@ -250,13 +259,14 @@ class Measurement:
             phases={str(k): Phase.from_dict(str(k), v) for k, v in (data.get("phases") or {}).items()},
             cuda_rounding=bool(data.get("cuda_rounding", False)),
             notes=tuple(str(note) for note in data.get("notes") or ()),
+            sites=None if data.get("sites") is None else SiteProfile.from_dict(data["sites"]),
         )
         return cls(**values)
 
 
 #: The fields of a :class:`Measurement` that are not a figure (bytes or a count, ``None`` when unknown).
 _NOT_FIGURES = frozenset(
-    ("name", "engine", "device", "breakdown", "allocated_breakdown", "phases", "cuda_rounding", "notes")
+    ("name", "engine", "device", "breakdown", "allocated_breakdown", "phases", "cuda_rounding", "notes", "sites")
 )
 
 

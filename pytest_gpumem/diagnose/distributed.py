@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.sites import SiteConfig
 
 __all__ = ["DistributedError", "RankContext", "run_ranks"]
 
@@ -156,6 +157,7 @@ def _measured_rank(
     timeout: float,
     fn: Callable[[int, RankContext], Any],
     predict: str | None,
+    sites: SiteConfig | None = None,
     **init: Any,
 ) -> Measurement:
     """Initialise the default process group as ``rank``, run ``fn`` inside :func:`measure`, end the group."""
@@ -168,7 +170,7 @@ def _measured_rank(
     )
     try:
         ctx = RankContext(rank, world_size, where, backend)
-        with measure(f"rank{rank}", device=where, predict=predict, fake=backend == "fake") as span:
+        with measure(f"rank{rank}", device=where, predict=predict, fake=backend == "fake", sites=sites) as span:
             ctx._recorder = span.recorder
             try:
                 fn(rank, ctx)
@@ -195,6 +197,7 @@ def _rank_main(
     fn: Callable[[int, RankContext], Any],
     results: Any,
     predict: str | None = None,
+    sites: SiteConfig | None = None,
 ) -> None:
     """The body of one rank process (started by :func:`run_ranks`)."""
     group = _own_group()
@@ -205,7 +208,7 @@ def _rank_main(
     try:
         if where.type == "cuda":
             torch.cuda.set_device(where)
-        measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict)
+        measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict, sites)
         results.put((rank, "ok", measurement.to_dict()))
     except BaseException as exc:  # the parent reports it: nothing may escape as a silent exit code
         results.put(_failure(rank, exc))
@@ -249,6 +252,7 @@ def _fake_ranks_main(
     fn: Callable[[int, RankContext], Any],
     results: Any,
     predict: str,
+    sites: SiteConfig | None = None,
 ) -> None:
     """The body of the one process that runs ``ranks`` over the fake process group, one after another."""
     group = _own_group()
@@ -264,7 +268,7 @@ def _fake_ranks_main(
         _forget_earlier_ranks()
         try:
             measurement = _measured_rank(
-                rank, world_size, "fake", torch.device("cpu"), timeout, fn, predict, store=FakeStore()
+                rank, world_size, "fake", torch.device("cpu"), timeout, fn, predict, sites, store=FakeStore()
             )
         except BaseException as exc:
             results.put(_failure(rank, _on_fake_ranks(exc)))
@@ -377,6 +381,7 @@ def run_ranks(
     predict: str | None = None,
     fake: bool = False,
     ranks: Iterable[int] | None = None,
+    sites: SiteConfig | None = None,
 ) -> list[Measurement]:
     """Run ``fn(rank, ctx)`` in ``world_size`` rank processes; one :class:`Measurement` per rank, in rank order.
 
@@ -392,6 +397,7 @@ def run_ranks(
         fake: with ``predict``, run the ranks on fake tensors over the fake process group, one
             after another in one process (see the module's docstring); ``backend`` must be None.
         ranks: with ``fake``, the ranks to run (default: all); the result follows this order.
+        sites: record where each rank's bytes are made (:mod:`pytest_gpumem.data.sites`); None: not.
 
     Raises:
         ValueError: a bad ``world_size``, ``device``, ``backend``, ``timeout``, ``predict``,
@@ -475,11 +481,12 @@ def run_ranks(
     with _processes(groups) as processes:
         if fake:
             starts: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
-                (_fake_ranks_main, (wanted, world_size, timeout, fn, results, predict))
+                (_fake_ranks_main, (wanted, world_size, timeout, fn, results, predict, sites))
             ]
         else:
             starts = [
-                (_rank_main, (rank, world_size, port, chosen, device, timeout, fn, results, predict)) for rank in wanted
+                (_rank_main, (rank, world_size, port, chosen, device, timeout, fn, results, predict, sites))
+                for rank in wanted
             ]
         for target, args in starts:
             process = context.Process(target=target, args=args, daemon=True)

@@ -23,6 +23,7 @@ from pytest_gpumem.data.metrics import BASELINE_METRICS, MEASURED_BASELINE_METRI
 from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.judge.rule import tolerance_for
+from pytest_gpumem.judge.sites import SiteDiff, diff_sites
 from pytest_gpumem.judge.verdict import check_limits, compare_baseline
 
 __all__ = ["JudgeOptions", "baseline_metrics", "judge", "limits_of", "metric_tolerances"]
@@ -63,6 +64,7 @@ def judge(
             findings.extend(_check(record, measurement, limits_of(record, measurement.name)))
         if baselines is not None and record.environment is not None and not options.update:
             findings.extend(_compare(record, baselines, options))
+            record.site_changes = site_changes(record, baselines)
     record.findings = findings
     leak = record.leak_report
     if leak and leak not in record.reports and any(f.failed and f.metric == "retained" for f in findings):
@@ -87,6 +89,20 @@ def limits_of(record: TestRecord, span: str) -> list[LimitSpec]:
         text = f"min_microbatch={record.min_microbatch}"
         limits.append(LimitSpec("max_microbatch", text, parse_budget(str(record.min_microbatch))))
     return limits
+
+
+def site_changes(record: TestRecord, store: BaselineStore) -> dict[str, SiteDiff]:
+    """By span, the sites that changed against the profile stored with the span's baseline (spans
+    whose figures carry sites and whose baseline has them)."""
+    assert record.environment is not None
+    key = Environment.from_dict(record.environment).key
+    found: dict[str, SiteDiff] = {}
+    for measurement in record.measurements:
+        entry = None if measurement.sites is None else store.entry(key, record.nodeid, measurement.name)
+        stored = None if entry is None else entry.sites
+        if measurement.sites is not None and stored is not None:
+            found[measurement.name] = diff_sites(measurement.name, stored, measurement.sites)
+    return found
 
 
 def _check(record: TestRecord, measurement: Measurement, specs: Iterable[LimitSpec]) -> list[Finding]:

@@ -17,6 +17,7 @@ from pytest_gpumem.baselines import Environment
 from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.judge.limits import LimitSpec
+from pytest_gpumem.judge.sites import SiteDiff
 
 __all__ = ["TIMELINE_SAMPLES", "RecordStore", "TestRecord"]
 
@@ -55,6 +56,10 @@ class TestRecord:
             for the marker's span limits (``peak``, ``allocated``, ``reserved``) instead of the call.
         leak_report: the confirmed leak check's report (the leaked tensors), for the judge to
             add to :attr:`reports` when the ``retained`` check fails; None when no leak was checked.
+            as written; the judge (:func:`~pytest_gpumem.judge.judgement.judge`) resolves and checks them.
+        site_changes: by span name, the sites whose bytes changed against the site profile
+            stored with the span's baseline (:func:`~pytest_gpumem.judge.sites.diff_sites`);
+            only for spans whose figures carry sites and whose baseline has them.
     """
 
     __test__ = False  # a name pytest would otherwise collect
@@ -76,6 +81,7 @@ class TestRecord:
     min_microbatch: int | None = None
     ranks_measured: bool = False
     leak_report: str | None = None
+    site_changes: dict[str, SiteDiff] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -107,7 +113,7 @@ class TestRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data: what travels from an xdist worker to the controller."""
-        return {
+        data = {
             "nodeid": self.nodeid,
             "measurements": [m.to_dict() for m in self.measurements],
             "asked": {span: [spec.to_dict() for spec in specs] for span, specs in self.asked.items()},
@@ -126,6 +132,9 @@ class TestRecord:
             "ranks_measured": self.ranks_measured,
             "leak_report": self.leak_report,
         }
+        if self.site_changes:
+            data["site_changes"] = {span: diff.to_dict() for span, diff in self.site_changes.items()}
+        return data
 
     def to_json(self, *, timeline: bool = True) -> str:
         """:meth:`to_dict` as compact JSON text (without the call's timeline: ``timeline=False``)."""
@@ -160,6 +169,7 @@ class TestRecord:
             min_microbatch=data.get("min_microbatch"),
             ranks_measured=bool(data.get("ranks_measured", False)),
             leak_report=data.get("leak_report"),
+            site_changes={span: SiteDiff.from_dict(d) for span, d in (data.get("site_changes") or {}).items()},
         )
 
 

@@ -100,6 +100,7 @@ class GpuMem:
                 predict=predict,
                 fake=fake,
                 ranks=ranks,
+                sites=self.recorder.sites,
             )
         except DistributedError as exc:
             raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None

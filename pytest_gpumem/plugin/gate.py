@@ -24,6 +24,7 @@ from pytest_gpumem.baselines import (
 )
 from pytest_gpumem.baselines.staleness import Collection, find_stale
 from pytest_gpumem.data.findings import Finding, Tolerance
+from pytest_gpumem.data.sites import SITES_BUDGET
 from pytest_gpumem.judge.judgement import JudgeOptions, baseline_metrics, judge
 from pytest_gpumem.judge.record import RecordStore, TestRecord
 from pytest_gpumem.judge.verdict import stale_findings
@@ -117,8 +118,10 @@ class Gate:
             for record in self.records.values():
                 if record.recordable:
                     assert record.environment is not None
+                    budget = SITES_BUDGET // max(1, sum(m.sites is not None for m in record.measurements))
                     entries = {
-                        m.name: BaselineEntry.from_measurement(m, baseline_metrics(m)) for m in record.measurements
+                        m.name: BaselineEntry.from_measurement(m, baseline_metrics(m), sites_budget=budget)
+                        for m in record.measurements
                     }
                     store.record(Environment.from_dict(record.environment), record.nodeid, entries)
             self.written = save(store, self.options.baselines)

@@ -27,6 +27,7 @@ from pytest_gpumem.plugin.ending import RunEnd, append_section
 from pytest_gpumem.plugin.gate import Gate
 from pytest_gpumem.plugin.marker import GpumemSpec
 from pytest_gpumem.plugin.options import Settings
+from pytest_gpumem.plugin.sites import run_options, second_run
 from pytest_gpumem.plugin.torchrun import launch, rename
 from pytest_gpumem.report.details import failure_text
 
@@ -129,7 +130,7 @@ class GpumemManager(MarkerCheck, RunEnd):
         spec = item.stash.get(SPEC_KEY, None)
         if spec is None:
             return
-        from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, RunOptions, TestRun, choose_device
+        from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, TestRun, choose_device
 
         settings = self.settings
         unavailable: DeviceUnavailable | None = None
@@ -156,11 +157,7 @@ class GpumemManager(MarkerCheck, RunEnd):
                 f"{item.nodeid}: fake=True needs a prediction: predict= on the marker or --gpumem-predict",
                 pytrace=False,
             )
-        options = RunOptions(
-            leak_check=settings.leak_check,
-            snapshots=settings.artifacts if settings.snapshot else None,
-            device_limit=settings.device_limit,
-        )
+        options = run_options(settings, spec)
         item.stash[RUN_KEY] = TestRun(
             item.nodeid,
             spec,
@@ -218,9 +215,9 @@ class GpumemManager(MarkerCheck, RunEnd):
         try:
             result = yield
         except BaseException as exc:
-            item.stash[RECORD_KEY] = run.finish(exc)
+            item.stash[RECORD_KEY] = second_run(item, run, run.finish(exc), exc, self.settings, self.gate)
             raise
-        item.stash[RECORD_KEY] = run.finish(None)
+        item.stash[RECORD_KEY] = second_run(item, run, run.finish(None), None, self.settings, self.gate)
         return result
 
     @pytest.hookimpl(wrapper=True)
@@ -279,7 +276,8 @@ class GpumemManager(MarkerCheck, RunEnd):
             self.gate.records[record.nodeid] = record  # the store keeps a copy: with the error
         if report.passed and record.failed:  # the one place a test's outcome changes
             report.outcome = "failed"
-            report.longrepr = failure_text(record, reports=record.reports, width=_terminal_width(self.config))
+            width, verbosity = _terminal_width(self.config), int(self.config.option.verbose)
+            report.longrepr = failure_text(record, reports=record.reports, width=width, verbosity=verbosity)
         elif report.failed and record.reports:
             append_section(report, "gpumem", "\n\n".join(record.reports))
         self._artifacts(report, record)

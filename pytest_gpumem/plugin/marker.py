@@ -13,6 +13,7 @@ from typing import Any
 
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import METRIC_TABLE, METRICS
+from pytest_gpumem.data.sites import parse_sites_mode
 from pytest_gpumem.judge.limits import LimitSpec, SpecError, parse_limit, parse_tolerance_keyword
 from pytest_gpumem.measurement.observe import ObserveError, observe_conflict, parse_observe
 from pytest_gpumem.units import MAX_BYTES, SizeError, parse_size, shown
@@ -38,6 +39,8 @@ MARKER_KEYWORD_HELP: dict[str, str] = {
     "tolerance": "baseline tolerance of this test: '2%', '1MiB' or '2%,1MiB'",
     "device_limit": "run as if the device had this much memory: '24GiB'",
     "min_microbatch": "the largest microbatch gpumem.max_microbatch() finds must be at least this (an int)",
+    "sites": "'rerun', 'always' or 'off': when this test records where its bytes were made (overrides "
+    "--gpumem-sites; 'off' for a test whose state a second run of its call would find changed)",
 }
 #: Keywords the ``gpumem`` marker accepts.
 MARKER_KEYWORDS: tuple[str, ...] = tuple(MARKER_KEYWORD_HELP)
@@ -72,6 +75,8 @@ class GpumemSpec:
     device_limit: int | None = None
     #: lower bound on the largest microbatch that fits (``gpumem.max_microbatch()``)
     min_microbatch: int | None = None
+    #: when sites are recorded (:data:`~pytest_gpumem.data.sites.SITES_MODES`); None: the run's option
+    sites: str | None = None
 
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(?::[0-9]+)?)$")
@@ -168,4 +173,12 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
         min_microbatch=None
         if merged.get("min_microbatch") is None
         else _positive_int("min_microbatch", merged["min_microbatch"]),
+        sites=None if merged.get("sites") is None else _sites(merged["sites"]),
     )
+
+
+def _sites(value: object) -> str:
+    try:
+        return parse_sites_mode(value)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None

@@ -19,6 +19,7 @@ import gc
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.figures import OutputNotWritten, PartialFigures
+from pytest_gpumem.data.sites import SiteConfig
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
 from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, release_oom
 from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
@@ -173,6 +175,8 @@ class RunOptions:
     snapshots: Path | None = None
     #: the emulated device size (bytes) of tests whose marker names none
     device_limit: int | None = None
+    #: record where storages are made, chosen so (None: not in this run; see plugin/sites.py)
+    sites: SiteConfig | None = None
 
 
 def _forget_last_failure() -> None:
@@ -210,7 +214,9 @@ class TestRun:
         self.engine = engine
         self.environment = environment
         self.options = options or RunOptions()
-        self.recorder = Recorder(engine, timeline=engine.categorizes, fake=fake, label=nodeid)
+        self.recorder = Recorder(engine, timeline=engine.categorizes, fake=fake, label=nodeid, sites=self.options.sites)
+        #: the objects the test tracked, once it has finished (weakly: a second run tracks them again)
+        self.tracked: list[weakref.ref[Any]] = []
         self.recorder.device_limit = spec.device_limit if spec.device_limit is not None else self.options.device_limit
         self._stack = contextlib.ExitStack()  # what lives as long as the call: the recorder's activation
         self._watches = contextlib.ExitStack()  # what is left just before the call span closes
@@ -292,6 +298,7 @@ class TestRun:
             call = recorder.close(self._state, allocated=self._returned[-1] if self._returned else None)
             timeline = recorder.timeline_since(self._state.start_event)
         finally:
+            self.tracked = [weakref.ref(obj) for obj in recorder.tracked]
             self._stack.close()
             recorder.end()
         if oom is not None and exc is not None:

@@ -22,6 +22,7 @@ from pytest_gpumem.data.findings import failure_message
 from pytest_gpumem.data.metrics import DRAWN_METRICS
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.report.html import render_html
+from pytest_gpumem.report.sites import site_section_html
 
 __all__ = ["MAX_NAME_LENGTH", "artifact_path", "artifact_stem", "write_artifacts", "write_html"]
 
@@ -154,7 +155,12 @@ def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
             f"{Path(directory).resolve()}; remove it",
         ) from None
     page = render_html(
-        title=record.nodeid, measurement=call, timeline=record.timeline_of_call(), lines=lines, details=details
+        title=record.nodeid,
+        measurement=call,
+        timeline=record.timeline_of_call(),
+        lines=lines,
+        details=details,
+        sections=[section] if (section := site_section_html(record)) else [],
     )
     try:
         write_html(path, page)

@@ -20,6 +20,7 @@ from pytest_gpumem.report.cells import (
     one_line,
     other_environments,
 )
+from pytest_gpumem.report.sites import site_lines
 from pytest_gpumem.tables import (
     Col,
     Table,
@@ -223,13 +224,17 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
     return "\n".join(lines)
 
 
-def failure_text(record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None) -> str:
-    """The text of a test that failed on memory: its errors, the broken checks, ``reports``
-    (the out-of-memory report, the leaked tensors), then its figures."""
+def failure_text(
+    record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None, verbosity: int = 0
+) -> str:
+    """The text of a test that failed on memory: its errors, the broken checks with the sites
+    that grew (:mod:`~pytest_gpumem.report.sites`; ``verbosity`` as pytest's), ``reports`` (the
+    out-of-memory report, the leaked tensors), then its figures."""
     parts = [f"gpumem: {error}" for error in record.errors]
     broken = [finding for finding in record.findings if finding.failed]
     if broken:
-        parts.append("\n".join([failure_message(broken), *_beyond_model_states(record, broken)]))
+        sites = site_lines(record, width=width, verbosity=verbosity)
+        parts.append("\n".join([failure_message(broken), *_beyond_model_states(record, broken), *sites]))
     parts.extend(reports)
     if record.measurements:
         parts.append(measurement_table(record.measurements, width=width))

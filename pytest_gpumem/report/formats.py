@@ -53,6 +53,7 @@ def json_report(
                 "measurements": [m.to_dict() for m in record.measurements],
                 "findings": [f.to_dict() for f in record.findings],
                 "errors": list(record.errors),
+                **_site_changes(record),
             }
         )
     counts["stale"] = sum(1 for f in extra_findings if f.status == "stale")
@@ -64,6 +65,12 @@ def json_report(
         "other_findings": [f.to_dict() for f in extra_findings],
         "summary": counts,
     }
+
+
+def _site_changes(record: RecordLike) -> dict[str, object]:
+    """``{"site_changes": {span: ...}}`` for a record whose sites were compared with its baselines', else nothing."""
+    changes = getattr(record, "site_changes", None)
+    return {"site_changes": {span: diff.to_dict() for span, diff in changes.items()}} if changes else {}
 
 
 def write_reports(

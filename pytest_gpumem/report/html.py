@@ -102,6 +102,7 @@ def render_html(
     timeline: Timeline,
     lines: Mapping[str, int] = _NO_LINES,
     details: Sequence[str] = (),
+    sections: Sequence[str] = (),
 ) -> str:
     """One self-contained HTML page showing ``measurement`` and ``timeline``.
 
@@ -149,6 +150,7 @@ def render_html(
         f"<figcaption>{_esc(chart.caption(len(samples), timeline))}</figcaption>",
         "</figure>",
         "</section>",
+        *sections,  # HTML of its own: the sites, the baseline run's beside this run's (report/sites.py)
         _figures_table(measurement),
         '<div class="grid">',
         _breakdown_table(measurement, peak_sample),

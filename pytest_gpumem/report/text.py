@@ -44,6 +44,7 @@ from pytest_gpumem.report.cells import (
     other_environments,
 )
 from pytest_gpumem.report.details import detail_tables, test_id
+from pytest_gpumem.report.sites import site_markdown
 from pytest_gpumem.tables import (
     Col,
     Table,
@@ -438,4 +439,7 @@ def markdown_report(
     if stale:
         lines += ["", "Stale baselines (their tests no longer exist):", ""]
         lines += [f"- `{_md(f.test)}`" for f in stale]
+    sites = site_markdown(records)
+    if sites:
+        lines += ["", sites.rstrip("\n")]
     return "\n".join(lines) + "\n"

@@ -187,7 +187,8 @@ class AllocationTracker(StorageTracker):
                 continue
             entry = Entry(storage, self._freed)
             for field in Entry.__slots__:
-                setattr(entry, field, getattr(block, field))
+                if hasattr(block, field):  # ``site`` only where sites were recorded
+                    setattr(entry, field, getattr(block, field))
             self._entries[ptr] = entry
             for token, saved in self._saved_entries.items():
                 if saved is block:

@@ -61,7 +61,11 @@ class CpuEngine(TrackerMembers):
     def take_window(self, *, defer: bool = False) -> Reading:
         window = self.tracker.take_window(defer=defer)
         return Reading(
-            peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak, pending=window.pending
+            peak=window.peak,
+            breakdown=window.breakdown,
+            saved_peak=window.saved_peak,
+            pending=window.pending,
+            sites=window.sites,
         )
 
     def resolve(self, token: int) -> tuple[Reading, int, int]:
@@ -96,6 +100,7 @@ class CpuEngine(TrackerMembers):
 
     def stop(self) -> None:
         self.tracker.stop()
+        self.tracker.record_sites(None)
 
     def settle(self) -> None:
         gc.collect()

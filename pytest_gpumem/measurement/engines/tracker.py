@@ -44,16 +44,12 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
-try:
-    from torch._ops import OpOverload
-except ImportError:  # pragma: no cover - torch moved it
-    OpOverload = None  # type: ignore[assignment,misc]
-
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement.engines.compiled import forget_skips
 from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
+from pytest_gpumem.measurement.engines.sites import TrackedSites
 from pytest_gpumem.measurement.engines.storages import (
     _PLAIN,
     Block,
@@ -75,7 +71,7 @@ PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(
 TIMELINE_LIMIT = 4096
 
 
-class StorageTracker:
+class StorageTracker(TrackedSites):
     """Counts the bytes of tensor storages on one device, by category.
 
     Use :meth:`scan` to register what already exists, then :meth:`start` /
@@ -144,6 +140,7 @@ class StorageTracker:
         self.skipped_codes: set[Any] = set()
         self.timeline: list[tuple[int, tuple[int, ...]]] | None = None
         self._timeline_stride = 1
+        self.sites = None  # where storages are made, only when asked (TrackedSites)
         #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
         self.limit: int | None = None
         #: called with the request size (bytes) just before a limit OOM is raised.
@@ -243,6 +240,7 @@ class StorageTracker:
         """Copy the breakdown into the window: the count is at its peak and is about to change."""
         self._window.breakdown = tuple(self._by_category)
         self._pending = False
+        self._window.sites = self.site_snapshot()
 
     def _event(self) -> None:
         """Count an event that may raise the count (the categories are already updated)."""
@@ -306,6 +304,8 @@ class StorageTracker:
         if entry is None:
             if fresh:
                 self._add(storage, key, TEMPORARIES)
+                if self.sites is not None:
+                    self.sites.made(self._entries[key], tensor)
             return
         nbytes = storage.nbytes()
         if self.cuda_rounding:
@@ -325,6 +325,8 @@ class StorageTracker:
         entry.nbytes = nbytes
         self._by_category[entry.category] += delta
         self.current += delta
+        if self.sites is not None:
+            self.sites.resized(entry, delta)
         self._event()
 
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
@@ -405,6 +407,8 @@ class StorageTracker:
             parts[entry.category] -= entry.nbytes
             parts[index] += entry.nbytes
             window.breakdown = tuple(parts)
+        if self.sites is not None:
+            self._site_moved(entry, index, discovered)
         self._by_category[entry.category] -= entry.nbytes
         self._by_category[index] += entry.nbytes
         entry.category = index
@@ -463,7 +467,7 @@ class StorageTracker:
             if self._pending:
                 self._settle()
             window = self._window
-            self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
+            self._window = self._new_window()
             return window
 
     # -- activity --------------------------------------------------------------
@@ -519,7 +523,7 @@ class StorageTracker:
         self.notes = []
         if self.timeline is not None:
             self.timeline.append((0, tuple(self._by_category)))
-        self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
+        self._window = self._new_window()
         self._pending = False
 
     def stop(self) -> None:
