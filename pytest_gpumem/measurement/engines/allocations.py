@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.followers import follow_threads
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.storages import Block, Entry, Window
@@ -159,7 +160,7 @@ class AllocationTracker(StorageTracker):
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
         if self._profiling:
-            gc.collect()  # garbage made in the span is freed while its frees are still reported
+            collector.collect()  # garbage made in the span is freed while its frees are still reported
             self._flush(restart=False)
             self._adopt_survivors()
 

@@ -10,7 +10,6 @@ span's figures (``span.peak``) instead.
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.saved import SavedTensors
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
@@ -169,7 +169,7 @@ class CudaEngine(TrackerMembers):
     def settle(self) -> None:
         """Synchronize and collect garbage, so that a reading shows only what is alive."""
         self.synchronize()
-        gc.collect()
+        collector.collect()  # what is not frozen: see pytest_gpumem.measurement.collector
         self.synchronize()
 
     def release_workspaces(self) -> None:
