@@ -117,7 +117,9 @@ def test_cycles_a_test_drops_are_freed(pytester: pytest.Pytester) -> None:
 #: makes them all, then an optimizer step imports parts of torch lazily (over 100,000 objects), so
 #: the collector freezes what is alive once the test is done. Later tests make a cache of 20,000
 #: objects (what a suite builds as it runs) for the same effect.
-FROZEN_CYCLES = CYCLES.split("@pytest.mark.parametrize", 1)[0] + """
+FROZEN_CYCLES = (
+    CYCLES.split("@pytest.mark.parametrize", 1)[0]
+    + """
 def build():                                # a cache a test fills: the collector freezes it
     HOLD.setdefault("bulk", []).append([[] for _ in range(20_000)])
 
@@ -181,6 +183,7 @@ def test_7_give_the_frozen_cycle_a_tensor_and_drop_it():
     assert is_frozen(HOLD["holder"])
     HOLD.pop("holder").t = torch.ones(MiB)  # garbage now: retained must not count it
 """
+)
 
 
 @pytest.mark.slow

@@ -135,6 +135,11 @@ class Freezer:
         self.collector = Collector()
         self._config = config
 
+    @property
+    def active(self) -> bool:
+        """Whether the run's collector froze objects (someone else had not)."""
+        return self.collector.active
+
     def start(self) -> None:
         """Collect garbage and freeze what exists now (see :meth:`Collector.start`)."""
         self.collector.start()
@@ -278,10 +283,6 @@ class TestRun:
         if oom is not None and exc is not None:
             release_oom(exc, engine)  # what the failed test held goes; the traceback ends at the user's line
         engine.settle()  # library workspaces stay: they were there at the start reading too
-        running = collector.running()
-        if running is not None and running.frozen and engine.allocated() > call.start:
-            running.give_back()  # a cycle among frozen objects may hold what the test dropped: settle with all
-            engine.settle()
         notes = call.notes
         if engine.exact:  # the tracker is the engine: what did it miss?
             unseen = engine.scan()
@@ -305,6 +306,7 @@ class TestRun:
         spec = self.spec
         allowed = next((limit for limit in spec.limits if limit.metric == "retained"), None)
         if self._snapshot is not None and record.passed and call.retained and call.retained > 0:
+            collector.give_back()  # a cycle among frozen objects may hold what the test dropped: collect all
             leak = confirm_leak(engine, call.start, snapshot=self._snapshot)
             call = replace(call, retained=leak.retained)
             try:
