@@ -388,6 +388,18 @@ def all_variants(*, cuda: bool) -> dict[str, Variant]:
 ANCHORS = ("memray", "profiler", "memtracker", "dispatch")
 
 
+def other_variants(checkout: Path, runs: list[Variant]) -> list[Variant]:
+    """``on`` (and ``on-warm``) of the plugin in another checkout: the same options, the package
+    imported from there (``PYTHONPATH`` comes before the installed one)."""
+    found = []
+    for variant in runs:
+        if variant.name in ("on", "on-warm"):
+            env = {**variant.env, "PYTHONPATH": str(checkout)}
+            label = f"{variant.label.replace('on ', 'other ', 1)} [{checkout.name}]"
+            found.append(Variant(f"other{variant.name[2:]}", label, variant.args, env, variant.reference))
+    return found
+
+
 def choose(names: list[str] | None, *, cuda: bool, warm_up: bool, anchors: bool) -> list[Variant]:
     """The variants to run, ``off`` first (and ``off-warm`` with a warm-up variant)."""
     known = all_variants(cuda=cuda)
@@ -433,7 +445,7 @@ def run_session(folder: Path, variant: Variant, *, cov: bool, cuda: bool, junit:
         env["GPUMEM_BENCH_CUDA"] = "1"
     args = list(variant.args)
     if not plugin_installed():
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
         if "no:gpumem" not in args:
             args = ["-p", "pytest_gpumem.plugin", *args]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
@@ -570,6 +582,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write the rounds, medians, ratios and machine here")
     parser.add_argument("--max-seconds", type=float, default=None, help="start no round that would end past this")
     parser.add_argument("--keep", type=Path, default=None, help="write the suite here and keep it")
+    parser.add_argument(
+        "--other",
+        type=Path,
+        default=None,
+        help="another checkout of pytest-gpumem: adds its on (and on-warm) variants, the plugin imported from there",
+    )
     options = parser.parse_args(argv)
     if options.suite == "mlp":
         options.suite = "tiny"
@@ -584,6 +602,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if options.max_seconds is not None and options.max_seconds <= 0:
         parser.error(f"--max-seconds must be positive (got {options.max_seconds})")
     options.runs = choose(options.variants, cuda=options.cuda, warm_up=options.warm_up, anchors=options.anchors)
+    if options.other is not None:
+        if not (options.other / "pytest_gpumem" / "plugin").is_dir():
+            parser.error(f"--other {options.other}: no pytest_gpumem package there")
+        options.runs += other_variants(options.other.resolve(), options.runs)
     if options.cuda:
         import torch
 
@@ -609,9 +631,10 @@ def main(argv: list[str] | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         write_suite(folder, options.tests, suite=options.suite)
         first = time.perf_counter()
-        for variant in runs[:2]:  # the file cache, torch's first import, the bytecode caches
+        untimed = [variant for variant in runs if variant.name in ("off", "on", "other")]
+        for variant in untimed:  # the file cache, torch's first import, the bytecode caches
             run_session(folder, variant, cov=options.cov, cuda=cuda, junit=None)
-        longest = (time.perf_counter() - first) / 2 * len(runs)  # a round's estimate until one is timed
+        longest = (time.perf_counter() - first) / len(untimed) * len(runs)  # a round's estimate until one is timed
         for round_index in range(options.repeat):
             if over(longest):
                 stopped = True
