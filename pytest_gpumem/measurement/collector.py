@@ -67,9 +67,9 @@ class Collector:
     * **A test's collections do not walk what the session imported or built.** :meth:`start`
       freezes what exists before the first measured test (the libraries, pytest, the collected
       test modules); :meth:`compact`, between tests, freezes what is left when it is a lot (over
-      :attr:`compact_above` objects not frozen, once the garbage is collected): the modules a
-      first optimizer step imports lazily, a library's caches, compiled code, a fixture of wider
-      scope, what a full collection was given back. Later tests' collections walk what they made.
+      :attr:`compact_above` objects not frozen): the modules a first optimizer step imports
+      lazily, a library's caches, compiled code, a fixture of wider scope, what a full collection
+      was given back. Later tests' collections walk what they made.
 
     Objects frozen by someone else before :meth:`start` (a conftest, a library, an enclosing
     pytest session) stay frozen, and the collector freezes nothing and gives nothing back: it
@@ -90,6 +90,8 @@ class Collector:
         self.froze = 0
         self.given_back = 0
         self._collecting = False
+        self._collections = 0  # the plugin's own collections so far
+        self._compacted_at = 0  # ... at the last compaction
 
     # -- the run ----------------------------------------------------------------------
 
@@ -136,15 +138,22 @@ class Collector:
             gc.collect()
         finally:
             self._collecting = False
+            self._collections += 1
 
     def compact(self) -> bool:
-        """Between tests: when over :attr:`compact_above` objects are left to the collector, collect
-        the garbage and freeze what is alive (its tensors remembered). Returns whether it froze.
-        Counting lists what is not frozen (~25 ns an object)."""
-        if not self.active or len(gc.get_objects()) <= self.compact_above:
+        """Between tests: when over :attr:`compact_above` objects are left to the collector, freeze
+        them (their tensors remembered). Returns whether it froze. Counting lists what is not frozen
+        (~25 ns an object). The garbage is collected first unless the plugin collected since the last
+        call (a measured test's end): then what its teardown dropped is frozen with the rest, and
+        freed by the next full collection that is given everything."""
+        if not self.active:
             return False
-        self.collect()
         objects = gc.get_objects()
+        if len(objects) > self.compact_above and self._collections == self._compacted_at:
+            del objects
+            self.collect()  # nothing collected since the last test (not measured): its garbage first
+            objects = gc.get_objects()
+        self._compacted_at = self._collections
         if len(objects) <= self.compact_above:
             return False
         frozen.add(tensors_among(objects))
