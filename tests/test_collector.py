@@ -199,35 +199,44 @@ def _is_frozen(obj: object) -> bool:
 @pytest.mark.usefixtures("nothing_frozen")
 def test_a_full_collection_the_plugin_did_not_ask_for_is_given_everything() -> None:
     before = Cycle()
-    with Collector(compact_above=1_000) as collector:
+    with Collector() as collector:
         assert collector.active and collector.frozen and _is_frozen(before)
         assert any(tensor is before.tensor for tensor in frozen.tensors())  # remembered for the trackers
         collect()  # on the plugin's account: walks what is not frozen, gives nothing back
         assert collector.frozen and _is_frozen(before) and collector.given_back == 0
+        later = Cycle()  # made since the freeze: the plugin's collections walk it
+        assert not _is_frozen(later)
         ref = weakref.ref(before)
         del before
         gc.collect()  # the user's: everything is given back first, so the dropped cycle is freed
-        assert ref() is None
-        assert not collector.frozen and collector.given_back == 1
-        later = Cycle()
-        assert collector.compact() and collector.froze == 2  # the given-back objects are many: frozen again
-        assert _is_frozen(later) and any(tensor is later.tensor for tensor in frozen.tensors())
-        assert not collector.compact()  # nothing left to freeze
+        assert ref() is None and collector.given_back == 1
+        # what survived it is frozen again as it ended, the tensors made since remembered
+        assert collector.frozen and collector.froze == 2 and _is_frozen(later)
+        assert any(tensor is later.tensor for tensor in frozen.tensors())
         ref = weakref.ref(later)
         del later
-        gc.collect()
-        assert ref() is None
-    assert gc.get_freeze_count() == 0 and collector.given_back == 2  # the run's end gives everything back
+        collect()  # the plugin's own does not walk the frozen cycle...
+        assert ref() is not None
+        gc.collect()  # ...the user's does
+        assert ref() is None and collector.given_back == 2
+    assert gc.get_freeze_count() == 0  # the run's end gives everything back
     assert collector._on_collection not in gc.callbacks and not frozen.known()
 
 
 @pytest.mark.usefixtures("nothing_frozen")
 def test_the_interpreters_own_full_collections_see_everything() -> None:
     with Collector() as collector:
+        dropped = Cycle()
+        ref = weakref.ref(dropped)
+        collect()
+        assert _is_frozen(dropped) is False
+        gc.collect()  # frozen now (what survives a full collection given everything is frozen again)
+        assert _is_frozen(dropped)
+        del dropped
         collect()  # after it, what the oldest generation holds is small (all else is frozen)
         gc.set_threshold(10, 2, 2)  # the interpreter collects often, its oldest generation too
         kept = [[] for _ in range(50_000)]
-        assert collector.given_back >= 1 and not collector.frozen
+        assert collector.given_back >= 2 and ref() is None
         del kept
 
 

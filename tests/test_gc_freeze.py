@@ -167,19 +167,27 @@ def test_5_fits_in_32_mib():
     torch.ones(MiB)                         # fails if the dropped 64 MiB were still counted
 
 
+@pytest.mark.gpumem(device="cpu", retained="0B")
+def test_6_collect_then_drop_a_cycle_made_before():
+    node = Node()
+    gc.collect()                            # what survives it is frozen: the test's own objects too
+    assert is_frozen(node)
+    del node                                # garbage among frozen objects: retained must not count it
+
+
 class Holder:
     def __init__(self):
         self.me = self
 
 
 @pytest.mark.gpumem(device="cpu")
-def test_6_hold_a_cycle_without_tensors():
+def test_7_hold_a_cycle_without_tensors():
     HOLD["holder"] = Holder()
     build()
 
 
 @pytest.mark.gpumem(device="cpu", retained="0B")
-def test_7_give_the_frozen_cycle_a_tensor_and_drop_it():
+def test_8_give_the_frozen_cycle_a_tensor_and_drop_it():
     assert is_frozen(HOLD["holder"])
     HOLD.pop("holder").t = torch.ones(MiB)  # garbage now: retained must not count it
 """
@@ -190,7 +198,7 @@ def test_7_give_the_frozen_cycle_a_tensor_and_drop_it():
 def test_frozen_cycles_a_test_drops_are_freed(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_frozen_cycles=FROZEN_CYCLES)
     result = run_fresh(pytester, "-p", "no:randomly")
-    result.assert_outcomes(passed=11)
+    result.assert_outcomes(passed=12)
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ everything. Outside a run nothing is frozen, and :func:`collect` is ``gc.collect
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import weakref
 from typing import Any
 
 from pytest_gpumem.measurement import frozen
@@ -60,6 +62,8 @@ class Collector:
       interpreter's own collection of its oldest generation), a ``gc.callbacks`` hook gives
       every frozen object back first (``gc.unfreeze()``): that collection sees everything, as
       it would without the plugin, and frees a cycle the suite dropped, whenever it was made.
+      What survives it is alive, and is frozen again as it ends (a suite that collects in every
+      test pays its own collections, not the plugin's walks of everything after them).
       Where a figure counts everything alive, the plugin collects with everything given back
       too (:func:`give_back`): before a test with an emulated device limit, and when a test
       seems to retain memory, so that a cycle among frozen objects that a test dropped never
@@ -68,8 +72,8 @@ class Collector:
       freezes what exists before the first measured test (the libraries, pytest, the collected
       test modules); :meth:`compact`, between tests, freezes what is left when it is a lot (over
       :attr:`compact_above` objects not frozen): the modules a first optimizer step imports
-      lazily, a library's caches, compiled code, a fixture of wider scope, what a full collection
-      was given back. Later tests' collections walk what they made.
+      lazily, a library's caches, compiled code, a fixture of wider scope, what the leak check
+      or a report was given back. Later tests' collections walk what they made.
 
     Objects frozen by someone else before :meth:`start` (a conftest, a library, an enclosing
     pytest session) stay frozen, and the collector freezes nothing and gives nothing back: it
@@ -91,6 +95,8 @@ class Collector:
         self.given_back = 0
         self._collecting = False
         self._collections = 0  # the plugin's own collections so far
+        self._refreeze = False  # a full collection not the plugin's was given everything: freeze as it ends
+        self._young: list[weakref.ref[Any]] = []  # the tensors not frozen as it started
         self._compacted_at = 0  # ... at the last compaction
 
     # -- the run ----------------------------------------------------------------------
@@ -171,7 +177,25 @@ class Collector:
             gc.unfreeze()
 
     def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
-        """``gc.callbacks`` hook: a full collection the plugin did not ask for sees everything."""
-        if phase == "start" and info["generation"] == 2 and self.frozen and not self._collecting:
-            self.given_back += 1
-            self.give_back()
+        """``gc.callbacks`` hook: a full collection the plugin did not ask for is given everything
+        as it starts, and what survives it (all of it alive) is frozen again as it ends. The tensors
+        made since the last freeze are noted (weakly: the collection may free them) as it starts,
+        among the few objects not frozen then, and remembered as it ends."""
+        if info["generation"] != 2 or self._collecting:
+            return
+        if phase == "start":
+            if self.frozen:
+                self._young = []
+                for tensor in tensors_among(gc.get_objects()):
+                    with contextlib.suppress(TypeError):  # a tensor subclass without weak references
+                        self._young.append(weakref.ref(tensor))
+                self.given_back += 1
+                self.give_back()
+                self._refreeze = True
+        elif self._refreeze:
+            self._refreeze = False
+            young, self._young = self._young, []
+            frozen.add(tensor for tensor in (ref() for ref in young) if tensor is not None)
+            gc.freeze()
+            self.frozen = True
+            self.froze += 1

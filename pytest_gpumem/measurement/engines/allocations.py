@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.measurement import collector
+from pytest_gpumem.measurement import collector, frozen
 from pytest_gpumem.measurement.engines.followers import follow_threads
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.storages import Block, Entry, Window
@@ -183,7 +183,7 @@ class AllocationTracker(StorageTracker):
         from torch._subclasses.fake_tensor import FakeTensor  # torch.compile's tracing tensors: no memory
 
         tensor_type = torch.Tensor
-        for obj in gc.get_objects():
+        for obj in itertools.chain(gc.get_objects(), frozen.tensors()):  # frozen ones too (a full collection's)
             kind = type(obj)  # type(): isinstance would ask proxies for __class__
             if not issubclass(kind, tensor_type) or issubclass(kind, FakeTensor):
                 continue  # a fake tensor's data pointer is meaningless, and torch warns when it is read

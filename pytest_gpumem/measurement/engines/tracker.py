@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - torch moved it
     OpOverload = None  # type: ignore[assignment,misc]
 
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.measurement import frozen
 from pytest_gpumem.measurement.engines.compiled import forget_skips
 from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
@@ -424,7 +425,8 @@ class StorageTracker:
             return self.current - before
 
     def _scan(self, extra: Iterable[object] = ()) -> None:
-        self._register_scanned(gc.get_objects(), extra)
+        # with the tensors among the collector's frozen objects, which gc.get_objects() does not list
+        self._register_scanned(gc.get_objects(), itertools.chain(extra, frozen.tensors()))
 
     def _register_scanned(self, objects: list[Any], extra: Iterable[object]) -> None:
         """Register the tensors among ``objects`` (the collector's) and ``extra``."""
