@@ -1,7 +1,7 @@
 """What pytest-gpumem costs a suite as users write it: the same suite with and without the plugin.
 
 Run: ``python benchmarks/bench_overhead.py [--suite tiny|encoder|transformers] [--tests N] [--repeat R]
-[--warm-up] [--anchors] [--cov] [--variants NAME ...] [--json PATH] [--max-seconds S] [--keep DIR]``,
+[--warm-up] [--anchors] [--cov] [--gc-collect] [--variants NAME ...] [--json PATH] [--max-seconds S] [--keep DIR]``,
 or on a CUDA GPU ``python benchmarks/bench_overhead.py --cuda [--tests 60] ...``.
 
 The script writes a suite into a temporary folder, ``--tests`` tests in 10 files, each marked
@@ -40,7 +40,8 @@ Each variant runs the suite in a fresh interpreter, ``python -m pytest -q -p no:
   read from its snapshot) and ``dispatch`` (each test call under an empty ``TorchDispatchMode``:
   the floor of any Python per-operator tracker).
 
-``--cov`` runs every variant under ``pytest --cov=. --cov-report=`` (pytest-cov). The variants run
+``--cov`` runs every variant under ``pytest --cov=. --cov-report=`` (pytest-cov); ``--gc-collect``
+starts every test with ``gc.collect()`` (an autouse fixture, as many GPU suites have). The variants run
 interleaved, ``--repeat`` rounds, the order reversed every other round; each figure is the median
 of a variant's rounds, in wall seconds and in CPU seconds of the session's process (user + system,
 ``resource.getrusage(RUSAGE_CHILDREN)``): on a shared machine the wall time moves with the
@@ -102,6 +103,17 @@ CONFTEST = textwrap.dedent(
             _model(torch.randn(2, 4, device=_device)).pow(2).mean().backward()
             _opt.step()
         del _model, _opt, _sgd
+
+
+    if os.environ.get("GPUMEM_BENCH_COLLECT") == "1":
+
+        @pytest.fixture(autouse=True)
+        def _collect_garbage_first():
+            # as many GPU suites do before each test: gc.collect() (then torch.cuda.empty_cache())
+            import gc
+
+            gc.collect()
+            yield
 
 
     def pytest_configure(config):
@@ -433,7 +445,9 @@ def junit_figures(path: Path) -> dict[str, str]:
     return figures
 
 
-def run_session(folder: Path, variant: Variant, *, cov: bool, cuda: bool, junit: Path | None) -> tuple[float, float]:
+def run_session(
+    folder: Path, variant: Variant, *, cov: bool, cuda: bool, junit: Path | None, collect: bool = False
+) -> tuple[float, float]:
     """Wall and CPU seconds (user + system) of one pytest session over ``folder`` in a fresh interpreter."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # bytecode caches as Python writes them by default: with PYTHONDONTWRITEBYTECODE set, pytest
@@ -443,6 +457,8 @@ def run_session(folder: Path, variant: Variant, *, cov: bool, cuda: bool, junit:
     env.update(variant.env)
     if cuda:
         env["GPUMEM_BENCH_CUDA"] = "1"
+    if collect:
+        env["GPUMEM_BENCH_COLLECT"] = "1"
     args = list(variant.args)
     if not plugin_installed():
         env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
@@ -518,6 +534,7 @@ def report(runs: list[Variant], options: argparse.Namespace, *, stopped: bool, r
             ]
         )
     cov = " under pytest --cov" if options.cov else ""
+    cov += ", each test after gc.collect()" if options.gc_collect else ""
     print(f"{options.tests} tests ({SUITES[options.suite]}){cov}, {rounds} interleaved rounds, OMP_NUM_THREADS=1")
     headers = ["variant", "wall s", "CPU s", "CPU s by round", "× ref wall", "× ref CPU", "CPU ms/test"]
     print(tabulate(rows, headers=headers, disable_numparse=True))
@@ -539,6 +556,7 @@ def report(runs: list[Variant], options: argparse.Namespace, *, stopped: bool, r
         "suite": options.suite,
         "tests": options.tests,
         "cov": options.cov,
+        "gc_collect": options.gc_collect,
         "cuda": options.cuda,
         "rounds": rounds,
         "stopped_by_max_seconds": stopped,
@@ -578,6 +596,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-up", action="store_true", help="add the warm-up variants (off-warm, on-warm)")
     parser.add_argument("--anchors", action="store_true", help="add pytest-memray, the profiler, MemTracker, dispatch")
     parser.add_argument("--cov", action="store_true", help="run every variant under pytest --cov=. (pytest-cov)")
+    parser.add_argument(
+        "--gc-collect", action="store_true", help="every test starts with gc.collect() (an autouse fixture)"
+    )
     parser.add_argument("--variants", nargs="+", default=None, help="the variants by name (off is always run)")
     parser.add_argument("--json", type=Path, default=None, help="write the rounds, medians, ratios and machine here")
     parser.add_argument("--max-seconds", type=float, default=None, help="start no round that would end past this")
@@ -633,7 +654,7 @@ def main(argv: list[str] | None = None) -> None:
         first = time.perf_counter()
         untimed = [variant for variant in runs if variant.name in ("off", "on", "other")]
         for variant in untimed:  # the file cache, torch's first import, the bytecode caches
-            run_session(folder, variant, cov=options.cov, cuda=cuda, junit=None)
+            run_session(folder, variant, cov=options.cov, cuda=cuda, junit=None, collect=options.gc_collect)
         longest = (time.perf_counter() - first) / len(untimed) * len(runs)  # a round's estimate until one is timed
         for round_index in range(options.repeat):
             if over(longest):
@@ -642,7 +663,9 @@ def main(argv: list[str] | None = None) -> None:
             started = time.perf_counter()
             for variant in runs if round_index % 2 == 0 else runs[::-1]:
                 junit = Path(tmp) / "junit.xml" if variant.figures is None else None
-                wall, cpu = run_session(folder, variant, cov=options.cov, cuda=cuda, junit=junit)
+                wall, cpu = run_session(
+                    folder, variant, cov=options.cov, cuda=cuda, junit=junit, collect=options.gc_collect
+                )
                 variant.wall.append(wall)
                 variant.cpu.append(cpu)
                 if junit is not None:
