@@ -173,6 +173,11 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> RecordingCuda:
     API objects, its context set-up and workspace kernels, cuBLAS's workspace release, NVML) are
     the :class:`RecordingCuda`. What the tests read from it are facts about our code's calls, never
     a device's figures."""
+    return install_stand_in(monkeypatch)
+
+
+def install_stand_in(monkeypatch: pytest.MonkeyPatch) -> RecordingCuda:
+    """Put a :class:`RecordingCuda` in the place of the device calls, as the ``cuda`` fixture does."""
     stand_in = RecordingCuda()
     # the inner session is no xdist worker, even when this test runs in one: worker gw1 would
     # measure "cuda" on cuda:1 (worker i on GPU i mod N) and the two devices would be one

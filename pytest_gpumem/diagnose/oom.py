@@ -15,7 +15,6 @@ Emulated device sizes, which make a step run out of memory on purpose, are
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import re
 import sys
@@ -36,6 +35,7 @@ from pytest_gpumem.diagnose.census import (
     traceback_frames,
 )
 from pytest_gpumem.diagnose.holders import library_dirs
+from pytest_gpumem.measurement import collector
 from pytest_gpumem.tables import table
 from pytest_gpumem.units import format_size
 
@@ -422,6 +422,6 @@ def release_oom(exc: BaseException, engine: Engine | None = None, *, collect: bo
             if linked is not None:
                 pending.append(linked)
     if collect:
-        gc.collect()
+        collector.collect()
     if engine is not None:
         engine.empty_cache()

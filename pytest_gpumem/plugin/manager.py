@@ -113,7 +113,7 @@ class GpumemManager(MarkerCheck, RunEnd):
         if any(SPEC_KEY in item.stash for item in session.items):
             from pytest_gpumem.plugin.runner import Engines, Freezer
 
-            self._freezer = Freezer()
+            self._freezer = Freezer(self.config)
             self._freezer.start()
             self._engines = Engines(cuda_rounding=self.settings.cuda_rounding, freezer=self._freezer)
         try:

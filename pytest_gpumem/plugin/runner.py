@@ -8,14 +8,14 @@ what each span asked for. :meth:`TestRun.finish` returns the test's
 :class:`~pytest_gpumem.judge.record.TestRecord`, for the judge
 (:func:`~pytest_gpumem.judge.judgement.judge`) to decide.
 
-The objects alive before the first test are frozen (:class:`Freezer`) so that each
-test's garbage collections cover only what was made since.
+What the session imported or built is frozen (:class:`Freezer`, wiring the
+:class:`~pytest_gpumem.measurement.collector.Collector`) so that each test's garbage
+collections cover only what it made.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 import warnings
@@ -26,6 +26,7 @@ from pathlib import Path
 from types import CodeType
 from typing import Any
 
+import pytest
 import torch
 
 from pytest_gpumem.data.figures import OutputNotWritten, PartialFigures
@@ -33,8 +34,9 @@ from pytest_gpumem.data.sites import SiteConfig
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
 from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, release_oom
 from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
-from pytest_gpumem.measurement import frozen
+from pytest_gpumem.measurement import collector, frozen
 from pytest_gpumem.measurement.active import activate
+from pytest_gpumem.measurement.collector import Collector
 from pytest_gpumem.measurement.engines import cuda_available, make_engine, resolve_device, unseen_note
 from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.measurement.recorder import Recorder
@@ -124,45 +126,38 @@ class Engines:
 
 
 class Freezer:
-    """Keeps the garbage collector's older objects out of each test's collections.
+    """Wires the run's :class:`~pytest_gpumem.measurement.collector.Collector` (what the plugin does to
+    the garbage collector, and its rule) into pytest: started before the first measured test,
+    compacted once each test's teardown is done (registered as a plugin for that, while it froze
+    objects), stopped when the run ends."""
 
-    Every measured test collects garbage before its start reading and after it;
-    with a few hundred thousand objects alive (torch, pytest, the collected
-    items) each full collection costs 100+ ms (168 ms seen in a CUDA test
-    session). Before the first test, objects alive are collected once and frozen
-    (``gc.freeze()``): the libraries, pytest and the collected items. Nothing a
-    test makes is ever frozen, so whatever a test lets go, cycles included, is
-    freed by the next collection, the user's own ``gc.collect()`` included.
+    def __init__(self, config: pytest.Config | None = None) -> None:
+        self.collector = Collector()
+        self._config = config
 
-    Objects frozen by someone else (a library, a conftest, an enclosing pytest
-    session) are left as they are, and nothing more is frozen then. The run's own
-    are unfrozen when it ends (:meth:`stop`). The tensors among them are
-    remembered (:mod:`pytest_gpumem.measurement.frozen`), so a tracker made later counts them
-    (:meth:`scan`) and a census of live tensors finds them.
-    """
-
-    def __init__(self) -> None:
-        self.active = False
+    @property
+    def active(self) -> bool:
+        """Whether the run's collector froze objects (someone else had not)."""
+        return self.collector.active
 
     def start(self) -> None:
-        """Collect garbage and freeze what exists now (unless the collector is off or someone froze before)."""
-        if self.active or not gc.isenabled() or gc.get_freeze_count() > 0:
-            return
-        gc.collect()
-        frozen.remember()
-        gc.freeze()
-        self.active = True
+        """Collect garbage and freeze what exists now (see :meth:`Collector.start`)."""
+        self.collector.start()
+        if self._config is not None and self.collector.active:
+            self._config.pluginmanager.register(self, "gpumem-collector")
+
+    def pytest_runtest_logfinish(self) -> None:
+        """A test is done, its fixtures torn down: freeze what the session built since, if a lot."""
+        self.collector.compact()
 
     def scan(self, engine: Engine) -> None:
         """Let ``engine``'s tracker register every tensor alive, frozen ones included."""
         engine.scan(extra=frozen.tensors() if frozen.known() else ())
 
     def stop(self) -> None:
-        if self.active:
-            self.active = False
-            if frozen.known():
-                gc.unfreeze()
-            frozen.forget()
+        if self._config is not None and self._config.pluginmanager.is_registered(self):
+            self._config.pluginmanager.unregister(self)
+        self.collector.stop()
 
 
 @dataclass(frozen=True)
@@ -241,6 +236,8 @@ class TestRun:
         self._started = True
         _forget_last_failure()
         recorder = self.recorder
+        if recorder.device_limit is not None:  # the emulated device holds all that is alive: frozen cycles
+            collector.give_back()  # a test dropped are collected first (the collector freezes again later)
         recorder.begin()  # collects garbage and registers what is alive
         try:
             self._snapshot = snapshot_storages(self.engine) if self.leak_check else None
@@ -326,6 +323,7 @@ class TestRun:
             record.reports.append(oom.format())
         spec = self.spec
         if self._snapshot is not None and record.passed and call.retained and call.retained > 0:
+            collector.give_back()  # a cycle among frozen objects may hold what the test dropped: collect all
             leak = confirm_leak(engine, call.start, snapshot=self._snapshot)
             call = replace(call, retained=leak.retained)
             if leak.retained > 0:  # the judge adds it to the failure when the retained check fails

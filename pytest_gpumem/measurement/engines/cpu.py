@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
+from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
@@ -103,7 +103,7 @@ class CpuEngine(TrackerMembers):
         self.tracker.record_sites(None)
 
     def settle(self) -> None:
-        gc.collect()
+        collector.collect()
 
     def warm_workspaces(self) -> None:
         """Nothing to create: CPU kernels keep no workspaces the tracker counts."""

@@ -10,7 +10,6 @@ span's figures (``span.peak``) instead.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import itertools
 import os
@@ -23,6 +22,7 @@ import torch
 
 from pytest_gpumem.data.figures import OutputNotWritten
 from pytest_gpumem.data.sites import Site, SiteConfig
+from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.saved import SavedTensors
 from pytest_gpumem.measurement.engines.sites import Found, SiteFilter
@@ -215,7 +215,7 @@ class CudaEngine(TrackerMembers):
     def settle(self) -> None:
         """Synchronize and collect garbage, so that a reading shows only what is alive."""
         self.synchronize()
-        gc.collect()
+        collector.collect()  # what is not frozen: see pytest_gpumem.measurement.collector
         self.synchronize()
 
     def release_workspaces(self) -> None:

@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import (
 )
 
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.measurement import frozen
 from pytest_gpumem.measurement.engines.compiled import forget_skips
 from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
@@ -154,10 +155,6 @@ class StorageTracker(TrackedSites):
             self._on_device = lambda t: t.device.type == dev_type and t.get_device() == index
 
     # -- what is counted -------------------------------------------------------
-
-    def _size(self, storage: torch.UntypedStorage) -> int:
-        nbytes = int(storage.nbytes())
-        return cuda_rounded(nbytes) if self.cuda_rounding else nbytes
 
     def breakdown(self) -> dict[str, int]:
         """Bytes alive now, by category."""
@@ -428,7 +425,8 @@ class StorageTracker(TrackedSites):
             return self.current - before
 
     def _scan(self, extra: Iterable[object] = ()) -> None:
-        self._register_scanned(gc.get_objects(), extra)
+        # with the tensors among the collector's frozen objects, which gc.get_objects() does not list
+        self._register_scanned(gc.get_objects(), itertools.chain(extra, frozen.tensors()))
 
     def _register_scanned(self, objects: list[Any], extra: Iterable[object]) -> None:
         """Register the tensors among ``objects`` (the collector's) and ``extra``."""
