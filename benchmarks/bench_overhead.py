@@ -609,6 +609,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="another checkout of pytest-gpumem: adds its on (and on-warm) variants, the plugin imported from there",
     )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the options and print the variants; run nothing (no GPU needed)"
+    )
     options = parser.parse_args(argv)
     if options.suite == "mlp":
         options.suite = "tiny"
@@ -627,7 +630,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if not (options.other / "pytest_gpumem" / "plugin").is_dir():
             parser.error(f"--other {options.other}: no pytest_gpumem package there")
         options.runs += other_variants(options.other.resolve(), options.runs)
-    if options.cuda:
+    if options.cuda and not options.dry_run:
         import torch
 
         if not torch.cuda.is_available():
@@ -640,6 +643,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     began = time.perf_counter()
     options = parse(argv)
+    if options.dry_run:
+        print(
+            f"{options.suite} suite, {options.tests} tests, {options.repeat} rounds: "
+            + ", ".join(v.name for v in options.runs)
+        )
+        return
     runs: list[Variant] = options.runs
     cuda = options.cuda
     rounds, stopped, longest = 0, False, 0.0

@@ -182,3 +182,10 @@ def test_validation_records_the_suite_as_skipped_when_the_cuda_tests_did_not_run
     )
     assert result["exit_code"] == 0
     assert "['--skip-suite', '--trace', 'mlp']" in (tmp_path / "v.log").read_text(encoding="utf-8")
+
+
+def test_a_script_that_refuses_its_options_together_fails_the_dry_run() -> None:
+    """Each option exists, but the script refuses them together: its own --dry-run says so."""
+    argv = [sys.executable, "benchmarks/bench_overhead.py", "--cuda", "--suite", "encoder"]
+    why = gpu_check.check_command(gpu_check.Command("bench", argv, "script"), gpu_check.environment())
+    assert why is not None and "--dry-run refused" in why and "leave --suite out" in why
