@@ -189,3 +189,19 @@ def test_a_script_that_refuses_its_options_together_fails_the_dry_run() -> None:
     argv = [sys.executable, "benchmarks/bench_overhead.py", "--cuda", "--suite", "encoder"]
     why = gpu_check.check_command(gpu_check.Command("bench", argv, "script"), gpu_check.environment())
     assert why is not None and "--dry-run refused" in why and "leave --suite out" in why
+
+
+def test_profile_session_prints_where_a_session_spends_its_time(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_p="def test_p():\n    assert sum(range(10)) == 45\n")
+    out = pytester.path / "p.prof"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_session.py"), str(pytester.path), "--top", "5"]
+        + ["--out", str(out), "--", "-p", "no:gpumem"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout and "=== by tottime ===" in done.stdout and "=== by cumulative ===" in done.stdout
+    assert out.stat().st_size > 0
