@@ -194,9 +194,9 @@ def test_a_script_that_refuses_its_options_together_fails_the_dry_run() -> None:
 def test_profile_session_prints_where_a_session_spends_its_time(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_p="def test_p():\n    assert sum(range(10)) == 45\n")
     out = pytester.path / "p.prof"
+    argv = [str(ROOT / "benchmarks" / "profile_session.py"), str(pytester.path), "--top", "5", "--out", str(out)]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "profile_session.py"), str(pytester.path), "--top", "5"]
-        + ["--out", str(out), "--", "-p", "no:gpumem"],
+        [sys.executable, *argv, "--", "-p", "no:gpumem"],
         capture_output=True,
         text=True,
         timeout=300,
