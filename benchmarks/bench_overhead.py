@@ -401,14 +401,15 @@ ANCHORS = ("memray", "profiler", "memtracker", "dispatch")
 
 
 def other_variants(checkout: Path, runs: list[Variant]) -> list[Variant]:
-    """``on`` (and ``on-warm``) of the plugin in another checkout: the same options, the package
-    imported from there (``PYTHONPATH`` comes before the installed one)."""
+    """The variants that measure (``on``, ``on-warm``, ``breakdown``, ``allocations``) with the plugin
+    of another checkout: the same options, the package imported from there (``PYTHONPATH`` comes
+    before the installed one)."""
     found = []
     for variant in runs:
-        if variant.name in ("on", "on-warm"):
+        if variant.name in ("on", "on-warm", "breakdown", "allocations"):
             env = {**variant.env, "PYTHONPATH": str(checkout)}
-            label = f"{variant.label.replace('on ', 'other ', 1)} [{checkout.name}]"
-            found.append(Variant(f"other{variant.name[2:]}", label, variant.args, env, variant.reference))
+            name = f"other{variant.name[2:]}" if variant.name.startswith("on") else f"other-{variant.name}"
+            found.append(Variant(name, f"{variant.label} [{checkout.name}]", variant.args, env, variant.reference))
     return found
 
 
@@ -420,7 +421,7 @@ def choose(names: list[str] | None, *, cuda: bool, warm_up: bool, anchors: bool)
         wanted += ANCHORS
     unknown = [name for name in wanted if name not in known]
     if "memray" in wanted and importlib.util.find_spec("pytest_memray") is None:
-        raise SystemExit("bench_overhead.py: the memray variant needs pytest-memray (pip install pytest-memray)")
+        raise SystemExit('bench_overhead.py: the memray variant needs pytest-memray (pip install -e ".[bench]")')
     if unknown:
         raise SystemExit(f"bench_overhead.py: unknown variant(s) {', '.join(unknown)}: choose from {', '.join(known)}")
     if "off" not in wanted:
@@ -607,7 +608,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--other",
         type=Path,
         default=None,
-        help="another checkout of pytest-gpumem: adds its on (and on-warm) variants, the plugin imported from there",
+        help="another checkout of pytest-gpumem: adds its measuring variants, the plugin imported from there",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="check the options and print the variants; run nothing (no GPU needed)"
@@ -661,7 +662,7 @@ def main(argv: list[str] | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         write_suite(folder, options.tests, suite=options.suite)
         first = time.perf_counter()
-        untimed = [variant for variant in runs if variant.name in ("off", "on", "other")]
+        untimed = [variant for variant in runs if variant.name in ("off", "on", "other")] or runs[:2]
         for variant in untimed:  # the file cache, torch's first import, the bytecode caches
             run_session(folder, variant, cov=options.cov, cuda=cuda, junit=None, collect=options.gc_collect)
         longest = (time.perf_counter() - first) / len(untimed) * len(runs)  # a round's estimate until one is timed

@@ -236,8 +236,10 @@ class TestRun:
         self._started = True
         _forget_last_failure()
         recorder = self.recorder
-        if recorder.device_limit is not None:  # the emulated device holds all that is alive: frozen cycles
-            collector.give_back()  # a test dropped are collected first (the collector freezes again later)
+        if recorder.device_limit is not None:
+            # the emulated device holds all that is alive: the clean state's collection is given the
+            # frozen objects, so a cycle among them that a test dropped is freed first
+            collector.give_back()
         recorder.begin()  # collects garbage and registers what is alive
         try:
             self._snapshot = snapshot_storages(self.engine) if self.leak_check else None
