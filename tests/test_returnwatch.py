@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_fresh
+from conftest import run, run_fresh
 from pytest_gpumem.plugin import returnwatch
 
 CHECK = Path(__file__).with_name("returnwatch_check.py")
@@ -41,10 +41,11 @@ def generator(n):
 SUITE = """
 import pytest, torch
 from helpers import generator, helper
+DEVICE = "cpu"
 
 @pytest.mark.gpumem(allocated="64KiB")
 def test_keeps_a_local():
-    big = torch.ones(32 * 1024)     # 128 KiB alive until the test returns
+    big = torch.ones(32 * 1024, device=DEVICE)     # 128 KiB alive until the test returns
     value = helper(5)
     if value > 100:
         value = 0
@@ -64,17 +65,18 @@ def _outcome(result: pytest.RunResult, *, measured: bool) -> None:
 
 
 @pytest.mark.slow
-def test_allocated_is_read_as_the_test_returns_under_pytest_cov(pytester: pytest.Pytester) -> None:
-    """``pytest --cov``: the return watch chains to coverage's trace function instead of stepping
-    aside (where ``allocated`` read 0 B and the test passed); coverage's report is the same, line
-    by line and branch by branch, as without the plugin."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_allocated_is_read_as_the_test_returns_under_pytest_cov(pytester: pytest.Pytester, device: str) -> None:
+    """``pytest --cov``: the return watch chains to coverage's trace function (before Python 3.12)
+    instead of stepping aside (where ``allocated`` read 0 B and the test passed); coverage's report
+    is the same, line by line and branch by branch, as without the plugin."""
     pytest.importorskip("pytest_cov")
-    pytester.makepyfile(helpers=HELPERS, test_suite=SUITE)
+    pytester.makepyfile(helpers=HELPERS, test_suite=SUITE.replace('DEVICE = "cpu"', f"DEVICE = {device!r}"))
     reports = {}
     for measured in (True, False):
         report = pytester.path / f"coverage-{measured}.json"
         args = ["-p", "pytest_cov", f"--cov={pytester.path}", "--cov-branch", f"--cov-report=json:{report}"]
-        result = run_fresh(pytester, *args, *(() if measured else ("--gpumem-disable",)))
+        result = run_fresh(pytester, *args, *(() if measured else ("--gpumem-disable",)), device=device)
         _outcome(result, measured=measured)
         files = json.loads(report.read_text())["files"]
         reports[measured] = {
@@ -83,7 +85,7 @@ def test_allocated_is_read_as_the_test_returns_under_pytest_cov(pytester: pytest
         }
     assert reports[True] == reports[False]
     assert reports[True]["helpers.py"]["missing_lines"] == [12]  # never()'s body: the report is a real one
-    assert reports[True]["test_suite.py"]["missing_lines"] == [9]
+    assert reports[True]["test_suite.py"]["missing_lines"] == [10]
 
 
 TRACER = """
@@ -118,7 +120,7 @@ def test_allocated_is_read_as_the_test_returns_under_a_trace_function(pytester: 
         _outcome(result, measured=measured)
         lines[measured] = (pytester.path / "lines.txt").read_text().splitlines()
     assert lines[True] == lines[False]
-    assert "test_keeps_a_local:6" in lines[True] and "helper:5" in lines[True] and "test_after:13" in lines[True]
+    assert "test_keeps_a_local:7" in lines[True] and "helper:5" in lines[True] and "test_after:14" in lines[True]
 
 
 def _interpreter(version: str) -> str | None:
@@ -147,3 +149,34 @@ def test_the_watch_mechanism_on_every_python(version: str) -> None:
         pytest.skip(f"no runnable python{version} on this machine")
     done = subprocess.run([interpreter, str(CHECK), returnwatch.__file__], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="sys.monitoring: Python 3.12+")
+def test_a_test_fails_saying_so_where_allocated_cannot_be_read_at_its_return(pytester: pytest.Pytester) -> None:
+    """Every ``sys.monitoring`` tool id taken (by tools a conftest started): no silent 0 B."""
+    pytester.makeconftest(
+        """
+import sys
+
+def pytest_configure(config):
+    config.gpumem_taken = [i for i in range(6) if sys.monitoring.get_tool(i) is None]
+    for i in config.gpumem_taken:
+        sys.monitoring.use_tool_id(i, f"tool-{i}")
+
+def pytest_unconfigure(config):
+    for i in config.gpumem_taken:
+        sys.monitoring.free_tool_id(i)
+"""
+    )
+    pytester.makepyfile(
+        """
+import pytest, torch
+
+@pytest.mark.gpumem(allocated="1MiB")
+def test_step():
+    x = torch.ones(10)
+"""
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*test_step: allocated cannot be read as the test returns: every sys.monitoring*"])
