@@ -80,6 +80,7 @@ class LineTracer:
 
 
 def traced_run(watch: bool) -> tuple[list[tuple[str, int]], tuple[bool, bool] | None]:
+    outer = sys.gettrace()  # a tracer this file runs under (coverage): set aside while it runs
     tracer = LineTracer()
     sys.settrace(tracer)
     try:
@@ -91,13 +92,14 @@ def traced_run(watch: bool) -> tuple[list[tuple[str, int]], tuple[bool, bool] | 
             result = None
         assert sys.gettrace() is tracer, "the trace function is back after the watch"
     finally:
-        sys.settrace(None)
+        sys.settrace(outer)
     return [line for line in tracer.lines if line[0] in ("watched", "helper")], result
 
 
 def main() -> None:
+    outer = sys.gettrace()
     assert run_watch() == (True, True)
-    assert sys.gettrace() is None
+    assert sys.gettrace() is outer
 
     lines_without, _ = traced_run(watch=False)
     lines_with, result = traced_run(watch=True)
