@@ -21,7 +21,7 @@ from pytest_gpumem.baselines.canonical import (
 from pytest_gpumem.baselines.environment import Environment
 from pytest_gpumem.baselines.validation import BaselineFileError, validate
 from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.data.metrics import BASELINE_METRICS, CATEGORIES
+from pytest_gpumem.data.metrics import BASELINE_METRICS, CATEGORIES, METRIC_INFO
 
 __all__ = ["BaselineEntry", "BaselineStore", "StaleEntry"]
 
@@ -238,8 +238,9 @@ class BaselineStore:
             written = entry._raw()
             old = old_spans.get(name)
             if old:
-                # keep what this entry does not write; drop a breakdown it no longer has
-                kept = {k: v for k, v in old.items() if k not in written and k != "breakdown"}
+                # keep what this entry does not write (keys of a later release); drop a breakdown or a
+                # figure it no longer has (the max_microbatch of a test that no longer searches)
+                kept = {k: v for k, v in old.items() if k not in written and k != "breakdown" and k not in METRIC_INFO}
                 if kept:
                     written = {**kept, **written}
             new_spans[name] = written

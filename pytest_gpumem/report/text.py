@@ -78,6 +78,7 @@ STATUS_ORDER = (
 STATUS_TEXT = {
     "new": "new: no baseline yet (--gpumem-update-baselines records one)",
     "improved": "improved: update baselines (--gpumem-update-baselines)",
+    "stale": "stale: recorded, not measured by this run (--gpumem-update-baselines records the test again)",
     "unchecked": "unchecked: no limit or baseline compared this figure",
 }
 
@@ -214,6 +215,12 @@ def _metric_row(
     return _Row(test, any(f.failed for f in findings), cells, notes)
 
 
+def _unmeasured_row(test: str, finding: Finding) -> _Row:
+    """A recorded span the run did not measure (a renamed or removed ``measure()`` block)."""
+    cells = [finding.span, "", "", "", "", "", "", "", finding.status]
+    return _Row(test, finding.failed, cells, {_CELL["status"]: "the span was recorded, not measured by this run"})
+
+
 def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int) -> list[_Row]:
     """The summary's rows: tests with a problem first, and in each test its problem rows first."""
     tests: list[tuple[bool, list[_Row]]] = []
@@ -228,6 +235,8 @@ def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int)
                 )
                 if row is not None:
                     rows.append(row)
+        spans = {measurement.name for measurement in record.measurements}
+        rows += [_unmeasured_row(record.nodeid, f) for f in record.findings if f.span not in spans and f.span != "*"]
         if only_problems or verbosity < 0:
             rows = [row for row in rows if row.failed]
         rows.sort(key=lambda row: not row.failed)  # stable: the order of spans and metrics stays

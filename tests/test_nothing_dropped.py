@@ -1,9 +1,12 @@
 """A limit the user wrote is never dropped in silence: the closest marker wins keyword by keyword
-(a ``pytest.param``'s marks before the function's), and a marker added once the test is
+(a ``pytest.param``'s marks before the function's), a marker added once the test is
 collected (``request.applymarker`` in a fixture, ``request.node.add_marker`` in the test)
-applies, or is an error that says why it cannot."""
+applies, or is an error that says why it cannot, and a baseline the run no longer produces
+(a span, a ``max_microbatch``) is reported, and fails under ``--gpumem-strict``."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -113,3 +116,47 @@ def test_same_value(tight):
     result.stdout.fnmatch_lines(
         ["*::test_overridden: the gpumem marker added after collection sets peak='1KiB', but peak='1MiB' *wins*"]
     )
+
+
+SEARCHING = """
+import pytest, torch
+
+@pytest.mark.gpumem(peak="1MiB")
+def test_step(gpumem):
+    with gpumem.measure("encode"):
+        x = torch.ones(100)
+    gpumem.max_microbatch(lambda size: torch.ones(size), upper=8)
+"""
+
+REFACTORED = """
+import pytest, torch
+
+@pytest.mark.gpumem(peak="1MiB")
+def test_step(gpumem):
+    x = torch.ones(100)
+"""
+
+
+def test_a_recorded_span_or_microbatch_the_run_does_not_produce_is_reported(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_model=SEARCHING)
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)
+    spans = json.loads((pytester.path / "gpumem-baselines.json").read_text())["environments"]
+    recorded = next(iter(spans.values()))["tests"]["test_model.py::test_step"]["spans"]
+    assert set(recorded) == {"call", "encode"} and recorded["call"]["max_microbatch"] == 8
+    pytester.makepyfile(test_model=REFACTORED)
+    result = run(pytester)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*max_microbatch*stale*", "*encode*stale*"])
+    strict = run(pytester, "--gpumem-strict")
+    strict.assert_outcomes(failed=1)
+    strict.stdout.fnmatch_lines(
+        [
+            "stale baseline: max_microbatch 8 was recorded for test_model.py::test_step, not measured by this run*",
+            "stale baseline: the span 'encode' of test_model.py::test_step was recorded, not measured by this run*",
+        ]
+    )
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)  # recording again drops them
+    spans = json.loads((pytester.path / "gpumem-baselines.json").read_text())["environments"]
+    recorded = next(iter(spans.values()))["tests"]["test_model.py::test_step"]["spans"]
+    assert set(recorded) == {"call"} and "max_microbatch" not in recorded["call"]
+    run(pytester, "--gpumem-strict").assert_outcomes(passed=1)
