@@ -17,11 +17,12 @@ from pytest_gpumem.baselines.canonical import (
     canonical_top,
     render,
     span_items,
+    stored_breakdown,
 )
 from pytest_gpumem.baselines.environment import Environment
 from pytest_gpumem.baselines.validation import BaselineFileError, validate
 from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.data.metrics import BASELINE_METRICS, CATEGORIES, METRIC_INFO
+from pytest_gpumem.data.metrics import BASELINE_METRICS, METRIC_INFO
 
 __all__ = ["BaselineEntry", "BaselineStore", "StaleEntry"]
 
@@ -35,9 +36,12 @@ class BaselineEntry:
             :data:`~pytest_gpumem.data.figures.METRICS`; another unit for metrics a
             later feature adds), ``None`` where the engine could not know it.
         start: allocated bytes when the span began (absolute; for information,
-            never compared).
-        breakdown: bytes by category at the peak (absolute, sums to the
-            absolute peak); ``None`` when not measured.
+            never compared): files of earlier releases have it; it is not recorded, since it
+            depends on the tests that ran before (see
+            :data:`~pytest_gpumem.baselines.canonical.STORED_CATEGORIES`).
+        breakdown: bytes by category at the peak (absolute), of the categories the test's
+            own code decides (:func:`~pytest_gpumem.baselines.canonical.stored_breakdown`: no
+            ``other``); ``None`` when not measured.
         extra: keys of the span this release does not know, kept verbatim.
     """
 
@@ -62,11 +66,7 @@ class BaselineEntry:
         costs: dict[str, int | None] = {metric: measurement.cost(metric) for metric in metrics}
         if extra_costs:
             costs.update(extra_costs)
-        breakdown: dict[str, int] | None = None
-        if measurement.breakdown is not None:  # every category, 0 where absent, as Measurement.to_dict writes it
-            breakdown = {c: int(measurement.breakdown.get(c, 0)) for c in CATEGORIES}
-            breakdown.update((c, int(v)) for c, v in measurement.breakdown.items() if c not in breakdown)
-        return cls(costs=costs, start=measurement.start, breakdown=breakdown)
+        return cls(costs=costs, breakdown=stored_breakdown(measurement.breakdown))
 
     def cost(self, metric: str) -> int | None:
         """The recorded cost of ``metric``; ``None`` when unknown or not recorded."""
@@ -80,7 +80,8 @@ class BaselineEntry:
         """:meth:`to_dict` without the canonical ordering (the store orders when it writes)."""
         data: dict[str, Any] = dict(self.extra) if self.extra else {}
         data.update(self.costs)
-        data["start"] = self.start
+        if self.start is not None:
+            data["start"] = self.start
         if self.breakdown is not None:
             data["breakdown"] = dict(self.breakdown)
         else:
@@ -239,8 +240,10 @@ class BaselineStore:
             old = old_spans.get(name)
             if old:
                 # keep what this entry does not write (keys of a later release); drop a breakdown or a
-                # figure it no longer has (the max_microbatch of a test that no longer searches)
-                kept = {k: v for k, v in old.items() if k not in written and k != "breakdown" and k not in METRIC_INFO}
+                # figure it no longer has (the max_microbatch of a test that no longer searches), and
+                # the start an earlier release recorded
+                dropped = ("breakdown", "start")
+                kept = {k: v for k, v in old.items() if k not in written and k not in dropped and k not in METRIC_INFO}
                 if kept:
                     written = {**kept, **written}
             new_spans[name] = written

@@ -13,9 +13,10 @@ renamed before they arrive) all call it. Pure: no I/O, no torch, no pytest.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pytest_gpumem.baselines import BaselineEntry, BaselineStore, Environment
+from pytest_gpumem.baselines.canonical import stored_breakdown
 from pytest_gpumem.budgets.expressions import BudgetError
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding, Limit, Tolerance
@@ -90,11 +91,15 @@ def _compare(record: TestRecord, store: BaselineStore, options: JudgeOptions) ->
     findings: list[Finding] = []
     for measurement in record.measurements:
         metrics = baseline_metrics(measurement)
+        entry = store.entry(env.key, record.nodeid, measurement.name)
+        if entry is not None and measurement.breakdown is not None:  # the categories a baseline keeps, on both sides
+            measurement = replace(measurement, breakdown=stored_breakdown(measurement.breakdown))
+            entry = replace(entry, breakdown=stored_breakdown(entry.breakdown))
         findings.extend(
             compare_baseline(
                 record.nodeid,
                 measurement,
-                store.entry(env.key, record.nodeid, measurement.name),
+                entry,
                 metric_tolerances(metrics, record.tolerance(measurement.name) or options.tolerance),
                 other_environments=others,
                 strict=options.strict,

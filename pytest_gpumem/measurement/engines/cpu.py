@@ -87,6 +87,7 @@ class CpuEngine(TrackerMembers):
 
     def clean(self) -> None:
         self.settle()
+        self.tracker.forget_categories()
         self.tracker.scan()
         self.tracker.take_window()
 

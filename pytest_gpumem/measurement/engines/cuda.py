@@ -135,6 +135,7 @@ class CudaEngine(TrackerMembers):
             self.empty_cache()
             self._api.reset_peak_memory_stats(self.device)
         if self.tracker is not None:
+            self.tracker.forget_categories()
             self.tracker.scan()
             self.tracker.take_window()
 

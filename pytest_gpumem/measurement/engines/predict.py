@@ -513,6 +513,7 @@ class PredictEngine(CpuEngine):
         """As the CUDA engine: collect garbage, register what is alive, create the workspaces,
         return cached blocks (``empty_cache``), and start a new window."""
         self.settle()
+        self.tracker.forget_categories()
         self.tracker.scan()
         self.warm_workspaces()
         if self._workspace_total is None:
