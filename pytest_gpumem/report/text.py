@@ -47,7 +47,10 @@ from pytest_gpumem.report.details import detail_tables, test_id
 from pytest_gpumem.tables import (
     Col,
     Table,
+    markdown_code,
+    markdown_text,
     plain,
+    visible,
     wrap,
     wrap_items,
 )
@@ -288,8 +291,13 @@ def _legend(rows: Sequence[_Row]) -> list[str]:
 def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markdown: bool = False) -> Table:
     groups = grouped(
         (
-            row.test if markdown else test_id(row.test, verbosity),
-            [[cell + (f" {notes.ref(row.notes[i])}" if i in row.notes else "") for i, cell in enumerate(row.cells)]],
+            visible(row.test if markdown else test_id(row.test, verbosity)),
+            [
+                [
+                    visible(cell) + (f" {notes.ref(visible(row.notes[i]))}" if i in row.notes else "")
+                    for i, cell in enumerate(row.cells)
+                ]
+            ],
         )
         for row in rows
     )
@@ -381,11 +389,11 @@ def terminal_summary(
     if shown:
         prune = "" if pruning else " (remove them with --gpumem-update-baselines --gpumem-prune)"
         lines += wrap(f"stale baselines, their tests no longer exist{prune}:", width)
-        lines += [f"  {finding.test}  [{finding.detail}]" for finding in shown]  # ids and paths are never broken
+        lines += [f"  {visible(f.test)}  [{visible(f.detail)}]" for f in shown]  # ids and paths are never broken
     if baselines is not None:
         path, written = baselines
         lines.append(f"baselines {'written to' if written else 'unchanged in'} {path}")
-        skipped = [r.nodeid for r in records if not r.passed or r.failed]
+        skipped = [visible(r.nodeid) for r in records if not r.passed or r.failed]
         if skipped:
             lines += wrap(f"not recorded, the test or its memory check failed: {', '.join(skipped)}", width)
     return "\n".join(line for line in lines if line)
@@ -401,10 +409,6 @@ def _environment_lines(keys: Sequence[str], width: int | None) -> list[str]:
 
 
 # --------------------------------------------------------------------------- Markdown
-
-
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def markdown_report(
@@ -423,7 +427,7 @@ def markdown_report(
     failed = sum(1 for record in records if record.failed)
     lines = ["## gpumem", ""]
     if header:
-        lines += [f"Environment: `{header}`", ""]
+        lines += [f"Environment: {markdown_code(header)}", ""]
     lines.append(f"{len(records)} measured test(s), {failed} failing on memory.")
     lines.append("")
     lines.append("| " + " | ".join(SUMMARY_HEADERS) + " |")
@@ -431,13 +435,13 @@ def markdown_report(
     notes = _Notes()
     for title, cells in _summary_table(rows, notes, 0, markdown=True).groups:
         for row in cells:
-            lines.append("| " + " | ".join(_md(cell) for cell in [title, *row]) + " |")
-    below = [f"- [{number}] {one_line(text)}" for number, text in enumerate(notes.texts, 1)]
+            lines.append("| " + " | ".join(markdown_text(cell) for cell in [title, *row]) + " |")
+    below = [f"- [{number}] {markdown_text(one_line(text), cell=False)}" for number, text in enumerate(notes.texts, 1)]
     below += [f"- {plain(text)}" for text in _legend(rows)]
     if below:
         lines += ["", *below]
     stale = [f for f in extra_findings if f.status == "stale"]
     if stale:
         lines += ["", "Stale baselines (their tests no longer exist):", ""]
-        lines += [f"- `{_md(f.test)}`" for f in stale]
+        lines += [f"- {markdown_code(f.test)}" for f in stale]
     return "\n".join(lines) + "\n"

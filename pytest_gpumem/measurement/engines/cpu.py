@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
+from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
 __all__ = ["CpuEngine"]
@@ -87,7 +88,7 @@ class CpuEngine(TrackerMembers):
 
     def clean(self) -> None:
         self.settle()
-        self.tracker.forget_categories()
+        forget_categories(self.tracker)
         self.tracker.scan()
         self.tracker.take_window()
 

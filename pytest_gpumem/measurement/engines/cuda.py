@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
+from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.saved import SavedTensors
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
@@ -135,7 +136,7 @@ class CudaEngine(TrackerMembers):
             self.empty_cache()
             self._api.reset_peak_memory_stats(self.device)
         if self.tracker is not None:
-            self.tracker.forget_categories()
+            forget_categories(self.tracker)
             self.tracker.scan()
             self.tracker.take_window()
 

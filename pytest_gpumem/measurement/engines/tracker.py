@@ -410,17 +410,6 @@ class StorageTracker:
         entry.category = index
         entry.moved = self.events
 
-    def forget_categories(self) -> None:
-        """Count every storage alive as "other": what an earlier test made, saved or tracked is
-        none of the next one's categories (its temporaries are what it creates, its parameters
-        what it tracks). The engines call it as they clean the device, before :meth:`scan`,
-        which finds the parameters and gradients among them again."""
-        self.flush()
-        with self._lock:
-            for entry in self._entries.values():
-                if entry.category != OTHER:
-                    self._move(entry, OTHER, discovered=False)
-
     def scan(self, extra: Iterable[object] = ()) -> int:
         """Register every tensor the garbage collector can see on this device, and those of
         ``extra`` (tensors among frozen objects, which it cannot see); returns the bytes of
