@@ -1,55 +1,68 @@
-"""Session overhead of the plugin: a suite of small training-step tests, with and without pytest-gpumem.
+"""What pytest-gpumem costs a suite as users write it: the same suite with and without the plugin.
 
-Run: ``python benchmarks/bench_overhead.py [--tests 200] [--repeat 3] [--keep DIR]``,
-or on a CUDA GPU ``python benchmarks/bench_overhead.py --cuda [--tests 60] [--repeat 3]``.
+Run: ``python benchmarks/bench_overhead.py [--suite tiny|encoder|transformers] [--tests N] [--repeat R]
+[--warm-up] [--anchors] [--cov] [--gc-collect] [--variants NAME ...] [--json PATH] [--max-seconds S] [--keep DIR]``,
+or on a CUDA GPU ``python benchmarks/bench_overhead.py --cuda [--tests 60] ...``.
 
-The script writes a suite into a temporary folder: ``--tests`` tests in 10 files,
-each marked ``@pytest.mark.gpumem(peak="1GiB")`` and running a tiny training step
-on the CPU: an MLP 64 → 256 → 64, batch 32, AdamW or SGD with momentum by turns, a
-warm-up step then a second step (about 1.5 ms a test). The suite's conftest runs one
-step of each optimizer at import, as the first test of a real suite would, so the
-lazy imports of torch (over a second) are outside the tests in every variant. Each
-variant runs the suite in a fresh interpreter:
-``python -m pytest -q -p no:cacheprovider [variant options]``:
+The script writes a suite into a temporary folder, ``--tests`` tests in 10 files, each marked
+``@pytest.mark.gpumem(peak=...)``:
 
-* ``off``: ``-p no:gpumem``, the plugin is not loaded. The reference.
-* ``on``: the plugin as installed, no option: every test is measured by the CPU
-  engine (the storage tracker's dispatch mode and ``saved_tensors_hooks``, the
-  clean-state protocol, the return watch).
-* ``on --gpumem-breakdown``: the breakdown flag. On CUDA it adds the storage tracker
-  beside the allocator; on the CPU engine the tracker *is* the engine, so the flag
-  changes nothing there, and this row shows it. "Breakdown off" in the target is
-  therefore the ``on`` row.
-* ``loaded, unmarked``: the plugin loaded, the markers dropped by the suite's
-  conftest (``GPUMEM_BENCH_UNMARKED=1``): the cost of importing the plugin and of
-  its hooks with nothing to measure.
-The variants run interleaved, ``--repeat`` rounds, the order reversed every other
-round, and each figure is the median of a variant's rounds, so a neighbour's load on
-a shared machine moves every variant alike. A variant that took over
-``--slow`` seconds in the first round is not run again: its ratio is far from the
-target and the noise of one run (a few %) does not change the verdict; this keeps
-the script under five minutes. ``× off`` is the session overhead; the target is
-``on`` ≤ 1.15 × ``off`` on the CPU. ``ms/test`` is ``(variant - off) / tests``. Python
-writes its bytecode caches as by default (``PYTHONDONTWRITEBYTECODE`` is unset for the
-sessions, and the first two variants run once before the timed rounds).
+* ``tiny`` (the default; 200 tests): an MLP 64 → 256 → 64, batch 32, AdamW or SGD with
+  momentum by turns, a warm-up step then a second step (about 1.5 ms a test);
+* ``encoder`` (40 tests): three AdamW steps of a 2-layer ``nn.TransformerEncoder`` (d_model 128,
+  4 heads, feed-forward 512, batch 8 × 64 tokens, no dropout): about 2,200 operators a test;
+* ``transformers`` (40 tests): the test files import ``transformers`` at collection, as test
+  files of a Hugging Face model do; each test builds a 2-layer ``BertForMaskedLM`` (hidden 64)
+  and runs two AdamW steps on a batch of 4 × 32 tokens;
+* ``--cuda`` (60 tests): three AdamW steps of a 2-layer ``nn.TransformerEncoder`` (d_model 256 to
+  448 by test, 8 heads, batch 8 × 128 tokens) on ``cuda``, measured by the CUDA engine.
 
-``--suite encoder`` writes the realistic CPU suite instead: ``--tests`` tests (40 by
-default), each three AdamW training steps of a 2-layer ``nn.TransformerEncoder``
-(d_model 128, 4 heads, batch 8 × 64 tokens, about 1,800 operators a test), marked
-``@pytest.mark.gpumem(peak="1GiB")``.
+**As users write it**: the suite's conftest does nothing at import, so the first test's step
+imports parts of torch lazily (an optimizer's first step imports ``torch._dynamo``, sympy and
+about 800 modules), inside the measured run. The warm-up variants (``--warm-up``) run one step of
+each optimizer in the conftest at import instead, before the plugin's first measured test: the
+suite as the benchmarks used to write it, labelled as such.
 
-``--cuda`` writes a GPU suite instead: ``--tests`` tests (60 by default), each three
-AdamW training steps of a 2-layer ``nn.TransformerEncoder`` (d_model from 256 to 448
-by test, 8 heads, batch 8 × 128 tokens) on ``cuda``, marked
-``@pytest.mark.gpumem(peak="8GiB")``, with the variants off, on (the caching
-allocator, saved-tensor counting) and on ``--gpumem-breakdown`` (the storage tracker
-beside it). The target there is on ≤ 1.05 × off.
+Each variant runs the suite in a fresh interpreter, ``python -m pytest -q -p no:cacheprovider
+[variant options]``, ``OMP_NUM_THREADS=1``, bytecode caches written as Python does by default:
+
+* ``off``: ``-p no:gpumem``, the plugin is not loaded. The reference of every ratio;
+* ``on``: the plugin as installed, no option (the CPU engine, or the CUDA engine with ``--cuda``);
+* ``off-warm``, ``on-warm``: the same with the warm-up conftest (their ratio is on-warm / off-warm);
+* ``breakdown``: ``--gpumem-breakdown`` (on CUDA the storage tracker beside the allocator; on the
+  CPU the same path as ``on``);
+* ``allocations``: ``--gpumem-observe=allocations`` (CPU only);
+* ``loaded``: the plugin loaded, the markers dropped by the conftest: its hooks with nothing to measure;
+* the anchors (``--anchors``), each with the plugin off: ``memray`` (pytest-memray's ``--memray``),
+  ``profiler`` (each test call under ``torch.profiler.profile(profile_memory=True)``, the peak
+  summed from its allocation events), ``memtracker`` (each test call under PyTorch's
+  ``MemTracker``, its module statistics reset after each optimizer step, as it demands, the peak
+  read from its snapshot) and ``dispatch`` (each test call under an empty ``TorchDispatchMode``:
+  the floor of any Python per-operator tracker).
+
+``--cov`` runs every variant under ``pytest --cov=. --cov-report=`` (pytest-cov); ``--gc-collect``
+starts every test with ``gc.collect()`` (an autouse fixture, as many GPU suites have). The variants run
+interleaved, ``--repeat`` rounds, the order reversed every other round; each figure is the median
+of a variant's rounds, in wall seconds and in CPU seconds of the session's process (user + system,
+``resource.getrusage(RUSAGE_CHILDREN)``): on a shared machine the wall time moves with the
+neighbours' load, the CPU time much less. ``--max-seconds`` stops starting rounds when the next
+would end past it (the first untimed runs count); ``--json`` writes every round, the medians, the
+ratios and the machine. Without ``--cuda`` the default run takes about 2 to 4 minutes on a 2-core
+machine.
+
+Where the plugin is not installed (a checkout on a machine where pip cannot install it), the
+sessions find it on ``PYTHONPATH`` (the repository's root) and load it with ``-p pytest_gpumem.plugin``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
+import json
 import os
+import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -59,29 +72,48 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tabulate import tabulate
 
 FILES = 10
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFTEST = textwrap.dedent(
     '''
     """Suite written by benchmarks/bench_overhead.py."""
 
+    import contextlib
     import os
 
-    import torch
+    import pytest
 
-    torch.manual_seed(0)
+    CUDA = os.environ.get("GPUMEM_BENCH_CUDA") == "1"
+    ANCHOR = os.environ.get("GPUMEM_BENCH_ANCHOR", "")
 
-    # A first Linear, first backward and first optimizer step import parts of torch lazily
-    # (over a second): done here, once, as a real suite's first test would, so that every
-    # test below is a steady-state test.
-    _model = torch.nn.Linear(4, 4)
-    for _opt in (torch.optim.AdamW(_model.parameters()), torch.optim.SGD(_model.parameters(), lr=0.1, momentum=0.9)):
-        _model(torch.randn(2, 4)).pow(2).mean().backward()
-        _opt.step()
-    del _model, _opt
+    if os.environ.get("GPUMEM_BENCH_WARM_UP") == "1":
+        # The warm-up variant: a first Linear, backward and optimizer step of each kind at import
+        # (torch imports parts of itself lazily there), before the plugin's first measured test.
+        import torch
+
+        _device = "cuda" if CUDA else "cpu"
+        _model = torch.nn.Linear(4, 4).to(_device)
+        _sgd = torch.optim.SGD(_model.parameters(), lr=0.1, momentum=0.9)
+        for _opt in (torch.optim.AdamW(_model.parameters()), _sgd):
+            _model(torch.randn(2, 4, device=_device)).pow(2).mean().backward()
+            _opt.step()
+        del _model, _opt, _sgd
+
+
+    if os.environ.get("GPUMEM_BENCH_COLLECT") == "1":
+
+        @pytest.fixture(autouse=True)
+        def _collect_garbage_first():
+            # as many GPU suites do before each test: gc.collect() (then torch.cuda.empty_cache())
+            import gc
+
+            gc.collect()
+            yield
 
 
     def pytest_configure(config):
@@ -93,6 +125,64 @@ CONFTEST = textwrap.dedent(
         if os.environ.get("GPUMEM_BENCH_UNMARKED") == "1":
             for item in items:
                 item.own_markers[:] = [m for m in item.own_markers if m.name != "gpumem"]
+
+
+    def _profiler():
+        import torch
+        from torch._C._profiler import _EventType
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+        with profile(activities=activities, profile_memory=True) as prof:
+            yield
+        running = peak = 0
+        events = []
+        stack = list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if node.tag == _EventType.Allocation:
+                events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            stack.extend(node.children)
+        for _, size in sorted(events):
+            running += size
+            peak = max(peak, running)
+
+
+    def _memtracker():
+        from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        tracker = MemTracker()
+        # MemTracker refuses a module's second forward until its statistics are reset
+        hook = register_optimizer_step_post_hook(lambda *args: tracker.reset_mod_stats())
+        try:
+            with tracker:
+                yield
+        finally:
+            hook.remove()
+        tracker.get_tracker_snapshot("peak")
+
+
+    def _dispatch():
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Empty(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        with Empty():
+            yield
+
+
+    ANCHORS = {"profiler": _profiler, "memtracker": _memtracker, "dispatch": _dispatch}
+
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(item):
+        if not ANCHOR:
+            return (yield)
+        with contextlib.contextmanager(ANCHORS[ANCHOR])():
+            return (yield)
     '''
 )
 
@@ -167,29 +257,44 @@ ENCODER_TEST = textwrap.dedent(
     """
 )
 
-CUDA_CONFTEST = textwrap.dedent(
+TRANSFORMERS_TEST_FILE = textwrap.dedent(
     '''
-    """GPU suite written by benchmarks/bench_overhead.py --cuda."""
+    """Tiny BERT training steps: the module imports transformers at collection."""
 
+    import pytest
     import torch
+    from transformers import BertConfig, BertForMaskedLM
 
-    torch.manual_seed(0)
-
-    # The first CUDA kernels, matmuls, backward and optimizer step load libraries and import
-    # parts of torch lazily: done once here, as a real suite's first test would.
-    _layer = torch.nn.TransformerEncoder(
-        torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 1, enable_nested_tensor=False
-    ).cuda()
-    _opt = torch.optim.AdamW(_layer.parameters())
-    _layer(torch.randn(2, 8, 64, device="cuda")).pow(2).mean().backward()
-    _opt.step()
-    torch.cuda.synchronize()
-    del _layer, _opt
+    CONFIG = BertConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
 
 
-    def pytest_configure(config):
-        config.addinivalue_line("markers", "gpumem: pytest-gpumem marker")
+    def train():
+        torch.manual_seed(0)
+        model = BertForMaskedLM(CONFIG)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, CONFIG.vocab_size, (4, 32))
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+
+    {tests}
     '''
+)
+
+TRANSFORMERS_TEST = textwrap.dedent(
+    """
+    @pytest.mark.gpumem(peak="1GiB")
+    def test_bert_{index}():
+        train()
+    """
 )
 
 CUDA_TEST_FILE = textwrap.dedent(
@@ -225,54 +330,109 @@ CUDA_TEST = textwrap.dedent(
     """
 )
 
+#: Tests a suite has by default.
+DEFAULT_TESTS = {"tiny": 200, "encoder": 40, "transformers": 40, "cuda": 60}
 
-def write_suite(folder: Path, tests: int, *, cuda: bool = False, suite: str = "mlp") -> None:
-    """Write ``tests`` marked training-step tests in ``FILES`` files and a conftest (the GPU suite
-    with ``cuda``; on the CPU, ``suite`` is ``"mlp"`` or ``"encoder"``)."""
-    (folder / "conftest.py").write_text(CUDA_CONFTEST if cuda else CONFTEST)
+
+def write_suite(folder: Path, tests: int, *, suite: str = "tiny") -> None:
+    """Write ``tests`` marked training-step tests of ``suite`` (``tiny``, ``encoder``, ``transformers``
+    or ``cuda``) in ``FILES`` files, and the conftest."""
+    (folder / "conftest.py").write_text(CONFTEST)
     per_file = -(-tests // FILES)
     for f in range(FILES):
         indices = range(f * per_file, min(tests, (f + 1) * per_file))
-        if cuda:
+        if suite == "cuda":
             body = "".join(CUDA_TEST.format(index=i, d_model=256 + 64 * (i % 4)) for i in indices)
-            (folder / f"test_steps_{f}.py").write_text(CUDA_TEST_FILE.format(tests=body))
+            text = CUDA_TEST_FILE.format(tests=body)
         elif suite == "encoder":
-            body = "".join(ENCODER_TEST.format(index=i) for i in indices)
-            (folder / f"test_steps_{f}.py").write_text(ENCODER_TEST_FILE.format(tests=body))
+            text = ENCODER_TEST_FILE.format(tests="".join(ENCODER_TEST.format(index=i) for i in indices))
+        elif suite == "transformers":
+            text = TRANSFORMERS_TEST_FILE.format(tests="".join(TRANSFORMERS_TEST.format(index=i) for i in indices))
         else:
             body = "".join(TEST.format(index=i, optimizer="adamw" if i % 2 else "sgd-momentum") for i in indices)
-            (folder / f"test_steps_{f}.py").write_text(TEST_FILE.format(tests=body))
+            text = TEST_FILE.format(tests=body)
+        (folder / f"test_steps_{f}.py").write_text(text)
 
 
 @dataclass
 class Variant:
-    """One way of running the suite, and its wall times."""
+    """One way of running the suite, its rounds' wall and CPU seconds."""
 
     name: str
+    label: str
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    times: list[float] = field(default_factory=list)
+    reference: str = "off"
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
     figures: dict[str, str] | None = None
+
+    def median(self, kind: str) -> float:
+        return statistics.median(getattr(self, kind))
 
 
 #: Not loading the plugin, whether installed (the ``gpumem`` entry point) or named in PYTEST_PLUGINS.
 OFF = ["-p", "no:gpumem", "-p", "no:pytest_gpumem.plugin"]
+WARM = {"GPUMEM_BENCH_WARM_UP": "1"}
 
 
-def variants(*, cuda: bool = False) -> list[Variant]:
-    if cuda:
-        return [
-            Variant("off (-p no:gpumem)", OFF),
-            Variant("on (CUDA engine)", ["--gpumem-require-gpu"]),
-            Variant("on --gpumem-breakdown", ["--gpumem-require-gpu", "--gpumem-breakdown"]),
-        ]
-    return [
-        Variant("off (-p no:gpumem)", OFF),
-        Variant("on (default: CPU engine)", []),
-        Variant("on --gpumem-breakdown", ["--gpumem-breakdown"]),
-        Variant("on --gpumem-observe=allocations", ["--gpumem-observe=allocations"]),
-        Variant("loaded, unmarked", [], {"GPUMEM_BENCH_UNMARKED": "1"}),
+def all_variants(*, cuda: bool) -> dict[str, Variant]:
+    """Every variant by name (see the module's docstring)."""
+    engine = "the CUDA engine" if cuda else "the CPU engine"
+    on = ["--gpumem-require-gpu"] if cuda else []
+    found = [
+        Variant("off", "off (-p no:gpumem)", OFF),
+        Variant("on", f"on ({engine})", on),
+        Variant("off-warm", "off, warm-up conftest", OFF, WARM, reference="off-warm"),
+        Variant("on-warm", f"on ({engine}), warm-up conftest", on, WARM, reference="off-warm"),
+        Variant("breakdown", "on --gpumem-breakdown", [*on, "--gpumem-breakdown"]),
+        Variant("loaded", "loaded, unmarked", [], {"GPUMEM_BENCH_UNMARKED": "1"}),
+        Variant("memray", "pytest-memray --memray", [*OFF, "--memray"]),
+        Variant("profiler", "torch.profiler(profile_memory) per test", OFF, {"GPUMEM_BENCH_ANCHOR": "profiler"}),
+        Variant("memtracker", "MemTracker per test", OFF, {"GPUMEM_BENCH_ANCHOR": "memtracker"}),
+        Variant("dispatch", "empty TorchDispatchMode per test", OFF, {"GPUMEM_BENCH_ANCHOR": "dispatch"}),
     ]
+    if not cuda:
+        found.append(Variant("allocations", "on --gpumem-observe=allocations", ["--gpumem-observe=allocations"]))
+    return {variant.name: variant for variant in found}
+
+
+ANCHORS = ("memray", "profiler", "memtracker", "dispatch")
+
+
+def other_variants(checkout: Path, runs: list[Variant]) -> list[Variant]:
+    """``on`` (and ``on-warm``) of the plugin in another checkout: the same options, the package
+    imported from there (``PYTHONPATH`` comes before the installed one)."""
+    found = []
+    for variant in runs:
+        if variant.name in ("on", "on-warm"):
+            env = {**variant.env, "PYTHONPATH": str(checkout)}
+            label = f"{variant.label.replace('on ', 'other ', 1)} [{checkout.name}]"
+            found.append(Variant(f"other{variant.name[2:]}", label, variant.args, env, variant.reference))
+    return found
+
+
+def choose(names: list[str] | None, *, cuda: bool, warm_up: bool, anchors: bool) -> list[Variant]:
+    """The variants to run, ``off`` first (and ``off-warm`` with a warm-up variant)."""
+    known = all_variants(cuda=cuda)
+    wanted = list(names) if names else ["off", "on", *(["off-warm", "on-warm"] if warm_up else [])]
+    if anchors and not names:
+        wanted += ANCHORS
+    unknown = [name for name in wanted if name not in known]
+    if "memray" in wanted and importlib.util.find_spec("pytest_memray") is None:
+        raise SystemExit("bench_overhead.py: the memray variant needs pytest-memray (pip install pytest-memray)")
+    if unknown:
+        raise SystemExit(f"bench_overhead.py: unknown variant(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+    if "off" not in wanted:
+        wanted.insert(0, "off")
+    if any(known[name].reference == "off-warm" for name in wanted) and "off-warm" not in wanted:
+        wanted.insert(1, "off-warm")
+    ordered = ["off", *(name for name in wanted if name != "off")]
+    return [known[name] for name in dict.fromkeys(ordered)]
+
+
+def plugin_installed() -> bool:
+    return any(entry.name == "gpumem" for entry in importlib.metadata.entry_points(group="pytest11"))
 
 
 def junit_figures(path: Path) -> dict[str, str]:
@@ -285,92 +445,248 @@ def junit_figures(path: Path) -> dict[str, str]:
     return figures
 
 
-def run_session(folder: Path, variant: Variant, junit: Path | None) -> float:
-    """Wall seconds of one pytest session over ``folder`` in a fresh interpreter."""
+def run_session(
+    folder: Path, variant: Variant, *, cov: bool, cuda: bool, junit: Path | None, collect: bool = False
+) -> tuple[float, float]:
+    """Wall and CPU seconds (user + system) of one pytest session over ``folder`` in a fresh interpreter."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # bytecode caches as Python writes them by default: with PYTHONDONTWRITEBYTECODE set, pytest
     # would rewrite and compile the plugin's modules (assertion rewriting) in every session
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.pop("PYTEST_ADDOPTS", None)
-    env.update({k: v for k, v in variant.env.items() if k != "GPUMEM_BENCH_PYTHONPATH"})
-    if "GPUMEM_BENCH_PYTHONPATH" in variant.env:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH", "")) if p)
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *variant.args]
+    env.update(variant.env)
+    if cuda:
+        env["GPUMEM_BENCH_CUDA"] = "1"
+    if collect:
+        env["GPUMEM_BENCH_COLLECT"] = "1"
+    args = list(variant.args)
+    if not plugin_installed():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+        if "no:gpumem" not in args:
+            args = ["-p", "pytest_gpumem.plugin", *args]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    if cov:
+        command += ["--cov=.", "--cov-report="]
     if junit is not None:
         command.append(f"--junitxml={junit}")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     result = subprocess.run([*command, str(folder)], cwd=folder, env=env, capture_output=True, text=True, check=False)
     elapsed = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
-    return elapsed
+    return elapsed, cpu
 
 
-def main() -> None:
+def machine(*, cuda: bool) -> dict[str, Any]:
+    """What the figures were measured on: Python, torch, pytest, CPUs, the GPU."""
+    import pytest
+    import torch
+
+    found: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pytest": pytest.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
+    }
+    if cuda:
+        found["gpu"] = torch.cuda.get_device_name(0)
+        found["cuda"] = torch.version.cuda
+    return found
+
+
+def ratios(runs: list[Variant]) -> dict[str, dict[str, float]]:
+    """Each variant's median over its reference's, for wall and CPU time."""
+    by_name = {variant.name: variant for variant in runs}
+    found = {}
+    for variant in runs:
+        reference = by_name.get(variant.reference)
+        if reference is None or not variant.wall or not reference.wall:
+            continue
+        found[f"{variant.name}/{reference.name}"] = {
+            kind: variant.median(kind) / reference.median(kind) for kind in ("wall", "cpu")
+        }
+    return found
+
+
+def report(runs: list[Variant], options: argparse.Namespace, *, stopped: bool, rounds: int) -> dict[str, Any]:
+    """Print the table and return the JSON-ready result."""
+    by_name = {variant.name: variant for variant in runs}
+    rows = []
+    for variant in runs:
+        if not variant.wall:
+            rows.append([variant.label, "not run", "", "", "", "", ""])
+            continue
+        reference = by_name[variant.reference]
+        rows.append(
+            [
+                variant.label,
+                f"{variant.median('wall'):.2f}",
+                f"{variant.median('cpu'):.2f}",
+                " ".join(f"{s:.2f}" for s in variant.cpu),
+                f"{variant.median('wall') / reference.median('wall'):.3f}",
+                f"{variant.median('cpu') / reference.median('cpu'):.3f}",
+                f"{(variant.median('cpu') - reference.median('cpu')) / options.tests * 1000:+.2f}",
+            ]
+        )
+    cov = " under pytest --cov" if options.cov else ""
+    cov += ", each test after gc.collect()" if options.gc_collect else ""
+    print(f"{options.tests} tests ({SUITES[options.suite]}){cov}, {rounds} interleaved rounds, OMP_NUM_THREADS=1")
+    headers = ["variant", "wall s", "CPU s", "CPU s by round", "× ref wall", "× ref CPU", "CPU ms/test"]
+    print(tabulate(rows, headers=headers, disable_numparse=True))
+    print("ref: off (-p no:gpumem); the warm-up variants: off with the same warm-up conftest")
+    found = ratios(runs)
+    if not rounds:
+        rows.clear()
+    on = found.get("on/off")
+    warm = found.get("on-warm/off-warm")
+    if on is not None:
+        line = f"\nsession overhead, on / off: CPU ×{on['cpu']:.3f}, wall ×{on['wall']:.3f}"
+        if warm is not None:
+            line += f"; with the warm-up conftest: CPU ×{warm['cpu']:.3f}, wall ×{warm['wall']:.3f}"
+            line += f"; as users write it / warm-up: CPU {on['cpu'] / warm['cpu']:.3f}"
+        print(line)
+    if stopped:
+        print(f"(stopped after {rounds} rounds: --max-seconds {options.max_seconds})")
+    return {
+        "suite": options.suite,
+        "tests": options.tests,
+        "cov": options.cov,
+        "gc_collect": options.gc_collect,
+        "cuda": options.cuda,
+        "rounds": rounds,
+        "stopped_by_max_seconds": stopped,
+        "machine": machine(cuda=options.cuda),
+        "variants": [
+            {
+                "name": v.name,
+                "label": v.label,
+                "args": v.args,
+                "env": v.env,
+                "reference": v.reference,
+                "wall_s": v.wall,
+                "cpu_s": v.cpu,
+                "median_wall_s": v.median("wall") if v.wall else None,
+                "median_cpu_s": v.median("cpu") if v.cpu else None,
+            }
+            for v in runs
+        ],
+        "ratios": found,
+    }
+
+
+SUITES = {
+    "tiny": "MLP steps on the CPU",
+    "encoder": "TransformerEncoder steps on the CPU",
+    "transformers": "BERT steps on the CPU, transformers imported at collection",
+    "cuda": "TransformerEncoder steps on CUDA",
+}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument(
-        "--tests", type=int, default=None, help="number of generated tests (default 200; 60 with --cuda)"
-    )
+    parser.add_argument("--suite", choices=("tiny", "mlp", "encoder", "transformers"), default="tiny")
     parser.add_argument("--cuda", action="store_true", help="the GPU suite: TransformerEncoder steps on cuda")
-    parser.add_argument(
-        "--suite",
-        choices=("mlp", "encoder"),
-        default="mlp",
-        help="the CPU suite: tiny MLP steps (default) or 2-layer TransformerEncoder steps (40 tests by default)",
-    )
+    parser.add_argument("--tests", type=int, default=None, help="generated tests (tiny 200, encoder 40, cuda 60)")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; figures are medians (default 3)")
-    parser.add_argument("--slow", type=float, default=None, help="slower than this (s): run once (30; 600 --cuda)")
+    parser.add_argument("--warm-up", action="store_true", help="add the warm-up variants (off-warm, on-warm)")
+    parser.add_argument("--anchors", action="store_true", help="add pytest-memray, the profiler, MemTracker, dispatch")
+    parser.add_argument("--cov", action="store_true", help="run every variant under pytest --cov=. (pytest-cov)")
+    parser.add_argument(
+        "--gc-collect", action="store_true", help="every test starts with gc.collect() (an autouse fixture)"
+    )
+    parser.add_argument("--variants", nargs="+", default=None, help="the variants by name (off is always run)")
+    parser.add_argument("--json", type=Path, default=None, help="write the rounds, medians, ratios and machine here")
+    parser.add_argument("--max-seconds", type=float, default=None, help="start no round that would end past this")
     parser.add_argument("--keep", type=Path, default=None, help="write the suite here and keep it")
-    options = parser.parse_args()
+    parser.add_argument(
+        "--other",
+        type=Path,
+        default=None,
+        help="another checkout of pytest-gpumem: adds its on (and on-warm) variants, the plugin imported from there",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the options and print the variants; run nothing (no GPU needed)"
+    )
+    options = parser.parse_args(argv)
+    if options.suite == "mlp":
+        options.suite = "tiny"
+    if options.cuda:
+        if options.suite != "tiny":
+            parser.error("--cuda writes its own suite (TransformerEncoder steps on cuda): leave --suite out")
+        options.suite = "cuda"
     if options.tests is None:
-        options.tests = 60 if options.cuda else 40 if options.suite == "encoder" else 200
-    if options.slow is None:
-        options.slow = 600.0 if options.cuda else 30.0
+        options.tests = DEFAULT_TESTS[options.suite]
+    if options.tests < 1 or options.repeat < 1:
+        parser.error(f"--tests and --repeat must be at least 1 (got {options.tests} and {options.repeat})")
+    if options.max_seconds is not None and options.max_seconds <= 0:
+        parser.error(f"--max-seconds must be positive (got {options.max_seconds})")
+    options.runs = choose(options.variants, cuda=options.cuda, warm_up=options.warm_up, anchors=options.anchors)
+    if options.other is not None:
+        if not (options.other / "pytest_gpumem" / "plugin").is_dir():
+            parser.error(f"--other {options.other}: no pytest_gpumem package there")
+        options.runs += other_variants(options.other.resolve(), options.runs)
+    if options.cuda and not options.dry_run:
+        import torch
 
-    runs = variants(cuda=options.cuda)
+        if not torch.cuda.is_available():
+            parser.error(
+                f"--cuda: no CUDA device is available (torch {torch.__version__}: torch.cuda.is_available() is False)"
+            )
+    return options
+
+
+def main(argv: list[str] | None = None) -> None:
+    began = time.perf_counter()
+    options = parse(argv)
+    if options.dry_run:
+        print(
+            f"{options.suite} suite, {options.tests} tests, {options.repeat} rounds: "
+            + ", ".join(v.name for v in options.runs)
+        )
+        return
+    runs: list[Variant] = options.runs
+    cuda = options.cuda
+    rounds, stopped, longest = 0, False, 0.0
+
+    def over(estimate: float) -> bool:
+        return options.max_seconds is not None and time.perf_counter() - began + estimate > options.max_seconds
+
     with tempfile.TemporaryDirectory(prefix="gpumem-bench-") as tmp:
         folder = options.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        write_suite(folder, options.tests, cuda=options.cuda, suite=options.suite)
-        for variant in runs[:2]:  # the file cache, torch's first import, the bytecode caches
-            run_session(folder, variant, None)
+        write_suite(folder, options.tests, suite=options.suite)
+        first = time.perf_counter()
+        untimed = [variant for variant in runs if variant.name in ("off", "on", "other")]
+        for variant in untimed:  # the file cache, torch's first import, the bytecode caches
+            run_session(folder, variant, cov=options.cov, cuda=cuda, junit=None, collect=options.gc_collect)
+        longest = (time.perf_counter() - first) / len(untimed) * len(runs)  # a round's estimate until one is timed
         for round_index in range(options.repeat):
-            order = runs if round_index % 2 == 0 else runs[::-1]
-            for variant in order:
-                if variant.times and variant.times[0] > options.slow:
-                    continue
+            if over(longest):
+                stopped = True
+                break
+            started = time.perf_counter()
+            for variant in runs if round_index % 2 == 0 else runs[::-1]:
                 junit = Path(tmp) / "junit.xml" if variant.figures is None else None
-                variant.times.append(run_session(folder, variant, junit))
+                wall, cpu = run_session(
+                    folder, variant, cov=options.cov, cuda=cuda, junit=junit, collect=options.gc_collect
+                )
+                variant.wall.append(wall)
+                variant.cpu.append(cpu)
                 if junit is not None:
                     variant.figures = junit_figures(junit)
-
-    reference = statistics.median(runs[0].times)
-    rows = []
-    for variant in runs:
-        median = statistics.median(variant.times)
-        rows.append(
-            [
-                variant.name,
-                f"{median:.2f}",
-                " ".join(f"{s:.2f}" for s in variant.times),
-                f"{median / reference:.3f}",
-                f"{(median - reference) / options.tests * 1000:+.2f}",
-            ]
-        )
-    suite = (
-        "TransformerEncoder steps on CUDA"
-        if options.cuda
-        else "TransformerEncoder steps on the CPU"
-        if options.suite == "encoder"
-        else "MLP steps on the CPU"
-    )
-    print(f"{options.tests} tests ({suite}), up to {options.repeat} interleaved rounds, OMP_NUM_THREADS=1")
-    print(tabulate(rows, headers=["variant", "wall s", "rounds", "× off", "ms/test"], disable_numparse=True))
-
-    on = runs[1]
-    ratio = statistics.median(on.times) / reference
-    target = 1.05 if options.cuda else 1.15
-    print(f"\nsession overhead, on / off: {ratio:.3f} (target ≤ {target}: {'met' if ratio <= target else 'MISSED'})")
+            rounds += 1
+            longest = max(longest if rounds > 1 else 0.0, time.perf_counter() - started)
+    if rounds == 0:
+        print(f"no round fits in --max-seconds {options.max_seconds} (the untimed runs took it)")
+    result = report(runs, options, stopped=stopped, rounds=rounds)
+    if options.json is not None:
+        result["seconds"] = time.perf_counter() - began
+        options.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

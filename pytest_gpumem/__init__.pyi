@@ -33,6 +33,9 @@ from .data.figures import (
     Measurement as Measurement,
 )
 from .data.figures import (
+    OutputNotWritten as OutputNotWritten,
+)
+from .data.figures import (
     Phase as Phase,
 )
 from .data.figures import (

@@ -10,7 +10,8 @@ of tests whose file is gone. Every size is bytes, shown as KiB / MiB / GiB
 
 Exit status: 0 on success; 1 when ``diff --fail-on-growth`` found a cost that
 grew beyond the tolerance; 2 for a usage error, a file that cannot be read, a
-filter that matches nothing, or a failed ``git show``. Errors are one line on
+filter that matches nothing, a ``prune`` pattern that matches every test
+without ``--all``, a failed write, or a failed ``git show``. Errors are one line on
 standard error (followed by a ``hint:`` line where the file error has advice),
 never a traceback.
 
@@ -37,8 +38,12 @@ from pytest_gpumem.baselines import (
     parse,
     save,
 )
+from pytest_gpumem.baselines.selection import SelectionError, environment_named, listed, tests_missing, tests_named
 from pytest_gpumem.data.findings import Tolerance, parse_tolerance
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
+from pytest_gpumem.judge.rule import baseline_status, describe_default_tolerances, tolerance_for
+from pytest_gpumem.judge.sites import diff_sites
+from pytest_gpumem.report.sites import PROFILE_HEADERS, profile_rows, site_diff_rows
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_percent
 
@@ -79,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaselineFileError as exc:
         message, _, hint = str(exc).partition("\n")
         _error(f"{args.command}: error: {message}", hint)
-    except CommandError as exc:
+    except (CommandError, SelectionError) as exc:
         _error(f"{args.command}: error: {exc}")
     except BrokenPipeError:  # the reader went away (``| head``): not an error of ours
         _quiet_stdout()
@@ -141,6 +146,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     def display(p: argparse.ArgumentParser) -> None:
         p.add_argument("--bytes", action="store_true", help="show exact byte counts instead of KiB / MiB / GiB")
         p.add_argument("--markdown", action="store_true", help="print Markdown tables (for a pull-request comment)")
+        p.add_argument(
+            "--sites", action="store_true", help="also the sites stored with each span (where bytes were made)"
+        )
 
     file_help = f"the baseline file (default: {DEFAULT_FILENAME} in the current folder)"
 
@@ -174,9 +182,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     diff.add_argument(
         "--tolerance",
         type=_tolerance,
-        default=Tolerance(),
         metavar="TOL",
-        help="growth that --fail-on-growth lets pass: '2%%', '1MiB' or '2%%,1MiB' (default: 0, any growth)",
+        help=(
+            "how much worse --fail-on-growth lets a cost get, as pytest's --gpumem-tolerance: '2%%', '1MiB' or "
+            "'2%%,1MiB' (a size bounds byte figures only; default: each figure's own, as for pytest: "
+            + describe_default_tolerances().replace("%", "%%")
+            + ")"
+        ),
     )
     display(diff)
     diff.set_defaults(handler=_diff)
@@ -185,10 +197,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "prune",
         help="remove baselines of tests, of an environment, or of tests whose file is gone",
         description=(
-            "Remove baselines and write the file again (atomically). Name the tests (node ids, or path "
-            "prefixes such as tests/test_old.py), or use --missing; with --env alone, remove that "
-            "whole environment; with --env and tests or --missing, remove them from that environment only."
+            "Remove baselines and write the file again (atomically); what is removed is printed before "
+            "the file is written. Name the tests (node ids, or path prefixes such as tests/test_old.py), or "
+            "use --missing; with --env alone, remove that whole environment; with --env and tests or "
+            "--missing, remove them from that environment only. A pattern that matches every test in the "
+            "file ('', '.', '/', a glob, a folder holding them all) is refused unless --all is given."
         ),
+        epilog="Exit status: 0 removed (or nothing to remove), 2 an error or a refusal: nothing was written.",
     )
     prune.add_argument("--file", type=Path, default=Path(DEFAULT_FILENAME), metavar="PATH", help=file_help)
     common(
@@ -206,6 +221,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         type=Path,
         metavar="DIR",
         help="what node ids are relative to, for --missing (default: the baseline file's folder)",
+    )
+    prune.add_argument(
+        "--all",
+        action="store_true",
+        help="remove every test of the chosen environments (all of them without --env); also lets a TEST "
+        "pattern match every test",
     )
     prune.add_argument("--dry-run", action="store_true", help="print what would be removed; write nothing")
     prune.set_defaults(handler=_prune)
@@ -255,12 +276,8 @@ def _environments(stores: Iterable[BaselineStore], text: str | None) -> list[str
         return keys
     chosen = [key for key in keys if text.casefold() in key.casefold()]
     if not chosen:
-        raise CommandError(f"--env {text!r} matches no environment; the keys are: {_listed(keys)}")
+        raise CommandError(f"--env {text!r} matches no environment; the keys are: {listed(keys)}")
     return chosen
-
-
-def _listed(keys: Sequence[str]) -> str:
-    return "; ".join(repr(key) for key in keys) if keys else "(none: the file has no baselines)"
 
 
 def _matches(test: str, texts: Sequence[str]) -> bool:
@@ -325,6 +342,11 @@ def _show(args: argparse.Namespace) -> int:
         ]
         table = _table(rows, ["test", "span", *metrics], 2, args.markdown)
         blocks.append(f"{_heading(key, _count(len(tests), 'test'), args.markdown)}\n\n{table}")
+        for test in tests if args.sites else ():
+            for name, entry in spans[test].items():
+                if entry.sites is not None:
+                    sites = _table(profile_rows(entry.sites, exact=args.bytes), list(PROFILE_HEADERS), 4, args.markdown)
+                    blocks.append(f"{test} [{name}] sites\n\n{sites}")
     print("\n\n".join(blocks))
     return 0
 
@@ -356,12 +378,11 @@ class _Change:
         return None if self.old is None or self.new is None else self.new - self.old
 
     def worse(self, tolerance: Tolerance) -> bool:
-        """Whether the cost grew beyond ``tolerance`` (fell, for a metric where higher is better)."""
-        delta = self.delta
-        if delta is None or self.old is None:
+        """Whether the cost got worse beyond ``tolerance`` (the figure's, :func:`tolerance_for`): the
+        judge's rule (:func:`~pytest_gpumem.judge.rule.baseline_status`) with the old cost as the baseline."""
+        if self.old is None or self.new is None:
             return False
-        worse = -delta if metric_info(self.metric).higher_is_better else delta
-        return worse > tolerance.allowed(self.old)
+        return baseline_status(self.metric, self.new, self.old, tolerance) == "regressed"
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -393,6 +414,12 @@ def _diff(args: argparse.Namespace) -> int:
         table = _table(rows, ["change", "test", "span", "metric", "old", "new", "Δ", "Δ%"], 4, args.markdown)
         tests = len({change.test for change in found})
         blocks.append(f"{_heading(key, _count(tests, 'test') + ' changed', args.markdown)}\n\n{table}")
+        for test, span in dict.fromkeys((c.test, c.span) for c in found) if args.sites else ():
+            earlier, later = old.entry(key, test, span), new.entry(key, test, span)
+            if earlier is not None and later is not None and earlier.sites is not None and later.sites is not None:
+                rows = site_diff_rows(diff_sites(span, earlier.sites, later.sites), exact=args.bytes)
+                headers = ["site", "code", "change", "Δ at peak", "Δ at end"]
+                blocks.append(f"{test} [{span}] sites by growth\n\n{_table(rows, headers, 3, args.markdown)}")
     kinds = {kind: sum(change.kind == kind for change in changes) for kind in _CHANGE_KINDS}
     summary = [
         f"{label}: " + ", ".join(f"{number} {kind}" for kind, number in counts.items() if number)
@@ -401,12 +428,14 @@ def _diff(args: argparse.Namespace) -> int:
     ]
     blocks.append("; ".join(summary) or "no differences")
     print("\n\n".join(blocks))
-    worse = [change for change in changes if change.worse(args.tolerance)]
+    tolerances = {change.metric: tolerance_for(change.metric, args.tolerance) for change in changes}
+    worse = [change for change in changes if change.worse(tolerances[change.metric])]
     if args.fail_on_growth and worse:
-        lines = [f"{_count(len(worse), 'cost')} got worse beyond the tolerance {args.tolerance.describe()}:"]
+        lines = [f"{_count(len(worse), 'cost')} got worse beyond {'its' if len(worse) == 1 else 'their'} tolerance:"]
         for change in worse:
             was, now = (_shown(change.metric, value, args.bytes) for value in (change.old, change.new))
-            lines.append(f"  {change.test} [{change.span}] {change.metric}: {was} -> {now}")
+            tolerance = tolerances[change.metric].describe(metric_info(change.metric))
+            lines.append(f"  {change.test} [{change.span}] {change.metric}: {was} -> {now} (tolerance {tolerance})")
         print("\n".join(lines), file=sys.stderr)
         return EXIT_GREW
     return 0
@@ -459,29 +488,35 @@ def _change_row(change: _Change, exact: bool) -> list[str]:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    if not (args.tests or args.missing or args.env):
-        raise CommandError("name what to remove: TEST ..., --missing, or --env KEY for a whole environment")
+    if not (args.tests or args.missing or args.env is not None or args.all):
+        raise CommandError("name what to remove: TEST ..., --missing, --env KEY for a whole environment, or --all")
     if args.tests and args.missing:
         raise CommandError("give either TEST ... or --missing, not both")
+    if args.missing and args.all:
+        raise CommandError("give either --missing or --all, not both")
+    if args.env is not None and not args.env.strip():
+        raise CommandError("--env: empty; name an environment (a part of its key that only it contains)")
     store = _read(args.file)
     keys = list(store.environment_keys())
     if args.env is not None:
-        keys = [_one_environment(store, args.env)]
-    verb = "would remove" if args.dry_run else "removed"
+        keys = [environment_named(store, args.env)]
+    verb = "would remove" if args.dry_run else "removing"
     lines: list[str] = []
     removed = 0
-    if args.env is not None and not (args.tests or args.missing):
+    whole = args.env is not None and not (args.tests or args.missing or args.all)
+    if whole:
         (key,) = keys
-        count = len(store.tests(key))
+        removed = len(store.tests(key))
         store.remove_environment(key)
-        lines.append(f"{verb} environment {key!r} ({_count(count, 'test')})")
-        removed = count
+        lines.append(f"{verb} environment {key!r} ({_count(removed, 'test')})")
     else:
         if args.missing:
             rootdir = args.rootdir if args.rootdir is not None else args.file.resolve().parent
-            doomed = _missing(store, keys, rootdir)
-        else:
-            doomed = _named(store, keys, args.tests)
+            doomed = tests_missing(store, keys, rootdir)
+        elif args.tests:
+            doomed = tests_named(store, keys, args.tests, everything=args.all)
+        else:  # --all
+            doomed = {key: list(store.tests(key)) for key in keys if store.tests(key)}
         for key in keys:
             tests = doomed.get(key, [])
             if tests:
@@ -493,63 +528,14 @@ def _prune(args: argparse.Namespace) -> int:
     if not removed:
         print("nothing to prune")
         return 0
+    print("\n".join(lines), flush=True)  # what is removed, before the file is written
     if not args.dry_run:
         try:
             save(store)
         except OSError as exc:  # the file is as it was: save() writes a temporary file, then renames it
             raise CommandError(f"{args.file}: cannot write: {exc.strerror or exc}; the file is unchanged") from None
-    summary = f"{verb} the baselines of {_count(removed, 'test')} from {args.file}"
-    print("\n".join([*lines, summary + (" (dry run: nothing written)" if args.dry_run else "")]))
+    if args.dry_run:
+        print(f"would remove the baselines of {_count(removed, 'test')} from {args.file} (dry run: nothing written)")
+    else:
+        print(f"removed the baselines of {_count(removed, 'test')} from {args.file}")
     return 0
-
-
-def _one_environment(store: BaselineStore, text: str) -> str:
-    """The key ``text`` names: the key itself, or the only key that contains it (case-insensitive)."""
-    keys = store.environment_keys()
-    if text in keys:
-        return text
-    chosen = [key for key in keys if text.casefold() in key.casefold()]
-    if len(chosen) == 1:
-        return chosen[0]
-    if not chosen:
-        raise CommandError(f"--env {text!r} matches no environment; the keys are: {_listed(keys)}")
-    raise CommandError(f"--env {text!r} matches {len(chosen)} environments, name one: {_listed(chosen)}")
-
-
-def _named(store: BaselineStore, keys: Sequence[str], names: Sequence[str]) -> dict[str, list[str]]:
-    """Tests of ``keys`` that ``names`` name (node ids or path prefixes); raises for a name that matches none."""
-    doomed: dict[str, list[str]] = {}
-    for name in names:
-        found = [entry for key in keys for entry in store.stale((), key, roots=[name])]
-        if not found:
-            raise CommandError(f"TEST {name!r} matches no baseline (give a node id or a path prefix); nothing removed")
-        for entry in found:
-            tests = doomed.setdefault(entry.environment, [])
-            if entry.test not in tests:
-                tests.append(entry.test)
-    return {key: sorted(tests) for key, tests in doomed.items()}
-
-
-def _missing(store: BaselineStore, keys: Sequence[str], rootdir: Path) -> dict[str, list[str]]:
-    """Tests of ``keys`` whose file (the node id up to ``::``) does not exist under ``rootdir``.
-
-    Refuses when no test file exists at all: ``rootdir`` is then most likely
-    not the folder node ids are relative to, and pruning would empty the file.
-    """
-    if not rootdir.is_dir():
-        raise CommandError(f"--rootdir {str(rootdir)!r}: no such folder")
-    exists: dict[str, bool] = {}
-    doomed: dict[str, list[str]] = {}
-    for key in keys:
-        for test in store.tests(key):
-            path = test.split("::", 1)[0]
-            if path not in exists:
-                exists[path] = (rootdir / path).exists()
-            if not exists[path]:
-                doomed.setdefault(key, []).append(test)
-    if exists and not any(exists.values()):
-        raise CommandError(
-            f"none of the {_count(len(exists), 'test file')} exists under {rootdir}: is it the rootdir? "
-            "Pass --rootdir DIR, or name the tests to remove; nothing removed"
-        )
-    return doomed

@@ -15,13 +15,16 @@ from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 
 __all__ = [
     "CUDA_BLOCK",
+    "MAX_BYTES",
     "UNITS",
     "SizeError",
     "cuda_rounded",
     "format_delta",
     "format_percent",
     "format_size",
+    "format_sizes",
     "parse_size",
+    "shown",
 ]
 
 #: Multiplier of each unit prefix (1024-based).
@@ -34,6 +37,14 @@ _SIZE_RE = re.compile(
 )
 
 
+#: The largest number of bytes a size, a limit, a tolerance or a baseline may hold: 2**63 - 1
+#: (8 EiB, the largest signed 64-bit count, as PyTorch's allocators count). A larger number is
+#: an error, never a figure: no device has that much memory.
+MAX_BYTES = 2**63 - 1
+
+#: Digits (before a decimal point, leading zeros aside) beyond which a number is too large at once.
+_MAX_DIGITS = 20
+
 #: The CUDA caching allocator rounds every block up to a multiple of 512 bytes.
 CUDA_BLOCK = 512
 
@@ -45,6 +56,22 @@ def cuda_rounded(nbytes: int) -> int:
 
 class SizeError(ValueError):
     """A value that is not a valid byte size."""
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """``repr(value)`` for a message, its middle cut out when longer than ``limit`` characters (a
+    5000-digit number is named by its ends and its length, and never converted whole)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 3 * limit:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 2]}…{text[-(limit // 4) :]} ({len(text)} characters)"
+
+
+def too_large(value: object) -> SizeError:
+    """The error for a size beyond :data:`MAX_BYTES`."""
+    return SizeError(f"{shown(value)} is too large: a size is at most 2**63 - 1 bytes (8 EiB)")
 
 
 def parse_size(value: object) -> int:
@@ -60,7 +87,9 @@ def parse_size(value: object) -> int:
         raise SizeError(f"{value!r} is not a size: use an int number of bytes or a string like '4GiB'")
     if isinstance(value, int):
         if value < 0:
-            raise SizeError(f"{value!r} is not a size: sizes cannot be negative")
+            raise SizeError(f"{shown(value)} is not a size: sizes cannot be negative")
+        if value > MAX_BYTES:
+            raise too_large(value)
         return value
     if isinstance(value, float):
         raise SizeError(
@@ -82,13 +111,21 @@ def parse_size(value: object) -> int:
     prefix = match["prefix"].upper()
     if match["i"] and not prefix:
         raise SizeError(f"{value!r} is not a size: 'i' must follow K, M, G or T")
+    whole, _, fraction = match["number"].partition(".")
+    if len(whole.lstrip("0")) > _MAX_DIGITS:
+        raise too_large(value)
+    if len(fraction) > _MAX_DIGITS:
+        raise SizeError(f"{shown(value)} is not a size: more than {_MAX_DIGITS} digits after the point")
     try:
         number = Decimal(match["number"])
     except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
-        raise SizeError(f"{value!r} is not a size: {exc}") from None
+        raise SizeError(f"{shown(value)} is not a size: {exc}") from None
     if not prefix and number != number.to_integral_value():
-        raise SizeError(f"{value!r} is not a size: a number of bytes must be whole")
-    return int((number * UNITS[prefix]).to_integral_value(rounding=ROUND_HALF_UP))
+        raise SizeError(f"{shown(value)} is not a size: a number of bytes must be whole")
+    nbytes = number * UNITS[prefix]
+    if nbytes > MAX_BYTES:
+        raise too_large(value)
+    return int(nbytes.to_integral_value(rounding=ROUND_HALF_UP))
 
 
 def format_size(nbytes: int | None, precision: int = 2) -> str:
@@ -101,6 +138,8 @@ def format_size(nbytes: int | None, precision: int = 2) -> str:
         return "n/a"
     sign = "-" if nbytes < 0 else ""
     magnitude = abs(nbytes)
+    if magnitude > MAX_BYTES:
+        return f"{sign}more than 8 EiB"
     if magnitude < UNITS["K"]:
         return f"{sign}{magnitude} B"
     for prefix in ("T", "G", "M", "K"):
@@ -117,10 +156,40 @@ def format_delta(nbytes: int | None, precision: int = 2) -> str:
     return text if nbytes <= 0 else "+" + text
 
 
+def format_sizes(*counts: int | None) -> tuple[str, ...]:
+    """Format byte counts to be read side by side: counts that differ never read the same.
+
+    :func:`format_size` first; where two different counts would print alike (``8.14 MiB`` and
+    ``8.14 MiB`` for 4 KiB apart), two more decimals, then exact bytes with thousands separators
+    (``7,266,560 B`` and ``7,266,328 B``).
+    """
+    known = [count for count in counts if count is not None]
+    distinct = len(set(known))
+    for precision in (2, 4):
+        texts = tuple(format_size(count, precision) for count in counts)
+        if len({text for text, count in zip(texts, counts, strict=True) if count is not None}) == distinct:
+            return texts
+    return tuple("n/a" if count is None else f"{count:,} B" for count in counts)
+
+
 def format_percent(numerator: int | None, denominator: int | None) -> str:
-    """Format ``numerator / denominator`` as a signed percentage, ``"n/a"`` when unknown."""
+    """Format ``numerator / denominator`` as a signed percentage, ``"n/a"`` when unknown.
+
+    A change below 0.05% keeps two significant digits (``"+0.048%"``; ``"+<0.001%"`` below that),
+    never ``"+0.0%"`` for a change that is there; a growth of 1000% or more is the factor the
+    figure was multiplied by (``"×8,192"``), not a six-digit percentage. A negative denominator
+    (a cost below its span's start) counts by its size.
+    """
     if numerator is None or denominator is None:
         return "n/a"
     if denominator == 0:
         return "n/a" if numerator else "+0.0%"
-    return f"{100.0 * numerator / denominator:+.1f}%"
+    percent = 100.0 * numerator / abs(denominator)
+    if percent >= 1000:
+        factor = 1 + numerator / abs(denominator)
+        return f"×{factor:,.0f}" if factor >= 100 else f"×{factor:.1f}"
+    if numerator and abs(percent) < 0.05:
+        if abs(percent) < 0.001:
+            return f"{'+' if numerator > 0 else '-'}<0.001%"
+        return f"{percent:+.2g}%"
+    return f"{percent:+.1f}%"

@@ -9,9 +9,13 @@ does importing the plugin's measuring modules, which the plugin loads lazily.
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import os
 import pkgutil
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +26,20 @@ import torch
 import pytest_gpumem
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.measurement.engines import Engine, make_engine
+
+
+def _a_cache_folder_of_the_suite_s_own() -> None:
+    """Saves of a baseline file take turns on a lock file in the user's cache folder
+    (``XDG_CACHE_HOME``, else ``~/.cache``): the suite's thousands of temporary baseline files lock
+    in a folder of its own, removed when the suite ends, never in the developer's cache, nor in
+    the folders of pytester's sessions (which set ``HOME`` to their own). Sessions the tests start
+    in subprocesses inherit it."""
+    folder = tempfile.mkdtemp(prefix="gpumem-tests-cache-")
+    os.environ["XDG_CACHE_HOME"] = folder
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+_a_cache_folder_of_the_suite_s_own()
 
 
 def _warm_up_lazy_torch_imports() -> None:

@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from conftest import run, run_fresh
 from pytest_gpumem import CompiledCodeNotMeasured, Measurement, device_limit, make_engine, measure
 from pytest_gpumem.budgets.formulas import count_parameters
+from pytest_gpumem.measurement.engines.allocations import AllocationTracker
 
 pytestmark = pytest.mark.usefixtures("forget_compiled_code")
 
@@ -98,6 +99,39 @@ def test_eager_figures_equal_the_storage_trackers_but_for_python_numbers_wrapped
     assert allocations.phases == expected_phases
     for figure in ("start", "allocated", "allocated_breakdown", "saved_activations", "psi"):
         assert getattr(allocations, figure) == getattr(operators, figure), figure
+
+
+@pytest.mark.parametrize(
+    "build",
+    [_block(torch.optim.AdamW), _mlp(torch.optim.SGD, lr=0.1, momentum=0.9)],
+    ids=["transformer-block-adamw", "mlp-sgd"],
+)
+def test_the_profiler_limited_to_user_scopes_gives_the_figures_of_every_scope(
+    build: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profiler's sessions record memory events only (no operator events): the figures, the
+    breakdown at the peak, the phases and the timeline are those of a profiler that records all."""
+
+    def measured() -> tuple[dict[str, Any], Any]:
+        gc.collect()
+        torch.manual_seed(0)
+        model, optimizer, x = build()
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+
+        step()
+        with measure("step", device="cpu", observe="allocations", track=(model, optimizer), timeline=True) as span:
+            step()
+        return span.measurement.to_dict(), None if span.timeline is None else span.timeline.to_dict(10_000)
+
+    scoped, scoped_timeline = measured()
+    monkeypatch.setattr(AllocationTracker, "user_scopes_only", False)
+    every, every_timeline = measured()
+    assert scoped == every
+    assert scoped_timeline == every_timeline and scoped_timeline is not None
 
 
 def test_model_states_after_an_fp32_adamw_step_are_16_psi_plus_the_step_counters() -> None:

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from conftest import CPU_ENV as CPU
 from conftest import run
-from pytest_gpumem.baselines import BaselineEntry, BaselineFileError, BaselineStore, load, save, saving
+from pytest_gpumem.baselines import BaselineEntry, BaselineFileError, BaselineStore, Environment, load, save, saving
 
 pytest_plugins = ["pytester"]
 
+#: The environment the plugin's CPU sessions here record under (the running torch's version).
+CPU = Environment.detect("cpu", cuda_rounding=False)
 ENTRY = BaselineEntry({"peak": 1024, "allocated": 512, "reserved": None}, start=0)
 
 
@@ -144,7 +145,7 @@ def test_two_update_runs_on_disjoint_tests_keep_both(pytester: pytest.Pytester) 
         "test_suite.py::test_b",
         "test_suite.py::test_gone_elsewhere",  # a -k run never prunes
     ]
-    assert (pytester.path / "gpumem-baselines.json.lock").exists()
+    assert not (pytester.path / "gpumem-baselines.json.lock").exists()  # nothing beside the file to commit
 
 
 def test_a_save_applies_its_changes_onto_what_another_run_wrote_since(tmp_path: Path) -> None:
@@ -188,16 +189,50 @@ def test_a_merge_onto_a_file_broken_since_it_was_loaded_writes_nothing(tmp_path:
 
 def test_a_save_waits_for_the_lock_and_says_who_holds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = recorded(tmp_path / "b.json", "t.py::a")
-    lock = tmp_path / "b.json.lock"
-    assert lock.is_file() and lock.stat().st_size == 0  # beside the file, empty
+    assert sorted(os.listdir(tmp_path)) == ["b.json"]  # nothing beside the file that a `git add -A` would commit
+    lock = saving.lock_path(path)
+    assert lock.is_file() and lock.stat().st_size == 0 and tmp_path not in lock.parents
     store = load(path)
     store.record(CPU, "t.py::b", {"call": ENTRY})
     monkeypatch.setattr(saving, "LOCK_TIMEOUT_S", 0.2)
     with FileLock(str(lock)), pytest.raises(BaselineFileError, match="another process") as error:
         save(store)  # while another process is saving
-    assert str(path) in str(error.value)
+    assert str(path) in str(error.value) and str(lock) in str(error.value)
     assert names_in(path) == ["t.py::a"]
     assert save(store)  # once it is free
+    assert names_in(path) == ["t.py::a", "t.py::b"]
+
+
+def test_the_lock_is_the_file_s_whatever_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One lock per file on disk, named by its resolved path: a symbolic link and its target, a
+    relative and an absolute path, share it; two files have two."""
+    path = recorded(tmp_path / "b.json", "t.py::a")
+    (tmp_path / "link.json").symlink_to(path)
+    monkeypatch.chdir(tmp_path)
+    assert saving.lock_path(tmp_path / "link.json") == saving.lock_path(Path("b.json")) == saving.lock_path(path)
+    assert saving.lock_path(tmp_path / "other.json") != saving.lock_path(path)
+    assert saving.lock_path(path).parent == Path(os.environ["XDG_CACHE_HOME"], "pytest-gpumem", "locks")
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink") or sys.platform == "win32", reason="POSIX symbolic links")
+def test_a_symbolic_link_at_the_lock_s_name_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    """A committed ``gpumem-baselines.json.lock`` link (the lock of older releases) is never opened,
+    and a link planted where the lock is now is refused: its target is never truncated."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    path = recorded(tmp_path / "b.json", "t.py::a")
+    (tmp_path / "b.json.lock").symlink_to(victim)
+    recorded(path, "t.py::b")
+    assert victim.read_text() == "precious"
+    lock = saving.lock_path(path)
+    lock.unlink()
+    lock.symlink_to(victim)
+    store = load(path)
+    store.record(CPU, "t.py::c", {"call": ENTRY})
+    with pytest.raises(BaselineFileError, match="cannot create its lock file") as error:
+        save(store)
+    assert str(lock) in str(error.value)
+    assert victim.read_text() == "precious"
     assert names_in(path) == ["t.py::a", "t.py::b"]
 
 
@@ -322,7 +357,7 @@ def test_a_symbolic_link_is_written_through(tmp_path: Path) -> None:
     assert link.is_symlink() and os.readlink(link) == os.path.join("..", "shared", "real.json")
     assert names_in(target) == ["t.py::a", "t.py::b"]
     assert leftovers(tmp_path / "repo") == [] and leftovers(tmp_path / "shared") == []
-    assert (tmp_path / "shared" / "real.json.lock").exists()  # the lock is the target's, whatever link names it
+    assert os.listdir(tmp_path / "shared") == ["real.json"] and os.listdir(tmp_path / "repo") == ["b.json"]
 
 
 def test_a_dangling_symbolic_link_creates_its_target(tmp_path: Path) -> None:

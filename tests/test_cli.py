@@ -258,13 +258,13 @@ def test_diff_fail_on_growth_and_tolerance(capsys: pytest.CaptureFixture[str], h
     code, out, err = run(capsys, "diff", "gpumem-baselines.json", str(new), "--fail-on-growth")
     assert code == 1 and "costs: 1 grew" in out
     assert err.splitlines() == [
-        "2 costs got worse beyond the tolerance 0 (exact):",
-        f"  {MICRO} [call] max_microbatch: 16 -> 12",
-        f"  {TRAIN} [call] peak: 52.00 MiB -> 60.00 MiB",
+        "2 costs got worse beyond their tolerance:",
+        f"  {MICRO} [call] max_microbatch: 16 -> 12 (tolerance 0 (exact))",
+        f"  {TRAIN} [call] peak: 52.00 MiB -> 60.00 MiB (tolerance 0 (exact))",
     ]
     # 15.4% growth passes a 20% tolerance; the microbatch fell by 25%, beyond it
     code, _, err = run(capsys, "diff", "gpumem-baselines.json", str(new), "--fail-on-growth", "--tolerance", "20%")
-    assert code == 1 and err.splitlines()[1:] == [f"  {MICRO} [call] max_microbatch: 16 -> 12"]
+    assert code == 1 and err.splitlines()[1:] == [f"  {MICRO} [call] max_microbatch: 16 -> 12 (tolerance 20%)"]
     code, _, err = run(capsys, "diff", "gpumem-baselines.json", str(new), "--fail-on-growth", "--tolerance", "30%")
     assert (code, err) == (0, "")
     # without the option growth is reported, not failed; the same file twice has no differences
@@ -348,9 +348,9 @@ def test_prune_node_ids_and_path_prefixes(capsys: pytest.CaptureFixture[str], he
     assert (code, err) == (0, "")
     assert out.splitlines() == [
         f"{CPU.key}:",
-        f"  removed {OLD_TOO}",
-        f"  removed {OLD}",
-        f"  removed {SMALL}",
+        f"  removing {OLD_TOO}",
+        f"  removing {OLD}",
+        f"  removing {SMALL}",
         "removed the baselines of 3 tests from gpumem-baselines.json",
     ]
     assert baseline_tests(path) == (MICRO, OLDER, TRAIN)
@@ -371,7 +371,7 @@ def test_prune_in_one_environment(capsys: pytest.CaptureFixture[str], here: Path
     assert code == 0
     assert out.splitlines() == [
         f"{H100.key}:",
-        f"  removed {TRAIN}",
+        f"  removing {TRAIN}",
         "removed the baselines of 1 test from gpumem-baselines.json",
     ]
     assert load(here / "gpumem-baselines.json").environment_keys() == (CPU.key,)
@@ -388,7 +388,7 @@ def test_prune_a_whole_environment(capsys: pytest.CaptureFixture[str], here: Pat
     code, out, _ = run(capsys, "prune", "--env", H100.key)
     assert code == 0
     assert out.splitlines() == [
-        f"removed environment {H100.key!r} (1 test)",
+        f"removing environment {H100.key!r} (1 test)",
         "removed the baselines of 1 test from gpumem-baselines.json",
     ]
     after = json.loads(path.read_text())
@@ -400,7 +400,8 @@ def test_prune_a_whole_environment(capsys: pytest.CaptureFixture[str], here: Pat
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (["prune"], "name what to remove: TEST ..., --missing, or --env KEY"),
+        (["prune"], "name what to remove: TEST ..., --missing, --env KEY for a whole environment, or --all"),
+        (["prune", "--missing", "--all"], "give either --missing or --all, not both"),
         (["prune", "--missing", OLD], "give either TEST ... or --missing, not both"),
         (["prune", "--env", "torch 2.13"], "--env 'torch 2.13' matches 2 environments, name one: 'cpu | torch 2.13"),
         (["prune", "--env", "a100"], "--env 'a100' matches no environment; the keys are: 'cpu | torch 2.13"),
@@ -448,9 +449,9 @@ def test_prune_missing_files(capsys: pytest.CaptureFixture[str], here: Path) -> 
     assert code == 0
     assert out.splitlines() == [
         f"{CPU.key}:",
-        f"  removed {OLD_TOO}",
-        f"  removed {OLD}",
-        f"  removed {OLDER}",
+        f"  removing {OLD_TOO}",
+        f"  removing {OLD}",
+        f"  removing {OLDER}",
         "removed the baselines of 3 tests from gpumem-baselines.json",
     ]
     assert baseline_tests(here / "gpumem-baselines.json") == (MICRO, SMALL, TRAIN)
@@ -467,7 +468,7 @@ def test_prune_missing_relative_to_the_rootdir(capsys: pytest.CaptureFixture[str
     assert code == 2 and f"none of the 4 test files exists under {path.parent}: is it the rootdir?" in err
     assert path.read_bytes() == before
     code, out, _ = run(capsys, "prune", "--missing", "--file", str(path), "--rootdir", str(project))
-    assert code == 0 and out.splitlines()[1:-1] == [f"  removed {OLDER}"]
+    assert code == 0 and out.splitlines()[1:-1] == [f"  removing {OLDER}"]
     assert load(path).tests(CPU.key) == (MICRO, OLD_TOO, OLD, SMALL, TRAIN)
 
 
@@ -493,7 +494,8 @@ def test_a_failed_write_is_reported_and_keeps_the_file(here: Path) -> None:
         "python -m pytest_gpumem baselines prune: error: gpumem-baselines.json: cannot write the baseline file: "
         "File too large\nhint: Nothing was written: the file is as it was."
     )
-    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert "Traceback" not in result.stderr
+    assert result.stdout == f"{CPU.key}:\n  removing {OLD_TOO}\n  removing {OLD}\n"  # said before writing
     assert path.read_bytes() == before
     assert sorted(os.listdir(here)) == files  # no temporary file left
 
@@ -551,3 +553,50 @@ def test_a_closed_pipe_is_not_an_error(here: Path) -> None:
     err = reader.stderr.read().decode()
     assert reader.wait() == 0
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+# --------------------------------------------------------------------------- prune refuses to empty the file by mistake
+
+
+@pytest.mark.parametrize("pattern", ["", " ", "/", ".", "./", ".//", "*", "**", "tests", "tests/"])
+def test_prune_refuses_a_pattern_that_matches_every_test(
+    capsys: pytest.CaptureFixture[str], here: Path, pattern: str
+) -> None:
+    """An unset shell variable (``prune "$TEST"``), the current folder, a glob, or a folder that holds
+    every test: each would remove every baseline, GPU environments included."""
+    path = here / "gpumem-baselines.json"
+    before = path.read_bytes()
+    code, out, err = run(capsys, "prune", pattern)
+    assert (code, out) == (2, "")
+    assert f"TEST {pattern!r} matches every test in the file" in err and "--all" in err
+    assert path.read_bytes() == before
+
+
+def test_prune_refuses_an_empty_environment(capsys: pytest.CaptureFixture[str], here: Path) -> None:
+    path = here / "gpumem-baselines.json"
+    before = path.read_bytes()
+    for text in ("", "  "):
+        code, out, err = run(capsys, "prune", "--env", text)
+        assert (code, out) == (2, "") and "--env: empty" in err
+    assert path.read_bytes() == before
+
+
+def test_prune_all_removes_every_baseline_when_asked(capsys: pytest.CaptureFixture[str], here: Path) -> None:
+    path = here / "gpumem-baselines.json"
+    code, out, _ = run(capsys, "prune", "--all", "--env", "h100")
+    assert code == 0 and out.splitlines()[-1] == "removed the baselines of 1 test from gpumem-baselines.json"
+    assert load(path).environment_keys() == (CPU.key,)
+    code, out, _ = run(capsys, "prune", "tests", "--all", "--dry-run")
+    assert code == 0 and out.splitlines()[-1].startswith("would remove the baselines of 6 tests")
+    code, out, _ = run(capsys, "prune", "--all")
+    assert code == 0 and out.splitlines()[-1] == "removed the baselines of 6 tests from gpumem-baselines.json"
+    assert len(load(path)) == 0
+
+
+def test_a_whole_node_id_is_never_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A file with one test: naming it removes every baseline, and is what was asked."""
+    store = BaselineStore()
+    store.record(CPU, OLD, {"call": entry(1)})
+    save(store, tmp_path / "one.json")
+    code, out, _ = run(capsys, "prune", "--file", str(tmp_path / "one.json"), OLD)
+    assert code == 0 and out.splitlines()[-1].startswith("removed the baselines of 1 test")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -89,6 +90,7 @@ def rank_one_dies(rank: int, ctx: RankContext) -> None:
 
 def sleeps(rank: int, ctx: RankContext) -> None:
     time.sleep(120)
+    (Path(os.environ["GPUMEM_TEST_WOKE"]) / f"woke{rank}").touch()  # never, when it is stopped at the timeout
 
 
 def test_ddp_keeps_model_states_and_a_gradient_bucket_on_every_rank() -> None:
@@ -167,33 +169,32 @@ def test_fsdp2_keeps_a_shard_of_every_model_state(world_size: int) -> None:
 
 
 def test_a_failing_rank_fails_the_run_with_its_report_and_no_rank_is_left() -> None:
-    started = time.monotonic()
+    """The run ends on the failure, not at the timeout (the reports say why each rank ended)."""
     with pytest.raises(DistributedError) as caught:
-        run_ranks(rank_one_raises, 2, timeout=60)
-    assert time.monotonic() - started < 60
+        run_ranks(rank_one_raises, 2, timeout=600)
     assert 1 in caught.value.reports  # rank 0 may fail too, in its barrier, when rank 1 is gone
     text = str(caught.value)
     assert text.startswith(("1 of 2 ranks failed (rank 1)", "2 of 2 ranks failed (rank 0, 1)"))
     assert "rank 1 raised:" in text and "ValueError: no batch for rank 1" in text
+    assert "did not finish within" not in text
     assert multiprocessing.active_children() == []
 
 
 def test_a_rank_killed_mid_step_fails_the_run_within_the_timeout() -> None:
-    started = time.monotonic()
     with pytest.raises(DistributedError, match="rank 1 exited with code 3 before reporting") as caught:
-        run_ranks(rank_one_dies, 2, timeout=60)
-    assert time.monotonic() - started < 60
+        run_ranks(rank_one_dies, 2, timeout=600)
     assert 1 in caught.value.reports
+    assert "did not finish within" not in str(caught.value)  # it ended on the death, not at the timeout
     assert multiprocessing.active_children() == []
 
 
-def test_a_rank_past_the_timeout_is_stopped() -> None:
-    started = time.monotonic()
+def test_a_rank_past_the_timeout_is_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUMEM_TEST_WOKE", str(tmp_path))
     with pytest.raises(DistributedError, match="did not finish within 5 s") as caught:
         run_ranks(sleeps, 2, timeout=5)
-    assert time.monotonic() - started < 30
     assert sorted(caught.value.reports) == [0, 1]
     assert multiprocessing.active_children() == []
+    assert list(tmp_path.iterdir()) == []  # stopped in its sleep: no rank woke up to say so
 
 
 @pytest.mark.parametrize(
@@ -201,7 +202,7 @@ def test_a_rank_past_the_timeout_is_stopped() -> None:
     [
         ({"world_size": 0}, "world_size must be a positive int, got 0"),
         ({"device": "tpu"}, "device must be 'cpu' or 'cuda', got 'tpu'"),
-        ({"timeout": 0}, "timeout must be a positive number of seconds, got 0"),
+        ({"timeout": 0}, "timeout must be a positive, finite number of seconds"),
         ({"backend": "carrier-pigeon"}, "backend 'carrier-pigeon' is not a torch.distributed backend"),
     ],
 )

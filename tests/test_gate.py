@@ -10,6 +10,7 @@ import torch
 
 from conftest import forget_last_failure, run, run_fresh
 from pytest_gpumem.baselines import Environment
+from pytest_gpumem.baselines.staleness import NOT_COLLECTED, Collection, file_of
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.measurement.engines import make_engine
@@ -58,6 +59,11 @@ def measured(nodeid: str, elements: int, **marker: object) -> TestRecord:
     return test.run(lambda: torch.ones(elements))
 
 
+def collected(*ids: str) -> Collection:
+    """A run that collected ``ids`` and their files whole."""
+    return Collection(items=frozenset(ids), whole=frozenset(file_of(nodeid) for nodeid in ids))
+
+
 def gate(tmp_path: Path, **options: object) -> Gate:
     return Gate(GateOptions(baselines=tmp_path / "base.json", tolerance=Tolerance(0.02, 0), **options))  # type: ignore[arg-type]
 
@@ -65,11 +71,11 @@ def gate(tmp_path: Path, **options: object) -> Gate:
 def test_gate_records_then_judges(tmp_path: Path) -> None:
     first = gate(tmp_path, update=True)
     assert first.judge(measured("t.py::a", 1000)) == []  # updating never compares
-    first.finish(["t.py::a"])
+    first.finish(collected("t.py::a"))
     assert first.written
     again = gate(tmp_path, update=True)
     again.judge(measured("t.py::a", 1000))
-    again.finish(["t.py::a"])
+    again.finish(collected("t.py::a"))
     assert not again.written  # the same bytes: the file is left alone
     judged = gate(tmp_path)
     ok = judged.judge(measured("t.py::a", 1010))  # +1% is within 2%
@@ -114,23 +120,24 @@ def test_stale_baselines_are_found_and_pruned(tmp_path: Path) -> None:
     first.finish(None)
     later = gate(tmp_path)
     later.judge(measured("t.py::a", 100))
-    later.finish(["t.py::a"])
+    later.finish(collected("t.py::a"))
     assert [(f.test, f.status) for f in later.stale] == [("t.py::gone", "stale")]
     assert not later.stale_failed
     partial = gate(tmp_path, update=True, prune=True)
     partial.judge(measured("t.py::a", 100))
-    partial.finish(None)  # a partial collection never prunes
+    partial.finish(Collection(items=frozenset({"t.py::a"})))  # t.py was not collected whole: kept
+    assert partial.kept == {NOT_COLLECTED: 1}
     assert "t.py::gone" in json.loads((tmp_path / "base.json").read_text())["environments"].popitem()[1]["tests"]
     pruning = gate(tmp_path, update=True, prune=True)
     pruning.judge(measured("t.py::a", 100))
-    pruning.finish(["t.py::a"])
+    pruning.finish(collected("t.py::a"))
     assert "t.py::gone" not in json.loads((tmp_path / "base.json").read_text())["environments"].popitem()[1]["tests"]
 
 
 def test_a_run_that_measured_nothing_never_reads_the_file(tmp_path: Path) -> None:
     (tmp_path / "base.json").write_text("not json")
     nothing = gate(tmp_path, update=True)
-    nothing.finish(["t.py::a"])
+    nothing.finish(collected("t.py::a"))
     assert not nothing.loaded and not nothing.written
     assert (tmp_path / "base.json").read_text() == "not json"
 
@@ -478,13 +485,13 @@ def pytest_gpumem_environment(config, environment):
 
 
 def test_by_default_peak_and_allocated_are_exact_and_reserved_keeps_a_segment() -> None:
-    from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR, metric_tolerances
+    from pytest_gpumem.judge.judgement import metric_tolerances
 
     tolerances = metric_tolerances(("peak", "allocated", "reserved", "max_microbatch"), None)
     assert tolerances == {
         "peak": Tolerance(),
         "allocated": Tolerance(),
-        "reserved": Tolerance(0.02, RESERVED_TOLERANCE_FLOOR),
+        "reserved": Tolerance(0.02, 20 * 2**20),
         "max_microbatch": Tolerance(),
     }
 
@@ -535,11 +542,11 @@ def test_the_default_tolerance_catches_a_small_regression_of_a_training_step(
 
 
 def test_reserved_is_compared_within_one_allocator_segment() -> None:
-    from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR, metric_tolerances
+    from pytest_gpumem.judge.judgement import metric_tolerances
 
     tolerances = metric_tolerances(("peak", "allocated", "reserved", "max_microbatch"), Tolerance(0.02, 2**20))
     assert tolerances["peak"] == tolerances["allocated"] == Tolerance(0.02, 2**20)
-    assert tolerances["reserved"] == Tolerance(0.02, RESERVED_TOLERANCE_FLOOR) == Tolerance(0.02, 20 * 2**20)
+    assert tolerances["reserved"] == Tolerance(0.02, 20 * 2**20)
     assert tolerances["max_microbatch"] == Tolerance(0.02, 0)  # a count: the byte floor does not apply
     # the H100's two runs of one step in one process (recorded): 16 MiB apart, within one segment
     assert tolerances["reserved"].allowed(419_430_400) >= 419_430_400 - 402_653_184

@@ -1,10 +1,14 @@
-"""The plugin never keeps what the suite let go (its collector freeze included).
+"""The plugin never keeps what the suite let go (its collector's freezes included).
 
-The objects alive before the first measured test are frozen (cheap collections per
-test); nothing a test makes is ever frozen, so a reference cycle a test drops is freed
-by the next collection: the user's own ``gc.collect()``, or the plugin's own at the next
-test's start. These sessions run in a fresh process, where the plugin is the first to
-freeze (in this suite's own process an earlier measured test may have frozen already).
+What the session imported or built is frozen (cheap collections per test): before the first
+measured test, and between tests when a lot was left (the modules a first optimizer step
+imports lazily, a cache a test filled). A full collection the plugin did not ask for (the
+user's own ``gc.collect()``) is given every frozen object back first, so a reference cycle
+a test drops is freed by it whenever the cycle was made; the plugin's own collections free
+what a test made since the last freeze, and where a figure counts everything alive (an
+emulated device limit, ``retained``) the plugin collects with everything given back. These
+sessions run in a fresh process, where the plugin is the first to freeze (in this suite's
+own process the suite's conftest has frozen everything already).
 """
 
 from __future__ import annotations
@@ -107,6 +111,94 @@ def test_cycles_a_test_drops_are_freed(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_cycles=CYCLES)
     result = run_fresh(pytester, "-p", "no:randomly")
     result.assert_outcomes(passed=13)
+
+
+#: The same cycles, frozen by the collector between tests before they are dropped: the first test
+#: makes them all, then an optimizer step imports parts of torch lazily (over 100,000 objects), so
+#: the collector freezes what is alive once the test is done. Later tests make a cache of 20,000
+#: objects (what a suite builds as it runs) for the same effect.
+FROZEN_CYCLES = (
+    CYCLES.split("@pytest.mark.parametrize", 1)[0]
+    + """
+def build():                                # a cache a test fills: the collector freezes it
+    HOLD.setdefault("bulk", []).append([[] for _ in range(20_000)])
+
+
+def is_frozen(obj):
+    return gc.get_freeze_count() > 0 and not any(o is obj for o in gc.get_objects())
+
+
+@pytest.mark.gpumem(device="cpu")
+def test_1_make_them_all_then_import_lazily():
+    for kind, maker in MAKERS.items():
+        HOLD[kind], tensor = maker()
+        REF[kind] = weakref.ref(tensor)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()                              # imports torch._dynamo, sympy, ...
+
+
+@pytest.mark.parametrize("kind", MAKERS)
+@pytest.mark.gpumem(device="cpu")
+def test_2_drop_a_frozen_cycle_and_collect(kind):
+    assert is_frozen(HOLD[kind]), f"the {kind} cycle is not frozen: nothing is tested"
+    del HOLD[kind]
+    gc.collect()
+    assert REF[kind]() is None, f"the frozen {kind} cycle is still alive after gc.collect()"
+
+
+@pytest.mark.gpumem(device="cpu")
+def test_3_make_64_mib_in_a_cycle_and_hold_it():
+    node = Node()
+    node.t = torch.ones(16 * MiB)
+    HOLD["big"] = node
+    build()
+
+
+@pytest.mark.gpumem(device="cpu")
+def test_4_drop_it_frozen_without_collecting():
+    assert is_frozen(HOLD["big"])
+    del HOLD["big"]
+
+
+@pytest.mark.gpumem(device="cpu", device_limit="32MiB")
+def test_5_fits_in_32_mib():
+    torch.ones(MiB)                         # fails if the dropped 64 MiB were still counted
+
+
+@pytest.mark.gpumem(device="cpu", retained="0B")
+def test_6_collect_then_drop_a_cycle_made_before():
+    node = Node()
+    gc.collect()                            # what survives it is frozen: the test's own objects too
+    assert is_frozen(node)
+    del node                                # garbage among frozen objects: retained must not count it
+
+
+class Holder:
+    def __init__(self):
+        self.me = self
+
+
+@pytest.mark.gpumem(device="cpu")
+def test_7_hold_a_cycle_without_tensors():
+    HOLD["holder"] = Holder()
+    build()
+
+
+@pytest.mark.gpumem(device="cpu", retained="0B")
+def test_8_give_the_frozen_cycle_a_tensor_and_drop_it():
+    assert is_frozen(HOLD["holder"])
+    HOLD.pop("holder").t = torch.ones(MiB)  # garbage now: retained must not count it
+"""
+)
+
+
+@pytest.mark.slow
+def test_frozen_cycles_a_test_drops_are_freed(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_frozen_cycles=FROZEN_CYCLES)
+    result = run_fresh(pytester, "-p", "no:randomly")
+    result.assert_outcomes(passed=12)
 
 
 @pytest.mark.slow

@@ -146,9 +146,10 @@ def test_help_lists_every_option(pytester: pytest.Pytester) -> None:
     assert result.ret == pytest.ExitCode.OK
     text = result.stdout.str()
     assert "GPU memory guards (pytest-gpumem)" in text
-    assert "(default: exact bytes for peak and allocated, 2%,1MiB and at least 20 MiB for reserved)" in " ".join(
-        text.split()
-    )
+    assert (
+        "(default: exact for peak, allocated and max_microbatch; 2% or 1.00 MiB for reserved; "
+        "reserved never closer than 20.00 MiB)"
+    ) in " ".join(text.split())
     for option in ("device", "update-baselines", "tolerance", "device-limit", "snapshot", "artifacts-all"):
         assert f"--gpumem-{option}" in text
     assert "gpumem_tolerance" in text  # the ini settings

@@ -150,7 +150,7 @@ def test_fine():
     result.assert_outcomes(errors=1)  # the module's collection error names both tests
     result.stdout.fnmatch_lines(
         [
-            "invalid gpumem marker on *::test_unknown: predict='a100' is not a known GPU: use one of 'h100'",
+            "invalid gpumem marker on *::test_unknown: predict='a100' is not a known GPU: use one of 'h100', 'h200'",
             "invalid gpumem marker on *::test_both: observe='allocations' cannot predict='h100': *",
         ]
     )

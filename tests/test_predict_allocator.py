@@ -96,7 +96,7 @@ def test_targets_are_data_and_names_are_checked() -> None:
     assert h100 in targets()
     assert (h100.device_name, h100.torch_version) == ("NVIDIA H100 80GB HBM3", "2.11")
     assert parse_predict(" nvidia-h100-80gb-hbm3 ") == "h100"
-    with pytest.raises(ValueError, match=r"predict='a100' is not a known GPU: use one of 'h100'"):
+    with pytest.raises(ValueError, match=r"predict='a100' is not a known GPU: use one of 'h100', 'h200'"):
         parse_predict("a100")
     with pytest.raises(ValueError, match=r"predict=3 is not a GPU name"):
         parse_predict(3)

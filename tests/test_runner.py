@@ -103,6 +103,45 @@ def test_leak_check_option_applies_to_every_test(engine: Engine) -> None:
     cache.clear()
 
 
+@pytest.mark.slow
+def test_a_retained_budget_without_its_psi_stays_an_error_with_no_leak_report(engine: Engine) -> None:
+    """A retained budget that cannot be resolved is an error on the record, not a bound of 0:
+    the leaked tensors are not reported as beyond a limit nobody could compute."""
+    cache: list[torch.Tensor] = []
+    record = run(engine, lambda: cache.append(torch.ones(4096)), RunOptions(leak_check=True), retained="16Ψ")
+    assert record.measurements[0].retained == 4096 * F32  # the leak check ran and confirmed it
+    assert record.errors == [
+        "marker: retained='16Ψ': '16Ψ' uses Ψ but the number of trainable parameters is unknown "
+        "(track the model with gpumem.track(model, optimizer))"
+    ]
+    assert record.findings == [] and record.reports == [] and record.failed
+    assert record.leak_report is not None and "memory leak confirmed on cpu: 16.00 KiB" in record.leak_report
+    cache.clear()
+
+
+@pytest.mark.slow
+def test_a_leak_within_the_retained_limit_gets_no_report(engine: Engine) -> None:
+    cache: list[torch.Tensor] = []
+    record = run(engine, lambda: cache.append(torch.ones(4096)), retained="16KiB")
+    assert [(f.metric, f.status) for f in record.findings] == [("retained", "ok")]
+    assert record.reports == [] and not record.failed
+    cache.clear()
+
+
+def test_the_record_says_what_was_asked_and_the_judge_decides(engine: Engine) -> None:
+    """The run's leak check and the marker's min_microbatch travel as asked, not as limits
+    made before the judge sees them."""
+    record = run(engine, lambda: None, RunOptions(leak_check=True), peak="1MiB", min_microbatch=4)
+    assert [spec.text for spec in record.asked["call"]] == ["1MiB"]
+    assert (record.leak_check, record.min_microbatch) == (True, 4)
+    assert [(f.metric, f.detail, f.status) for f in record.findings] == [
+        ("peak", "1MiB", "ok"),
+        ("retained", "0B (gpumem_leak_check)", "ok"),
+        ("max_microbatch", "not known on the cpu engine", "n/a"),  # the test searched for none
+    ]
+    assert TestRecord.from_dict(record.to_dict()) == record
+
+
 def test_spans_and_their_tolerances_travel_in_the_record(engine: Engine) -> None:
     def body() -> None:
         with measure("step", peak="1KiB", tolerance="5%"):

@@ -184,7 +184,7 @@ def test_one():
 """
     )
     result = run(pytester, f"--gpumem-json={out / 'report.json'}")
-    assert result.ret == pytest.ExitCode.INTERNAL_ERROR
+    assert result.ret == pytest.ExitCode.OK  # a warning: the test passed
     text = result.stdout.str()
     assert f"gpumem: could not write the JSON report {out / 'report.json'}: File exists ({out})" in text
     assert "Traceback" not in text and "INTERNALERROR" not in text

@@ -7,6 +7,7 @@ run on the CPU engine with CUDA rounding, where their figures are known to the b
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -22,9 +23,10 @@ from pytest_gpumem import measure
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.plugin.fixture import run_step
 from pytest_gpumem.units import format_size
+from pytest_gpumem.validate.against import differences, load_record
 from pytest_gpumem.validate.compare import explain_gap, gap_parts, zoo_figures
 from pytest_gpumem.validate.main import main
-from pytest_gpumem.validate.record import plugin_installed, record_name, run_suite, suite_environment
+from pytest_gpumem.validate.record import plugin_installed, record_name, run_suite, suite_environment, suite_from
 from pytest_gpumem.validate.reference import reference_adam, reference_determinism, reference_linear, reference_mlp
 from pytest_gpumem.validate.render import zoo_table_rows
 from pytest_gpumem.validate.results import (
@@ -40,6 +42,7 @@ from pytest_gpumem.validate.results import (
 from pytest_gpumem.validate.zoo import PRECISIONS, zoo
 
 ROOT = Path(__file__).resolve().parents[1]
+H100 = ROOT / "fixtures" / "recorded" / "nvidia-h100-80gb-hbm3-torch2.11"
 CPU = torch.device("cpu")
 MiB = 2**20
 
@@ -50,7 +53,19 @@ def cpu_only_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.C
     another folder; its output and record folder."""
     out = tmp_path_factory.mktemp("record")
     done = subprocess.run(
-        [sys.executable, "-m", "pytest_gpumem", "validate", "--cpu-only", "--out", str(out), "--size", "tiny"],
+        [
+            sys.executable,
+            "-m",
+            "pytest_gpumem",
+            "validate",
+            "--cpu-only",
+            "--out",
+            str(out),
+            "--size",
+            "tiny",
+            "--against",
+            str(H100),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -278,3 +293,70 @@ def test_suite_without_a_gpu_skips_everything_and_fails_the_check() -> None:
     assert summary["command"].startswith("python -m pytest tests -m cuda")
     check = suite_check(summary)
     assert check.passed is False and f"{summary['skipped']} skipped" in check.detail
+
+
+@pytest.mark.slow
+def test_cpu_only_record_is_compared_with_the_committed_one(cpu_only_run: tuple[Any, Path]) -> None:
+    _, folder = cpu_only_run
+    against = record_of(folder)["against"]
+    committed = load_record(H100)
+    assert against["record"] == H100.name
+    assert against["environment"] == committed["environment_key"]
+    # the CPU-only run holds the zoo's CPU workloads at the tiny size; the H100 record holds them at small
+    assert "zoo.mlp.fp32.cpu" not in against["only_here"]
+    assert any(line.startswith("zoo.mlp.fp32.cpu peak cost: ") for line in against["differences"])
+    assert f"## Against `{H100.name}`" in (folder / SUMMARY_FILE).read_text(encoding="utf-8")
+
+
+def test_a_record_against_itself_has_no_differences() -> None:
+    record = load_record(H100)
+    against = differences(record, record, H100.name)
+    assert against["differences"] == [] and against["only_here"] == [] and against["only_there"] == []
+    assert against["same"] >= 3 * len(record["workloads"])  # peak, allocated and requested costs at least
+
+
+def test_differences_are_costs_and_name_both_values() -> None:
+    """A workload that started higher (workspaces kept before the start) differs in no cost; a
+    figure that grew is named with both costs and the difference."""
+    record = load_record(H100)
+    changed = copy.deepcopy(record)
+    linear = changed["workloads"]["reference.linear-init"]
+    for key in ("start", "peak", "allocated", "requested_peak"):
+        linear["measurement"][key] += 68_157_440
+    for key in ("max_memory_allocated", "memory_allocated"):
+        linear["counters"][key] += 68_157_440
+    mlp = changed["workloads"]["zoo.mlp.fp32.cuda"]["measurement"]
+    mlp["peak"] += 512
+    cost = mlp["peak"] - mlp["start"]
+    del changed["workloads"]["reference.adam-default-first-step"]
+    against = differences(changed, record, H100.name)
+    assert against["differences"] == [f"zoo.mlp.fp32.cuda peak cost: {cost - 512:,} → {cost:,} B (+512 B)"]
+    assert against["only_there"] == ["reference.adam-default-first-step"]
+
+
+def test_against_a_folder_without_a_record_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--cpu-only", "--out", str(tmp_path / "out"), "--size", "tiny", "--against", str(tmp_path)])
+    assert code == 2
+    assert f"--against {tmp_path}" in capsys.readouterr().err
+
+
+def test_trace_of_the_mlp_needs_the_mlp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--cpu-only", "--out", str(tmp_path), "--size", "tiny", "--models", "block", "--trace", "mlp"])
+    assert code == 2
+    assert "--trace mlp needs the mlp model" in capsys.readouterr().err
+
+
+def test_a_suite_that_already_ran_is_recorded_from_its_junit_report(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_s="def test_a():\n    pass\n\ndef test_b():\n    assert False, 'no'\n")
+    xml = pytester.path / "suite.xml"
+    pytester.runpytest("-p", "no:gpumem", f"--junitxml={xml}")
+    (pytester.path / "suite.log").write_text("the suite's output\n", encoding="utf-8")
+    summary, log = suite_from(xml, pytester.path / "suite.log")
+    assert (summary["tests"], summary["failures"], summary["errors"], summary["skipped"]) == (2, 1, 0, 0)
+    assert summary["exit_code"] == 1 and summary["log"] == "cuda-suite.log"
+    assert log == "the suite's output\n"
+    check = suite_check(summary)
+    assert check.passed is False and "2 test(s), 1 failed" in (check.detail or "")
+    (pytester.path / "junk.xml").write_text("<html/>", encoding="utf-8")
+    with pytest.raises(ValueError, match="not a JUnit XML report"):
+        suite_from(pytester.path / "junk.xml", None)

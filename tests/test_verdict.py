@@ -470,3 +470,53 @@ def test_stale_findings() -> None:
         "stale baseline: tests/test_gone.py::test_x no longer exists; baselines kept for "
         "cpu | torch 2.13 | cuda_rounding off (spans: call, step); prune them"
     )
+
+
+# --------------------------------------------------------------------------- which limits apply
+
+
+def test_the_judge_decides_which_limits_apply_to_the_call() -> None:
+    from pytest_gpumem.judge.judgement import judge, limits_of
+    from pytest_gpumem.judge.limits import parse_limit
+    from pytest_gpumem.judge.record import TestRecord
+
+    call = measurement(peak=MiB, allocated=0, retained=0)
+    step = measurement(name="step", peak=MiB)
+    record = TestRecord(TEST, [call, step], asked={"call": [parse_limit("peak", "2MiB")]}, leak_check=True)
+    record.min_microbatch = 8
+    assert [(s.metric, s.text) for s in limits_of(record, "call")] == [
+        ("peak", "2MiB"),
+        ("retained", "0B (gpumem_leak_check)"),
+        ("max_microbatch", "min_microbatch=8"),
+    ]
+    assert limits_of(record, "step") == []  # the run's and the marker's checks are the call's
+    record.asked["call"].append(parse_limit("retained", "1KiB"))  # the marker's bound wins over the run's 0
+    assert [s.text for s in limits_of(record, "call") if s.metric == "retained"] == ["1KiB"]
+    # with ranks measured, each rank's span asked for the marker's span limits: the call keeps the rest
+    record.ranks_measured = True
+    assert [s.metric for s in limits_of(record, "call")] == ["retained", "max_microbatch"]
+    # under torchrun the call span is named for its rank: the first span is still the call
+    renamed = TestRecord(TEST, [dataclasses.replace(call, name="call@rank1-of-2")], leak_check=True)
+    assert [s.metric for s in limits_of(renamed, "call@rank1-of-2")] == ["retained"]
+    assert [f.status for f in judge(renamed)] == ["ok"]
+
+
+def test_the_leak_report_joins_a_failure_of_the_retained_check_only() -> None:
+    from pytest_gpumem.judge.judgement import judge
+    from pytest_gpumem.judge.limits import parse_limit
+    from pytest_gpumem.judge.record import TestRecord
+
+    def record(bound: str, retained: int) -> TestRecord:
+        call = measurement(peak=MiB, retained=retained)
+        return TestRecord(TEST, [call], asked={"call": [parse_limit("retained", bound)]}, leak_report="leaked: x")
+
+    leaked = record("1KiB", 2 * KiB)
+    judge(leaked)
+    judge(leaked)  # judged again: the report once
+    assert leaked.reports == ["leaked: x"] and leaked.failed
+    within = record("1KiB", KiB)
+    judge(within)
+    assert within.reports == [] and not within.failed
+    unknown = record("16Ψ", 2 * KiB)  # Ψ unknown: an error, not a bound of 0
+    judge(unknown)
+    assert unknown.reports == [] and unknown.findings == [] and unknown.errors

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
+import re
 import secrets
 import stat
 import sys
@@ -18,7 +20,7 @@ from pytest_gpumem.baselines.loading import digest, fingerprint, parse
 from pytest_gpumem.baselines.store import BaselineStore
 from pytest_gpumem.baselines.validation import BaselineFileError
 
-__all__ = ["LOCK_TIMEOUT_S", "ORPHAN_AGE_S", "save"]
+__all__ = ["LOCK_TIMEOUT_S", "ORPHAN_AGE_S", "lock_path", "save"]
 
 _HINT_SAVE = "Nothing was written. Load the file again (a fresh pytest run does) before recording baselines into it."
 _HINT_WRITE = "Nothing was written: the file is as it was."
@@ -43,9 +45,9 @@ def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, fo
     can leave it behind as ``.<name>.<pid>.<random>.tmp``; the next save
     removes such orphans once their process is gone (or after a day).
 
-    Saves of one file take turns: each holds the lock file ``<name>.lock``
-    beside it (see :data:`LOCK_TIMEOUT_S`) from reading the file on disk to
-    replacing it. When the file changed on disk since the store was loaded
+    Saves of one file take turns: each holds its lock file (:func:`lock_path`:
+    in the user's cache folder, nothing beside the file) from reading the file
+    on disk to replacing it (see :data:`LOCK_TIMEOUT_S`). When the file changed on disk since the store was loaded
     (another run saved it, or it was edited), the changes this store made
     since (tests recorded, removed, pruned; environments removed) are applied
     onto the file as it is now, so that neither run loses the other's
@@ -126,28 +128,67 @@ def _merge(store: BaselineStore, target: Path, real: Path) -> tuple[BaselineStor
     return fresh, fingerprint(info), digest(data)
 
 
+def lock_path(path: str | os.PathLike[str]) -> Path:
+    """The lock file that saves of the baseline file ``path`` take turns on.
+
+    It lies in the user's cache folder (``$XDG_CACHE_HOME``, else ``~/Library/Caches`` on macOS,
+    ``%LOCALAPPDATA%`` on Windows, ``~/.cache`` elsewhere), in ``pytest-gpumem/locks``, named by a
+    hash of the file's resolved path: every path that names one file on disk (through symbolic
+    links, relative or absolute) names one lock, and nothing is left beside the baseline file for a
+    ``git add -A`` to commit. The lock file stays after a save, as filelock advises: deleting it
+    would let two saves lock two different files.
+    """
+    real = os.path.realpath(path)
+    digest = hashlib.sha256(os.fsencode(real)).hexdigest()[:32]
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(real))[:40].lstrip(".")
+    return _cache_folder() / "pytest-gpumem" / "locks" / f"{readable}-{digest}.lock"
+
+
+def _cache_folder() -> Path:
+    """The user's cache folder (not created here)."""
+    configured = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if configured and os.path.isabs(configured):
+        return Path(configured)
+    if sys.platform == "win32":  # pragma: no cover
+        local = os.environ.get("LOCALAPPDATA", "").strip()
+        if local:
+            return Path(local)
+    if sys.platform == "darwin":  # pragma: no cover
+        return Path.home() / "Library" / "Caches"
+    return Path.home() / ".cache"
+
+
 @contextlib.contextmanager
 def _locked(target: Path, real: Path) -> Iterator[None]:
-    """Hold the lock file beside ``real`` (the file a save of ``target`` replaces)."""
-    lock_path = real.with_name(real.name + ".lock")
+    """Hold the lock of ``real`` (the file a save of ``target`` replaces): :func:`lock_path`."""
     try:
         real.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _cannot_write(target, exc) from None
-    lock = FileLock(str(lock_path), timeout=LOCK_TIMEOUT_S)
+    lock_file = lock_path(real)
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise BaselineFileError(
+            target,
+            f"cannot write the baseline file: cannot create the folder of its lock file {lock_file.parent}: "
+            f"{exc.strerror or exc}",
+            hint=_HINT_WRITE + " Set XDG_CACHE_HOME to a folder you can write.",
+        ) from None
+    lock = FileLock(str(lock_file), timeout=LOCK_TIMEOUT_S)
     try:
         lock.acquire()
     except Timeout:
         raise BaselineFileError(
             target,
-            f"another process has been saving it for {LOCK_TIMEOUT_S:g} s (it holds the lock file {lock_path})",
+            f"another process has been saving it for {LOCK_TIMEOUT_S:g} s (it holds the lock file {lock_file})",
             hint="Nothing was written. Run the update again once the other run has ended.",
         ) from None
-    except OSError as exc:
+    except OSError as exc:  # a symbolic link at its name (refused, never followed), permissions
         raise BaselineFileError(
             target,
-            f"cannot write the baseline file: cannot create its lock file {lock_path}: {exc.strerror or exc}",
-            hint=_HINT_WRITE + _HINT_FOLDER,
+            f"cannot write the baseline file: cannot create its lock file {lock_file}: {exc.strerror or exc}",
+            hint=_HINT_WRITE + " Remove what is at the lock file's name if it is not a plain file.",
         ) from None
     try:
         yield

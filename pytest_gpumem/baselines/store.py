@@ -23,6 +23,7 @@ from pytest_gpumem.baselines.environment import Environment
 from pytest_gpumem.baselines.validation import BaselineFileError, validate
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRIC_INFO
+from pytest_gpumem.data.sites import SITES_BUDGET, SiteProfile
 
 __all__ = ["BaselineEntry", "BaselineStore", "StaleEntry"]
 
@@ -42,7 +43,8 @@ class BaselineEntry:
         breakdown: bytes by category at the peak (absolute), of the categories the test's
             own code decides (:func:`~pytest_gpumem.baselines.canonical.stored_breakdown`: no
             ``other``); ``None`` when not measured.
-        extra: keys of the span this release does not know, kept verbatim.
+        extra: keys of the span this release does not know, kept verbatim; ``"sites"``, the
+            span's site profile as the file keeps it (:attr:`sites` reads it).
     """
 
     costs: Mapping[str, int | None]
@@ -57,16 +59,26 @@ class BaselineEntry:
         metrics: Iterable[str] = BASELINE_METRICS,
         *,
         extra_costs: Mapping[str, int | None] | None = None,
+        sites_budget: int = SITES_BUDGET,
     ) -> BaselineEntry:
         """The entry that records ``measurement``: ``measurement.cost(m)`` for each of ``metrics``.
 
         ``extra_costs`` adds figures that a :class:`Measurement` does not carry
-        (for a later metric such as ``max_microbatch``).
+        (for a later metric such as ``max_microbatch``). The measurement's site profile, when it
+        has one, is kept in at most ``sites_budget`` characters (:meth:`SiteProfile.to_stored`).
         """
         costs: dict[str, int | None] = {metric: measurement.cost(metric) for metric in metrics}
         if extra_costs:
             costs.update(extra_costs)
-        return cls(costs=costs, breakdown=stored_breakdown(measurement.breakdown))
+        extra = {} if measurement.sites is None else {"sites": measurement.sites.to_stored(sites_budget)}
+        return cls(costs=costs, breakdown=stored_breakdown(measurement.breakdown), extra=extra)
+
+    @property
+    def sites(self) -> SiteProfile | None:
+        """The site profile recorded with this baseline; None for a baseline recorded without sites.
+        Raises ``ValueError`` naming the site for one the file holds wrong (loading checks them)."""
+        raw = self.extra.get("sites")
+        return None if raw is None else SiteProfile.from_stored(raw)
 
     def cost(self, metric: str) -> int | None:
         """The recorded cost of ``metric``; ``None`` when unknown or not recorded."""
@@ -239,10 +251,10 @@ class BaselineStore:
             written = entry._raw()
             old = old_spans.get(name)
             if old:
-                # keep what this entry does not write (keys of a later release); drop a breakdown or a
-                # figure it no longer has (the max_microbatch of a test that no longer searches), and
-                # the start an earlier release recorded
-                dropped = ("breakdown", "start")
+                # keep what this entry does not write (keys of a later release); drop a breakdown, sites
+                # or a figure it no longer has (the max_microbatch of a test that no longer searches),
+                # and the start an earlier release recorded
+                dropped = ("breakdown", "sites", "start")
                 kept = {k: v for k, v in old.items() if k not in written and k not in dropped and k not in METRIC_INFO}
                 if kept:
                     written = {**kept, **written}

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.baselines.canonical import SCHEMA_VERSION
 from pytest_gpumem.baselines.environment import KEYED_FIELDS, check_key_text, check_label
-from pytest_gpumem.data.metrics import METRICS
+from pytest_gpumem.data.metrics import COUNT_METRICS, METRIC_TABLE, METRICS
+from pytest_gpumem.data.sites import parse_stored_site
+from pytest_gpumem.units import MAX_BYTES, shown
 
 __all__ = ["MAX_DEPTH", "BaselineFileError"]
 
@@ -21,7 +23,10 @@ __all__ = ["MAX_DEPTH", "BaselineFileError"]
 MAX_DEPTH = 32
 
 # Span keys whose type this release checks (bytes or null) when loading.
-_SPAN_INT_KEYS = frozenset((*METRICS, "start"))
+_SPAN_INT_KEYS = frozenset((*METRICS, *COUNT_METRICS, "start"))
+# Span keys this release knows that never hold a number below 0 (allocated and retained may: a
+# cost that ends below its span's start); keys a later release added may.
+_UNSIGNED_KEYS = _SPAN_INT_KEYS - frozenset(info.name for info in METRIC_TABLE if info.signed)
 
 HINT_RESTORE = (
     "Restore it from version control (e.g. `git checkout -- {path}`), or delete it and record the "
@@ -169,6 +174,13 @@ def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | 
                             ("environments", key, "tests", test, "spans", name, field_name),
                             f"expected an integer number of bytes or null, found {_json_type(value)}",
                         )
+                for span_key, value in span.items():  # in range (figures a later release added too)
+                    if type(value) is int and not 0 <= value <= MAX_BYTES:
+                        problem = _out_of_range(value, signed=span_key not in _UNSIGNED_KEYS)
+                        if problem:
+                            raise fail(("environments", key, "tests", test, "spans", name, span_key), problem)
+                if "sites" in span:
+                    _check_sites(span["sites"], ("environments", key, "tests", test, "spans", name, "sites"), fail)
                 breakdown = span.get("breakdown")
                 if breakdown is not None and not (
                     isinstance(breakdown, dict) and all(type(v) is int for v in breakdown.values())
@@ -177,6 +189,33 @@ def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | 
                         ("environments", key, "tests", test, "spans", name, "breakdown"),
                         "expected an object of integer byte counts or null",
                     )
+                for category, value in (breakdown or {}).items():
+                    if not 0 <= value <= MAX_BYTES:
+                        problem = _out_of_range(value, signed=False) or ""
+                        raise fail(("environments", key, "tests", test, "spans", name, "breakdown", category), problem)
+
+
+def _out_of_range(value: Any, *, signed: bool) -> str | None:
+    """Why an integer figure no memory can have is refused (beyond 2**63 - 1 either way; below 0
+    unless ``signed``), or None: fine, or not an integer (checked elsewhere)."""
+    if type(value) is not int:
+        return None
+    if abs(value) > MAX_BYTES:
+        return f"{shown(value)} is beyond 2**63 - 1: no memory holds that many bytes"
+    if value < 0 and not signed:
+        return f"{value} is negative: this figure is never below 0"
+    return None
+
+
+def _check_sites(sites: Any, where: tuple[str, ...], fail: Callable[..., BaselineFileError]) -> None:
+    """A span's ``sites``: an object of site key → ``"peak=<bytes> end=<bytes> n=<count> ..."``."""
+    if not isinstance(sites, dict):
+        raise fail(where, f"expected an object of site figures, found {_json_type(sites)}")
+    for site, value in sites.items():
+        try:
+            parse_stored_site(site, value)
+        except ValueError as exc:
+            raise fail((*where, site), str(exc)) from None
 
 
 def _too_deep(value: Any) -> bool:

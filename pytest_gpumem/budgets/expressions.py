@@ -34,10 +34,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Union
 
-from pytest_gpumem.units import UNITS, SizeError, format_size, parse_size
+from pytest_gpumem.units import MAX_BYTES, UNITS, SizeError, format_size, parse_size, shown
 
 __all__ = ["BudgetError", "BudgetExpr", "parse_budget"]
 
+#: Digits a number may have before its point, and after it: a larger one is no size or budget.
+_MAX_DIGITS = 20
 _NUMBER_RE = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 _WORD_RE = re.compile(r"[A-Za-z]+")
 _UNIT_RE = re.compile(r"(?:[KMGT]I?B?|B)", re.IGNORECASE)
@@ -110,7 +112,7 @@ class _Token:
 
 def _error(text: str, message: str, pos: int) -> BudgetError:
     where = f"at position {pos} (end of text)" if pos >= len(text) else f"at position {pos}"
-    return BudgetError(f"{text!r}: {message} {where}")
+    return BudgetError(f"{shown(text, 80)}: {message} {where}")
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -166,6 +168,13 @@ def _next_token(text: str, pos: int, tokens: list[_Token]) -> tuple[_Token, int]
 def _number_token(text: str, match: re.Match[str]) -> _Token:
     """A number, possibly followed (after spaces) by a unit or Ψ: one operand token."""
     start, digits = match.start(), match.group()
+    whole, _, fraction = digits.partition(".")
+    if len(whole.lstrip("0")) > _MAX_DIGITS:
+        raise BudgetError(f"{shown(text)}: the number {shown(digits)} is too large for a size or budget")
+    if len(fraction) > _MAX_DIGITS:
+        raise BudgetError(
+            f"{shown(text)}: the number {shown(digits)} has more than {_MAX_DIGITS} digits after the point"
+        )
     number = Number(Fraction(digits), digits)
     after = _skip_space(text, match.end())
     if after < len(text) and text[after] in _PSI_SYMBOLS:
@@ -405,6 +414,11 @@ class BudgetExpr:
         value = self.exact(psi)
         if value < 0:
             raise negative(self.text, value, psi)
+        if value > MAX_BYTES:
+            where = "" if psi is None else f" with Ψ={psi:,}"
+            raise BudgetError(
+                f"{shown(self.text)} is too large{where}: a size or budget is at most 2**63 - 1 bytes (8 EiB)"
+            )
         return math.floor(value + Fraction(1, 2))
 
     def __str__(self) -> str:
@@ -415,8 +429,8 @@ class BudgetExpr:
 def negative(text: str | int, value: Fraction, psi: int | None = None) -> BudgetError:
     """The error for a size or budget below zero: one wording whether written as an int or a string."""
     where = "" if psi is None else f" with Ψ={psi:,}"
-    shown = format_size(-math.ceil(-value))
-    return BudgetError(f"{text!r} is negative ({shown}{where}): a size or budget cannot be below 0 bytes")
+    size = format_size(-math.ceil(-value))
+    return BudgetError(f"{shown(text)} is negative ({size}{where}): a size or budget cannot be below 0 bytes")
 
 
 def parse_budget(text: str | int) -> BudgetExpr:
@@ -428,6 +442,8 @@ def parse_budget(text: str | int) -> BudgetExpr:
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise negative(text, Fraction(text))
+        if text > MAX_BYTES:
+            raise BudgetError(f"{shown(text)} is too large: a size or budget is at most 2**63 - 1 bytes (8 EiB)")
         return BudgetExpr(str(text), Number(Fraction(text), str(text)))
     if not isinstance(text, str):
         raise BudgetError(f"{text!r} is not a budget: expected a string like '16Ψ + 2GiB'")

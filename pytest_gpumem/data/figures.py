@@ -13,11 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS
+from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, metric_info
+from pytest_gpumem.data.sites import SiteProfile
 
 __all__ = [
     "CompiledCodeNotMeasured",
     "Measurement",
+    "OutputNotWritten",
     "PartialFigures",
     "Phase",
     "Timeline",
@@ -36,6 +38,13 @@ class PartialFigures(Warning):
     """A span's figures miss memory the engine could not see (work on a thread it could not
     watch, storages made outside PyTorch's operators); the notes of its :class:`Measurement`
     say what. Make it an error with ``-W error::pytest_gpumem.data.figures.PartialFigures``."""
+
+
+class OutputNotWritten(Warning):
+    """A report, an artifact page or a memory snapshot the run was asked for could not be written
+    (the message names the path and the reason: a folder at its name, a full disk, permissions).
+    The run goes on and its exit status is what its tests say; make it an error with
+    ``-W error::pytest_gpumem.data.figures.OutputNotWritten`` to fail the run instead."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,10 @@ class Measurement:
         notes: what the figures miss, one sentence each (work on threads the engine could
             not watch, storages found alive later that it did not see made); empty when they
             are complete.
+        sites: where the bytes alive at the peak and at the end were made
+            (:class:`~pytest_gpumem.data.sites.SiteProfile`); ``None`` when sites were not
+            recorded (they are only on a baseline update, a failing test's second run, or
+            ``--gpumem-sites=always``).
     """
 
     name: str
@@ -192,6 +205,7 @@ class Measurement:
     cuda_rounding: bool = False
     max_microbatch: int | None = None
     notes: tuple[str, ...] = ()
+    sites: SiteProfile | None = None
 
     def figure(self, metric: str) -> int | None:
         """The absolute figure named ``metric`` (one of :data:`METRICS` or :data:`COUNT_METRICS`)."""
@@ -201,76 +215,59 @@ class Measurement:
         return value
 
     def cost(self, metric: str) -> int | None:
-        """What the span itself added to ``metric``: the figure minus its start.
-
-        ``peak`` and ``allocated`` subtract ``start``; ``reserved`` subtracts
-        ``start_reserved``; ``retained`` is already a difference and
-        ``max_microbatch`` a count. ``None`` when the figure is unknown.
+        """What the span itself added to ``metric``: the figure minus its value when the span began,
+        the field the metric table names (:attr:`MetricInfo.cost <pytest_gpumem.data.metrics.MetricInfo.cost>`):
+        ``peak`` and ``allocated`` subtract ``start``, ``reserved`` subtracts ``start_reserved``;
+        ``retained`` is already a difference and ``max_microbatch`` a count. ``None`` when the
+        figure, or its start, is unknown.
         """
         value = self.figure(metric)
-        if value is None:
-            return None
-        if metric in ("peak", "allocated"):
-            return value - self.start
-        if metric == "reserved":
-            return None if self.start_reserved is None else value - self.start_reserved
-        return value
+        start_field = metric_info(metric).cost
+        if value is None or not start_field:
+            return value
+        start: int | None = getattr(self, start_field)
+        return None if start is None else value - start
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (stable key order) that :meth:`from_dict` reads back."""
-        data: dict[str, Any] = {
-            "name": self.name,
-            "engine": self.engine,
-            "device": self.device,
-            "start": self.start,
-            "peak": self.peak,
-            "allocated": self.allocated,
-            "reserved": self.reserved,
-            "start_reserved": self.start_reserved,
-            "retained": self.retained,
-            "requested_peak": self.requested_peak,
-            "num_alloc_retries": self.num_alloc_retries,
-            "num_ooms": self.num_ooms,
-            "driver_used": self.driver_used,
-            "driver_process": self.driver_process,
-            "breakdown": _categories(self.breakdown),
-            "allocated_breakdown": _categories(self.allocated_breakdown),
-            "phases": {name: phase.to_dict() for name, phase in self.phases.items()},
-            "saved_activations": self.saved_activations,
-            "psi": self.psi,
-            "cuda_rounding": self.cuda_rounding,
-            "max_microbatch": self.max_microbatch,
-            "notes": list(self.notes),
-        }
+        """A JSON-ready dict (stable key order: the fields') that :meth:`from_dict` reads back."""
+        data: dict[str, Any] = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data["breakdown"] = _categories(self.breakdown)
+        data["allocated_breakdown"] = _categories(self.allocated_breakdown)
+        data["phases"] = {name: phase.to_dict() for name, phase in self.phases.items()}
+        data["notes"] = list(self.notes)
+        sites = data.pop("sites")
+        if sites is not None:
+            data["sites"] = sites.to_dict()
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
-        """Rebuild a measurement written by :meth:`to_dict`; unknown keys are ignored."""
-        return cls(
+        """Rebuild a measurement written by :meth:`to_dict`; unknown keys are ignored, and a figure
+        that is not there is unknown (``None``)."""
+        values: dict[str, Any] = {  # every figure: bytes or a count, None when unknown
+            name: _opt_int(data.get(name)) for name in cls.__dataclass_fields__ if name not in _NOT_FIGURES
+        }
+        values.update(
             name=str(data["name"]),
             engine=str(data["engine"]),
             device=str(data["device"]),
             start=int(data["start"]),
             peak=int(data["peak"]),
             allocated=int(data["allocated"]),
-            reserved=_opt_int(data.get("reserved")),
-            start_reserved=_opt_int(data.get("start_reserved")),
-            retained=_opt_int(data.get("retained")),
-            requested_peak=_opt_int(data.get("requested_peak")),
-            num_alloc_retries=_opt_int(data.get("num_alloc_retries")),
-            num_ooms=_opt_int(data.get("num_ooms")),
-            driver_used=_opt_int(data.get("driver_used")),
-            driver_process=_opt_int(data.get("driver_process")),
             breakdown=_read_categories(data.get("breakdown")),
             allocated_breakdown=_read_categories(data.get("allocated_breakdown")),
             phases={str(k): Phase.from_dict(str(k), v) for k, v in (data.get("phases") or {}).items()},
-            saved_activations=_opt_int(data.get("saved_activations")),
-            psi=_opt_int(data.get("psi")),
             cuda_rounding=bool(data.get("cuda_rounding", False)),
-            max_microbatch=_opt_int(data.get("max_microbatch")),
             notes=tuple(str(note) for note in data.get("notes") or ()),
+            sites=None if data.get("sites") is None else SiteProfile.from_dict(data["sites"]),
         )
+        return cls(**values)
+
+
+#: The fields of a :class:`Measurement` that are not a figure (bytes or a count, ``None`` when unknown).
+_NOT_FIGURES = frozenset(
+    ("name", "engine", "device", "breakdown", "allocated_breakdown", "phases", "cuda_rounding", "notes", "sites")
+)
 
 
 def _opt_int(value: Any) -> int | None:

@@ -18,14 +18,26 @@ from functools import cached_property
 from typing import Any, Literal
 
 from pytest_gpumem.data.metrics import COST_METRICS, MetricInfo, metric_info
-from pytest_gpumem.units import SizeError, format_delta, format_percent, parse_size
+from pytest_gpumem.units import MAX_BYTES, SizeError, format_delta, format_percent, parse_size, shown
 
-__all__ = ["Finding", "Kind", "Limit", "Status", "Tolerance", "failure_message", "parse_tolerance"]
+__all__ = [
+    "MAX_PERCENT",
+    "Finding",
+    "Kind",
+    "Limit",
+    "Status",
+    "Tolerance",
+    "failure_message",
+    "parse_tolerance",
+]
 
 Kind = Literal["limit", "budget", "baseline"]
 Status = Literal["ok", "exceeded", "regressed", "improved", "new", "other-environment", "stale", "n/a"]
 
 # --------------------------------------------------------------------------- tolerance
+
+#: The largest percentage a tolerance may hold: 10,000 times the baseline (a figure may grow that much).
+MAX_PERCENT = 1_000_000
 
 _PERCENT_RE = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%$")
 
@@ -46,7 +58,12 @@ class Tolerance:
         if not (math.isfinite(self.relative) and self.relative >= 0):
             raise ValueError(f"invalid tolerance: relative {self.relative!r} must be a finite fraction >= 0")
         if isinstance(self.absolute, bool) or not isinstance(self.absolute, int) or self.absolute < 0:
-            raise ValueError(f"invalid tolerance: absolute {self.absolute!r} must be a whole number of bytes >= 0")
+            raise ValueError(f"invalid tolerance: absolute {shown(self.absolute)} must be a whole number of bytes >= 0")
+        if self.absolute > MAX_BYTES or self.relative > MAX_PERCENT / 100:
+            raise ValueError(
+                f"invalid tolerance: {shown(self.relative)}, {shown(self.absolute)} is too large "
+                f"(at most {MAX_PERCENT:,}% and 8 EiB)"
+            )
 
     @cached_property
     def _ratio(self) -> tuple[int, int]:
@@ -89,31 +106,38 @@ def parse_tolerance(text: str) -> Tolerance:
 
     Sizes follow :func:`~pytest_gpumem.units.parse_size` (``"1MB"`` is 2**20
     bytes). Raises ``ValueError`` naming the value for anything else: an
-    empty part, a negative or non-finite number, two percentages or two sizes.
+    empty part, a negative or non-finite number, a percentage above
+    :data:`MAX_PERCENT` or a size above 8 EiB, two percentages or two sizes.
     """
     if not isinstance(text, str):
-        raise ValueError(f"invalid tolerance {text!r}: expected a string like '2%', '1MiB' or '2%,1MiB'")
+        raise ValueError(f"invalid tolerance {shown(text)}: expected a string like '2%', '1MiB' or '2%,1MiB'")
     if not text.strip():
         raise ValueError(f"invalid tolerance {text!r}: the string is empty; write e.g. '2%', '1MiB' or '2%,1MiB'")
     relative: Decimal | None = None
     absolute: int | None = None
     for part in (piece.strip() for piece in text.split(",")):
         if not part:
-            raise ValueError(f"invalid tolerance {text!r}: empty part; write e.g. '2%,1MiB'")
+            raise ValueError(f"invalid tolerance {shown(text)}: empty part; write e.g. '2%,1MiB'")
         if part.endswith("%"):
             match = _PERCENT_RE.match(part)
             if match is None:
-                raise ValueError(f"invalid tolerance {text!r}: {part!r} is not a percentage such as '2%' or '0.5%'")
+                raise ValueError(
+                    f"invalid tolerance {shown(text)}: {shown(part)} is not a percentage such as '2%' or '0.5%'"
+                )
             if relative is not None:
-                raise ValueError(f"invalid tolerance {text!r}: more than one percentage")
+                raise ValueError(f"invalid tolerance {shown(text)}: more than one percentage")
+            if len(match[1].partition(".")[0].lstrip("0")) > 7 or Decimal(match[1]) > MAX_PERCENT:
+                raise ValueError(
+                    f"invalid tolerance {shown(text)}: {shown(part)} is too large (at most {MAX_PERCENT:,}%)"
+                )
             relative = Decimal(match[1]) / 100
         else:
             try:
                 size = parse_size(part)
             except SizeError as exc:
-                raise ValueError(f"invalid tolerance {text!r}: {exc}") from None
+                raise ValueError(f"invalid tolerance {shown(text)}: {exc}") from None
             if absolute is not None:
-                raise ValueError(f"invalid tolerance {text!r}: more than one size")
+                raise ValueError(f"invalid tolerance {shown(text)}: more than one size")
             absolute = size
     return Tolerance(relative=float(relative or 0), absolute=absolute or 0)
 
@@ -283,6 +307,15 @@ def failure_message(findings: Iterable[Finding]) -> str:
     return "\n".join(_line(finding) for finding in findings if finding.failed)
 
 
+def _factor(ratio: float) -> str:
+    """A ratio with two decimals, more when those would read 1.00 for a ratio that is not 1."""
+    for digits in (2, 3, 4, 5, 6):
+        text = f"{ratio:.{digits}f}"
+        if float(text) != 1.0 or ratio == 1.0:
+            return text
+    return text
+
+
 def _line(f: Finding) -> str:
     info = metric_info(f.metric)
     where = "" if f.span in ("call", "*") else f"[{f.span}] "
@@ -295,25 +328,26 @@ def _line(f: Finding) -> str:
         return f"stale baseline: {recorded} was recorded for {f.test}, not measured by this run; {redo}"
     if f.status == "stale":
         return f"stale baseline: {f.test} no longer exists; baselines kept for {f.detail}; prune them"
+    measured, reference = info.format_pair(f.measured, f.reference)  # never the same text for two values
     if f.kind in ("limit", "budget"):
-        bound = f"{f.kind} {info.format(f.reference)}" + (f" ({f.detail})" if f.status != "n/a" and f.detail else "")
+        bound = f"{f.kind} {reference}" + (f" ({f.detail})" if f.status != "n/a" and f.detail else "")
         if f.status == "n/a":
             return (
                 f"{where}{f.metric} is n/a ({f.detail}), so the {bound} cannot be checked: "
                 "remove it where this figure cannot be measured"
             )
         verb = "is below the minimum" if info.higher_is_better else "exceeds the"
-        text = f"{where}{_compared(f.metric)} {info.format(f.measured)} {verb} {bound} by {excess}"
+        text = f"{where}{_compared(f.metric)} {measured} {verb} {bound} by {excess}"
         if f.kind == "budget" and f.ratio is not None:
-            text += f", {f.ratio:.2f}x the theory"
+            text += f", {_factor(f.ratio)}x the theory"
         return text
     tolerance = ""
     if f.tolerance is not None and f.reference is not None:
         allowed = f.tolerance.allowed(f.reference)
         tolerance = f", tolerance {f.tolerance.describe(info)}" + (f" (±{info.format(allowed)})" if allowed else "")
-    cost = f"{where}{_compared(f.metric)} {info.format(f.measured)}"
+    cost = f"{where}{_compared(f.metric)} {measured}"
     if f.status == "regressed":
-        text = f"{cost} regressed from baseline {info.format(f.reference)} by {excess}{tolerance}"
+        text = f"{cost} regressed from baseline {reference} by {excess}{tolerance}"
         if f.changed:
             text += "; by category at the peak: " + ", ".join(f"{c} {format_delta(d)}" for c, d in f.changed.items())
             moved = sum(f.changed.values()) - (f.delta or 0)
@@ -322,8 +356,7 @@ def _line(f: Finding) -> str:
         return text
     if f.status == "improved":
         return (
-            f"{cost} improved on baseline {info.format(f.reference)} by {excess}{tolerance}; "
-            "refresh it with --gpumem-update-baselines"
+            f"{cost} improved on baseline {reference} by {excess}{tolerance}; refresh it with --gpumem-update-baselines"
         )
     if f.status == "other-environment":
         return f"{cost} has no baseline in this environment ({f.detail}); record one with --gpumem-update-baselines"

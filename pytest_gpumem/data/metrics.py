@@ -1,11 +1,13 @@
 """The metric table: every figure pytest-gpumem measures, limits, compares and shows, once.
 
 Each :class:`MetricInfo` row says what a figure means, its unit, which way is better,
-whether limits and baselines compare its *cost* (the figure minus its span's start),
-where it can be limited (the marker, a span), whether the baseline file keeps it, and
-the tolerance it is compared with when nothing sets one. Every module reads the names
-it needs from here (the tuples below are views of the table); adding a figure is a row
-here and its reading in the engines (see docs/architecture.md).
+whether limits and baselines compare its *cost* (the figure minus its value at its span's
+start), how a report writes it, whether only a caching allocator knows it, where it can be
+limited (the marker, a span), whether the baseline file keeps it, and the tolerance it is
+compared with. Every module reads what it needs from here (the tuples below are views of
+the table): adding a figure is a row here, a field of
+:class:`~pytest_gpumem.data.figures.Measurement`, and its reading in the engines and the
+recorder (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from pytest_gpumem.units import format_delta, format_size
+from pytest_gpumem.units import format_delta, format_size, format_sizes
 
 __all__ = [
     "BASELINE_METRICS",
@@ -22,6 +24,7 @@ __all__ = [
     "COST_METRICS",
     "COUNT_METRICS",
     "DRAWN_METRICS",
+    "MEASURED_BASELINE_METRICS",
     "METRICS",
     "METRIC_INFO",
     "METRIC_TABLE",
@@ -34,13 +37,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MetricInfo:
-    """One figure: how it is compared and shown.
+    """One figure: what it means, how it is compared and how it is shown.
 
     ``higher_is_better`` flips every comparison: a limit becomes a minimum and
     a regression is the value dropping (e.g. the largest microbatch that fits).
     ``unit`` is ``"bytes"`` (shown with :func:`~pytest_gpumem.units.format_size`)
-    or ``"count"`` (shown as a plain integer); a tolerance's absolute floor is in
-    this unit.
+    or ``"count"`` (shown as a plain integer). A tolerance a user sets
+    (``"2%,1MiB"``) has its absolute part in bytes: it bounds byte figures only,
+    a count is compared with its relative part; :attr:`tolerance` and
+    :attr:`tolerance_floor` are in the figure's own unit
+    (:func:`~pytest_gpumem.judge.rule.tolerance_for` applies them).
     """
 
     name: str
@@ -48,16 +54,32 @@ class MetricInfo:
     unit: Literal["bytes", "count"] = "bytes"
     #: what a limit on it bounds (the marker's help); "" for a figure the marker cannot limit
     meaning: str = ""
-    #: limits and baselines compare the figure minus its span's start (False: it is already a difference, or a count)
-    cost: bool = False
+    #: what the figure is, in a few words (the HTML page's table of figures)
+    about: str = ""
+    #: the :class:`~pytest_gpumem.data.figures.Measurement` field holding the figure's value when
+    #: its span began: limits and baselines compare the figure minus it, its *cost*; "" for a
+    #: figure compared as it is (already a difference, or a count)
+    cost: str = ""
+    #: its cost is a net change, which can be negative (a span that frees what was alive at its
+    #: start): shown with its sign; a baseline file holding a negative value for any other figure
+    #: is refused
+    signed: bool = False
+    #: the whole test's net change (allocated after it minus before it): there is no absolute
+    #: figure, only its cost, and only the ``call`` span has it
+    whole_call: bool = False
+    #: only a caching allocator knows it: ``n/a`` on the CPU engine
+    allocator: bool = False
     #: ``measure(name, <metric>=...)`` can limit it on a span (True: the marker can too)
     span_limit: bool = False
-    #: the baseline file always keeps it (a count is kept only when the test measured it)
-    baseline: bool = False
+    #: which spans the baseline file keeps it for: ``"always"`` (``null`` where the engine cannot
+    #: know it), ``"measured"`` (only a span that measured it), ``""`` never
+    baseline: Literal["always", "measured", ""] = ""
     #: drawn as a line across the HTML timeline when a limit, budget or baseline bounds it
     drawn: bool = False
-    #: default baseline tolerance: (a fraction of the baseline, an absolute floor in the unit)
+    #: default baseline tolerance: (a fraction of the baseline, an absolute floor in its unit)
     tolerance: tuple[float, int] = (0.0, 0)
+    #: the least absolute tolerance its baselines are compared with, whatever tolerance is set (in its unit)
+    tolerance_floor: int = 0
 
     def format(self, value: int | None) -> str:
         """``value`` for people: ``"1.50 MiB"`` for bytes, ``"8"`` for counts, ``"n/a"`` for ``None``."""
@@ -65,11 +87,23 @@ class MetricInfo:
             return "n/a"
         return format_size(value) if self.unit == "bytes" else str(value)
 
+    def format_pair(self, first: int | None, second: int | None) -> tuple[str, str]:
+        """Two values read side by side (a figure and its limit or baseline): values that differ never
+        read the same (:func:`~pytest_gpumem.units.format_sizes`)."""
+        if self.unit != "bytes":
+            return self.format(first), self.format(second)
+        shown = format_sizes(first, second)
+        return shown[0], shown[1]
+
     def format_delta(self, value: int | None) -> str:
         """A signed difference: ``"+1.50 MiB"`` for bytes, ``"-2"`` for counts."""
         if value is None:
             return "n/a"
         return format_delta(value) if self.unit == "bytes" else f"{value:+d}"
+
+    def format_cost(self, value: int | None) -> str:
+        """A cost (or a baseline, which is a recorded cost): signed for a net change (:attr:`signed`)."""
+        return self.format_delta(value) if self.signed else self.format(value)
 
 
 #: Every figure, in report order. ``peak`` and ``allocated`` are exact on every engine (the CPU
@@ -77,35 +111,56 @@ class MetricInfo:
 #: identical steps on an H100), so their baselines are exact: any change is a change in what the
 #: code allocates, and a percentage would hide a real regression at every scale (2% of a 12 MiB
 #: step let a +476 KiB float64 loss through; 2% of a 20 GiB step is a 400 MiB activation copy).
-#: ``reserved`` depends on the cache's history and keeps "2% or 1 MiB" (and at least one 20 MiB
-#: segment: :data:`~pytest_gpumem.judge.judgement.RESERVED_TOLERANCE_FLOOR`).
+#: ``reserved`` depends on the cache's history and keeps "2% or 1 MiB", and is never compared
+#: closer than one of the caching allocator's 20 MiB segments (the segment size of requests
+#: between 1 and 10 MiB): segments that hold a live block cannot be returned, so the same step
+#: twice in one process can reserve a segment more or less (seen on an H100: 622,854,144 vs
+#: 639,631,360 B, 16 MiB apart).
 METRIC_TABLE: tuple[MetricInfo, ...] = (
     MetricInfo(
         "peak",
         meaning="limit on the highest allocated bytes during the call",
-        cost=True,
+        about="highest allocated during the span",
+        cost="start",
         span_limit=True,
-        baseline=True,
+        baseline="always",
         drawn=True,
     ),
     MetricInfo(
         "allocated",
         meaning="limit on the bytes allocated as the test function returns",
-        cost=True,
+        about="allocated when the span ended",
+        cost="start",
+        signed=True,
         span_limit=True,
-        baseline=True,
+        baseline="always",
         drawn=True,
     ),
     MetricInfo(
         "reserved",
         meaning="limit on the highest bytes the caching allocator held (CUDA only)",
-        cost=True,
+        about="highest held by the caching allocator",
+        cost="start_reserved",
+        allocator=True,
         span_limit=True,
-        baseline=True,
+        baseline="always",
         tolerance=(0.02, 2**20),
+        tolerance_floor=20 * 2**20,
     ),
-    MetricInfo("retained", meaning="limit on what the test left allocated after it (a leak check: '0B')"),
-    MetricInfo("max_microbatch", higher_is_better=True, unit="count"),
+    MetricInfo(
+        "retained",
+        meaning="limit on what the test left allocated after it (a leak check: '0B')",
+        about="allocated at test end minus at test start (leak indicator)",
+        signed=True,
+        whole_call=True,
+    ),
+    MetricInfo(
+        "max_microbatch",
+        higher_is_better=True,
+        unit="count",
+        about="the largest microbatch that fits",
+        baseline="measured",
+    ),
 )
 
 #: Metrics by name; any other name is bytes, lower is better (:func:`metric_info`).
@@ -115,12 +170,14 @@ METRIC_INFO: Mapping[str, MetricInfo] = {info.name: info for info in METRIC_TABL
 METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.unit == "bytes")
 #: Figures that are not bytes: the largest microbatch that fits (a count; higher is better).
 COUNT_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.unit == "count")
-#: Figures whose limits and baselines compare the cost (figure minus the span's start).
+#: Figures whose limits and baselines compare the cost (figure minus its value at the span's start).
 COST_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.cost)
 #: Figures a named span can limit (``measure(name, peak=...)``).
 SPAN_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.span_limit)
-#: Byte figures every baseline keeps.
-BASELINE_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.baseline)
+#: Figures every baseline keeps (``null`` where the engine cannot know them).
+BASELINE_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.baseline == "always")
+#: Figures a baseline keeps only for a span that measured them (the largest microbatch).
+MEASURED_BASELINE_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.baseline == "measured")
 #: Figures drawn across the HTML timeline when a limit, budget or baseline bounds them.
 DRAWN_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.drawn)
 

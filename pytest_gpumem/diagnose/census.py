@@ -82,8 +82,9 @@ class LiveTensor:
         held_by: where the tensor is held: a tracked module's parameter or
             buffer (``"Sequential.0.weight"``), its gradient, an optimizer state,
             a local variable of a frame, a module-level name; None when unknown.
-            Creation sites are not recorded.
         views: how many live tensors share the storage.
+        site: the line that made the storage (``"model.py:58 Block.forward"``), when sites
+            were recorded as it was made (:mod:`pytest_gpumem.data.sites`); None otherwise.
     """
 
     nbytes: int
@@ -92,9 +93,11 @@ class LiveTensor:
     category: str | None = None
     held_by: str | None = None
     views: int = 1
+    site: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "site": self.site,
             "nbytes": self.nbytes,
             "shape": list(self.shape),
             "dtype": self.dtype,
@@ -287,7 +290,9 @@ def describe(
     chosen = named[0] if named else max(group.tensors, key=lambda t: t.numel())
     name, name_category = names.get(id(chosen), (hint, None))
     category = engine.category_of(chosen) if engine is not None else None
+    site = engine.site_of(chosen) if engine is not None else None
     return LiveTensor(
+        site=None if site is None else site.where(),
         nbytes=group.nbytes,
         shape=tuple(int(n) for n in chosen.shape),
         dtype=_dtype_name(chosen.dtype),
@@ -401,7 +406,10 @@ def take_census(
 
 
 def live_table(tensors: Iterable[LiveTensor]) -> str:
-    """A table of ``tensors``: bytes, shape, dtype, category, held by."""
+    """A table of ``tensors``: bytes, shape, dtype, category, held by, and where each was made
+    when sites were recorded (``made at``)."""
+    tensors = list(tensors)
+    sites = any(t.site for t in tensors)
     rows = [
         [
             format_size(t.nbytes),
@@ -409,7 +417,8 @@ def live_table(tensors: Iterable[LiveTensor]) -> str:
             t.dtype,
             t.category or "unknown",
             t.held_by or "unknown",
+            *([t.site or "unknown"] if sites else []),
         ]
         for t in tensors
     ]
-    return table(("bytes", "shape", "dtype", "category", "held by"), rows)
+    return table(("bytes", "shape", "dtype", "category", "held by", *(["made at"] if sites else [])), rows)

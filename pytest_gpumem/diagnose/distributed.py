@@ -26,6 +26,7 @@ outside), and a SIGTERM sent to pytest while the ranks run stops them before pyt
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import queue
@@ -42,11 +43,14 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.sites import SiteConfig
 
 __all__ = ["DistributedError", "RankContext", "run_ranks"]
 
 #: Seconds a run may take, all ranks together, unless the caller says otherwise.
 DEFAULT_TIMEOUT = 300.0
+#: The longest a run may be given (seconds): a week.
+MAX_TIMEOUT = 7 * 24 * 3600
 
 #: The signal that ends a process at once (Windows has no SIGKILL: there, terminating is killing).
 _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
@@ -153,6 +157,7 @@ def _measured_rank(
     timeout: float,
     fn: Callable[[int, RankContext], Any],
     predict: str | None,
+    sites: SiteConfig | None = None,
     **init: Any,
 ) -> Measurement:
     """Initialise the default process group as ``rank``, run ``fn`` inside :func:`measure`, end the group."""
@@ -165,7 +170,7 @@ def _measured_rank(
     )
     try:
         ctx = RankContext(rank, world_size, where, backend)
-        with measure(f"rank{rank}", device=where, predict=predict, fake=backend == "fake") as span:
+        with measure(f"rank{rank}", device=where, predict=predict, fake=backend == "fake", sites=sites) as span:
             ctx._recorder = span.recorder
             try:
                 fn(rank, ctx)
@@ -192,6 +197,7 @@ def _rank_main(
     fn: Callable[[int, RankContext], Any],
     results: Any,
     predict: str | None = None,
+    sites: SiteConfig | None = None,
 ) -> None:
     """The body of one rank process (started by :func:`run_ranks`)."""
     group = _own_group()
@@ -202,7 +208,7 @@ def _rank_main(
     try:
         if where.type == "cuda":
             torch.cuda.set_device(where)
-        measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict)
+        measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict, sites)
         results.put((rank, "ok", measurement.to_dict()))
     except BaseException as exc:  # the parent reports it: nothing may escape as a silent exit code
         results.put(_failure(rank, exc))
@@ -246,6 +252,7 @@ def _fake_ranks_main(
     fn: Callable[[int, RankContext], Any],
     results: Any,
     predict: str,
+    sites: SiteConfig | None = None,
 ) -> None:
     """The body of the one process that runs ``ranks`` over the fake process group, one after another."""
     group = _own_group()
@@ -261,7 +268,7 @@ def _fake_ranks_main(
         _forget_earlier_ranks()
         try:
             measurement = _measured_rank(
-                rank, world_size, "fake", torch.device("cpu"), timeout, fn, predict, store=FakeStore()
+                rank, world_size, "fake", torch.device("cpu"), timeout, fn, predict, sites, store=FakeStore()
             )
         except BaseException as exc:
             results.put(_failure(rank, _on_fake_ranks(exc)))
@@ -374,6 +381,7 @@ def run_ranks(
     predict: str | None = None,
     fake: bool = False,
     ranks: Iterable[int] | None = None,
+    sites: SiteConfig | None = None,
 ) -> list[Measurement]:
     """Run ``fn(rank, ctx)`` in ``world_size`` rank processes; one :class:`Measurement` per rank, in rank order.
 
@@ -389,6 +397,7 @@ def run_ranks(
         fake: with ``predict``, run the ranks on fake tensors over the fake process group, one
             after another in one process (see the module's docstring); ``backend`` must be None.
         ranks: with ``fake``, the ranks to run (default: all); the result follows this order.
+        sites: record where each rank's bytes are made (:mod:`pytest_gpumem.data.sites`); None: not.
 
     Raises:
         ValueError: a bad ``world_size``, ``device``, ``backend``, ``timeout``, ``predict``,
@@ -400,8 +409,15 @@ def run_ranks(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if (
+        not isinstance(timeout, (int, float))
+        or isinstance(timeout, bool)
+        or not math.isfinite(timeout)
+        or not 0 < timeout <= MAX_TIMEOUT
+    ):
+        raise ValueError(
+            f"timeout must be a positive, finite number of seconds (at most {MAX_TIMEOUT:,}: a week), got {timeout!r}"
+        )
     if predict is not None:
         from pytest_gpumem.targets import parse_predict
 
@@ -465,11 +481,12 @@ def run_ranks(
     with _processes(groups) as processes:
         if fake:
             starts: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
-                (_fake_ranks_main, (wanted, world_size, timeout, fn, results, predict))
+                (_fake_ranks_main, (wanted, world_size, timeout, fn, results, predict, sites))
             ]
         else:
             starts = [
-                (_rank_main, (rank, world_size, port, chosen, device, timeout, fn, results, predict)) for rank in wanted
+                (_rank_main, (rank, world_size, port, chosen, device, timeout, fn, results, predict, sites))
+                for rank in wanted
             ]
         for target, args in starts:
             process = context.Process(target=target, args=args, daemon=True)

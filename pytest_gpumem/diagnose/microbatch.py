@@ -14,7 +14,6 @@ steps for a global batch.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pytest_gpumem.diagnose.oom import is_oom, release_oom
+from pytest_gpumem.measurement import collector
 from pytest_gpumem.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def max_microbatch(
                 cleanup()
             # A full collection costs ~0.1 s in a large process: skip it when memory came back anyway.
             if before is None or searched is None or searched.allocated() > before:
-                gc.collect()
+                collector.collect()
             if searched is not None:
                 searched.empty_cache()
         return fitted

@@ -15,7 +15,6 @@ Emulated device sizes, which make a step run out of memory on purpose, are
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import re
 import sys
@@ -36,6 +35,7 @@ from pytest_gpumem.diagnose.census import (
     traceback_frames,
 )
 from pytest_gpumem.diagnose.holders import library_dirs
+from pytest_gpumem.measurement import collector
 from pytest_gpumem.tables import table
 from pytest_gpumem.units import format_size
 
@@ -134,6 +134,8 @@ class OomReport:
         live_bytes: their total bytes; ``allocated - live_bytes`` is held where
             Python cannot see it (autograd's saved tensors without the tracker,
             workspaces, allocator rounding).
+        site: the line whose allocation failed, when sites were recorded (the CPU engine's
+            tracker refuses it there); None otherwise.
     """
 
     device: str
@@ -150,6 +152,7 @@ class OomReport:
     largest: tuple[LiveTensor, ...] = ()
     live_count: int = 0
     live_bytes: int = 0
+    site: str | None = None
 
     @property
     def unreachable(self) -> int:
@@ -162,6 +165,8 @@ class OomReport:
         if self.phase is not None:
             head += f" during {self.phase}"
         lines = [head + f" ({self.when})", f"  error: {self.message}"]
+        if self.site is not None:
+            lines.append(f"  at:        {self.site}")
         if self.requested is not None:
             approx = "" if self.requested_exact else "~"
             lines.append(f"  requested: {approx}{format_size(self.requested)} ({approx}{self.requested} B)")
@@ -201,6 +206,7 @@ class OomReport:
             "largest": [t.to_dict() for t in self.largest],
             "live_count": self.live_count,
             "live_bytes": self.live_bytes,
+            "site": self.site,
         }
 
 
@@ -240,7 +246,9 @@ def oom_report(
     if recorder is not None:
         recorder.reclassify()
     live = take_census(engine.device, engine, objects, frames, top, counted_only=engine.exact)
+    site = engine.site_here() if when == "at the failed allocation" else None
     return OomReport(
+        site=None if site is None else site.where(),
         device=str(engine.device),
         engine=engine.name,
         message=_first_line(exc),
@@ -414,6 +422,6 @@ def release_oom(exc: BaseException, engine: Engine | None = None, *, collect: bo
             if linked is not None:
                 pending.append(linked)
     if collect:
-        gc.collect()
+        collector.collect()
     if engine is not None:
         engine.empty_cache()

@@ -17,23 +17,20 @@ from dataclasses import dataclass, replace
 
 from pytest_gpumem.baselines import BaselineEntry, BaselineStore, Environment
 from pytest_gpumem.baselines.canonical import stored_breakdown
-from pytest_gpumem.budgets.expressions import BudgetError
+from pytest_gpumem.budgets.expressions import BudgetError, parse_budget
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding, Limit, Tolerance
-from pytest_gpumem.data.metrics import BASELINE_METRICS, METRIC_INFO
+from pytest_gpumem.data.metrics import BASELINE_METRICS, MEASURED_BASELINE_METRICS, METRIC_INFO, metric_info
 from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.verdict import check_limits, compare_baseline, default_tolerance
+from pytest_gpumem.judge.rule import tolerance_for
+from pytest_gpumem.judge.sites import SiteDiff, diff_sites
+from pytest_gpumem.judge.verdict import check_limits, compare_baseline
 
-__all__ = ["RESERVED_TOLERANCE_FLOOR", "JudgeOptions", "baseline_metrics", "judge", "metric_tolerances"]
+__all__ = ["JudgeOptions", "baseline_metrics", "judge", "limits_of", "metric_tolerances"]
 
-
-#: The least tolerance a ``reserved`` baseline is compared with: one of the caching allocator's
-#: 20 MiB segments (the segment size of requests between 1 and 10 MiB). What the cache holds
-#: depends on the process's allocation history (segments that hold a live block cannot be
-#: returned), so the same step twice in one process can reserve a segment more or less
-#: (seen on an H100: 622,854,144 vs 639,631,360 B, 16 MiB apart).
-RESERVED_TOLERANCE_FLOOR = 20 * 2**20
+#: What ``--gpumem-leak-check`` asks of every test whose marker does not bound ``retained``.
+LEAK_CHECK = LimitSpec("retained", "0B (gpumem_leak_check)", parse_budget("0"))
 
 
 @dataclass(frozen=True)
@@ -53,22 +50,60 @@ def judge(
 ) -> list[Finding]:
     """Decide ``record``: its findings (also set on it, with any error) in span order, limits first.
 
-    Nothing is judged for a test whose own code failed. Each span's limits and budgets are
-    resolved with its Ψ (a budget in Ψ with nothing tracked is an error on the record) and
-    checked; then, when ``baselines`` are given, the test measured, and baselines are not
-    being updated, each figure is compared with its baseline in the record's environment.
+    Nothing is judged for a test whose own code failed. Each span's limits and budgets
+    (:func:`limits_of`) are resolved with its Ψ (a budget in Ψ with nothing tracked is an error on
+    the record) and checked; then, when ``baselines`` are given, the test measured, and baselines
+    are not being updated, each figure is compared with its baseline in the record's environment.
     Each span's tolerance is its own, else the marker's, else the run's (per metric:
-    :func:`metric_tolerances`).
+    :func:`metric_tolerances`). When the leak check's ``retained`` finding fails, the record's
+    leak report (the leaked tensors) joins its reports.
     """
     options = options or JudgeOptions()
     findings: list[Finding] = []
     if record.passed:
         for measurement in record.measurements:
-            findings.extend(_check(record, measurement, record.asked.get(measurement.name, ())))
+            findings.extend(_check(record, measurement, limits_of(record, measurement.name)))
         if baselines is not None and record.environment is not None and not options.update:
             findings.extend(_compare(record, baselines, options))
+            record.site_changes = site_changes(record, baselines)
     record.findings = findings
+    leak = record.leak_report
+    if leak and leak not in record.reports and any(f.failed and f.metric == "retained" for f in findings):
+        record.reports.append(leak)
     return findings
+
+
+def limits_of(record: TestRecord, span: str) -> list[LimitSpec]:
+    """The limits and budgets that apply to ``span`` of ``record``, as written, in order: what the
+    span asked for. For the test's call (its first span): the marker's, less those that a span
+    can bound when the test measured ranks (each rank's span asked for them); a ``retained`` of 0
+    when the run checks every test for leaks (:attr:`TestRecord.leak_check`) and the marker
+    bounds no ``retained``; the marker's ``min_microbatch`` as a minimum on ``max_microbatch``."""
+    limits = list(record.asked.get(span, ()))
+    if not record.measurements or span != record.measurements[0].name:
+        return limits
+    if record.ranks_measured:
+        limits = [limit for limit in limits if not metric_info(limit.metric).span_limit]
+    if record.leak_check and not any(limit.metric == LEAK_CHECK.metric for limit in limits):
+        limits.append(LEAK_CHECK)
+    if record.min_microbatch is not None:
+        text = f"min_microbatch={record.min_microbatch}"
+        limits.append(LimitSpec("max_microbatch", text, parse_budget(str(record.min_microbatch))))
+    return limits
+
+
+def site_changes(record: TestRecord, store: BaselineStore) -> dict[str, SiteDiff]:
+    """By span, the sites that changed against the profile stored with the span's baseline (spans
+    whose figures carry sites and whose baseline has them)."""
+    assert record.environment is not None
+    key = Environment.from_dict(record.environment).key
+    found: dict[str, SiteDiff] = {}
+    for measurement in record.measurements:
+        entry = None if measurement.sites is None else store.entry(key, record.nodeid, measurement.name)
+        stored = None if entry is None else entry.sites
+        if measurement.sites is not None and stored is not None:
+            found[measurement.name] = diff_sites(measurement.name, stored, measurement.sites)
+    return found
 
 
 def _check(record: TestRecord, measurement: Measurement, specs: Iterable[LimitSpec]) -> list[Finding]:
@@ -142,29 +177,13 @@ def _rank_suffix(span: str) -> str:
 
 
 def metric_tolerances(metrics: Iterable[str], tolerance: Tolerance | None) -> dict[str, Tolerance]:
-    """The tolerance of each metric's baseline comparison: ``tolerance`` for bytes, at least
-    :data:`RESERVED_TOLERANCE_FLOOR` for ``reserved``, only its relative part for a count
-    (``max_microbatch``: its absolute floor is bytes). ``None`` (nothing set one): each
-    metric's :func:`~pytest_gpumem.judge.verdict.default_tolerance`, with the same floor for ``reserved``."""
-    per_metric = {}
-    for metric in metrics:
-        if tolerance is None:
-            per_metric[metric] = _floored(metric, default_tolerance(metric))
-        elif metric == "reserved":
-            per_metric[metric] = _floored(metric, tolerance)
-        elif metric in BASELINE_METRICS:
-            per_metric[metric] = tolerance
-        else:
-            per_metric[metric] = Tolerance(tolerance.relative, 0)
-    return per_metric
-
-
-def _floored(metric: str, tolerance: Tolerance) -> Tolerance:
-    if metric != "reserved":
-        return tolerance
-    return Tolerance(tolerance.relative, max(tolerance.absolute, RESERVED_TOLERANCE_FLOOR))
+    """The tolerance of each metric's baseline comparison when ``tolerance`` is the one set (None:
+    nothing set one): :func:`~pytest_gpumem.judge.rule.tolerance_for` of each."""
+    return {metric: tolerance_for(metric, tolerance) for metric in metrics}
 
 
 def baseline_metrics(measurement: Measurement) -> tuple[str, ...]:
-    """The figures a baseline keeps: the byte costs, and the largest microbatch when the test searched it."""
-    return BASELINE_METRICS + (("max_microbatch",) if measurement.max_microbatch is not None else ())
+    """The figures a baseline keeps for ``measurement``: those it always keeps, and those it keeps
+    when measured (the largest microbatch, when the test searched it)."""
+    measured = tuple(m for m in MEASURED_BASELINE_METRICS if measurement.figure(m) is not None)
+    return BASELINE_METRICS + measured

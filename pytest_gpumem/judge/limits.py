@@ -15,7 +15,7 @@ from typing import Any
 from pytest_gpumem.budgets.expressions import BudgetError, BudgetExpr, parse_budget
 from pytest_gpumem.data.findings import Limit, Tolerance, parse_tolerance
 from pytest_gpumem.data.metrics import SPAN_METRICS
-from pytest_gpumem.units import SizeError, parse_size
+from pytest_gpumem.units import SizeError, parse_size, shown
 
 __all__ = [
     "SPAN_KEYWORDS",
@@ -72,14 +72,14 @@ def parse_limit(metric: str, value: object) -> LimitSpec:
         try:
             parse_size(value)  # produces the precise message (float, bool, other types)
         except SizeError as exc:
-            raise SpecError(f"{metric}={value!r}: {exc}") from None
+            raise SpecError(f"{metric}={shown(value)}: {exc}") from None
     assert isinstance(value, (int, str))
     try:
         expression = parse_budget(value)
         if not expression.uses_psi:
             expression.evaluate(None)  # constant limits must evaluate now: no negatives, no 1/0
     except BudgetError as exc:
-        raise SpecError(f"{metric}={value!r}: {exc}") from None
+        raise SpecError(f"{metric}={shown(value)}: {exc}") from None
     return LimitSpec(metric, str(value), expression)
 
 
@@ -87,11 +87,11 @@ def parse_tolerance_keyword(value: object) -> Tolerance:
     if isinstance(value, Tolerance):
         return value
     if not isinstance(value, str):
-        raise SpecError(f"tolerance={value!r} is not a tolerance: use a string like '2%', '1MiB' or '2%,1MiB'")
+        raise SpecError(f"tolerance={shown(value)} is not a tolerance: use a string like '2%', '1MiB' or '2%,1MiB'")
     try:
         return parse_tolerance(value)
     except ValueError as exc:
-        raise SpecError(f"tolerance={value!r}: {exc}") from None
+        raise SpecError(f"tolerance={shown(value)}: {exc}") from None
 
 
 def check_span_name(name: object) -> str:

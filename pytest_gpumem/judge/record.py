@@ -17,6 +17,7 @@ from pytest_gpumem.baselines import Environment
 from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.judge.limits import LimitSpec
+from pytest_gpumem.judge.sites import SiteDiff
 
 __all__ = ["TIMELINE_SAMPLES", "RecordStore", "TestRecord"]
 
@@ -46,7 +47,19 @@ class TestRecord:
             the test (created by the clean-state protocol; in ``start``, never in a cost);
             None where there are none (the CPU engine).
         asked: the limits and budgets of each span by span name (``"call"`` for the marker's),
+            as written; the judge (:func:`~pytest_gpumem.judge.judgement.judge`) decides which
+            apply (:func:`~pytest_gpumem.judge.judgement.limits_of`), resolves and checks them.
+        leak_check: the run checks every test for leaks (``--gpumem-leak-check``): the call's
+            ``retained`` must be 0 unless the marker bounds it.
+        min_microbatch: the marker's lower bound on the largest microbatch that fits.
+        ranks_measured: the test measured ranks (``gpumem.distributed``): each rank's span asked
+            for the marker's span limits (``peak``, ``allocated``, ``reserved``) instead of the call.
+        leak_report: the confirmed leak check's report (the leaked tensors), for the judge to
+            add to :attr:`reports` when the ``retained`` check fails; None when no leak was checked.
             as written; the judge (:func:`~pytest_gpumem.judge.judgement.judge`) resolves and checks them.
+        site_changes: by span name, the sites whose bytes changed against the site profile
+            stored with the span's baseline (:func:`~pytest_gpumem.judge.sites.diff_sites`);
+            only for spans whose figures carry sites and whose baseline has them.
     """
 
     __test__ = False  # a name pytest would otherwise collect
@@ -64,6 +77,11 @@ class TestRecord:
     device_limit: int | None = None
     workspaces: int | None = None
     asked: dict[str, list[LimitSpec]] = field(default_factory=dict)
+    leak_check: bool = False
+    min_microbatch: int | None = None
+    ranks_measured: bool = False
+    leak_report: str | None = None
+    site_changes: dict[str, SiteDiff] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -95,7 +113,7 @@ class TestRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data: what travels from an xdist worker to the controller."""
-        return {
+        data = {
             "nodeid": self.nodeid,
             "measurements": [m.to_dict() for m in self.measurements],
             "asked": {span: [spec.to_dict() for spec in specs] for span, specs in self.asked.items()},
@@ -109,7 +127,14 @@ class TestRecord:
             "snapshot": self.snapshot,
             "device_limit": self.device_limit,
             "workspaces": self.workspaces,
+            "leak_check": self.leak_check,
+            "min_microbatch": self.min_microbatch,
+            "ranks_measured": self.ranks_measured,
+            "leak_report": self.leak_report,
         }
+        if self.site_changes:
+            data["site_changes"] = {span: diff.to_dict() for span, diff in self.site_changes.items()}
+        return data
 
     def to_json(self, *, timeline: bool = True) -> str:
         """:meth:`to_dict` as compact JSON text (without the call's timeline: ``timeline=False``)."""
@@ -140,6 +165,11 @@ class TestRecord:
             snapshot=data.get("snapshot"),
             device_limit=data.get("device_limit"),
             workspaces=data.get("workspaces"),
+            leak_check=bool(data.get("leak_check", False)),
+            min_microbatch=data.get("min_microbatch"),
+            ranks_measured=bool(data.get("ranks_measured", False)),
+            leak_report=data.get("leak_report"),
+            site_changes={span: SiteDiff.from_dict(d) for span, d in (data.get("site_changes") or {}).items()},
         )
 
 

@@ -32,6 +32,7 @@ from pytest_gpumem.data.metrics import (
     METRICS,
     metric_info,
 )
+from pytest_gpumem.judge.rule import baseline_status, exceeds, tolerance_for
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -48,8 +49,9 @@ _EXACT = Tolerance()
 
 #: The tolerance of each baseline figure when no ``tolerance=`` (span, marker) and no
 #: ``--gpumem-tolerance`` sets one: the metric table's (:data:`~pytest_gpumem.data.metrics.METRIC_TABLE`,
-#: which says why ``peak`` and ``allocated`` are exact). A figure not named there is exact.
-DEFAULT_TOLERANCES: dict[str, Tolerance] = {info.name: Tolerance(*info.tolerance) for info in METRIC_TABLE}
+#: which says why ``peak`` and ``allocated`` are exact), with its floor
+#: (:func:`~pytest_gpumem.judge.rule.tolerance_for`). A figure not named there is exact.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {info.name: tolerance_for(info.name, None) for info in METRIC_TABLE}
 
 
 def default_tolerance(metric: str) -> Tolerance:
@@ -83,7 +85,6 @@ def check_values(
     """
     findings: list[Finding] = []
     for limit in limits:
-        info = metric_info(limit.metric)
         kind: Kind = "budget" if limit.kind == "budget" else "limit"
         measured = figures.get(limit.metric)
         status: Status
@@ -91,8 +92,7 @@ def check_values(
             status = "n/a"
             detail = _unknown_figure(limit.metric, span, engine, known=limit.metric in figures)
         else:
-            broken = measured < limit.value if info.higher_is_better else measured > limit.value
-            status = "exceeded" if broken else "ok"
+            status = "exceeded" if exceeds(limit.metric, measured, limit.value) else "ok"
             detail = limit.source
         findings.append(Finding(test, span, limit.metric, kind, status, measured, limit.value, detail=detail))
     return findings
@@ -101,10 +101,11 @@ def check_values(
 def _unknown_figure(metric: str, span: str, engine: str | None, *, known: bool) -> str:
     if not known:
         return f"this span has no figure named {metric!r}"
-    if metric in ("reserved",) and engine == "cpu":
+    info = metric_info(metric)
+    if info.allocator and engine == "cpu":
         return "the cpu engine has no caching allocator"
-    if metric == "retained" and span != "call":
-        return "retained is measured for the whole test call only"
+    if info.whole_call and span != "call":
+        return f"{metric} is measured for the whole test call only"
     where = f" on the {engine} engine" if engine else ""
     return f"not known{where}"
 
@@ -176,9 +177,7 @@ def compare_values(
         if measured is None:
             findings.append(Finding(test, span, metric, "baseline", "n/a", None, reference, tol, {}, "not measured"))
             continue
-        allowed = tol.allowed(reference)
-        worse = reference - measured if metric_info(metric).higher_is_better else measured - reference
-        status = "regressed" if worse > allowed else "improved" if -worse > allowed else "ok"
+        status = baseline_status(metric, measured, reference, tol)
         changed: Mapping[str, int] = {}
         # the breakdown is the peak's: it explains a peak, not what stayed allocated at the end
         before = None if entry is None else entry.breakdown

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.findings import failure_message
+from pytest_gpumem.data.sites import SiteConfig
 from pytest_gpumem.judge.judgement import judge
 from pytest_gpumem.judge.limits import LimitExceeded, check_span_name
 from pytest_gpumem.judge.record import TestRecord
@@ -53,6 +54,7 @@ def measure(
     observe: str = "operators",
     predict: str | None = None,
     fake: bool = False,
+    sites: SiteConfig | None = None,
     **limits: Any,
 ) -> Iterator[Span]:
     """Measure the memory a block of code costs, inside or outside pytest.
@@ -69,7 +71,9 @@ def measure(
     show (see :mod:`pytest_gpumem.measurement.engines.predict`; ``device`` must then be the CPU);
     with ``fake=True`` the block runs on fake tensors (shapes and dtypes, no data: see
     :mod:`pytest_gpumem.measurement.engines.fake`), so the model, optimizer and batch it makes
-    need no memory: build them inside the block. Limits
+    need no memory: build them inside the block. ``sites`` (a
+    :class:`~pytest_gpumem.data.sites.SiteConfig`) records where the bytes are made: the span's
+    figures then carry its sites (a block that joins a recording has that recording's). Limits
     (``peak="4GiB"``, ``allocated=...``) are checked when the block ends:
     outside pytest a broken limit raises :class:`pytest_gpumem.LimitExceeded`.
 
@@ -101,7 +105,7 @@ def measure(
             yield span
         return
     engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe, predict=predict)
-    recorder = Recorder(engine, timeline=timeline, fake=fake, label=name)
+    recorder = Recorder(engine, timeline=timeline, fake=fake, label=name, sites=sites)
     recorder.track(*track)
     recorder.begin()
     token = _ACTIVE.set(recorder)

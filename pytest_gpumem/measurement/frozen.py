@@ -1,25 +1,26 @@
 """The tensors among the garbage collector's frozen objects.
 
 ``gc.freeze()`` moves every object alive into a generation that collections and
-``gc.get_objects()`` skip. The plugin freezes once, before the first measured
-test (:class:`pytest_gpumem.plugin.runner.Freezer`), so that each test's collections
-and scans cover only objects made since; it never freezes what a test made. The
-tensors alive at that moment are remembered here (weakly), so that a tracker
-made later and a census of live tensors still find them without unfreezing.
-Naming what holds a tensor needs the frozen objects themselves (:func:`thaw`).
+``gc.get_objects()`` skip. The plugin's collector
+(:class:`pytest_gpumem.measurement.collector.Collector`) freezes what exists before the
+first measured test, so that each test's collections and scans cover only objects made
+since, and freezes again between tests what the session imported or built since. The
+tensors alive at each freeze are remembered here (weakly), so that a tracker made later
+and a census of live tensors still find them without unfreezing. Naming what holds
+a tensor needs the frozen objects themselves (:func:`thaw`).
 """
 
 from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from pytest_gpumem.measurement.engines.storages import tensors_among
 
-__all__ = ["forget", "known", "remember", "tensors", "thaw"]
+__all__ = ["add", "forget", "known", "remember", "tensors", "thaw"]
 
 _tensors: list[weakref.ref[torch.Tensor]] = []
 _known = False
@@ -38,6 +39,18 @@ def remember() -> None:
     _known = True
 
 
+def add(found: Iterable[torch.Tensor]) -> None:
+    """Remember the tensors among ``found`` not remembered yet (call just before a later ``gc.freeze()``)."""
+    known_ids = {id(tensor) for tensor in tensors()}
+    _tensors[:] = [ref for ref in _tensors if ref() is not None]
+    for obj in found:
+        if id(obj) not in known_ids:
+            try:
+                _tensors.append(weakref.ref(obj))
+            except TypeError:  # a tensor subclass without weak references
+                continue
+
+
 def forget() -> None:
     """The frozen objects went back to the collector (``gc.unfreeze()``): nothing to remember."""
     global _known
@@ -46,7 +59,8 @@ def forget() -> None:
 
 
 def known() -> bool:
-    """Whether the plugin froze objects and remembered their tensors, which :func:`tensors` yields.
+    """Whether the plugin froze objects and remembered their tensors, which :func:`tensors` yields
+    (they may have been given back since: then the collector lists them too).
 
     Taken from the plugin's own flag, not ``gc.get_freeze_count()``: before Python 3.13 that
     walks every frozen object (about 25 ms with torch imported). If someone else unfreezes
@@ -65,9 +79,16 @@ def tensors() -> Iterator[torch.Tensor]:
 
 
 def thaw() -> None:
-    """Give the plugin's frozen objects back to the collector for good, so that
-    ``gc.get_referrers`` sees them (naming what holds a leaked tensor). Later
-    collections cost what they would without the freeze; only failures' reports need it."""
+    """Give the plugin's frozen objects back to the collector, so that ``gc.get_referrers``
+    sees them (naming what holds a leaked tensor); only failures' reports need it. The
+    running collector freezes again between tests (its :meth:`compact`); without one (objects
+    remembered by hand), they are given back for good."""
+    from pytest_gpumem.measurement.collector import running
+
+    collector = running()
+    if collector is not None:
+        collector.give_back()
+        return
     if known():
         gc.unfreeze()
     forget()

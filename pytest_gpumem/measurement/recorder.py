@@ -28,6 +28,7 @@ from pytest_gpumem.budgets.formulas import tracked_psi
 from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.data.sites import SiteConfig, build_profile
 from pytest_gpumem.judge.limits import LimitSpec, parse_span_limits
 from pytest_gpumem.measurement.engines import describe_compiled
 from pytest_gpumem.measurement.engines.base import Engine, Reading
@@ -55,6 +56,7 @@ class _SpanState:
     reserved_peak: int | None = None
     requested_peak: int | None = None
     saved_peak: int | None = None
+    sites: Any = None
     compiled_from: int = 0
     notes_from: int = 0
     phases: dict[str, _PhaseState] = field(default_factory=dict)
@@ -63,6 +65,7 @@ class _SpanState:
         if reading.peak > self.peak or (reading.peak == self.peak and self.breakdown is None):
             self.peak = reading.peak
             self.breakdown = reading.breakdown
+            self.sites = reading.sites
         if reading.reserved_peak is not None:
             self.reserved_peak = max(self.reserved_peak or 0, reading.reserved_peak)
         if reading.requested_peak is not None:
@@ -84,6 +87,7 @@ class Recorder:
         fake: run between :meth:`begin` and :meth:`end` on fake tensors (shapes, no data; see
             :mod:`pytest_gpumem.measurement.engines.fake`).
         label: what the recording is of, in its warnings (the test's node id, a span's name).
+        sites: record where storages are made, so chosen: each span's figures then carry their sites.
     """
 
     def __init__(
@@ -94,8 +98,10 @@ class Recorder:
         saved_tensors: bool = True,
         fake: bool = False,
         label: str = "a measurement",
+        sites: SiteConfig | None = None,
     ) -> None:
         self.engine = engine
+        self.sites, self._end_sites = sites, engine.sites_now()  # then: bytes by site as allocated is read
         self.timeline = timeline and engine.categorizes
         self.saved_tensors = saved_tensors
         self.tracked: list[Any] = []
@@ -137,6 +143,7 @@ class Recorder:
         try:
             self.engine.clean()
             self.engine.start(saved_tensors=self.saved_tensors, timeline=self.timeline)
+            self.engine.start_sites(self.sites)  # not on every engine: observe="allocations"
         except BaseException:
             self._faked.close()
             raise
@@ -146,7 +153,7 @@ class Recorder:
     def end(self) -> None:
         """Stop watching; remove every hook this recorder installed and let go of tracked objects."""
         self.active = False
-        self.engine.stop()
+        self.engine.stop()  # and recording sites
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -291,6 +298,7 @@ class Recorder:
             return
         token = self._fold(defer=True)
         old, self._phase = self._phase, phase
+        self.engine.site_phase(phase)
         if token is not None:  # the engine reads this moment later: so is the transition
             self._deferred.append(("phase", token, old, phase))
             return
@@ -361,6 +369,7 @@ class Recorder:
             peak=now,
             breakdown=None if breakdown is None else tuple(breakdown.values()),
             saved_peak=engine.saved_bytes(),
+            sites=engine.sites_now(),
             compiled_from=len(engine.compiled_frames),
             notes_from=len(engine.notes),
         )
@@ -375,6 +384,7 @@ class Recorder:
             return self._allocated_now()
 
     def _allocated_now(self) -> tuple[int, dict[str, int] | None]:
+        self._end_sites = self.engine.sites_now()
         now = self.engine.allocated()
         parts = self.engine.breakdown()
         if parts is None:
@@ -429,6 +439,7 @@ class Recorder:
             psi=self.psi,
             cuda_rounding=self.engine.cuda_rounding,
             notes=notes,
+            sites=build_profile(self.engine.site_figures(state.sites, self._end_sites)),
         )
 
     def _warn_compiled(self, state: _SpanState) -> None:
@@ -475,9 +486,7 @@ class Recorder:
 
 
 def _diff(now: Mapping[str, int], before: Mapping[str, int], key: str) -> int | None:
-    if key not in now or key not in before:
-        return None
-    return now[key] - before[key]
+    return now[key] - before[key] if key in now and key in before else None
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_gpumem.baselines.staleness import FAILED, IGNORED, IN_PART, LAST_FAILED, SKIPPED, Collection, file_of
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.plugin.marker import GpumemSpec, closest_first, parse_marker
 from pytest_gpumem.plugin.options import Settings
@@ -129,16 +130,19 @@ class DisabledManager(MarkerCheck):
 
 
 class CollectionBook:
-    """What the run collected, for stale baselines: every node id, the collectors skipped or
-    ignored (their tests still exist), whether the collection was whole (with xdist: the workers')."""
+    """What the run collected, for stale baselines (:class:`~pytest_gpumem.baselines.staleness.Collection`):
+    every node id, the files collected whole, and why the others were not (skipped, ignored, failed,
+    collected in part); with xdist, the workers' books."""
 
     config: pytest.Config
 
     def _start_book(self) -> None:
         self._collected: set[str] = set()
-        self._collection_complete = True
-        self._skipped: set[str] = set()  # collectors skipped as they were collected: their tests are never stale
+        self._whole: set[str] = set()  # files whose collection passed: every test they hold is collected
+        self._partial: dict[str, str] = {}  # files and folders seen in part or not at all: why
+        self._workers_whole: list[set[str]] = []  # with xdist: each worker's whole files
         self._xdist = False  # a controller that heard from xdist workers
+        self._last_failed = False  # --lf with failures on record: files are collected in part
 
     def pytest_itemcollected(self, item: pytest.Item) -> None:
         self._collected.add(item.nodeid)
@@ -153,32 +157,81 @@ class CollectionBook:
                 relative = collection_path.relative_to(self.config.rootpath)
             except ValueError:
                 return ignored
-            self._skipped.add(relative.as_posix())
+            self._partial.setdefault(relative.as_posix(), IGNORED)
         return ignored
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        path = file_of(report.nodeid)
         if report.failed:
-            self._collection_complete = False
+            self._partial[path] = FAILED
+            self._whole.discard(path)
         elif report.skipped:  # a module skipped at import (pytest.importorskip): its tests still exist
-            self._skipped.add(report.nodeid)
+            self._partial.setdefault(report.nodeid if report.nodeid == path else path, SKIPPED)
+            self._whole.discard(path)
+        else:
+            self._collected.update(node.nodeid for node in report.result if isinstance(node, pytest.Item))
+            if report.nodeid == path and path not in self._partial and (self.config.rootpath / path).is_file():
+                self._whole.add(path)  # a file collector: its report lists every test (or class) it holds
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         output = getattr(node, "workeroutput", None) or {}
         self._collected.update(output.get("gpumem_collected", ()))
-        self._skipped.update(output.get("gpumem_skipped", ()))
-        if not output.get("gpumem_complete", False):
-            self._collection_complete = False
+        self._partial.update(output.get("gpumem_partial", {}))
+        if "gpumem_whole" in output:
+            self._workers_whole.append(set(output["gpumem_whole"]))
         self._xdist = True
 
-    def _whole_suite(self) -> bool:
-        """True when this run collected the whole suite (no paths or node ids on the command line)."""
-        source = getattr(self.config, "args_source", None)
-        return source is None or source != pytest.Config.ArgsSource.ARGS
+    def _collection(self) -> Collection:
+        """What this run collected (with xdist: what every worker collected whole)."""
+        whole = self._whole
+        if self._xdist:
+            whole = set.intersection(*self._workers_whole) if self._workers_whole else set()
+        partial = dict(self._partial)
+        everything = None
+        for path in _narrowed_files(self.config):
+            if path is None:
+                everything = IN_PART  # a node id whose file cannot be told (--pyargs)
+            else:
+                partial[path] = IN_PART
+        if self._last_failed:
+            everything = LAST_FAILED
+        return Collection(
+            items=frozenset(self._collected),
+            whole=frozenset() if everything else frozenset(path for path in whole if path not in partial),
+            rootdir=self.config.rootpath,
+            partial=partial,
+            everything=everything,
+        )
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection(self, session: pytest.Session) -> None:
+        """``--lf`` with failures on record collects only what failed (and skips other files)."""
+        cache = getattr(self.config, "cache", None)
+        self._last_failed = bool(
+            self.config.getoption("lf", False) and cache is not None and cache.get("cache/lastfailed", {})
+        )
 
     def _worker_output(self) -> None:
         """An xdist worker's collection, for the controller (``pytest_testnodedown``)."""
         output = self.config.workeroutput  # type: ignore[attr-defined]
-        output["gpumem_collected"] = sorted(self._collected)
-        output["gpumem_skipped"] = sorted(self._skipped)
-        output["gpumem_complete"] = self._collection_complete and self._whole_suite()
+        collection = self._collection()
+        output["gpumem_collected"] = sorted(collection.items)
+        output["gpumem_whole"] = sorted(collection.whole)
+        output["gpumem_partial"] = dict(collection.partial)
+
+
+def _narrowed_files(config: pytest.Config) -> list[str | None]:
+    """The files that node ids on the command line (``tests/test_a.py::test_x``) collect in part, as
+    node-id paths; None for one whose file cannot be told (a module name under ``--pyargs``)."""
+    found: list[str | None] = []
+    for arg in config.args:
+        path, colons, _ = str(arg).partition("::")
+        if not colons:
+            continue
+        where = Path(os.path.abspath(Path(config.invocation_params.dir, path)))
+        try:
+            found.append(where.relative_to(config.rootpath).as_posix() if where.is_file() else None)
+        except (OSError, ValueError):
+            found.append(None)
+    return found

@@ -3,22 +3,32 @@ summary, and under ``torchrun`` every rank's records gathered to rank 0."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pytest_gpumem.baselines import BaselineFileError
-from pytest_gpumem.judge.record import RecordStore
+from pytest_gpumem.data.figures import OutputNotWritten
+from pytest_gpumem.judge.record import RecordStore, TestRecord
 from pytest_gpumem.plugin.collection import CollectionBook
 from pytest_gpumem.plugin.gate import Gate
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.torchrun import Launch
+from pytest_gpumem.report.artifacts import write_artifacts
 from pytest_gpumem.report.text import terminal_summary
 
-if TYPE_CHECKING:
-    pass
+__all__ = ["RunEnd", "append_section"]
 
-__all__ = ["RunEnd"]
+
+def append_section(report: pytest.TestReport, title: str, text: str) -> None:
+    """Add ``text`` to a failed report's message, keeping pytest's own rendering of its error."""
+    addsection = getattr(report.longrepr, "addsection", None)
+    if addsection is not None:
+        addsection(title, text)
+    else:
+        report.longrepr = f"{report.longrepr}\n\n{text}"
 
 
 class RunEnd(CollectionBook):
@@ -29,31 +39,57 @@ class RunEnd(CollectionBook):
     worker: bool
     _error: str | None
     _launch: Launch | None
+    #: outputs that could not be written (reports, pages, snapshots): warnings, shown in the summary
+    _problems: list[str]
+    #: an :class:`OutputNotWritten` warning was made an error (``-W error``): the run fails
+    _escalated: bool
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.worker:
             self._worker_output()
             return
-        complete = self._collection_complete and (self._xdist or self._whole_suite())
         if self._launch is not None and not self._gather(session):
             return  # another rank writes, or the gather failed and nothing may be written
         if self._error is None:
             try:
-                self.gate.finish(self._collected if complete and self._collected else None, skipped=self._skipped)
+                self.gate.finish(self._collection())
             except (BaselineFileError, OSError) as exc:
-                session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+                # asked to record baselines and could not: the run fails, the file is as it was
+                if session.exitstatus == pytest.ExitCode.OK:
+                    session.exitstatus = pytest.ExitCode.TESTS_FAILED
                 self._error = f"gpumem: could not write the baseline file: {exc}"
             else:
                 if self.gate.stale_failed and not self.settings.gate.update:
                     session.exitstatus = pytest.ExitCode.TESTS_FAILED
         else:
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
+        for problem in self.gate.write_reports():
+            self._not_written(problem)
+        if self._escalated and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def _artifacts(self, report: pytest.TestReport, record: TestRecord) -> None:
+        """The test's artifact page (a failed test's, or every test's with ``--gpumem-artifacts-all``),
+        named in its failure report; a page that cannot be written is a warning, never the run's end."""
+        if report.failed or self.settings.artifacts_all:
+            try:
+                said = "gpumem artifacts: " + ", ".join(write_artifacts(record, self.settings.artifacts))
+            except OSError as exc:
+                said = f"gpumem artifacts: {exc.strerror or exc}"
+                self._not_written(exc.strerror or str(exc))
+            if report.failed:
+                append_section(report, "gpumem artifacts", said)
+        elif record.snapshot:
+            Path(record.snapshot).unlink(missing_ok=True)
+
+    def _not_written(self, problem: str) -> None:
+        """A report, page or snapshot that could not be written: an :class:`OutputNotWritten` warning
+        (and a line of the gpumem section); the run goes on. A warning made an error fails the run."""
+        self._problems.append(problem)
         try:
-            self.gate.write_reports()
-        except OSError as exc:  # checked before the first test; a test may still have removed the folder
-            session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
-            failed = f"gpumem: {exc.strerror or exc}"
-            self._error = failed if self._error is None else f"{self._error}\n{failed}"
+            warnings.warn(OutputNotWritten(problem), stacklevel=1)
+        except OutputNotWritten:  # -W error::...OutputNotWritten
+            self._escalated = True
 
     def _gather(self, session: pytest.Session) -> bool:
         """Under torchrun: every rank's records to rank 0. True on rank 0 once it has them all."""
@@ -100,12 +136,16 @@ class RunEnd(CollectionBook):
             width=terminalreporter._tw.fullwidth,
             verbosity=int(self.config.getoption("verbose")),
             baselines=None if not update else (self.settings.gate.baselines, gate.written),
-            pruning=self.settings.gate.prune,
+            pruning=self.settings.gate.prune and self.settings.gate.update,
+            kept=gate.kept,
         )
-        if text is not None:
+        if text is not None or self._problems:
             terminalreporter.write_sep("=", "gpumem")
+        if text is not None:
             # a node id from a file name that is not UTF-8 holds lone surrogates: escape them
             # (``\udcff``), as the baseline file does, or pytest prints the whole summary on one line
             terminalreporter.write_line(text.encode("utf-8", "backslashreplace").decode("utf-8"))
+        for problem in self._problems:
+            terminalreporter.write_line(f"gpumem: {problem}", yellow=True)
         if self._error:
             terminalreporter.write_line(self._error, red=True)

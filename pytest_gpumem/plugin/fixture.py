@@ -100,6 +100,7 @@ class GpuMem:
                 predict=predict,
                 fake=fake,
                 ranks=ranks,
+                sites=self.recorder.sites,
             )
         except DistributedError as exc:
             raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
@@ -482,6 +483,8 @@ class UnmeasuredGpuMem:
             run_ranks(fn, world_size, backend=backend, device=where, timeout=timeout)
         except DistributedError as exc:
             raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{self.nodeid}: gpumem.distributed: {exc}") from None
         return [Unmeasured(f"gpumem.distributed(...)[{rank}]") for rank in range(world_size)]
 
     def max_microbatch(self, step: Callable[[int], Any], **kwargs: Any) -> int:

@@ -11,7 +11,6 @@ Markdown reports. No pytest, no torch.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,9 @@ from pytest_gpumem.baselines import (
     load,
     save,
 )
+from pytest_gpumem.baselines.staleness import Collection, find_stale
 from pytest_gpumem.data.findings import Finding, Tolerance
+from pytest_gpumem.data.sites import SITES_BUDGET
 from pytest_gpumem.judge.judgement import JudgeOptions, baseline_metrics, judge
 from pytest_gpumem.judge.record import RecordStore, TestRecord
 from pytest_gpumem.judge.verdict import stale_findings
@@ -56,6 +57,8 @@ class Gate:
         #: the judged records, by node id (kept as text: see :class:`RecordStore`)
         self.records = RecordStore()
         self.stale: list[Finding] = []
+        #: the baselines the run could not judge stale, by why: tests kept (see :func:`find_stale`)
+        self.kept: dict[str, int] = {}
         self._store: BaselineStore | None = None
         #: whether :meth:`finish` wrote the baseline file
         self.written = False
@@ -92,20 +95,22 @@ class Gate:
             raise problem
         return findings
 
-    def finish(self, collected: Iterable[str] | None, *, skipped: Iterable[str] = ()) -> None:
-        """End of the run: stale baselines (``collected``: every node id of a whole-suite
-        collection, None when the run collected only part of it; ``skipped``: node ids of
-        collectors skipped at collection, whose tests are never stale), pruning, recording, saving.
+    def finish(self, collection: Collection | None) -> None:
+        """End of the run: stale baselines (``collection``: what the run collected, None to look for
+        none), pruning, recording, saving.
 
         Raises :class:`BaselineFileError` or ``OSError`` when the file cannot be written.
         """
         if not self.records and not self.loaded:
             return  # nothing was measured: the file is neither read nor written
         store = self.store
-        env_keys = self.environment_keys()
-        ids = set(collected) if collected is not None else set()
-        if ids:
-            stale = [entry for key in env_keys for entry in store.stale(ids, key, skipped=skipped)]
+        if collection is not None:
+            stale = []
+            for key in self.environment_keys():
+                found = find_stale(store, collection, key)
+                stale += found.stale
+                for why, count in found.kept.items():
+                    self.kept[why] = self.kept.get(why, 0) + count
             self.stale = stale_findings(stale, strict=self.options.strict)
             if self.options.update and self.options.prune and stale:
                 store.prune(stale)
@@ -113,8 +118,10 @@ class Gate:
             for record in self.records.values():
                 if record.recordable:
                     assert record.environment is not None
+                    budget = SITES_BUDGET // max(1, sum(m.sites is not None for m in record.measurements))
                     entries = {
-                        m.name: BaselineEntry.from_measurement(m, baseline_metrics(m)) for m in record.measurements
+                        m.name: BaselineEntry.from_measurement(m, baseline_metrics(m), sites_budget=budget)
+                        for m in record.measurements
                     }
                     store.record(Environment.from_dict(record.environment), record.nodeid, entries)
             self.written = save(store, self.options.baselines)
@@ -131,13 +138,14 @@ class Gate:
         """The environment keys of the records, sorted, each with the workspace bytes its device held."""
         return self.records.environments()
 
-    def write_reports(self) -> None:
-        """The JSON report, the Markdown report, and the GitHub step summary, as the options ask."""
+    def write_reports(self) -> list[str]:
+        """The JSON report, the Markdown report, and the GitHub step summary, as the options ask; one
+        line per report that could not be written (naming its path and the reason)."""
         options = self.options
         step_summary = os.environ.get("GITHUB_STEP_SUMMARY") if options.step_summary else None
         if options.json_path is None and options.markdown_path is None and not step_summary:
-            return  # no report asked for: the records are not decoded
-        write_reports(
+            return []  # no report asked for: the records are not decoded
+        return write_reports(
             list(self.records.values()),
             self.stale,
             json_path=options.json_path,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Generator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -16,12 +15,11 @@ from pytest_gpumem.data.metrics import METRICS
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.plugin.collection import SPEC_ERROR_KEY, SPEC_KEY, MarkerCheck, gpumem_marks, is_worker, marker_spec
-from pytest_gpumem.plugin.ending import RunEnd
+from pytest_gpumem.plugin.ending import RunEnd, append_section
 from pytest_gpumem.plugin.gate import Gate
 from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measuring
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.torchrun import launch, rename
-from pytest_gpumem.report.artifacts import write_artifacts
 from pytest_gpumem.report.details import failure_text
 
 if TYPE_CHECKING:
@@ -34,15 +32,6 @@ def _terminal_width(config: pytest.Config) -> int:
     """pytest's terminal width; the environment's (``COLUMNS``, else 80) where there is none (xdist workers)."""
     writer = getattr(config.pluginmanager.get_plugin("terminalreporter"), "_tw", None)
     return int(writer.fullwidth) if writer is not None else shutil.get_terminal_size().columns
-
-
-def _append(report: pytest.TestReport, title: str, text: str) -> None:
-    """Add ``text`` to a failed report's message, keeping pytest's own rendering of its error."""
-    addsection = getattr(report.longrepr, "addsection", None)
-    if addsection is not None:
-        addsection(title, text)
-    else:
-        report.longrepr = f"{report.longrepr}\n\n{text}"
 
 
 class GpumemManager(MarkerCheck, Measuring, RunEnd):
@@ -62,6 +51,8 @@ class GpumemManager(MarkerCheck, Measuring, RunEnd):
         self._handoff: tuple[str, TestRecord] | None = None
         self._start_book()
         self._error: str | None = None
+        self._problems: list[str] = []
+        self._escalated = False
         try:
             self._launch = launch()  # pytest started by torchrun: this process is one rank
         except ValueError as exc:
@@ -110,7 +101,7 @@ class GpumemManager(MarkerCheck, Measuring, RunEnd):
         if any(SPEC_KEY in item.stash for item in session.items):
             from pytest_gpumem.plugin.runner import Engines, Freezer
 
-            self._freezer = Freezer()
+            self._freezer = Freezer(self.config)
             self._freezer.start()
             self._engines = Engines(cuda_rounding=self.settings.cuda_rounding, freezer=self._freezer)
         try:
@@ -175,12 +166,8 @@ class GpumemManager(MarkerCheck, Measuring, RunEnd):
             self.gate.records[record.nodeid] = record  # the store keeps a copy: with the error
         if report.passed and record.failed:  # the one place a test's outcome changes
             report.outcome = "failed"
-            report.longrepr = failure_text(record, reports=record.reports, width=_terminal_width(self.config))
+            width, verbosity = _terminal_width(self.config), int(self.config.option.verbose)
+            report.longrepr = failure_text(record, reports=record.reports, width=width, verbosity=verbosity)
         elif report.failed and record.reports:
-            _append(report, "gpumem", "\n\n".join(record.reports))
-        if report.failed or self.settings.artifacts_all:
-            written = write_artifacts(record, self.settings.artifacts)
-            if report.failed:
-                _append(report, "gpumem artifacts", "gpumem artifacts: " + ", ".join(written))
-        elif record.snapshot:
-            Path(record.snapshot).unlink(missing_ok=True)
+            append_section(report, "gpumem", "\n\n".join(record.reports))
+        self._artifacts(report, record)

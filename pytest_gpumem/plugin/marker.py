@@ -13,9 +13,10 @@ from typing import Any, TypeVar
 
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import METRIC_TABLE, METRICS
+from pytest_gpumem.data.sites import parse_sites_mode
 from pytest_gpumem.judge.limits import LimitSpec, SpecError, parse_limit, parse_tolerance_keyword
 from pytest_gpumem.measurement.observe import ObserveError, observe_conflict, parse_observe
-from pytest_gpumem.units import SizeError, parse_size
+from pytest_gpumem.units import MAX_BYTES, SizeError, parse_size, shown
 
 __all__ = [
     "MARKER_KEYWORDS",
@@ -41,6 +42,8 @@ MARKER_KEYWORD_HELP: dict[str, str] = {
     "tolerance": "baseline tolerance of this test: '2%', '1MiB' or '2%,1MiB'",
     "device_limit": "run as if the device had this much memory: '24GiB'",
     "min_microbatch": "the largest microbatch gpumem.max_microbatch() finds must be at least this (an int)",
+    "sites": "'rerun', 'always' or 'off': when this test records where its bytes were made (overrides "
+    "--gpumem-sites; 'off' for a test whose state a second run of its call would find changed)",
 }
 #: Keywords the ``gpumem`` marker accepts.
 MARKER_KEYWORDS: tuple[str, ...] = tuple(MARKER_KEYWORD_HELP)
@@ -79,6 +82,8 @@ class GpumemSpec:
     device_limit: int | None = None
     #: lower bound on the largest microbatch that fits (``gpumem.max_microbatch()``)
     min_microbatch: int | None = None
+    #: when sites are recorded (:data:`~pytest_gpumem.data.sites.SITES_MODES`); None: the run's option
+    sites: str | None = None
 
 
 T = TypeVar("T")
@@ -95,7 +100,7 @@ def parse_device(value: object) -> str:
         value = str(value)
     text = value.strip() if isinstance(value, str) else None
     if text is None or _DEVICE_RE.match(text) is None:
-        raise SpecError(f"device={value!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        raise SpecError(f"device={shown(value)} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
     return text
 
 
@@ -103,7 +108,7 @@ def _size(name: str, value: object) -> int:
     try:
         return parse_size(value)
     except SizeError as exc:
-        raise SpecError(f"{name}={value!r}: {exc}") from None
+        raise SpecError(f"{name}={shown(value)}: {exc}") from None
 
 
 def _observe(value: object) -> str:
@@ -114,14 +119,14 @@ def _observe(value: object) -> str:
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{name}={value!r} must be a positive int (a microbatch size)")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BYTES:
+        raise SpecError(f"{name}={shown(value)} must be a positive int (a microbatch size) of at most 2**63 - 1")
     return value
 
 
 def _bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise SpecError(f"{name}={value!r} must be True or False")
+        raise SpecError(f"{name}={shown(value)} must be True or False")
     return value
 
 
@@ -203,7 +208,7 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
     conflict = observe_conflict(
         merged.get("observe"),
         predict=merged.get("predict"),
-        limit=None if limit is None else f"device_limit={limit!r}",
+        limit=None if limit is None else f"device_limit={shown(limit)}",
     )
     if conflict is not None:
         raise SpecError(conflict)
@@ -219,4 +224,12 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
         min_microbatch=None
         if merged.get("min_microbatch") is None
         else _positive_int("min_microbatch", merged["min_microbatch"]),
+        sites=None if merged.get("sites") is None else _sites(merged["sites"]),
     )
+
+
+def _sites(value: object) -> str:
+    try:
+        return parse_sites_mode(value)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None

@@ -18,10 +18,12 @@ from pytest_gpumem.measurement.observe import choose_observe, observe_conflict
 from pytest_gpumem.plugin.collection import SPEC_ERROR_KEY, SPEC_KEY, gpumem_marks, marker_spec, worker_index
 from pytest_gpumem.plugin.marker import GpumemSpec, late_marker_problems, parse_marker
 from pytest_gpumem.plugin.options import Settings
+from pytest_gpumem.plugin.sites import run_options, second_run
 from pytest_gpumem.plugin.torchrun import Launch
 
 if TYPE_CHECKING:
     from pytest_gpumem.measurement.engines import Engine
+    from pytest_gpumem.plugin.gate import Gate
     from pytest_gpumem.plugin.runner import Engines, TestRun
 
 __all__ = ["MARKS_KEY", "RECORD_KEY", "RUN_KEY", "Measuring"]
@@ -37,6 +39,7 @@ class Measuring:
 
     config: pytest.Config
     settings: Settings
+    gate: Gate
     _engines: Engines | None
     _launch: Launch | None
     _environments: dict[str, dict[str, Any]]
@@ -53,7 +56,7 @@ class Measuring:
     def _prepare(self, item: pytest.Item, spec: GpumemSpec) -> None:
         """The test's run (``item.stash[RUN_KEY]``): its device, engine and options; skips or fails
         the test where its device is not there."""
-        from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, RunOptions, TestRun, choose_device
+        from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, TestRun, choose_device
 
         settings = self.settings
         unavailable: DeviceUnavailable | None = None
@@ -80,11 +83,7 @@ class Measuring:
                 f"{item.nodeid}: fake=True needs a prediction: predict= on the marker or --gpumem-predict",
                 pytrace=False,
             )
-        options = RunOptions(
-            leak_check=settings.leak_check,
-            snapshots=settings.artifacts if settings.snapshot else None,
-            device_limit=settings.device_limit,
-        )
+        options = run_options(settings, spec)
         item.stash[RUN_KEY] = TestRun(
             item.nodeid,
             spec,
@@ -159,9 +158,9 @@ class Measuring:
         try:
             result = yield
         except BaseException as exc:
-            item.stash[RECORD_KEY] = _finish(item, run, exc)
+            item.stash[RECORD_KEY] = second_run(item, run, _finish(item, run, exc), exc, self.settings, self.gate)
             raise
-        item.stash[RECORD_KEY] = _finish(item, run, None)
+        item.stash[RECORD_KEY] = second_run(item, run, _finish(item, run, None), None, self.settings, self.gate)
         return result
 
 

@@ -14,7 +14,9 @@ from typing import Any
 from pytest_gpumem import __version__
 from pytest_gpumem.baselines import DEFAULT_FILENAME
 from pytest_gpumem.data.findings import parse_tolerance
+from pytest_gpumem.data.sites import SiteConfig, parse_sites_mode
 from pytest_gpumem.judge.limits import SpecError
+from pytest_gpumem.judge.rule import describe_default_tolerances
 from pytest_gpumem.measurement.observe import parse_observe
 from pytest_gpumem.plugin.gate import GateOptions
 from pytest_gpumem.plugin.marker import parse_device, parse_predict
@@ -89,8 +91,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("update-baselines", "record the figures of tests that ran and passed into the baseline file.", flag=True),
     Option(
         "tolerance",
-        "tolerance of baseline comparisons: '2%', '1MiB', '2%,1MiB' or '0' (default: exact bytes for peak "
-        "and allocated, 2%,1MiB and at least 20 MiB for reserved).",
+        "tolerance of baseline comparisons: '2%', '1MiB', '2%,1MiB' or '0'; a size bounds byte figures only "
+        f"(default: {describe_default_tolerances()}).",
         metavar="TOL",
     ),
     Option("strict", "fail on new, improved, other-environment and stale baselines too (ratcheting CI).", flag=True),
@@ -111,6 +113,20 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("artifacts-all", "write artifacts for passing tests too.", flag=True),
     Option("snapshot", "CUDA: record allocation history and write a PyTorch memory snapshot per test.", flag=True),
+    Option(
+        "sites",
+        "when measured tests record where their bytes were made (the lines, by growth, in a failure): rerun "
+        "(default: on --gpumem-update-baselines, and a test that fails on memory runs its call once more with "
+        "sites on), always (in every run: costs each test a frame walk per allocation) or off.",
+        default="rerun",
+        metavar="MODE",
+    ),
+    Option(
+        "sites-include",
+        "comma-separated packages whose frames count as your code for sites (e.g. transformers); by "
+        "default only files under the rootdir do.",
+        metavar="PKGS",
+    ),
 )
 
 
@@ -137,6 +153,10 @@ class Settings:
     artifacts_all: bool
     snapshot: bool
     gate: GateOptions
+    #: when sites are recorded (:data:`~pytest_gpumem.data.sites.SITES_MODES`)
+    sites: str = "rerun"
+    #: how sites are chosen (the rootdir, the included packages)
+    site_config: SiteConfig | None = None
 
     @classmethod
     def read(cls, value: Callable[[str], Any], rootpath: Path, cache_dir: Callable[[], Path] | None = None) -> Settings:
@@ -206,6 +226,8 @@ class Settings:
             artifacts=artifacts,
             artifacts_all=flag("gpumem_artifacts_all"),
             snapshot=flag("gpumem_snapshot"),
+            sites=parsed("gpumem_sites", parse_sites_mode, "rerun"),
+            site_config=SiteConfig(str(rootpath), parsed("gpumem_sites_include", _packages) or ()),
             gate=GateOptions(
                 baselines=baselines or rootpath / DEFAULT_FILENAME,
                 tolerance=parsed("gpumem_tolerance", parse_tolerance),
@@ -241,6 +263,21 @@ def unwritable(path: Path, *, folder: bool = False, written: bool = True) -> str
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{path} cannot be written: the folder {existing} is not writable"
     return None
+
+
+def _packages(text: str) -> tuple[str, ...]:
+    """Comma-separated package names, each installed (found without importing it)."""
+    import importlib.util
+
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise ValueError(f"no package or module named {name!r} is installed")
+    return names
 
 
 def _env_flag(name: str) -> bool:

@@ -8,33 +8,35 @@ what each span asked for. :meth:`TestRun.finish` returns the test's
 :class:`~pytest_gpumem.judge.record.TestRecord`, for the judge
 (:func:`~pytest_gpumem.judge.judgement.judge`) to decide.
 
-The objects alive before the first test are frozen (:class:`Freezer`) so that each
-test's garbage collections cover only what was made since.
+What the session imported or built is frozen (:class:`Freezer`, wiring the
+:class:`~pytest_gpumem.measurement.collector.Collector`) so that each test's garbage
+collections cover only what it made.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
+import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import CodeType
 from typing import Any
 
+import pytest
 import torch
 
-from pytest_gpumem.budgets.expressions import BudgetError, parse_budget
-from pytest_gpumem.data.figures import PartialFigures
-from pytest_gpumem.data.metrics import SPAN_METRICS
+from pytest_gpumem.data.figures import OutputNotWritten, PartialFigures
+from pytest_gpumem.data.sites import SiteConfig
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
 from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, release_oom
-from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
-from pytest_gpumem.measurement import frozen
+from pytest_gpumem.measurement import collector, frozen
 from pytest_gpumem.measurement.active import activate
+from pytest_gpumem.measurement.collector import Collector
 from pytest_gpumem.measurement.engines import cuda_available, make_engine, resolve_device, unseen_note
 from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.measurement.recorder import Recorder
@@ -124,45 +126,38 @@ class Engines:
 
 
 class Freezer:
-    """Keeps the garbage collector's older objects out of each test's collections.
+    """Wires the run's :class:`~pytest_gpumem.measurement.collector.Collector` (what the plugin does to
+    the garbage collector, and its rule) into pytest: started before the first measured test,
+    compacted once each test's teardown is done (registered as a plugin for that, while it froze
+    objects), stopped when the run ends."""
 
-    Every measured test collects garbage before its start reading and after it;
-    with a few hundred thousand objects alive (torch, pytest, the collected
-    items) each full collection costs 100+ ms (168 ms seen in a CUDA test
-    session). Before the first test, objects alive are collected once and frozen
-    (``gc.freeze()``): the libraries, pytest and the collected items. Nothing a
-    test makes is ever frozen, so whatever a test lets go, cycles included, is
-    freed by the next collection, the user's own ``gc.collect()`` included.
+    def __init__(self, config: pytest.Config | None = None) -> None:
+        self.collector = Collector()
+        self._config = config
 
-    Objects frozen by someone else (a library, a conftest, an enclosing pytest
-    session) are left as they are, and nothing more is frozen then. The run's own
-    are unfrozen when it ends (:meth:`stop`). The tensors among them are
-    remembered (:mod:`pytest_gpumem.measurement.frozen`), so a tracker made later counts them
-    (:meth:`scan`) and a census of live tensors finds them.
-    """
-
-    def __init__(self) -> None:
-        self.active = False
+    @property
+    def active(self) -> bool:
+        """Whether the run's collector froze objects (someone else had not)."""
+        return self.collector.active
 
     def start(self) -> None:
-        """Collect garbage and freeze what exists now (unless the collector is off or someone froze before)."""
-        if self.active or not gc.isenabled() or gc.get_freeze_count() > 0:
-            return
-        gc.collect()
-        frozen.remember()
-        gc.freeze()
-        self.active = True
+        """Collect garbage and freeze what exists now (see :meth:`Collector.start`)."""
+        self.collector.start()
+        if self._config is not None and self.collector.active:
+            self._config.pluginmanager.register(self, "gpumem-collector")
+
+    def pytest_runtest_logfinish(self) -> None:
+        """A test is done, its fixtures torn down: freeze what the session built since, if a lot."""
+        self.collector.compact()
 
     def scan(self, engine: Engine) -> None:
         """Let ``engine``'s tracker register every tensor alive, frozen ones included."""
         engine.scan(extra=frozen.tensors() if frozen.known() else ())
 
     def stop(self) -> None:
-        if self.active:
-            self.active = False
-            if frozen.known():
-                gc.unfreeze()
-            frozen.forget()
+        if self._config is not None and self._config.pluginmanager.is_registered(self):
+            self._config.pluginmanager.unregister(self)
+        self.collector.stop()
 
 
 @dataclass(frozen=True)
@@ -175,6 +170,8 @@ class RunOptions:
     snapshots: Path | None = None
     #: the emulated device size (bytes) of tests whose marker names none
     device_limit: int | None = None
+    #: record where storages are made, chosen so (None: not in this run; see plugin/sites.py)
+    sites: SiteConfig | None = None
 
 
 def _forget_last_failure() -> None:
@@ -212,7 +209,9 @@ class TestRun:
         self.engine = engine
         self.environment = environment
         self.options = options or RunOptions()
-        self.recorder = Recorder(engine, timeline=engine.categorizes, fake=fake, label=nodeid)
+        self.recorder = Recorder(engine, timeline=engine.categorizes, fake=fake, label=nodeid, sites=self.options.sites)
+        #: the objects the test tracked, once it has finished (weakly: a second run tracks them again)
+        self.tracked: list[weakref.ref[Any]] = []
         self.recorder.device_limit = spec.device_limit if spec.device_limit is not None else self.options.device_limit
         self._stack = contextlib.ExitStack()  # what lives as long as the call: the recorder's activation
         self._watches = contextlib.ExitStack()  # what is left just before the call span closes
@@ -237,6 +236,8 @@ class TestRun:
         self._started = True
         _forget_last_failure()
         recorder = self.recorder
+        if recorder.device_limit is not None:  # the emulated device holds all that is alive: frozen cycles
+            collector.give_back()  # a test dropped are collected first (the collector freezes again later)
         recorder.begin()  # collects garbage and registers what is alive
         try:
             self._snapshot = snapshot_storages(self.engine) if self.leak_check else None
@@ -247,14 +248,25 @@ class TestRun:
             if recorder.device_limit is not None:
                 watches.enter_context(self.engine.limit_memory(recorder.device_limit))
             if self.options.snapshots is not None:
-                path = artifact_path(self.options.snapshots, self.nodeid, ".snapshot.pickle")
-                self._history = watches.enter_context(self.engine.record_history(str(path)))
+                self._history = self._record_history(watches, self.options.snapshots)
             watches.enter_context(watch_return(code, lambda: self._returned.append(recorder.allocated_now())))
         except BaseException:
             self._watches.close()
             self._stack.close()
             recorder.end()
             raise
+
+    def _record_history(self, watches: contextlib.ExitStack, folder: Path) -> str | None:
+        """Record the allocation history for this test's memory snapshot; a path that cannot hold it
+        (a symbolic link pointing elsewhere at its name) is a warning and no snapshot."""
+        try:
+            path = artifact_path(folder, self.nodeid, ".snapshot.pickle")
+        except ValueError as exc:
+            warnings.warn(
+                OutputNotWritten(f"could not write the memory snapshot of {self.nodeid}: {exc}"), stacklevel=3
+            )
+            return None
+        return watches.enter_context(self.engine.record_history(str(path)))
 
     def run(self, function: Callable[[], Any]) -> TestRecord:
         """:meth:`start`, call ``function``, :meth:`finish`: the whole run, outside pytest."""
@@ -278,9 +290,12 @@ class TestRun:
                     oom = self._watch.report_for(exc)
             finally:
                 self._watches.close()
+            if self._history is not None and not os.path.exists(self._history):
+                self._history = None  # it could not be written: an OutputNotWritten warning said why
             call = recorder.close(self._state, allocated=self._returned[-1] if self._returned else None)
             timeline = recorder.timeline_since(self._state.start_event)
         finally:
+            self.tracked = [weakref.ref(obj) for obj in recorder.tracked]
             self._stack.close()
             recorder.end()
         if oom is not None and exc is not None:
@@ -307,27 +322,18 @@ class TestRun:
         if oom is not None:
             record.reports.append(oom.format())
         spec = self.spec
-        allowed = next((limit for limit in spec.limits if limit.metric == "retained"), None)
         if self._snapshot is not None and record.passed and call.retained and call.retained > 0:
+            collector.give_back()  # a cycle among frozen objects may hold what the test dropped: collect all
             leak = confirm_leak(engine, call.start, snapshot=self._snapshot)
             call = replace(call, retained=leak.retained)
-            try:
-                bound = 0 if allowed is None else allowed.resolve(call.psi).value
-            except BudgetError:
-                bound = 0  # the judge says why the budget has no value
-            if leak.retained > bound:
-                record.reports.append(leak.format())
+            if leak.retained > 0:  # the judge adds it to the failure when the retained check fails
+                record.leak_report = leak.format()
         self._snapshot = None
-        limits = list(spec.limits)
-        if recorder.ranks_measured:  # the marker's peak/allocated/reserved went to every rank's span
-            limits = [limit for limit in limits if limit.metric not in SPAN_METRICS]
-        if self.options.leak_check and allowed is None:
-            limits.append(LimitSpec("retained", "0B (gpumem_leak_check)", parse_budget("0")))
-        if spec.min_microbatch is not None:
-            text = f"min_microbatch={spec.min_microbatch}"
-            limits.append(LimitSpec("max_microbatch", text, parse_budget(str(spec.min_microbatch))))
+        record.leak_check = self.options.leak_check
+        record.min_microbatch = spec.min_microbatch
+        record.ranks_measured = recorder.ranks_measured
         record.measurements = [call] + [span.measurement for span in recorder.spans]
-        record.asked = {"call": limits} if limits else {}
+        record.asked = {"call": list(spec.limits)} if spec.limits else {}
         if spec.tolerance is not None:
             record.set_tolerance("call", spec.tolerance)
         for span in recorder.spans:

@@ -11,6 +11,7 @@ All sizes are bytes.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -21,6 +22,7 @@ from pytest_gpumem.data.findings import failure_message
 from pytest_gpumem.data.metrics import DRAWN_METRICS
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.report.html import render_html
+from pytest_gpumem.report.sites import site_section_html
 
 __all__ = ["MAX_NAME_LENGTH", "artifact_path", "artifact_stem", "write_artifacts", "write_html"]
 
@@ -129,6 +131,9 @@ def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
     Lines drawn across the chart (absolute, as the chart is): the emulated device
     limit, and the call's limits, budgets and baselines on ``peak`` and ``allocated``
     (they bound costs: drawn at the call's start plus the bound).
+
+    Raises ``OSError`` whose message names the page and why it could not be written (a folder,
+    or a symbolic link pointing elsewhere, at its name; a full disk; permissions).
     """
     call = record.measurements[0]
     lines: dict[str, int] = {} if record.device_limit is None else {"device limit": record.device_limit}
@@ -139,9 +144,26 @@ def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
     details = [failure_message([f for f in record.findings if f.failed])] if record.failed else []
     details += record.reports
     # under torchrun the call is the rank's (call@rank1-of-2): each rank writes a page of its own
-    path = artifact_path(directory, record.nodeid if call.name == "call" else f"{record.nodeid}@{call.name}", ".html")
+    nodeid = record.nodeid if call.name == "call" else f"{record.nodeid}@{call.name}"
+    try:
+        path = artifact_path(directory, nodeid, ".html")
+    except ValueError:
+        shown = Path(directory).resolve() / f"{artifact_stem(nodeid)}.html"
+        raise OSError(
+            errno.EEXIST,
+            f"could not write the artifact page {shown}: a symbolic link is at its name, pointing outside "
+            f"{Path(directory).resolve()}; remove it",
+        ) from None
     page = render_html(
-        title=record.nodeid, measurement=call, timeline=record.timeline_of_call(), lines=lines, details=details
+        title=record.nodeid,
+        measurement=call,
+        timeline=record.timeline_of_call(),
+        lines=lines,
+        details=details,
+        sections=[section] if (section := site_section_html(record)) else [],
     )
-    write_html(path, page)
+    try:
+        write_html(path, page)
+    except OSError as exc:
+        raise OSError(exc.errno, f"could not write the artifact page {path}: {exc.strerror or exc}") from None
     return [str(path)] + ([record.snapshot] if record.snapshot else [])

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding
-from pytest_gpumem.data.metrics import metric_info
+from pytest_gpumem.data.metrics import METRIC_TABLE, metric_info
 
 __all__ = [
     "COST_ONLY_METRICS",
@@ -24,12 +24,12 @@ __all__ = [
     "other_environments",
 ]
 
-#: Metrics whose cost is a net change, shown signed (they can be negative).
-SIGNED_METRICS = ("allocated", "retained")
+#: Metrics whose cost is a net change, shown signed (they can be negative): the metric table's.
+SIGNED_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.signed)
 
 
-#: Metrics without an absolute figure: the figure is already a difference (its cost).
-COST_ONLY_METRICS = ("retained",)
+#: Metrics without an absolute figure: the figure is already a difference (its cost): the metric table's.
+COST_ONLY_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.whole_call)
 
 
 LEGEND_COST = "cost = measured − the span's start: what limits and baselines compare"
@@ -38,7 +38,7 @@ LEGEND_COST = "cost = measured − the span's start: what limits and baselines c
 LEGEND_DELTA = "Δ\xa0=\xa0cost\xa0−\xa0baseline"  # no-break spaces: wrapped whole (shown as spaces)
 
 
-LEGEND_SIGNED = "a negative allocated or retained cost: the span freed more than it allocated"
+LEGEND_SIGNED = f"a negative {' or '.join(SIGNED_METRICS)} cost: the span freed more than it allocated"
 
 
 LEGEND_COUNT = "×N: the phase ran N times in the span (e.g. a warm-up step and the measured step)"
@@ -61,8 +61,7 @@ class RecordLike(Protocol):
 
 def cost_text(metric: str, value: int | None) -> str:
     """A cost (or a baseline, which is a recorded cost): signed for net changes."""
-    info = metric_info(metric)
-    return info.format_delta(value) if metric in SIGNED_METRICS else info.format(value)
+    return metric_info(metric).format_cost(value)
 
 
 def one_line(note: str) -> str:

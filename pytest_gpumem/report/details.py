@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pytest_gpumem.data.figures import Measurement, Phase
-from pytest_gpumem.data.findings import failure_message
+from pytest_gpumem.data.findings import Finding, failure_message
 from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, PHASES, metric_info
 from pytest_gpumem.report.cells import (
     COST_ONLY_METRICS,
@@ -20,6 +20,7 @@ from pytest_gpumem.report.cells import (
     one_line,
     other_environments,
 )
+from pytest_gpumem.report.sites import site_lines
 from pytest_gpumem.tables import (
     Col,
     Table,
@@ -174,13 +175,14 @@ def _figure_rows(measurement: Measurement) -> list[list[str]]:
         value = measurement.figure(metric)
         if value is None:
             continue
-        start = measurement.start_reserved if metric == "reserved" else measurement.start
+        info = metric_info(metric)
+        start: int | None = getattr(measurement, info.cost) if info.cost else None
         rows.append(
             [
                 measurement.name,
                 metric,
-                "" if metric in COST_ONLY_METRICS or metric in COUNT_METRICS else format_size(start),
-                "" if metric in COST_ONLY_METRICS else metric_info(metric).format(value),
+                info.format(start) if info.cost else "",
+                "" if info.whole_call else info.format(value),
                 cost_text(metric, measurement.cost(metric)),
             ]
         )
@@ -199,7 +201,7 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
     engines = sorted({f"{m.device} ({m.engine} engine)" for m in measurements})
     lines = wrap(f"figures on {', '.join(engines)}", width) if engines else []
     lines += Table(_FIGURE_COLS, [("", [row for m in measurements for row in _figure_rows(m)])], lead=2).render(width)
-    unknown = [  # retained is the whole call's only: a test's named spans have none
+    unknown = [  # a whole call's figure (retained): a test's named spans have none
         metric
         for metric in METRICS
         if metric not in COST_ONLY_METRICS and measurements and all(m.figure(metric) is None for m in measurements)
@@ -222,14 +224,52 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
     return "\n".join(lines)
 
 
-def failure_text(record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None) -> str:
-    """The text of a test that failed on memory: its errors, the broken checks, ``reports``
-    (the out-of-memory report, the leaked tensors), then its figures."""
+def failure_text(
+    record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None, verbosity: int = 0
+) -> str:
+    """The text of a test that failed on memory: its errors, the broken checks with the sites
+    that grew (:mod:`~pytest_gpumem.report.sites`; ``verbosity`` as pytest's), ``reports`` (the
+    out-of-memory report, the leaked tensors), then its figures."""
     parts = [f"gpumem: {error}" for error in record.errors]
     broken = [finding for finding in record.findings if finding.failed]
     if broken:
-        parts.append(failure_message(broken))
+        sites = site_lines(record, width=width, verbosity=verbosity)
+        parts.append("\n".join([failure_message(broken), *_beyond_model_states(record, broken), *sites]))
     parts.extend(reports)
     if record.measurements:
         parts.append(measurement_table(record.measurements, width=width))
     return "\n\n".join(parts)
+
+
+#: The categories a budget of model states counts (``16Ψ``): what the others hold is named apart.
+_MODEL_STATES = ("parameters", "gradients", "optimizer_state")
+
+
+def _beyond_model_states(record: RecordLike, broken: Sequence[Finding]) -> list[str]:
+    """For each broken limit or budget on ``peak`` or ``allocated`` of a span whose engine knows the
+    categories: the bytes it held beyond the model states (activations, temporaries, other), which
+    are what most often goes over a budget of model states."""
+    lines: list[str] = []
+    spans = {measurement.name: measurement for measurement in record.measurements}
+    for finding in broken:
+        measurement = spans.get(finding.span)
+        if finding.kind not in ("limit", "budget") or finding.status != "exceeded" or measurement is None:
+            continue
+        if finding.metric == "peak":
+            categories, when = measurement.breakdown, "at the peak"
+        elif finding.metric == "allocated":
+            categories, when = measurement.allocated_breakdown, "at the return"
+        else:
+            continue
+        if not categories:
+            continue
+        beyond = [
+            f"{name} {format_size(size)}" for name, size in categories.items() if name not in _MODEL_STATES and size
+        ]
+        where = "" if finding.span == "call" else f"[{finding.span}] "
+        if beyond:
+            lines.append(f"{where}{finding.metric} {when} beyond the model states: {', '.join(beyond)}")
+        else:
+            states = ", ".join(f"{name} {format_size(categories.get(name, 0))}" for name in _MODEL_STATES)
+            lines.append(f"{where}{finding.metric} {when}: nothing beyond the model states ({states})")
+    return lines

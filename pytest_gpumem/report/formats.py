@@ -3,6 +3,7 @@ atomic writer that the JSON and Markdown reports share."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -52,6 +53,7 @@ def json_report(
                 "measurements": [m.to_dict() for m in record.measurements],
                 "findings": [f.to_dict() for f in record.findings],
                 "errors": list(record.errors),
+                **_site_changes(record),
             }
         )
     counts["stale"] = sum(1 for f in extra_findings if f.status == "stale")
@@ -65,6 +67,12 @@ def json_report(
     }
 
 
+def _site_changes(record: RecordLike) -> dict[str, object]:
+    """``{"site_changes": {span: ...}}`` for a record whose sites were compared with its baselines', else nothing."""
+    changes = getattr(record, "site_changes", None)
+    return {"site_changes": {span: diff.to_dict() for span, diff in changes.items()}} if changes else {}
+
+
 def write_reports(
     records: Sequence[TestRecord],
     stale: Sequence[Finding],
@@ -73,41 +81,64 @@ def write_reports(
     markdown_path: Path | None,
     step_summary: str | None,
     generator: str = "",
-) -> None:
+) -> list[str]:
     """Write the run's reports: the JSON report at ``json_path``, the Markdown report at
     ``markdown_path`` (each atomically, when given) and the Markdown appended to the GitHub
-    step summary file ``step_summary``. Nothing when there is nothing to report. Raises
-    ``OSError`` naming the report and the path it could not write."""
+    step summary file ``step_summary``. Nothing when there is nothing to report.
+
+    One that cannot be written does not stop the others: returns one line per report that could
+    not be written, naming it, its path and the reason (empty when all were written). A failed
+    write leaves the previous report (or none), and the step summary as it was."""
     if not records and not stale:
-        return
+        return []
+    problems: list[str] = []
     environments: list[dict[str, Any]] = []
     for record in records:
         if record.environment is not None and record.environment_key not in [e["key"] for e in environments]:
             environments.append({"key": record.environment_key, **record.environment})
     if json_path is not None:
         data = json_report(records, environments=environments, extra_findings=stale, generator=generator)
-        _report("JSON", json_path, json_bytes(json.dumps(data, indent=2, ensure_ascii=False) + "\n"))
+        problems += _report("JSON", json_path, json_bytes(json.dumps(data, indent=2, ensure_ascii=False) + "\n"))
     keys = sorted({record.environment_key for record in records if record.environment_key is not None})
     markdown = markdown_report(records, header=", ".join(keys), extra_findings=stale)
     if markdown_path is not None:
-        _report("Markdown", markdown_path, markdown.encode("utf-8", "backslashreplace"))
+        problems += _report("Markdown", markdown_path, markdown.encode("utf-8", "backslashreplace"))
     if step_summary:
         try:
-            with open(step_summary, "a", encoding="utf-8", errors="backslashreplace") as handle:
-                handle.write(markdown)
+            _append(Path(step_summary), markdown.encode("utf-8", "backslashreplace"))
         except OSError as exc:
-            raise OSError(
-                exc.errno, f"could not append to $GITHUB_STEP_SUMMARY ({step_summary}): {exc.strerror}"
-            ) from exc
+            problems.append(f"could not append to $GITHUB_STEP_SUMMARY ({step_summary}): {exc.strerror or exc}")
+    return problems
 
 
-def _report(kind: str, path: Path, data: bytes) -> None:
-    """:func:`_replace`, whose error names the report and the path it could not write."""
+def _append(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path`` whole or not at all: a write that fails midway (a full disk) is
+    cut back to the file's size before it, so that the summary never ends in half a report."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0) | os.O_CLOEXEC, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            with contextlib.suppress(OSError):  # the file could be grown but not cut back
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _report(kind: str, path: Path, data: bytes) -> list[str]:
+    """:func:`_replace`; the line saying what could not be written (none when it was)."""
     try:
         _replace(path, data)
     except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
-        raise OSError(exc.errno, f"could not write the {kind} report {path}: {exc.strerror or exc}{where}") from exc
+        name = str(exc.filename or "")
+        temporary = Path(name).name.startswith(f".{path.name[:100]}.") and name.endswith(".tmp")
+        where = f" ({name})" if name and name != str(path) and not temporary else ""
+        return [f"could not write the {kind} report {path}: {exc.strerror or exc}{where}"]
+    return []
 
 
 def _replace(path: Path, data: bytes) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from pytest_gpumem.data.figures import Measurement, Timeline
-from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.data.metrics import CATEGORIES, METRICS, metric_info
 from pytest_gpumem.units import UNITS, format_delta, format_size
 
 __all__ = ["render_html"]
@@ -47,14 +47,9 @@ _CHAR_WIDTH = 6.2  # rough width of one character of 11-unit text
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 
+#: The rows of the table of figures: the span's start, then every byte figure of the metric table.
 _FIGURE_MEANINGS: Mapping[str, str] = MappingProxyType(
-    {
-        "start": "allocated when the span began",
-        "peak": "highest allocated during the span",
-        "allocated": "allocated when the span ended",
-        "reserved": "highest held by the caching allocator",
-        "retained": "allocated at test end minus at test start (leak indicator)",
-    }
+    {"start": "allocated when the span began", **{metric: metric_info(metric).about for metric in METRICS}}
 )
 
 _CSS = """
@@ -107,6 +102,7 @@ def render_html(
     timeline: Timeline,
     lines: Mapping[str, int] = _NO_LINES,
     details: Sequence[str] = (),
+    sections: Sequence[str] = (),
 ) -> str:
     """One self-contained HTML page showing ``measurement`` and ``timeline``.
 
@@ -154,6 +150,7 @@ def render_html(
         f"<figcaption>{_esc(chart.caption(len(samples), timeline))}</figcaption>",
         "</figure>",
         "</section>",
+        *sections,  # HTML of its own: the sites, the baseline run's beside this run's (report/sites.py)
         _figures_table(measurement),
         '<div class="grid">',
         _breakdown_table(measurement, peak_sample),
@@ -435,12 +432,12 @@ def _figures_table(m: Measurement) -> str:
     for metric, meaning in _FIGURE_MEANINGS.items():
         if metric == "start":
             value, cost = _size(m.start), ""
-        elif metric == "retained":
-            value, cost = _cell(format_delta(m.retained)), ""
+        elif metric_info(metric).whole_call:  # a difference already: no absolute figure
+            value, cost = _cell(format_delta(m.figure(metric))), ""
         else:
             value, cost = _size(m.figure(metric)), _cell(format_delta(m.cost(metric)))
         rows.append(f'<tr><td>{metric}</td><td class="num">{value}</td><td class="num">{cost}</td>')
-        rows.append(f'<td class="note">{meaning}</td></tr>')
+        rows.append(f'<td class="note">{_esc(meaning)}</td></tr>')
     extras = (
         ("requested peak", m.requested_peak, "highest bytes the code asked for"),
         ("saved activations", m.saved_activations, "storages saved for backward"),

@@ -44,6 +44,7 @@ from pytest_gpumem.report.cells import (
     other_environments,
 )
 from pytest_gpumem.report.details import detail_tables, test_id
+from pytest_gpumem.report.sites import site_markdown
 from pytest_gpumem.tables import (
     Col,
     Table,
@@ -179,9 +180,9 @@ def _metric_row(
     value = measurement.figure(metric)
     if value is None and not findings:
         return None
-    if metric == "retained" and not findings and not value and verbosity < 1:
-        return None  # nothing retained and nothing asked: shown with -v
     info = metric_info(metric)
+    if info.whole_call and not findings and not value and verbosity < 1:
+        return None  # nothing retained and nothing asked: shown with -v
     limits = sorted((f for f in findings if f.kind in ("limit", "budget")), key=lambda f: not f.failed)
     limit = limits[0] if limits else None
     baseline = next((f for f in findings if f.kind == "baseline"), None)
@@ -210,7 +211,7 @@ def _metric_row(
         note = compared if not note else f"{note}; {compared}"
     if note:
         notes[_CELL["limit"]] = note
-    if measurement.notes and metric in ("peak", "allocated", "retained"):  # a partial figure says so
+    if measurement.notes and info.unit == "bytes" and not info.allocator:  # a partial figure (the tracker's) says so
         notes[_CELL["measured"]] = "partial: " + "; ".join(measurement.notes)
     other = next((f for f in findings if f.status == "other-environment"), None)
     if other is not None:
@@ -368,12 +369,14 @@ def terminal_summary(
     verbosity: int = 0,
     baselines: tuple[Path, bool] | None = None,
     pruning: bool = False,
+    kept: Mapping[str, int] | None = None,
 ) -> str | None:
     """The gpumem section at the end of a run; None when there is nothing to say.
 
     ``environments`` maps each key to the bytes of library workspaces its device kept
     (None where there are none); ``baselines`` is ``(path, written)`` when the run
-    recorded baselines; ``pruning`` whether it removes stale ones. Below verbosity 0
+    recorded baselines; ``pruning`` whether it removes stale ones; ``kept`` how many tests' baselines
+    the run could not judge stale, by why (shown when it prunes, or verbose). Below verbosity 0
     only problems are shown, and nothing when there is none.
     """
     quiet = verbosity < 0
@@ -390,6 +393,11 @@ def terminal_summary(
         prune = "" if pruning else " (remove them with --gpumem-update-baselines --gpumem-prune)"
         lines += wrap(f"stale baselines, their tests no longer exist{prune}:", width)
         lines += [f"  {visible(f.test)}  [{visible(f.detail)}]" for f in shown]  # ids and paths are never broken
+    if kept and (pruning or verbosity > 0) and not quiet:
+        total = sum(kept.values())
+        reasons = "; ".join(f"{count} {why}" for why, count in sorted(kept.items(), key=lambda item: -item[1]))
+        noun = "test" if total == 1 else "tests"
+        lines += wrap(f"kept the baselines of {total} {noun} this run could not judge: {reasons}", width)
     if baselines is not None:
         path, written = baselines
         lines.append(f"baselines {'written to' if written else 'unchanged in'} {path}")
@@ -444,4 +452,7 @@ def markdown_report(
     if stale:
         lines += ["", "Stale baselines (their tests no longer exist):", ""]
         lines += [f"- {markdown_code(f.test)}" for f in stale]
+    sites = site_markdown(records)
+    if sites:
+        lines += ["", sites.rstrip("\n")]
     return "\n".join(lines) + "\n"

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pytest_gpumem.baselines import Environment
-from pytest_gpumem.validate.compare import zoo_comparison
-from pytest_gpumem.validate.record import build_record, record_name, run_suite, take_snapshot, write_record
+from pytest_gpumem.validate.against import differences, load_record
+from pytest_gpumem.validate.compare import zoo_comparison, zoo_step
+from pytest_gpumem.validate.record import build_record, record_name, run_suite, suite_from, take_snapshot, write_record
 from pytest_gpumem.validate.reference import (
     counter_checks,
     reference_adam,
@@ -24,7 +26,16 @@ from pytest_gpumem.validate.reference import (
 )
 from pytest_gpumem.validate.render import render_terminal
 from pytest_gpumem.validate.replay import replay
-from pytest_gpumem.validate.results import CHECKOUT, SNAPSHOT_ENTRIES, Check, Run, log, suite_check
+from pytest_gpumem.validate.results import (
+    CHECKOUT,
+    SNAPSHOT_ENTRIES,
+    TRACED_STEP,
+    TRACES,
+    Check,
+    Run,
+    log,
+    suite_check,
+)
 from pytest_gpumem.validate.zoo import MODELS, SIZES, zoo
 
 
@@ -60,7 +71,28 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--suite-timeout", type=float, default=300.0, help="seconds for the CUDA suite (default 300)")
     parser.add_argument("--pytest-arg", action="append", default=[], help="an extra argument for the CUDA suite")
     parser.add_argument(
+        "--suite-from",
+        type=Path,
+        metavar="JUNIT_XML",
+        help="the CUDA suite already ran on this machine (`pytest tests -m cuda --junitxml=FILE`): record its result "
+        "from that JUnit XML file instead of running it again",
+    )
+    parser.add_argument("--suite-log", type=Path, help="with --suite-from: that run's output, kept in the record")
+    parser.add_argument(
         "--snapshot-entries", type=int, default=SNAPSHOT_ENTRIES, help="allocation history kept in the snapshot"
+    )
+    parser.add_argument(
+        "--trace",
+        choices=TRACES,
+        default="mlp",
+        help="what the memory snapshot's allocation history covers: the zoo MLP's fp32 training step "
+        "(default: mlp) or the reference workloads (reference)",
+    )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="a committed record folder (e.g. fixtures/recorded/nvidia-h100-80gb-hbm3-torch2.11): "
+        "the figures of the workloads both records hold are compared, and the differences listed",
     )
     return parser
 
@@ -97,6 +129,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpu-validate: {exc}", file=sys.stderr)
         return 2
 
+    if options.trace == "mlp" and not any(m.name == "mlp" and m.available for m in models):
+        print("gpu-validate: --trace mlp needs the mlp model in --models", file=sys.stderr)
+        return 2
+    previous = None
+    if options.against is not None:
+        try:
+            previous = load_record(options.against)
+        except (OSError, ValueError) as exc:
+            print(f"gpu-validate: --against {options.against}: {exc}", file=sys.stderr)
+            return 2
+
     gpu = None if options.cpu_only else _cuda_device(options.device)
     device = gpu or torch.device("cpu")
     run = Run(device=device, size=options.size)
@@ -107,7 +150,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     suite: dict[str, Any] | None = None
     suite_log: str | None = None
-    if gpu is not None and not options.skip_suite and CHECKOUT is None:
+    if gpu is not None and options.suite_from is not None:
+        try:
+            suite, suite_log = suite_from(options.suite_from, options.suite_log)
+        except (OSError, ValueError) as exc:
+            print(f"gpu-validate: --suite-from {options.suite_from}: {exc}", file=sys.stderr)
+            return 2
+        run.checks.append(suite_check(suite))
+    elif gpu is not None and not options.skip_suite and CHECKOUT is None:
         log("the CUDA test suite runs only from a checkout of pytest-gpumem: skipped (--skip-suite)")
     elif gpu is not None and not options.skip_suite:
         log("running the CUDA test suite")
@@ -120,16 +170,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if gpu is not None:
         torch.cuda.set_device(gpu)
         torch.empty(1, device=gpu)
-        torch.cuda.memory._record_memory_history(max_entries=options.snapshot_entries, stacks="python")
-    try:
+    with _history(run, gpu, options.trace == "reference", options.snapshot_entries) as taken:
         reference_linear(run)
         reference_adam(run)
         reference_mlp(run)
-    finally:
-        if gpu is not None:
-            with run.guard("reference", "memory snapshot of the reference workloads"):
-                snapshot_bytes, snapshot_stats, snapshot_info = take_snapshot(gpu, options.snapshot_entries)
-            torch.cuda.memory._record_memory_history(enabled=None)
+    mlp = next((m for m in models if m.name == "mlp" and m.available), None)
+    if gpu is not None and options.trace == "mlp" and mlp is not None:
+        with _history(run, gpu, True, options.snapshot_entries) as taken, run.guard("reference", "the traced MLP step"):
+            run.add(zoo_step(mlp, "fp32", gpu, "cuda", name=TRACED_STEP))
+    if taken:
+        snapshot_bytes, snapshot_stats, snapshot_info = taken
+        snapshot_info = {**snapshot_info, "workloads": options.trace}
     reference_hand_counters(run)
     first = next((m for m in models if m.available), None)
     if first is not None:
@@ -157,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a record CI could not read: say so, keep the record for inspection
         replayed = [Check("replay", "the record reads back", False, detail=f"{type(exc).__name__}: {exc}")]
     record["checks"] += [c.to_dict() for c in replayed]
+    if previous is not None and options.against is not None:
+        record["against"] = differences(record, previous, options.against.name)
     files = write_record(folder, record, stats, snapshot=snapshot_bytes, suite_log=suite_log)
 
     print(render_terminal(record))
@@ -166,6 +219,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {path.name}  {path.stat().st_size:,} B")
     checks = [Check.from_dict(c) for c in record["checks"]]
     return 1 if any(c.passed is False for c in checks) else 0
+
+
+@contextlib.contextmanager
+def _history(run: Run, gpu: torch.device | None, record: bool, entries: int) -> Iterator[list[Any]]:
+    """Record the allocation history of the block's workloads (when ``record`` and on a GPU);
+    the list it yields holds the snapshot, its statistics and its description once the block ends
+    (empty when the snapshot failed: a failed check of the run says why)."""
+    taken: list[Any] = []
+    if gpu is None or not record:
+        yield taken
+        return
+    torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python")
+    try:
+        yield taken
+    finally:
+        try:
+            with run.guard("reference", "memory snapshot"):
+                taken.extend(take_snapshot(gpu, entries))
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def _cuda_device(spec: str) -> torch.device:

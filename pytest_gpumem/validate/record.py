@@ -110,6 +110,25 @@ def run_suite(extra: Sequence[str], timeout: float) -> tuple[dict[str, Any], str
     return summary, output
 
 
+def suite_from(junit: Path, log: Path | None) -> tuple[dict[str, Any], str | None]:
+    """The result of a CUDA suite that already ran (``pytest tests -m cuda --junitxml=FILE``, as
+    ``scripts/gpu-check`` runs it), read from its JUnit XML file, and its output when given."""
+    counts = _junit_counts(junit)
+    root = ElementTree.parse(junit).getroot() if counts["tests"] is not None else None
+    suites = [] if root is None else [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    if not suites:
+        raise ValueError("not a JUnit XML report that pytest wrote")
+    failed = (counts["failures"] or 0) + (counts["errors"] or 0)
+    summary: dict[str, Any] = {
+        "command": f"python -m pytest tests -m cuda (its JUnit XML: {junit.name})",
+        "exit_code": 1 if failed else 0 if counts["tests"] else 5,
+        "seconds": round(sum(float(s.get("time", 0)) for s in suites), 1),
+        **counts,
+        "log": SUITE_LOG if log is not None else None,
+    }
+    return summary, None if log is None else log.read_text(encoding="utf-8", errors="replace")
+
+
 def _text(data: str | bytes | None) -> str:
     if data is None:
         return ""

@@ -123,5 +123,32 @@ def render_markdown(record: Mapping[str, Any]) -> str:
         "",
         GAP_LEGEND,
         "",
+        *_against_lines(record.get("against")),
     ]
     return "\n".join(lines)
+
+
+def _against_lines(against: Mapping[str, Any] | None) -> list[str]:
+    """The section comparing this record's figures with a committed record's (``--against``)."""
+    if not against:
+        return []
+    lines = [
+        f"## Against `{against['record']}`",
+        "",
+        f"`{against['environment']}`: {against['same']} figures equal, {len(against['differences'])} differ.",
+        "",
+    ]
+    old, new = against.get("protocols", (None, None))
+    if old != new:
+        lines += [
+            f"The committed record was made with clean-state protocol {old}, this one with {new}: under "
+            "protocol 1 the library workspaces were freed before each start, so a span's first matrix "
+            "product made them again inside its costs; protocol 2 keeps them, made before the start.",
+            "",
+        ]
+    lines += [f"- {line}" for line in against["differences"]]
+    if against["only_here"]:
+        lines.append(f"- only in this record: {', '.join(against['only_here'])}")
+    if against["only_there"]:
+        lines.append(f"- only in `{against['record']}`: {', '.join(against['only_there'])}")
+    return [*lines, ""]

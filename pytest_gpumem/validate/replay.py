@@ -11,7 +11,6 @@ from typing import Any
 
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.judge.judgement import RESERVED_TOLERANCE_FLOOR
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.measurement.engines.cuda import reading_from_stats
 from pytest_gpumem.report.details import measurement_table
@@ -19,7 +18,16 @@ from pytest_gpumem.report.text import markdown_report, summary_rows
 from pytest_gpumem.units import format_size
 from pytest_gpumem.validate.compare import zoo_figures
 from pytest_gpumem.validate.record import load_snapshot
-from pytest_gpumem.validate.results import PROTOCOL, RECORD_FILE, SCHEMA, SNAPSHOT_FILE, STATS_FILE, SUITE_LOG, Check
+from pytest_gpumem.validate.results import (
+    PROTOCOL,
+    RECORD_FILE,
+    SCHEMA,
+    SNAPSHOT_FILE,
+    STATS_FILE,
+    SUITE_LOG,
+    Check,
+    reserved_slack,
+)
 
 # --------------------------------------------------------------------------- replay
 
@@ -228,7 +236,7 @@ def rejudge(loaded: Loaded) -> list[Check]:
     """The record's own checks, judged by this release's protocol where the recorded data allows.
 
     For a protocol 1 record, two kinds of failure are judged again from what was recorded:
-    the determinism check (``reserved``'s cost within :data:`RESERVED_TOLERANCE_FLOOR`,
+    the determinism check (``reserved``'s cost within :func:`reserved_slack`,
     ``start_reserved`` not compared), and CUDA suite failures whose only excess over the
     expected bytes is the recorded cuBLAS workspace (a span's first matmul made it; protocol 2
     makes it before the start). Every other check stands as recorded.
@@ -248,7 +256,7 @@ def rejudge(loaded: Loaded) -> list[Check]:
             keys = ("start", "peak", "allocated", "requested_peak", "saved_activations")
             same = all(getattr(first, k) == getattr(second, k) for k in keys)
             costs = (first.cost("reserved"), second.cost("reserved"))
-            within = None not in costs and abs(costs[0] - costs[1]) <= RESERVED_TOLERANCE_FLOOR  # type: ignore[operator]
+            within = None not in costs and abs(costs[0] - costs[1]) <= reserved_slack(first, second)  # type: ignore[operator]
             detail = f"protocol 1 record judged again: reserved cost {costs[0]} vs {costs[1]}"
             judged.append(Check(check.group, check.name, same and within, check.measured, check.expected, detail))
         elif check.group == "suite":

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.metrics import METRIC_INFO
 
 #: The source checkout this package runs from (it holds ``tests/`` and ``fixtures/recorded/``); None
 #: when pytest-gpumem is installed: the CUDA test suite runs only from a checkout.
@@ -42,6 +43,11 @@ SUITE_LOG_LIMIT = 256 * 2**10
 MLP_REFERENCE: Mapping[str, tuple[int, int, int]] = {"small": (2, 4096, 1024), "tiny": (2, 64, 64)}
 
 PROTOCOL = 2
+
+#: What the memory snapshot's allocation history may cover (``validate --trace``).
+TRACES: tuple[str, ...] = ("mlp", "reference")
+#: The workload traced by ``--trace mlp``: the zoo MLP's fp32 AdamW step on the GPU (after its warm-up).
+TRACED_STEP = "trace.zoo.mlp.fp32"
 
 GROUPS: tuple[str, ...] = ("suite", "reference", "determinism", "counters", "zoo", "replay")
 
@@ -164,6 +170,21 @@ def release(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def cached_free(m: Measurement) -> int:
+    """Bytes the caching allocator held free at the span's start (reserved minus allocated): a step
+    may take them instead of new segments, so ``reserved``'s cost moves by up to this much with
+    the process's history (seen on an H200: 32 MiB between two runs of the same step)."""
+    if m.start_reserved is None or m.start is None:
+        return 0
+    return max(0, m.start_reserved - m.start)
+
+
+def reserved_slack(*runs: Measurement) -> int:
+    """How far ``reserved``'s cost may move between runs of the same step in one process: one
+    allocator segment, or the bytes any of the runs found cached free at its start."""
+    return max(METRIC_INFO["reserved"].tolerance_floor, *(cached_free(m) for m in runs))
 
 
 def suite_check(summary: Mapping[str, Any]) -> Check:

@@ -13,10 +13,14 @@ How the two streams meet:
 - The profiler's events are read when the figures are: every reading (``allocated``, a
   window, the breakdown) *flushes*: the profiler session is stopped, a new one started,
   and the stopped session's events replayed into the ledger in time order.
+- The profiler records memory events only: its sessions are limited to user scopes
+  (``RecordScope.USER_SCOPE``), where no operator runs, so it keeps no operator events,
+  which cost as much to record and to read back as the allocations themselves.
 - What the plugin learns in Python (a storage is a gradient, optimizer state, saved for
   backward, released by autograd; a storage that existed before the span died) happens
   between allocations. Each such event is queued and leaves a mark in the profiler's own
-  stream (a record-function event), so the replay puts it at its exact place among the
+  stream, an allocation of its own (a 1-byte storage, kept until the replay so that its
+  address is its name), so the replay puts the event at its exact place among the
   allocations: the breakdown at the peak is that of the moment of the peak.
 - Blocks alive before the span are known from the tracker's scan of live tensors; the
   profiler does not report frees of blocks it did not see allocated, so their frees come
@@ -42,16 +46,17 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.measurement import collector, frozen
 from pytest_gpumem.measurement.engines.followers import follow_threads
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.storages import Block, Entry, Window
 from pytest_gpumem.measurement.engines.tracker import TEMPORARIES, StorageTracker
 from pytest_gpumem.units import cuda_rounded
 
-__all__ = ["MARK", "AllocationTracker", "ProfilerInUse"]
+__all__ = ["MARK_BYTES", "AllocationTracker", "ProfilerInUse"]
 
-#: The name of the record-function events that place Python-side events in the stream.
-MARK = "pytest_gpumem::mark"
+#: The size of the allocations that place Python-side events in the stream (their marks).
+MARK_BYTES = 1
 
 _SAVE, _UNSAVE, _REGISTER, _FREED, _WINDOW = range(5)
 
@@ -94,13 +99,16 @@ class AllocationTracker(StorageTracker):
     """
 
     observes = "allocations"
+    #: Profile user scopes only: memory events and no operator events (False: every scope, as
+    #: ``torch.profiler`` does; the figures are the same, the recording slower).
+    user_scopes_only = True
 
     def __init__(self, device: torch.device, *, cuda_rounding: bool = False) -> None:
         super().__init__(device, cuda_rounding=cuda_rounding)
         if self.device.type != "cpu":
             raise ValueError(f"observe='allocations' reads the CPU allocator's reports, not {self.device}")
         from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled
-        from torch._C._profiler import _EventType, _RecordFunctionFast
+        from torch._C._profiler import RecordScope, _EventType
         from torch.autograd.profiler import profile
 
         self._api = (_prepare_profiler, _enable_profiler, _disable_profiler, _profiler_enabled)
@@ -109,8 +117,10 @@ class AllocationTracker(StorageTracker):
         self._config = template.config
         self._activities = template.kineto_activities
         self._allocation_tag = _EventType.Allocation
-        self._mark = _RecordFunctionFast
+        #: what the sessions record: memory events, and operator events only with every scope
+        self._scopes = {RecordScope.USER_SCOPE} if self.user_scopes_only else set()
         self._queue: list[tuple[Any, ...]] = []
+        self._marks: list[torch.UntypedStorage] = []  # one a queued event, alive until the replay
         self._tokens = itertools.count()
         self._saved_entries: dict[int, Any] = {}
         self._windows: dict[int, tuple[Window, int, int]] = {}
@@ -130,7 +140,7 @@ class AllocationTracker(StorageTracker):
         config = self._config()
         with _quiet_stderr():
             prepare(config, self._activities)
-            enable(config, self._activities)
+            enable(config, self._activities, self._scopes)  # type: ignore[call-arg]  # torch's stub lacks scopes
 
     def _end_session(self) -> Any:
         with _quiet_stderr():
@@ -159,7 +169,7 @@ class AllocationTracker(StorageTracker):
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
         if self._profiling:
-            gc.collect()  # garbage made in the span is freed while its frees are still reported
+            collector.collect()  # garbage made in the span is freed while its frees are still reported
             self._flush(restart=False)
             self._adopt_survivors()
 
@@ -173,7 +183,7 @@ class AllocationTracker(StorageTracker):
         from torch._subclasses.fake_tensor import FakeTensor  # torch.compile's tracing tensors: no memory
 
         tensor_type = torch.Tensor
-        for obj in gc.get_objects():
+        for obj in itertools.chain(gc.get_objects(), frozen.tensors()):  # frozen ones too (a full collection's)
             kind = type(obj)  # type(): isinstance would ask proxies for __class__
             if not issubclass(kind, tensor_type) or issubclass(kind, FakeTensor):
                 continue  # a fake tensor's data pointer is meaningless, and torch warns when it is read
@@ -187,7 +197,8 @@ class AllocationTracker(StorageTracker):
                 continue
             entry = Entry(storage, self._freed)
             for field in Entry.__slots__:
-                setattr(entry, field, getattr(block, field))
+                if hasattr(block, field):  # ``site`` only where sites were recorded
+                    setattr(entry, field, getattr(block, field))
             self._entries[ptr] = entry
             for token, saved in self._saved_entries.items():
                 if saved is block:
@@ -241,6 +252,7 @@ class AllocationTracker(StorageTracker):
         try:
             result = self._end_session()
             queued, self._queue = self._queue, []
+            marks, self._marks = self._marks, []
             if restart:
                 self._begin_session()
             else:
@@ -249,22 +261,21 @@ class AllocationTracker(StorageTracker):
             if enabled:
                 gc.enable()
         self.flushes += 1
-        self._replay(result, queued)
+        self._replay(result, queued, marks)
 
     def _record(self, event: tuple[Any, ...]) -> None:
         """A Python-side event: queued with a mark in the stream while profiling, else applied now."""
         if self._profiling:
             self._queue.append(event)
-            with self._mark(MARK):
-                pass
+            self._marks.append(torch.UntypedStorage(MARK_BYTES, device=self.device))
         else:
             self._apply(event)
 
     # -- replay ---------------------------------------------------------------------
 
-    def _replay(self, result: Any, queued: list[tuple[Any, ...]]) -> None:
+    def _replay(self, result: Any, queued: list[tuple[Any, ...]], marks: list[torch.UntypedStorage]) -> None:
         allocation = self._allocation_tag
-        stream: list[tuple[int, int, int]] = []  # (time, ptr, signed bytes); ptr -1: a mark
+        stream: list[tuple[int, int, int]] = []  # (time, ptr, signed bytes)
         stack = list(result.experimental_event_tree())
         while stack:
             event = stack.pop()
@@ -272,22 +283,27 @@ class AllocationTracker(StorageTracker):
                 fields = event.extra_fields
                 if fields.device.type == "cpu" and fields.alloc_size:
                     stream.append((event.start_time_ns, fields.ptr, fields.alloc_size))
-            elif event.name == MARK:
-                stream.append((event.start_time_ns, -1, 0))
             stack.extend(event.children)
         stream.sort(key=lambda item: item[0])
-        events = iter(queued)
+        # a mark's address names its event: its storage is alive, no other block has that address
+        placed = {mark.data_ptr(): index for index, mark in enumerate(marks)}
+        applied = 0
         for _, ptr, size in stream:
-            if ptr == -1:
-                event = next(events, None)
-                if event is not None:
+            index = placed.get(ptr) if size == MARK_BYTES else None
+            if index is not None and index >= applied:
+                stale = self._entries.get(ptr)
+                if stale is not None:  # its free went unseen: the block is gone, its address reused
+                    self._drop(stale)
+                for event in queued[applied : index + 1]:  # an earlier mark unseen (another thread): here
                     self._apply(event)
+                applied = index + 1
             elif size > 0:
                 self._allocated(ptr, size)
             else:
                 self._released(ptr)
-        for event in events:  # queued without a mark (none is expected): after everything seen
+        for event in queued[applied:]:  # marks not seen (made on another thread): after everything seen
             self._apply(event)
+        del marks  # their frees are reported in the next session, at addresses no block has
 
     def _allocated(self, ptr: int, size: int) -> None:
         stale = self._entries.get(ptr)

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+from pytest_gpumem.data.sites import Site, SiteConfig
+from pytest_gpumem.measurement.engines.sites import Found, SiteRecorder, found_sites
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
 __all__ = ["Engine", "Reading", "TrackerMembers"]
@@ -42,6 +44,8 @@ class Reading:
     requested_peak: int | None = None
     saved_peak: int | None = None
     pending: int | None = None
+    #: bytes by site at the window's peak while sites are recorded (the engine's own form)
+    sites: Any = None
 
 
 class Engine(Protocol):
@@ -113,6 +117,32 @@ class Engine(Protocol):
         """Call ``callback(nbytes)`` at an allocation refused by an emulated limit (with a tracker);
         returns the previous callback."""
 
+    # -- sites: where storages are made (only when asked) ---------------------------------
+
+    @property
+    def records_sites(self) -> bool:
+        """True when :meth:`start_sites` can record sites on this engine."""
+
+    def start_sites(self, config: SiteConfig | None) -> bool:
+        """Record where each storage is made from now on (:mod:`pytest_gpumem.data.sites`; None: do
+        nothing); False where this engine cannot (the CPU engine observing allocations)."""
+
+    def site_phase(self, phase: str | None) -> None:
+        """The phase running from now on, for the sites of what is made (None: outside phases)."""
+
+    def sites_now(self) -> Any:
+        """Bytes by site now (the engine's own form, for :meth:`site_figures`); None without sites."""
+
+    def site_figures(self, peak: Any, end: Any) -> list[Found] | None:
+        """The sites of a span from what :meth:`take_window` (at its peak) and :meth:`sites_now`
+        (at its end) gave; None when ``end`` is (sites were not recorded)."""
+
+    def site_of(self, tensor: Any) -> Site | None:
+        """Where ``tensor``'s storage was made, when sites were recorded then; None otherwise."""
+
+    def site_here(self) -> Site | None:
+        """The site of the code running now, while sites are recorded; None otherwise."""
+
     @property
     def predicts(self) -> str | None:
         """The GPU whose figures this engine predicts from a CPU run (``"h100"``); None for an
@@ -165,7 +195,7 @@ class Engine(Protocol):
         (unless ``saved_tensors`` is False); ``timeline`` keeps samples for plots (needs the tracker)."""
 
     def stop(self) -> None:
-        """Stop watching (frees of what was counted are still seen)."""
+        """Stop watching (frees of what was counted are still seen), and recording sites."""
 
     def settle(self) -> None:
         """Collect garbage and wait for the device, so that a reading shows only what is alive."""
@@ -246,3 +276,31 @@ class TrackerMembers:
             return None
         previous, self.tracker.on_oom = self.tracker.on_oom, callback
         return previous
+
+    @property
+    def records_sites(self) -> bool:
+        return self.tracker is not None and self.tracker.observes == "operators"
+
+    def start_sites(self, config: SiteConfig | None) -> bool:
+        if config is None or not self.records_sites or self.tracker is None:
+            return False
+        self.tracker.record_sites(SiteRecorder(config))
+        return True
+
+    def site_phase(self, phase: str | None) -> None:
+        if self.tracker is not None and self.tracker.sites is not None:
+            self.tracker.sites.phase = phase or ""
+
+    def sites_now(self) -> Any:
+        return None if self.tracker is None else self.tracker.site_snapshot()
+
+    def site_figures(self, peak: Any, end: Any) -> list[Found] | None:
+        return None if end is None else found_sites(peak, end)
+
+    def site_of(self, tensor: Any) -> Site | None:
+        state = None if self.tracker is None else self.tracker.site_of(tensor)
+        return None if state is None else state.site()
+
+    def site_here(self) -> Site | None:
+        sites = None if self.tracker is None else self.tracker.sites
+        return None if sites is None else sites.site_here()

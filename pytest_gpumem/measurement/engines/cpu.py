@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
+from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
@@ -62,7 +62,11 @@ class CpuEngine(TrackerMembers):
     def take_window(self, *, defer: bool = False) -> Reading:
         window = self.tracker.take_window(defer=defer)
         return Reading(
-            peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak, pending=window.pending
+            peak=window.peak,
+            breakdown=window.breakdown,
+            saved_peak=window.saved_peak,
+            pending=window.pending,
+            sites=window.sites,
         )
 
     def resolve(self, token: int) -> tuple[Reading, int, int]:
@@ -98,9 +102,10 @@ class CpuEngine(TrackerMembers):
 
     def stop(self) -> None:
         self.tracker.stop()
+        self.tracker.record_sites(None)
 
     def settle(self) -> None:
-        gc.collect()
+        collector.collect()
 
     def warm_workspaces(self) -> None:
         """Nothing to create: CPU kernels keep no workspaces the tracker counts."""

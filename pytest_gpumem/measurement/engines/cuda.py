@@ -10,17 +10,24 @@ span's figures (``span.peak``) instead.
 
 from __future__ import annotations
 
-import gc
+import inspect
+import itertools
 import os
+import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
 
+from pytest_gpumem.data.figures import OutputNotWritten
+from pytest_gpumem.data.sites import Site, SiteConfig
+from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.saved import SavedTensors
+from pytest_gpumem.measurement.engines.sites import Found, SiteFilter
+from pytest_gpumem.measurement.engines.traces import merge_found, replay_trace
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
 __all__ = ["CudaEngine", "cuda_available", "nvml_memory"]
@@ -36,6 +43,9 @@ def cuda_available() -> bool:
 
 #: Entries of allocation history kept for a memory snapshot.
 SNAPSHOT_ENTRIES = 100_000
+#: Entries of allocation history kept while sites are recorded: the trace is a ring that drops its
+#: oldest entries, and a span's sites need its beginning (about 300 bytes an entry with stacks).
+SITE_ENTRIES = 2_000_000
 
 
 def _backend(device: torch.device) -> Any:
@@ -98,6 +108,7 @@ class CudaEngine(TrackerMembers):
         self._saved = SavedTensors(self.device) if tracker is None else None
         self._count_saved = True
         self._workspaces: int | None = None
+        self._sites: _TraceSites | None = None
 
     @property
     def predicts(self) -> str | None:
@@ -158,8 +169,43 @@ class CudaEngine(TrackerMembers):
     def stop(self) -> None:
         if self.tracker is not None:
             self.tracker.stop()
+            self.tracker.record_sites(None)
         elif self._saved is not None:
             self._saved.stop()
+        if self._sites is not None:
+            self._sites.stop()
+            self._sites = None
+
+    # -- sites: the allocator's history, replayed (measurement/engines/traces.py) -----------
+
+    @property
+    def records_sites(self) -> bool:
+        """The allocator's history with Python stacks (CUDA; ROCm has it too)."""
+        return self.device.type == "cuda" and hasattr(torch._C, "_cuda_record_memory_history")
+
+    def start_sites(self, config: SiteConfig | None) -> bool:
+        if config is None or not self.records_sites:
+            return False
+        self._sites = _TraceSites(self.device, SiteFilter(config), self.allocated())
+        return True
+
+    def site_phase(self, phase: str | None) -> None:
+        if self._sites is not None:
+            self._sites.set_phase(phase or "")
+
+    def sites_now(self) -> Any:
+        return None if self._sites is None else ("end", self._sites.next_stamp())
+
+    def site_figures(self, peak: Any, end: Any) -> list[Found] | None:
+        if self._sites is None or end is None:
+            return None
+        return self._sites.figures(peak, end)
+
+    def site_of(self, tensor: Any) -> Site | None:
+        return None
+
+    def site_here(self) -> Site | None:
+        return None
 
     def saved_bytes(self) -> int | None:
         if not self._count_saved:
@@ -171,7 +217,7 @@ class CudaEngine(TrackerMembers):
     def settle(self) -> None:
         """Synchronize and collect garbage, so that a reading shows only what is alive."""
         self.synchronize()
-        gc.collect()
+        collector.collect()  # what is not frozen: see pytest_gpumem.measurement.collector
         self.synchronize()
 
     def release_workspaces(self) -> None:
@@ -233,15 +279,28 @@ class CudaEngine(TrackerMembers):
 
     @contextmanager
     def record_history(self, path: str) -> Iterator[str | None]:
-        """Record allocation history (Python stacks) and dump a snapshot pickle to ``path`` at the end."""
+        """Record allocation history (Python stacks) and dump a snapshot pickle to ``path`` at the end.
+
+        The pickle is written whole or not at all (a temporary file renamed into place); one that
+        cannot be written (a full disk, a folder at its name) is an :class:`OutputNotWritten`
+        warning naming the path and the reason, and the history is switched off either way."""
         memory = torch.cuda.memory
         memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
         try:
             yield path
         finally:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            memory._dump_snapshot(path)
-            memory._record_memory_history(enabled=None)
+            temporary = f"{path}.{os.getpid()}.tmp"
+            try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                memory._dump_snapshot(temporary)
+                os.replace(temporary, path)
+            except OSError as exc:
+                with suppress(OSError):
+                    os.unlink(temporary)
+                problem = f"could not write the memory snapshot {path}: {exc.strerror or exc}"
+                warnings.warn(OutputNotWritten(problem), stacklevel=3)
+            finally:
+                memory._record_memory_history(enabled=None)
 
     def _total_memory(self) -> int:
         return int(self._backend.get_device_properties(self.device).total_memory)
@@ -270,7 +329,11 @@ class CudaEngine(TrackerMembers):
         saved = None
         if self.tracker is None and self._saved is not None and self._count_saved:
             saved = self._saved.take_peak()
-        return reading_from_stats(stats, self.tracker, saved_peak=saved)
+        reading = reading_from_stats(stats, self.tracker, saved_peak=saved)
+        if self._sites is not None:
+            reading.sites = ("window", self._sites.number)
+            self._sites.next_stamp()
+        return reading
 
     def resolve(self, token: int) -> tuple[Reading, int, int]:
         raise LookupError(f"no pending window {token}: the caching allocator's windows are read when they close")
@@ -281,6 +344,68 @@ class CudaEngine(TrackerMembers):
 
     def driver(self) -> tuple[int | None, int | None]:
         return nvml_memory(self.device)
+
+
+class _TraceSites:
+    """The allocator's history while sites are recorded: events stamped with a window's number
+    (``_set_memory_metadata``, where torch has it: else one window), each window's phase, replayed
+    when a span's sites are read (:func:`~pytest_gpumem.measurement.engines.traces.replay_trace`)."""
+
+    recordings = itertools.count(1)
+
+    def __init__(self, device: torch.device, sites: SiteFilter, start: int) -> None:
+        self.device = device
+        self.filter = sites
+        self.start = start
+        self.memory = torch.cuda.memory
+        self.prefix = f"gpumem{next(self.recordings)}:"
+        self.number = 0
+        self.phase = ""
+        self.phases: dict[int, str] = {}
+        record = self.memory._record_memory_history
+        options: dict[str, Any] = {"context": "alloc", "stacks": "python", "max_entries": SITE_ENTRIES}
+        if "clear_history" in inspect.signature(record).parameters:
+            options["clear_history"] = True  # the trace holds this recording's events only
+        record(enabled="all", **options)
+        self.next_stamp()
+
+    def next_stamp(self) -> int:
+        """Stamp the events from now on with a new window's number; returns it."""
+        setter = getattr(self.memory, "_set_memory_metadata", None)
+        if setter is not None:
+            self.number += 1
+            setter(f"{self.prefix}{self.number}")
+        self.phases[self.number] = self.phase
+        return self.number
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = self.phases[self.number] = phase
+
+    def figures(self, peak: Any, end: Any) -> list[Found]:
+        snapshot = self.memory._snapshot()
+        traces = snapshot.get("device_traces") or []
+        index = self.device.index or 0
+        events = traces[index] if index < len(traces) else []
+        first = next((i for i, e in enumerate(events) if str(e.get("user_metadata", "")).startswith(self.prefix)), 0)
+        events = events[first:]  # without clear_history: older recordings' events before ours
+        window = peak is not None and peak[0] == "window"
+        at_peak, at_end = replay_trace(
+            events,
+            self.filter.file,
+            start=self.start,
+            windows=[peak[1]] if window else [],
+            ends=[end[1]] if window else [end[1], peak[1]],
+            prefix=self.prefix,
+            phases=self.phases,
+        )
+        found_peak = at_peak.get(peak[1], []) if window else at_end[peak[1]]  # no window: its peak was as it opened
+        return merge_found(found_peak, at_end[end[1]])
+
+    def stop(self) -> None:
+        setter = getattr(self.memory, "_set_memory_metadata", None)
+        if setter is not None:
+            setter("")
+        self.memory._record_memory_history(enabled=None)
 
 
 def reading_from_stats(

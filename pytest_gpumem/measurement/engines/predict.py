@@ -508,7 +508,13 @@ class PredictEngine(CpuEngine):
             parts = list(breakdown)
             parts[OTHER] += peak - window.peak
             breakdown = tuple(parts)
-        return Reading(peak=peak, breakdown=breakdown, reserved_peak=reserved_peak, saved_peak=window.saved_peak)
+        return Reading(
+            peak=peak,
+            breakdown=breakdown,
+            reserved_peak=reserved_peak,
+            saved_peak=window.saved_peak,
+            sites=window.sites,
+        )
 
     def clean(self) -> None:
         """As the CUDA engine: collect garbage, register what is alive, create the workspaces,

@@ -31,6 +31,8 @@ class Window:
     saved_peak: int = 0
     #: set when the window is read later (see :meth:`AllocationTracker.take_window`)
     pending: int | None = None
+    #: bytes by site at the peak, while sites are recorded (:meth:`SiteRecorder.snapshot`)
+    sites: Any = None
 
 
 #: How the tracker treats an operator's outputs (cached per operator, from its schema).
@@ -87,7 +89,7 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
     now), ``prior`` (its category before it was saved for backward).
     """
 
-    __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "serial")
+    __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "serial", "site")
     key: int
     nbytes: int
     category: int

@@ -44,16 +44,13 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
-try:
-    from torch._ops import OpOverload
-except ImportError:  # pragma: no cover - torch moved it
-    OpOverload = None  # type: ignore[assignment,misc]
-
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.measurement import frozen
 from pytest_gpumem.measurement.engines.compiled import forget_skips
 from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
+from pytest_gpumem.measurement.engines.sites import TrackedSites
 from pytest_gpumem.measurement.engines.storages import (
     _PLAIN,
     Block,
@@ -75,7 +72,7 @@ PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(
 TIMELINE_LIMIT = 4096
 
 
-class StorageTracker:
+class StorageTracker(TrackedSites):
     """Counts the bytes of tensor storages on one device, by category.
 
     Use :meth:`scan` to register what already exists, then :meth:`start` /
@@ -144,6 +141,7 @@ class StorageTracker:
         self.skipped_codes: set[Any] = set()
         self.timeline: list[tuple[int, tuple[int, ...]]] | None = None
         self._timeline_stride = 1
+        self.sites = None  # where storages are made, only when asked (TrackedSites)
         #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
         self.limit: int | None = None
         #: called with the request size (bytes) just before a limit OOM is raised.
@@ -157,10 +155,6 @@ class StorageTracker:
             self._on_device = lambda t: t.device.type == dev_type and t.get_device() == index
 
     # -- what is counted -------------------------------------------------------
-
-    def _size(self, storage: torch.UntypedStorage) -> int:
-        nbytes = int(storage.nbytes())
-        return cuda_rounded(nbytes) if self.cuda_rounding else nbytes
 
     def breakdown(self) -> dict[str, int]:
         """Bytes alive now, by category."""
@@ -243,6 +237,7 @@ class StorageTracker:
         """Copy the breakdown into the window: the count is at its peak and is about to change."""
         self._window.breakdown = tuple(self._by_category)
         self._pending = False
+        self._window.sites = self.site_snapshot()
 
     def _event(self) -> None:
         """Count an event that may raise the count (the categories are already updated)."""
@@ -306,6 +301,8 @@ class StorageTracker:
         if entry is None:
             if fresh:
                 self._add(storage, key, TEMPORARIES)
+                if self.sites is not None:
+                    self.sites.made(self._entries[key], tensor)
             return
         nbytes = storage.nbytes()
         if self.cuda_rounding:
@@ -325,6 +322,8 @@ class StorageTracker:
         entry.nbytes = nbytes
         self._by_category[entry.category] += delta
         self.current += delta
+        if self.sites is not None:
+            self.sites.resized(entry, delta)
         self._event()
 
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
@@ -405,6 +404,8 @@ class StorageTracker:
             parts[entry.category] -= entry.nbytes
             parts[index] += entry.nbytes
             window.breakdown = tuple(parts)
+        if self.sites is not None:
+            self._site_moved(entry, index, discovered)
         self._by_category[entry.category] -= entry.nbytes
         self._by_category[index] += entry.nbytes
         entry.category = index
@@ -424,7 +425,8 @@ class StorageTracker:
             return self.current - before
 
     def _scan(self, extra: Iterable[object] = ()) -> None:
-        self._register_scanned(gc.get_objects(), extra)
+        # with the tensors among the collector's frozen objects, which gc.get_objects() does not list
+        self._register_scanned(gc.get_objects(), itertools.chain(extra, frozen.tensors()))
 
     def _register_scanned(self, objects: list[Any], extra: Iterable[object]) -> None:
         """Register the tensors among ``objects`` (the collector's) and ``extra``."""
@@ -463,7 +465,7 @@ class StorageTracker:
             if self._pending:
                 self._settle()
             window = self._window
-            self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
+            self._window = self._new_window()
             return window
 
     # -- activity --------------------------------------------------------------
@@ -519,7 +521,7 @@ class StorageTracker:
         self.notes = []
         if self.timeline is not None:
             self.timeline.append((0, tuple(self._by_category)))
-        self._window = Window(self.current, tuple(self._by_category), self.events, self.saved)
+        self._window = self._new_window()
         self._pending = False
 
     def stop(self) -> None:

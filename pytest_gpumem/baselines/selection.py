@@ -1,0 +1,96 @@
+"""Which tests of a baseline file a name selects (``python -m pytest_gpumem baselines prune``).
+
+A node id selects itself; a path prefix the tests under it; ``--env`` text the one environment
+whose key contains it. A pattern that selects every test in the file (an unset shell variable,
+``.``, ``/``, a glob, a folder holding every test) is refused unless every test is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from pytest_gpumem.baselines.store import BaselineStore
+
+__all__ = ["SelectionError", "environment_named", "listed", "matches_anything", "tests_missing", "tests_named"]
+
+
+class SelectionError(ValueError):
+    """A name that selects no test, or a pattern that selects every test: the message says which."""
+
+
+def listed(keys: Sequence[str]) -> str:
+    """Environment keys for a message."""
+    return "; ".join(repr(key) for key in keys) if keys else "(none: the file has no baselines)"
+
+
+def environment_named(store: BaselineStore, text: str) -> str:
+    """The key ``text`` names: the key itself, or the only key that contains it (case-insensitive)."""
+    keys = store.environment_keys()
+    if text in keys:
+        return text
+    chosen = [key for key in keys if text.casefold() in key.casefold()]
+    if len(chosen) == 1:
+        return chosen[0]
+    if not chosen:
+        raise SelectionError(f"--env {text!r} matches no environment; the keys are: {listed(keys)}")
+    raise SelectionError(f"--env {text!r} matches {len(chosen)} environments, name one: {listed(chosen)}")
+
+
+def tests_named(
+    store: BaselineStore, keys: Sequence[str], names: Sequence[str], *, everything: bool = False
+) -> dict[str, list[str]]:
+    """Tests of ``keys`` that ``names`` name (node ids or path prefixes); raises for a name that matches
+    none, and (unless ``everything``) for a pattern that matches every test in the file: an unset shell
+    variable, ``.``, a glob, a folder that holds every test. A whole node id is what it names."""
+    every = {(key, test) for key in store.environment_keys() for test in store.tests(key)}
+    doomed: dict[str, list[str]] = {}
+    for name in names:
+        found = [entry for key in keys for entry in store.stale((), key, roots=[name])]
+        matched = {(entry.environment, entry.test) for entry in found}
+        exact = any(entry.test == name for entry in found)
+        if not everything and not exact and (matched == every or matches_anything(name)):
+            raise SelectionError(
+                f"TEST {name!r} matches every test in the file{' (patterns are not globs)' if '*' in name else ''}: "
+                "name the tests to remove, or pass --all to remove every baseline; nothing removed"
+            )
+        if not found:
+            raise SelectionError(
+                f"TEST {name!r} matches no baseline (give a node id or a path prefix); nothing removed"
+            )
+        for entry in found:
+            tests = doomed.setdefault(entry.environment, [])
+            if entry.test not in tests:
+                tests.append(entry.test)
+    return {key: sorted(tests) for key, tests in doomed.items()}
+
+
+def matches_anything(name: str) -> bool:
+    """Whether ``name`` is no pattern at all: empty, the current or root folder, a glob of nothing."""
+    return not name.strip().replace("\\", "/").strip("./*?")
+
+
+def tests_missing(store: BaselineStore, keys: Sequence[str], rootdir: Path) -> dict[str, list[str]]:
+    """Tests of ``keys`` whose file (the node id up to ``::``) does not exist under ``rootdir``.
+
+    Refuses when no test file exists at all: ``rootdir`` is then most likely
+    not the folder node ids are relative to, and pruning would empty the file.
+    """
+    if not rootdir.is_dir():
+        raise SelectionError(f"--rootdir {str(rootdir)!r}: no such folder")
+    exists: dict[str, bool] = {}
+    doomed: dict[str, list[str]] = {}
+    for key in keys:
+        for test in store.tests(key):
+            path = test.split("::", 1)[0]
+            if path not in exists:
+                exists[path] = (rootdir / path).exists()
+            if not exists[path]:
+                doomed.setdefault(key, []).append(test)
+    if exists and not any(exists.values()):
+        raise SelectionError(
+            f"none of the {len(exists)} test file{'' if len(exists) == 1 else 's'} exists under {rootdir}: "
+            "is it the rootdir? "
+            "Pass --rootdir DIR, or name the tests to remove; nothing removed"
+        )
+    return doomed

@@ -1,0 +1,144 @@
+"""Which baselines a run may call stale: :class:`Collection` (what the run saw) and :func:`find_stale`.
+
+A baseline is **stale** only when the run could have seen its test and did not: the test's
+file no longer exists, or the file was collected whole and the test is not in it. Everything
+else is kept, with the reason: a file outside the paths the run collected, a file collected in
+part (``--lf``, node ids on the command line), a module skipped or left out at collection, a
+file that failed to collect. ``-k``, ``-m`` and ``--deselect`` deselect tests after they are
+collected, so deselected tests are in :attr:`Collection.items` and never stale.
+
+No pytest: the plugin's collection book fills a :class:`Collection`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from pytest_gpumem.baselines.canonical import span_items
+from pytest_gpumem.baselines.store import BaselineStore, StaleEntry
+
+__all__ = [
+    "FAILED",
+    "IGNORED",
+    "IN_PART",
+    "LAST_FAILED",
+    "NOT_COLLECTED",
+    "NO_FILE_EXISTS",
+    "SKIPPED",
+    "Collection",
+    "Staleness",
+    "file_of",
+    "find_stale",
+]
+
+#: Why a baseline is kept (the summary prints "N <reason>"). Files outside the run's paths:
+NOT_COLLECTED = "in files this run did not collect"
+#: Files that ``--lf`` collected only in part (or skipped):
+LAST_FAILED = "in files --lf collected only in part"
+#: Files that node ids on the command line collected in part:
+IN_PART = "in files collected in part (node ids on the command line)"
+#: Modules skipped as they were collected (``pytest.importorskip``):
+SKIPPED = "in modules skipped as they were collected"
+#: Paths left out of the collection (``--ignore``, a conftest's ``collect_ignore``):
+IGNORED = "in files left out of the collection (--ignore, collect_ignore)"
+#: Collectors whose collection failed:
+FAILED = "in files whose collection failed"
+#: No file of the environment's baselines exists: the rootdir is most likely not the one they were recorded under.
+NO_FILE_EXISTS = "whose files are all missing under the rootdir (is it the one they were recorded under?)"
+
+
+@dataclass(frozen=True)
+class Collection:
+    """What a run collected, for :func:`find_stale`. Paths are node-id paths: relative to the
+    rootdir, ``/``-separated, as in ``tests/test_a.py::test_x``.
+
+    Attributes:
+        items: node ids of every test the run collected, deselected ones included.
+        whole: files collected whole: every test they hold is in :attr:`items`.
+        rootdir: the folder node ids are relative to, to tell that a file no longer exists;
+            None: a missing file is not looked for.
+        partial: files and folders the run saw in part or not at all (a skipped module, an
+            ignored folder), each with why its baselines are kept; a folder applies to
+            everything below it.
+        everything: a reason that keeps every baseline whose file exists (``--lf``), or None.
+    """
+
+    items: frozenset[str] = frozenset()
+    whole: frozenset[str] = frozenset()
+    rootdir: Path | None = None
+    partial: Mapping[str, str] = field(default_factory=dict)
+    everything: str | None = None
+
+    def kept_because(self, path: str) -> str:
+        """Why the baselines of tests in file ``path`` (not collected whole) are kept."""
+        if self.everything is not None:
+            return self.everything
+        reason = self.partial.get(path)
+        if reason is not None:
+            return reason
+        for folder, why in self.partial.items():
+            if path.startswith(folder.rstrip("/") + "/"):
+                return why
+        return NOT_COLLECTED
+
+
+@dataclass(frozen=True)
+class Staleness:
+    """What :func:`find_stale` found: the stale baselines, and how many tests' baselines were kept, by why."""
+
+    stale: list[StaleEntry]
+    kept: dict[str, int]
+
+    @property
+    def kept_total(self) -> int:
+        return sum(self.kept.values())
+
+
+def file_of(nodeid: str) -> str:
+    """The file part of a node id: ``tests/test_a.py`` of ``tests/test_a.py::test_x[1]``."""
+    return nodeid.split("::", 1)[0]
+
+
+def find_stale(store: BaselineStore, collection: Collection, environment: str) -> Staleness:
+    """The stale baselines of ``environment`` in ``store``, and the tests kept because the run could
+    not judge them (by reason). Only one environment is searched: a test may exist only where it can
+    be collected (parametrized over the devices present, a module skipped where a library is
+    missing), so a run in one environment cannot tell that another environment's test is gone."""
+    tests = store.tests(environment)
+    files = {file_of(test) for test in tests}
+    missing = {path for path in files if path not in collection.whole and _missing(collection.rootdir, path)}
+    # no file of the environment exists at all: node ids are most likely relative to another folder
+    none_exists = bool(files) and missing == files
+    stale: list[StaleEntry] = []
+    kept: dict[str, int] = {}
+    for test in tests:
+        if test in collection.items:
+            continue
+        path = file_of(test)
+        if path in collection.whole or (path in missing and not none_exists):
+            raw = store._raw_test(environment, test) or {}
+            stale.append(StaleEntry(environment, test, tuple(name for name, _ in span_items(raw.get("spans", {})))))
+            continue
+        reason = NO_FILE_EXISTS if path in missing else collection.kept_because(path)
+        kept[reason] = kept.get(reason, 0) + 1
+    return Staleness(stale, kept)
+
+
+def _missing(rootdir: Path | None, path: str) -> bool:
+    """Whether the file ``path`` (a node-id path) is known to be gone: False when it cannot be told
+    (no rootdir, an absolute path or one that climbs out of the rootdir, an unreadable folder)."""
+    if rootdir is None or not path:
+        return False
+    parts = PurePosixPath(path).parts
+    if PurePosixPath(path).is_absolute() or ".." in parts or (os.sep != "/" and "\\" in path):
+        return False
+    try:
+        os.stat(rootdir.joinpath(*parts))
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False

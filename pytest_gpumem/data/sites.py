@@ -1,0 +1,389 @@
+"""Where the bytes of a span were made: :class:`Site`, :class:`SiteFigures` and :class:`SiteProfile`.
+
+A *site* is the line of code that made a storage: the innermost frame of the allocating
+stack that is the user's code (files under pytest's rootdir, or a package the user named;
+never torch, the plugin, or a framework's internals unless named). The engines record it
+only when asked (a baseline update, a failing test's second run, ``--gpumem-sites=always``),
+and a :class:`~pytest_gpumem.data.figures.Measurement` carries the profile: per site, the
+bytes alive at the span's peak and at its end, how many storages, their category and the
+phase that made them, and one or two example shapes.
+
+A site is named by its file, its function and the line's *offset* from the function's
+``def`` (``tinygpt.py:Block.forward+3``): an edit elsewhere in the file moves line numbers
+but not offsets, so a profile stored with a baseline stays put under unrelated edits
+(``docs/sites.md`` has the measurement). The absolute line is kept for display.
+
+In the baseline file a profile is one line per site, ``"key": "figures"`` (see
+:meth:`SiteProfile.to_stored`), so a reviewer sees a site's change as a one-line diff.
+No torch. Sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pytest_gpumem.data.metrics import CATEGORIES, PHASES
+
+__all__ = [
+    "BEFORE",
+    "CARRIED_SITES",
+    "ELSEWHERE",
+    "OTHER_SITES",
+    "SITES_BUDGET",
+    "SITES_MODES",
+    "Site",
+    "SiteConfig",
+    "SiteCounts",
+    "SiteFigures",
+    "SiteProfile",
+    "build_profile",
+    "parse_sites_mode",
+    "parse_stored_site",
+]
+
+#: The key of the bytes alive before sites were recorded (made in a fixture, an earlier test,
+#: at import): the engine did not see them made.
+BEFORE = "(before)"
+#: The key of bytes made where no frame of the stack was the user's code (another thread,
+#: a framework's internals that were not included).
+ELSEWHERE = "(elsewhere)"
+#: The stored key of the sites a stored profile leaves out (its ``n`` counts sites, not storages).
+OTHER_SITES = "(other sites)"
+#: Most characters of a site's source line kept.
+CODE_CHARS = 48
+#: Most characters of one example shape kept.
+EXAMPLE_CHARS = 40
+#: Most sites a measurement carries (the rest are summed in :attr:`SiteProfile.rest_peak`...).
+CARRIED_SITES = 40
+#: Most bytes of text a test's stored profiles take in the baseline file, all spans together.
+SITES_BUDGET = 2048
+
+#: When sites are recorded: "rerun" (on a baseline update, and a test that fails on memory runs
+#: once more with sites on: the default), "always" (in every measured test's run), "off" (never).
+SITES_MODES = ("rerun", "always", "off")
+
+_PSEUDO = {BEFORE: "alive before sites were recorded", ELSEWHERE: "made outside the user's code"}
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """How sites are chosen: frames whose file lies under ``root`` (pytest's rootdir; absolute)
+    are the user's code, and so are those of the packages named in ``include``
+    (``"transformers"``; see :class:`~pytest_gpumem.measurement.engines.sites.SiteFilter`)."""
+
+    root: str
+    include: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Site:
+    """A place in the code: ``file`` (relative to the rootdir, ``/``-separated; for a named
+    package relative to the folder holding it), ``function`` (its qualified name), ``offset``
+    (the line's distance from the function's first line) and ``line`` (absolute, for display;
+    0 when unknown: a stored site), ``code`` (the source line, stripped and shortened).
+    A pseudo-site (:data:`BEFORE`, :data:`ELSEWHERE`) has only a ``function``: its key."""
+
+    file: str
+    function: str
+    offset: int = 0
+    line: int = 0
+    code: str = ""
+
+    @property
+    def key(self) -> str:
+        """``file:function+offset``, what a site is matched by across runs; a pseudo-site's own key."""
+        return f"{self.file}:{self.function}+{self.offset}" if self.file else self.function
+
+    @property
+    def pseudo(self) -> bool:
+        return not self.file
+
+    def where(self) -> str:
+        """``tinygpt.py:58 Block.forward`` (``tinygpt.py:Block.forward+3`` without a line); a pseudo-site's meaning."""
+        if self.pseudo:
+            return _PSEUDO.get(self.function, self.function)
+        if self.line:
+            return f"{self.file}:{self.line} {self.function}"
+        return self.key
+
+    @classmethod
+    def from_key(cls, key: str, code: str = "") -> Site:
+        """The site a stored ``key`` names (``file:function+offset``, or a pseudo-site's key)."""
+        match = _KEY_RE.match(key)
+        if match is None:
+            return cls("", key)
+        return cls(match["file"], match["function"], int(match["offset"]), 0, code)
+
+
+_KEY_RE = re.compile(r"^(?P<file>[^:]+):(?P<function>.+)\+(?P<offset>\d+)$")
+
+
+@dataclass(frozen=True)
+class SiteFigures:
+    """What one site held in a span: ``peak`` bytes alive at the span's peak, ``end`` bytes
+    alive at its end, ``count`` storages alive at the peak (at the end when none were at the
+    peak), ``category`` and ``phase`` of most of those bytes (``""``: outside any phase), and
+    ``examples``: one or two shapes and dtypes, ``"(8, 256, 1024) float32"``."""
+
+    site: Site
+    peak: int
+    end: int
+    count: int
+    category: str = "other"
+    phase: str = ""
+    examples: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        site = self.site
+        return {
+            "key": site.key,
+            "file": site.file,
+            "function": site.function,
+            "line": site.line,
+            "offset": site.offset,
+            "code": site.code,
+            "peak": self.peak,
+            "end": self.end,
+            "count": self.count,
+            "category": self.category,
+            "phase": self.phase,
+            "examples": list(self.examples),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SiteFigures:
+        site = Site(
+            str(data.get("file", "")),
+            str(data["function"]),
+            int(data.get("offset", 0)),
+            int(data.get("line", 0)),
+            str(data.get("code", "")),
+        )
+        return cls(
+            site,
+            int(data["peak"]),
+            int(data["end"]),
+            int(data["count"]),
+            str(data.get("category", "other")),
+            str(data.get("phase", "")),
+            tuple(str(e) for e in data.get("examples") or ()),
+        )
+
+    def stored(self) -> str:
+        """The figures as the baseline file keeps them: ``peak=N end=N n=N category phase examples | code``."""
+        text = f"peak={self.peak} end={self.end} n={self.count} {self.category} {self.phase or '-'}"
+        if self.examples:
+            text += " " + "; ".join(self.examples)
+        if self.site.code:
+            text += " | " + self.site.code
+        return text
+
+
+_STORED_RE = re.compile(
+    r"^peak=(?P<peak>\d+) end=(?P<end>\d+) n=(?P<count>\d+)"
+    r"(?: (?P<category>[a-z_]+) (?P<phase>[a-z_-]+))?"
+    r"(?: (?P<examples>[^|]*?))?(?: \| (?P<code>.*))?$"
+)
+
+
+def parse_stored_site(key: str, value: object) -> SiteFigures:
+    """One stored site (``key``: ``value``) read back; ``ValueError`` saying what is wrong otherwise."""
+    if not isinstance(value, str):
+        raise ValueError(f"site {key!r}: expected a string such as 'peak=1024 end=0 n=1 activations forward'")
+    match = _STORED_RE.match(value)
+    if match is None:
+        raise ValueError(
+            f"site {key!r}: {value[:60]!r} is not 'peak=<bytes> end=<bytes> n=<count> <category> <phase> ...'"
+        )
+    category = match["category"] or "other"
+    phase = "" if match["phase"] in (None, "-") else match["phase"]
+    if key != OTHER_SITES and category not in CATEGORIES:
+        raise ValueError(f"site {key!r}: unknown category {category!r} (one of {', '.join(CATEGORIES)})")
+    if phase and phase not in PHASES:
+        raise ValueError(f"site {key!r}: unknown phase {phase!r} (one of {', '.join(PHASES)}, or -)")
+    examples = tuple(e.strip() for e in (match["examples"] or "").split(";") if e.strip())
+    return SiteFigures(
+        Site.from_key(key, match["code"] or ""),
+        int(match["peak"]),
+        int(match["end"]),
+        int(match["count"]),
+        category,
+        phase,
+        examples,
+    )
+
+
+@dataclass(frozen=True)
+class SiteProfile:
+    """The sites of one span, the largest first (by bytes at the peak, then at the end).
+
+    ``rest_peak``, ``rest_end`` and ``rest_sites`` sum up the sites left out (a measurement
+    carries :data:`CARRIED_SITES`, a baseline what fits :data:`SITES_BUDGET`); with them the
+    sites add up to the span's peak and end (exactly on the CPU engine). ``second_run``: the
+    sites come from running the test once more with sites on (the first run had none);
+    ``note``: what to know about them (the second run's figures differed from the first's).
+    """
+
+    sites: tuple[SiteFigures, ...] = ()
+    rest_peak: int = 0
+    rest_end: int = 0
+    rest_sites: int = 0
+    second_run: bool = False
+    note: str = ""
+
+    @property
+    def peak(self) -> int:
+        """Bytes at the peak over every site (the listed and the rest)."""
+        return sum(s.peak for s in self.sites) + self.rest_peak
+
+    @property
+    def end(self) -> int:
+        return sum(s.end for s in self.sites) + self.rest_end
+
+    def by_key(self) -> dict[str, SiteFigures]:
+        return {s.site.key: s for s in self.sites}
+
+    def top(self, count: int) -> SiteProfile:
+        """The profile with its ``count`` largest sites listed, the others summed in the rest."""
+        kept, left = self.sites[:count], self.sites[count:]
+        return replace(
+            self,
+            sites=kept,
+            rest_peak=self.rest_peak + sum(s.peak for s in left),
+            rest_end=self.rest_end + sum(s.end for s in left),
+            rest_sites=self.rest_sites + len(left),
+        )
+
+    # -- the record's and reports' form ----------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sites": [s.to_dict() for s in self.sites],
+            "rest": {"peak": self.rest_peak, "end": self.rest_end, "sites": self.rest_sites},
+            "second_run": self.second_run,
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SiteProfile:
+        rest = data.get("rest") or {}
+        return cls(
+            tuple(SiteFigures.from_dict(s) for s in data.get("sites") or ()),
+            int(rest.get("peak", 0)),
+            int(rest.get("end", 0)),
+            int(rest.get("sites", 0)),
+            bool(data.get("second_run", False)),
+            str(data.get("note", "")),
+        )
+
+    # -- the baseline file's form ----------------------------------------------------------
+
+    def to_stored(self, budget: int = SITES_BUDGET) -> dict[str, str]:
+        """The profile as the baseline file keeps it: site key → :meth:`SiteFigures.stored`, the
+        largest sites first until their text reaches ``budget`` characters, the others summed
+        under :data:`OTHER_SITES` (its ``n``: how many sites). The file sorts the keys."""
+        stored: dict[str, str] = {}
+        used = 0
+        left = [s for s in self.sites if s.site.key != BEFORE]  # the span's start, not a site of it
+        while left:
+            text = left[0].stored()
+            size = len(left[0].site.key) + len(text) + 16  # quotes, colon, indent, comma, newline
+            if used + size > budget and stored:
+                break
+            stored[left[0].site.key] = text
+            used += size
+            left.pop(0)
+        rest = (
+            sum(s.peak for s in left) + self.rest_peak,
+            sum(s.end for s in left) + self.rest_end,
+            len(left) + self.rest_sites,
+        )
+        if rest[2]:
+            stored[OTHER_SITES] = f"peak={rest[0]} end={rest[1]} n={rest[2]}"
+        return stored
+
+    @classmethod
+    def from_stored(cls, stored: Mapping[str, Any]) -> SiteProfile:
+        """A profile read from the baseline file (``ValueError`` naming the site for a bad one)."""
+        sites = []
+        rest = (0, 0, 0)
+        for key, value in stored.items():
+            figures = parse_stored_site(str(key), value)
+            if key == OTHER_SITES:
+                rest = (figures.peak, figures.end, figures.count)
+            else:
+                sites.append(figures)
+        return cls(tuple(sorted(sites, key=_order)), *rest)
+
+
+def parse_sites_mode(value: object) -> str:
+    """One of :data:`SITES_MODES` (``True`` is "always", ``False`` "off"); ``ValueError`` naming the value otherwise."""
+    if value is True:
+        return "always"
+    if value is False:
+        return "off"
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text not in SITES_MODES:
+        raise ValueError(f"sites={value!r} is not one of {', '.join(map(repr, SITES_MODES))} (or True/False)")
+    return text
+
+
+def _order(figures: SiteFigures) -> tuple[int, int, str]:
+    return (-figures.peak, -figures.end, figures.site.key)
+
+
+def build_profile(
+    found: Iterable[tuple[Site, str, SiteCounts | None, SiteCounts | None, tuple[str, ...]]] | None,
+    *,
+    limit: int = CARRIED_SITES,
+) -> SiteProfile | None:
+    """A profile of what the engines found: ``(site, phase, at the peak, at the end, examples)``
+    for each site and phase that made storages; merged by site key (the phase of the larger
+    part wins, a category is that of the most bytes), its ``limit`` largest sites listed.
+    None for None (sites were not recorded)."""
+    if found is None:
+        return None
+    merged: dict[str, tuple[Site, dict[str, int], SiteCounts, SiteCounts, tuple[str, ...]]] = {}
+    for site, phase, peak, end, examples in found:
+        peak, end = peak or SiteCounts(), end or SiteCounts()
+        if not (peak.total or end.total):
+            continue
+        known = merged.get(site.key)
+        if known is None:
+            known = merged[site.key] = (site, {}, SiteCounts(), SiteCounts(), ())
+        phases = known[1]
+        phases[phase] = phases.get(phase, 0) + max(peak.total, end.total)
+        known[2].add(peak)
+        known[3].add(end)
+        merged[site.key] = (*known[:4], tuple(dict.fromkeys(known[4] + examples))[:2])
+    figures = []
+    for site, phases, peak, end, examples in merged.values():
+        main = peak if peak.total else end
+        phase = max(phases, key=lambda name: (phases[name], name))
+        figures.append(SiteFigures(site, peak.total, end.total, main.count, main.category, phase, examples))
+    return SiteProfile(tuple(sorted(figures, key=_order))).top(limit)
+
+
+@dataclass
+class SiteCounts:
+    """A site's bytes by category (:data:`CATEGORIES` order) and storages, at one moment (engines fill it)."""
+
+    nbytes: list[int] = field(default_factory=lambda: [0] * len(CATEGORIES))
+    count: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.nbytes)
+
+    def add(self, other: SiteCounts) -> None:
+        for i, nbytes in enumerate(other.nbytes):
+            self.nbytes[i] += nbytes
+        self.count += other.count
+
+    @property
+    def category(self) -> str:
+        best = max(range(len(CATEGORIES)), key=lambda i: (self.nbytes[i], -i))
+        return CATEGORIES[best]

@@ -1,0 +1,201 @@
+"""What the plugin does to Python's garbage collector, in one place: :class:`Collector`.
+
+Every measured test collects garbage before its start reading and after its end (the
+clean-state protocol), so that a figure shows only what is alive. A full collection walks
+every object the collector tracks: with torch, pytest and a suite loaded, several hundred
+thousand, 100 ms and more. The collector keeps those walks to what the test made by
+freezing (``gc.freeze()``) what the session imported or built, and gives the frozen objects
+back whenever a full collection the plugin did not ask for starts, so that one sees
+everything. Outside a run nothing is frozen, and :func:`collect` is ``gc.collect()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from typing import Any
+
+from pytest_gpumem.measurement import frozen
+from pytest_gpumem.measurement.engines.storages import tensors_among
+
+__all__ = ["COMPACT_ABOVE", "Collector", "collect", "give_back", "running"]
+
+#: Objects left to the collector (not frozen) between tests above which :meth:`Collector.compact`
+#: freezes them. A few thousand objects cost a full collection well under a millisecond; the
+#: ~120,000 that a first optimizer step imports (torch._dynamo, sympy, ...) 20 to 130 ms.
+COMPACT_ABOVE = 5_000
+
+_running: Collector | None = None
+
+
+def running() -> Collector | None:
+    """The collector that froze objects in this process for a run, or None."""
+    return _running
+
+
+def collect() -> None:
+    """A full garbage collection on the plugin's account: through the running collector (it walks
+    what is not frozen and gives nothing back), else ``gc.collect()``."""
+    if _running is not None:
+        _running.collect()
+    else:
+        gc.collect()
+
+
+def give_back() -> bool:
+    """Give the running collector's frozen objects back before a collection whose figure needs
+    everything (see :meth:`Collector.give_back`); returns whether any were frozen."""
+    if _running is None or not _running.frozen:
+        return False
+    _running.give_back()
+    return True
+
+
+class Collector:
+    """Owns what the plugin does to ``gc``: the freeze, its own collections, giving frozen objects back.
+
+    Its rule, in two halves:
+
+    * **The suite's garbage is never kept alive by the plugin.** Whenever a full collection
+      that the plugin did not ask for starts (the user's ``gc.collect()``, a library's, the
+      interpreter's own collection of its oldest generation), a ``gc.callbacks`` hook gives
+      every frozen object back first (``gc.unfreeze()``): that collection sees everything, as
+      it would without the plugin, and frees a cycle the suite dropped, whenever it was made.
+      What survives it is alive, and is frozen again as it ends (a suite that collects in every
+      test pays its own collections, not the plugin's walks of everything after them).
+      Where a figure counts everything alive, the plugin collects with everything given back
+      too (:func:`give_back`): before a test with an emulated device limit, and when a test
+      seems to retain memory, so that a cycle among frozen objects that a test dropped never
+      shows as a leak or fills the emulated device.
+    * **A test's collections do not walk what the session imported or built.** :meth:`start`
+      freezes what exists before the first measured test (the libraries, pytest, the collected
+      test modules); :meth:`compact`, between tests, freezes what is left when it is a lot (over
+      :attr:`compact_above` objects not frozen): the modules a first optimizer step imports
+      lazily, a library's caches, compiled code, a fixture of wider scope, what the leak check
+      or a report was given back. Later tests' collections walk what they made.
+
+    Objects frozen by someone else before :meth:`start` (a conftest, a library, an enclosing
+    pytest session) stay frozen, and the collector freezes nothing and gives nothing back: it
+    cannot tell theirs from its own. With the collector disabled (``gc.disable()``) it freezes
+    nothing either. Objects someone freezes during the run are given back with the plugin's.
+    The tensors among the frozen objects are remembered
+    (:mod:`pytest_gpumem.measurement.frozen`) so that a tracker and a census still find them.
+
+    Attributes:
+        froze: freezes so far (:meth:`start`'s and each :meth:`compact` that froze).
+        given_back: times the frozen objects were given back while the run went on.
+    """
+
+    def __init__(self, *, compact_above: int = COMPACT_ABOVE) -> None:
+        self.compact_above = compact_above
+        self.active = False  # this collector owns the run's freezing (its objects may be given back now)
+        self.frozen = False  # its objects are frozen now
+        self.froze = 0
+        self.given_back = 0
+        self._collecting = False
+        self._collections = 0  # the plugin's own collections so far
+        self._refreeze = False  # a full collection not the plugin's was given everything: freeze as it ends
+        self._young: list[weakref.ref[Any]] = []  # the tensors not frozen as it started
+        self._compacted_at = 0  # ... at the last compaction
+
+    # -- the run ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Collect garbage and freeze what exists now (unless the collector is off, someone froze
+        objects before, or another collector runs in this process)."""
+        global _running
+        if self.active or _running is not None or not gc.isenabled() or gc.get_freeze_count() > 0:
+            return
+        self.collect()
+        frozen.remember()
+        gc.freeze()
+        self.active = self.frozen = True
+        self.froze += 1
+        _running = self
+        gc.callbacks.append(self._on_collection)
+
+    def stop(self) -> None:
+        """Give every frozen object back and forget them: the run is over."""
+        global _running
+        if not self.active:
+            return
+        self.active = False
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
+        if _running is self:
+            _running = None
+        self.give_back()
+        frozen.forget()
+
+    def __enter__(self) -> Collector:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- collections ------------------------------------------------------------------
+
+    def collect(self) -> None:
+        """A full collection of what is not frozen, on the plugin's account: nothing is given back."""
+        self._collecting = True
+        try:
+            gc.collect()
+        finally:
+            self._collecting = False
+            self._collections += 1
+
+    def compact(self) -> bool:
+        """Between tests: when over :attr:`compact_above` objects are left to the collector, freeze
+        them (their tensors remembered). Returns whether it froze. Counting lists what is not frozen
+        (~25 ns an object). The garbage is collected first unless the plugin collected since the last
+        call (a measured test's end): then what its teardown dropped is frozen with the rest, and
+        freed by the next full collection that is given everything."""
+        if not self.active:
+            return False
+        objects = gc.get_objects()
+        if len(objects) > self.compact_above and self._collections == self._compacted_at:
+            del objects
+            self.collect()  # nothing collected since the last test (not measured): its garbage first
+            objects = gc.get_objects()
+        self._compacted_at = self._collections
+        if len(objects) <= self.compact_above:
+            return False
+        frozen.add(tensors_among(objects))
+        del objects
+        gc.freeze()
+        self.frozen = True
+        self.froze += 1
+        return True
+
+    def give_back(self) -> None:
+        """Give the frozen objects back now (``gc.unfreeze()``): the next collection walks them, and
+        ``gc.get_referrers`` sees them. The next :meth:`compact` freezes again."""
+        if self.frozen:
+            self.frozen = False
+            gc.unfreeze()
+
+    def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
+        """``gc.callbacks`` hook: a full collection the plugin did not ask for is given everything
+        as it starts, and what survives it (all of it alive) is frozen again as it ends. The tensors
+        made since the last freeze are noted (weakly: the collection may free them) as it starts,
+        among the few objects not frozen then, and remembered as it ends."""
+        if info["generation"] != 2 or self._collecting:
+            return
+        if phase == "start":
+            if self.frozen:
+                self._young = []
+                for tensor in tensors_among(gc.get_objects()):
+                    with contextlib.suppress(TypeError):  # a tensor subclass without weak references
+                        self._young.append(weakref.ref(tensor))
+                self.given_back += 1
+                self.give_back()
+                self._refreeze = True
+        elif self._refreeze:
+            self._refreeze = False
+            young, self._young = self._young, []
+            frozen.add(tensor for tensor in (ref() for ref in young) if tensor is not None)
+            gc.freeze()
+            self.frozen = True
+            self.froze += 1

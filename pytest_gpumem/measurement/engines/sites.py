@@ -1,0 +1,336 @@
+"""Where storages are made: the frames that are the user's code (:class:`SiteFilter`), and the
+storage tracker's record of each storage's site while sites are recorded (:class:`SiteRecorder`).
+
+The storage tracker asks :meth:`SiteRecorder.made` for each storage an operator creates; it
+walks the stack from there to the innermost frame whose code is the user's (a dictionary
+lookup per frame, cached per code object) and counts the storage's bytes under that line
+and the phase running. Frees, resizes and category changes move the counts, and the tracker
+copies them when its count is at a window's peak (:meth:`SiteRecorder.snapshot`), as it
+copies the breakdown. Nothing here runs unless sites are asked for: the tracker's only cost
+without them is one ``is None`` test per allocation and free.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import linecache
+import os
+import sys
+import sysconfig
+from collections.abc import Callable, Mapping, Sequence
+from types import CodeType, FrameType
+from typing import Any
+
+from pytest_gpumem.data.sites import BEFORE, CODE_CHARS, ELSEWHERE, EXAMPLE_CHARS, Site, SiteConfig, SiteCounts
+from pytest_gpumem.measurement.engines.storages import Window
+
+__all__ = ["Found", "SiteFilter", "SiteRecorder", "SiteSnapshot", "TrackedSites"]
+
+#: What the engines hand the recorder: (site, phase, bytes at the peak, bytes at the end, examples).
+Found = tuple[Site, str, SiteCounts | None, SiteCounts | None, tuple[str, ...]]
+
+#: Packages whose frames are never a site unless named: PyTorch, the plugin, pytest, pluggy.
+_NEVER = ("torch", "pytest_gpumem", "_pytest", "pytest", "pluggy", "functorch", "typing_extensions")
+
+
+def _package_dirs(name: str) -> list[str]:
+    """The folders of the package ``name`` (a top-level or dotted name), without importing it
+    (a dotted name imports its parents); empty when it is not installed."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return []
+    if spec is None:
+        return []
+    if spec.submodule_search_locations:
+        return [os.path.normcase(os.path.abspath(p)) + os.sep for p in spec.submodule_search_locations]
+    if spec.origin:
+        return [os.path.normcase(os.path.abspath(spec.origin))]
+    return []
+
+
+class SiteFilter:
+    """Decides which frames are the user's code, and names their files.
+
+    A frame is the user's when its file lies under ``root`` (pytest's rootdir) outside any
+    ``site-packages`` or ``dist-packages`` folder, or inside a package of ``include``
+    (``"transformers"``: its file is then named from the package, ``transformers/models/...``);
+    PyTorch, the plugin, pytest and pluggy are never the user's unless included.
+    """
+
+    def __init__(self, config: SiteConfig) -> None:
+        self.config = config
+        self.root = os.path.normcase(os.path.abspath(config.root)) + os.sep
+        self.included: list[tuple[str, str]] = []  # (a package's folder, the folder its names start from)
+        for name in config.include:
+            dirs = _package_dirs(name)
+            if not dirs:
+                raise ValueError(f"sites include {name!r}: no package or module of that name is installed")
+            depth = name.count(".") + 1
+            for folder in dirs:
+                base = folder.rstrip(os.sep)
+                for _ in range(depth):
+                    base = os.path.dirname(base)
+                self.included.append((folder, base + os.sep))
+        self.never = [
+            folder
+            for name in _NEVER
+            if not any(name == inc or name.startswith(inc + ".") for inc in config.include)
+            for folder in _package_dirs(name)
+        ]
+        self.libraries = tuple(
+            os.path.normcase(os.path.abspath(p)) + os.sep
+            for p in {sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib")}
+            if p
+        )
+        self._codes: dict[CodeType, tuple[str, str] | None] = {}
+        self._files: dict[str, str | None] = {}
+
+    def file(self, filename: str) -> str | None:
+        """The name ``filename`` goes by in a site (``/``-separated), or None when it is not the user's code."""
+        known = self._files.get(filename, "?")
+        if known != "?":
+            return known
+        name = self._files[filename] = self._name(filename)
+        return name
+
+    def _name(self, filename: str) -> str | None:
+        if filename.startswith("<"):
+            return None
+        path = os.path.normcase(os.path.abspath(filename))
+        for folder, base in self.included:
+            if path.startswith(folder) or path == folder:
+                return path[len(base) :].replace(os.sep, "/")
+        if any(path.startswith(folder) or path == folder for folder in self.never):
+            return None
+        if not path.startswith(self.root) or path.startswith(self.libraries):
+            return None
+        relative = path[len(self.root) :]
+        parts = relative.split(os.sep)
+        if "site-packages" in parts or "dist-packages" in parts:
+            return None
+        return relative.replace(os.sep, "/")
+
+    def code(self, code: CodeType) -> tuple[str, str] | None:
+        """(file, qualified function name) of ``code`` when it is the user's; None otherwise (cached)."""
+        known = self._codes.get(code, False)
+        if known is not False:
+            return known  # type: ignore[return-value]
+        file = self.file(code.co_filename)
+        found = None if file is None else (file, getattr(code, "co_qualname", code.co_name))
+        self._codes[code] = found
+        return found
+
+
+def source_line(filename: str, line: int) -> str:
+    """The stripped source line, shortened to :data:`CODE_CHARS` characters ("" when unknown)."""
+    linecache.checkcache(filename)  # the file as it is now, not as an earlier read cached it
+    text = " ".join(linecache.getline(filename, line).split())
+    return text if len(text) <= CODE_CHARS else text[: CODE_CHARS - 1] + "…"
+
+
+def example(tensor: Any) -> str:
+    """``"(8, 256, 1024) float32"``: a tensor's shape and dtype, shortened to :data:`EXAMPLE_CHARS`."""
+    text = f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+    return text if len(text) <= EXAMPLE_CHARS else text[: EXAMPLE_CHARS - 1] + "…"
+
+
+class _State:
+    """One (line, phase) that made storages while sites were recorded: its counts now."""
+
+    __slots__ = ("code", "counts", "examples", "filename", "line", "owner", "phase", "where")
+
+    def __init__(self, owner: SiteRecorder, code: CodeType | None, line: int, phase: str) -> None:
+        self.owner = owner
+        self.code = code
+        self.line = line
+        self.phase = phase
+        self.counts = SiteCounts()
+        #: the two largest storages' (bytes, shape and dtype)
+        self.examples: list[tuple[int, str]] = []
+        self.where: tuple[str, str] | None = None
+        self.filename = "" if code is None else code.co_filename
+
+    def site(self) -> Site:
+        if self.code is None or self.where is None:
+            return Site("", ELSEWHERE)
+        file, function = self.where
+        return Site(
+            file, function, self.line - self.code.co_firstlineno, self.line, source_line(self.filename, self.line)
+        )
+
+
+#: Counts by site at one moment: a (line, phase) state or :data:`BEFORE` → its counts (copies).
+SiteSnapshot = dict[Any, SiteCounts]
+
+
+class SiteRecorder:
+    """The sites of the storages a tracker sees made, and their counts now (see the module)."""
+
+    def __init__(self, config: SiteConfig) -> None:
+        self.filter = SiteFilter(config)
+        #: the phase running now ("" outside phases), set by the recorder
+        self.phase = ""
+        self._states: dict[tuple[CodeType | None, int, str], _State] = {}
+
+    def here(self, frame: FrameType | None) -> _State:
+        """The state of the innermost user frame from ``frame`` outwards, in the current phase."""
+        code_of = self.filter.code
+        while frame is not None:
+            code = frame.f_code
+            where = code_of(code)
+            if where is not None:
+                key = (code, frame.f_lineno, self.phase)
+                state = self._states.get(key)
+                if state is None:
+                    state = self._states[key] = _State(self, code, frame.f_lineno, self.phase)
+                    state.where = where
+                return state
+            frame = frame.f_back
+        nowhere: tuple[CodeType | None, int, str] = (None, 0, self.phase)
+        state = self._states.get(nowhere)
+        if state is None:
+            state = self._states[nowhere] = _State(self, None, 0, self.phase)
+        return state
+
+    def site_here(self) -> Site:
+        """The site of the code running now (the allocation an emulated limit refuses)."""
+        return self.here(sys._getframe(1)).site()
+
+    def made(self, entry: Any, tensor: Any) -> None:
+        """``entry`` (a storage just counted) was made for ``tensor`` here."""
+        state = self.here(sys._getframe(2))
+        entry.site = state
+        counts = state.counts
+        counts.nbytes[entry.category] += entry.nbytes
+        counts.count += 1
+        examples = state.examples
+        if len(examples) < 2 or entry.nbytes > examples[-1][0]:  # the two largest, each shape once
+            text = example(tensor)
+            if all(text != known for _, known in examples):
+                examples.append((entry.nbytes, text))
+                examples.sort(key=lambda item: -item[0])
+                del examples[2:]
+
+    def freed(self, entry: Any) -> None:
+        state = getattr(entry, "site", None)
+        if state is not None and state.owner is self:
+            state.counts.nbytes[entry.category] -= entry.nbytes
+            state.counts.count -= 1
+
+    def moved(self, entry: Any, old: int, new: int, window: SiteSnapshot | None) -> None:
+        """``entry`` changes category from ``old`` to ``new``; ``window``: the window's peak
+        snapshot to correct too (the entry was there, and is found to be of ``new``)."""
+        state: _State | None = getattr(entry, "site", None)
+        mine = state is not None and state.owner is self
+        if state is not None and mine:
+            state.counts.nbytes[old] -= entry.nbytes
+            state.counts.nbytes[new] += entry.nbytes
+        if window is not None:
+            counts = window.get(state if mine else BEFORE)
+            if counts is not None:
+                counts.nbytes[old] -= entry.nbytes
+                counts.nbytes[new] += entry.nbytes
+
+    def resized(self, entry: Any, delta: int) -> None:
+        state = getattr(entry, "site", None)
+        if state is not None and state.owner is self:
+            state.counts.nbytes[entry.category] += delta
+
+    def snapshot(self, by_category: Sequence[int], storages: int) -> SiteSnapshot:
+        """The counts now, by state; what no state holds (made before sites were recorded) under
+        :data:`BEFORE`. ``by_category``: the tracker's bytes by category, ``storages``: its count."""
+        found: SiteSnapshot = {}
+        before = list(by_category)
+        left = storages
+        for state in self._states.values():
+            counts = state.counts
+            if counts.count or any(counts.nbytes):
+                found[state] = SiteCounts(list(counts.nbytes), counts.count)
+                for i, nbytes in enumerate(counts.nbytes):
+                    before[i] -= nbytes
+                left -= counts.count
+        if any(before):
+            found[BEFORE] = SiteCounts(before, max(left, 0))
+        return found
+
+    def found(self, peak: Mapping[Any, SiteCounts] | None, end: Mapping[Any, SiteCounts] | None) -> list[Found]:
+        """The sites of a span from its snapshots at the peak and at the end."""
+        return found_sites(peak, end)
+
+
+class TrackedSites:
+    """The storage tracker's members for sites (mixed into
+    :class:`~pytest_gpumem.measurement.engines.tracker.StorageTracker`, whose fields these are)."""
+
+    sites: SiteRecorder | None
+    current: int
+    events: int
+    saved: int
+    _lock: Any
+    _pending: bool
+    _window: Window
+    _by_category: list[int]
+    _entries: dict[int, Any]
+    _freed: Callable[[Any], None]
+    _on_freed: Callable[[Any], None]
+    _settle: Callable[[], None]
+    _key: Callable[[Any], int | None]
+
+    def site_snapshot(self) -> SiteSnapshot | None:
+        """The bytes by site now (:meth:`SiteRecorder.snapshot`); None while sites are not recorded."""
+        if self.sites is None:
+            return None
+        with self._lock:
+            return self.sites.snapshot(self._by_category, len(self._entries))
+
+    def _new_window(self) -> Window:
+        """A window opened at the count now (its peak's sites: the sites now)."""
+        return Window(self.current, tuple(self._by_category), self.events, self.saved, sites=self.site_snapshot())
+
+    def record_sites(self, sites: SiteRecorder | None) -> None:
+        """Record the site of every storage made from now on (None: stop); the open window's
+        peak starts from the counts now (what exists is :data:`~pytest_gpumem.data.sites.BEFORE`).
+        Storages made meanwhile are freed through :meth:`_freed_at_site`."""
+        with self._lock:
+            if self._pending:
+                self._settle()
+            self.sites = sites
+            self._freed = self._on_freed if sites is None else self._freed_at_site
+            self._window.sites = self.site_snapshot()
+
+    def _freed_at_site(self, entry: Any) -> None:
+        """A storage made while sites were recorded is freed (its weak reference's callback)."""
+        with self._lock:
+            counted = self._entries.get(entry.key) is entry
+            self._on_freed(entry)
+            if counted and self.sites is not None:
+                self.sites.freed(entry)
+
+    def _site_moved(self, entry: Any, index: int, discovered: bool) -> None:
+        """``entry`` moves to category ``index`` (see ``StorageTracker._move``), at its site too."""
+        assert self.sites is not None
+        window = self._window
+        at_peak = discovered and entry.moved <= window.event
+        self.sites.moved(entry, entry.category, index, window.sites if at_peak else None)
+
+    def site_of(self, tensor: Any) -> _State | None:
+        """The site ``tensor``'s storage was made at, when sites were recorded then; None otherwise."""
+        try:
+            entry = self._entries.get(self._key(tensor.untyped_storage()) or 0)
+        except (RuntimeError, NotImplementedError):
+            return None
+        return None if entry is None else getattr(entry, "site", None)  # made while some recording was on
+
+
+def found_sites(peak: Mapping[Any, SiteCounts] | None, end: Mapping[Any, SiteCounts] | None) -> list[Found]:
+    """(site, phase, at the peak, at the end, examples) of every state in either snapshot."""
+    peak, end = peak or {}, end or {}
+    result: list[Found] = []
+    for state in dict.fromkeys([*peak, *end]):
+        if state == BEFORE:
+            result.append((Site("", BEFORE), "", peak.get(state), end.get(state), ()))
+        else:
+            examples = tuple(text for _, text in state.examples)
+            result.append((state.site(), state.phase, peak.get(state), end.get(state), examples))
+    return result

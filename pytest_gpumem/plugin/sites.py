@@ -1,0 +1,148 @@
+"""Sites in a run: which test runs record where their bytes were made, and the second run of a
+test that failed on memory.
+
+Recording a site costs a walk up the stack at every allocation, so a passing test never pays
+it: sites are recorded on a baseline update (they are stored with the figures), in every run
+with ``--gpumem-sites=always``, and otherwise (``rerun``, the default) by running the call of
+a test that failed on memory once more, right after the first, with sites on. The second run
+reuses the test's fixture values: function-scoped fixtures are not set up again (pytest sets
+a test's fixtures up once; tearing them down and up again in the middle of its call phase would
+run other fixtures' finalizers out of order). A test whose call changes state its fixtures
+hold (a model trained in place, an optimizer's state, a counter) gives other figures the second
+time: the record says so, and its figures stay the first run's. ``sites="off"`` on the marker
+(or ``--gpumem-sites=off``) leaves such a test alone. No torch at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pytest_gpumem.baselines import BaselineFileError
+from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.judge.judgement import JudgeOptions, judge
+from pytest_gpumem.judge.record import TestRecord
+
+if TYPE_CHECKING:
+    from pytest_gpumem.plugin.gate import Gate
+    from pytest_gpumem.plugin.marker import GpumemSpec
+    from pytest_gpumem.plugin.options import Settings
+    from pytest_gpumem.plugin.runner import RunOptions, TestRun
+
+__all__ = ["SECOND_RUN", "run_options", "second_run"]
+
+#: What a report says of sites that come from a second run.
+SECOND_RUN = "sites from a second run"
+
+
+def _mode(settings: Settings, spec: GpumemSpec) -> str:
+    return spec.sites or settings.sites
+
+
+def run_options(settings: Settings, spec: GpumemSpec) -> RunOptions:
+    """What the run asks of this test's first run: sites only on a baseline update or with ``always``."""
+    from pytest_gpumem.plugin.runner import RunOptions
+
+    mode = _mode(settings, spec)
+    sites = mode == "always" or (mode != "off" and settings.gate.update)
+    return RunOptions(
+        leak_check=settings.leak_check,
+        snapshots=settings.artifacts if settings.snapshot else None,
+        device_limit=settings.device_limit,
+        sites=settings.site_config if sites else None,
+    )
+
+
+def _fails(gate: Gate, record: TestRecord) -> bool:
+    """Whether the judge fails ``record`` (judged on a copy: the process that owns the run judges it again)."""
+    copy = TestRecord.from_json(record.to_json(timeline=False))
+    options = gate.options
+    store = None
+    if copy.environment is not None and not options.update:
+        with contextlib.suppress(BaselineFileError):  # the owner of the run reports the file
+            store = gate.store
+    judge(copy, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
+    return copy.failed
+
+
+def second_run(
+    item: pytest.Item, run: TestRun, record: TestRecord, exc: BaseException | None, settings: Settings, gate: Gate
+) -> TestRecord:
+    """``record`` with sites: when the test failed on memory (or ran out of memory) and its first
+    run recorded none, its call runs once more with sites on, and each span of ``record`` gets the
+    sites of the same span of that run (and the second run's leak and out-of-memory reports, which
+    name each holder's site). ``record`` as it is otherwise."""
+    from pytest_gpumem.diagnose.oom import is_oom
+    from pytest_gpumem.plugin.returnwatch import code_of
+    from pytest_gpumem.plugin.runner import TestRun
+
+    if _mode(settings, run.spec) != "rerun" or run.options.sites is not None or settings.site_config is None:
+        return record
+    if not run.engine.records_sites:  # the CPU engine observing allocations: no second run for nothing
+        return record
+    if exc is not None:
+        if not is_oom(exc):
+            return record
+    elif not _fails(gate, record):
+        return record
+    options = replace(run.options, sites=settings.site_config, snapshots=None)
+    again = TestRun(
+        run.nodeid, run.spec, run.engine, environment=run.environment, options=options, fake=run.recorder.fake
+    )
+    fixture = getattr(item, "funcargs", {}).get("gpumem")
+    if fixture is not None and getattr(fixture, "recorder", None) is run.recorder:
+        fixture.recorder = again.recorder  # the test's gpumem measures the second run
+    again.start(code_of(getattr(item, "obj", None)))
+    for ref in run.tracked:  # tracked by a fixture, before the call: tracked again
+        obj = ref()
+        if obj is not None:
+            again.recorder.track(obj)
+    raised: BaseException | None = None
+    try:
+        item.runtest()
+    except Exception as error:  # the second run's outcome is reported, not raised
+        raised = error
+    except BaseException:  # KeyboardInterrupt, pytest.exit: stop as the first run would
+        again.finish(None)
+        raise
+    second = again.finish(raised)
+    if fixture is not None and getattr(fixture, "recorder", None) is again.recorder:
+        fixture.recorder = run.recorder
+    return with_sites(record, second, raised)
+
+
+def with_sites(first: TestRecord, second: TestRecord, raised: BaseException | None) -> TestRecord:
+    """``first`` with the sites of ``second`` (the same test run again with sites on), span by span,
+    each marked as from a second run and saying where that run's figures differ."""
+    seconds = {m.name: m for m in second.measurements}
+    measurements = []
+    for measurement in first.measurements:
+        other = seconds.get(measurement.name)
+        if other is None or other.sites is None:
+            measurements.append(measurement)
+            continue
+        note = _differs(measurement, other)
+        if raised is not None and first.passed:
+            note = f"the second run raised {type(raised).__name__}: {raised}".strip()
+        measurements.append(replace(measurement, sites=replace(other.sites, second_run=True, note=note)))
+    first.measurements = measurements
+    if second.reports:
+        first.reports = [f"{report}\n({SECOND_RUN})" for report in second.reports]
+    if second.leak_report:  # the judge adds it to the failure when the retained check fails
+        first.leak_report = f"{second.leak_report}\n({SECOND_RUN})"
+    return first
+
+
+def _differs(first: Measurement, second: Measurement) -> str:
+    """How the second run's figures differ from the first's ("" when its costs are the same)."""
+    differ = [
+        f"{metric} cost {second.cost(metric)} B, the first run's {first.cost(metric)} B"
+        for metric in ("peak", "allocated")
+        if second.cost(metric) != first.cost(metric)
+    ]
+    if not differ:
+        return ""
+    return "the second run's figures differ (" + "; ".join(differ) + "): the figures shown are the first run's"

@@ -1,0 +1,284 @@
+"""Sites in the reports: which lines made the bytes that grew, as the terminal, the Markdown
+report and the HTML artifact show them.
+
+For a span that failed against its baseline, the sites whose bytes changed (by growth, "new
+since the baseline", "gone"); for one that broke a limit or a budget, the largest sites. At
+the peak for ``peak`` (and ``reserved``), at the end for ``allocated`` and ``retained``.
+Every table comes from :func:`site_rows`, so the three forms show the same rows.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.findings import Finding
+from pytest_gpumem.data.sites import BEFORE, SiteFigures, SiteProfile
+from pytest_gpumem.judge.sites import SiteChange, SiteDiff
+from pytest_gpumem.report.cells import RecordLike
+from pytest_gpumem.tables import Col, Table, markdown_table, markdown_text, visible, wrap
+from pytest_gpumem.units import format_delta, format_size
+
+__all__ = [
+    "PROFILE_HEADERS",
+    "SITE_HEADERS",
+    "SiteTable",
+    "profile_rows",
+    "site_diff_rows",
+    "site_lines",
+    "site_markdown",
+    "site_section_html",
+    "site_tables",
+]
+
+#: The columns of a stored profile (``baselines show --sites``).
+PROFILE_HEADERS = ("site", "code", "category", "phase", "at peak", "at end", "tensors")
+
+#: Rows shown by default; ``-v`` shows every one the record has, ``-q`` the first line only.
+SHOWN = 5
+
+SITE_HEADERS = ("change", "category", "phase", "site", "code", "tensors", "example", "note")
+
+_COLS = (
+    Col("change", right=True),  # "bytes" for a table of the largest sites
+    Col("category"),
+    Col("phase", optional=True),
+    Col("site"),
+    Col("code", elastic=True, min_width=12, optional=True, drop=2),
+    Col("tensors", right=True, optional=True, drop=1),
+    Col("example", elastic=True, min_width=8, optional=True, drop=1),
+    Col("note", optional=True),
+)
+
+_MOMENT = {"peak": "peak", "reserved": "peak", "allocated": "end", "retained": "end"}
+_AT = {"peak": "at the peak", "end": "at the end"}
+_NOTES = {
+    "new": "new since the baseline",
+    "gone": "gone",
+    "unlisted": "not among the baseline's listed sites",
+}
+
+
+@dataclass(frozen=True)
+class SiteTable:
+    """One table of sites: its title, its rows (cells of :data:`SITE_HEADERS`), the line below it."""
+
+    span: str
+    moment: str
+    title: str
+    rows: list[list[str]]
+    footer: str
+    second_run: str
+    #: the rows are changes against a baseline (else the largest sites)
+    changes: bool = True
+
+
+def _example(figures: SiteFigures) -> str:
+    return figures.examples[0] if figures.examples else ""
+
+
+def _cells(figures: SiteFigures, change: str, note: str) -> list[str]:
+    count = f"{figures.count}" if figures.count else ""
+    return [
+        change,
+        figures.category or "-",
+        figures.phase,
+        figures.site.where(),
+        figures.site.code,
+        count,
+        _example(figures),
+        note,
+    ]
+
+
+def change_rows(diff: SiteDiff, moment: str) -> list[list[str]]:
+    rows = []
+    for change in diff.at(moment):
+        delta = change.delta(moment)
+        text = format_delta(delta) if change.status != "unlisted" else f"({format_delta(delta)})"
+        rows.append(_cells(change.figures, text, _NOTES.get(change.status, "")))
+    return rows
+
+
+def top_rows(profile: SiteProfile, moment: str) -> list[list[str]]:
+    key = (lambda s: s.peak) if moment == "peak" else (lambda s: s.end)
+    return [
+        _cells(figures, format_size(key(figures)), "")
+        for figures in sorted(profile.sites, key=lambda s: -key(s))
+        if key(figures) and figures.site.key != BEFORE
+    ]
+
+
+def _second_run(profile: SiteProfile | SiteDiff) -> str:
+    if not profile.second_run:
+        return ""
+    return "sites from a second run" + (f"; {profile.note}" if profile.note else "")
+
+
+def site_tables(record: RecordLike) -> list[SiteTable]:
+    """The tables of sites for what failed in ``record``: per span and moment (peak, end)."""
+    moments: dict[str, list[str]] = {}
+    for finding in record.findings:
+        moment = _MOMENT.get(finding.metric)
+        if finding.failed and moment is not None and moment not in moments.setdefault(finding.span, []):
+            moments[finding.span].append(moment)
+    diffs: dict[str, SiteDiff] = getattr(record, "site_changes", {}) or {}
+    spans = {m.name: m for m in record.measurements}
+    tables = []
+    for span, wanted in moments.items():
+        measurement = spans.get(span)
+        for moment in wanted:
+            table = _table(span, moment, diffs.get(span), measurement, record.findings)
+            if table is not None:
+                tables.append(table)
+    return tables
+
+
+def _table(
+    span: str, moment: str, diff: SiteDiff | None, measurement: Measurement | None, findings: Sequence[Finding]
+) -> SiteTable | None:
+    where = "" if span == "call" else f"[{span}] "
+    if diff is not None:
+        rows = change_rows(diff, moment)
+        changed = len(rows)
+        footer = (
+            f"({changed} of {diff.compared} sites changed; the rest are as recorded)"
+            if changed
+            else f"(none of {diff.compared} sites changed {_AT[moment]}: the start or what the sites miss moved)"
+        )
+        title = f"{where}{_AT[moment]}, against the baseline (sites by growth):"
+        return SiteTable(span, moment, title, rows, footer, _second_run(diff))
+    if measurement is None or measurement.sites is None:
+        return None
+    profile = measurement.sites
+    rows = top_rows(profile, moment)
+    rest = profile.rest_peak if moment == "peak" else profile.rest_end
+    footer = f"({len(rows)} sites; {profile.rest_sites} more hold {format_size(rest)})" if profile.rest_sites else ""
+    title = f"{where}{_AT[moment]}, the largest sites:"
+    return SiteTable(span, moment, title, rows, footer, _second_run(profile), changes=False)
+
+
+def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0) -> list[str]:
+    """The failure text's sites (see the module): ``verbosity`` 0 shows :data:`SHOWN` rows a table,
+    more shows every row, less the first line only (the largest change). Control characters (in a
+    file name, a baseline file's stored site) are shown as escapes (:func:`~pytest_gpumem.tables.visible`)."""
+    return [visible(line) for line in _site_lines(record, width=width, verbosity=verbosity)]
+
+
+def _site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0) -> list[str]:
+    lines: list[str] = []
+    for table in site_tables(record):
+        if verbosity < 0:
+            first = table.rows[0] if table.rows else None
+            if first is not None:
+                text = f"{table.title.rstrip(':')}: {first[0]} {first[1]} {first[2]} {first[3]}".replace("  ", " ")
+                lines += wrap(text.strip(), width)
+            continue
+        rows = table.rows if verbosity > 0 else table.rows[:SHOWN]
+        lines += wrap(table.title, width)
+        if rows:
+            cols = _COLS if table.changes else (Col("bytes", right=True), *_COLS[1:])
+            rendered = Table(cols, [("", rows)], lead=1).render(None if width is None else width - 2)
+            lines += ["  " + line for line in rendered]
+        left = len(table.rows) - len(rows)
+        footer = table.footer + (f" ({left} more with -v)" if left else "")
+        for text in (footer, table.second_run):
+            if text:
+                lines += wrap(text, width, "  ", "  ")
+    return lines
+
+
+def site_markdown(records: Sequence[RecordLike]) -> str:
+    """The Markdown report's section: each failed test's tables of sites ("" when none)."""
+    parts = []
+    for record in records:
+        for table in site_tables(record):
+            parts.append(f"**{markdown_text(record.nodeid, cell=False)}** {markdown_text(table.title, cell=False)}")
+            parts.append(markdown_table(SITE_HEADERS, table.rows, right=(0, 5)))
+            parts += [markdown_text(text, cell=False) for text in (table.footer, table.second_run) if text]
+    return "\n\n".join(["### Sites", *parts]) + "\n" if parts else ""
+
+
+def _bar(nbytes: int, scale: int, colour: str) -> str:
+    width = 0 if scale <= 0 else max(1, round(220 * nbytes / scale)) if nbytes else 0
+    return f'<svg width="{width + 2}" height="10" role="img"><rect width="{width}" height="10" fill="{colour}"/></svg>'
+
+
+def _esc(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def site_section_html(record: RecordLike) -> str:
+    """The HTML artifact's card: for each table, the baseline's bytes beside this run's, site by site,
+    as two bars (no scripts); "" when the record has no sites to show."""
+    cards = []
+    diffs: dict[str, SiteDiff] = getattr(record, "site_changes", {}) or {}
+    for table in site_tables(record):
+        diff = diffs.get(table.span)
+        changes: list[SiteChange] = diff.at(table.moment) if diff is not None else []
+        pairs: list[tuple[list[str], int | None, int]] = []
+        if diff is not None:
+            for change, row in zip(changes, table.rows, strict=True):
+                before = change.before_peak if table.moment == "peak" else change.before_end
+                after = change.after_peak if table.moment == "peak" else change.after_end
+                pairs.append((row, before, after))
+        else:
+            measurement = next((m for m in record.measurements if m.name == table.span), None)
+            figures = [] if measurement is None or measurement.sites is None else measurement.sites.sites
+            size = {f.site.where(): f.peak if table.moment == "peak" else f.end for f in figures}
+            pairs = [(row, None, size.get(row[3], 0)) for row in table.rows]
+        scale = max([1, *(max(before or 0, after) for _, before, after in pairs)])
+        body = []
+        for row, before, after in pairs:
+            baseline = "" if before is None else f"{_bar(before, scale, '#a0a0a0')} {_esc(format_size(before))}"
+            body.append(
+                f'<tr data-site="{_esc(row[3])}"><td class="num">{_esc(row[0])}</td><td>{_esc(row[1])}</td>'
+                f"<td>{_esc(row[2])}</td><td>{_esc(row[3])}<br><code>{_esc(row[4])}</code></td>"
+                f'<td class="num">{baseline}</td><td class="num">{_bar(after, scale, "#e15759")} '
+                f"{_esc(format_size(after))}</td><td class='note'>{_esc(row[7] or row[6])}</td></tr>"
+            )
+        notes = "".join(f'<p class="meta">{_esc(text)}</p>' for text in (table.footer, table.second_run) if text)
+        cards.append(
+            f'<section class="card sites" data-moment="{table.moment}"><h2>Sites {_esc(table.title.rstrip(":"))}</h2>'
+            "<table><tr><th class='num'>change</th><th>category</th><th>phase</th><th>site</th>"
+            "<th class='num'>baseline run</th><th class='num'>this run</th><th>note</th></tr>"
+            + "".join(body)
+            + f"</table>{notes}</section>"
+        )
+    return "\n".join(cards)
+
+
+def _bytes(nbytes: int, exact: bool, *, signed: bool = False) -> str:
+    if exact:
+        return f"{nbytes:+d}" if signed else str(nbytes)
+    return format_delta(nbytes) if signed else format_size(nbytes)
+
+
+def profile_rows(profile: SiteProfile, *, exact: bool = False) -> list[list[str]]:
+    """A stored profile's sites as rows of :data:`PROFILE_HEADERS` (the others summed last)."""
+    rows = [
+        [s.site.key, s.site.code, s.category, s.phase, _bytes(s.peak, exact), _bytes(s.end, exact), str(s.count)]
+        for s in profile.sites
+    ]
+    if profile.rest_sites:
+        rest = f"({profile.rest_sites} other sites)"
+        rows.append([rest, "", "", "", _bytes(profile.rest_peak, exact), _bytes(profile.rest_end, exact), ""])
+    return rows
+
+
+def site_diff_rows(diff: SiteDiff, *, exact: bool = False) -> list[list[str]]:
+    """The sites that changed between two stored profiles: site, code, status, Δ at the peak, Δ at the end."""
+    order = {id(c): i for i, c in enumerate(diff.at("peak") + [c for c in diff.at("end") if not c.delta("peak")])}
+    changes = sorted(diff.changes, key=lambda c: order.get(id(c), len(order)))
+    return [
+        [
+            c.figures.site.key,
+            c.figures.site.code,
+            _NOTES.get(c.status, "changed"),
+            _bytes(c.delta("peak"), exact, signed=True),
+            _bytes(c.delta("end"), exact, signed=True),
+        ]
+        for c in changes
+    ]

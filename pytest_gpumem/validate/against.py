@@ -1,0 +1,83 @@
+"""A new record against a committed one: which figures of the workloads both hold differ (``validate --against``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pytest_gpumem.validate.results import RECORD_FILE
+
+#: The figures of a workload's measurement compared between records, as costs (the figure minus
+#: its span's start, as limits and baselines compare them), so that what the device held before
+#: a workload (the library workspaces the clean-state protocol keeps, earlier workloads' tensors)
+#: does not show as a difference of every figure. The driver's figures (NVML) are left out: they
+#: hold the CUDA context, which depends on the driver and on what else the process loaded.
+COSTS = ("peak", "allocated", "requested_peak")
+#: Figures compared as they are.
+ABSOLUTE = ("retained", "saved_activations", "psi")
+
+
+def load_record(folder: Path) -> dict[str, Any]:
+    """The ``record.json`` of a record folder (or the file itself)."""
+    path = folder / RECORD_FILE if folder.is_dir() else folder
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or "workloads" not in data:
+        raise ValueError(f"{path} is not a validation record (no workloads)")
+    return data
+
+
+def differences(record: Mapping[str, Any], previous: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The figures of the workloads (and the reported figures) both records hold, compared.
+
+    Returns ``{"record": name, "environment": its key, "same": n, "differences": [lines],
+    "only_here": [...], "only_there": [...]}``; a line names the workload, the figure, both
+    values and the difference.
+    """
+    lines: list[str] = []
+    same = 0
+    ours, theirs = record["workloads"], previous["workloads"]
+    for workload in sorted(set(ours) & set(theirs)):
+        pairs = _figures(ours[workload]), _figures(theirs[workload])
+        for figure in sorted(set(pairs[0]) & set(pairs[1])):
+            new, old = pairs[0][figure], pairs[1][figure]
+            if new == old:
+                same += 1
+            elif isinstance(new, int) and isinstance(old, int):
+                lines.append(f"{workload} {figure}: {old:,} → {new:,} B ({new - old:+,} B)")
+            else:
+                lines.append(f"{workload} {figure}: {old} → {new}")
+    for figure in sorted(set(record.get("figures", {})) & set(previous.get("figures", {}))):
+        new, old = record["figures"][figure], previous["figures"][figure]
+        if new == old:
+            same += 1
+        else:
+            lines.append(f"figures {figure}: {old} → {new}")
+    return {
+        "record": name,
+        "environment": previous.get("environment_key"),
+        "protocols": [previous.get("protocol", 1), record.get("protocol", 1)],
+        "same": same,
+        "differences": lines,
+        "only_here": sorted(set(ours) - set(theirs)),
+        "only_there": sorted(set(theirs) - set(ours)),
+    }
+
+
+def _figures(workload: Mapping[str, Any]) -> dict[str, Any]:
+    """A workload's comparable figures: costs above its start, the reserved cost above the reserved
+    start, PyTorch's counters likewise, and the figures that are no readings of the device."""
+    m = workload.get("measurement") or {}
+    start, start_reserved = m.get("start"), m.get("start_reserved")
+    figures: dict[str, Any] = {}
+    if start is not None:
+        figures.update({f"{key} cost": m[key] - start for key in COSTS if m.get(key) is not None})
+        counters = workload.get("counters") or {}
+        for key in ("max_memory_allocated", "memory_allocated"):
+            if counters.get(key) is not None:
+                figures[f"torch.{key} cost"] = counters[key] - start
+    if m.get("reserved") is not None and start_reserved is not None:
+        figures["reserved cost"] = m["reserved"] - start_reserved
+    figures.update({key: m[key] for key in ABSOLUTE if m.get(key) is not None})
+    return figures

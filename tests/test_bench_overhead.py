@@ -1,0 +1,66 @@
+"""``benchmarks/bench_overhead.py`` as a command: it fails clearly where it cannot measure, and its
+JSON holds what ran, within ``--max-seconds``. No figure is asserted here: speed is measured by
+the benchmark itself, never by a test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overhead.py"
+
+
+def _bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path: Path) -> None:
+    done = _bench("--cuda", "--tests", "4", "--json", str(tmp_path / "never.json"))
+    assert done.returncode == 2
+    assert "--cuda: no CUDA device is available" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "never.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--variants", "off", "fast"], "unknown variant(s) fast"),
+        (["--tests", "0"], "--tests and --repeat must be at least 1"),
+        (["--max-seconds", "-3"], "--max-seconds must be positive (got -3.0)"),
+        (["--suite", "encoder", "--cuda"], "--cuda writes its own suite"),
+    ],
+)
+def test_bad_options_are_clear_errors(args: list[str], message: str) -> None:
+    done = _bench(*args)
+    assert done.returncode != 0 and message in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_the_json_holds_every_round_and_max_seconds_stops_starting_rounds(tmp_path: Path) -> None:
+    full = tmp_path / "full.json"
+    done = _bench("--tests", "2", "--repeat", "2", "--variants", "off", "on", "--json", str(full))
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(full.read_text())
+    assert result["suite"] == "tiny" and result["tests"] == 2 and result["rounds"] == 2
+    assert not result["stopped_by_max_seconds"]
+    assert [v["name"] for v in result["variants"]] == ["off", "on"]
+    for variant in result["variants"]:
+        assert len(variant["wall_s"]) == len(variant["cpu_s"]) == 2
+        assert variant["median_cpu_s"] > 0
+    assert set(result["ratios"]["on/off"]) == {"wall", "cpu"}
+    assert {"python", "torch", "cpus"} <= set(result["machine"])
+
+    short = tmp_path / "short.json"
+    variants = ("--variants", "off", "on")
+    done = _bench("--tests", "2", "--repeat", "5", *variants, "--max-seconds", "1", "--json", str(short))
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(short.read_text())
+    assert result["rounds"] == 0 and result["stopped_by_max_seconds"] and result["ratios"] == {}
+    assert "no round fits in --max-seconds 1.0" in done.stdout

@@ -1,0 +1,273 @@
+"""What a measured test's garbage collections walk: what the test made, not what the session imported.
+
+The first test of a suite as users write it imports parts of torch lazily (an optimizer's
+first step imports ``torch._dynamo``, sympy and some 800 modules: over 100,000 objects).
+The plugin's collector freezes what the session imported or built, so that the two full
+collections of every later measured test walk only what that test made. These sessions
+run in a fresh process (in this suite's own process torch's lazy imports are done and the
+suite's conftest has frozen everything). The objects each collection walks are counted
+inside the collector, by a ``gc.callbacks`` hook (``len(gc.get_objects())`` as a full
+collection starts: every object it traverses), never timed.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_fresh
+from pytest_gpumem.measurement import frozen
+from pytest_gpumem.measurement.collector import Collector, collect, give_back, running
+
+#: Counts, per test, the objects each full collection walks as it starts, and says which
+#: modules the first test imported.
+COUNTING = """
+import gc, sys
+import pytest
+
+WALKED = {}
+CURRENT = []
+MODULES = {}
+
+
+def _count(phase, info):
+    if phase == "start" and info["generation"] == 2 and CURRENT:
+        WALKED.setdefault(CURRENT[-1], []).append(len(gc.get_objects()))
+
+
+gc.callbacks.append(_count)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    CURRENT.append(item.name)
+    MODULES[item.name] = len(sys.modules), "torch._dynamo" in sys.modules
+    try:
+        return (yield)
+    finally:
+        CURRENT.pop()
+
+
+def pytest_sessionfinish(session):
+    print()
+    for name, walked in WALKED.items():
+        modules, dynamo = MODULES[name]
+        print("WALKED", name, modules, int(dynamo), *walked)
+"""
+
+LAZY = """
+import pytest, torch
+
+
+def step():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_1_first_step_imports_lazily():
+    step()
+
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_2_step():
+    step()
+
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_3_step():
+    step()
+"""
+
+#: Objects a later test's collections may walk: the test's own objects and pytest's for it are a
+#: few thousand; the first step's lazy imports are over 100,000.
+BOUND = 10_000
+
+
+def _walked(output: str) -> dict[str, tuple[int, bool, list[int]]]:
+    """``{test: (modules when it began, torch._dynamo imported then, objects each full collection walked)}``."""
+    found = {}
+    for line in output.splitlines():
+        match = re.match(r"WALKED (\w+) (\d+) ([01])((?: \d+)*)$", line)
+        if match:
+            name, modules, dynamo, walked = match.groups()
+            found[name] = (int(modules), dynamo == "1", [int(n) for n in walked.split()])
+    return found
+
+
+@pytest.mark.slow
+def test_later_tests_do_not_walk_what_the_first_test_imported(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(COUNTING)
+    pytester.makepyfile(test_lazy=LAZY)
+    result = run_fresh(pytester, "-s", "-p", "no:randomly")
+    result.assert_outcomes(passed=3)
+    walked = _walked(result.stdout.str())
+    assert list(walked) == ["test_1_first_step_imports_lazily", "test_2_step", "test_3_step"], result.stdout.str()
+    first_modules, dynamo_before, _ = walked["test_1_first_step_imports_lazily"]
+    second_modules, dynamo_after, _ = walked["test_2_step"]
+    # the scenario is real: the first test's step imported torch._dynamo and hundreds of modules
+    assert not dynamo_before and dynamo_after
+    assert second_modules - first_modules > 300
+    for name in ("test_2_step", "test_3_step"):
+        collections = walked[name][2]
+        assert len(collections) == 2, (name, collections)  # the clean state's and the settle's
+        assert max(collections) < BOUND, (name, collections)
+
+
+#: The inner session measures "on cuda:0" through the CUDA engine, its device calls taken by the
+#: recording stand-in of tests/test_cuda_contract.py (so is ``gc.collect``, to count the plugin's
+#: collections); the collector is the real one. The bodies run on the CPU.
+CUDA_CONFTEST = """
+import sys
+sys.path.insert(0, {tests!r})
+
+import pytest
+from test_cuda_contract import Phases, install_stand_in
+
+STAND_IN = install_stand_in(pytest.MonkeyPatch())
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(Phases(STAND_IN), "phases")
+
+
+def pytest_terminal_summary(terminalreporter):
+    test = None
+    counts = {{}}
+    for call in STAND_IN.calls:
+        if call.startswith("test "):
+            test = call[len("test "):]
+            counts[test] = 0
+        elif call == "gc.collect(2)" and test is not None:
+            counts[test] += 1
+    for name, count in counts.items():
+        print("COLLECTIONS", name, count)
+"""
+
+
+@pytest.mark.slow
+def test_a_cuda_test_makes_two_full_collections_of_what_it_made(pytester: pytest.Pytester) -> None:
+    """The contract on a GPU, checked on the CPU: a measured CUDA test asks for two full collections
+    (the clean state's and the settle's), and after a first test that imported torch._dynamo each
+    walks what the test made."""
+    tests = str(Path(__file__).resolve().parent)
+    pytester.makeconftest(CUDA_CONFTEST.format(tests=tests) + COUNTING)
+    pytester.makepyfile(test_lazy=LAZY)
+    result = run_fresh(pytester, "-s", "-p", "no:randomly", device="cuda")
+    result.assert_outcomes(passed=3)
+    output = result.stdout.str()
+    walked = _walked(output)
+    asked = {name: int(count) for name, count in re.findall(r"COLLECTIONS (\w+) (\d+)", output)}
+    assert not walked["test_1_first_step_imports_lazily"][1] and walked["test_2_step"][1]  # dynamo came with test 1
+    for name in ("test_2_step", "test_3_step"):
+        assert asked[name] == 2, (name, asked)
+        collections = walked[name][2]
+        assert len(collections) == 2 and max(collections) < BOUND, (name, collections)
+
+
+@pytest.fixture
+def nothing_frozen() -> Iterator[None]:
+    """The process with no frozen objects, before and after the test (this suite's conftest freezes
+    its collected objects, a speed-up only), and the collector's thresholds as they were."""
+    thresholds = gc.get_threshold()
+    gc.unfreeze()
+    yield
+    gc.set_threshold(*thresholds)
+    gc.unfreeze()
+
+
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+        self.tensor = torch.ones(10)
+
+
+def _is_frozen(obj: object) -> bool:
+    return all(other is not obj for other in gc.get_objects())
+
+
+@pytest.mark.usefixtures("nothing_frozen")
+def test_a_full_collection_the_plugin_did_not_ask_for_is_given_everything() -> None:
+    before = Cycle()
+    with Collector() as collector:
+        assert collector.active and collector.frozen and _is_frozen(before)
+        assert any(tensor is before.tensor for tensor in frozen.tensors())  # remembered for the trackers
+        collect()  # on the plugin's account: walks what is not frozen, gives nothing back
+        assert collector.frozen and _is_frozen(before) and collector.given_back == 0
+        later = Cycle()  # made since the freeze: the plugin's collections walk it
+        assert not _is_frozen(later)
+        ref = weakref.ref(before)
+        del before
+        gc.collect()  # the user's: everything is given back first, so the dropped cycle is freed
+        assert ref() is None and collector.given_back == 1
+        # what survived it is frozen again as it ended, the tensors made since remembered
+        assert collector.frozen and collector.froze == 2 and _is_frozen(later)
+        assert any(tensor is later.tensor for tensor in frozen.tensors())
+        ref = weakref.ref(later)
+        del later
+        collect()  # the plugin's own does not walk the frozen cycle...
+        assert ref() is not None
+        gc.collect()  # ...the user's does
+        assert ref() is None and collector.given_back == 2
+    assert gc.get_freeze_count() == 0  # the run's end gives everything back
+    assert collector._on_collection not in gc.callbacks and not frozen.known()
+
+
+@pytest.mark.usefixtures("nothing_frozen")
+def test_the_interpreters_own_full_collections_see_everything() -> None:
+    with Collector() as collector:
+        dropped = Cycle()
+        ref = weakref.ref(dropped)
+        collect()
+        assert _is_frozen(dropped) is False
+        gc.collect()  # frozen now (what survives a full collection given everything is frozen again)
+        assert _is_frozen(dropped)
+        del dropped
+        collect()  # after it, what the oldest generation holds is small (all else is frozen)
+        gc.set_threshold(10, 2, 2)  # the interpreter collects often, its oldest generation too
+        kept = [[] for _ in range(50_000)]
+        assert collector.given_back >= 2 and ref() is None
+        del kept
+
+
+@pytest.mark.usefixtures("nothing_frozen")
+def test_compaction_waits_for_many_objects_and_thaw_gives_them_back() -> None:
+    with Collector(compact_above=20_000) as collector:
+        small = [[] for _ in range(1_000)]
+        assert not collector.compact() and not _is_frozen(small)
+        large = [[] for _ in range(30_000)]
+        assert collector.compact() and _is_frozen(small) and _is_frozen(large)
+        frozen.thaw()  # a report naming what holds a tensor needs the referrers: given back
+        assert not collector.frozen and not _is_frozen(large)
+        assert give_back() is False  # nothing frozen now
+        assert collector.compact() and collector.frozen  # frozen again between tests
+        assert give_back() is True and not collector.frozen
+
+
+@pytest.mark.usefixtures("nothing_frozen")
+def test_objects_someone_else_froze_are_left_alone() -> None:
+    gc.freeze()  # as a conftest, a library or an enclosing session would
+    count = gc.get_freeze_count()
+    with Collector() as collector:
+        assert not collector.active and running() is None
+        assert not collector.compact()
+        gc.collect()
+        assert gc.get_freeze_count() == count  # nothing given back: it cannot tell theirs from its own
+    assert gc.get_freeze_count() == count
+
+
+@pytest.mark.usefixtures("nothing_frozen")
+def test_one_collector_runs_at_a_time() -> None:
+    with Collector() as outer, Collector() as inner:
+        assert outer.active and not inner.active and running() is outer
+    assert running() is None

@@ -1,0 +1,207 @@
+"""``scripts/gpu-check``: its dry run on a machine without a GPU, its reading of pytest's results, its summary.
+
+The GPU run itself happens on a GPU machine (docs/validation.md); here the script must not rot
+between GPUs: every part's command exists and parses, and what it reads and writes is checked
+against real pytest sessions.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu-check"
+
+
+def load_script() -> ModuleType:
+    loader = importlib.machinery.SourceFileLoader("gpu_check", str(SCRIPT))
+    spec = importlib.util.spec_from_loader("gpu_check", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    try:
+        loader.exec_module(module)
+    finally:
+        del sys.modules["gpu_check"]
+    return module
+
+
+gpu_check = load_script()
+
+
+def run_script(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, check=False, cwd=cwd
+    )
+
+
+@pytest.mark.slow
+def test_dry_run_checks_every_part_and_prints_the_plan() -> None:
+    done = run_script("--dry-run")
+    assert done.returncode == 0, done.stdout + done.stderr
+    plan = gpu_check.plan(Path("/out"), sys.executable, 8)
+    for part in plan:
+        assert f"\n{part.name}  ({part.budget:.0f} s;" in done.stdout
+    assert done.stdout.count("\n  ok   ") == sum(len(p.commands) for p in plan)
+    assert "every command parses" in done.stdout
+    assert sum(p.budget for p in plan) <= gpu_check.BUDGET
+
+
+def test_an_option_a_script_does_not_know_fails_the_dry_run() -> None:
+    command = gpu_check.Command("bench", [sys.executable, "benchmarks/bench_accuracy.py", "--no-such-flag"], "script")
+    why = gpu_check.check_command(command, gpu_check.environment())
+    assert why is not None and "does not know --no-such-flag" in why
+
+
+def test_a_selection_that_does_not_collect_fails_the_dry_run() -> None:
+    argv = [sys.executable, "-m", "pytest", "tests/test_no_such_file.py"]
+    why = gpu_check.check_command(gpu_check.Command("x", argv, "pytest"), gpu_check.environment())
+    assert why is not None and why.startswith("collection failed (exit 4)")
+
+
+def test_unknown_parts_are_a_usage_error() -> None:
+    done = run_script("--dry-run", "--parts", "cuda-tests,nope")
+    assert done.returncode == 2
+    assert "--parts: unknown part(s) nope; known: cuda-tests, demo, validate" in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_without_a_gpu_the_run_refuses_and_says_to_dry_run(tmp_path: Path) -> None:
+    done = run_script(str(tmp_path / "out"), "--parts", "demo")
+    assert done.returncode == 2
+    assert "gpu-check: no CUDA device" in done.stderr and "--dry-run" in done.stderr
+    assert not (tmp_path / "out" / "summary.md").exists()
+
+
+def test_junit_counts_and_first_lines_of_a_real_session(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_x="""
+        import pytest
+
+        def test_ok():
+            pass
+
+        def test_bad():
+            assert 1 + 1 == 3, "arithmetic moved"
+
+        @pytest.mark.skip(reason="not here")
+        def test_skipped():
+            pass
+        """
+    )
+    xml = pytester.path / "x.xml"
+    pytester.runpytest("-p", "no:gpumem", f"--junitxml={xml}")
+    result = gpu_check.junit(xml)
+    assert (result["tests"], result["failures"], result["errors"], result["skipped"]) == (3, 1, 0, 1)
+    assert result["failed"] == ["test_x::test_bad: AssertionError: arithmetic moved"]
+    assert gpu_check.junit(pytester.path / "missing.xml")["tests"] is None
+
+
+def test_summary_names_the_device_the_parts_and_the_failures() -> None:
+    summary = {
+        "device": {
+            "device": "NVIDIA H200",
+            "total_memory": 150_000_000_000,
+            "compute_capability": "9.0",
+            "torch": "2.11.0+cu130",
+            "cuda": "13.0",
+            "cudnn": 91900,
+            "python": "3.12.3",
+        },
+        "budget": 540.0,
+        "seconds": 301.4,
+        "parts": [
+            gpu_check.Outcome(
+                "cuda-tests",
+                "failed",
+                40.2,
+                commands=[
+                    {"label": "x", "command": "python -m pytest tests -m cuda", "exit_code": 1, "seconds": 40.2}
+                    | {"tests": 17, "failures": 1, "errors": 0, "skipped": 0, "failed": ["t::a: boom"]}
+                ],
+            ).__dict__,
+            gpu_check.Outcome("overhead", "passed", 100.0, figures={"ratios": {"cpu on/off": 1.04}}).__dict__,
+            gpu_check.Outcome("fast-slice", "skipped", why="the budget was gone (3 s left)").__dict__,
+        ],
+    }
+    text = gpu_check.render(summary)
+    assert "NVIDIA H200 (140 GiB, cc 9.0), torch 2.11.0+cu130, CUDA 13.0" in text
+    assert "| cuda-tests | failed | 40 | 17 | 1 | 0 |" in text
+    assert "| fast-slice | skipped (the budget was gone (3 s left)) | 0 |  |  |  |" in text
+    assert "- FAILED t::a: boom" in text
+    assert "- cpu on/off: 1.04" in text
+
+
+def test_parts_run_in_order_within_their_budgets_and_the_summary_says_what_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The orchestration on a machine without a GPU: the device facts are the one thing stood in
+    for (they come from torch.cuda); the commands are real processes with real deadlines. The
+    second part may take longer than the whole run: it is stopped at the run's deadline, and the
+    third is skipped."""
+    python = sys.executable
+    parts = [
+        gpu_check.Part("passes", 60, "a quick command", [gpu_check.Command("ok", [python, "-c", "pass"], "script")]),
+        gpu_check.Part(
+            "sleeps",
+            600,
+            "past the run's budget",
+            [gpu_check.Command("sleep", [python, "-c", "import time; time.sleep(600)"], "script")],
+        ),
+        gpu_check.Part("late", 60, "after the budget", [gpu_check.Command("never", [python, "-c", "pass"], "script")]),
+    ]
+    facts = {"cuda_available": True, "device": "stand-in", "total_memory": 2**30, "compute_capability": "0.0"}
+    facts |= {"torch": torch.__version__, "cuda": None, "cudnn": None, "python": "3"}
+    monkeypatch.setattr(gpu_check, "device_facts", lambda env: dict(facts))
+    monkeypatch.setattr(gpu_check, "MIN_PART", 1.0)
+    code = gpu_check.run(parts, tmp_path, budget=7)
+    summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
+    statuses = [(p["name"], p["status"]) for p in summary["parts"]]
+    assert code == 1
+    assert statuses == [("passes", "passed"), ("sleeps", "timed out"), ("late", "skipped")]
+    assert summary["parts"][2]["why"].startswith("the budget was gone (")
+    assert "[gpu-check] stopped after" in (tmp_path / "sleeps.log").read_text(encoding="utf-8")
+    text = (tmp_path / "summary.md").read_text(encoding="utf-8")
+    assert "| passes | passed |" in text and "| sleeps | timed out |" in text and "| late | skipped (the budget" in text
+
+
+def test_validation_records_the_suite_as_skipped_when_the_cuda_tests_did_not_run(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "import sys; print(sys.argv[1:])", "--suite-from", str(tmp_path / "none.xml")]
+    argv += ["--suite-log", str(tmp_path / "none.log"), "--trace", "mlp"]
+    result = gpu_check.run_command(
+        gpu_check.Command("v", argv, "script"), gpu_check.environment(), 60, tmp_path / "v.log"
+    )
+    assert result["exit_code"] == 0
+    assert "['--skip-suite', '--trace', 'mlp']" in (tmp_path / "v.log").read_text(encoding="utf-8")
+
+
+def test_a_script_that_refuses_its_options_together_fails_the_dry_run() -> None:
+    """Each option exists, but the script refuses them together: its own --dry-run says so."""
+    argv = [sys.executable, "benchmarks/bench_overhead.py", "--cuda", "--suite", "encoder"]
+    why = gpu_check.check_command(gpu_check.Command("bench", argv, "script"), gpu_check.environment())
+    assert why is not None and "--dry-run refused" in why and "leave --suite out" in why
+
+
+def test_profile_session_prints_where_a_session_spends_its_time(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_p="def test_p():\n    assert sum(range(10)) == 45\n")
+    out = pytester.path / "p.prof"
+    argv = [str(ROOT / "benchmarks" / "profile_session.py"), str(pytester.path), "--top", "5", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, *argv, "--", "-p", "no:gpumem"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout and "=== by tottime ===" in done.stdout and "=== by cumulative ===" in done.stdout
+    assert out.stat().st_size > 0
