@@ -24,10 +24,13 @@ __all__ = [
     "elide_id",
     "elide_middle",
     "elide_span",
+    "markdown_code",
     "markdown_table",
+    "markdown_text",
     "plain",
     "short_id",
     "table",
+    "visible",
     "wrap",
     "wrap_items",
 ]
@@ -331,4 +334,40 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, 
 
 
 def _markdown_cell(cell: object) -> str:
-    return ("" if cell is None else str(cell)).replace("|", "\\|").replace("\n", " ")
+    return markdown_text("" if cell is None else str(cell))
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """``text`` with its control characters (a terminal's escape sequences, a bell) written as
+    their Python escapes (``\\x1b``), so that a test id or a span name read from a file reaches
+    a terminal or a report as the text it is. Line breaks and tabs stay (they lay notes out)."""
+    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], text) if _CONTROL.search(text) else text
+
+
+#: What Markdown (GitHub's: CommonMark with tables, strikethrough and raw HTML) would read as
+#: something other than text in a cell or a list item: a backslash, a code span, an HTML tag or
+#: autolink, strikethrough, an entity, a cell's end; the ``](`` that would close a link or an
+#: image (a bracket alone is text: ``test_step[bf16]`` stays as it is, and no line of a table or
+#: a list item can start a link's definition); an underscore that is not inside a word, an
+#: asterisk that is not between spaces (``2 * 4Ψ`` stays as it is).
+_MARKDOWN = re.compile(r"[\\`<~&|]|(?<!\s)\*|\*(?!\s)|\](?=\()|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
+
+
+def markdown_text(text: str, *, cell: bool = True) -> str:
+    """``text`` (a test id, a span name, a note) as Markdown text in a table's cell or a list item:
+    on one line, its control characters :func:`visible`, every character Markdown would read as
+    markup backslash-escaped (``|`` only in a ``cell``: it would end it)."""
+    text = visible(text).replace("\r", " ").replace("\n", " ")
+    return _MARKDOWN.sub(lambda m: m.group() if m.group() == "|" and not cell else "\\" + m.group(), text)
+
+
+def markdown_code(text: str) -> str:
+    """``text`` as a Markdown code span (shown as it is): on one line, fenced by more backticks than
+    it holds in a row."""
+    text = visible(text).replace("\r", " ").replace("\n", " ")
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"

@@ -468,7 +468,8 @@ def test_a_test_file_named_with_bytes_that_are_not_utf8_is_recorded_and_matched(
     assert names_in(path) == ["test_ok.py::test_ok", odd]
     report = json.loads((pytester.path / "report.json").read_bytes().decode("utf-8"))
     assert sorted(test["nodeid"] for test in report["tests"]) == ["test_ok.py::test_ok", odd]
-    assert "test_\\udcff.py::test_bytes" in (pytester.path / "report.md").read_bytes().decode("utf-8")
+    # its underscore escaped for Markdown (the lone surrogate is no letter): rendered as test_\udcff.py::test_bytes
+    assert "test\\_\\udcff.py::test_bytes" in (pytester.path / "report.md").read_bytes().decode("utf-8")
     matched = run(pytester, "--gpumem-strict", "--gpumem-update-baselines", "--gpumem-prune")
     matched.assert_outcomes(passed=2)
     matched.stdout.fnmatch_lines(["baselines unchanged in *gpumem-baselines.json"])

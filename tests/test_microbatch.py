@@ -244,3 +244,22 @@ def test_plan_for_matches_brute_force() -> None:
     for global_batch in range(1, 130):
         for max_size in (1, 2, 3, 7, 16, 50, 129):
             assert plan_for(global_batch, max_size).microbatch == check(global_batch, max_size)
+
+
+def test_a_step_whose_memory_does_not_grow_with_the_size_stops_the_search_saying_why(engine: Engine) -> None:
+    """Under a limit, without ``upper``: a step that allocates the same bytes at every size never
+    runs out of memory; the doubling stops after 30 doublings instead of running forever."""
+    sizes: list[int] = []
+
+    def step(size: int) -> None:
+        sizes.append(size)
+        torch.ones(10)
+
+    with pytest.raises(MicrobatchError) as raised:
+        max_microbatch(step, limit="1MiB", engine=engine)
+    assert sizes == [2**i for i in range(31)]
+    assert str(raised.value) == (
+        "max_microbatch: every size from 1 to 1,073,741,824 fit under the limit 1.00 MiB (30 doublings): the "
+        "step's memory does not grow with its size (or too little to ever run out); the search stopped there. "
+        "Build the batch from size in step(size), or give upper="
+    )

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Generator, Iterator
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import run_fresh
 from pytest_gpumem.data.metrics import CATEGORIES
@@ -114,6 +116,46 @@ def test_limit_raises_only_while_tracking(engine: Engine) -> None:
                 torch.zeros(1000)
         finally:
             tracker.stop()
+
+
+class Kernels(TorchDispatchMode):
+    """A dispatch mode below the tracker's: the operators that reached their kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ran.append(func._overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_allocation_over_the_limit_is_refused_before_its_kernel_runs(engine: Engine) -> None:
+    """The host pays nothing for an allocation the emulated device refuses: a factory, and an
+    operator whose output a meta kernel sizes (a product, a copy of an expanded view), are refused
+    before their kernels run; ``torch.empty(2**40)`` is the emulated device's out-of-memory error,
+    not the host allocator's."""
+    tracker = tracker_of(engine)
+    kernels = Kernels()
+    column, row, small = torch.ones(2**13, 1), torch.ones(1, 2**13), torch.ones(2**13)
+    refused = {
+        "zeros": lambda: torch.zeros(2**26),  # 256 MiB
+        "empty": lambda: torch.empty(2**40),  # 4 TiB: more than the host has
+        "mm": lambda: column @ row,  # 256 MiB out of 64 KiB
+        "clone": lambda: small.expand(2**13, 2**13).contiguous(),
+    }
+    with kernels:
+        tracker.start(saved_tensors=False)
+        try:
+            with device_limit(engine, tracker.current + 2**20):
+                for name, allocate in refused.items():
+                    with pytest.raises(torch.OutOfMemoryError, match="over the emulated device limit"):
+                        allocate()
+                    assert name not in kernels.ran
+                fits = torch.zeros(1024)  # what fits still runs
+        finally:
+            tracker.stop()
+    assert "zeros" in kernels.ran and fits.numel() == 1024
 
 
 # --------------------------------------------------------------------------- is_oom / requested_bytes

@@ -17,7 +17,7 @@ from typing import Any
 from pytest_gpumem.baselines.environment import Environment, allocator_rank
 from pytest_gpumem.data.metrics import CATEGORIES, METRICS
 
-__all__ = ["CALL_SPAN", "SCHEMA_VERSION", "json_bytes"]
+__all__ = ["CALL_SPAN", "SCHEMA_VERSION", "STORED_CATEGORIES", "json_bytes", "stored_breakdown"]
 
 #: Version of the file layout this release writes and the only one it reads.
 #: Adding keys does not change it (older releases keep keys they do not know);
@@ -26,6 +26,25 @@ SCHEMA_VERSION = 1
 
 #: The span that covers a whole test call; other spans are ``gpumem.measure(name)`` blocks.
 CALL_SPAN = "call"
+
+
+#: The breakdown categories a baseline keeps: those the test's own code decides. ``other`` (what
+#: else was alive: what earlier tests left, a session's tensors) depends on which tests ran before
+#: in the run's order, and so does a span's absolute ``start``: a baseline keeps neither, so that a
+#: serial run, ``-n 4`` and a shuffled run write the same bytes. (Files of earlier releases may
+#: hold both: they are read, compared without them, and dropped when the test is recorded again.)
+STORED_CATEGORIES = tuple(category for category in CATEGORIES if category != "other")
+
+
+def stored_breakdown(breakdown: Mapping[str, int] | None) -> dict[str, int] | None:
+    """What a baseline keeps of a span's ``breakdown`` at the peak: every
+    :data:`STORED_CATEGORIES` (0 where absent), then any category this release does not know,
+    never ``other``; None for None."""
+    if breakdown is None:
+        return None
+    kept = {category: int(breakdown.get(category, 0)) for category in STORED_CATEGORIES}
+    kept.update((c, int(v)) for c, v in breakdown.items() if c not in kept and c != "other")
+    return kept
 
 
 # Canonical key order inside the file. Keys not listed come after, sorted.

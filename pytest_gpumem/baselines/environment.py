@@ -16,7 +16,15 @@ from pytest_gpumem.units import format_size
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALLOCATOR_VARIABLES", "ENGINES", "Environment", "allocator_settings", "check_label"]
+__all__ = [
+    "ALLOCATOR_VARIABLES",
+    "ENGINES",
+    "KEYED_FIELDS",
+    "Environment",
+    "allocator_settings",
+    "check_key_text",
+    "check_label",
+]
 
 #: Engines an :class:`Environment` can describe (see :class:`~pytest_gpumem.data.figures.Measurement`).
 ENGINES: tuple[str, ...] = ("cuda", "cpu", "predict")
@@ -96,6 +104,12 @@ class Environment:
     labels: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        for name in KEYED_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                check_key_text(name, value, shows_none=name != "engine")
+        for name, value in self.allocator or ():
+            check_key_text(f"allocator {name}", f"{name}={value}", shows_none=False)
         object.__setattr__(self, "labels", _label_pairs(self.labels))
 
     @classmethod
@@ -246,6 +260,46 @@ def allocator_settings(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...
     return tuple((name, environ[name].strip()) for name in ALLOCATOR_VARIABLES if environ.get(name, "").strip())
 
 
+#: The text fields an environment key shows (:attr:`Environment.key`), checked with :func:`check_key_text`.
+KEYED_FIELDS: tuple[str, ...] = (
+    "engine",
+    "device_name",
+    "compute_capability",
+    "torch_version",
+    "cuda_version",
+    "hip_version",
+    "cudnn_version",
+)
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _problem(text: str) -> str | None:
+    """What makes ``text`` unfit for a part of an environment key, or None."""
+    if "|" in text:
+        return "contains '|' (the key's separator)"
+    if "\n" in text or "\r" in text:
+        return "contains a line break"
+    control = _CONTROL.search(text)
+    if control is not None:
+        return f"contains the control character {control.group()!r}"
+    return None
+
+
+def check_key_text(what: str, text: str, *, shows_none: bool = True) -> None:
+    """Raise ``ValueError`` naming ``what`` unless ``text`` can be a part of an environment key,
+    which must read one way only: no ``|`` (the parts' separator), line break or other control
+    character, no leading or trailing spaces, not empty, and (``shows_none``) not ``"unknown"``,
+    the key's word for a field that is None (use None to share baselines across its values)."""
+    problem = _problem(text)
+    if problem is None and (not text or text != text.strip()):
+        problem = "is empty or has leading or trailing spaces"
+    if problem is None and shows_none and text == "unknown":
+        problem = "is 'unknown', which the key shows for None: use None"
+    if problem is not None:
+        raise ValueError(f"invalid environment {what} {text!r}: it {problem}")
+
+
 def check_label(name: object, value: object) -> None:
     """Raise ``ValueError`` naming the label unless ``name=value`` can be part of an environment key.
 
@@ -260,9 +314,9 @@ def check_label(name: object, value: object) -> None:
             raise ValueError(f"invalid environment label {shown}: the {what} must be a string")
         if not text:
             raise ValueError(f"invalid environment label {shown}: the {what} is empty")
-        for bad, why in (("|", "'|'"), ("\n", "a line break"), ("\r", "a line break")):
-            if bad in text:
-                raise ValueError(f"invalid environment label {shown}: the {what} contains {why}")
+        problem = _problem(text)
+        if problem is not None:
+            raise ValueError(f"invalid environment label {shown}: the {what} {problem}")
         if text != text.strip():
             raise ValueError(f"invalid environment label {shown}: the {what} has leading or trailing spaces")
     assert isinstance(name, str)

@@ -17,11 +17,12 @@ from pytest_gpumem.baselines.canonical import (
     canonical_top,
     render,
     span_items,
+    stored_breakdown,
 )
 from pytest_gpumem.baselines.environment import Environment
 from pytest_gpumem.baselines.validation import BaselineFileError, validate
 from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.data.metrics import BASELINE_METRICS, CATEGORIES
+from pytest_gpumem.data.metrics import BASELINE_METRICS, METRIC_INFO
 from pytest_gpumem.data.sites import SITES_BUDGET, SiteProfile
 
 __all__ = ["BaselineEntry", "BaselineStore", "StaleEntry"]
@@ -36,9 +37,12 @@ class BaselineEntry:
             :data:`~pytest_gpumem.data.figures.METRICS`; another unit for metrics a
             later feature adds), ``None`` where the engine could not know it.
         start: allocated bytes when the span began (absolute; for information,
-            never compared).
-        breakdown: bytes by category at the peak (absolute, sums to the
-            absolute peak); ``None`` when not measured.
+            never compared): files of earlier releases have it; it is not recorded, since it
+            depends on the tests that ran before (see
+            :data:`~pytest_gpumem.baselines.canonical.STORED_CATEGORIES`).
+        breakdown: bytes by category at the peak (absolute), of the categories the test's
+            own code decides (:func:`~pytest_gpumem.baselines.canonical.stored_breakdown`: no
+            ``other``); ``None`` when not measured.
         extra: keys of the span this release does not know, kept verbatim; ``"sites"``, the
             span's site profile as the file keeps it (:attr:`sites` reads it).
     """
@@ -66,12 +70,8 @@ class BaselineEntry:
         costs: dict[str, int | None] = {metric: measurement.cost(metric) for metric in metrics}
         if extra_costs:
             costs.update(extra_costs)
-        breakdown: dict[str, int] | None = None
-        if measurement.breakdown is not None:  # every category, 0 where absent, as Measurement.to_dict writes it
-            breakdown = {c: int(measurement.breakdown.get(c, 0)) for c in CATEGORIES}
-            breakdown.update((c, int(v)) for c, v in measurement.breakdown.items() if c not in breakdown)
         extra = {} if measurement.sites is None else {"sites": measurement.sites.to_stored(sites_budget)}
-        return cls(costs=costs, start=measurement.start, breakdown=breakdown, extra=extra)
+        return cls(costs=costs, breakdown=stored_breakdown(measurement.breakdown), extra=extra)
 
     @property
     def sites(self) -> SiteProfile | None:
@@ -92,7 +92,8 @@ class BaselineEntry:
         """:meth:`to_dict` without the canonical ordering (the store orders when it writes)."""
         data: dict[str, Any] = dict(self.extra) if self.extra else {}
         data.update(self.costs)
-        data["start"] = self.start
+        if self.start is not None:
+            data["start"] = self.start
         if self.breakdown is not None:
             data["breakdown"] = dict(self.breakdown)
         else:
@@ -250,8 +251,11 @@ class BaselineStore:
             written = entry._raw()
             old = old_spans.get(name)
             if old:
-                # keep what this entry does not write; drop a breakdown or sites it no longer has
-                kept = {k: v for k, v in old.items() if k not in written and k not in ("breakdown", "sites")}
+                # keep what this entry does not write (keys of a later release); drop a breakdown, sites
+                # or a figure it no longer has (the max_microbatch of a test that no longer searches),
+                # and the start an earlier release recorded
+                dropped = ("breakdown", "sites", "start")
+                kept = {k: v for k, v in old.items() if k not in written and k not in dropped and k not in METRIC_INFO}
                 if kept:
                     written = {**kept, **written}
             new_spans[name] = written

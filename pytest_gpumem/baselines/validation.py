@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.baselines.canonical import SCHEMA_VERSION
-from pytest_gpumem.baselines.environment import check_label
+from pytest_gpumem.baselines.environment import KEYED_FIELDS, check_key_text, check_label
 from pytest_gpumem.data.metrics import COUNT_METRICS, METRIC_TABLE, METRICS
 from pytest_gpumem.data.sites import parse_stored_site
 from pytest_gpumem.units import MAX_BYTES, shown
@@ -134,6 +134,13 @@ def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | 
                     check_label(name, value)
                 except ValueError as exc:
                     raise fail((*where, name), str(exc)) from None
+        for field_name in KEYED_FIELDS:  # a key reads one way only
+            part = (described or {}).get(field_name)
+            if isinstance(part, str):
+                try:
+                    check_key_text(field_name, part, shows_none=field_name != "engine")
+                except ValueError as exc:
+                    raise fail(("environments", key, "environment", field_name), str(exc)) from None
         tests = env.setdefault("tests", {})
         if not isinstance(tests, dict):
             raise fail(("environments", key, "tests"), f"expected an object, found {_json_type(tests)}")

@@ -320,6 +320,12 @@ def _line(f: Finding) -> str:
     info = metric_info(f.metric)
     where = "" if f.span in ("call", "*") else f"[{f.span}] "
     excess = f"{info.format_delta(f.delta)} ({format_percent(f.delta, f.reference)})"
+    if f.status == "stale" and f.span != "*":  # a part of a test's baselines that the run did not produce
+        redo = "record the test again with --gpumem-update-baselines"
+        if f.metric == "*":
+            return f"stale baseline: the span {f.span!r} of {f.test} was recorded, not measured by this run; {redo}"
+        recorded = f"{f.metric} {info.format(f.reference)}" + (f" of the span {f.span!r}" if f.span != "call" else "")
+        return f"stale baseline: {recorded} was recorded for {f.test}, not measured by this run; {redo}"
     if f.status == "stale":
         return f"stale baseline: {f.test} no longer exists; baselines kept for {f.detail}; prune them"
     measured, reference = info.format_pair(f.measured, f.reference)  # never the same text for two values

@@ -23,16 +23,21 @@ import torch
 
 from pytest_gpumem.diagnose.oom import is_oom, release_oom
 from pytest_gpumem.measurement import collector
-from pytest_gpumem.units import parse_size
+from pytest_gpumem.units import format_size, parse_size
 
 if TYPE_CHECKING:
     from pytest_gpumem.measurement.engines.base import Engine
 
-__all__ = ["MicrobatchError", "Plan", "max_microbatch", "plan_accumulation", "plan_for"]
+__all__ = ["MAX_DOUBLINGS", "MicrobatchError", "Plan", "max_microbatch", "plan_accumulation", "plan_for"]
+
+#: Without ``upper``, how many times the search doubles the size before it concludes that the step's
+#: memory does not grow with it (a size 2**30 times ``start``: no microbatch is a billion samples).
+MAX_DOUBLINGS = 30
 
 
 class MicrobatchError(RuntimeError):
-    """No microbatch size fits: not even the smallest one tried."""
+    """No microbatch size fits (not even the smallest one tried), or every size does (the step's
+    memory does not grow with its size)."""
 
 
 def _check_size(name: str, value: int | None, minimum: int) -> None:
@@ -74,8 +79,10 @@ def max_microbatch(
             ``engine``. None: the device's real memory. On the CPU engine the
             tracker is started for the search when it is not running.
         upper: the largest size worth trying (say the global batch). Without it
-            a step that never runs out of memory never stops growing, so on the
-            CPU engine without a limit it is required.
+            the size doubles until a try runs out of memory, at most
+            :data:`MAX_DOUBLINGS` times (then :class:`MicrobatchError` says the step's
+            memory does not grow with its size); on the CPU engine without a limit
+            it is required.
         engine: the engine of the device the step runs on, or its name
             (``"cpu"``, ``"cuda:0"``; see :func:`~pytest_gpumem.measurement.active.engine_for`):
             needed for ``limit``, and on CUDA-like devices it lets the search
@@ -157,10 +164,19 @@ def max_microbatch(
             return 0
         fit = start
         failed: int | None = None
+        doublings = 0
         while failed is None:
             if upper is not None and fit >= upper:
                 return fit
+            if upper is None and doublings == MAX_DOUBLINGS:
+                where = "on the device" if nbytes is None else f"under the limit {format_size(nbytes)}"
+                raise MicrobatchError(
+                    f"max_microbatch: every size from {start:,} to {fit:,} fit {where} ({MAX_DOUBLINGS} doublings): "
+                    "the step's memory does not grow with its size (or too little to ever run out); the search "
+                    "stopped there. Build the batch from size in step(size), or give upper="
+                )
             size = fit * 2 if upper is None else min(fit * 2, upper)
+            doublings += 1
             if fits(size):
                 fit = size
             else:

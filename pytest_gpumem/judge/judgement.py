@@ -12,14 +12,15 @@ renamed before they arrive) all call it. Pure: no I/O, no torch, no pytest.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 
-from pytest_gpumem.baselines import BaselineStore, Environment
+from pytest_gpumem.baselines import BaselineEntry, BaselineStore, Environment
+from pytest_gpumem.baselines.canonical import stored_breakdown
 from pytest_gpumem.budgets.expressions import BudgetError, parse_budget
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding, Limit, Tolerance
-from pytest_gpumem.data.metrics import BASELINE_METRICS, MEASURED_BASELINE_METRICS, metric_info
+from pytest_gpumem.data.metrics import BASELINE_METRICS, MEASURED_BASELINE_METRICS, METRIC_INFO, metric_info
 from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.judge.rule import tolerance_for
@@ -125,18 +126,54 @@ def _compare(record: TestRecord, store: BaselineStore, options: JudgeOptions) ->
     findings: list[Finding] = []
     for measurement in record.measurements:
         metrics = baseline_metrics(measurement)
+        entry = store.entry(env.key, record.nodeid, measurement.name)
+        if entry is not None and measurement.breakdown is not None:  # the categories a baseline keeps, on both sides
+            measurement = replace(measurement, breakdown=stored_breakdown(measurement.breakdown))
+            entry = replace(entry, breakdown=stored_breakdown(entry.breakdown))
         findings.extend(
             compare_baseline(
                 record.nodeid,
                 measurement,
-                store.entry(env.key, record.nodeid, measurement.name),
+                entry,
                 metric_tolerances(metrics, record.tolerance(measurement.name) or options.tolerance),
                 other_environments=others,
                 strict=options.strict,
                 metrics=metrics,
             )
         )
+    findings.extend(_unmeasured(record, store.spans(env.key, record.nodeid), options.strict))
     return findings
+
+
+def _unmeasured(record: TestRecord, recorded: Mapping[str, BaselineEntry], strict: bool) -> list[Finding]:
+    """A ``stale`` finding for each baseline of the test that the run did not produce: a recorded
+    span none of its measurements has (a ``measure()`` block renamed or removed), a recorded
+    figure its span did not measure this time (``max_microbatch`` of a test that no longer
+    searches). Under ``torchrun`` each rank judges its own spans (``…@rankR-of-N``) only."""
+    measured = {measurement.name: measurement for measurement in record.measurements}
+    own = _rank_suffix(record.measurements[0].name) if record.measurements else ""
+    findings: list[Finding] = []
+    for name, entry in recorded.items():
+        if _rank_suffix(name) != own:
+            continue
+        measurement = measured.get(name)
+        if measurement is None:
+            detail = "recorded span, not measured by this run"
+            findings.append(Finding(record.nodeid, name, "*", "baseline", "stale", detail=detail, strict=strict))
+            continue
+        kept = baseline_metrics(measurement)
+        for metric, value in entry.costs.items():
+            if value is not None and metric in METRIC_INFO and metric not in kept:
+                detail = "recorded figure, not measured by this run"
+                stale = Finding(record.nodeid, name, metric, "baseline", "stale", None, value, None, {}, detail, strict)
+                findings.append(stale)
+    return findings
+
+
+def _rank_suffix(span: str) -> str:
+    """``"@rank1-of-2"`` of a span a ``torchrun`` rank named (``call@rank1-of-2``), else ``""``."""
+    at = span.rfind("@rank")
+    return span[at:] if at >= 0 else ""
 
 
 def metric_tolerances(metrics: Iterable[str], tolerance: Tolerance | None) -> dict[str, Tolerance]:

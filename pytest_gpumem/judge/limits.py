@@ -7,6 +7,7 @@ resolves it with the span's Ψ and compares. A bad value is an error naming the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -94,16 +95,29 @@ def parse_tolerance_keyword(value: object) -> Tolerance:
 
 
 def check_span_name(name: object) -> str:
-    """``name`` if it can name a span inside a measured test: a non-empty string other than ``"call"``."""
+    """``name`` if it can name a span inside a measured test: a non-empty string other than ``"call"``,
+    of plain text (a control character, a line break or a terminal's escape sequence, would reach
+    the terminal and the reports as something else)."""
     if not isinstance(name, str) or not name or name == "call":
         raise SpecError(f"span name {name!r} must be a non-empty string other than 'call' (the whole test)")
+    _plain_text(name)
     return name
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _plain_text(name: str) -> None:
+    control = _CONTROL.search(name)
+    if control is not None:
+        raise SpecError(f"span name {name!r} contains the control character {control.group()!r}: use plain text")
 
 
 def parse_span_limits(name: object, limits: Mapping[str, Any]) -> tuple[tuple[LimitSpec, ...], Tolerance | None]:
     """Validate the keywords of ``measure(name, **limits)``: each limit once, into a :class:`LimitSpec`."""
     if not isinstance(name, str) or not name:
         raise SpecError(f"span name {name!r} must be a non-empty string")
+    _plain_text(name)
     unknown = sorted(set(limits) - set(SPAN_KEYWORDS))
     if unknown:
         names = ", ".join(map(repr, unknown))

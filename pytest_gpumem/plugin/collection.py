@@ -12,7 +12,7 @@ import pytest
 
 from pytest_gpumem.baselines.staleness import FAILED, IGNORED, IN_PART, LAST_FAILED, SKIPPED, Collection, file_of
 from pytest_gpumem.judge.limits import SpecError
-from pytest_gpumem.plugin.marker import GpumemSpec, parse_marker
+from pytest_gpumem.plugin.marker import GpumemSpec, closest_first, parse_marker
 from pytest_gpumem.plugin.options import Settings
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ __all__ = [
     "CollectionBook",
     "DisabledManager",
     "MarkerCheck",
+    "gpumem_marks",
     "marker_spec",
 ]
 
@@ -44,9 +45,14 @@ def worker_index() -> int | None:
     return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
 
 
+def gpumem_marks(item: pytest.Item) -> list[pytest.Mark]:
+    """The item's ``gpumem`` marks, closest first (:func:`~pytest_gpumem.plugin.marker.closest_first`)."""
+    return closest_first(list(item.iter_markers("gpumem")), getattr(getattr(item, "callspec", None), "marks", ()))
+
+
 def marker_spec(item: pytest.Item) -> GpumemSpec | None:
     """The item's validated marker (None when it is not measured); raises :class:`SpecError`."""
-    markers = [(mark.args, mark.kwargs) for mark in item.iter_markers("gpumem")]
+    markers = [(mark.args, mark.kwargs) for mark in gpumem_marks(item)]
     if not markers and "gpumem" not in getattr(item, "fixturenames", ()):
         return None
     return parse_marker(markers)

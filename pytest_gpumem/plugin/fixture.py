@@ -169,7 +169,9 @@ class GpuMem:
         emptied on CUDA), ``cleanup()`` runs after every try (zero the gradients
         there). ``limit`` (bytes or a size) emulates a smaller device; the default
         is the test's ``device_limit``. ``upper`` caps the search; on the CPU
-        engine, one of ``limit``/``upper`` is needed for the search to end.
+        engine, one of ``limit``/``upper`` is needed for the search to end, and
+        without ``upper`` a step whose memory does not grow with its size raises
+        :class:`~pytest_gpumem.diagnose.microbatch.MicrobatchError` after 30 doublings.
         Returns 0 when not even ``start`` fits. The largest size any search of
         the test found is its ``max_microbatch`` figure (``min_microbatch=``
         bounds it; baselines keep it).

@@ -10,35 +10,22 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpumem.baselines import BaselineFileError, Environment
+from pytest_gpumem.baselines import BaselineFileError
 from pytest_gpumem.data.metrics import METRICS
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.measurement.observe import choose_observe, observe_conflict
-from pytest_gpumem.plugin.collection import (
-    SPEC_ERROR_KEY,
-    SPEC_KEY,
-    MarkerCheck,
-    is_worker,
-    marker_spec,
-    worker_index,
-)
+from pytest_gpumem.plugin.collection import SPEC_ERROR_KEY, SPEC_KEY, MarkerCheck, gpumem_marks, is_worker, marker_spec
 from pytest_gpumem.plugin.ending import RunEnd, append_section
 from pytest_gpumem.plugin.gate import Gate
-from pytest_gpumem.plugin.marker import GpumemSpec
+from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measuring
 from pytest_gpumem.plugin.options import Settings
-from pytest_gpumem.plugin.sites import run_options, second_run
 from pytest_gpumem.plugin.torchrun import launch, rename
 from pytest_gpumem.report.details import failure_text
 
 if TYPE_CHECKING:
-    from pytest_gpumem.measurement.engines import Engine
-    from pytest_gpumem.plugin.runner import Engines, Freezer, TestRun
+    from pytest_gpumem.plugin.runner import Engines, Freezer
 
 __all__ = ["RECORD_KEY", "RUN_KEY", "GpumemManager"]
-
-RUN_KEY: pytest.StashKey[TestRun] = pytest.StashKey()
-RECORD_KEY = pytest.StashKey[TestRecord]()
 
 
 def _terminal_width(config: pytest.Config) -> int:
@@ -47,7 +34,7 @@ def _terminal_width(config: pytest.Config) -> int:
     return int(writer.fullwidth) if writer is not None else shutil.get_terminal_size().columns
 
 
-class GpumemManager(MarkerCheck, RunEnd):
+class GpumemManager(MarkerCheck, Measuring, RunEnd):
     """Owns the run's state: settings, engines, the gate, and the collected node ids."""
 
     def __init__(self, config: pytest.Config, settings: Settings) -> None:
@@ -78,6 +65,7 @@ class GpumemManager(MarkerCheck, RunEnd):
         """The final word on which tests are measured: markers a conftest added after collection are
         validated here (a bad one errors its test), and a test whose markers were removed is not measured."""
         for item in items:  # the markers as they are now: a conftest may have added or removed some
+            item.stash[MARKS_KEY] = gpumem_marks(item)
             try:
                 spec = marker_spec(item)
             except SpecError as exc:
@@ -121,104 +109,6 @@ class GpumemManager(MarkerCheck, RunEnd):
         finally:
             if self._freezer is not None:
                 self._freezer.stop()
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        error = item.stash.get(SPEC_ERROR_KEY, None)
-        if error is not None:
-            pytest.fail(error, pytrace=False)
-        spec = item.stash.get(SPEC_KEY, None)
-        if spec is None:
-            return
-        from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, TestRun, choose_device
-
-        settings = self.settings
-        unavailable: DeviceUnavailable | None = None
-        try:
-            device = choose_device(
-                spec.device or settings.device, require_gpu=settings.require_gpu, worker=self._gpu_index()
-            )
-        except DeviceUnavailable as exc:
-            unavailable = exc  # failed or skipped outside the handler: pytest would print it twice (chained)
-        if unavailable is not None:
-            if unavailable.required:
-                pytest.fail(f"{item.nodeid}: {unavailable.reason}", pytrace=False)
-            pytest.skip(unavailable.reason)
-        if self._engines is None:  # the test runs outside the run loop (pytester's inline runs)
-            self._engines = Engines(cuda_rounding=settings.cuda_rounding)
-        breakdown = spec.breakdown if spec.breakdown is not None else settings.breakdown
-        predict = spec.predict or settings.predict
-        observe = self._observe(item, spec, predict)
-        engine = self._engines.get(device, breakdown=breakdown, observe=observe, predict=predict)
-        # the run's --gpumem-fake applies to the predicted tests; a marker's fake=True needs a prediction
-        fake = (spec.fake if spec.fake is not None else settings.fake and predict is not None) and device.type == "cpu"
-        if fake and predict is None:
-            pytest.fail(
-                f"{item.nodeid}: fake=True needs a prediction: predict= on the marker or --gpumem-predict",
-                pytrace=False,
-            )
-        options = run_options(settings, spec)
-        item.stash[RUN_KEY] = TestRun(
-            item.nodeid,
-            spec,
-            engine,
-            environment=self._environment(engine),
-            options=options,
-            fake=fake,
-        )
-
-    def _gpu_index(self) -> int | None:
-        """Which GPU this process measures on when several are visible: the xdist worker's, else
-        torchrun's local rank."""
-        worker = worker_index()
-        if worker is None and self._launch is not None:
-            return self._launch.local_rank
-        return worker
-
-    def _observe(self, item: pytest.Item, spec: GpumemSpec, predict: str | None) -> str:
-        """How the CPU engine observes this test (:func:`~pytest_gpumem.measurement.observe.choose_observe`):
-        the run's ``--gpumem-observe=allocations`` yields to a prediction or an emulated device
-        limit; the test's own ``observe="allocations"`` under one of them is an error."""
-        settings = self.settings
-        run_limit = None if settings.device_limit is None else f"--gpumem-device-limit={settings.device_limit}"
-        limit = None if spec.device_limit is not None else run_limit  # the marker's own was checked at collection
-        conflict = observe_conflict(spec.observe, predict=predict, limit=limit)
-        if conflict is not None:
-            pytest.fail(f"{item.nodeid}: {conflict}", pytrace=False)
-        needs_limit = spec.device_limit is not None or settings.device_limit is not None
-        return choose_observe(spec.observe, default=settings.observe, predict=predict, limit=needs_limit)
-
-    def _environment(self, engine: Engine) -> dict[str, Any]:
-        key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{engine.predicts}"
-        if key not in self._environments:
-            detected = Environment.detect(engine.name, engine.device, engine.cuda_rounding, predict=engine.predicts)
-            problem = None
-            try:
-                adjusted = self.config.hook.pytest_gpumem_environment(config=self.config, environment=detected)
-                if adjusted is not None and not isinstance(adjusted, Environment):
-                    raise TypeError(f"expected an Environment or None, got {type(adjusted).__name__}")
-                self._environments[key] = (adjusted or detected).to_dict()
-            except (TypeError, ValueError) as exc:
-                problem = f"pytest_gpumem_environment hook: {exc}"
-            if problem is not None:
-                pytest.fail(problem, pytrace=False)
-        return self._environments[key]
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
-        run = item.stash.get(RUN_KEY, None)
-        if run is None:
-            return (yield)
-        from pytest_gpumem.plugin.returnwatch import code_of
-
-        run.start(code_of(getattr(item, "obj", None)))
-        try:
-            result = yield
-        except BaseException as exc:
-            item.stash[RECORD_KEY] = second_run(item, run, run.finish(exc), exc, self.settings, self.gate)
-            raise
-        item.stash[RECORD_KEY] = second_run(item, run, run.finish(None), None, self.settings, self.gate)
-        return result
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(

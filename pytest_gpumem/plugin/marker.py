@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import METRIC_TABLE, METRICS
@@ -21,7 +21,10 @@ from pytest_gpumem.units import MAX_BYTES, SizeError, parse_size, shown
 __all__ = [
     "MARKER_KEYWORDS",
     "MARKER_KEYWORD_HELP",
+    "SETUP_KEYWORDS",
     "GpumemSpec",
+    "closest_first",
+    "late_marker_problems",
     "marker_help",
     "parse_device",
     "parse_marker",
@@ -45,6 +48,10 @@ MARKER_KEYWORD_HELP: dict[str, str] = {
 #: Keywords the ``gpumem`` marker accepts.
 MARKER_KEYWORDS: tuple[str, ...] = tuple(MARKER_KEYWORD_HELP)
 assert MARKER_KEYWORDS[: len(METRICS)] == METRICS, "the limits come first, in METRICS order"
+#: The keywords that choose how a test is measured (its device and engine): read when its run is
+#: set up, before its fixtures. The others (limits, ``tolerance``, ``min_microbatch``) are judged
+#: after the call, and a marker added until then applies them.
+SETUP_KEYWORDS: tuple[str, ...] = ("device", "breakdown", "observe", "predict", "fake", "device_limit")
 
 
 def parse_predict(value: object) -> str:
@@ -78,6 +85,8 @@ class GpumemSpec:
     #: when sites are recorded (:data:`~pytest_gpumem.data.sites.SITES_MODES`); None: the run's option
     sites: str | None = None
 
+
+T = TypeVar("T")
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(?::[0-9]+)?)$")
 
@@ -132,12 +141,54 @@ def marker_help() -> str:
     )
 
 
-def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> GpumemSpec:
-    """Merge and validate ``gpumem`` markers, closest first (as ``item.iter_markers`` yields them).
+def closest_first(marks: Sequence[T], parameter_marks: Sequence[object]) -> list[T]:
+    """``marks`` (as ``item.iter_markers`` yields them: the test's own, then its class's, module's)
+    with the marks of the test's parameters (``pytest.param(..., marks=...)``) first: they are
+    the closest, written for this one case. (pytest's ``get_closest_marker`` would return the
+    function's own marker there: the test's own markers list the function's before its
+    parameters'.)"""
+    first = [mark for mark in marks if any(mark is other for other in parameter_marks)]
+    return first + [mark for mark in marks if not any(mark is other for other in parameter_marks)]
 
-    A keyword on a closer marker (the function) wins over the same keyword on a
-    farther one (class, module). Raises :class:`SpecError` naming the bad
-    keyword or value.
+
+def late_marker_problems(
+    markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]],
+    late: Sequence[bool],
+    before: GpumemSpec,
+    now: GpumemSpec,
+) -> list[str]:
+    """What is wrong with markers added after the test was set up (``late``, one flag per marker in
+    ``markers``, closest first): a keyword they set that a closer marker sets to another value (it
+    would be dropped), and a :data:`SETUP_KEYWORDS` keyword that changes the spec ``before``
+    (the test is measured already)."""
+    problems = []
+    for (_, kwargs), is_late in zip(markers, late, strict=True):
+        if not is_late:
+            continue
+        for key, value in kwargs.items():
+            winner = next(other for _, other in markers if key in other)
+            if winner is not kwargs and winner[key] != value:
+                problems.append(
+                    f"the gpumem marker added after collection sets {key}={value!r}, but {key}={winner[key]!r} "
+                    "of a closer marker wins (the closest marker wins, keyword by keyword): remove one of them, "
+                    "or add the marker with add_marker(..., append=False) to make it the closest"
+                )
+    for key in SETUP_KEYWORDS:
+        if getattr(before, key) != getattr(now, key):
+            value = next((kwargs[key] for _, kwargs in markers if key in kwargs), None)
+            problems.append(
+                f"{key}={value!r} was added to the gpumem marker too late: the test was set up to be measured "
+                "without it. Mark the test itself, or add the marker in pytest_collection_modifyitems"
+            )
+    return problems
+
+
+def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> GpumemSpec:
+    """Merge and validate ``gpumem`` markers, closest first (:func:`closest_first`).
+
+    A keyword on a closer marker (a parameter's, the function's) wins over the same
+    keyword on a farther one (the function's, the class's, the module's). Raises
+    :class:`SpecError` naming the bad keyword or value.
     """
     merged: dict[str, Any] = {}
     for args, kwargs in markers:

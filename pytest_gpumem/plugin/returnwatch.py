@@ -2,16 +2,21 @@
 
 The plugin reads a test's ``allocated`` figure this way: as the test function
 returns, so that what a training step leaves allocated is measured before the
-test's locals are freed.
+test's locals are freed. It does so under any tracer (coverage, a debugger), on
+every Python the package supports, or raises :class:`ReturnWatchError`: it never
+reads after the locals are gone in silence.
 
-Python 3.12+ uses ``sys.monitoring`` with a ``PY_RETURN`` event on the test's code
-object only: nothing else is slowed down. Python 3.11 traces one call with
-``sys.settrace``, the test function's, keeps its frame (and so its locals) alive past
-the return, and runs the callback when the watch ends, just after the call; when
-another tracer (coverage, a debugger) is installed there, the watch is skipped and
-the figure is read after the call instead. A test function's return value is
-pytest's to drop (it warns about one that is not None): on Python 3.11 it is gone
-when the watch reads, on 3.12+ it is still alive.
+Python 3.12+ uses ``sys.monitoring`` with a tool id of its own (3 or 4, the ids no
+tool claims by convention, else any free one) and a ``PY_RETURN`` event on the test's
+code object only: nothing else is slowed down, and another tool's monitoring
+(coverage's, a debugger's, a profiler's) is left as it is. Before 3.12, the watch traces
+one call with ``sys.settrace``, the test function's, keeps its frame (and so its locals)
+alive past the return, and runs the callback when the watch ends, just after the call.
+When another trace function is installed there (coverage, a debugger), the watch
+chains to it: every event reaches it as before, the local tracer it returns for a frame
+is that frame's, and it is back in place once the test function has been called.
+A test function's return value is pytest's to drop (it warns about one that is not
+None): before 3.12 it is gone when the watch reads, on 3.12+ it is still alive.
 """
 
 from __future__ import annotations
@@ -23,9 +28,18 @@ from contextlib import contextmanager
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["code_of", "watch_return"]
+__all__ = ["ReturnWatchError", "code_of", "watch_return"]
 
 _TOOL_NAME = "pytest-gpumem"
+#: ``sys.monitoring`` tool ids, in the order the watch tries them: 3 and 4 are no
+#: tool's by convention (0 is the debuggers', 1 coverage's, 2 the profilers', 5 the
+#: optimizers')
+_TOOL_IDS = (3, 4, 2, 5, 0, 1)
+
+
+class ReturnWatchError(RuntimeError):
+    """The figure cannot be read as the function returns (every ``sys.monitoring`` tool id
+    taken, a trace function that cannot be called)."""
 
 
 def code_of(function: Any) -> CodeType | None:
@@ -42,10 +56,10 @@ def code_of(function: Any) -> CodeType | None:
 @contextmanager
 def watch_return(code: CodeType | None, callback: Callable[[], None]) -> Iterator[bool]:
     """While the block runs, call ``callback()`` when ``code`` returns, its locals still alive
-    (Python 3.11: just after its first call returns, when the block ends).
+    (before Python 3.12: just after its first call returns, when the block ends).
 
-    Yields whether the watch is installed (False: no code object, or another
-    tracer owns ``sys.settrace`` on Python < 3.12).
+    Yields whether the watch is installed (False: no code object). Raises
+    :class:`ReturnWatchError` when it cannot be installed.
     """
     if code is None:
         yield False
@@ -61,10 +75,13 @@ def watch_return(code: CodeType | None, callback: Callable[[], None]) -> Iterato
 
 @contextmanager
 def _monitor(monitoring: Any, code: CodeType, callback: Callable[[], None]) -> Iterator[bool]:
-    tool = next((i for i in range(6) if monitoring.get_tool(i) is None), None)
+    tool = next((i for i in _TOOL_IDS if monitoring.get_tool(i) is None), None)
     if tool is None:
-        yield False
-        return
+        users = ", ".join(f"{i}: {monitoring.get_tool(i)!r}" for i in range(6))
+        raise ReturnWatchError(
+            "allocated cannot be read as the test returns: every sys.monitoring tool id is taken "
+            f"({users}); free one, or measure without the tools that hold them"
+        )
     monitoring.use_tool_id(tool, _TOOL_NAME)
     event = monitoring.events.PY_RETURN
 
@@ -85,30 +102,47 @@ def _monitor(monitoring: Any, code: CodeType, callback: Callable[[], None]) -> I
 
 @contextmanager
 def _trace(code: CodeType, callback: Callable[[], None]) -> Iterator[bool]:
-    """Python 3.11: ``sys.settrace`` for one call event, the test function's; the watch keeps a
+    """Before Python 3.12: ``sys.settrace`` until the test function's call event; the watch keeps a
     reference to its frame, so its locals outlive the return until the block ends, where
     ``callback()`` runs and the reference goes (the locals with it, unless a traceback of the
     test's failure holds the frame: then they go with the traceback, as they always would).
 
+    A trace function installed before (coverage, a debugger) is chained: each call event goes to
+    it first and what it returns (its local tracer for the frame) is returned, so it sees every
+    line it would have seen; once the test function is called it is the trace function again.
+    Coverage's C tracer puts itself back at each call event it is given from Python: the watch
+    then puts itself back in front of it until the test function's call.
+
     Tracing the whole call instead (a trace function asked at every Python call) made every
     operator of a training step about 3 µs slower under the plugin's dispatch mode."""
-    if sys.gettrace() is not None:
-        yield False
-        return
+    previous = sys.gettrace()
+    if previous is not None and not callable(previous):
+        raise ReturnWatchError(
+            f"allocated cannot be read as the test returns: the trace function {previous!r} cannot be called"
+        )
     held: list[FrameType] = []
+    chained: list[Any] = [previous]  # the trace function to give events to (a tracer may replace itself)
 
     def first_call(frame: FrameType, event: str, arg: object) -> Any:
+        tracer = chained[0]
+        local = None if tracer is None else tracer(frame, event, arg)
+        current = sys.gettrace()
+        if current is not first_call and current is not tracer:  # the tracer replaced itself
+            chained[0] = tracer = current
         if frame.f_code is code:
             held.append(frame)
-            sys.settrace(None)  # the one call it waited for: nothing else is traced
-        return None
+            if current is not tracer:
+                sys.settrace(tracer)  # the one call it waited for: the trace function is the previous one again
+        elif current is not first_call:
+            sys.settrace(first_call)  # a C tracer called from Python reinstalled itself: back in front of it
+        return local
 
     sys.settrace(first_call)
     try:
         yield True
     finally:
         if sys.gettrace() is first_call:  # the function was never called
-            sys.settrace(None)
+            sys.settrace(chained[0])
         if held:
             frame = held.pop()  # it was called, and has returned: its locals are alive while ``frame`` is
             callback()

@@ -18,7 +18,7 @@ from pytest_gpumem.data.findings import Finding
 from pytest_gpumem.data.sites import BEFORE, SiteFigures, SiteProfile
 from pytest_gpumem.judge.sites import SiteChange, SiteDiff
 from pytest_gpumem.report.cells import RecordLike
-from pytest_gpumem.tables import Col, Table, markdown_table, wrap
+from pytest_gpumem.tables import Col, Table, markdown_table, markdown_text, visible, wrap
 from pytest_gpumem.units import format_delta, format_size
 
 __all__ = [
@@ -162,7 +162,12 @@ def _table(
 
 def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0) -> list[str]:
     """The failure text's sites (see the module): ``verbosity`` 0 shows :data:`SHOWN` rows a table,
-    more shows every row, less the first line only (the largest change)."""
+    more shows every row, less the first line only (the largest change). Control characters (in a
+    file name, a baseline file's stored site) are shown as escapes (:func:`~pytest_gpumem.tables.visible`)."""
+    return [visible(line) for line in _site_lines(record, width=width, verbosity=verbosity)]
+
+
+def _site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0) -> list[str]:
     lines: list[str] = []
     for table in site_tables(record):
         if verbosity < 0:
@@ -190,9 +195,9 @@ def site_markdown(records: Sequence[RecordLike]) -> str:
     parts = []
     for record in records:
         for table in site_tables(record):
-            parts.append(f"**{record.nodeid}** {table.title}")
+            parts.append(f"**{markdown_text(record.nodeid, cell=False)}** {markdown_text(table.title, cell=False)}")
             parts.append(markdown_table(SITE_HEADERS, table.rows, right=(0, 5)))
-            parts += [text for text in (table.footer, table.second_run) if text]
+            parts += [markdown_text(text, cell=False) for text in (table.footer, table.second_run) if text]
     return "\n\n".join(["### Sites", *parts]) + "\n" if parts else ""
 
 

@@ -48,7 +48,10 @@ from pytest_gpumem.report.sites import site_markdown
 from pytest_gpumem.tables import (
     Col,
     Table,
+    markdown_code,
+    markdown_text,
     plain,
+    visible,
     wrap,
     wrap_items,
 )
@@ -79,6 +82,7 @@ STATUS_ORDER = (
 STATUS_TEXT = {
     "new": "new: no baseline yet (--gpumem-update-baselines records one)",
     "improved": "improved: update baselines (--gpumem-update-baselines)",
+    "stale": "stale: recorded, not measured by this run (--gpumem-update-baselines records the test again)",
     "unchecked": "unchecked: no limit or baseline compared this figure",
 }
 
@@ -215,6 +219,12 @@ def _metric_row(
     return _Row(test, any(f.failed for f in findings), cells, notes)
 
 
+def _unmeasured_row(test: str, finding: Finding) -> _Row:
+    """A recorded span the run did not measure (a renamed or removed ``measure()`` block)."""
+    cells = [finding.span, "", "", "", "", "", "", "", finding.status]
+    return _Row(test, finding.failed, cells, {_CELL["status"]: "the span was recorded, not measured by this run"})
+
+
 def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int) -> list[_Row]:
     """The summary's rows: tests with a problem first, and in each test its problem rows first."""
     tests: list[tuple[bool, list[_Row]]] = []
@@ -229,6 +239,8 @@ def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int)
                 )
                 if row is not None:
                     rows.append(row)
+        spans = {measurement.name for measurement in record.measurements}
+        rows += [_unmeasured_row(record.nodeid, f) for f in record.findings if f.span not in spans and f.span != "*"]
         if only_problems or verbosity < 0:
             rows = [row for row in rows if row.failed]
         rows.sort(key=lambda row: not row.failed)  # stable: the order of spans and metrics stays
@@ -280,8 +292,13 @@ def _legend(rows: Sequence[_Row]) -> list[str]:
 def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markdown: bool = False) -> Table:
     groups = grouped(
         (
-            row.test if markdown else test_id(row.test, verbosity),
-            [[cell + (f" {notes.ref(row.notes[i])}" if i in row.notes else "") for i, cell in enumerate(row.cells)]],
+            visible(row.test if markdown else test_id(row.test, verbosity)),
+            [
+                [
+                    visible(cell) + (f" {notes.ref(visible(row.notes[i]))}" if i in row.notes else "")
+                    for i, cell in enumerate(row.cells)
+                ]
+            ],
         )
         for row in rows
     )
@@ -375,7 +392,7 @@ def terminal_summary(
     if shown:
         prune = "" if pruning else " (remove them with --gpumem-update-baselines --gpumem-prune)"
         lines += wrap(f"stale baselines, their tests no longer exist{prune}:", width)
-        lines += [f"  {finding.test}  [{finding.detail}]" for finding in shown]  # ids and paths are never broken
+        lines += [f"  {visible(f.test)}  [{visible(f.detail)}]" for f in shown]  # ids and paths are never broken
     if kept and (pruning or verbosity > 0) and not quiet:
         total = sum(kept.values())
         reasons = "; ".join(f"{count} {why}" for why, count in sorted(kept.items(), key=lambda item: -item[1]))
@@ -384,7 +401,7 @@ def terminal_summary(
     if baselines is not None:
         path, written = baselines
         lines.append(f"baselines {'written to' if written else 'unchanged in'} {path}")
-        skipped = [r.nodeid for r in records if not r.passed or r.failed]
+        skipped = [visible(r.nodeid) for r in records if not r.passed or r.failed]
         if skipped:
             lines += wrap(f"not recorded, the test or its memory check failed: {', '.join(skipped)}", width)
     return "\n".join(line for line in lines if line)
@@ -400,10 +417,6 @@ def _environment_lines(keys: Sequence[str], width: int | None) -> list[str]:
 
 
 # --------------------------------------------------------------------------- Markdown
-
-
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def markdown_report(
@@ -422,7 +435,7 @@ def markdown_report(
     failed = sum(1 for record in records if record.failed)
     lines = ["## gpumem", ""]
     if header:
-        lines += [f"Environment: `{header}`", ""]
+        lines += [f"Environment: {markdown_code(header)}", ""]
     lines.append(f"{len(records)} measured test(s), {failed} failing on memory.")
     lines.append("")
     lines.append("| " + " | ".join(SUMMARY_HEADERS) + " |")
@@ -430,15 +443,15 @@ def markdown_report(
     notes = _Notes()
     for title, cells in _summary_table(rows, notes, 0, markdown=True).groups:
         for row in cells:
-            lines.append("| " + " | ".join(_md(cell) for cell in [title, *row]) + " |")
-    below = [f"- [{number}] {one_line(text)}" for number, text in enumerate(notes.texts, 1)]
+            lines.append("| " + " | ".join(markdown_text(cell) for cell in [title, *row]) + " |")
+    below = [f"- [{number}] {markdown_text(one_line(text), cell=False)}" for number, text in enumerate(notes.texts, 1)]
     below += [f"- {plain(text)}" for text in _legend(rows)]
     if below:
         lines += ["", *below]
     stale = [f for f in extra_findings if f.status == "stale"]
     if stale:
         lines += ["", "Stale baselines (their tests no longer exist):", ""]
-        lines += [f"- `{_md(f.test)}`" for f in stale]
+        lines += [f"- {markdown_code(f.test)}" for f in stale]
     sites = site_markdown(records)
     if sites:
         lines += ["", sites.rstrip("\n")]

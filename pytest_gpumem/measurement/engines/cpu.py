@@ -9,6 +9,7 @@ import torch
 
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
+from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
 __all__ = ["CpuEngine"]
@@ -91,6 +92,7 @@ class CpuEngine(TrackerMembers):
 
     def clean(self) -> None:
         self.settle()
+        forget_categories(self.tracker)
         self.tracker.scan()
         self.tracker.take_window()
 

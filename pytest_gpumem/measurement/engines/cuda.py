@@ -24,6 +24,7 @@ from pytest_gpumem.data.figures import OutputNotWritten
 from pytest_gpumem.data.sites import Site, SiteConfig
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
+from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.saved import SavedTensors
 from pytest_gpumem.measurement.engines.sites import Found, SiteFilter
 from pytest_gpumem.measurement.engines.traces import merge_found, replay_trace
@@ -146,6 +147,7 @@ class CudaEngine(TrackerMembers):
             self.empty_cache()
             self._api.reset_peak_memory_stats(self.device)
         if self.tracker is not None:
+            forget_categories(self.tracker)
             self.tracker.scan()
             self.tracker.take_window()
 

@@ -22,13 +22,14 @@ except ImportError:  # pragma: no cover - torch moved it: the mode keeps torch's
     set_eval_frame = None  # type: ignore[assignment]
 
 from pytest_gpumem.measurement.engines.compiled import skipped_frame
+from pytest_gpumem.measurement.engines.sizing import Limited, refuse_early
 from pytest_gpumem.measurement.engines.storages import (
     FRESH,
     operator_of,
 )
 
 
-class Dispatched(Protocol):
+class Dispatched(Limited, Protocol):
     """What a storage tracker offers its dispatch mode."""
 
     _operators: dict[int, tuple[Callable[..., Any], int, Callable[[tuple[Any, ...]], None] | None, Any]]
@@ -108,6 +109,8 @@ class TrackerMode(TorchDispatchMode):
                 hook = self.hooks.get(func._overloadpacket.__name__)
                 operator = self.operators[id(func)] = (*operator_of(func), hook, func)
             call, kind, hook, _ = operator
+            if kind == FRESH and self.tracker.limit is not None:  # refused before the host allocates
+                refuse_early(self.tracker, func, args, kwargs)
             if hook is not None:
                 self.acquire()
                 try:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from pytest_gpumem.measurement.engines.base import Reading
+from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
 from pytest_gpumem.measurement.engines.storages import Block, Kinds, instances_among
 from pytest_gpumem.measurement.engines.tracker import OTHER, StorageTracker
@@ -519,6 +520,7 @@ class PredictEngine(CpuEngine):
         """As the CUDA engine: collect garbage, register what is alive, create the workspaces,
         return cached blocks (``empty_cache``), and start a new window."""
         self.settle()
+        forget_categories(self.tracker)
         self.tracker.scan()
         self.warm_workspaces()
         if self._workspace_total is None:

@@ -1,0 +1,167 @@
+"""An emulated device limit refuses an allocation before the host pays for it.
+
+Under a limit (:func:`~pytest_gpumem.measurement.devicelimit.device_limit`) the storage tracker's
+dispatch mode asks :func:`refuse_early` before an operator that makes new storages runs: the
+bytes its outputs will take come from the operator's meta kernel, run on meta copies of its
+arguments (shapes, strides and dtypes, no data), and an operator whose outputs would take the
+count over the limit raises the emulated out-of-memory error before its kernel allocates
+anything. ``torch.zeros(2**29)`` under ``device_limit="100MiB"`` is refused without the host
+growing by 2 GiB, ``torch.empty(2**40)`` is the emulated error rather than the host
+allocator's.
+
+The sizes are cached by the operator and its arguments' shapes, strides, dtypes and other
+values: a training step's operators repeat, so the meta kernels run once per shape (a few
+tens to hundreds of µs each), and the check costs a lookup afterwards.
+
+What is still counted after the kernel ran (the refusal then comes once the host allocated):
+operators without a meta kernel, those whose output size depends on the data (``nonzero``,
+``unique``, boolean indexing), tensor subclasses, and operators that grow a storage they were
+given (``out=``, ``resize_``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from pytest_gpumem.units import cuda_rounded
+
+__all__ = ["output_storages", "refuse_early"]
+
+#: The most operator signatures :func:`output_storages` remembers (then it starts afresh).
+CACHE_LIMIT = 8192
+
+_UNKNOWN = object()
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+#: (id of the operator, its arguments' signatures) → the bytes of each storage it makes; the
+#: operators are torch's, alive as long as the process
+_cache: dict[Any, tuple[int, ...] | None] = {}
+#: id of an operator → whether it returns tensors
+_returns_tensors: dict[int, bool] = {}
+
+
+class Limited(Protocol):
+    """What a storage tracker offers :func:`refuse_early`."""
+
+    device: torch.device
+    cuda_rounding: bool
+    limit: int | None
+    current: int
+    _lock: threading.RLock
+
+    def _refuse(self, nbytes: int) -> None: ...
+
+
+def refuse_early(tracker: Limited, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+    """Raise the tracker's out-of-memory error when ``func(*args, **kwargs)``'s outputs on the
+    tracker's device would take its count over its limit; nothing when they fit or their size is
+    not known before the kernel runs."""
+    sizes = output_storages(func, args, kwargs or {}, tracker.device)
+    if not sizes:
+        return
+    nbytes = sum(cuda_rounded(size) for size in sizes) if tracker.cuda_rounding else sum(sizes)
+    with tracker._lock:
+        if tracker.limit is not None and tracker.current + nbytes > tracker.limit:
+            tracker._refuse(nbytes)
+
+
+def output_storages(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> tuple[int, ...] | None:
+    """The bytes of each storage ``func(*args, **kwargs)`` will make on ``device`` (strided tensors),
+    from its meta kernel; None when they are not known before the kernel runs."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return None  # fake tensors: the host allocates nothing
+    if not _makes_tensors(func):
+        return None
+    try:
+        scalars = not any(isinstance(value, torch.Tensor) for value in args)  # a factory's floats may be sizes
+        named = (*kwargs, *_signature(kwargs.values(), scalars)) if kwargs else ()
+        key = (id(func), _signature(args, scalars), named)
+        cached = _cache.get(key, _UNKNOWN)
+    except (TypeError, RuntimeError, _Unsized):
+        return None
+    if cached is not _UNKNOWN:
+        return cached  # type: ignore[return-value]
+    sizes = _run_meta(func, args, kwargs, device)
+    if len(_cache) >= CACHE_LIMIT:
+        _cache.clear()
+    _cache[key] = sizes
+    return sizes
+
+
+class _Unsized(Exception):
+    """An argument whose meta copy would not stand for it (a tensor subclass)."""
+
+
+def _signature(values: Any, scalars: bool = True) -> tuple[Any, ...]:
+    """What of an operator's arguments ``values`` decides the sizes of its outputs, hashable: a
+    tensor's dtype, shape, strides and device; anything else itself, but a float where
+    ``scalars`` is False (an operator of tensors: a float beside them is a scalar operand, as
+    the optimizers' bias corrections that change at every step, never a size). Raises
+    ``TypeError`` for a value that cannot be hashed, :class:`_Unsized` for a tensor subclass,
+    ``RuntimeError`` for a tensor without strides (sparse)."""
+    parts: list[Any] = []
+    for value in values:
+        kind = type(value)
+        if kind is _TENSOR or kind is _PARAMETER:
+            parts.append((value.dtype, value.shape, value.stride(), value.device))
+        elif kind is list or kind is tuple:
+            parts.append(_signature(value))
+        elif kind is float and not scalars:
+            parts.append(float)
+        elif isinstance(value, torch.Tensor):
+            raise _Unsized
+        else:
+            parts.append(value)
+    return tuple(parts)
+
+
+def _makes_tensors(func: Any) -> bool:
+    """Whether ``func`` returns tensors (the profiler's record-function operators return none)."""
+    known = _returns_tensors.get(id(func))
+    if known is None:
+        try:
+            known = any("Tensor" in str(result.type) for result in func._schema.returns)
+        except AttributeError:
+            known = False
+        _returns_tensors[id(func)] = known
+    return known
+
+
+def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> tuple[int, ...] | None:
+    tensors = [value for value in tree_flatten((args, kwargs))[0] if isinstance(value, torch.Tensor)]
+    where = kwargs.get("device")
+    target = torch.device(where) if where is not None else tensors[0].device if tensors else torch.device("cpu")
+    if not _same(target, device):
+        return ()  # made on another device: nothing this tracker counts
+    if any(tensor.layout != torch.strided for tensor in tensors):
+        return None
+    meta: Callable[[Any], Any] = _meta_copy
+    try:
+        with torch._C._DisableTorchDispatch():  # the meta kernel itself: no dispatch mode sees it
+            out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+    except Exception:  # no meta kernel, a size that depends on the data: counted after the kernel
+        return None
+    storages: dict[int, int] = {}
+    for value in tree_flatten(out)[0]:
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+            storage = value.untyped_storage()
+            storages[storage._cdata] = int(storage.nbytes())
+    return tuple(storages.values())
+
+
+def _meta_copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    return value
+
+
+def _same(one: torch.device, other: torch.device) -> bool:
+    return one.type == other.type and (one.index or 0) == (other.index or 0)

@@ -1,0 +1,197 @@
+"""Where a test runs: its measured run set up before its fixtures, started as the test function is
+called, finished as it returns; a ``gpumem`` marker added once the test was collected (by a
+fixture's ``request.applymarker``, by the test's ``request.node.add_marker``) applied where it
+still can be, else an error that says why it cannot."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pytest_gpumem.baselines import Environment
+from pytest_gpumem.judge.limits import SpecError
+from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.measurement.observe import choose_observe, observe_conflict
+from pytest_gpumem.plugin.collection import SPEC_ERROR_KEY, SPEC_KEY, gpumem_marks, marker_spec, worker_index
+from pytest_gpumem.plugin.marker import GpumemSpec, late_marker_problems, parse_marker
+from pytest_gpumem.plugin.options import Settings
+from pytest_gpumem.plugin.sites import run_options, second_run
+from pytest_gpumem.plugin.torchrun import Launch
+
+if TYPE_CHECKING:
+    from pytest_gpumem.measurement.engines import Engine
+    from pytest_gpumem.plugin.gate import Gate
+    from pytest_gpumem.plugin.runner import Engines, TestRun
+
+__all__ = ["MARKS_KEY", "RECORD_KEY", "RUN_KEY", "Measuring"]
+
+RUN_KEY: pytest.StashKey[TestRun] = pytest.StashKey()
+RECORD_KEY = pytest.StashKey[TestRecord]()
+#: the test's ``gpumem`` marks when its collection ended: any other is a marker added later
+MARKS_KEY = pytest.StashKey[list[pytest.Mark]]()
+
+
+class Measuring:
+    """The measuring hooks of :class:`~pytest_gpumem.plugin.manager.GpumemManager`."""
+
+    config: pytest.Config
+    settings: Settings
+    gate: Gate
+    _engines: Engines | None
+    _launch: Launch | None
+    _environments: dict[str, dict[str, Any]]
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        error = item.stash.get(SPEC_ERROR_KEY, None)
+        if error is not None:
+            pytest.fail(error, pytrace=False)
+        spec = item.stash.get(SPEC_KEY, None)
+        if spec is not None:
+            self._prepare(item, spec)
+
+    def _prepare(self, item: pytest.Item, spec: GpumemSpec) -> None:
+        """The test's run (``item.stash[RUN_KEY]``): its device, engine and options; skips or fails
+        the test where its device is not there."""
+        from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, TestRun, choose_device
+
+        settings = self.settings
+        unavailable: DeviceUnavailable | None = None
+        try:
+            device = choose_device(
+                spec.device or settings.device, require_gpu=settings.require_gpu, worker=self._gpu_index()
+            )
+        except DeviceUnavailable as exc:
+            unavailable = exc  # failed or skipped outside the handler: pytest would print it twice (chained)
+        if unavailable is not None:
+            if unavailable.required:
+                pytest.fail(f"{item.nodeid}: {unavailable.reason}", pytrace=False)
+            pytest.skip(unavailable.reason)
+        if self._engines is None:  # the test runs outside the run loop (pytester's inline runs)
+            self._engines = Engines(cuda_rounding=settings.cuda_rounding)
+        breakdown = spec.breakdown if spec.breakdown is not None else settings.breakdown
+        predict = spec.predict or settings.predict
+        observe = self._observe(item, spec, predict)
+        engine = self._engines.get(device, breakdown=breakdown, observe=observe, predict=predict)
+        # the run's --gpumem-fake applies to the predicted tests; a marker's fake=True needs a prediction
+        fake = (spec.fake if spec.fake is not None else settings.fake and predict is not None) and device.type == "cpu"
+        if fake and predict is None:
+            pytest.fail(
+                f"{item.nodeid}: fake=True needs a prediction: predict= on the marker or --gpumem-predict",
+                pytrace=False,
+            )
+        options = run_options(settings, spec)
+        item.stash[RUN_KEY] = TestRun(
+            item.nodeid,
+            spec,
+            engine,
+            environment=self._environment(engine),
+            options=options,
+            fake=fake,
+        )
+
+    def _gpu_index(self) -> int | None:
+        """Which GPU this process measures on when several are visible: the xdist worker's, else
+        torchrun's local rank."""
+        worker = worker_index()
+        if worker is None and self._launch is not None:
+            return self._launch.local_rank
+        return worker
+
+    def _observe(self, item: pytest.Item, spec: GpumemSpec, predict: str | None) -> str:
+        """How the CPU engine observes this test (:func:`~pytest_gpumem.measurement.observe.choose_observe`):
+        the run's ``--gpumem-observe=allocations`` yields to a prediction or an emulated device
+        limit; the test's own ``observe="allocations"`` under one of them is an error."""
+        settings = self.settings
+        run_limit = None if settings.device_limit is None else f"--gpumem-device-limit={settings.device_limit}"
+        limit = None if spec.device_limit is not None else run_limit  # the marker's own was checked at collection
+        conflict = observe_conflict(spec.observe, predict=predict, limit=limit)
+        if conflict is not None:
+            pytest.fail(f"{item.nodeid}: {conflict}", pytrace=False)
+        needs_limit = spec.device_limit is not None or settings.device_limit is not None
+        return choose_observe(spec.observe, default=settings.observe, predict=predict, limit=needs_limit)
+
+    def _environment(self, engine: Engine) -> dict[str, Any]:
+        key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{engine.predicts}"
+        if key not in self._environments:
+            detected = Environment.detect(engine.name, engine.device, engine.cuda_rounding, predict=engine.predicts)
+            problem = None
+            try:
+                adjusted = self.config.hook.pytest_gpumem_environment(config=self.config, environment=detected)
+                if adjusted is not None and not isinstance(adjusted, Environment):
+                    raise TypeError(f"expected an Environment or None, got {type(adjusted).__name__}")
+                self._environments[key] = (adjusted or detected).to_dict()
+            except (TypeError, ValueError) as exc:
+                problem = f"pytest_gpumem_environment hook: {exc}"
+            if problem is not None:
+                pytest.fail(problem, pytrace=False)
+        return self._environments[key]
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
+        run = item.stash.get(RUN_KEY, None)
+        if run is None:
+            spec = _spec_now(item)  # a fixture may have marked the test: it is measured from here
+            if spec is None:
+                result = yield
+                if _spec_now(item) is not None:
+                    pytest.fail(
+                        f"{item.nodeid}: a gpumem marker added while the test ran is too late to measure it: "
+                        "mark the test itself, or add the marker in a fixture or pytest_collection_modifyitems",
+                        pytrace=False,
+                    )
+                return result
+            self._prepare(item, spec)
+            run = item.stash[RUN_KEY]
+        from pytest_gpumem.plugin.returnwatch import ReturnWatchError, code_of
+
+        problem = None
+        try:
+            run.start(code_of(getattr(item, "obj", None)))
+        except ReturnWatchError as exc:
+            problem = f"{item.nodeid}: {exc}"
+        if problem is not None:
+            pytest.fail(problem, pytrace=False)
+        try:
+            result = yield
+        except BaseException as exc:
+            item.stash[RECORD_KEY] = second_run(item, run, _finish(item, run, exc), exc, self.settings, self.gate)
+            raise
+        item.stash[RECORD_KEY] = second_run(item, run, _finish(item, run, None), None, self.settings, self.gate)
+        return result
+
+
+def _spec_now(item: pytest.Item) -> GpumemSpec | None:
+    """The item's marker as it is now; a bad one fails the test."""
+    problem = None
+    try:
+        return marker_spec(item)
+    except SpecError as exc:
+        problem = f"invalid gpumem marker on {item.nodeid}: {exc}"
+    pytest.fail(problem, pytrace=False)
+
+
+def _finish(item: pytest.Item, run: TestRun, exc: BaseException | None) -> TestRecord:
+    """``run.finish(exc)`` with the markers as they are now: the limits, ``tolerance`` and
+    ``min_microbatch`` of a marker added since the test was collected are judged; what it cannot
+    change any more (:data:`~pytest_gpumem.plugin.marker.SETUP_KEYWORDS`), or a keyword of its that
+    a closer marker overrides, is an error of the test's record."""
+    collected = item.stash.get(MARKS_KEY, None)
+    marks = gpumem_marks(item)
+    late = [collected is not None and not any(mark is other for other in collected) for mark in marks]
+    problems: list[str] = []
+    if any(late):
+        markers = [(mark.args, mark.kwargs) for mark in marks]
+        try:
+            now = parse_marker(markers)
+        except SpecError as error:
+            problems.append(f"invalid gpumem marker added after collection: {error}")
+        else:
+            problems = late_marker_problems(markers, late, run.spec, now)
+            run.spec = replace(run.spec, limits=now.limits, tolerance=now.tolerance, min_microbatch=now.min_microbatch)
+    record = run.finish(exc)
+    record.errors.extend(f"{item.nodeid}: {problem}" for problem in problems)
+    return record
