@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pytest_gpumem.budgets.expressions import BudgetError, BudgetExpr, parse_budget
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.plugin.marker import parse_marker
-from pytest_gpumem.units import parse_size
+from pytest_gpumem.units import MAX_BYTES, parse_size
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -309,7 +309,9 @@ def reference(gen: Gen, psi: int) -> int | None:
         value = gen.value(psi)
     except ZeroDivisionError:
         return None
-    return None if value < 0 else round_half_up(value)
+    if value < 0 or value > MAX_BYTES:  # no memory holds more: the evaluator refuses it
+        return None
+    return round_half_up(value)
 
 
 def outcome(expr: BudgetExpr, psi: int | None) -> int | None:

@@ -72,8 +72,8 @@ def test_leaks_through_module_level_objects_are_named_as_the_code_reads_them(pyt
     text = result.stdout.str()
     sections = text.split("= FAILURES =")[1]
     gradients, in_dict, attribute = sections.split("______ test_")[1:4]
-    assert "256.00 KiB  256×256  float32  temporaries  model.weight.grad" in gradients
-    assert "1.00 KiB    256      float32  temporaries  model.bias.grad" in gradients
+    assert "256.00 KiB  256×256  float32  gradients  model.weight.grad" in gradients
+    assert "1.00 KiB    256      float32  gradients  model.bias.grad" in gradients
     assert "MODELS['big'].weight" in in_dict and "MODELS['big'].bias" in in_dict
     assert "HOLDER.net.weight" in attribute and "HOLDER.net.bias" in attribute
     assert "unknown" not in sections.split("figures on")[0]

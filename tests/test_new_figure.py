@@ -117,7 +117,7 @@ def test_a_new_figure_is_a_table_row_a_measurement_field_and_its_reading(pyteste
     result.stdout.fnmatch_lines(
         [
             "*held cost 256.00 KiB exceeds the limit 64.00 KiB (64KiB) by +192.00 KiB*",
-            "*held cost 256.00 KiB regressed from baseline 8.00 KiB by +248.00 KiB (+3100.0%), tolerance 1%*",
+            "*held cost 256.00 KiB regressed from baseline 8.00 KiB by +248.00 KiB (×32.0), tolerance 1%*",
             "*step] held cost 128.00 KiB regressed from baseline 4.00 KiB*",
         ]
     )

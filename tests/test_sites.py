@@ -397,7 +397,15 @@ def test_a_leak_report_names_where_each_leaked_tensor_was_made(
             remember(4096)
         """
     )
+    # a default run: the failing test runs again with sites; its lines are named in the failure,
+    # the leak report stays the first run's (a second run leaks into CACHE again)
     result = run(pytester)
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "test_leak_site.py:6 remember" in text and "held by" in text and "made at" not in text
+    assert "test_leak_site.CACHE[0]" in text
+    # sites in the run itself: the leak report says where each leaked tensor was made
+    result = run(pytester, "--gpumem-sites=always")
     result.assert_outcomes(failed=1)
     text = result.stdout.str()
     assert "made at" in text
