@@ -77,8 +77,6 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem | UnmeasuredGpuMem:
 
     disabled = request.node.stash.get(DISABLED_KEY, None)
     if disabled is not None:
-        from pytest_gpumem.plugin.fixture import UnmeasuredGpuMem
-
         return UnmeasuredGpuMem(disabled, request.node.nodeid)
     run = request.node.stash.get(RUN_KEY, None)
     if run is None:

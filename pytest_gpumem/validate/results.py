@@ -49,8 +49,6 @@ TRACES: tuple[str, ...] = ("mlp", "reference")
 #: The workload traced by ``--trace mlp``: the zoo MLP's fp32 AdamW step on the GPU (after its warm-up).
 TRACED_STEP = "trace.zoo.mlp.fp32"
 
-GROUPS: tuple[str, ...] = ("suite", "reference", "determinism", "counters", "zoo", "replay")
-
 
 # --------------------------------------------------------------------------- results
 

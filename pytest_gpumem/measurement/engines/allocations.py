@@ -130,8 +130,6 @@ class AllocationTracker(StorageTracker):
         # TorchDynamo must never trace the hook (it runs while compiled code runs): the mark it
         # makes is not traceable, and the hook is the plugin's bookkeeping, not the model
         self._pack_hook = torch.compiler.disable(self._pack)
-        #: profiler sessions read so far (each reading of figures while active reads one).
-        self.flushes = 0
 
     # -- the profiler session ---------------------------------------------------------
 
@@ -260,7 +258,6 @@ class AllocationTracker(StorageTracker):
         finally:
             if enabled:
                 gc.enable()
-        self.flushes += 1
         self._replay(result, queued, marks)
 
     def _record(self, event: tuple[Any, ...]) -> None:
