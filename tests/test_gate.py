@@ -95,14 +95,35 @@ def test_the_judged_records_know_their_environments_without_being_decoded(tmp_pa
     keys = {cpu.environment_key: None, other.environment_key: None}
     assert judged.environments() == dict(sorted(keys.items()))
     # what the store answers is what the records say when decoded
-    assert {r.environment_key for r in judged.records.values()} == set(keys)
-    del judged.records["t.py::b"]
+    assert {r.environment_key for r in judged.records.decoded_all()} == set(keys)
+    judged.records.remove("t.py::b")
     assert judged.environments() == {cpu.environment_key: None}
-    judged.records["t.py::a"] = measured("t.py::a", 10)  # stored again: its entry is replaced
+    judged.records.put(measured("t.py::a", 10))  # stored again: its entry is replaced
     assert list(judged.environments()) == [cpu.environment_key] and len(judged.records) == 1
     # the call's timeline is drawn only in the test's own artifact: the kept record drops it
-    assert cpu.timeline is not None and judged.records["t.py::a"].timeline is None
-    assert judged.records["t.py::a"].measurements == measured("t.py::a", 10).measurements
+    assert cpu.timeline is not None and judged.records.decoded("t.py::a").timeline is None
+    assert judged.records.decoded("t.py::a").measurements == measured("t.py::a", 10).measurements
+
+
+def test_a_judged_record_changes_only_through_the_store(tmp_path: Path) -> None:
+    """The store keeps records as text: a decoded record is a copy, and says so; a change is kept by
+    putting the record again or by editing it in the store. There is no item access to mistake for
+    reading the record itself."""
+    judged = gate(tmp_path)
+    judged.judge(measured("t.py::a", 1000))
+    copy = judged.records.decoded("t.py::a")
+    copy.passed = False
+    assert judged.records.decoded("t.py::a").passed  # the copy's change is not kept
+    with judged.records.edit("t.py::a") as record:
+        record.passed = False
+        record.errors.append("t.py::a: failed at teardown")
+    kept = judged.records.decoded("t.py::a")
+    assert (kept.passed, kept.errors, kept.recordable) == (False, ["t.py::a: failed at teardown"], False)
+    assert judged.records.decoded_all() == [kept] and judged.records.nodeids() == ["t.py::a"]
+    with pytest.raises(TypeError):
+        judged.records["t.py::a"]  # type: ignore[index]
+    with pytest.raises(KeyError, match=r"t\.py::b"), judged.records.edit("t.py::b"):
+        pass
 
 
 def test_a_record_tolerance_beats_the_runs(tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ class RunEnd(CollectionBook):
         from pytest_gpumem.plugin.torchrun import GatherError, gather_records, merge
 
         try:
-            gathered = gather_records([record.to_dict() for record in self.gate.records.values()], self._launch)
+            gathered = gather_records([record.to_dict() for record in self.gate.records.decoded_all()], self._launch)
         except GatherError as exc:
             self._error = (
                 f"gpumem: the ranks' records could not be gathered ({exc}): "
@@ -114,7 +114,7 @@ class RunEnd(CollectionBook):
             return False
         if gathered is None:
             return False
-        self.gate.records = RecordStore(merge(gathered))
+        self.gate.records = RecordStore(merge(gathered).values())
         return True
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -130,7 +130,7 @@ class RunEnd(CollectionBook):
         gate = self.gate
         update = self.settings.gate.update and self._error is None
         text = terminal_summary(
-            list(gate.records.values()),
+            gate.records.decoded_all(),
             stale=gate.stale,
             environments=gate.environments(),
             width=terminalreporter._tw.fullwidth,

@@ -54,7 +54,7 @@ class Gate:
 
     def __init__(self, options: GateOptions) -> None:
         self.options = options
-        #: the judged records, by node id (kept as text: see :class:`RecordStore`)
+        #: the judged records, by node id (kept as text, handed out as copies: see :class:`RecordStore`)
         self.records = RecordStore()
         self.stale: list[Finding] = []
         #: the baselines the run could not judge stale, by why: tests kept (see :func:`find_stale`)
@@ -76,7 +76,7 @@ class Gate:
 
     def judge(self, record: TestRecord) -> list[Finding]:
         """Judge ``record`` (:func:`~pytest_gpumem.judge.judgement.judge`) with the baseline file;
-        keeps it for the end of the run (a copy: :class:`RecordStore`) and returns its findings.
+        keeps it for the end of the run (:meth:`RecordStore.put`) and returns its findings.
 
         The file is read only when a comparison needs it; when it cannot be read, the record's
         limits are still judged and :class:`BaselineFileError` is raised after.
@@ -90,7 +90,7 @@ class Gate:
             except BaselineFileError as exc:
                 problem = exc
         findings = judge(record, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
-        self.records[record.nodeid] = record  # judged: with its findings (store it again after changing it)
+        self.records.put(record)  # judged: with its findings
         if problem is not None:
             raise problem
         return findings
@@ -115,7 +115,7 @@ class Gate:
             if self.options.update and self.options.prune and stale:
                 store.prune(stale)
         if self.options.update:
-            for record in self.records.values():
+            for record in self.records.decoded_all():
                 if record.recordable:
                     assert record.environment is not None
                     budget = SITES_BUDGET // max(1, sum(m.sites is not None for m in record.measurements))
@@ -146,7 +146,7 @@ class Gate:
         if options.json_path is None and options.markdown_path is None and not step_summary:
             return []  # no report asked for: the records are not decoded
         return write_reports(
-            list(self.records.values()),
+            self.records.decoded_all(),
             self.stale,
             json_path=options.json_path,
             markdown_path=options.markdown_path,

@@ -146,10 +146,9 @@ class GpumemManager(MarkerCheck, Measuring, RunEnd):
         if self.worker:
             return
         if report.when == "teardown" and report.failed:  # a test that failed in any phase records no baseline
-            judged = self.gate.records.get(report.nodeid)
-            if judged is not None:
-                judged.passed = False
-                self.gate.records[report.nodeid] = judged  # the store keeps copies
+            if report.nodeid in self.gate.records:
+                with self.gate.records.edit(report.nodeid) as judged:
+                    judged.passed = False
             return
         data = getattr(report, "gpumem", None)
         handoff, self._handoff = self._handoff, None
@@ -163,7 +162,7 @@ class GpumemManager(MarkerCheck, Measuring, RunEnd):
         except BaselineFileError as exc:  # under xdist the controller reads the file at the first record
             self._error = f"gpumem baselines: {exc}"
             record.errors.append(self._error)
-            self.gate.records[record.nodeid] = record  # the store keeps a copy: with the error
+            self.gate.records.put(record)  # with the error
         if report.passed and record.failed:  # the one place a test's outcome changes
             report.outcome = "failed"
             width, verbosity = _terminal_width(self.config), int(self.config.option.verbose)
