@@ -4,7 +4,7 @@ library together. Each hook is a few lines over an object that works without pyt
 * :class:`~pytest_gpumem.plugin.runner.TestRun` measures one test where it runs and returns
   its :class:`~pytest_gpumem.judge.record.TestRecord`, attached to the call report
   (``report.gpumem``, as JSON text, so that it travels to the xdist controller);
-* :class:`~pytest_gpumem.plugin.gate.Gate`, in the process that owns the run, compares
+* :class:`~pytest_gpumem.plugin.session.BaselineSession`, in the process that owns the run, compares
   each record with the baseline file, and at the end records and writes it once,
   with the reports;
 * :mod:`pytest_gpumem.report.text` renders the terminal summary.
@@ -66,7 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", marker_help())
     settings = _settings(config)
     manager = DisabledManager(settings) if settings.disable else GpumemManager(config, settings)
-    config.pluginmanager.register(manager, "gpumem-manager")
+    manager.register(config.pluginmanager)
 
 
 @pytest.fixture

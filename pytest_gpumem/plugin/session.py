@@ -1,7 +1,8 @@
-"""The baseline gate: the baseline file through a run, the records judged with it, and the run's outputs.
+"""The run's baseline session: the baseline file through a run, the records judged with it, and
+the run's reports.
 
 This runs in the process that owns the run (the only one without xdist, the
-controller with it). A :class:`Gate` loads the baseline file the first time it is
+controller with it). A :class:`BaselineSession` loads the baseline file the first time it is
 needed, has each arriving :class:`~pytest_gpumem.judge.record.TestRecord` judged with it
 (:func:`~pytest_gpumem.judge.judgement.judge`), and at the end finds stale baselines, records what passed (with
 ``--gpumem-update-baselines``), writes the file once, and writes the JSON and
@@ -30,14 +31,15 @@ from pytest_gpumem.judge.record import RecordStore, TestRecord
 from pytest_gpumem.judge.verdict import stale_findings
 from pytest_gpumem.report.formats import write_reports
 
-__all__ = ["Gate", "GateOptions"]
+__all__ = ["BaselineOptions", "BaselineSession"]
 
 
 @dataclass(frozen=True)
-class GateOptions:
+class BaselineOptions:
     """The run's baseline and report options (see the plugin's ``--gpumem-*`` options)."""
 
-    baselines: Path
+    #: the baseline file (``--gpumem-baselines``)
+    path: Path
     #: the run's tolerance (``--gpumem-tolerance``); None: each metric's default
     tolerance: Tolerance | None
     update: bool = False
@@ -49,10 +51,11 @@ class GateOptions:
     generator: str = ""
 
 
-class Gate:
-    """Judges records against the baseline file; records and writes it at the end."""
+class BaselineSession:
+    """The run's baseline-and-report session: judges each record against the baseline file, keeps
+    the judged records, and at the end records and writes the file once, with the reports."""
 
-    def __init__(self, options: GateOptions) -> None:
+    def __init__(self, options: BaselineOptions) -> None:
         self.options = options
         #: the judged records, by node id (kept as text, handed out as copies: see :class:`RecordStore`)
         self.records = RecordStore()
@@ -67,7 +70,7 @@ class Gate:
     def store(self) -> BaselineStore:
         """The baseline file, loaded on first use; raises :class:`BaselineFileError` when it cannot be read."""
         if self._store is None:
-            self._store = load(self.options.baselines)
+            self._store = load(self.options.path)
         return self._store
 
     @property
@@ -124,7 +127,7 @@ class Gate:
                         for m in record.measurements
                     }
                     store.record(Environment.from_dict(record.environment), record.nodeid, entries)
-            self.written = save(store, self.options.baselines)
+            self.written = save(store, self.options.path)
 
     @property
     def stale_failed(self) -> bool:
