@@ -61,6 +61,7 @@ _INTERNAL = (
             "diagnose/leaks.py",
             "diagnose/microbatch.py",
             "plugin/runner.py",
+            "plugin/engines.py",
         )
     ),
 )

@@ -126,7 +126,7 @@ class DisabledManager:
         spec = marker_spec(item)
         if spec is None:
             return
-        from pytest_gpumem.plugin.runner import DeviceUnavailable, choose_device
+        from pytest_gpumem.plugin.engines import DeviceUnavailable, choose_device
 
         unavailable: DeviceUnavailable | None = None
         try:  # the test still runs on the device it asks for, and is skipped where there is none

@@ -24,7 +24,8 @@ from pytest_gpumem.plugin.torchrun import Launch
 
 if TYPE_CHECKING:
     from pytest_gpumem.measurement.engines import Engine
-    from pytest_gpumem.plugin.runner import Engines, Freezer, TestRun
+    from pytest_gpumem.plugin.engines import Engines, Freezer
+    from pytest_gpumem.plugin.runner import TestRun
     from pytest_gpumem.plugin.session import BaselineSession
 
 __all__ = ["MARKS_KEY", "RECORD_KEY", "RUN_KEY", "Measuring"]
@@ -58,7 +59,7 @@ class Measuring:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
         if any(SPEC_KEY in item.stash for item in session.items):
-            from pytest_gpumem.plugin.runner import Engines, Freezer
+            from pytest_gpumem.plugin.engines import Engines, Freezer
 
             self.freezer = Freezer(self.config)
             self.freezer.start()
@@ -81,7 +82,8 @@ class Measuring:
     def _prepare(self, item: pytest.Item, spec: GpumemSpec) -> None:
         """The test's run (``item.stash[RUN_KEY]``): its device, engine and options; skips or fails
         the test where its device is not there."""
-        from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, TestRun, choose_device
+        from pytest_gpumem.plugin.engines import DeviceUnavailable, Engines, choose_device
+        from pytest_gpumem.plugin.runner import TestRun
 
         settings = self.settings
         unavailable: DeviceUnavailable | None = None
