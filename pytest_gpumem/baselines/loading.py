@@ -120,9 +120,7 @@ def _raise_for_conflict(text: str, path: str | os.PathLike[str]) -> None:
 def _find_conflict_marker(text: str) -> int | None:
     """Offset of the first line that is a git conflict marker (``<<<<<<<``, ``=======``, ``>>>>>>>``,
     ``|||||||`` alone or followed by a space and a label); ``None`` when there is none.
-
-    ``str.find`` instead of a multiline regex: ten times faster on a large file.
-    """
+    Each marker is looked for with ``str.find``, and each hit checked to start a line."""
     found: int | None = None
     for marker in _CONFLICT_MARKERS:
         start = 0

@@ -30,7 +30,7 @@ Limits: no emulated device limit (an allocation cannot be refused from a replay)
 profiler cannot run twice: a test that runs ``torch.profiler`` itself cannot be measured
 this way, and the profiler reports only the allocations of the thread its session was
 started on: work on other threads is not seen, and a span that ran some says so in a note.
-Each flush costs a profiler stop and start (~0.3 ms on a 2-core VM).
+Each flush costs a profiler stop and start.
 """
 
 from __future__ import annotations
