@@ -1,5 +1,7 @@
 """The pytest layer: options, the ``gpumem`` marker and fixture, and hooks that wire the
-library together. Each hook is a few lines over an object that works without pytest:
+library together. Past the ones here, the hooks live on the run's
+:class:`~pytest_gpumem.plugin.manager.GpumemManager` and its parts (its module names them),
+each a few lines over an object that works without pytest:
 
 * :class:`~pytest_gpumem.plugin.runner.TestRun` measures one test where it runs and returns
   its :class:`~pytest_gpumem.judge.record.TestRecord`, attached to the call report
