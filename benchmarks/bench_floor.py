@@ -43,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_overhead import ENCODER_TEST_FILE
 
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
+from pytest_gpumem.plugin.engines import Engines, Freezer
 from pytest_gpumem.plugin.marker import parse_marker
-from pytest_gpumem.plugin.runner import Engines, Freezer, TestRun
+from pytest_gpumem.plugin.runner import TestRun
 
 
 def _encoder_body() -> Callable[[], None]:

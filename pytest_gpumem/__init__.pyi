@@ -131,7 +131,7 @@ from .measurement.engines.fake import (
 from .measurement.recorder import (
     Span as Span,
 )
-from .plugin.fixture import (
+from .plugin.measured import (
     GpuMem as GpuMem,
 )
 from .units import (

@@ -32,6 +32,7 @@ from pytest_gpumem.baselines import (
     parse,
     save,
 )
+from pytest_gpumem.baselines.store import EnvironmentRemoved, Recorded, Removed
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import CATEGORIES
 
@@ -482,6 +483,29 @@ def test_remove_environment() -> None:
     assert store.remove_environment(CPU.key) == 0
     assert store.remove_environment("no such environment") == 0
     assert store.environment_keys() == (H100.key,)
+
+
+def test_the_journal_holds_typed_changes_that_apply_onto_another_store_until_a_commit(tmp_path: Path) -> None:
+    """What a store changed since it was loaded, as typed records that a save applies onto the file as
+    another run left it; loading and saving commit the store, which empties its journal."""
+    path = tmp_path / "base.json"
+    save(recorded("t.py::a", "t.py::b"), path, force=True)
+    store = load(path)
+    assert store.path == path and store.fingerprint is not None and store.digest is not None
+    assert store.changes == ()
+    store.record(H100, "t.py::c", [span()])
+    store.remove(CPU.key, "t.py::a")
+    store.remove_environment("no such environment")  # changes nothing: not journaled
+    store.remove_environment(H100.key)
+    recorded_c = store.changes[0]
+    assert isinstance(recorded_c, Recorded) and (recorded_c.environment, recorded_c.test) == (H100, "t.py::c")
+    assert store.changes[1:] == (Removed(CPU.key, "t.py::a"), EnvironmentRemoved(H100.key))
+    other = recorded("t.py::a", "t.py::b", "t.py::d")  # another run's file
+    store.apply_changes(other)
+    assert other.environment_keys() == (CPU.key,) and other.tests(CPU.key) == ("t.py::b", "t.py::d")
+    assert other.changes[-3:] == store.changes  # applying journals each change on the other store too
+    assert save(store) and store.changes == () and store.fingerprint is not None
+    assert load(path).dumps() == store.dumps()
 
 
 def test_from_dict_copies_and_round_trips() -> None:

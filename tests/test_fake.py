@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from conftest import run, run_fresh
 from pytest_gpumem import Measurement, max_microbatch, measure
 from pytest_gpumem.measurement.engines.fake import REDUCED_IN_PLACE, FakeModeError, fake_mode
-from pytest_gpumem.plugin.fixture import run_step
+from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.validate.zoo import zoo
 
 _LOSSES = {

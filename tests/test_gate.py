@@ -14,9 +14,9 @@ from pytest_gpumem.baselines.staleness import NOT_COLLECTED, Collection, file_of
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.measurement.engines import make_engine
-from pytest_gpumem.plugin.gate import Gate, GateOptions
 from pytest_gpumem.plugin.marker import parse_marker
 from pytest_gpumem.plugin.runner import TestRun
+from pytest_gpumem.plugin.session import BaselineOptions, BaselineSession
 
 pytest_plugins = ["pytester"]
 
@@ -48,7 +48,7 @@ def baseline_file(pytester: pytest.Pytester) -> dict:  # type: ignore[type-arg]
     return json.loads((pytester.path / "gpumem-baselines.json").read_text(encoding="utf-8"))
 
 
-# --------------------------------------------------------------------------- the gate without pytest
+# --------------------------------------------------------------------------- the baseline session without pytest
 
 
 def measured(nodeid: str, elements: int, **marker: object) -> TestRecord:
@@ -64,20 +64,20 @@ def collected(*ids: str) -> Collection:
     return Collection(items=frozenset(ids), whole=frozenset(file_of(nodeid) for nodeid in ids))
 
 
-def gate(tmp_path: Path, **options: object) -> Gate:
-    return Gate(GateOptions(baselines=tmp_path / "base.json", tolerance=Tolerance(0.02, 0), **options))  # type: ignore[arg-type]
+def session(tmp_path: Path, **options: object) -> BaselineSession:
+    return BaselineSession(BaselineOptions(path=tmp_path / "base.json", tolerance=Tolerance(0.02, 0), **options))  # type: ignore[arg-type]
 
 
-def test_gate_records_then_judges(tmp_path: Path) -> None:
-    first = gate(tmp_path, update=True)
+def test_the_baseline_session_records_then_judges(tmp_path: Path) -> None:
+    first = session(tmp_path, update=True)
     assert first.judge(measured("t.py::a", 1000)) == []  # updating never compares
     first.finish(collected("t.py::a"))
     assert first.written
-    again = gate(tmp_path, update=True)
+    again = session(tmp_path, update=True)
     again.judge(measured("t.py::a", 1000))
     again.finish(collected("t.py::a"))
     assert not again.written  # the same bytes: the file is left alone
-    judged = gate(tmp_path)
+    judged = session(tmp_path)
     ok = judged.judge(measured("t.py::a", 1010))  # +1% is within 2%
     assert {f.status for f in ok} == {"ok"}
     grown = judged.judge(measured("t.py::a", 1100))
@@ -86,7 +86,7 @@ def test_gate_records_then_judges(tmp_path: Path) -> None:
 
 
 def test_the_judged_records_know_their_environments_without_being_decoded(tmp_path: Path) -> None:
-    judged = gate(tmp_path)
+    judged = session(tmp_path)
     cpu = measured("t.py::a", 1000)
     other = measured("t.py::b", 1000)
     other.environment = Environment.detect("cpu", cuda_rounding=True).to_dict()
@@ -95,40 +95,61 @@ def test_the_judged_records_know_their_environments_without_being_decoded(tmp_pa
     keys = {cpu.environment_key: None, other.environment_key: None}
     assert judged.environments() == dict(sorted(keys.items()))
     # what the store answers is what the records say when decoded
-    assert {r.environment_key for r in judged.records.values()} == set(keys)
-    del judged.records["t.py::b"]
+    assert {r.environment_key for r in judged.records.decoded_all()} == set(keys)
+    judged.records.remove("t.py::b")
     assert judged.environments() == {cpu.environment_key: None}
-    judged.records["t.py::a"] = measured("t.py::a", 10)  # stored again: its entry is replaced
+    judged.records.put(measured("t.py::a", 10))  # stored again: its entry is replaced
     assert list(judged.environments()) == [cpu.environment_key] and len(judged.records) == 1
     # the call's timeline is drawn only in the test's own artifact: the kept record drops it
-    assert cpu.timeline is not None and judged.records["t.py::a"].timeline is None
-    assert judged.records["t.py::a"].measurements == measured("t.py::a", 10).measurements
+    assert cpu.timeline is not None and judged.records.decoded("t.py::a").timeline is None
+    assert judged.records.decoded("t.py::a").measurements == measured("t.py::a", 10).measurements
+
+
+def test_a_judged_record_changes_only_through_the_store(tmp_path: Path) -> None:
+    """The store keeps records as text: a decoded record is a copy, and says so; a change is kept by
+    putting the record again or by editing it in the store. There is no item access to mistake for
+    reading the record itself."""
+    judged = session(tmp_path)
+    judged.judge(measured("t.py::a", 1000))
+    copy = judged.records.decoded("t.py::a")
+    copy.passed = False
+    assert judged.records.decoded("t.py::a").passed  # the copy's change is not kept
+    with judged.records.edit("t.py::a") as record:
+        record.passed = False
+        record.errors.append("t.py::a: failed at teardown")
+    kept = judged.records.decoded("t.py::a")
+    assert (kept.passed, kept.errors, kept.recordable) == (False, ["t.py::a: failed at teardown"], False)
+    assert judged.records.decoded_all() == [kept] and judged.records.nodeids() == ["t.py::a"]
+    with pytest.raises(TypeError):
+        judged.records["t.py::a"]  # type: ignore[index]
+    with pytest.raises(KeyError, match=r"t\.py::b"), judged.records.edit("t.py::b"):
+        pass
 
 
 def test_a_record_tolerance_beats_the_runs(tmp_path: Path) -> None:
-    first = gate(tmp_path, update=True)
+    first = session(tmp_path, update=True)
     first.judge(measured("t.py::a", 1000))
     first.finish(None)
-    judged = gate(tmp_path)
+    judged = session(tmp_path)
     assert judged.judge(measured("t.py::a", 1100, tolerance="20%"))[0].status == "ok"
 
 
 def test_stale_baselines_are_found_and_pruned(tmp_path: Path) -> None:
-    first = gate(tmp_path, update=True)
+    first = session(tmp_path, update=True)
     for nodeid in ("t.py::a", "t.py::gone"):
         first.judge(measured(nodeid, 100))
     first.finish(None)
-    later = gate(tmp_path)
+    later = session(tmp_path)
     later.judge(measured("t.py::a", 100))
     later.finish(collected("t.py::a"))
     assert [(f.test, f.status) for f in later.stale] == [("t.py::gone", "stale")]
     assert not later.stale_failed
-    partial = gate(tmp_path, update=True, prune=True)
+    partial = session(tmp_path, update=True, prune=True)
     partial.judge(measured("t.py::a", 100))
     partial.finish(Collection(items=frozenset({"t.py::a"})))  # t.py was not collected whole: kept
     assert partial.kept == {NOT_COLLECTED: 1}
     assert "t.py::gone" in json.loads((tmp_path / "base.json").read_text())["environments"].popitem()[1]["tests"]
-    pruning = gate(tmp_path, update=True, prune=True)
+    pruning = session(tmp_path, update=True, prune=True)
     pruning.judge(measured("t.py::a", 100))
     pruning.finish(collected("t.py::a"))
     assert "t.py::gone" not in json.loads((tmp_path / "base.json").read_text())["environments"].popitem()[1]["tests"]
@@ -136,14 +157,14 @@ def test_stale_baselines_are_found_and_pruned(tmp_path: Path) -> None:
 
 def test_a_run_that_measured_nothing_never_reads_the_file(tmp_path: Path) -> None:
     (tmp_path / "base.json").write_text("not json")
-    nothing = gate(tmp_path, update=True)
+    nothing = session(tmp_path, update=True)
     nothing.finish(collected("t.py::a"))
     assert not nothing.loaded and not nothing.written
     assert (tmp_path / "base.json").read_text() == "not json"
 
 
 def test_reports_are_written(tmp_path: Path) -> None:
-    reports = gate(tmp_path, json_path=tmp_path / "r" / "gpumem.json", markdown_path=tmp_path / "r" / "gpumem.md")
+    reports = session(tmp_path, json_path=tmp_path / "r" / "gpumem.json", markdown_path=tmp_path / "r" / "gpumem.md")
     reports.judge(measured("t.py::a", 100, peak="1B"))
     reports.write_reports()
     data = json.loads((tmp_path / "r" / "gpumem.json").read_text())

@@ -29,12 +29,33 @@ def test_no_module_is_over_600_lines() -> None:
 
 def test_the_pytest_layer_is_wiring_in_modules_of_at_most_300_lines() -> None:
     plugin = PACKAGE / "plugin"
-    wiring = [plugin / name for name in ("__init__.py", "collection.py", "manager.py", "ending.py")]
-    assert {path: _lines(path) for path in wiring if _lines(path) > 300} == {}
+    modules = sorted(plugin.glob("*.py"))
+    assert {path.name: _lines(path) for path in modules if _lines(path) > 300} == {}
     hooks = [
         node.name for node in ast.parse((plugin / "__init__.py").read_text()).body if isinstance(node, ast.FunctionDef)
     ]
     assert hooks and all(name.startswith("pytest_") or name == "gpumem" or name.startswith("_") for name in hooks)
+
+
+def test_the_pytest_layers_objects_declare_only_what_they_set() -> None:
+    """A class of the pytest layer sets every attribute it declares: none is a bare annotation that
+    another class (a mixin's partner) is expected to set. The run's manager owns its parts instead.
+    Dataclasses and protocols declare their fields so, by design."""
+    found = []
+    for path in sorted((PACKAGE / "plugin").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            decorators = {ast.unparse(d).split("(")[0] for d in node.decorator_list}
+            bases = {ast.unparse(b) for b in node.bases}
+            if decorators & {"dataclass", "dataclasses.dataclass"} or bases & {"Protocol", "NamedTuple"}:
+                continue
+            found += [
+                f"{path.name}:{item.lineno} {node.name}.{ast.unparse(item.target)}"
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and item.value is None
+            ]
+    assert not found, found
 
 
 def test_only_the_engines_reach_a_storage_tracker() -> None:

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from pytest_gpumem.measurement.engines.predict import PredictEngine
-from pytest_gpumem.plugin.fixture import run_step
+from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.targets import target
 from pytest_gpumem.validate.zoo import zoo
 

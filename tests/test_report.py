@@ -21,7 +21,7 @@ from pytest_gpumem.data.findings import Finding, Limit, Tolerance
 from pytest_gpumem.data.metrics import METRICS
 from pytest_gpumem.judge.record import TestRecord as Record
 from pytest_gpumem.judge.verdict import check_values, compare_baseline
-from pytest_gpumem.plugin.fixture import run_step
+from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.report.details import breakdown_rows, environment_notes, measurement_table
 from pytest_gpumem.report.formats import json_report
 from pytest_gpumem.report.text import SUMMARY_HEADERS, markdown_report, summary_rows, summary_table

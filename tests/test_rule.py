@@ -18,7 +18,7 @@ from pytest_gpumem.data.metrics import METRIC_INFO, METRIC_TABLE
 from pytest_gpumem.judge.judgement import baseline_metrics
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.judge.rule import baseline_status, describe_default_tolerances, exceeds, tolerance_for
-from pytest_gpumem.plugin.gate import Gate, GateOptions
+from pytest_gpumem.plugin.session import BaselineOptions, BaselineSession
 
 MiB = 1 << 20
 
@@ -74,11 +74,11 @@ def test_the_command_line_and_the_plugin_give_the_same_verdict(
     worse = {line.split(" [")[0].strip() for line in err.splitlines()[1:]}
     assert code == (1 if worse else 0), err
     # the plugin's judge, with the old file as the baselines and the run's --gpumem-tolerance
-    gate = Gate(GateOptions(old, None if tolerance is None else parse_tolerance(tolerance)))
+    session = BaselineSession(BaselineOptions(old, None if tolerance is None else parse_tolerance(tolerance)))
     regressed = set()
     for test, value in tests.items():
         record = TestRecord(test, [measurement(metric, value)], environment=H100_ENV.to_dict())
-        findings = [f for f in gate.judge(record) if f.metric == metric]
+        findings = [f for f in session.judge(record) if f.metric == metric]
         assert [f.reference for f in findings] == [reference]
         if findings[0].status == "regressed":
             regressed.add(test)

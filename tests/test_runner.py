@@ -15,8 +15,9 @@ from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.measurement.active import measure
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.engines.base import Engine
+from pytest_gpumem.plugin.engines import DeviceUnavailable, Engines, Freezer, choose_device
 from pytest_gpumem.plugin.marker import parse_marker
-from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, Freezer, RunOptions, TestRun, choose_device
+from pytest_gpumem.plugin.runner import RunOptions, TestRun
 from pytest_gpumem.report.details import failure_text
 
 F32 = 4

@@ -21,7 +21,7 @@ import torch
 
 from pytest_gpumem import measure
 from pytest_gpumem.baselines import Environment
-from pytest_gpumem.plugin.fixture import run_step
+from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.units import format_size
 from pytest_gpumem.validate.against import differences, load_record
 from pytest_gpumem.validate.compare import explain_gap, gap_parts, zoo_figures

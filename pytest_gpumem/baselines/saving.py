@@ -17,7 +17,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from pytest_gpumem.baselines.loading import digest, fingerprint, parse
-from pytest_gpumem.baselines.store import BaselineStore
+from pytest_gpumem.baselines.store import BaselineStore, Fingerprint
 from pytest_gpumem.baselines.validation import BaselineFileError
 
 __all__ = ["LOCK_TIMEOUT_S", "ORPHAN_AGE_S", "lock_path", "save"]
@@ -71,7 +71,7 @@ def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, fo
     real = Path(os.path.realpath(target))  # through symbolic links: the file that is replaced
     with _locked(target, real):
         try:
-            current: tuple[int, int, int, int] | None = fingerprint(os.stat(real))
+            current: Fingerprint | None = fingerprint(os.stat(real))
         except FileNotFoundError:
             current = None
         except OSError as exc:
@@ -84,18 +84,17 @@ def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, fo
                     "refusing to overwrite a baseline file this store was not loaded from",
                     hint=_HINT_SAVE,
                 )
-            if current != store._fingerprint:
+            if current != store.fingerprint:
                 merged, current, on_disk = _merge(store, target, real)
                 data = merged.dumps()
                 if digest(data) == on_disk:  # the other run wrote what this one would
-                    store._adopt(merged)
-                    store.path, store._fingerprint, store._digest = target, current, on_disk
+                    store.commit(target, current, on_disk, merged=merged)
                     return False
         if merged is None:
             data = store.dumps()
         new_digest = digest(data)
-        unchanged = merged is None and ours and current is not None and current == store._fingerprint
-        if unchanged and new_digest == store._digest:
+        unchanged = merged is None and ours and current is not None and current == store.fingerprint
+        if unchanged and new_digest == store.digest:
             return False
         if current is not None:
             _check_writable(target, real)
@@ -104,16 +103,11 @@ def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, fo
             written = fingerprint(os.stat(real))
         except OSError as exc:
             raise _cannot_write(target, exc) from None
-    if merged is not None:
-        store._adopt(merged)
-    store._changes = []
-    store.path = target
-    store._fingerprint = written
-    store._digest = new_digest
+    store.commit(target, written, new_digest, merged=merged)
     return True
 
 
-def _merge(store: BaselineStore, target: Path, real: Path) -> tuple[BaselineStore, tuple[int, int, int, int], bytes]:
+def _merge(store: BaselineStore, target: Path, real: Path) -> tuple[BaselineStore, Fingerprint, bytes]:
     """The file on disk now with ``store``'s changes applied; its fingerprint and digest as read."""
     try:
         with open(real, "rb") as handle:
@@ -124,7 +118,7 @@ def _merge(store: BaselineStore, target: Path, real: Path) -> tuple[BaselineStor
             target, f"cannot read the baseline file to merge into it: {exc.strerror or exc}", hint=_HINT_MERGE
         ) from None
     fresh = parse(data, target)
-    store._apply_changes(fresh)
+    store.apply_changes(fresh)
     return fresh, fingerprint(info), digest(data)
 
 

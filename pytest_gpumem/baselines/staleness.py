@@ -92,10 +92,6 @@ class Staleness:
     stale: list[StaleEntry]
     kept: dict[str, int]
 
-    @property
-    def kept_total(self) -> int:
-        return sum(self.kept.values())
-
 
 def file_of(nodeid: str) -> str:
     """The file part of a node id: ``tests/test_a.py`` of ``tests/test_a.py::test_x[1]``."""

@@ -25,7 +25,20 @@ from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRIC_INFO
 from pytest_gpumem.data.sites import SITES_BUDGET, SiteProfile
 
-__all__ = ["BaselineEntry", "BaselineStore", "StaleEntry"]
+__all__ = [
+    "BaselineEntry",
+    "BaselineStore",
+    "Change",
+    "EnvironmentRemoved",
+    "Fingerprint",
+    "Recorded",
+    "Removed",
+    "StaleEntry",
+]
+
+#: What ``os.stat`` says of a file that changes when its bytes do (see
+#: :func:`~pytest_gpumem.baselines.loading.fingerprint`).
+Fingerprint = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -120,9 +133,41 @@ class BaselineEntry:
         return cls(costs, start, breakdown, extra)
 
 
-#: One change of a store: ``("record", Environment, test, entries)``, ``("remove", key, test)`` or
-#: ``("remove_environment", key)``.
-_Change = tuple[Any, ...]
+@dataclass(frozen=True)
+class Recorded:
+    """A change of a store: the baselines of ``test`` in ``environment`` recorded (:meth:`BaselineStore.record`)."""
+
+    environment: Environment
+    test: str
+    entries: Mapping[str, BaselineEntry]
+
+    def apply(self, store: BaselineStore) -> None:
+        store.record(self.environment, self.test, self.entries)
+
+
+@dataclass(frozen=True)
+class Removed:
+    """A change of a store: every baseline of ``test`` in the environment keyed ``environment`` removed."""
+
+    environment: str
+    test: str
+
+    def apply(self, store: BaselineStore) -> None:
+        store.remove(self.environment, self.test)
+
+
+@dataclass(frozen=True)
+class EnvironmentRemoved:
+    """A change of a store: the environment keyed ``environment`` removed with everything in it."""
+
+    environment: str
+
+    def apply(self, store: BaselineStore) -> None:
+        store.remove_environment(self.environment)
+
+
+#: One change of a store, as its journal (:attr:`BaselineStore.changes`) keeps it.
+Change = Recorded | Removed | EnvironmentRemoved
 
 
 @dataclass(frozen=True)
@@ -144,20 +189,20 @@ class BaselineStore:
     not know survive a rewrite; lookups build :class:`BaselineEntry` objects on
     demand. Get one with :func:`load` (a missing file gives an empty store)
     or ``BaselineStore()`` for a file that does not exist yet; write it with
-    :func:`save`.
+    :func:`save`. The store knows the file as it last read or wrote it (:attr:`path`,
+    :attr:`fingerprint`, :attr:`digest`: set by :meth:`commit`) and journals what it changed
+    since (:attr:`changes`), so that a save can apply those changes onto the file as another
+    run left it.
     """
 
     def __init__(self) -> None:
         self._top: dict[str, Any] = {"schema": SCHEMA_VERSION, "environments": {}}
         self._envs: dict[str, Any] = self._top["environments"]
-        #: The file this store was loaded from or last saved to, if any.
-        self.path: Path | None = None
-        self._fingerprint: tuple[int, int, int, int] | None = None
+        self._path: Path | None = None
+        self._fingerprint: Fingerprint | None = None
         self._digest: bytes | None = None
         self._described: set[str] = set()  # environments whose description record() completed
-        #: What this store changed since it was loaded or saved, in order, for :func:`save` to apply
-        #: onto the file as it is on disk then (another run may have saved it meanwhile).
-        self._changes: list[_Change] = []
+        self._changes: list[Change] = []
 
     # -- reading -----------------------------------------------------------------------
 
@@ -260,7 +305,7 @@ class BaselineStore:
                     written = {**kept, **written}
             new_spans[name] = written
         tests[test] = {**old_test, "spans": new_spans}
-        self._changes.append(("record", environment, test, entries))
+        self._changes.append(Recorded(environment, test, entries))
 
     def remove(self, environment: str, test: str) -> bool:
         """Remove every baseline of ``test`` in ``environment``; True when there was one.
@@ -274,7 +319,7 @@ class BaselineStore:
         del env["tests"][test]
         if not env["tests"] and set(env) <= set(ENV_ORDER):
             del self._envs[environment]
-        self._changes.append(("remove", environment, test))
+        self._changes.append(Removed(environment, test))
         return True
 
     def stale(
@@ -331,29 +376,58 @@ class BaselineStore:
         env = self._envs.pop(environment, None)
         if env is None:
             return 0
-        self._changes.append(("remove_environment", environment))
+        self._changes.append(EnvironmentRemoved(environment))
         return len(env.get("tests", {}))
 
-    # -- merging with the file on disk -------------------------------------------------
+    # -- the file on disk ----------------------------------------------------------------
 
-    def _apply_changes(self, onto: BaselineStore) -> None:
+    @property
+    def path(self) -> Path | None:
+        """The file this store was loaded from or last saved to; None for neither."""
+        return self._path
+
+    @property
+    def fingerprint(self) -> Fingerprint | None:
+        """The file's fingerprint when this store last read or wrote it; None when it held no file."""
+        return self._fingerprint
+
+    @property
+    def digest(self) -> bytes | None:
+        """The digest of the file's bytes when this store last read or wrote them; None when none."""
+        return self._digest
+
+    @property
+    def changes(self) -> tuple[Change, ...]:
+        """What this store changed since it was loaded or saved, in order (:meth:`commit` empties it)."""
+        return tuple(self._changes)
+
+    def apply_changes(self, onto: BaselineStore) -> None:
         """Make on ``onto`` (the file as it is on disk now) the changes this store made since it was
         loaded: the tests it recorded (a test that both recorded gets this store's figures), removed
         and pruned, and the environments it removed; everything else stays as ``onto`` has it."""
         for change in self._changes:
-            if change[0] == "record":
-                onto.record(change[1], change[2], change[3])
-            elif change[0] == "remove":
-                onto.remove(change[1], change[2])
-            else:
-                onto.remove_environment(change[1])
+            change.apply(onto)
 
-    def _adopt(self, other: BaselineStore) -> None:
-        """Hold ``other``'s baselines from now on (the merged file :func:`save` wrote); no changes pending."""
-        self._top = other._top
-        self._envs = other._envs
-        self._described |= other._described
+    def commit(
+        self,
+        path: Path,
+        fingerprint: Fingerprint | None = None,
+        digest: bytes | None = None,
+        *,
+        merged: BaselineStore | None = None,
+    ) -> None:
+        """This store is now what the file at ``path`` holds (read by :func:`load`, written by
+        :func:`save`; ``fingerprint`` and ``digest``: None for a file that does not exist yet): no
+        change is pending. With ``merged`` (the file on disk with this store's changes applied,
+        :meth:`apply_changes`), the store holds ``merged``'s baselines from now on."""
+        if merged is not None:
+            self._top = merged._top
+            self._envs = merged._envs
+            self._described |= merged._described
         self._changes = []
+        self._path = path
+        self._fingerprint = fingerprint
+        self._digest = digest
 
     # -- serialising -------------------------------------------------------------------
 

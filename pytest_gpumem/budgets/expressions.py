@@ -226,7 +226,6 @@ class _Parser:
             raise BudgetError(f"{text[:40]!r}...: the expression is too long (more than {self._MAX_TOKENS} tokens)")
         self.index = 0
         self.depth = 0
-        self.open_parens: list[int] = []
 
     @property
     def token(self) -> _Token:

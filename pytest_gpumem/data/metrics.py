@@ -106,16 +106,12 @@ class MetricInfo:
         return self.format_delta(value) if self.signed else self.format(value)
 
 
-#: Every figure, in report order. ``peak`` and ``allocated`` are exact on every engine (the CPU
-#: tracker counts storages; on CUDA the caching allocator's counters gave identical bytes for
-#: identical steps on an H100), so their baselines are exact: any change is a change in what the
-#: code allocates, and a percentage would hide a real regression at every scale (2% of a 12 MiB
-#: step let a +476 KiB float64 loss through; 2% of a 20 GiB step is a 400 MiB activation copy).
-#: ``reserved`` depends on the cache's history and keeps "2% or 1 MiB", and is never compared
-#: closer than one of the caching allocator's 20 MiB segments (the segment size of requests
-#: between 1 and 10 MiB): segments that hold a live block cannot be returned, so the same step
-#: twice in one process can reserve a segment more or less (seen on an H100: 622,854,144 vs
-#: 639,631,360 B, 16 MiB apart).
+#: Every figure, in report order. ``peak`` and ``allocated`` are exact on every engine, so their
+#: baselines are compared to the byte by default: any change is a change in what the code
+#: allocates. ``reserved`` depends on the cache's history: it keeps "2% or 1 MiB", and is never
+#: compared closer than one of the caching allocator's 20 MiB segments (the segment size of
+#: requests between 1 and 10 MiB), since the same step twice in one process can reserve a
+#: segment more or less. Why, with the figures behind it: docs/baselines.md, "Tolerance".
 METRIC_TABLE: tuple[MetricInfo, ...] = (
     MetricInfo(
         "peak",

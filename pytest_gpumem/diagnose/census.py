@@ -49,7 +49,8 @@ TOP = 10
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Frames whose locals never name a tensor in a report: this package's machinery (the tracker's
-#: dispatch, the reports themselves). Frames of ``fixture.run_step`` and of user code do.
+#: dispatch, the reports themselves). Frames of the training-step driver (:data:`_STEPS`) and of
+#: user code do.
 _INTERNAL = (
     os.path.join(_PACKAGE_DIR, "measurement") + os.sep,
     *(
@@ -60,9 +61,12 @@ _INTERNAL = (
             "diagnose/leaks.py",
             "diagnose/microbatch.py",
             "plugin/runner.py",
+            "plugin/engines.py",
         )
     ),
 )
+#: The training-step driver (``gpumem.train_step``): its frames hold the user's model, optimizer and batch.
+_STEPS = os.path.join(_PACKAGE_DIR, "measurement", "steps.py")
 _FRAMEWORK_PARTS = (f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}")
 
 
@@ -226,7 +230,7 @@ def tensor_names(objects: Iterable[Any], labels: Mapping[int, str] | None = None
 
 def _user_frame(frame: FrameType) -> bool:
     filename = frame.f_code.co_filename
-    if filename.startswith((_TORCH_DIR, *_INTERNAL)):
+    if filename.startswith((_TORCH_DIR, *_INTERNAL)) and filename != _STEPS:
         return False
     return not any(part in filename for part in _FRAMEWORK_PARTS)
 

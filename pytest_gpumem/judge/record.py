@@ -8,8 +8,9 @@ the test report (``report.gpumem``). No torch, no pytest.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,6 @@ class TestRecord:
             for the marker's span limits (``peak``, ``allocated``, ``reserved``) instead of the call.
         leak_report: the confirmed leak check's report (the leaked tensors), for the judge to
             add to :attr:`reports` when the ``retained`` check fails; None when no leak was checked.
-            as written; the judge (:func:`~pytest_gpumem.judge.judgement.judge`) resolves and checks them.
         site_changes: by span name, the sites whose bytes changed against the site profile
             stored with the span's baseline (:func:`~pytest_gpumem.judge.sites.diff_sites`);
             only for spans whose figures carry sites and whose baseline has them.
@@ -173,34 +173,53 @@ class TestRecord:
         )
 
 
-class RecordStore(MutableMapping[str, TestRecord]):
+class RecordStore:
     """A run's judged records by node id, each kept as the JSON text of :meth:`TestRecord.to_dict`.
 
     A string holds no references: the garbage collector never traverses it, where a record's
     dozens of lists, dicts and objects would be traversed by every full collection for the rest
-    of the run (the plugin collects twice a test). Reading a record decodes a copy: a change
-    to it is kept by storing it again. The call's timeline is not kept: it is drawn only in a
-    test's own artifact, written before the run ends, and nothing after reads it.
+    of the run (the plugin collects twice a test). So the store hands out copies, and says so:
+    :meth:`decoded` and :meth:`decoded_all` decode one, a change is kept by :meth:`put` (a whole
+    record) or made in an :meth:`edit` block. The call's timeline is not kept: it is drawn only
+    in a test's own artifact, written before the run ends, and nothing after reads it.
     """
 
-    def __init__(self, records: Mapping[str, TestRecord] | None = None) -> None:
+    def __init__(self, records: Iterable[TestRecord] = ()) -> None:
         self._texts: dict[str, str] = {}
         #: each record's environment key and workspace bytes (strings and ints: nothing to traverse),
         #: so that the run's environments are known without decoding every record
         self._environments: dict[str, tuple[str | None, int | None]] = {}
-        if records:
-            self.update(records)
+        for record in records:
+            self.put(record)
 
-    def __getitem__(self, nodeid: str) -> TestRecord:
+    def put(self, record: TestRecord) -> None:
+        """Keep ``record`` as it is now, in place of the one of its node id (if any)."""
+        self._texts[record.nodeid] = record.to_json(timeline=False)
+        self._environments[record.nodeid] = (record.environment_key, record.workspaces)
+
+    def decoded(self, nodeid: str) -> TestRecord:
+        """A new copy of the record of ``nodeid`` (raises ``KeyError`` where there is none): a change
+        to it is not kept unless it is :meth:`put` again (or made in an :meth:`edit` block)."""
         return TestRecord.from_json(self._texts[nodeid])
 
-    def __setitem__(self, nodeid: str, record: TestRecord) -> None:
-        self._texts[nodeid] = record.to_json(timeline=False)
-        self._environments[nodeid] = (record.environment_key, record.workspaces)
+    def decoded_all(self) -> list[TestRecord]:
+        """A new copy of every record, in the order they were first kept."""
+        return [TestRecord.from_json(text) for text in self._texts.values()]
 
-    def __delitem__(self, nodeid: str) -> None:
+    @contextlib.contextmanager
+    def edit(self, nodeid: str) -> Iterator[TestRecord]:
+        """The record of ``nodeid``, decoded, for the ``with`` block to change; kept again as the block
+        ends without an error. Raises ``KeyError`` where there is none."""
+        record = self.decoded(nodeid)
+        yield record
+        self.put(record)
+
+    def remove(self, nodeid: str) -> None:
         del self._texts[nodeid]
         del self._environments[nodeid]
+
+    def nodeids(self) -> list[str]:
+        return list(self._texts)
 
     def environments(self) -> dict[str, int | None]:
         """The environment keys of the records, sorted, each with the workspace bytes its device
@@ -211,8 +230,8 @@ class RecordStore(MutableMapping[str, TestRecord]):
                 found[key] = workspaces
         return dict(sorted(found.items()))
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._texts)
+    def __contains__(self, nodeid: object) -> bool:
+        return nodeid in self._texts
 
     def __len__(self) -> int:
         return len(self._texts)

@@ -1,10 +1,12 @@
 """The pytest layer: options, the ``gpumem`` marker and fixture, and hooks that wire the
-library together. Each hook is a few lines over an object that works without pytest:
+library together. Past the ones here, the hooks live on the run's
+:class:`~pytest_gpumem.plugin.manager.GpumemManager` and its parts (its module names them),
+each a few lines over an object that works without pytest:
 
 * :class:`~pytest_gpumem.plugin.runner.TestRun` measures one test where it runs and returns
   its :class:`~pytest_gpumem.judge.record.TestRecord`, attached to the call report
   (``report.gpumem``, as JSON text, so that it travels to the xdist controller);
-* :class:`~pytest_gpumem.plugin.gate.Gate`, in the process that owns the run, compares
+* :class:`~pytest_gpumem.plugin.session.BaselineSession`, in the process that owns the run, compares
   each record with the baseline file, and at the end records and writes it once,
   with the reports;
 * :mod:`pytest_gpumem.report.text` renders the terminal summary.
@@ -26,7 +28,7 @@ from pytest_gpumem.plugin.marker import marker_help
 from pytest_gpumem.plugin.options import OPTIONS, OptionError, Settings
 
 if TYPE_CHECKING:
-    from pytest_gpumem.plugin.fixture import GpuMem, UnmeasuredGpuMem
+    from pytest_gpumem.plugin.fixture import GpumemFixture
 
 
 # -- options, marker, fixture, hooks --------------------------------------------------
@@ -66,21 +68,21 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", marker_help())
     settings = _settings(config)
     manager = DisabledManager(settings) if settings.disable else GpumemManager(config, settings)
-    config.pluginmanager.register(manager, "gpumem-manager")
+    manager.register(config.pluginmanager)
 
 
 @pytest.fixture
-def gpumem(request: pytest.FixtureRequest) -> GpuMem | UnmeasuredGpuMem:
+def gpumem(request: pytest.FixtureRequest) -> GpumemFixture:
     """Measure memory in a test: ``gpumem.device``, ``gpumem.measure(name)``, ``gpumem.track(...)``,
     ``gpumem.train_step(...)``, ``gpumem.budget()``. See pytest-gpumem's README."""
-    from pytest_gpumem.plugin.fixture import GpuMem, UnmeasuredGpuMem
-
     disabled = request.node.stash.get(DISABLED_KEY, None)
     if disabled is not None:
-        from pytest_gpumem.plugin.fixture import UnmeasuredGpuMem
+        from pytest_gpumem.plugin.unmeasured import UnmeasuredGpuMem
 
         return UnmeasuredGpuMem(disabled, request.node.nodeid)
     run = request.node.stash.get(RUN_KEY, None)
     if run is None:
         raise pytest.UsageError(f"{request.node.nodeid}: the gpumem fixture works only in test functions")
+    from pytest_gpumem.plugin.measured import GpuMem
+
     return GpuMem(run.recorder, request.node.nodeid, run.spec.limits)

@@ -81,7 +81,8 @@ def _validate_markers(report: pytest.CollectReport) -> None:
 
 
 class MarkerCheck:
-    """Validates the markers of every collected item, enabled or not: a bad one is an error."""
+    """Validates the markers of every collected item, enabled or not: a bad one is an error.
+    A part of both managers, registered as a plugin of its own."""
 
     @pytest.hookimpl(wrapper=True)
     def pytest_make_collect_report(
@@ -92,12 +93,19 @@ class MarkerCheck:
         return report
 
 
-class DisabledManager(MarkerCheck):
+class DisabledManager:
     """The plugin switched off (``--gpumem-disable``): markers are still validated (a bad one
     is still an error) and the fixture still works, but nothing is measured, judged or written."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        #: its one part: the markers validated as collected
+        self.markers = MarkerCheck()
+
+    def register(self, pluginmanager: pytest.PytestPluginManager) -> None:
+        """Register this manager and its part with pytest."""
+        pluginmanager.register(self, "gpumem-manager")
+        pluginmanager.register(self.markers, "gpumem-markers")
 
     def pytest_report_header(self) -> str:
         return "gpumem: disabled (--gpumem-disable): nothing is measured, judged or written"
@@ -118,7 +126,7 @@ class DisabledManager(MarkerCheck):
         spec = marker_spec(item)
         if spec is None:
             return
-        from pytest_gpumem.plugin.runner import DeviceUnavailable, choose_device
+        from pytest_gpumem.plugin.engines import DeviceUnavailable, choose_device
 
         unavailable: DeviceUnavailable | None = None
         try:  # the test still runs on the device it asks for, and is skipped where there is none
@@ -132,11 +140,11 @@ class DisabledManager(MarkerCheck):
 class CollectionBook:
     """What the run collected, for stale baselines (:class:`~pytest_gpumem.baselines.staleness.Collection`):
     every node id, the files collected whole, and why the others were not (skipped, ignored, failed,
-    collected in part); with xdist, the workers' books."""
+    collected in part); with xdist, the workers' books. A part of
+    :class:`~pytest_gpumem.plugin.manager.GpumemManager`, registered as a plugin of its own."""
 
-    config: pytest.Config
-
-    def _start_book(self) -> None:
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
         self._collected: set[str] = set()
         self._whole: set[str] = set()  # files whose collection passed: every test they hold is collected
         self._partial: dict[str, str] = {}  # files and folders seen in part or not at all: why
@@ -182,7 +190,7 @@ class CollectionBook:
             self._workers_whole.append(set(output["gpumem_whole"]))
         self._xdist = True
 
-    def _collection(self) -> Collection:
+    def collection(self) -> Collection:
         """What this run collected (with xdist: what every worker collected whole)."""
         whole = self._whole
         if self._xdist:
@@ -212,10 +220,10 @@ class CollectionBook:
             self.config.getoption("lf", False) and cache is not None and cache.get("cache/lastfailed", {})
         )
 
-    def _worker_output(self) -> None:
+    def worker_output(self) -> None:
         """An xdist worker's collection, for the controller (``pytest_testnodedown``)."""
         output = self.config.workeroutput  # type: ignore[attr-defined]
-        collection = self._collection()
+        collection = self.collection()
         output["gpumem_collected"] = sorted(collection.items)
         output["gpumem_whole"] = sorted(collection.whole)
         output["gpumem_partial"] = dict(collection.partial)

@@ -1,63 +1,50 @@
-"""The object behind the ``gpumem`` fixture: the device, spans, tracking, and a training step."""
+"""What the ``gpumem`` fixture gives a test (:class:`GpumemFixture`): a
+:class:`~pytest_gpumem.plugin.measured.GpuMem` where the plugin measures, an
+:class:`~pytest_gpumem.plugin.unmeasured.UnmeasuredGpuMem` where it is disabled; both implement
+it, member for member. What the two share: :class:`NotMeasured`, :func:`check_phase`,
+:func:`tracked_budget`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from pytest_gpumem.budgets.formulas import Budget, model_states, tracked_psi
-from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.data.metrics import SPAN_METRICS
-from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT, DistributedError, RankContext, run_ranks
-from pytest_gpumem.diagnose.microbatch import Plan, plan_for
-from pytest_gpumem.diagnose.microbatch import max_microbatch as search_microbatch
-from pytest_gpumem.judge.limits import LimitSpec, check_span_name, parse_span_limits
-from pytest_gpumem.measurement.recorder import Recorder, Span
-from pytest_gpumem.units import parse_size
+from pytest_gpumem.budgets.formulas import Budget, model_states
+from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT
 
-__all__ = ["AMP_MODES", "GpuMem", "NotMeasured", "Unmeasured", "UnmeasuredGpuMem", "describe", "run_step"]
+if TYPE_CHECKING:
+    from pytest_gpumem.data.figures import Measurement
+    from pytest_gpumem.diagnose.distributed import RankContext
+    from pytest_gpumem.diagnose.microbatch import Plan
+    from pytest_gpumem.plugin.unmeasured import Unmeasured
 
-#: Values of ``train_step(amp=...)``.
-AMP_MODES: tuple[str | None, ...] = (None, "bf16", "fp16")
+__all__ = ["GpumemFixture", "NotMeasured", "check_phase", "tracked_budget"]
+
+#: What :meth:`GpumemFixture.mark_phase` takes.
+PHASE_MARKS = (None, "forward", "backward", "optimizer")
 
 
-class GpuMem:
-    """Measure memory inside a test. Given by the ``gpumem`` fixture.
+class NotMeasured(RuntimeError):
+    """A figure was read in a run where pytest-gpumem is disabled (``--gpumem-disable``)."""
 
-    Attributes:
-        device: the ``torch.device`` under test (put the model and batch there).
-        recorder: the recording of the test call (figures of every closed span).
-    """
 
-    def __init__(self, recorder: Recorder, nodeid: str, marker_limits: Sequence[LimitSpec] = ()) -> None:
-        self.recorder = recorder
-        self.device: torch.device = recorder.engine.device
-        self.nodeid = nodeid
-        self._marker_limits = tuple(marker_limits)
+class GpumemFixture(Protocol):
+    """What the ``gpumem`` fixture gives a test, measured
+    (:class:`~pytest_gpumem.plugin.measured.GpuMem`) or not
+    (:class:`~pytest_gpumem.plugin.unmeasured.UnmeasuredGpuMem`): both implement every member
+    with the same parameters and defaults. Figures are :class:`Measurement` objects where the
+    plugin measures, :class:`~pytest_gpumem.plugin.unmeasured.Unmeasured` stand-ins (reading one
+    raises :class:`NotMeasured`) where it is disabled. ``GpuMem`` documents each member."""
 
-    def track(self, *objects: Any) -> None:
-        """Register modules and optimizers for the breakdown, the phases and Ψ."""
-        self.recorder.track(*objects)
+    device: torch.device
+    nodeid: str
 
-    def measure(self, name: str, **limits: Any) -> Span:
-        """A ``with`` block measured as the span ``name``.
+    def track(self, *objects: Any) -> None: ...
 
-        Keyword limits (``peak``, ``allocated``, ``reserved`` as sizes or budget
-        expressions, and ``tolerance``) apply to this span; a broken one fails the
-        test at its end. After the block the returned span holds the figures.
-        """
-        span = self.recorder.span(check_span_name(name), **limits)  # validates the limits, once
-        if name in self.recorder.span_names:
-            raise ValueError(f"{self.nodeid}: span name {name!r} is used twice in this test; give each span its own")
-        if not self.recorder.active:
-            raise RuntimeError(
-                f"{self.nodeid}: gpumem.measure({name!r}) can only run inside the test function "
-                "(the plugin measures the test call)"
-            )
-        return span
+    def measure(self, name: str, **limits: Any) -> AbstractContextManager[Any]: ...
 
     def distributed(
         self,
@@ -70,68 +57,12 @@ class GpuMem:
         predict: str | None = None,
         fake: bool | None = None,
         ranks: Sequence[int] | None = None,
-    ) -> list[Measurement]:
-        """Run ``fn(rank, ctx)`` in ``world_size`` rank processes, each measured; returns their
-        :class:`Measurement` in rank order (see :mod:`pytest_gpumem.diagnose.distributed`).
+    ) -> Sequence[Measurement | Unmeasured]: ...
 
-        Each rank is the span ``"rank{r}-of-{world_size}"`` of this test: the marker's ``peak``,
-        ``allocated`` and ``reserved`` limits and budgets apply to every rank (Ψ is the rank's
-        own tracked trainable parameters: ``ctx.track(model, optimizer)`` in ``fn``), and
-        baselines are kept per rank and world size. ``device``: ``"cpu"`` or ``"cuda"`` (rank
-        ``r`` on ``cuda:r``); default: the test's device type. ``predict`` and ``fake`` default
-        to the test's (its marker's ``predict=`` and ``fake=``, ``--gpumem-predict``,
-        ``--gpumem-fake``); with ``fake`` the ranks run one after another in one process over
-        the fake process group, and ``ranks`` chooses which (default: all). A rank that fails,
-        runs out of memory or does not finish in ``timeout`` seconds fails the test with its report.
-        """
-        __tracebackhide__ = True
-        if predict is None:
-            predict = self.recorder.engine.predicts
-        if fake is None:
-            fake = self.recorder.fake
-        where = device or ("cuda" if self.device.type == "cuda" and predict is None else "cpu")
-        try:
-            measurements = run_ranks(
-                fn,
-                world_size,
-                backend=backend,
-                device=where,
-                timeout=timeout,
-                predict=predict,
-                fake=fake,
-                ranks=ranks,
-                sites=self.recorder.sites,
-            )
-        except DistributedError as exc:
-            raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
-        except (ValueError, TypeError) as exc:
-            raise type(exc)(f"{self.nodeid}: gpumem.distributed: {exc}") from None
-        limits = [spec for spec in self._marker_limits if spec.metric in SPAN_METRICS]
-        self.recorder.ranks_measured = True
-        named = []
-        for measurement in measurements:
-            name = f"{measurement.name}-of-{world_size}"  # run_ranks names each rank's span rank{r}
-            if name in self.recorder.span_names:
-                raise ValueError(f"{self.nodeid}: span name {name!r} is used twice in this test")
-            measurement = replace(measurement, name=name)
-            self.recorder.spans.append(Span.finished(self.recorder, name, measurement, limits))
-            named.append(measurement)
-        return named
-
-    def mark_phase(self, phase: str | None) -> None:
-        """Mark the phase running now (``"forward"``, ``"backward"``, ``"optimizer"``, None for
-        none) for a framework whose own hooks know it better than the tracked objects' hooks:
-        from the first call on, only these marks set the phase (see the Lightning adapter)."""
-        if phase not in (None, "forward", "backward", "optimizer"):
-            raise ValueError(
-                f"{self.nodeid}: mark_phase({phase!r}): expected 'forward', 'backward', 'optimizer' or None"
-            )
-        self.recorder.mark_phase(phase)
+    def mark_phase(self, phase: str | None) -> None: ...
 
     @property
-    def psi(self) -> int | None:
-        """Trainable parameter count Ψ of the tracked objects (None when nothing is tracked)."""
-        return self.recorder.psi
+    def psi(self) -> int | None: ...
 
     def budget(
         self,
@@ -140,16 +71,7 @@ class GpuMem:
         optimizer: torch.optim.Optimizer | str | None = None,
         zero_stage: int = 0,
         world_size: int = 1,
-    ) -> Budget:
-        """The theoretical model-state budget of the tracked objects (bytes; see ``budgets.model_states``).
-
-        The tracked modules are the model. The optimizer is ``optimizer`` when
-        given (an object or a registered name such as ``"adamw"``), else the one
-        tracked optimizer; with several tracked, pass one.
-        """
-        return tracked_budget(
-            self.nodeid, self.recorder.tracked, self.device, precision, optimizer, zero_stage, world_size
-        )
+    ) -> Budget: ...
 
     def max_microbatch(
         self,
@@ -159,45 +81,12 @@ class GpuMem:
         limit: int | str | None = None,
         upper: int | None = None,
         cleanup: Callable[[], Any] | None = None,
-    ) -> int:
-        """The largest microbatch size whose training step fits the device.
+    ) -> int: ...
 
-        ``step(size)`` runs one training step at that microbatch size. The search
-        doubles from ``start`` while the step fits, then bisects between the last
-        size that fit and the first that ran out of memory; each out-of-memory
-        error is caught and cleaned up (frames dropped, garbage collected, cache
-        emptied on CUDA), ``cleanup()`` runs after every try (zero the gradients
-        there). ``limit`` (bytes or a size) emulates a smaller device; the default
-        is the test's ``device_limit``. ``upper`` caps the search; on the CPU
-        engine, one of ``limit``/``upper`` is needed for the search to end, and
-        without ``upper`` a step whose memory does not grow with its size raises
-        :class:`~pytest_gpumem.diagnose.microbatch.MicrobatchError` after 30 doublings.
-        Returns 0 when not even ``start`` fits. The largest size any search of
-        the test found is its ``max_microbatch`` figure (``min_microbatch=``
-        bounds it; baselines keep it).
-        """
-        bound = self.recorder.device_limit if limit is None else parse_size(limit)
-        found = search_microbatch(
-            step, start=start, limit=bound, upper=upper, engine=self.recorder.engine, cleanup=cleanup
-        )
-        previous = self.recorder.max_microbatch
-        self.recorder.max_microbatch = found if previous is None else max(previous, found)
-        return found
-
-    def plan_accumulation(self, global_batch: int, step: Callable[[int], Any], **kwargs: Any) -> Plan:
-        """Microbatch size and gradient-accumulation steps for ``global_batch``.
-
-        Searches with :meth:`max_microbatch` (capped at ``global_batch``; keyword
-        arguments pass through), then takes the largest size that divides
-        ``global_batch`` and fits.
-        """
-        kwargs.setdefault("upper", global_batch)
-        return plan_for(global_batch, self.max_microbatch(step, **kwargs))
+    def plan_accumulation(self, global_batch: int, step: Callable[[int], Any], **kwargs: Any) -> Plan: ...
 
     @property
-    def spans(self) -> list[Measurement]:
-        """Figures of the spans closed so far, in order."""
-        return [span.measurement for span in self.recorder.spans]
+    def spans(self) -> Sequence[Measurement | Unmeasured]: ...
 
     def train_step(
         self,
@@ -209,63 +98,13 @@ class GpuMem:
         amp: str | None = None,
         warmup: int = 1,
         name: str = "step",
-    ) -> Measurement:
-        """Run ``warmup`` unmeasured training steps, then one measured step; return its figures.
-
-        A step is: ``optimizer.zero_grad(set_to_none=True)``, forward, loss,
-        backward, ``optimizer.step()``. The model and optimizer are tracked; the
-        forward / backward / optimizer phases are marked by hooks. Warm-up steps
-        matter: optimizers create their state lazily at the first step.
-
-        ``batch``: a tensor (``model(batch)``), a tuple or list
-        (``model(*batch)``) or a mapping (``model(**batch)``). With ``loss_fn``
-        and an ``(inputs, target)`` pair the loss is
-        ``loss_fn(model(inputs), target)`` (``inputs`` unpacked as above); with
-        ``loss_fn`` and a tensor or a mapping (an unsupervised loss) it is
-        ``loss_fn(model(batch))``. Without ``loss_fn`` the model's output must
-        be the loss: a scalar tensor, or an object with a ``loss`` attribute or
-        key (Hugging Face outputs).
-
-        ``amp``: None (as the model is), ``"bf16"`` (autocast to bfloat16) or
-        ``"fp16"`` (autocast to float16 with a gradient scaler).
-        """
-        __tracebackhide__ = True
-        span: Span = train_step_span(self, model, optimizer, batch, loss_fn, amp=amp, warmup=warmup, name=name)
-        return span.measurement
+    ) -> Measurement | Unmeasured: ...
 
 
-def train_step_span(
-    gpumem: GpuMem | UnmeasuredGpuMem,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Any,
-    loss_fn: Callable[..., torch.Tensor] | None,
-    *,
-    amp: str | None,
-    warmup: int,
-    name: str,
-) -> Any:
-    """``gpumem.train_step``: checks its arguments, tracks the model and optimizer, runs
-    ``warmup`` steps, then one step in the span ``name``, which it returns."""
-    __tracebackhide__ = True
-    nodeid = gpumem.nodeid
-    if amp not in AMP_MODES:
-        raise ValueError(f"{nodeid}: train_step(amp={amp!r}): expected None, 'bf16' or 'fp16'")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"{nodeid}: train_step(warmup={warmup!r}): expected an int >= 0")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{nodeid}: train_step(model=...): expected a torch.nn.Module, got {describe(model)}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"{nodeid}: train_step(optimizer=...): expected a torch.optim.Optimizer, got {describe(optimizer)}"
-        )
-    gpumem.track(model, optimizer)
-    scaler = torch.amp.GradScaler(gpumem.device.type) if amp == "fp16" else None
-    for _ in range(warmup):
-        run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=gpumem.device)
-    with gpumem.measure(name) as span:
-        run_step(model, optimizer, batch, loss_fn, amp=amp, scaler=scaler, device=gpumem.device)
-    return span
+def check_phase(nodeid: str, phase: str | None) -> None:
+    """Refuse what :meth:`GpumemFixture.mark_phase` does not take."""
+    if phase not in PHASE_MARKS:
+        raise ValueError(f"{nodeid}: mark_phase({phase!r}): expected 'forward', 'backward', 'optimizer' or None")
 
 
 def tracked_budget(
@@ -286,234 +125,3 @@ def tracked_budget(
         raise ValueError(f"{nodeid}: {len(optimizers)} optimizers are tracked: pass gpumem.budget(optimizer=...)")
     chosen = optimizer if optimizer is not None else (optimizers[0] if optimizers else None)
     return model_states(modules, chosen, precision, zero_stage=zero_stage, world_size=world_size, device=device)
-
-
-def run_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Any,
-    loss_fn: Callable[..., torch.Tensor] | None,
-    *,
-    amp: str | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    device: torch.device | None = None,
-) -> None:
-    """One training step as :meth:`GpuMem.train_step` describes it."""
-    __tracebackhide__ = True
-    optimizer.zero_grad(set_to_none=True)
-    device_type = (device or next(model.parameters()).device).type
-    if amp is None:
-        loss = _loss(model, batch, loss_fn)
-    else:
-        dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            loss = _loss(model, batch, loss_fn)
-    if scaler is not None:
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        loss.backward()
-        optimizer.step()
-    del loss
-
-
-def _call(model: torch.nn.Module, inputs: Any) -> Any:
-    __tracebackhide__ = True
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
-def _loss(model: torch.nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
-    __tracebackhide__ = True
-    if loss_fn is not None:
-        if isinstance(batch, (torch.Tensor, Mapping)):
-            return loss_fn(_call(model, batch))
-        if not isinstance(batch, Sequence) or isinstance(batch, str) or len(batch) != 2:
-            raise ValueError(
-                "train_step: with loss_fn, batch must be an (inputs, target) pair, a tensor or a mapping; "
-                f"got {describe(batch)}"
-            )
-        inputs, target = batch
-        return loss_fn(_call(model, inputs), target)
-    output = _call(model, batch)
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", output)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(
-            f"train_step: the model's output is not a scalar loss (got {describe(loss)}); pass loss_fn=... "
-            "(e.g. torch.nn.functional.cross_entropy) and batch=(inputs, target)"
-        )
-    return loss
-
-
-def describe(value: Any) -> str:
-    """``value`` for an error message, without dumping tensors: ``"a float32 tensor of shape (4, 32)"``,
-    ``"a tuple of 3: (a float32 tensor of shape (4, 32), 1, None)"``."""
-    if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).removeprefix("torch.")
-        where = "" if value.device.type == "cpu" else f" on {value.device}"
-        return f"a {dtype} tensor of shape {tuple(value.shape)}{where}"
-    if isinstance(value, (tuple, list)):
-        items = ", ".join(describe(item) if isinstance(item, torch.Tensor) else _short(item) for item in value[:4])
-        more = ", ..." if len(value) > 4 else ""
-        return f"a {type(value).__name__} of {len(value)}: ({items}{more})"
-    if isinstance(value, Mapping):
-        return f"a {type(value).__name__} with keys {', '.join(map(repr, list(value)[:6]))}"
-    return _short(value)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"a {type(value).__name__}"
-
-
-class NotMeasured(RuntimeError):
-    """A figure was read in a run where pytest-gpumem is disabled (``--gpumem-disable``)."""
-
-
-class Unmeasured:
-    """Stands for the figures of a span in a run where nothing is measured: reading one is a
-    :class:`NotMeasured` error that says so (never a 0 that a test could compare)."""
-
-    def __init__(self, what: str, name: str | None = None) -> None:
-        self._what = what
-        #: the span's name (``gpumem.spans`` lists the spans a test opened, unmeasured)
-        self.name = name
-
-    def __getattr__(self, name: str) -> Any:
-        __tracebackhide__ = True
-        raise NotMeasured(
-            f"{self._what}.{name}: nothing is measured while pytest-gpumem is disabled "
-            "(--gpumem-disable or PYTEST_GPUMEM_DISABLE): a test that reads figures needs the plugin on"
-        )
-
-    def __repr__(self) -> str:
-        return f"<{self._what}: not measured (pytest-gpumem is disabled)>"
-
-
-class _UnmeasuredSpan(Unmeasured):
-    """A ``with gpumem.measure(name)`` block that measures nothing."""
-
-    def __enter__(self) -> _UnmeasuredSpan:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        return None
-
-    @property
-    def measurement(self) -> Unmeasured:
-        return Unmeasured(self._what, self.name)
-
-
-class UnmeasuredGpuMem:
-    """The ``gpumem`` fixture while pytest-gpumem is disabled (``--gpumem-disable``).
-
-    The test runs as it would with the plugin on, on the same device, with nothing measured:
-    ``track()``, ``measure()`` blocks and ``train_step()`` run the code, Ψ and ``budget()``
-    are computed (they are theory, not measurement), ``distributed()`` runs its ranks. A
-    figure read from a span or a step raises :class:`NotMeasured`; ``max_microbatch()`` and
-    ``plan_accumulation()``, which search by measuring, skip the test.
-    """
-
-    def __init__(self, device: torch.device, nodeid: str) -> None:
-        self.device = device
-        self.nodeid = nodeid
-        self._tracked: list[Any] = []
-        self._spans: list[Unmeasured] = []
-
-    def track(self, *objects: Any) -> None:
-        for obj in objects:
-            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-                raise TypeError(
-                    f"gpumem.track() takes torch.nn.Module and torch.optim.Optimizer objects, got {type(obj).__name__}"
-                )
-            if all(obj is not seen for seen in self._tracked):
-                self._tracked.append(obj)
-
-    def measure(self, name: str, **limits: Any) -> _UnmeasuredSpan:
-        parse_span_limits(check_span_name(name), limits)  # bad limits are still errors
-        span = _UnmeasuredSpan(f"gpumem.measure({name!r})", name)
-        self._spans.append(span.measurement)
-        return span
-
-    def mark_phase(self, phase: str | None) -> None:
-        if phase not in (None, "forward", "backward", "optimizer"):
-            raise ValueError(
-                f"{self.nodeid}: mark_phase({phase!r}): expected 'forward', 'backward', 'optimizer' or None"
-            )
-
-    @property
-    def psi(self) -> int | None:
-        return tracked_psi(self._tracked)
-
-    def budget(
-        self,
-        precision: str = "fp32",
-        *,
-        optimizer: torch.optim.Optimizer | str | None = None,
-        zero_stage: int = 0,
-        world_size: int = 1,
-    ) -> Budget:
-        return tracked_budget(self.nodeid, self._tracked, self.device, precision, optimizer, zero_stage, world_size)
-
-    def distributed(
-        self,
-        fn: Callable[[int, RankContext], Any],
-        world_size: int = 2,
-        *,
-        backend: str | None = None,
-        device: str | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        predict: str | None = None,
-        fake: bool | None = None,
-        ranks: Sequence[int] | None = None,
-    ) -> list[Unmeasured]:
-        __tracebackhide__ = True
-        if predict is not None or fake:
-            import pytest
-
-            pytest.skip(
-                "gpumem.distributed(predict=...) predicts by measuring: skipped while pytest-gpumem is disabled"
-            )
-        where = device or ("cuda" if self.device.type == "cuda" else "cpu")
-        try:
-            run_ranks(fn, world_size, backend=backend, device=where, timeout=timeout)
-        except DistributedError as exc:
-            raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
-        except (ValueError, TypeError) as exc:
-            raise type(exc)(f"{self.nodeid}: gpumem.distributed: {exc}") from None
-        return [Unmeasured(f"gpumem.distributed(...)[{rank}]") for rank in range(world_size)]
-
-    def max_microbatch(self, step: Callable[[int], Any], **kwargs: Any) -> int:
-        import pytest
-
-        pytest.skip("gpumem.max_microbatch() searches by measuring: skipped while pytest-gpumem is disabled")
-
-    def plan_accumulation(self, global_batch: int, step: Callable[[int], Any], **kwargs: Any) -> Plan:
-        import pytest
-
-        pytest.skip("gpumem.plan_accumulation() searches by measuring: skipped while pytest-gpumem is disabled")
-
-    @property
-    def spans(self) -> list[Unmeasured]:
-        """The spans opened so far, unmeasured: their ``name`` reads, their figures raise."""
-        return list(self._spans)
-
-    def train_step(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        batch: Any,
-        loss_fn: Callable[..., torch.Tensor] | None = None,
-        *,
-        amp: str | None = None,
-        warmup: int = 1,
-        name: str = "step",
-    ) -> Unmeasured:
-        """The warm-up steps and the step, run as :meth:`GpuMem.train_step` runs them, unmeasured."""
-        __tracebackhide__ = True
-        train_step_span(self, model, optimizer, batch, loss_fn, amp=amp, warmup=warmup, name=name)
-        return Unmeasured(f"gpumem.train_step(name={name!r})", name)

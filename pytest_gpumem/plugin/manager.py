@@ -1,12 +1,21 @@
-"""The run's manager: one object that owns the run's state and implements the hooks that
-measure (where a test runs) and judge (in the process that owns the run, the one place a
-test's outcome changes). The collection book and the end of the run are its mixins."""
+"""The run's manager: the one object that owns the run, made of parts a reader can find by name:
+
+* ``markers`` (:class:`~pytest_gpumem.plugin.collection.MarkerCheck`): the markers validated as
+  their modules are collected;
+* ``book`` (:class:`~pytest_gpumem.plugin.collection.CollectionBook`): what the run collected;
+* ``measuring`` (:class:`~pytest_gpumem.plugin.measuring.Measuring`): where a test runs;
+* ``baselines`` (:class:`~pytest_gpumem.plugin.session.BaselineSession`): the baseline file, the
+  judged records and the reports, in the process that owns the run;
+* ``ending`` (:class:`~pytest_gpumem.plugin.ending.RunEnd`): the end of the run.
+
+Each part holds its own state and is registered as a plugin of its own (:meth:`GpumemManager.register`).
+The manager's own hooks take a test's record from the report that carries it to the judge: the
+one place a test's outcome changes."""
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -14,16 +23,21 @@ from pytest_gpumem.baselines import BaselineFileError
 from pytest_gpumem.data.metrics import METRICS
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.plugin.collection import SPEC_ERROR_KEY, SPEC_KEY, MarkerCheck, gpumem_marks, is_worker, marker_spec
+from pytest_gpumem.plugin.collection import (
+    SPEC_ERROR_KEY,
+    SPEC_KEY,
+    CollectionBook,
+    MarkerCheck,
+    gpumem_marks,
+    is_worker,
+    marker_spec,
+)
 from pytest_gpumem.plugin.ending import RunEnd, append_section
-from pytest_gpumem.plugin.gate import Gate
 from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measuring
 from pytest_gpumem.plugin.options import Settings
+from pytest_gpumem.plugin.session import BaselineSession
 from pytest_gpumem.plugin.torchrun import launch, rename
 from pytest_gpumem.report.details import failure_text
-
-if TYPE_CHECKING:
-    from pytest_gpumem.plugin.runner import Engines, Freezer
 
 __all__ = ["RECORD_KEY", "RUN_KEY", "GpumemManager"]
 
@@ -34,29 +48,40 @@ def _terminal_width(config: pytest.Config) -> int:
     return int(writer.fullwidth) if writer is not None else shutil.get_terminal_size().columns
 
 
-class GpumemManager(MarkerCheck, Measuring, RunEnd):
-    """Owns the run's state: settings, engines, the gate, and the collected node ids."""
+class GpumemManager:
+    """Owns the run: its settings, its parts (see the module's docstring), and the record on its
+    way from the report that carries it to the judge."""
 
     def __init__(self, config: pytest.Config, settings: Settings) -> None:
         self.config = config
         self.settings = settings
-        self.gate = Gate(self.settings.gate)
+        #: an xdist worker: it measures, and its controller judges and writes
         self.worker = is_worker(config)
-        self._engines: Engines | None = None
-        self._freezer: Freezer | None = None
-        self._environments: dict[str, dict[str, Any]] = {}
+        try:
+            #: pytest started by torchrun: this process is one rank
+            self.launch = launch()
+        except ValueError as exc:
+            raise pytest.UsageError(f"gpumem: {exc}") from None
+        self.markers = MarkerCheck()
+        self.book = CollectionBook(config)
+        self.baselines = BaselineSession(settings.baselines)
+        self.measuring = Measuring(config, settings, self.baselines, self.launch)
+        self.ending = RunEnd(config, settings, self.baselines, self.book, worker=self.worker, launch=self.launch)
         #: the record a report carries, handed to the judge in this process as the object it
         #: was made from (the report's JSON text, decoded, is the same record): held from the
         #: report's making to its logging, never longer
         self._handoff: tuple[str, TestRecord] | None = None
-        self._start_book()
-        self._error: str | None = None
-        self._problems: list[str] = []
-        self._escalated = False
-        try:
-            self._launch = launch()  # pytest started by torchrun: this process is one rank
-        except ValueError as exc:
-            raise pytest.UsageError(f"gpumem: {exc}") from None
+
+    def register(self, pluginmanager: pytest.PytestPluginManager) -> None:
+        """Register this manager and each of its parts that implement hooks with pytest."""
+        pluginmanager.register(self, "gpumem-manager")
+        for name, part in (
+            ("markers", self.markers),
+            ("book", self.book),
+            ("measuring", self.measuring),
+            ("ending", self.ending),
+        ):
+            pluginmanager.register(part, f"gpumem-{name}")
 
     # -- collection: the final word on which tests are measured ------------------------
 
@@ -77,7 +102,7 @@ class GpumemManager(MarkerCheck, Measuring, RunEnd):
                 del item.stash[SPEC_KEY]
         if not self.worker and any(SPEC_KEY in item.stash for item in items):
             try:
-                self.gate.store  # noqa: B018 - read the baseline file now: a bad one stops the run before it starts
+                self.baselines.store  # noqa: B018 - read the baseline file now: a bad one stops the run before it starts
             except BaselineFileError as exc:
                 raise pytest.UsageError(f"gpumem baselines: {exc}") from None
 
@@ -88,27 +113,13 @@ class GpumemManager(MarkerCheck, Measuring, RunEnd):
         baseline file now, so that one it cannot read stops the run before any test, as serially."""
         if self.worker or self.config.pluginmanager.getplugin("dsession") is None:
             return
-        if self.settings.gate.baselines.exists():
+        if self.settings.baselines.path.exists():
             try:
-                self.gate.store  # noqa: B018
+                self.baselines.store  # noqa: B018
             except BaselineFileError as exc:
                 raise pytest.UsageError(f"gpumem baselines: {exc}") from None
 
-    # -- running (in the process that runs the test) ------------------------------------
-
-    @pytest.hookimpl(wrapper=True, tryfirst=True)
-    def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
-        if any(SPEC_KEY in item.stash for item in session.items):
-            from pytest_gpumem.plugin.runner import Engines, Freezer
-
-            self._freezer = Freezer(self.config)
-            self._freezer.start()
-            self._engines = Engines(cuda_rounding=self.settings.cuda_rounding, freezer=self._freezer)
-        try:
-            return (yield)
-        finally:
-            if self._freezer is not None:
-                self._freezer.stop()
+    # -- the record, on the report (in the process that runs the test) -------------------
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(
@@ -124,8 +135,8 @@ class GpumemManager(MarkerCheck, Measuring, RunEnd):
         record = item.stash.get(RECORD_KEY, None)
         if report.when != "call" or record is None:
             return report
-        if self._launch is not None:  # each rank's figures are its own spans
-            rename(record, self._launch)
+        if self.launch is not None:  # each rank's figures are its own spans
+            rename(record, self.launch)
         for measurement in record.measurements:
             prefix = "gpumem" if measurement.name == "call" else f"gpumem[{measurement.name}]"
             for metric in METRICS:
@@ -146,10 +157,9 @@ class GpumemManager(MarkerCheck, Measuring, RunEnd):
         if self.worker:
             return
         if report.when == "teardown" and report.failed:  # a test that failed in any phase records no baseline
-            judged = self.gate.records.get(report.nodeid)
-            if judged is not None:
-                judged.passed = False
-                self.gate.records[report.nodeid] = judged  # the store keeps copies
+            if report.nodeid in self.baselines.records:
+                with self.baselines.records.edit(report.nodeid) as judged:
+                    judged.passed = False
             return
         data = getattr(report, "gpumem", None)
         handoff, self._handoff = self._handoff, None
@@ -159,15 +169,15 @@ class GpumemManager(MarkerCheck, Measuring, RunEnd):
         if report.failed and record.passed:
             record.passed = False  # failed for a reason of pytest's (XPASS(strict)) or another plugin's
         try:
-            self.gate.judge(record)
+            self.baselines.judge(record)
         except BaselineFileError as exc:  # under xdist the controller reads the file at the first record
-            self._error = f"gpumem baselines: {exc}"
-            record.errors.append(self._error)
-            self.gate.records[record.nodeid] = record  # the store keeps a copy: with the error
+            self.ending.error = f"gpumem baselines: {exc}"
+            record.errors.append(self.ending.error)
+            self.baselines.records.put(record)  # with the error
         if report.passed and record.failed:  # the one place a test's outcome changes
             report.outcome = "failed"
             width, verbosity = _terminal_width(self.config), int(self.config.option.verbose)
             report.longrepr = failure_text(record, reports=record.reports, width=width, verbosity=verbosity)
         elif report.failed and record.reports:
             append_section(report, "gpumem", "\n\n".join(record.reports))
-        self._artifacts(report, record)
+        self.ending.artifacts(report, record)

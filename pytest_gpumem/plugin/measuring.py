@@ -1,7 +1,8 @@
-"""Where a test runs: its measured run set up before its fixtures, started as the test function is
-called, finished as it returns; a ``gpumem`` marker added once the test was collected (by a
-fixture's ``request.applymarker``, by the test's ``request.node.add_marker``) applied where it
-still can be, else an error that says why it cannot."""
+"""Where a test runs: the run's engines and its collector's freezes, each test's measured run set
+up before its fixtures, started as the test function is called, finished as it returns; a
+``gpumem`` marker added once the test was collected (by a fixture's ``request.applymarker``, by
+the test's ``request.node.add_marker``) applied where it still can be, else an error that says
+why it cannot."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from pytest_gpumem.plugin.torchrun import Launch
 
 if TYPE_CHECKING:
     from pytest_gpumem.measurement.engines import Engine
-    from pytest_gpumem.plugin.gate import Gate
-    from pytest_gpumem.plugin.runner import Engines, TestRun
+    from pytest_gpumem.plugin.engines import Engines, Freezer
+    from pytest_gpumem.plugin.runner import TestRun
+    from pytest_gpumem.plugin.session import BaselineSession
 
 __all__ = ["MARKS_KEY", "RECORD_KEY", "RUN_KEY", "Measuring"]
 
@@ -35,14 +37,38 @@ MARKS_KEY = pytest.StashKey[list[pytest.Mark]]()
 
 
 class Measuring:
-    """The measuring hooks of :class:`~pytest_gpumem.plugin.manager.GpumemManager`."""
+    """The measuring hooks, in the process that runs the tests. A part of
+    :class:`~pytest_gpumem.plugin.manager.GpumemManager`, registered as a plugin of its own; it
+    judges a failing test's record on a copy with the manager's ``baselines`` session (to know
+    whether to run it again with sites)."""
 
-    config: pytest.Config
-    settings: Settings
-    gate: Gate
-    _engines: Engines | None
-    _launch: Launch | None
-    _environments: dict[str, dict[str, Any]]
+    def __init__(
+        self, config: pytest.Config, settings: Settings, baselines: BaselineSession, launch: Launch | None
+    ) -> None:
+        self.config = config
+        self.settings = settings
+        self.baselines = baselines
+        self.launch = launch
+        #: the run's engines, made when the run loop starts with a measured test
+        self.engines: Engines | None = None
+        #: the run's collector, started with the engines
+        self.freezer: Freezer | None = None
+        #: each engine's environment (what the pytest_gpumem_environment hook made of it), by engine
+        self._environments: dict[str, dict[str, Any]] = {}
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
+        if any(SPEC_KEY in item.stash for item in session.items):
+            from pytest_gpumem.plugin.engines import Engines, Freezer
+
+            self.freezer = Freezer(self.config)
+            self.freezer.start()
+            self.engines = Engines(cuda_rounding=self.settings.cuda_rounding, freezer=self.freezer)
+        try:
+            return (yield)
+        finally:
+            if self.freezer is not None:
+                self.freezer.stop()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
@@ -56,7 +82,8 @@ class Measuring:
     def _prepare(self, item: pytest.Item, spec: GpumemSpec) -> None:
         """The test's run (``item.stash[RUN_KEY]``): its device, engine and options; skips or fails
         the test where its device is not there."""
-        from pytest_gpumem.plugin.runner import DeviceUnavailable, Engines, TestRun, choose_device
+        from pytest_gpumem.plugin.engines import DeviceUnavailable, Engines, choose_device
+        from pytest_gpumem.plugin.runner import TestRun
 
         settings = self.settings
         unavailable: DeviceUnavailable | None = None
@@ -70,12 +97,12 @@ class Measuring:
             if unavailable.required:
                 pytest.fail(f"{item.nodeid}: {unavailable.reason}", pytrace=False)
             pytest.skip(unavailable.reason)
-        if self._engines is None:  # the test runs outside the run loop (pytester's inline runs)
-            self._engines = Engines(cuda_rounding=settings.cuda_rounding)
+        if self.engines is None:  # the test runs outside the run loop (pytester's inline runs)
+            self.engines = Engines(cuda_rounding=settings.cuda_rounding)
         breakdown = spec.breakdown if spec.breakdown is not None else settings.breakdown
         predict = spec.predict or settings.predict
         observe = self._observe(item, spec, predict)
-        engine = self._engines.get(device, breakdown=breakdown, observe=observe, predict=predict)
+        engine = self.engines.get(device, breakdown=breakdown, observe=observe, predict=predict)
         # the run's --gpumem-fake applies to the predicted tests; a marker's fake=True needs a prediction
         fake = (spec.fake if spec.fake is not None else settings.fake and predict is not None) and device.type == "cpu"
         if fake and predict is None:
@@ -97,8 +124,8 @@ class Measuring:
         """Which GPU this process measures on when several are visible: the xdist worker's, else
         torchrun's local rank."""
         worker = worker_index()
-        if worker is None and self._launch is not None:
-            return self._launch.local_rank
+        if worker is None and self.launch is not None:
+            return self.launch.local_rank
         return worker
 
     def _observe(self, item: pytest.Item, spec: GpumemSpec, predict: str | None) -> str:
@@ -158,9 +185,9 @@ class Measuring:
         try:
             result = yield
         except BaseException as exc:
-            item.stash[RECORD_KEY] = second_run(item, run, _finish(item, run, exc), exc, self.settings, self.gate)
+            item.stash[RECORD_KEY] = second_run(item, run, _finish(item, run, exc), exc, self.settings, self.baselines)
             raise
-        item.stash[RECORD_KEY] = second_run(item, run, _finish(item, run, None), None, self.settings, self.gate)
+        item.stash[RECORD_KEY] = second_run(item, run, _finish(item, run, None), None, self.settings, self.baselines)
         return result
 
 

@@ -18,8 +18,8 @@ from pytest_gpumem.data.sites import SiteConfig, parse_sites_mode
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.rule import describe_default_tolerances
 from pytest_gpumem.measurement.observe import parse_observe
-from pytest_gpumem.plugin.gate import GateOptions
 from pytest_gpumem.plugin.marker import parse_device, parse_predict
+from pytest_gpumem.plugin.session import BaselineOptions
 from pytest_gpumem.units import SizeError, parse_size
 
 __all__ = ["DISABLE_ENV", "OPTIONS", "Option", "OptionError", "Settings"]
@@ -152,7 +152,7 @@ class Settings:
     artifacts: Path
     artifacts_all: bool
     snapshot: bool
-    gate: GateOptions
+    baselines: BaselineOptions
     #: when sites are recorded (:data:`~pytest_gpumem.data.sites.SITES_MODES`)
     sites: str = "rerun"
     #: how sites are chosen (the rootdir, the included packages)
@@ -228,8 +228,8 @@ class Settings:
             snapshot=flag("gpumem_snapshot"),
             sites=parsed("gpumem_sites", parse_sites_mode, "rerun"),
             site_config=SiteConfig(str(rootpath), parsed("gpumem_sites_include", _packages) or ()),
-            gate=GateOptions(
-                baselines=baselines or rootpath / DEFAULT_FILENAME,
+            baselines=BaselineOptions(
+                path=baselines or rootpath / DEFAULT_FILENAME,
                 tolerance=parsed("gpumem_tolerance", parse_tolerance),
                 update=update,
                 strict=flag("gpumem_strict"),

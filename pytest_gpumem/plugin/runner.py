@@ -8,9 +8,8 @@ what each span asked for. :meth:`TestRun.finish` returns the test's
 :class:`~pytest_gpumem.judge.record.TestRecord`, for the judge
 (:func:`~pytest_gpumem.judge.judgement.judge`) to decide.
 
-What the session imported or built is frozen (:class:`Freezer`, wiring the
-:class:`~pytest_gpumem.measurement.collector.Collector`) so that each test's garbage
-collections cover only what it made.
+The device it runs on, its engine and the run's collector are chosen and made in
+:mod:`pytest_gpumem.plugin.engines`.
 """
 
 from __future__ import annotations
@@ -26,138 +25,21 @@ from pathlib import Path
 from types import CodeType
 from typing import Any
 
-import pytest
-import torch
-
 from pytest_gpumem.data.figures import OutputNotWritten, PartialFigures
 from pytest_gpumem.data.sites import SiteConfig
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
 from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, release_oom
 from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
-from pytest_gpumem.measurement import collector, frozen
+from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.active import activate
-from pytest_gpumem.measurement.collector import Collector
-from pytest_gpumem.measurement.engines import cuda_available, make_engine, resolve_device, unseen_note
+from pytest_gpumem.measurement.engines import unseen_note
 from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.measurement.recorder import Recorder
 from pytest_gpumem.plugin.marker import GpumemSpec
 from pytest_gpumem.plugin.returnwatch import watch_return
 from pytest_gpumem.report.artifacts import artifact_path
 
-__all__ = ["DeviceUnavailable", "Engines", "Freezer", "RunOptions", "TestRun", "choose_device"]
-
-
-class DeviceUnavailable(Exception):
-    """The device a test asks for is not there; ``required``: the run demands a GPU (fail, don't skip)."""
-
-    def __init__(self, reason: str, *, required: bool) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.required = required
-
-
-def choose_device(wanted: str, *, require_gpu: bool = False, worker: int | None = None) -> torch.device:
-    """The device a test measures on: ``wanted`` is ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-
-    ``"auto"`` is CUDA when available, else the CPU (with ``require_gpu``:
-    :class:`DeviceUnavailable`). Under pytest-xdist, ``worker`` *i* measures on GPU
-    *i mod N* for ``"auto"`` and ``"cuda"`` when several GPUs are visible. A CUDA
-    device that is not there raises :class:`DeviceUnavailable`.
-    """
-    has_cuda = cuda_available()
-    if wanted in ("auto", "cuda") and has_cuda:
-        count = torch.cuda.device_count()
-        if worker is not None and count > 1:
-            return torch.device("cuda", worker % count)
-    if wanted == "auto":
-        if has_cuda:
-            return resolve_device("auto")
-        if require_gpu:
-            raise DeviceUnavailable("--gpumem-require-gpu: no CUDA device is available", required=True)
-        return torch.device("cpu")
-    device = torch.device(wanted)
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if has_cuda else 0
-        index = device.index if device.index is not None else 0
-        if index >= count:
-            plural = "s" if count != 1 else ""
-            reason = f"gpumem: device {wanted!r} is not available ({count} CUDA device{plural} visible)"
-            raise DeviceUnavailable(reason, required=require_gpu)
-        return resolve_device(wanted)
-    return device
-
-
-class Engines:
-    """One engine per (device, breakdown, observe) for the whole run, so trackers and caches are reused.
-
-    An engine with a storage tracker made while objects are frozen (see
-    :class:`Freezer`) registers the tensors among the frozen objects first: its
-    later scans cannot see them.
-    """
-
-    def __init__(self, *, cuda_rounding: bool = False, freezer: Freezer | None = None) -> None:
-        self.cuda_rounding = cuda_rounding
-        self.freezer = freezer
-        self._engines: dict[tuple[str, bool, str, str | None], Engine] = {}
-
-    def get(
-        self, device: torch.device, *, breakdown: bool = False, observe: str = "operators", predict: str | None = None
-    ) -> Engine:
-        """The engine for ``device``; the CPU engine always has its tracker (``breakdown`` is moot)
-        and ``observe`` chooses how it sees memory; on CUDA ``observe`` is moot (the caching
-        allocator's figures are those of the code that runs, compiled or not), and so is
-        ``predict`` (the GPU whose figures the CPU engine predicts: a real one is measured)."""
-        breakdown = breakdown or device.type == "cpu"
-        if device.type != "cpu":
-            observe, predict = "operators", None
-        key = (str(device), breakdown, observe, predict)
-        engine = self._engines.get(key)
-        if engine is None:
-            engine = self._engines[key] = make_engine(
-                device, breakdown=breakdown, cuda_rounding=self.cuda_rounding, observe=observe, predict=predict
-            )
-            if self.freezer is not None and engine.categorizes:
-                self.freezer.scan(engine)
-        return engine
-
-    def cpu(self) -> Engine:
-        """The CPU engine."""
-        return self.get(torch.device("cpu"))
-
-
-class Freezer:
-    """Wires the run's :class:`~pytest_gpumem.measurement.collector.Collector` (what the plugin does to
-    the garbage collector, and its rule) into pytest: started before the first measured test,
-    compacted once each test's teardown is done (registered as a plugin for that, while it froze
-    objects), stopped when the run ends."""
-
-    def __init__(self, config: pytest.Config | None = None) -> None:
-        self.collector = Collector()
-        self._config = config
-
-    @property
-    def active(self) -> bool:
-        """Whether the run's collector froze objects (someone else had not)."""
-        return self.collector.active
-
-    def start(self) -> None:
-        """Collect garbage and freeze what exists now (see :meth:`Collector.start`)."""
-        self.collector.start()
-        if self._config is not None and self.collector.active:
-            self._config.pluginmanager.register(self, "gpumem-collector")
-
-    def pytest_runtest_logfinish(self) -> None:
-        """A test is done, its fixtures torn down: freeze what the session built since, if a lot."""
-        self.collector.compact()
-
-    def scan(self, engine: Engine) -> None:
-        """Let ``engine``'s tracker register every tensor alive, frozen ones included."""
-        engine.scan(extra=frozen.tensors() if frozen.known() else ())
-
-    def stop(self) -> None:
-        if self._config is not None and self._config.pluginmanager.is_registered(self):
-            self._config.pluginmanager.unregister(self)
-        self.collector.stop()
+__all__ = ["RunOptions", "TestRun"]
 
 
 @dataclass(frozen=True)

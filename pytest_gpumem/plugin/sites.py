@@ -27,10 +27,10 @@ from pytest_gpumem.judge.judgement import JudgeOptions, judge
 from pytest_gpumem.judge.record import TestRecord
 
 if TYPE_CHECKING:
-    from pytest_gpumem.plugin.gate import Gate
     from pytest_gpumem.plugin.marker import GpumemSpec
     from pytest_gpumem.plugin.options import Settings
     from pytest_gpumem.plugin.runner import RunOptions, TestRun
+    from pytest_gpumem.plugin.session import BaselineSession
 
 __all__ = ["SECOND_RUN", "run_options", "second_run"]
 
@@ -47,7 +47,7 @@ def run_options(settings: Settings, spec: GpumemSpec) -> RunOptions:
     from pytest_gpumem.plugin.runner import RunOptions
 
     mode = _mode(settings, spec)
-    sites = mode == "always" or (mode != "off" and settings.gate.update)
+    sites = mode == "always" or (mode != "off" and settings.baselines.update)
     return RunOptions(
         leak_check=settings.leak_check,
         snapshots=settings.artifacts if settings.snapshot else None,
@@ -56,20 +56,25 @@ def run_options(settings: Settings, spec: GpumemSpec) -> RunOptions:
     )
 
 
-def _fails(gate: Gate, record: TestRecord) -> bool:
+def _fails(session: BaselineSession, record: TestRecord) -> bool:
     """Whether the judge fails ``record`` (judged on a copy: the process that owns the run judges it again)."""
     copy = TestRecord.from_json(record.to_json(timeline=False))
-    options = gate.options
+    options = session.options
     store = None
     if copy.environment is not None and not options.update:
         with contextlib.suppress(BaselineFileError):  # the owner of the run reports the file
-            store = gate.store
+            store = session.store
     judge(copy, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
     return copy.failed
 
 
 def second_run(
-    item: pytest.Item, run: TestRun, record: TestRecord, exc: BaseException | None, settings: Settings, gate: Gate
+    item: pytest.Item,
+    run: TestRun,
+    record: TestRecord,
+    exc: BaseException | None,
+    settings: Settings,
+    session: BaselineSession,
 ) -> TestRecord:
     """``record`` with sites: when the test failed on memory (or ran out of memory) and its first
     run recorded none, its call runs once more with sites on, and each span of ``record`` gets the
@@ -86,7 +91,7 @@ def second_run(
     if exc is not None:
         if not is_oom(exc):
             return record
-    elif not _fails(gate, record):
+    elif not _fails(session, record):
         return record
     options = replace(run.options, sites=settings.site_config, snapshots=None)
     again = TestRun(

@@ -13,7 +13,7 @@ from pytest_gpumem.diagnose.leaks import confirm_leak, snapshot_storages
 from pytest_gpumem.measurement.active import activate, measure
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.recorder import Recorder
-from pytest_gpumem.plugin.fixture import run_step
+from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.units import cuda_rounded, format_size
 from pytest_gpumem.validate.compare import zoo_step
 from pytest_gpumem.validate.probes import probe

@@ -49,8 +49,6 @@ TRACES: tuple[str, ...] = ("mlp", "reference")
 #: The workload traced by ``--trace mlp``: the zoo MLP's fp32 AdamW step on the GPU (after its warm-up).
 TRACED_STEP = "trace.zoo.mlp.fp32"
 
-GROUPS: tuple[str, ...] = ("suite", "reference", "determinism", "counters", "zoo", "replay")
-
 
 # --------------------------------------------------------------------------- results
 
@@ -175,7 +173,7 @@ def release(device: torch.device) -> None:
 def cached_free(m: Measurement) -> int:
     """Bytes the caching allocator held free at the span's start (reserved minus allocated): a step
     may take them instead of new segments, so ``reserved``'s cost moves by up to this much with
-    the process's history (seen on an H200: 32 MiB between two runs of the same step)."""
+    the process's history."""
     if m.start_reserved is None or m.start is None:
         return 0
     return max(0, m.start_reserved - m.start)

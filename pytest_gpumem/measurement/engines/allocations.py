@@ -30,7 +30,7 @@ Limits: no emulated device limit (an allocation cannot be refused from a replay)
 profiler cannot run twice: a test that runs ``torch.profiler`` itself cannot be measured
 this way, and the profiler reports only the allocations of the thread its session was
 started on: work on other threads is not seen, and a span that ran some says so in a note.
-Each flush costs a profiler stop and start (~0.3 ms on a 2-core VM).
+Each flush costs a profiler stop and start.
 """
 
 from __future__ import annotations
@@ -130,8 +130,6 @@ class AllocationTracker(StorageTracker):
         # TorchDynamo must never trace the hook (it runs while compiled code runs): the mark it
         # makes is not traceable, and the hook is the plugin's bookkeeping, not the model
         self._pack_hook = torch.compiler.disable(self._pack)
-        #: profiler sessions read so far (each reading of figures while active reads one).
-        self.flushes = 0
 
     # -- the profiler session ---------------------------------------------------------
 
@@ -260,7 +258,6 @@ class AllocationTracker(StorageTracker):
         finally:
             if enabled:
                 gc.enable()
-        self.flushes += 1
         self._replay(result, queued, marks)
 
     def _record(self, event: tuple[Any, ...]) -> None:

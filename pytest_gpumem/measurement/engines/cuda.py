@@ -117,7 +117,7 @@ class CudaEngine(TrackerMembers):
     @property
     def workspaces(self) -> int | None:
         """Bytes of the cuBLAS/cuBLASLt workspaces the clean-state protocol keeps (measured at the
-        first :meth:`clean`: 64 MiB on an H100 with torch 2.11, 32 MiB for each of two threads)."""
+        first :meth:`clean`; docs/figures.md says what they hold)."""
         return self._workspaces
 
     # -- actions --------------------------------------------------------------------

@@ -69,9 +69,9 @@ class TrackerMode(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         """False: torch would wrap ``__torch_dispatch__`` in ``torch._dynamo.disable``, so that
         TorchDynamo never compiles the mode's own frames. The wrapper imports TorchDynamo at the
-        first operator (0.8 s, which a suite that never compiles does not pay otherwise) and costs
-        about 1.4 µs per operator (three Python frames); :meth:`__torch_dispatch__` does what it
-        does, turning TorchDynamo's frame hook off while it runs, with one C call."""
+        first operator (which a suite that never compiles does not pay otherwise) and adds three
+        Python frames per operator; :meth:`__torch_dispatch__` does what it does, turning
+        TorchDynamo's frame hook off while it runs, with one C call (benchmarks/README.md)."""
         return set_eval_frame is None
 
     def ignore_compile_internals(self) -> bool:  # type: ignore[override]

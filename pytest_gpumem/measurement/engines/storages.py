@@ -84,16 +84,15 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
     allocation while tracking.
 
     Fields: ``key`` (the storage's ``_cdata``), ``nbytes`` (counted bytes),
-    ``category``, ``serial`` (registration order), ``moved`` (event index since
+    ``category``, ``moved`` (event index since
     which it has had its category), ``saves`` (how many autograd graphs hold it
     now), ``prior`` (its category before it was saved for backward).
     """
 
-    __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "serial", "site")
+    __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "site")
     key: int
     nbytes: int
     category: int
-    serial: int
     moved: int
     saves: int
     prior: int
@@ -108,7 +107,6 @@ class Block:
     key: int
     nbytes: int
     category: int
-    serial: int
     moved: int
     saves: int
     prior: int

@@ -145,9 +145,8 @@ def _freed_size(event: Mapping[str, Any], index: int, events: Sequence[Mapping[s
 
 def _block(event: Mapping[str, Any]) -> int:
     """The bytes ``memory_allocated`` counts for an event's block: the trace holds the size the
-    code asked for (4 B for a float scalar), the allocator's block is rounded up to 512 B (seen on
-    an H200: three scalars of a span, 136 B asked, 1,536 B allocated). A large block the allocator
-    did not split holds up to 1 MiB more than that, which no trace event says."""
+    code asked for (4 B for a float scalar), the allocator's block is rounded up to 512 B. A large
+    block the allocator did not split holds up to 1 MiB more than that, which no trace event says."""
     return cuda_rounded(int(event["size"]))
 
 

@@ -109,7 +109,6 @@ class StorageTracker(TrackedSites):
         self.thread_contexts = tuple(thread_contexts)
         self._contexts: contextlib.ExitStack | None = None
         self._entries: dict[int, Entry] = {}
-        self._serial = 0
         self._by_category = [0] * len(CATEGORIES)
         self.current = 0
         self._window = Window(0, tuple(self._by_category), 0)
@@ -171,12 +170,10 @@ class StorageTracker(TrackedSites):
 
     def _insert(self, entry: Any, key: int, nbytes: int, category: int) -> None:
         """Count ``entry`` (a new allocation of ``nbytes`` under ``key``) in ``category``."""
-        self._serial += 1
         self.events = events = self.events + 1
         entry.key = key
         entry.nbytes = nbytes
         entry.category = entry.prior = category
-        entry.serial = self._serial
         entry.moved = events
         entry.saves = 0
         if self.observer is not None:

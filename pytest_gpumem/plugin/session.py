@@ -1,7 +1,8 @@
-"""The baseline gate: the baseline file through a run, the records judged with it, and the run's outputs.
+"""The run's baseline session: the baseline file through a run, the records judged with it, and
+the run's reports.
 
 This runs in the process that owns the run (the only one without xdist, the
-controller with it). A :class:`Gate` loads the baseline file the first time it is
+controller with it). A :class:`BaselineSession` loads the baseline file the first time it is
 needed, has each arriving :class:`~pytest_gpumem.judge.record.TestRecord` judged with it
 (:func:`~pytest_gpumem.judge.judgement.judge`), and at the end finds stale baselines, records what passed (with
 ``--gpumem-update-baselines``), writes the file once, and writes the JSON and
@@ -30,14 +31,15 @@ from pytest_gpumem.judge.record import RecordStore, TestRecord
 from pytest_gpumem.judge.verdict import stale_findings
 from pytest_gpumem.report.formats import write_reports
 
-__all__ = ["Gate", "GateOptions"]
+__all__ = ["BaselineOptions", "BaselineSession"]
 
 
 @dataclass(frozen=True)
-class GateOptions:
+class BaselineOptions:
     """The run's baseline and report options (see the plugin's ``--gpumem-*`` options)."""
 
-    baselines: Path
+    #: the baseline file (``--gpumem-baselines``)
+    path: Path
     #: the run's tolerance (``--gpumem-tolerance``); None: each metric's default
     tolerance: Tolerance | None
     update: bool = False
@@ -49,12 +51,13 @@ class GateOptions:
     generator: str = ""
 
 
-class Gate:
-    """Judges records against the baseline file; records and writes it at the end."""
+class BaselineSession:
+    """The run's baseline-and-report session: judges each record against the baseline file, keeps
+    the judged records, and at the end records and writes the file once, with the reports."""
 
-    def __init__(self, options: GateOptions) -> None:
+    def __init__(self, options: BaselineOptions) -> None:
         self.options = options
-        #: the judged records, by node id (kept as text: see :class:`RecordStore`)
+        #: the judged records, by node id (kept as text, handed out as copies: see :class:`RecordStore`)
         self.records = RecordStore()
         self.stale: list[Finding] = []
         #: the baselines the run could not judge stale, by why: tests kept (see :func:`find_stale`)
@@ -67,7 +70,7 @@ class Gate:
     def store(self) -> BaselineStore:
         """The baseline file, loaded on first use; raises :class:`BaselineFileError` when it cannot be read."""
         if self._store is None:
-            self._store = load(self.options.baselines)
+            self._store = load(self.options.path)
         return self._store
 
     @property
@@ -76,7 +79,7 @@ class Gate:
 
     def judge(self, record: TestRecord) -> list[Finding]:
         """Judge ``record`` (:func:`~pytest_gpumem.judge.judgement.judge`) with the baseline file;
-        keeps it for the end of the run (a copy: :class:`RecordStore`) and returns its findings.
+        keeps it for the end of the run (:meth:`RecordStore.put`) and returns its findings.
 
         The file is read only when a comparison needs it; when it cannot be read, the record's
         limits are still judged and :class:`BaselineFileError` is raised after.
@@ -90,7 +93,7 @@ class Gate:
             except BaselineFileError as exc:
                 problem = exc
         findings = judge(record, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
-        self.records[record.nodeid] = record  # judged: with its findings (store it again after changing it)
+        self.records.put(record)  # judged: with its findings
         if problem is not None:
             raise problem
         return findings
@@ -115,7 +118,7 @@ class Gate:
             if self.options.update and self.options.prune and stale:
                 store.prune(stale)
         if self.options.update:
-            for record in self.records.values():
+            for record in self.records.decoded_all():
                 if record.recordable:
                     assert record.environment is not None
                     budget = SITES_BUDGET // max(1, sum(m.sites is not None for m in record.measurements))
@@ -124,7 +127,7 @@ class Gate:
                         for m in record.measurements
                     }
                     store.record(Environment.from_dict(record.environment), record.nodeid, entries)
-            self.written = save(store, self.options.baselines)
+            self.written = save(store, self.options.path)
 
     @property
     def stale_failed(self) -> bool:
@@ -146,7 +149,7 @@ class Gate:
         if options.json_path is None and options.markdown_path is None and not step_summary:
             return []  # no report asked for: the records are not decoded
         return write_reports(
-            list(self.records.values()),
+            self.records.decoded_all(),
             self.stale,
             json_path=options.json_path,
             markdown_path=options.markdown_path,
