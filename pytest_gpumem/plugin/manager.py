@@ -37,7 +37,7 @@ from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measu
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.session import BaselineSession
 from pytest_gpumem.plugin.torchrun import launch, rename
-from pytest_gpumem.report.details import failure_text
+from pytest_gpumem.report.details import error_section, failure_text
 
 __all__ = ["RECORD_KEY", "RUN_KEY", "GpumemManager"]
 
@@ -179,5 +179,7 @@ class GpumemManager:
             width, verbosity = _terminal_width(self.config), int(self.config.option.verbose)
             report.longrepr = failure_text(record, reports=record.reports, width=width, verbosity=verbosity)
         elif report.failed and record.reports:
-            append_section(report, "gpumem", "\n\n".join(record.reports))
+            width, verbosity = _terminal_width(self.config), int(self.config.option.verbose)
+            text = error_section(record, reports=record.reports, width=width, verbosity=verbosity)
+            append_section(report, "gpumem", text)
         self.ending.artifacts(report, record)

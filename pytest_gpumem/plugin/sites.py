@@ -78,7 +78,7 @@ def second_run(
 ) -> TestRecord:
     """``record`` with sites: when the test failed on memory (or ran out of memory) and its first
     run recorded none, its call runs once more with sites on, and each span of ``record`` gets the
-    sites of the same span of that run; its leak and out-of-memory reports stay the first run's.
+    sites of the same span of that run; the leak and out-of-memory reports stay the first run's.
     ``record`` as it is otherwise."""
     from pytest_gpumem.diagnose.oom import is_oom
     from pytest_gpumem.plugin.returnwatch import code_of
@@ -134,9 +134,16 @@ def with_sites(first: TestRecord, second: TestRecord, raised: BaseException | No
             note = f"the second run raised {type(raised).__name__}: {raised}".strip()
         measurements.append(replace(measurement, sites=replace(other.sites, second_run=True, note=note)))
     first.measurements = measurements
-    # the leak and out-of-memory reports stay the first run's: a second run of a test that leaks
-    # into a module-level list leaks again, and its report would name what the first run did not
-    # make (CACHE[2] for CACHE[0]); the sites above name the lines
+    # The leak and out-of-memory reports stay the first run's: they name what held the memory
+    # when the test failed. A second run does not start where the first did (a test that leaks
+    # into a module-level list leaks again: its report would name CACHE[2] for CACHE[0]; objects
+    # the collector froze between the runs hide their holders' names). The sites above name the
+    # lines; --gpumem-sites=always puts them into the reports too.
+    return first
+    if second.reports:
+        first.reports = [f"{report}\n({SECOND_RUN})" for report in second.reports]
+    if second.leak_report:  # the judge adds it to the failure when the retained check fails
+        first.leak_report = f"{second.leak_report}\n({SECOND_RUN})"
     return first
 
 

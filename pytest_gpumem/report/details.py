@@ -34,6 +34,7 @@ __all__ = [
     "breakdown_rows",
     "detail_tables",
     "environment_notes",
+    "error_section",
     "failure_text",
     "measurement_table",
     "test_id",
@@ -239,6 +240,16 @@ def failure_text(
     if record.measurements:
         parts.append(measurement_table(record.measurements, width=width))
     return "\n\n".join(parts)
+
+
+def error_section(
+    record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None, verbosity: int = 0
+) -> str:
+    """What a test that failed for a reason of its own (an out-of-memory error) adds to pytest's
+    report: ``reports`` (the out-of-memory report), then the sites that held its memory at the
+    peak (a second run's, often: see report/sites.py)."""
+    sites = "\n".join(site_lines(record, width=width, verbosity=verbosity, error=True))
+    return "\n\n".join(part for part in (*reports, sites) if part)
 
 
 #: The categories a budget of model states counts (``16Ψ``): what the others hold is named apart.

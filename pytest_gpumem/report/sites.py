@@ -117,9 +117,10 @@ def _second_run(profile: SiteProfile | SiteDiff) -> str:
     return "sites from a second run" + (f"; {profile.note}" if profile.note else "")
 
 
-def site_tables(record: RecordLike) -> list[SiteTable]:
-    """The tables of sites for what failed in ``record``: per span and moment (peak, end)."""
-    moments: dict[str, list[str]] = {}
+def site_tables(record: RecordLike, *, error: bool = False) -> list[SiteTable]:
+    """The tables of sites for what failed in ``record``: per span and moment (peak, end);
+    ``error``: the test raised (out of memory), its call's sites at the peak."""
+    moments: dict[str, list[str]] = {"call": ["peak"]} if error else {}
     for finding in record.findings:
         moment = _MOMENT.get(finding.metric)
         if finding.failed and moment is not None and moment not in moments.setdefault(finding.span, []):
@@ -160,16 +161,17 @@ def _table(
     return SiteTable(span, moment, title, rows, footer, _second_run(profile), changes=False)
 
 
-def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0) -> list[str]:
+def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0, error: bool = False) -> list[str]:
     """The failure text's sites (see the module): ``verbosity`` 0 shows :data:`SHOWN` rows a table,
-    more shows every row, less the first line only (the largest change). Control characters (in a
-    file name, a baseline file's stored site) are shown as escapes (:func:`~pytest_gpumem.tables.visible`)."""
-    return [visible(line) for line in _site_lines(record, width=width, verbosity=verbosity)]
+    more shows every row, less the first line only (the largest change); ``error`` as
+    :func:`site_tables`. Control characters (in a file name, a baseline file's stored site) are
+    shown as escapes (:func:`~pytest_gpumem.tables.visible`)."""
+    return [visible(line) for line in _site_lines(record, width=width, verbosity=verbosity, error=error)]
 
 
-def _site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0) -> list[str]:
+def _site_lines(record: RecordLike, *, width: int | None, verbosity: int, error: bool) -> list[str]:
     lines: list[str] = []
-    for table in site_tables(record):
+    for table in site_tables(record, error=error):
         if verbosity < 0:
             first = table.rows[0] if table.rows else None
             if first is not None:
