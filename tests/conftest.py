@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import hypothesis  # noqa: F401  (below: imported before any in-process run)
@@ -78,6 +78,8 @@ def pytest_configure(config: pytest.Config) -> None:
         from tests._isolation import Leftovers
 
         config.pluginmanager.register(Leftovers(), "gpumem-test-leftovers")
+    else:
+        config.pluginmanager.register(Refreeze(), "gpumem-test-refreeze")
 
 
 #: Environments that baseline tests record under (as an H100 with torch 2.13 would describe itself).
@@ -171,14 +173,33 @@ def cpu_engine() -> Engine:
     return engine
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Freeze what exists once collection is done, as the plugin does between measured tests:
-    the many full garbage collections the engines run then cover only what tests create.
-    Tests create their tensors after it, so the engines' scans of live objects see them."""
+def refreeze() -> None:
+    """Collect garbage, then freeze what is alive (``gc.freeze()``), as the plugin does before
+    its first measured test: the full collections that the engines run in a test then walk only
+    what that test made.
+
+    This suite does it before every test, not once: a census of live tensors (an out-of-memory
+    report, a leak's holders) gives frozen objects back to the collector, and modules imported
+    lazily by a test (sympy, transformers, TorchDynamo) stay in its sight, so that without it
+    every later collection walks the whole process (0.3 s a measured test, ten times the test).
+    What earlier tests left alive is frozen too: a reference cycle of theirs that dies later is
+    not freed (memory only), and a tensor of theirs is out of ``gc.get_objects()``'s sight,
+    which no test reads across tests."""
     import gc
 
     gc.collect()
     gc.freeze()
+
+
+class Refreeze:
+    """:func:`refreeze` before each test (``--check-leftovers`` does it itself)."""
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> Generator[None, object, object]:
+        refreeze()
+        return (yield)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,13 +8,21 @@ as exactly as each layout allows.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from rank_steps import (
+    ddp_bucket_view_step,
+    ddp_step,
+    fsdp_step,
+    mlp,
+    rank_one_dies,
+    rank_one_raises,
+    sleeps,
+    zero_ddp_step,
+)
 
 from conftest import run
 from pytest_gpumem import DistributedError, RankContext, model_states, run_ranks
@@ -26,75 +34,10 @@ PSI = 256 * 1024 + 1024 + 1024 * 256 + 256
 COUNTERS = 4 * 4
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
-
-
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    x = torch.randn(32, 256)
-    for _ in range(2):
-        optimizer.zero_grad(set_to_none=False)
-        model(x).pow(2).mean().backward()
-        optimizer.step()
-
-
-def ddp_step(rank: int, ctx: RankContext) -> None:
-    model = nn.parallel.DistributedDataParallel(_model())
-    optimizer = torch.optim.AdamW(model.parameters())
-    ctx.track(model, optimizer)
-    _train(model, optimizer)
-
-
-def ddp_bucket_view_step(rank: int, ctx: RankContext) -> None:
-    model = nn.parallel.DistributedDataParallel(_model(), gradient_as_bucket_view=True)
-    optimizer = torch.optim.AdamW(model.parameters())
-    ctx.track(model, optimizer)
-    _train(model, optimizer)
-
-
-def zero_step(rank: int, ctx: RankContext) -> None:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    model = nn.parallel.DistributedDataParallel(_model(), gradient_as_bucket_view=True)
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
-    ctx.track(model, optimizer)
-    _train(model, optimizer)
-
-
-def fsdp_step(rank: int, ctx: RankContext) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    model = _model()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters())
-    ctx.track(model, optimizer)
-    _train(model, optimizer)
-
-
-def rank_one_raises(rank: int, ctx: RankContext) -> None:
-    if rank == 1:
-        raise ValueError("no batch for rank 1")
-    torch.distributed.barrier()  # rank 0 waits for rank 1 forever: it must be stopped
-
-
-def rank_one_dies(rank: int, ctx: RankContext) -> None:
-    if rank == 1:
-        os._exit(3)  # killed mid-step: no report, no exception
-    torch.distributed.barrier()
-
-
-def sleeps(rank: int, ctx: RankContext) -> None:
-    time.sleep(120)
-
-
 def test_ddp_keeps_model_states_and_a_gradient_bucket_on_every_rank() -> None:
     """DDP: every rank holds the whole model states, 16Ψ for fp32 AdamW (and the step counters),
     plus its gradient buckets: one flat copy of the gradients, 4Ψ."""
-    budget = model_states([_model()], "adamw", "fp32").total
+    budget = model_states([mlp()], "adamw", "fp32").total
     assert budget == 16 * PSI + COUNTERS
     for rank, m in enumerate(run_ranks(ddp_step, 2)):
         assert m.name == f"rank{rank}"
@@ -128,11 +71,11 @@ def test_zero_shards_the_optimizer_state_by_parameter_tensors() -> None:
     evenly (⌈8Ψ/2⌉ per rank): the shards differ from it by the imbalance of the partition,
     ±3,072 B."""
     shares = [262_144 + 1_024, 262_144 + 256]
-    items = model_states([_model()], "adamw", "fp32", zero_stage=1, world_size=2).items
+    items = model_states([mlp()], "adamw", "fp32", zero_stage=1, world_size=2).items
     even = items["exp_avg"] + items["exp_avg_sq"]  # 4Ψ: ⌈8Ψ/2⌉
     assert (even, items["step counters"]) == (4 * PSI, 8)
     states = []
-    for rank, m in enumerate(run_ranks(zero_step, 2)):
+    for rank, m in enumerate(run_ranks(zero_ddp_step, 2)):
         assert m.allocated_breakdown is not None
         state = m.allocated_breakdown["optimizer_state"]
         assert state == 8 * shares[rank] + 2 * 4
@@ -150,7 +93,7 @@ def test_fsdp2_keeps_a_shard_of_every_model_state(world_size: int) -> None:
     parameters of the layer being computed are allocated too: at least the larger Linear's,
     1 MiB + 4 KiB."""
     local = PSI // world_size
-    zero3 = model_states([_model()], "adamw", "fp32", zero_stage=3, world_size=world_size).total
+    zero3 = model_states([mlp()], "adamw", "fp32", zero_stage=3, world_size=world_size).total
     assert zero3 == 16 * local + COUNTERS // world_size
     for m in run_ranks(fsdp_step, world_size):
         assert m.psi == local

@@ -524,14 +524,14 @@ def test_the_default_tolerance_catches_a_small_regression_of_a_training_step(
     default of 2% or 1 MiB on a step of a few MiB; exact bytes catch them, and the line says
     which tolerance was in force."""
     pytester.makepyfile(test_step=STEP_SUITE.format(extra="pass", cast=""))
-    run_fresh(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)
-    run_fresh(pytester).assert_outcomes(passed=1)  # the same step again: the same bytes
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)
+    run(pytester).assert_outcomes(passed=1)  # the same step again: the same bytes
     pytester.makepyfile(test_step=STEP_SUITE.format(extra=extra or "pass", cast=cast))
-    result = run_fresh(pytester)
+    result = run(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*" + grown])
     # the old default lets it through: why it is no longer the default
-    run_fresh(pytester, "--gpumem-tolerance=2%,1MiB").assert_outcomes(passed=1)
+    run(pytester, "--gpumem-tolerance=2%,1MiB").assert_outcomes(passed=1)
 
 
 def test_reserved_is_compared_within_one_allocator_segment() -> None:
