@@ -71,6 +71,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fail a test that leaves tensors, threads, environment variables, the working directory "
         "or torch settings changed (about 0.1 s per test; CI's shuffled run uses it)",
     )
+    parser.addoption(
+        "--real-ranks",
+        nargs="?",
+        const="check",
+        choices=("check", "record"),
+        help="run the distributed steps of tests/test_fake_ranks.py on real gloo ranks and check "
+        "fixtures/real-ranks.json against them (about 70 CPU-seconds; CI's first run), or with "
+        "--real-ranks=record write the file from them",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
