@@ -8,7 +8,6 @@ as exactly as each layout allows.
 from __future__ import annotations
 
 import multiprocessing
-import time
 from typing import Any
 
 import pytest
@@ -27,13 +26,12 @@ from rank_steps import (
 from conftest import run
 from pytest_gpumem import DistributedError, RankContext, model_states, run_ranks
 
-pytestmark = pytest.mark.slow
-
 PSI = 256 * 1024 + 1024 + 1024 * 256 + 256
 #: AdamW's step counters: a float32 scalar per parameter tensor
 COUNTERS = 4 * 4
 
 
+@pytest.mark.slow
 def test_ddp_keeps_model_states_and_a_gradient_bucket_on_every_rank() -> None:
     """DDP: every rank holds the whole model states, 16Ψ for fp32 AdamW (and the step counters),
     plus its gradient buckets: one flat copy of the gradients, 4Ψ."""
@@ -53,6 +51,7 @@ def test_ddp_keeps_model_states_and_a_gradient_bucket_on_every_rank() -> None:
         assert m.cost("allocated") == budget + 4 * PSI
 
 
+@pytest.mark.slow
 def test_gradients_as_bucket_views_cost_no_bucket_on_four_ranks() -> None:
     """``gradient_as_bucket_view=True``: the gradients *are* the bucket, so each of four ranks
     holds exactly the budget, 16Ψ (and the step counters)."""
@@ -63,6 +62,7 @@ def test_gradients_as_bucket_views_cost_no_bucket_on_four_ranks() -> None:
         assert m.allocated_breakdown is not None and m.allocated_breakdown["temporaries"] == 0
 
 
+@pytest.mark.slow
 def test_zero_shards_the_optimizer_state_by_parameter_tensors() -> None:
     """ZeroRedundancyOptimizer gives each rank whole parameter tensors: rank 0 the first
     Linear's (262,144 + 1,024 elements), rank 1 the second's (262,144 + 256). Each rank's
@@ -84,6 +84,7 @@ def test_zero_shards_the_optimizer_state_by_parameter_tensors() -> None:
     assert sum(states) == 8 * PSI + COUNTERS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp2_keeps_a_shard_of_every_model_state(world_size: int) -> None:
     """FSDP2 (``fully_shard`` on each Linear and the root): each rank holds 1/N of every
@@ -109,32 +110,35 @@ def test_fsdp2_keeps_a_shard_of_every_model_state(world_size: int) -> None:
         assert m.breakdown is not None and m.breakdown["temporaries"] >= 1024 * 256 * 4 + 1024 * 4
 
 
+@pytest.mark.slow
 def test_a_failing_rank_fails_the_run_with_its_report_and_no_rank_is_left() -> None:
-    started = time.monotonic()
+    """Rank 1 raises while rank 0 waits for it in a barrier: the run fails with rank 1's report
+    as soon as it comes, not at the timeout, and rank 0 is stopped."""
     with pytest.raises(DistributedError) as caught:
-        run_ranks(rank_one_raises, 2, timeout=60)
-    assert time.monotonic() - started < 60
+        run_ranks(rank_one_raises, 2, timeout=600)
     assert 1 in caught.value.reports  # rank 0 may fail too, in its barrier, when rank 1 is gone
     text = str(caught.value)
     assert text.startswith(("1 of 2 ranks failed (rank 1)", "2 of 2 ranks failed (rank 0, 1)"))
     assert "rank 1 raised:" in text and "ValueError: no batch for rank 1" in text
+    assert "did not finish" not in text
     assert multiprocessing.active_children() == []
 
 
-def test_a_rank_killed_mid_step_fails_the_run_within_the_timeout() -> None:
-    started = time.monotonic()
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_fails_the_run_before_the_timeout() -> None:
     with pytest.raises(DistributedError, match="rank 1 exited with code 3 before reporting") as caught:
-        run_ranks(rank_one_dies, 2, timeout=60)
-    assert time.monotonic() - started < 60
+        run_ranks(rank_one_dies, 2, timeout=600)
     assert 1 in caught.value.reports
+    assert "did not finish" not in str(caught.value)
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_a_rank_past_the_timeout_is_stopped() -> None:
-    started = time.monotonic()
+    """The ranks sleep for two minutes; the run stops them at its timeout (or it would return
+    their figures, not raise)."""
     with pytest.raises(DistributedError, match="did not finish within 5 s") as caught:
         run_ranks(sleeps, 2, timeout=5)
-    assert time.monotonic() - started < 30
     assert sorted(caught.value.reports) == [0, 1]
     assert multiprocessing.active_children() == []
 
@@ -167,6 +171,7 @@ def test_a_local_function_cannot_be_sent_to_the_ranks() -> None:
         run_ranks(local, 2)
 
 
+@pytest.mark.slow
 def test_the_fixture_applies_the_marker_to_every_rank_and_keys_baselines_by_world_size(
     pytester: pytest.Pytester,
 ) -> None:
