@@ -10,6 +10,7 @@ does importing the plugin's measuring modules, which the plugin loads lazily.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import sys
 from collections.abc import Generator, Iterator
@@ -40,6 +41,13 @@ def _warm_up_lazy_torch_imports() -> None:
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
 
+
+#: One intra-op thread, here and in the processes the tests start (pytest sessions, ranks): the
+#: suite's steps are small, and on two cores busy with other tests or ranks a second thread doubled
+#: their CPU time without shortening them (the zoo's GPT-2 step: 22 CPU-s for 11.8 on one thread,
+#: in the same wall time). Bytes do not depend on it: CI's machine and a developer's differ.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 _warm_up_lazy_torch_imports()
 
