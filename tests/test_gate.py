@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import forget_last_failure, run, run_fresh
+from conftest import forget_last_failure, run
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.judge.record import TestRecord
@@ -402,15 +402,15 @@ def test_xdist_update_writes_exactly_what_a_serial_run_writes(pytester: pytest.P
     pytest.importorskip("xdist")
     gone = "\n@pytest.mark.gpumem\ndef test_gone():\n    x = torch.ones(8)\n"
     pytester.makepyfile(test_x=XDIST_SUITE.replace("GROWTH", "1") + gone)
-    run_fresh(pytester, "--gpumem-update-baselines").assert_outcomes(passed=9)
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=9)
     serial = (pytester.path / "gpumem-baselines.json").read_bytes()
     (pytester.path / "gpumem-baselines.json").unlink()
-    run_fresh(pytester, "--gpumem-update-baselines", "-n", "2").assert_outcomes(passed=9)
+    run(pytester, "--gpumem-update-baselines", "-n", "2").assert_outcomes(passed=9)
     parallel = (pytester.path / "gpumem-baselines.json").read_bytes()
     assert parallel == serial
     # the gate works under xdist: one test grows by 4 MiB, one test is gone
     pytester.makepyfile(test_x=XDIST_SUITE.replace("GROWTH", str(2**20)))
-    result = run_fresh(pytester, "-n", "2")
+    result = run(pytester, "-n", "2")
     result.assert_outcomes(passed=7, failed=1)
     result.stdout.fnmatch_lines(["*FAILED test_x.py::test_step[[]128[]]*"])
     result.stdout.fnmatch_lines(["*peak cost * regressed from baseline*"])

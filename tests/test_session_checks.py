@@ -160,8 +160,8 @@ def test_step(n):
 """
     )
     (pytester.path / "gpumem-baselines.json").write_text("{ not json")
-    serial = pytester.runpytest_subprocess("-p", "no:randomly", "--gpumem-device=cpu", *update)
-    result = pytester.runpytest_subprocess("-p", "no:randomly", "--gpumem-device=cpu", "-n", "2", *update)
+    serial = run(pytester, "-p", "no:randomly", *update)
+    result = run(pytester, "-p", "no:randomly", "-n", "2", *update)
     for ran in (serial, result):
         assert ran.ret == pytest.ExitCode.USAGE_ERROR
         assert "gpumem baselines:" in ran.stderr.str() and "gpumem-baselines.json" in ran.stderr.str()
