@@ -60,7 +60,7 @@ def recorded_tests(path: Path) -> list[str]:
     return sorted(test for env in data["environments"].values() for test in env["tests"])
 
 
-@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["serial", "xdist"])
+@pytest.mark.parametrize("workers", [(), pytest.param(("-n", "2"), marks=pytest.mark.slow)], ids=["serial", "xdist"])
 def test_a_test_that_failed_in_any_phase_records_no_baseline(
     pytester: pytest.Pytester, workers: tuple[str, ...]
 ) -> None:
