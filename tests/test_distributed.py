@@ -211,7 +211,7 @@ def failing(rank, ctx):
 
 @pytest.mark.gpumem(peak="1GiB")
 def test_failing(gpumem):
-    gpumem.distributed(failing, world_size=2, timeout=60)
+    gpumem.distributed(failing, world_size=2, timeout=300)
 """
     )
     result = run(pytester, "--gpumem-update-baselines")
