@@ -77,7 +77,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--check-leftovers",
         action="store_true",
         help="fail a test that leaves tensors, threads, environment variables, the working directory "
-        "or torch settings changed (about 0.1 s per test; CI's shuffled run uses it)",
+        "or torch settings changed (a diagnostic: about 0.1 s per test)",
     )
     parser.addoption(
         "--real-ranks",
