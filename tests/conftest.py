@@ -45,7 +45,7 @@ def _warm_up_lazy_torch_imports() -> None:
 #: One intra-op thread, here and in the processes the tests start (pytest sessions, ranks): the
 #: suite's steps are small, and on two cores busy with other tests or ranks a second thread doubled
 #: their CPU time without shortening them (the zoo's GPT-2 step: 22 CPU-s for 11.8 on one thread,
-#: in the same wall time). Bytes do not depend on it: CI's machine and a developer's differ.
+#: in the same wall time). The bytes the tests check do not depend on it: they pass on any core count.
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
@@ -198,7 +198,7 @@ def refreeze() -> None:
     This suite does it before every test, not once: a census of live tensors (an out-of-memory
     report, a leak's holders) gives frozen objects back to the collector, and modules imported
     lazily by a test (sympy, transformers, TorchDynamo) stay in its sight, so that without it
-    every later collection walks the whole process (0.3 s a measured test, ten times the test).
+    every later collection walks the whole process (0.3 s for a measured test that takes 0.02 s alone).
     What earlier tests left alive is frozen too: a reference cycle of theirs that dies later is
     not freed (memory only), and a tensor of theirs is out of ``gc.get_objects()``'s sight,
     which no test reads across tests."""
