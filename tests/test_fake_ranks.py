@@ -69,6 +69,17 @@ def _torch_release() -> str:
     return torch.__version__.split("+")[0]
 
 
+def _record_text(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """The file's text: one line per rank, the runs in order."""
+    head = {"about": RECORD_ABOUT, "torch": _torch_release()}
+    lines = ["{", *(f" {json.dumps(key)}: {json.dumps(value)}," for key, value in head.items()), ' "runs": {']
+    for n, (run_id, ranks) in enumerate(sorted(runs.items())):
+        lines.append(f"  {json.dumps(run_id)}: [")
+        lines += [f"   {json.dumps(rank)}" + ("," if i < len(ranks) - 1 else "") for i, rank in enumerate(ranks)]
+        lines.append("  ]" + ("," if n < len(runs) - 1 else ""))
+    return "\n".join([*lines, " }", "}", ""])
+
+
 def _recorded() -> dict[str, Any]:
     data: dict[str, Any] = json.loads(REAL_RANKS.read_text(encoding="utf-8"))
     return data
@@ -102,8 +113,7 @@ def test_the_recorded_real_ranks_are_what_real_ranks_give(run_id: str, request: 
         recorded = _recorded() if REAL_RANKS.exists() else {}
         runs = recorded.get("runs", {}) if recorded.get("torch") == _torch_release() else {}
         runs[run_id] = real
-        recorded = {"about": RECORD_ABOUT, "torch": _torch_release(), "runs": dict(sorted(runs.items()))}
-        REAL_RANKS.write_text(json.dumps(recorded, indent=1) + "\n", encoding="utf-8")
+        REAL_RANKS.write_text(_record_text(runs), encoding="utf-8")
         return
     recorded = _recorded()
     if recorded["torch"] != _torch_release():
