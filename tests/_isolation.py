@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import forget_last_failure
+from conftest import forget_last_failure, refreeze
 from pytest_gpumem.diagnose.leaks import referrer_names
 from pytest_gpumem.units import format_size
 
@@ -88,8 +88,8 @@ class Leftovers:
     def pytest_runtest_protocol(
         self, item: pytest.Item, nextitem: pytest.Item | None
     ) -> Generator[None, object, object]:
+        refreeze()  # as the suite does before every test: what earlier tests left is out of sight
         if self._storages is None:
-            gc.collect()
             self._storages = set(_storages())
         state = self._state()
         result = yield

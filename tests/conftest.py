@@ -16,7 +16,7 @@ import pkgutil
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import hypothesis  # noqa: F401  (below: imported before any in-process run)
@@ -59,6 +59,13 @@ def _warm_up_lazy_torch_imports() -> None:
             optimizer.zero_grad(set_to_none=True)
 
 
+#: One intra-op thread, here and in the processes the tests start (pytest sessions, ranks): the
+#: suite's steps are small, and on two cores busy with other tests or ranks a second thread doubled
+#: their CPU time without shortening them (the zoo's GPT-2 step: 22 CPU-s for 11.8 on one thread,
+#: in the same wall time). The bytes the tests check do not depend on it: they pass on any core count.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
+
 _warm_up_lazy_torch_imports()
 
 
@@ -87,7 +94,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--check-leftovers",
         action="store_true",
         help="fail a test that leaves tensors, threads, environment variables, the working directory "
-        "or torch settings changed (about 0.1 s per test; CI's shuffled run uses it)",
+        "or torch settings changed (a diagnostic: about 0.1 s per test)",
+    )
+    parser.addoption(
+        "--real-ranks",
+        nargs="?",
+        const="check",
+        choices=("check", "record"),
+        help="run the distributed steps of tests/test_fake_ranks.py on real gloo ranks and check "
+        "fixtures/real-ranks.json against them (about 70 CPU-seconds; CI's first run), or with "
+        "--real-ranks=record write the file from them",
     )
 
 
@@ -96,6 +112,8 @@ def pytest_configure(config: pytest.Config) -> None:
         from tests._isolation import Leftovers
 
         config.pluginmanager.register(Leftovers(), "gpumem-test-leftovers")
+    else:
+        config.pluginmanager.register(Refreeze(), "gpumem-test-refreeze")
 
 
 #: Environments that baseline tests record under (as an H100 with torch 2.13 would describe itself).
@@ -189,14 +207,33 @@ def cpu_engine() -> Engine:
     return engine
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Freeze what exists once collection is done, as the plugin does between measured tests:
-    the many full garbage collections the engines run then cover only what tests create.
-    Tests create their tensors after it, so the engines' scans of live objects see them."""
+def refreeze() -> None:
+    """Collect garbage, then freeze what is alive (``gc.freeze()``), as the plugin does before
+    its first measured test: the full collections that the engines run in a test then walk only
+    what that test made.
+
+    This suite does it before every test, not once: a census of live tensors (an out-of-memory
+    report, a leak's holders) gives frozen objects back to the collector, and modules imported
+    lazily by a test (sympy, transformers, TorchDynamo) stay in its sight, so that without it
+    every later collection walks the whole process (0.3 s for a measured test that takes 0.02 s alone).
+    What earlier tests left alive is frozen too: a reference cycle of theirs that dies later is
+    not freed (memory only), and a tensor of theirs is out of ``gc.get_objects()``'s sight,
+    which no test reads across tests."""
     import gc
 
     gc.collect()
     gc.freeze()
+
+
+class Refreeze:
+    """:func:`refreeze` before each test (``--check-leftovers`` does it itself)."""
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> Generator[None, object, object]:
+        refreeze()
+        return (yield)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

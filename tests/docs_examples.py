@@ -144,7 +144,10 @@ class DocumentFile(pytest.File):
     """A Markdown document whose code blocks are tests."""
 
     def collect(self) -> Any:
-        yield DocumentItem.from_parent(self, name="examples")
+        item = DocumentItem.from_parent(self, name="examples")
+        if any(_TEST_FILE.search(line) for line in self.path.read_text(encoding="utf-8").splitlines()):
+            item.add_marker(pytest.mark.slow)  # its test modules run as pytest sessions in processes of their own
+        yield item
 
 
 def collect_document(file_path: Path, parent: pytest.Collector) -> DocumentFile | None:

@@ -23,7 +23,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import run, run_fresh
+from conftest import run
 from pytest_gpumem import CompiledCodeNotMeasured, Measurement, device_limit, make_engine, measure
 from pytest_gpumem.budgets.formulas import count_parameters
 from pytest_gpumem.measurement.engines.allocations import AllocationTracker
@@ -371,9 +371,7 @@ def test_clean(gpumem):
 """
     )
     artifacts = pytester.path / "pages"
-    result = run_fresh(
-        pytester, "--gpumem-observe=allocations", f"--gpumem-artifacts={artifacts}", "--gpumem-artifacts-all"
-    )
+    result = run(pytester, "--gpumem-observe=allocations", f"--gpumem-artifacts={artifacts}", "--gpumem-artifacts-all")
     result.assert_outcomes(passed=1, failed=1)
     text = result.stdout.str()
     assert "memory leak confirmed on cpu: 3.91 KiB (4000 B) retained" in text

@@ -110,6 +110,7 @@ print(peak() - before, span.measurement.psi, end["parameters"], end["gradients"]
 """
 
 
+@pytest.mark.slow
 def test_a_model_larger_than_the_machine_allocates_nothing() -> None:
     """2.1 B fp32 parameters with AdamW (34 GiB on the device), predicted in a fresh process
     whose peak memory grows by less than 512 MiB."""
@@ -128,6 +129,7 @@ def _blocks(nbytes: int) -> int:
     return -(-nbytes // 512) * 512
 
 
+@pytest.mark.slow
 def test_a_gpt2_xl_step_holds_its_budget_term_by_term() -> None:
     """GPT-2 XL (1.56 B parameters in 580 tensors; fp32, AdamW, batch 1 × 1,024) on fake tensors:
     after the step, each model state is the budget's term plus the allocator's rounding of each
@@ -242,6 +244,7 @@ def test_needs_a_value():
 """
 
 
+@pytest.mark.slow
 def test_the_marker_runs_a_test_on_fake_tensors(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_fake_suite=SUITE)
     result = run(pytester, "-p", "no:randomly")
@@ -317,6 +320,7 @@ def _gpt2_step(**config: Any) -> Any:
     return step
 
 
+@pytest.mark.slow
 def test_max_microbatch_on_fake_tensors_finds_what_real_tensors_find() -> None:
     tiny = {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 512, "n_positions": 256}
     real = max_microbatch(_gpt2_step(**tiny), limit="200MiB", predict="h100", upper=512)
@@ -331,6 +335,7 @@ def test_max_microbatch_names_what_it_cannot_search() -> None:
         max_microbatch(lambda size: None, predict="h100", engine="cpu", upper=4)
 
 
+@pytest.mark.slow
 def test_a_llama_7b_fine_tune_does_not_fit_an_80gb_h100(pytester: pytest.Pytester) -> None:
     """A transformers Llama-7B built from its config (bf16 autocast, fp32 AdamW: 16 bytes of each
     of 6.7 B parameters), predicted on fake tensors: out of memory in the optimizer step, with the

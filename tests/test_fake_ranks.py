@@ -2,102 +2,149 @@
 process group (``run_ranks(..., predict="h100", fake=True)``, ``gpumem.distributed``).
 
 The proof is the real thing: the same step on real gloo ranks (one process each, real tensors)
-predicted for the same GPU gives the same figures, to the byte, rank by rank.
+predicted for the same GPU gives the same figures, to the byte, rank by rank. The real ranks'
+figures are recorded in ``fixtures/real-ranks.json`` (they cost three times the fake ranks'),
+and the fake ranks are compared with the file; the file is checked against real ranks by
+``--real-ranks`` (CI's first run), and written again by ``--real-ranks=record``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import multiprocessing
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_distributed import (  # the same steps as on real ranks
-    _model,
-    _train,
+from rank_steps import (
     ddp_bucket_view_step,
+    ddp_hook_step,
     ddp_step,
+    ddp_unused_step,
     fsdp_step,
+    llama_70b_built_whole,
+    llama_70b_checkpointed,
+    llama_70b_fits,
+    llama_70b_on_meta,
+    mlp,
+    reads_a_value,
+    zero_ddp_step,
+    zero_step,
 )
-from test_distributed import zero_step as zero_ddp_step
-from torch import nn
 
 from conftest import run
-from pytest_gpumem import DistributedError, RankContext, model_states, run_ranks
+from pytest_gpumem import DistributedError, model_states, run_ranks
 
-pytestmark = pytest.mark.slow
-
-
-def zero_step(rank: int, ctx: RankContext) -> None:
-    """ZeRO-1: every rank keeps the whole model and gradients, the optimizer state of its share."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    model = _model()
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
-    ctx.track(model, optimizer)
-    _train(model, optimizer)
-
-
-def ddp_hook_step(rank: int, ctx: RankContext) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-
-    model = nn.parallel.DistributedDataParallel(_model())
-    model.register_comm_hook(None, fp16_compress_hook)
-    _train(model, torch.optim.AdamW(model.parameters()))
+#: the steps compared with real ranks, by test id
+STEPS = {
+    "fsdp2": fsdp_step,
+    "zero1": zero_step,
+    "zero1-ddp": zero_ddp_step,
+    "ddp": ddp_step,
+    "ddp-bucket-view": ddp_bucket_view_step,
+}
+WORLD_SIZES = (2, 4)
+RUNS = [f"{name}-{world_size}" for name in STEPS for world_size in WORLD_SIZES]
+REAL_RANKS = Path(__file__).resolve().parents[1] / "fixtures" / "real-ranks.json"
+FIGURES = ("peak", "allocated", "reserved", "psi", "breakdown", "allocated_breakdown")
 
 
-def ddp_unused_step(rank: int, ctx: RankContext) -> None:
-    model = nn.parallel.DistributedDataParallel(_model(), find_unused_parameters=True)
-    _train(model, torch.optim.AdamW(model.parameters()))
+def _figures(measurement: Any) -> dict[str, Any]:
+    """What the comparison with real ranks compares, as the file keeps it."""
+    figures = {name: getattr(measurement, name) for name in FIGURES}
+    for name in ("breakdown", "allocated_breakdown"):
+        figures[name] = dict(figures[name] or {})
+    return figures
 
 
-def reads_a_value(rank: int, ctx: RankContext) -> None:
-    model = _model()
-    if model(torch.randn(2, 256)).sum().item() > 0:  # a value: fake tensors have none
-        pass
+def _run(run_id: str, **kwargs: Any) -> list[dict[str, Any]]:
+    """Each rank's name and figures, in the order of the ranks."""
+    name, _, world_size = run_id.rpartition("-")
+    ranks = run_ranks(STEPS[name], int(world_size), predict="h100", **kwargs)
+    return [{"name": m.name, **_figures(m)} for m in ranks]
 
 
-def _figures(measurement: Any) -> tuple[Any, ...]:
-    return (
-        measurement.peak,
-        measurement.allocated,
-        measurement.reserved,
-        measurement.psi,
-        dict(measurement.breakdown or {}),
-        dict(measurement.allocated_breakdown or {}),
-    )
+def _torch_release() -> str:
+    return torch.__version__.split("+")[0]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize(
-    "step",
-    [fsdp_step, zero_step, zero_ddp_step, ddp_step, ddp_bucket_view_step],
-    ids=["fsdp2", "zero1", "zero1-ddp", "ddp", "ddp-bucket-view"],
-)
-def test_fake_ranks_give_the_real_ranks_prediction_to_the_byte(step: Any, world_size: int) -> None:
+def _record_text(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """The file's text: one line per rank, the runs in order."""
+    head = {"about": RECORD_ABOUT, "torch": _torch_release()}
+    lines = ["{", *(f" {json.dumps(key)}: {json.dumps(value)}," for key, value in head.items()), ' "runs": {']
+    for n, (run_id, ranks) in enumerate(sorted(runs.items())):
+        lines.append(f"  {json.dumps(run_id)}: [")
+        lines += [f"   {json.dumps(rank)}" + ("," if i < len(ranks) - 1 else "") for i, rank in enumerate(ranks)]
+        lines.append("  ]" + ("," if n < len(runs) - 1 else ""))
+    return "\n".join([*lines, " }", "}", ""])
+
+
+def _recorded() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(REAL_RANKS.read_text(encoding="utf-8"))
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_id", RUNS)
+def test_fake_ranks_give_the_real_ranks_prediction_to_the_byte(run_id: str) -> None:
     """Each rank's peak, allocated, reserved, Ψ and breakdowns on fake tensors over the fake
-    process group equal those of real gloo ranks predicted for the H100."""
-    real = run_ranks(step, world_size, predict="h100")
-    fake = run_ranks(step, world_size, predict="h100", fake=True)
-    assert [_figures(m) for m in fake] == [_figures(m) for m in real]
-    assert [m.name for m in fake] == [f"rank{r}" for r in range(world_size)]
+    process group equal those of real gloo ranks predicted for the H100, as recorded for this
+    torch release (real ranks run here for another release)."""
+    recorded = _recorded()
+    real = recorded["runs"][run_id] if recorded["torch"] == _torch_release() else _run(run_id)
+    fake = _run(run_id, fake=True)
+    assert fake == real
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("run_id", RUNS)
+def test_the_recorded_real_ranks_are_what_real_ranks_give(run_id: str, request: pytest.FixtureRequest) -> None:
+    """``fixtures/real-ranks.json`` against real gloo ranks (``--real-ranks``), or written from
+    them (``--real-ranks=record``, one run after another: xdist workers would race on the file)."""
+    mode = request.config.getoption("--real-ranks")
+    if mode is None:
+        pytest.skip("real gloo ranks run with --real-ranks (CI's first run)")
+    real = _run(run_id)
+    assert [m["name"] for m in real] == [f"rank{r}" for r in range(int(run_id.rpartition("-")[2]))]
+    assert multiprocessing.active_children() == []
+    if mode == "record":
+        recorded = _recorded() if REAL_RANKS.exists() else {}
+        runs = recorded.get("runs", {}) if recorded.get("torch") == _torch_release() else {}
+        runs[run_id] = real
+        REAL_RANKS.write_text(_record_text(runs), encoding="utf-8")
+        return
+    recorded = _recorded()
+    if recorded["torch"] != _torch_release():
+        pytest.skip(f"recorded with torch {recorded['torch']}, this is {_torch_release()}: --real-ranks=record")
+    assert real == recorded["runs"][run_id]
+
+
+RECORD_ABOUT = (
+    "Each rank's figures of the steps of tests/rank_steps.py on real gloo ranks (one process each, real "
+    "tensors) predicted for the H100 (run_ranks(step, world_size, predict='h100')), by step and world size. "
+    "tests/test_fake_ranks.py compares the fake ranks with them. Written by "
+    "`python -m pytest tests/test_fake_ranks.py --real-ranks=record -k recorded_real_ranks -p no:randomly`."
+)
+
+
+@pytest.mark.slow
 def test_each_rank_runs_as_if_it_were_the_first() -> None:
-    """Ranks run one after another in one process, yet a rank's figures do not depend on the
-    ranks before it (DTensor's caches are cleared between ranks). On 3 ranks FSDP2's shards are
-    uneven (1024 rows: 342, 342, 340), so the last rank holds less, as it does on real ranks."""
+    """Ranks run one after another in one process, in the order asked, yet a rank's figures do
+    not depend on the ranks before it (DTensor's caches are cleared between ranks). On 3 ranks
+    FSDP2's shards are uneven (1024 rows: 342, 342, 340), so the last rank holds less, as it
+    does on real ranks."""
     alone = run_ranks(fsdp_step, 3, predict="h100", fake=True, ranks=[2])
-    after = run_ranks(fsdp_step, 3, predict="h100", fake=True)
-    assert _figures(after[2]) == _figures(alone[0])
-    assert after[0].psi == after[1].psi == 342 * 256 + 342 + 86 * 1024 + 86
-    assert after[2].psi == 340 * 256 + 340 + 84 * 1024 + 84
-    assert after[2].allocated < after[0].allocated
-    assert [m.name for m in run_ranks(fsdp_step, 3, predict="h100", fake=True, ranks=[2, 0])] == ["rank2", "rank0"]
+    first, zeroth, second = run_ranks(fsdp_step, 3, predict="h100", fake=True, ranks=[1, 0, 2])
+    assert [first.name, zeroth.name, second.name, alone[0].name] == ["rank1", "rank0", "rank2", "rank2"]
+    assert _figures(second) == _figures(alone[0])
+    assert zeroth.psi == first.psi == 342 * 256 + 342 + 86 * 1024 + 86
+    assert second.psi == 340 * 256 + 340 + 84 * 1024 + 84
+    assert second.allocated < zeroth.allocated
 
 
+@pytest.mark.slow
 def test_fsdp2_on_fake_ranks_holds_16_bytes_per_parameter_of_its_shard() -> None:
     """After the step each rank holds its shard's fp32 parameters, gradients and AdamW state,
     16 bytes per parameter of its shard, each tensor in whole 512-byte blocks of the allocator
@@ -114,17 +161,18 @@ def test_fsdp2_on_fake_ranks_holds_16_bytes_per_parameter_of_its_shard() -> None
         assert parts is not None
         assert (parts["parameters"], parts["gradients"]) == (blocks, blocks)
         assert parts["optimizer_state"] == 2 * blocks
-        budget = model_states([_model()], "adamw", "fp32", zero_stage=3, world_size=world_size)
+        budget = model_states([mlp()], "adamw", "fp32", zero_stage=3, world_size=world_size)
         assert budget.total == 16 * psi + 4  # the budget splits the 4 counters' 16 bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("step", "buckets"), [(ddp_step, 1), (ddp_bucket_view_step, 0)], ids=["ddp", "bucket-view"])
 def test_ddp_on_64_fake_ranks_keeps_a_whole_replica_and_its_buckets_on_every_rank(step: Any, buckets: int) -> None:
     """DDP's per-rank memory does not depend on the world size: every rank of 64 holds the whole
     model's fp32 parameters, gradients and AdamW state, and DDP's gradient buckets, one more copy
     of the gradients, unless the gradients are views of the buckets (``gradient_as_bucket_view``)."""
-    psi = sum(p.numel() for p in _model().parameters())
-    blocks = sum(-(-4 * p.numel() // 512) * 512 for p in _model().parameters())
+    psi = sum(p.numel() for p in mlp().parameters())
+    blocks = sum(-(-4 * p.numel() // 512) * 512 for p in mlp().parameters())
     ranks = run_ranks(step, 64, predict="h100", fake=True, ranks=[0, 63], timeout=600)
     assert [m.name for m in ranks] == ["rank0", "rank63"]
     assert _figures(ranks[0]) == _figures(ranks[1])
@@ -136,6 +184,7 @@ def test_ddp_on_64_fake_ranks_keeps_a_whole_replica_and_its_buckets_on_every_ran
         assert parts["temporaries"] == buckets * 4 * psi  # one flat bucket buffer of fp32 gradients
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("step", "message"),
     [
@@ -155,11 +204,12 @@ def test_what_ddp_cannot_do_on_fake_ranks_is_an_error_that_says_why(step: Any, m
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_a_value_on_fake_ranks_is_an_error_that_names_the_line() -> None:
     with pytest.raises(DistributedError) as caught:
         run_ranks(reads_a_value, 2, predict="h100", fake=True, timeout=120)
     assert "FakeModeError: fake mode cannot run" in str(caught.value)
-    assert "test_fake_ranks.py:" in str(caught.value)
+    assert "rank_steps.py:" in str(caught.value)
 
 
 @pytest.mark.parametrize(
@@ -182,6 +232,7 @@ def test_bad_arguments_are_errors_that_name_the_value(kwargs: dict[str, Any], me
         run_ranks(fsdp_step, 2, **kwargs)
 
 
+@pytest.mark.slow
 def test_the_fixture_predicts_ranks_as_spans_of_the_test(pytester: pytest.Pytester) -> None:
     """``gpumem.distributed`` takes ``predict`` and ``fake`` from the marker; ``ranks`` picks
     ranks 0 and 7 of 8; each is a span of the test, judged against the marker's budget."""
@@ -221,66 +272,13 @@ def test_over_budget(gpumem):
     result.stdout.fnmatch_lines(["[[]rank3-of-8[]] allocated cost * exceeds the budget * (16Ψ) by *"])
 
 
-def _llama_70b(ctx: RankContext, *, on_meta: bool, checkpointed: bool, cast_cache: bool) -> None:
-    """A transformers Llama-70B-shaped model (80 layers, d=8192, GQA 64/8 heads, SwiGLU 28672),
-    FSDP2 on every decoder layer and the root, bf16 autocast, fp32 AdamW, batch 1 × 2048.
-
-    ``on_meta``: built on the meta device and given its shards' memory after ``fully_shard``
-    (``to_empty``), instead of built whole; ``checkpointed``: each decoder layer recomputed in
-    backward; ``cast_cache``: autocast keeps its bf16 copies of the weights until it ends."""
-    import transformers
-    from torch.distributed.fsdp import fully_shard
-
-    config = transformers.LlamaConfig(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        use_cache=False,
-    )
-    with torch.device("meta") if on_meta else contextlib.nullcontext():
-        model = transformers.LlamaForCausalLM(config)
-    if checkpointed:
-        model.gradient_checkpointing_enable()
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    if on_meta:
-        model.to_empty(device=ctx.device)  # then the weights' initialisation, on real ranks
-    optimizer = torch.optim.AdamW(model.parameters())
-    ctx.track(model, optimizer)
-    tokens = torch.randint(0, config.vocab_size, (1, 2048))
-    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cast_cache):
-        loss = model(input_ids=tokens, labels=tokens).loss
-    loss.backward()
-    optimizer.step()
-
-
-def llama_70b_built_whole(rank: int, ctx: RankContext) -> None:
-    _llama_70b(ctx, on_meta=False, checkpointed=False, cast_cache=True)
-
-
-def llama_70b_on_meta(rank: int, ctx: RankContext) -> None:
-    _llama_70b(ctx, on_meta=True, checkpointed=False, cast_cache=True)
-
-
-def llama_70b_checkpointed(rank: int, ctx: RankContext) -> None:
-    _llama_70b(ctx, on_meta=True, checkpointed=True, cast_cache=True)
-
-
-def llama_70b_fits(rank: int, ctx: RankContext) -> None:
-    _llama_70b(ctx, on_meta=True, checkpointed=True, cast_cache=False)
-
-
 #: Llama-70B-shaped: 80 layers of attention (q, o: d²; k, v: d·d/8), SwiGLU (3·d·28672) and two
 #: RMSNorms, the embedding and the untied head (32000·d each), the final norm
 LLAMA_70B_PSI = 80 * (2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) + 2 * 32000 * 8192 + 8192
 GiB = 1 << 30
 
 
+@pytest.mark.slow
 def test_a_llama_70b_fsdp2_step_is_predicted_per_rank_on_64_fake_ranks() -> None:
     """Ranks 0 and 63 of 64, the model built on the meta device, each layer checkpointed,
     autocast's cast cache off: every dimension divides by 64, so each rank holds Ψ/64 of the
@@ -297,9 +295,11 @@ def test_a_llama_70b_fsdp2_step_is_predicted_per_rank_on_64_fake_ranks() -> None
         assert (parts["parameters"], parts["gradients"]) == (4 * psi, 4 * psi)
         assert parts["optimizer_state"] == 8 * psi
         assert 16 * psi < m.peak < 80 * 10**9
-    assert _figures(ranks[0])[:4] == _figures(ranks[1])[:4]
+    first, last = (_figures(m) for m in ranks)
+    assert [first[name] for name in FIGURES[:4]] == [last[name] for name in FIGURES[:4]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("step", "largest", "over"),
     [
@@ -310,9 +310,16 @@ def test_a_llama_70b_fsdp2_step_is_predicted_per_rank_on_64_fake_ranks() -> None
     ids=["built-whole", "on-meta", "checkpointed-with-cast-cache"],
 )
 def test_what_breaks_first_is_named_at_the_peak(step: Any, largest: str, over: int) -> None:
-    """What does not fit an 80 GB card, and why, in the category that dominates the peak."""
+    """What does not fit an 80 GB card, and why, in the category that dominates the peak; on 8
+    ranks, whose shards are 8 times those of 64 (and the category that dominates the same), and
+    after the step each rank holds 16 bytes per parameter of its shard, however it was built."""
     pytest.importorskip("transformers")
-    (m,) = run_ranks(step, 64, predict="h100", fake=True, ranks=[0], timeout=900)
+    (m,) = run_ranks(step, 8, predict="h100", fake=True, ranks=[0], timeout=900)
     assert m.breakdown is not None
     assert max(m.breakdown, key=m.breakdown.__getitem__) == largest
     assert m.peak > over
+    psi = LLAMA_70B_PSI // 8
+    assert m.psi == psi
+    parts = m.allocated_breakdown
+    assert parts is not None
+    assert (parts["parameters"], parts["gradients"], parts["optimizer_state"]) == (4 * psi, 4 * psi, 8 * psi)

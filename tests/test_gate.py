@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import forget_last_failure, run, run_fresh
+from conftest import forget_last_failure, run
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.baselines.staleness import NOT_COLLECTED, Collection, file_of
 from pytest_gpumem.data.findings import Tolerance
@@ -430,15 +430,15 @@ def test_xdist_update_writes_exactly_what_a_serial_run_writes(pytester: pytest.P
     pytest.importorskip("xdist")
     gone = "\n@pytest.mark.gpumem\ndef test_gone():\n    x = torch.ones(8)\n"
     pytester.makepyfile(test_x=XDIST_SUITE.replace("GROWTH", "1") + gone)
-    run_fresh(pytester, "--gpumem-update-baselines").assert_outcomes(passed=9)
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=9)
     serial = (pytester.path / "gpumem-baselines.json").read_bytes()
     (pytester.path / "gpumem-baselines.json").unlink()
-    run_fresh(pytester, "--gpumem-update-baselines", "-n", "2").assert_outcomes(passed=9)
+    run(pytester, "--gpumem-update-baselines", "-n", "2").assert_outcomes(passed=9)
     parallel = (pytester.path / "gpumem-baselines.json").read_bytes()
     assert parallel == serial
     # the gate works under xdist: one test grows by 4 MiB, one test is gone
     pytester.makepyfile(test_x=XDIST_SUITE.replace("GROWTH", str(2**20)))
-    result = run_fresh(pytester, "-n", "2")
+    result = run(pytester, "-n", "2")
     result.assert_outcomes(passed=7, failed=1)
     result.stdout.fnmatch_lines(["*FAILED test_x.py::test_step[[]128[]]*"])
     result.stdout.fnmatch_lines(["*peak cost * regressed from baseline*"])
@@ -552,14 +552,14 @@ def test_the_default_tolerance_catches_a_small_regression_of_a_training_step(
     default of 2% or 1 MiB on a step of a few MiB; exact bytes catch them, and the line says
     which tolerance was in force."""
     pytester.makepyfile(test_step=STEP_SUITE.format(extra="pass", cast=""))
-    run_fresh(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)
-    run_fresh(pytester).assert_outcomes(passed=1)  # the same step again: the same bytes
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)
+    run(pytester).assert_outcomes(passed=1)  # the same step again: the same bytes
     pytester.makepyfile(test_step=STEP_SUITE.format(extra=extra or "pass", cast=cast))
-    result = run_fresh(pytester)
+    result = run(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*" + grown])
     # the old default lets it through: why it is no longer the default
-    run_fresh(pytester, "--gpumem-tolerance=2%,1MiB").assert_outcomes(passed=1)
+    run(pytester, "--gpumem-tolerance=2%,1MiB").assert_outcomes(passed=1)
 
 
 def test_reserved_is_compared_within_one_allocator_segment() -> None:

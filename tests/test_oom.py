@@ -489,6 +489,7 @@ def test_modules_are_named_by_the_callers_variable_not_self(recorder: Recorder, 
     assert report.requested == batch * HIDDEN * F32
 
 
+@pytest.mark.slow
 def test_the_report_knows_optimizer_state_made_in_the_step_that_failed(pytester: pytest.Pytester) -> None:
     """Adam's state is made inside its first step(); an allocation refused there is reported
     with that state as optimizer state (the optimizer's ``state`` says so), not as temporaries."""

@@ -35,7 +35,7 @@ def test_too_big():
     x = torch.ones(100 * 1024 // 4 + 256)   # 100 KiB + 1 KiB
 """
     )
-    result = run_fresh(pytester)
+    result = run(pytester)
     result.assert_outcomes(passed=1, failed=1)
     # cost 103424 bytes over a start of 0 bytes: exceeds 102400 by 1024 bytes (1.0%)
     result.stdout.fnmatch_lines(["*peak cost 101.00 KiB exceeds the limit 100.00 KiB (100KB) by +1.00 KiB (+1.0%)*"])
@@ -101,7 +101,7 @@ class TestGroup:
         pass
 """,
     )
-    result = run_fresh(pytester, "-n", "2")
+    result = run(pytester, "-n", "2")
     text = result.stdout.str() + result.stderr.str()
     assert "INTERNALERROR" not in text
     assert result.ret == pytest.ExitCode.TESTS_FAILED  # xdist's exit status for collection errors
@@ -333,7 +333,7 @@ def test_keeps_a_local():
     big = torch.ones(32 * 1024)     # 128 KiB alive until the test returns
 """
     )
-    result = run_fresh(pytester)
+    result = run(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         ["*allocated cost 128.00 KiB exceeds the limit 64.00 KiB (64KiB) by +64.00 KiB (+100.0%)*"]
@@ -397,7 +397,7 @@ def test_clean():
     x = torch.ones(256)
 """
     )
-    result = run_fresh(pytester)
+    result = run(pytester)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*retained 1.00 KiB exceeds the limit 0 B (0B) by +1.00 KiB*"])
 
@@ -500,7 +500,7 @@ def test_big():
     x = torch.ones(1024)
 """
     )
-    run_fresh(pytester, "--junitxml=out.xml")
+    run(pytester, "--junitxml=out.xml")
     tree = ET.parse(pytester.path / "out.xml")
     case = tree.find(".//testcase")
     assert case is not None
@@ -527,10 +527,10 @@ def test_small():
     x = torch.ones(4)
 """
     )
-    quiet = run_fresh(pytester, "-q")
+    quiet = run(pytester, "-q")
     summary = quiet.stdout.str().split("= gpumem =")[1]
     assert "test_big" in summary and "test_small" not in summary
-    loud = run_fresh(pytester)
+    loud = run(pytester)
     summary = loud.stdout.str().split("= gpumem =")[1]
     assert "test_big" in summary and "test_small" in summary
     # problems first

@@ -60,7 +60,7 @@ def recorded_tests(path: Path) -> list[str]:
     return sorted(test for env in data["environments"].values() for test in env["tests"])
 
 
-@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["serial", "xdist"])
+@pytest.mark.parametrize("workers", [(), pytest.param(("-n", "2"), marks=pytest.mark.slow)], ids=["serial", "xdist"])
 def test_a_test_that_failed_in_any_phase_records_no_baseline(
     pytester: pytest.Pytester, workers: tuple[str, ...]
 ) -> None:
@@ -160,8 +160,8 @@ def test_step(n):
 """
     )
     (pytester.path / "gpumem-baselines.json").write_text("{ not json")
-    serial = pytester.runpytest_subprocess("-p", "no:randomly", "--gpumem-device=cpu", *update)
-    result = pytester.runpytest_subprocess("-p", "no:randomly", "--gpumem-device=cpu", "-n", "2", *update)
+    serial = run(pytester, "-p", "no:randomly", *update)
+    result = run(pytester, "-p", "no:randomly", "-n", "2", *update)
     for ran in (serial, result):
         assert ran.ret == pytest.ExitCode.USAGE_ERROR
         assert "gpumem baselines:" in ran.stderr.str() and "gpumem-baselines.json" in ran.stderr.str()
