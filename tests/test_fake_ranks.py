@@ -92,9 +92,11 @@ def test_fake_ranks_give_the_real_ranks_prediction_to_the_byte(run_id: str) -> N
     process group equal those of real gloo ranks predicted for the H100, as recorded for this
     torch release (real ranks run here for another release)."""
     recorded = _recorded()
-    real = recorded["runs"][run_id] if recorded["torch"] == _torch_release() else _run(run_id)
     fake = _run(run_id, fake=True)
-    assert fake == real
+    if recorded["torch"] == _torch_release():
+        assert fake == recorded["runs"][run_id]
+    else:  # real ranks may hold one more small block at the peak (_one_block_late)
+        assert [_one_block_late(r, f) for r, f in zip(_run(run_id), fake, strict=True)] == fake
     assert multiprocessing.active_children() == []
 
 
@@ -118,7 +120,30 @@ def test_the_recorded_real_ranks_are_what_real_ranks_give(run_id: str, request: 
     recorded = _recorded()
     if recorded["torch"] != _torch_release():
         pytest.skip(f"recorded with torch {recorded['torch']}, this is {_torch_release()}: --real-ranks=record")
-    assert real == recorded["runs"][run_id]
+    assert [_one_block_late(r, m) for r, m in zip(real, recorded["runs"][run_id], strict=True)] == recorded["runs"][
+        run_id
+    ]
+
+
+#: The smallest block of CUDA's caching allocator: what a small tensor costs at the peak.
+SMALL_BLOCK = 512
+
+
+def _one_block_late(real: dict[str, Any], recorded: dict[str, Any]) -> dict[str, Any]:
+    """``real`` as recorded when its peak is the recorded one plus one 512-byte block held as a
+    temporary, and otherwise equal. Real gloo ranks give that block at the peak in some runs and not
+    in others (seen in DDP with bucket views on 4 ranks and ZeRO-1 over DDP on 2): whether a small
+    tensor of the communication thread is still alive at the backward's peak depends on thread
+    timing. The fake ranks (one thread, no timing) give the peak without it, always."""
+    late = real["peak"] == recorded["peak"] + SMALL_BLOCK
+    temporaries = real["breakdown"]["temporaries"] == recorded["breakdown"]["temporaries"] + SMALL_BLOCK
+    if not (late and temporaries):
+        return real
+    return {
+        **real,
+        "peak": recorded["peak"],
+        "breakdown": {**real["breakdown"], "temporaries": recorded["breakdown"]["temporaries"]},
+    }
 
 
 RECORD_ABOUT = (
