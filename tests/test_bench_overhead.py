@@ -19,6 +19,7 @@ def _bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")
 def test_cuda_without_a_gpu_is_a_clear_error(tmp_path: Path) -> None:
     done = _bench("--cuda", "--tests", "4", "--json", str(tmp_path / "never.json"))

@@ -31,6 +31,7 @@ def test_uses_the_fixture_unmarked(gpumem):
 """
 
 
+@pytest.mark.slow
 def test_every_test_runs_with_nothing_measured_judged_or_written(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_off=SUITE)
     baselines = pytester.path / "gpumem-baselines.json"

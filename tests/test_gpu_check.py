@@ -56,12 +56,14 @@ def test_dry_run_checks_every_part_and_prints_the_plan() -> None:
     assert sum(p.budget for p in plan) <= gpu_check.BUDGET
 
 
+@pytest.mark.slow
 def test_an_option_a_script_does_not_know_fails_the_dry_run() -> None:
     command = gpu_check.Command("bench", [sys.executable, "benchmarks/bench_accuracy.py", "--no-such-flag"], "script")
     why = gpu_check.check_command(command, gpu_check.environment())
     assert why is not None and "does not know --no-such-flag" in why
 
 
+@pytest.mark.slow
 def test_a_selection_that_does_not_collect_fails_the_dry_run() -> None:
     argv = [sys.executable, "-m", "pytest", "tests/test_no_such_file.py"]
     why = gpu_check.check_command(gpu_check.Command("x", argv, "pytest"), gpu_check.environment())
@@ -74,6 +76,7 @@ def test_unknown_parts_are_a_usage_error() -> None:
     assert "--parts: unknown part(s) nope; known: cuda-tests, demo, validate" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_without_a_gpu_the_run_refuses_and_says_to_dry_run(tmp_path: Path) -> None:
     done = run_script(str(tmp_path / "out"), "--parts", "demo")
@@ -141,6 +144,7 @@ def test_summary_names_the_device_the_parts_and_the_failures() -> None:
     assert "- cpu on/off: 1.04" in text
 
 
+@pytest.mark.slow
 def test_parts_run_in_order_within_their_budgets_and_the_summary_says_what_ran(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -69,6 +69,7 @@ def run(engine: Engine, step: Any, *args: Any) -> LeakCheck:
     return confirm_leak(engine, start, snapshot=snapshot)
 
 
+@pytest.mark.slow
 def test_module_level_cache_is_a_confirmed_leak(engine: Engine) -> None:
     check = run(engine, leaky_step, 3)
     expected = (100 + 200 + 300) * F32
@@ -116,6 +117,7 @@ def test_reference_cycle_is_freed_not_reported(engine: Engine) -> None:
     assert check.leaked == ()
 
 
+@pytest.mark.slow
 def test_attribute_and_dict_holders_are_named(engine: Engine) -> None:
     def step() -> None:
         HOLDER.kept = torch.zeros(3000)
@@ -129,6 +131,7 @@ def test_attribute_and_dict_holders_are_named(engine: Engine) -> None:
     assert names[1].endswith("test_leaks.TABLE['weights']")
 
 
+@pytest.mark.slow
 def test_views_of_one_leaked_storage_count_once(engine: Engine) -> None:
     def step() -> None:
         base = torch.zeros(4096)
@@ -210,6 +213,7 @@ def test_a_module_level_name_wins_over_an_anonymous_dict_that_also_holds_the_hol
         del globals()["LATE_HOLDER"]
 
 
+@pytest.mark.slow
 def test_attribute_of_an_object_with_a_materialised_dict(engine: Engine) -> None:
     class Box:
         pass

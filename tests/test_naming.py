@@ -25,6 +25,7 @@ def test_step():
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tb", ["auto", "long", "short"])
 def test_an_emulated_out_of_memory_error_shows_the_users_lines(pytester: pytest.Pytester, tb: str) -> None:
     pytester.makepyfile(test_oom_lines=OOM)

@@ -361,6 +361,7 @@ def test_untraced():
     run(pytester).assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_measuring_does_not_import_torchdynamo(pytester: pytest.Pytester) -> None:
     """torch wraps a dispatch mode's handler in TorchDynamo's ``disable``, which imports TorchDynamo
     (0.8 s) at the first operator; the tracker's mode turns TorchDynamo's frame hook off itself."""

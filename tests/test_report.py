@@ -222,6 +222,7 @@ def test_elide_id_keeps_the_name_and_parametrize_id(nodeid: str, width: int, exp
     assert elide_id(nodeid, width) == expected
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     width=st.integers(min_value=1, max_value=160),

@@ -41,6 +41,7 @@ def pytest_sessionfinish(session):
 """
 
 
+@pytest.mark.slow
 def test_a_finished_test_keeps_nothing_the_collector_traverses(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(SUITE)

@@ -353,6 +353,7 @@ def test_a_recorded_h100_trace_replays_to_the_allocators_counter_and_names_its_p
     assert named and all(site.function and site.line > 0 for site in named)
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_report_names_the_line_that_failed_and_where_each_live_tensor_was_made(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -386,6 +387,7 @@ def test_an_out_of_memory_report_names_the_line_that_failed_and_where_each_live_
     assert row.rstrip().endswith(f"test_oom_site.py:{first} test_too_big")
 
 
+@pytest.mark.slow
 def test_a_leak_report_names_where_each_leaked_tensor_was_made(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -481,6 +483,7 @@ def test_a_fake_mode_prediction_that_does_not_fit_names_its_sites_in_the_predict
     assert "(16384, 2048) float32" in row
 
 
+@pytest.mark.slow
 def test_with_transformers_included_the_site_is_in_the_models_own_code(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -550,6 +553,7 @@ def test_the_markdown_report_and_the_html_artifact_carry_the_sites_table(
     assert f'data-site="test_train.py:{line} test_step"' in page
 
 
+@pytest.mark.slow
 def test_under_xdist_the_worker_runs_the_failing_test_again_with_sites(
     suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
