@@ -1,0 +1,361 @@
+"""Sites under the training frameworks and in a prediction, end to end with the real libraries:
+the step spans that the Hugging Face ``Trainer``, Lightning and accelerate adapters open carry
+the sites of their bytes, named in the model's own code (``transformers/models/gpt2/modeling_gpt2.py``
+when ``transformers`` is included, the user's module otherwise) to the line and the byte; a step
+that grew against its baseline under Lightning is run again with sites and its failure names the
+line; and a Llama-7B predicted on fake tensors that does not fit names the line of
+``modeling_llama.py`` that allocates the largest activation.
+
+Each session runs in a process of its own: importing a framework in the suite's process (its
+tensors, its threads) would change what later tests measure."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import run_fresh
+
+pytest_plugins = ["pytester"]
+
+F32 = 4
+
+
+def needs(*packages: str) -> None:
+    """Skip unless ``packages`` are installed, without importing them here."""
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed")
+
+
+def _line(source: str, text: str) -> int:
+    """The number of the line of ``source`` that holds ``text`` (once)."""
+    found = [number for number, line in enumerate(source.splitlines(), 1) if text in line]
+    assert len(found) == 1, (text, found)
+    return found[0]
+
+
+def _installed(relative: str) -> str:
+    """The source of ``relative`` (``transformers/models/...``) as installed, read without importing it."""
+    spec = importlib.util.find_spec(relative.split("/")[0])
+    assert spec is not None and spec.submodule_search_locations
+    folder = Path(next(iter(spec.submodule_search_locations))).parent
+    return (folder / relative).read_text(encoding="utf-8")
+
+
+def _session(pytester: pytest.Pytester, name: str, source: str, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
+    """Run ``source`` as ``<name>.py`` in a fresh process; its result and the JSON report's only test."""
+    pytester.makepyfile(**{name: source})
+    report = pytester.path / "report.json"
+    result = run_fresh(pytester, f"--gpumem-json={report}", *args)
+    (test,) = json.loads(report.read_text())["tests"]
+    return result, test
+
+
+def _sites(test: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Each span's sites, by the span's name (spans without sites left out)."""
+    return {m["name"]: m["sites"]["sites"] for m in test["measurements"] if m.get("sites")}
+
+
+def _at(sites: list[dict[str, Any]], code: str) -> dict[str, Any]:
+    """The only site among ``sites`` whose source line is ``code``."""
+    found = [site for site in sites if site["code"] == code]
+    assert len(found) == 1, (code, [s["code"] for s in sites])
+    return found[0]
+
+
+TRAINER = """\
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from pytest_gpumem.integrations.transformers import GpumemCallback
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+@pytest.mark.gpumem
+def test_trainer(gpumem, tmp_path):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[GpumemCallback(gpumem)]).train()
+"""
+
+GPT2 = "transformers/models/gpt2/modeling_gpt2.py"
+
+
+@pytest.mark.slow
+def test_a_trainers_step_spans_name_lines_of_modeling_gpt2_when_transformers_is_included(
+    pytester: pytest.Pytester,
+) -> None:
+    needs("transformers")
+    args = ("--gpumem-sites=always", "--gpumem-sites-include=transformers")
+    result, test = _session(pytester, "test_hf_sites", TRAINER, *args)
+    result.assert_outcomes(passed=1)
+    spans = _sites(test)
+    assert list(spans) == ["call", "step1", "step2"]
+    source = _installed(GPT2).splitlines()
+    for name in ("step1", "step2"):
+        model = [site for site in spans[name] if site["file"] == GPT2]
+        assert model, [site["file"] for site in spans[name]]
+        for site in model:  # each names its line as the installed file has it
+            assert " ".join(source[site["line"] - 1].split()).startswith(site["code"].rstrip("…"))
+        # the first LayerNorm's output, saved for the attention's projection, with its mean and
+        # rstd (saved for its own backward): alive at the step's peak, to the byte
+        norm = _at(model, "hidden_states = self.ln_1(hidden_states)")
+        assert (norm["function"], norm["category"], norm["phase"]) == ("GPT2Block.forward", "activations", "forward")
+        assert norm["peak"] == 4 * 16 * 32 * F32 + 2 * 4 * 16 * F32
+        assert norm["examples"][0] == "(4, 16, 32) float32"
+
+
+LIGHTNING = """\
+import os
+
+import lightning as L
+import pytest
+import torch
+
+from pytest_gpumem.integrations.lightning import GpumemCallback
+
+BATCH = int(os.environ.get("SITES_BATCH", "512"))
+
+
+class Regressor(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(32, 128)
+        self.down = torch.nn.Linear(128, 32)
+
+    def training_step(self, batch, batch_idx):
+        x, targets = batch
+        hidden = torch.nn.functional.gelu(self.up(x))
+        return torch.nn.functional.mse_loss(self.down(hidden), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.gpumem
+def test_fit(gpumem, tmp_path):
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(2048, 32), torch.randn(2048, 32))
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[GpumemCallback(gpumem)],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regressor(), torch.utils.data.DataLoader(data, batch_size=BATCH))
+"""
+
+#: The line of the LightningModule (and of the accelerate model) that makes the widest activations:
+#: the projection's output (saved by the GELU) and the GELU's (saved by the second projection).
+WIDE = "hidden = torch.nn.functional.gelu(self.up(x))"
+
+
+def _wide_bytes(batch: int) -> int:
+    return 2 * batch * 128 * F32
+
+
+@pytest.mark.slow
+def test_a_lightning_fits_step_spans_name_the_line_of_the_lightning_module(pytester: pytest.Pytester) -> None:
+    needs("lightning")
+    result, test = _session(pytester, "test_pl_sites", LIGHTNING, "--gpumem-sites=always")
+    result.assert_outcomes(passed=1)
+    spans = _sites(test)
+    assert list(spans) == ["call", "step1", "step2"]
+    for name in ("step1", "step2"):
+        wide = _at(spans[name], WIDE)
+        where = ("test_pl_sites.py", _line(LIGHTNING, WIDE), "Regressor.training_step")
+        assert (wide["file"], wide["line"], wide["function"]) == where
+        assert (wide["category"], wide["phase"], wide["count"]) == ("activations", "forward", 2)
+        assert wide["peak"] == _wide_bytes(512)
+        assert wide["examples"] == ["(512, 128) float32"]
+
+
+@pytest.mark.slow
+def test_a_lightning_step_that_grew_is_run_again_and_its_failure_names_the_line(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default ``rerun`` mode: the step spans' baselines are recorded (with their sites), the
+    batch doubles, the test fails against them and runs once more with sites on: the second
+    run's callbacks open the same step spans, whose sites name the LightningModule's line."""
+    needs("lightning")
+    monkeypatch.setenv("COLUMNS", "200")  # one row a site
+    pytester.makepyfile(test_pl_sites=LIGHTNING)
+    run_fresh(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)
+    monkeypatch.setenv("SITES_BATCH", "1024")
+    result, test = _session(pytester, "test_pl_sites", LIGHTNING)
+    result.assert_outcomes(failed=1)
+    step = next(m for m in test["measurements"] if m["name"] == "step1")
+    assert step["sites"]["second_run"]
+    changes = test["site_changes"]["step1"]["changes"]
+    wide = next(change for change in changes if change["site"]["code"] == WIDE)
+    line = _line(LIGHTNING, WIDE)
+    assert (wide["site"]["line"], wide["site"]["function"], wide["status"]) == (
+        line,
+        "Regressor.training_step",
+        "changed",
+    )
+    assert wide["delta"]["peak"] == _wide_bytes(1024) - _wide_bytes(512)
+    assert max(changes, key=lambda change: change["delta"]["peak"]) is wide  # the largest growth
+    text = result.stdout.str()
+    assert "[step1] peak cost 1.64 MiB regressed from baseline 848.14 KiB" in text
+    table = text.split("[step1] at the peak, against the baseline (sites by growth):", 1)[1].split("[step2]")[0]
+    row = table.splitlines()[3]  # the first below the header and its rule: the largest growth
+    assert f"test_pl_sites.py:{line} Regressor.training_step" in row
+    assert row.split()[:3] == ["+512.00", "KiB", "activations"] and WIDE in row and "(1024, 128) float32" in row
+    assert "sites from a second run" in table
+
+
+ACCELERATE = """\
+import accelerate
+import pytest
+import torch
+
+from pytest_gpumem.integrations.accelerate import track
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(32, 128)
+        self.down = torch.nn.Linear(128, 32)
+
+    def forward(self, x):
+        hidden = torch.nn.functional.gelu(self.up(x))
+        return self.down(hidden)
+
+
+@pytest.mark.gpumem
+def test_loop(gpumem):
+    torch.manual_seed(0)
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.utils.data.TensorDataset(torch.randn(1024, 32), torch.randn(1024, 32))
+    loader = torch.utils.data.DataLoader(data, batch_size=512)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    track(gpumem, model, optimizer)
+    for step, (inputs, targets) in enumerate(loader, 1):
+        with gpumem.measure(f"step{step}"):
+            accelerator.backward(torch.nn.functional.mse_loss(model(inputs), targets))
+            optimizer.step()
+            optimizer.zero_grad()
+"""
+
+
+@pytest.mark.slow
+def test_an_accelerate_loops_step_spans_name_the_line_of_the_model(pytester: pytest.Pytester) -> None:
+    needs("accelerate")
+    result, test = _session(pytester, "test_acc_sites", ACCELERATE, "--gpumem-sites=always")
+    result.assert_outcomes(passed=1)
+    spans = _sites(test)
+    assert list(spans) == ["call", "step1", "step2"]
+    for name in ("step1", "step2"):
+        wide = _at(spans[name], WIDE)
+        assert (wide["file"], wide["line"], wide["function"]) == (
+            "test_acc_sites.py",
+            _line(ACCELERATE, WIDE),
+            "MLP.forward",
+        )
+        assert (wide["category"], wide["phase"], wide["count"]) == ("activations", "forward", 2)
+        assert wide["peak"] == _wide_bytes(512)
+
+
+LLAMA = """\
+import pytest
+import torch
+import transformers
+
+LLAMA_7B = transformers.LlamaConfig(
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
+
+
+@pytest.mark.gpumem(predict="h100", fake=True, peak="80GB")
+def test_a_batch_of_four_fits_an_h100(gpumem):
+    model = transformers.LlamaForCausalLM(LLAMA_7B)
+    optimizer = torch.optim.AdamW(model.parameters())
+    gpumem.track(model, optimizer)
+    batch = torch.randint(0, LLAMA_7B.vocab_size, (4, 2048))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+"""
+
+LLAMA_FILE = "transformers/models/llama/modeling_llama.py"
+
+
+@pytest.mark.slow
+def test_a_llama_7b_that_does_not_fit_names_the_line_that_allocates_the_largest_activation(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real Llama-7B config (32 layers, d = 4,096, SwiGLU 11,008), a full fine-tune step on
+    fake tensors predicted for an H100: bf16 autocast, fp32 AdamW, 4 × 2,048 tokens. Its peak is
+    at the end of the forward pass (the activations of 32 layers), beyond the 80 GB limit; the
+    failure runs the test again with sites (a few seconds on 2 cores) and its table of the
+    largest sites at the peak starts with the MLP's line in ``modeling_llama.py``."""
+    needs("transformers")
+    monkeypatch.setenv("COLUMNS", "200")  # one row a site, with its code and example
+    result, test = _session(pytester, "test_llama_fit", LLAMA, "--gpumem-sites-include=transformers")
+    result.assert_outcomes(failed=1)
+    sites = _sites(test)["call"]
+    activations = [site for site in sites if site["category"] == "activations"]
+    largest = max(activations, key=lambda site: site["peak"])
+    assert max(sites, key=lambda site: site["peak"]) is largest  # the largest site at the peak
+    source = _installed(LLAMA_FILE)
+    code = "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
+    line = _line(source, code)
+    assert (largest["file"], largest["line"], largest["function"]) == (LLAMA_FILE, line, "LlamaMLP.forward")
+    assert code.startswith(largest["code"].rstrip("…"))
+    # in each of the 32 layers, eight bf16 tensors kept for backward: the outputs of gate_proj and
+    # up_proj and their product, the two bf16 copies of the input that the projections take, and
+    # autocast's bf16 copies of the three weights
+    tokens, width, wide = 4 * 2048, 4096, 11008
+    per_layer = 3 * tokens * wide * 2 + 2 * tokens * width * 2 + 3 * wide * width * 2
+    assert (largest["phase"], largest["count"], largest["peak"]) == ("forward", 32 * 8, 32 * per_layer)
+    assert "(4, 2048, 11008) bfloat16" in largest["examples"]
+    text = result.stdout.str()
+    failure = text.split("exceeds the limit 80.00 GiB (80GB)", 1)[1]
+    table = failure.split("at the peak, the largest sites:", 1)[1].splitlines()
+    first = table[3]  # below the header and its rule
+    assert first.split()[:4] == ["28.19", "GiB", "activations", "forward"]
+    assert f"{LLAMA_FILE}:{line} LlamaMLP.forward" in first
+    assert "down_proj = self.down_proj(self.act_fn(self.gat" in first and largest["examples"][0] in first
+    assert "sites from a second run" in failure
