@@ -131,6 +131,86 @@ def test_a_trainers_step_spans_name_lines_of_modeling_gpt2_when_transformers_is_
         assert norm["examples"][0] == "(4, 16, 32) float32"
 
 
+CALLBACK_IN_A_FIXTURE = """\
+import os
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from pytest_gpumem.integrations.transformers import GpumemCallback
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+@pytest.fixture
+def callback(gpumem):
+    return GpumemCallback(gpumem)
+
+
+@pytest.mark.gpumem
+def test_trainer(callback, tmp_path):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=int(os.environ.get("SITES_BATCH", "4")),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback]).train()
+"""
+
+
+@pytest.mark.slow
+def test_a_callback_made_in_a_fixture_names_its_steps_and_tracks_the_model_again_in_the_second_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second run of a failing test reuses its fixtures' values: a callback made in a fixture
+    is the first run's, and the test makes a new trainer, model and optimizer. The callback's steps
+    count from ``step1`` again (not ``step3``, which no span of the first run is: the steps would
+    get no sites), and it tracks the new model and optimizer (else the second run's sites would
+    not know the parameters, the gradients and the activations)."""
+    needs("transformers")
+    monkeypatch.setenv("COLUMNS", "200")
+    include = "--gpumem-sites-include=transformers"
+    pytester.makepyfile(test_hf_callback=CALLBACK_IN_A_FIXTURE)
+    run_fresh(pytester, "--gpumem-update-baselines", include).assert_outcomes(passed=1)
+    monkeypatch.setenv("SITES_BATCH", "8")
+    result, test = _session(pytester, "test_hf_callback", CALLBACK_IN_A_FIXTURE, include)
+    result.assert_outcomes(failed=1)
+    steps = {m["name"]: m for m in test["measurements"] if m["name"].startswith("step")}
+    assert list(steps) == ["step1", "step2"]
+    for name, step in steps.items():
+        assert step["sites"]["second_run"], name
+        changes = test["site_changes"][name]["changes"]
+        gelu = next(c for c in changes if c["site"]["function"] == "NewGELUActivation.forward")
+        site = gelu["site"]
+        assert (site["file"], site["category"], site["phase"], gelu["status"]) == (
+            "transformers/activations.py",
+            "activations",
+            "forward",
+            "changed",
+        )
+        # the tanh-approximated GELU keeps three (batch, 16, 128) float32 tensors: four more rows
+        assert gelu["delta"]["peak"] == 3 * 4 * 16 * 128 * F32
+        assert any(c["site"]["file"] == GPT2 for c in changes)
+    assert "[step1] at the peak, against the baseline (sites by growth):" in result.stdout.str()
+
+
 LIGHTNING = """\
 import os
 

@@ -36,17 +36,29 @@ def unwrap(obj: Any) -> Any:
     return obj
 
 
+def run_of(gpumem: Any) -> Any:
+    """What ``gpumem`` records into now: its recorder (None unmeasured). A test that failed on
+    memory runs once more with sites on, reusing its fixtures' values: a callback made in a
+    fixture then sees another recorder, a new run of the test."""
+    return getattr(gpumem, "recorder", None)
+
+
 class StepSpans:
     """Opens a span when a training step begins and closes it when it ends, named
-    ``step1``, ``step2``, ... (``prefix`` and the step's number)."""
+    ``step1``, ``step2``, ... (``prefix`` and the step's number), counted from 1 in each run
+    of the test (:func:`run_of`): a second run's steps have the first run's names."""
 
     def __init__(self, gpumem: Any, prefix: str = "step") -> None:
         self.gpumem = gpumem
         self.prefix = prefix
         self.count = 0
         self._open: Any = None
+        self._run: Any = run_of(gpumem)
 
     def begin(self) -> None:
+        run = run_of(self.gpumem)
+        if run is not self._run:  # a new run of the test: the last one's spans are its own
+            self._run, self.count, self._open = run, 0, None
         if self._open is not None:  # a step that never ended (an exception the framework caught)
             self.end()
         self.count += 1

@@ -23,7 +23,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from pytest_gpumem.integrations import StepSpans, unwrap
+from pytest_gpumem.integrations import StepSpans, run_of, unwrap
 
 __all__ = ["GpumemCallback"]
 
@@ -40,8 +40,12 @@ class GpumemCallback(TrainerCallback):
         self.gpumem = gpumem
         self.spans = StepSpans(gpumem, prefix)
         self._tracked = False
+        self._run: Any = run_of(gpumem)
 
     def _track(self, model: Any, optimizer: Any) -> None:
+        run = run_of(self.gpumem)
+        if run is not self._run:  # a new run of the test (a callback made in a fixture): track them again
+            self._run, self._tracked = run, False
         if self._tracked or model is None or optimizer is None:
             return
         self.gpumem.track(unwrap(model), unwrap(optimizer))
