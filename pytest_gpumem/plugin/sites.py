@@ -140,11 +140,6 @@ def with_sites(first: TestRecord, second: TestRecord, raised: BaseException | No
     # the collector froze between the runs hide their holders' names). The sites above name the
     # lines; --gpumem-sites=always puts them into the reports too.
     return first
-    if second.reports:
-        first.reports = [f"{report}\n({SECOND_RUN})" for report in second.reports]
-    if second.leak_report:  # the judge adds it to the failure when the retained check fails
-        first.leak_report = f"{second.leak_report}\n({SECOND_RUN})"
-    return first
 
 
 def _differs(first: Measurement, second: Measurement) -> str:
