@@ -254,10 +254,6 @@ class SiteRecorder:
             found[BEFORE] = SiteCounts(before, max(left, 0))
         return found
 
-    def found(self, peak: Mapping[Any, SiteCounts] | None, end: Mapping[Any, SiteCounts] | None) -> list[Found]:
-        """The sites of a span from its snapshots at the peak and at the end."""
-        return found_sites(peak, end)
-
 
 class TrackedSites:
     """The storage tracker's members for sites (mixed into

@@ -41,20 +41,20 @@ class TraceMoment:
 
 
 @lru_cache(maxsize=256)
-def _functions(filename: str) -> tuple[tuple[int, int, int, str], ...]:
-    """(first line with decorators, last line, def line, qualified name) of every function in ``filename``."""
+def _functions(filename: str) -> tuple[tuple[int, int, str], ...]:
+    """(first line with decorators, last line, qualified name) of every function in ``filename``."""
     text = "".join(linecache.getlines(filename))
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
         return ()
-    found: list[tuple[int, int, int, str]] = []
+    found: list[tuple[int, int, str]] = []
 
     def visit(node: ast.AST, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
-                found.append((first, child.end_lineno or child.lineno, child.lineno, prefix + child.name))
+                found.append((first, child.end_lineno or child.lineno, prefix + child.name))
                 visit(child, f"{prefix}{child.name}.<locals>.")
             elif isinstance(child, ast.ClassDef):
                 visit(child, f"{prefix}{child.name}.")
@@ -68,10 +68,10 @@ def _functions(filename: str) -> tuple[tuple[int, int, int, str], ...]:
 def frame_site(filename: str, name: str, line: int, file: str) -> Site:
     """The site of a recorded frame: its function's qualified name and first line from the source
     (as a code object has them), the absolute line when the source cannot be read."""
-    inner = [f for f in _functions(filename) if f[3].rsplit(".", 1)[-1] == name and f[0] <= line <= f[1]]
+    inner = [f for f in _functions(filename) if f[2].rsplit(".", 1)[-1] == name and f[0] <= line <= f[1]]
     if not inner:
         return Site(file, name, line, line, source_line(filename, line))
-    first, _, _, qualname = max(inner, key=lambda f: f[0])
+    first, _, qualname = max(inner, key=lambda f: f[0])
     return Site(file, qualname, line - first, line, source_line(filename, line))
 
 
