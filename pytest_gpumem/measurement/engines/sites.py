@@ -146,8 +146,8 @@ class _State:
         self.line = line
         self.phase = phase
         self.counts = SiteCounts()
-        #: the two largest storages' (bytes, shape and dtype)
-        self.examples: list[tuple[int, str]] = []
+        #: the two largest storages' (bytes, shape and dtype as text, (shape, dtype))
+        self.examples: list[tuple[int, str, Any]] = []
         self.where: tuple[str, str] | None = None
         self.filename = "" if code is None else code.co_filename
 
@@ -206,11 +206,13 @@ class SiteRecorder:
         counts.count += 1
         examples = state.examples
         if len(examples) < 2 or entry.nbytes > examples[-1][0]:  # the two largest, each shape once
-            text = example(tensor)
-            if all(text != known for _, known in examples):
-                examples.append((entry.nbytes, text))
-                examples.sort(key=lambda item: -item[0])
-                del examples[2:]
+            kind = (tensor.shape, tensor.dtype)  # an example's already: no text to make (a line run again)
+            if all(kind != seen for _, _, seen in examples):
+                text = example(tensor)
+                if all(text != known for _, known, _ in examples):
+                    examples.append((entry.nbytes, text, kind))
+                    examples.sort(key=lambda item: -item[0])
+                    del examples[2:]
 
     def freed(self, entry: Any) -> None:
         state = getattr(entry, "site", None)
@@ -327,6 +329,6 @@ def found_sites(peak: Mapping[Any, SiteCounts] | None, end: Mapping[Any, SiteCou
         if state == BEFORE:
             result.append((Site("", BEFORE), "", peak.get(state), end.get(state), ()))
         else:
-            examples = tuple(text for _, text in state.examples)
+            examples = tuple(text for _, text, _ in state.examples)
             result.append((state.site(), state.phase, peak.get(state), end.get(state), examples))
     return result
