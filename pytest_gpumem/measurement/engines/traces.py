@@ -189,13 +189,18 @@ def _found(
 ) -> list[Found]:
     """The blocks of ``moment`` by site and phase (their allocation's frames and stamp)."""
     counts: dict[tuple[Site, str], SiteCounts] = {}
+    sites: dict[tuple[str, str, int], Site] = {}  # each frame's once: its site reads the source
     for size, index in moment.blocks.values():
         event = events[index]
         site = Site("", ELSEWHERE)
         for frame in event.get("frames") or ():
-            file = name_of(str(frame.get("filename", "")))
+            filename = str(frame.get("filename", ""))
+            file = name_of(filename)
             if file is not None:
-                site = frame_site(str(frame["filename"]), str(frame.get("name", "")), int(frame.get("line", 0)), file)
+                where = (filename, str(frame.get("name", "")), int(frame.get("line", 0)))
+                if where not in sites:
+                    sites[where] = frame_site(*where, file)
+                site = sites[where]
                 break
         key = (site, phases.get(numbers[index], ""))
         found = counts.setdefault(key, SiteCounts())
