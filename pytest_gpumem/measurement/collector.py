@@ -11,7 +11,6 @@ everything. Outside a run nothing is frozen, and :func:`collect` is ``gc.collect
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import weakref
 from typing import Any
@@ -185,10 +184,7 @@ class Collector:
             return
         if phase == "start":
             if self.frozen:
-                self._young = []
-                for tensor in tensors_among(gc.get_objects()):
-                    with contextlib.suppress(TypeError):  # a tensor subclass without weak references
-                        self._young.append(weakref.ref(tensor))
+                self._young = frozen.references(tensors_among(gc.get_objects()))
                 self.given_back += 1
                 self.give_back()
                 self._refreeze = True

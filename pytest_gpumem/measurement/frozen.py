@@ -20,22 +20,27 @@ import torch
 
 from pytest_gpumem.measurement.engines.storages import tensors_among
 
-__all__ = ["add", "forget", "known", "remember", "tensors", "thaw"]
+__all__ = ["add", "forget", "known", "references", "remember", "tensors", "thaw"]
 
 _tensors: list[weakref.ref[torch.Tensor]] = []
 _known = False
 
 
+def references(found: Iterable[torch.Tensor]) -> list[weakref.ref[torch.Tensor]]:
+    """Weak references to the tensors of ``found``, but for a tensor subclass without weak references."""
+    refs = []
+    for tensor in found:
+        try:
+            refs.append(weakref.ref(tensor))
+        except TypeError:  # a tensor subclass without weak references
+            continue
+    return refs
+
+
 def remember() -> None:
     """Remember every tensor the collector sees now (call just before ``gc.freeze()``)."""
     global _known
-    found = []
-    for obj in tensors_among(gc.get_objects()):
-        try:
-            found.append(weakref.ref(obj))
-        except TypeError:  # a tensor subclass without weak references
-            continue
-    _tensors[:] = found
+    _tensors[:] = references(tensors_among(gc.get_objects()))
     _known = True
 
 
@@ -43,12 +48,7 @@ def add(found: Iterable[torch.Tensor]) -> None:
     """Remember the tensors among ``found`` not remembered yet (call just before a later ``gc.freeze()``)."""
     known_ids = {id(tensor) for tensor in tensors()}
     _tensors[:] = [ref for ref in _tensors if ref() is not None]
-    for obj in found:
-        if id(obj) not in known_ids:
-            try:
-                _tensors.append(weakref.ref(obj))
-            except TypeError:  # a tensor subclass without weak references
-                continue
+    _tensors.extend(references(obj for obj in found if id(obj) not in known_ids))
 
 
 def forget() -> None:
