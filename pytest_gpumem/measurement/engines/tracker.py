@@ -234,7 +234,8 @@ class StorageTracker(TrackedSites):
         """Copy the breakdown into the window: the count is at its peak and is about to change."""
         self._window.breakdown = tuple(self._by_category)
         self._pending = False
-        self._window.sites = self.site_snapshot()
+        if self.sites is not None:  # without sites, the window has none
+            self._window.sites = self.site_snapshot()
 
     def _event(self) -> None:
         """Count an event that may raise the count (the categories are already updated)."""
