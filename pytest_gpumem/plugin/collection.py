@@ -50,9 +50,10 @@ def gpumem_marks(item: pytest.Item) -> list[pytest.Mark]:
     return closest_first(list(item.iter_markers("gpumem")), getattr(getattr(item, "callspec", None), "marks", ()))
 
 
-def marker_spec(item: pytest.Item) -> GpumemSpec | None:
-    """The item's validated marker (None when it is not measured); raises :class:`SpecError`."""
-    markers = [(mark.args, mark.kwargs) for mark in gpumem_marks(item)]
+def marker_spec(item: pytest.Item, marks: list[pytest.Mark] | None = None) -> GpumemSpec | None:
+    """The item's validated marker (None when it is not measured); raises :class:`SpecError`.
+    ``marks``: the item's :func:`gpumem_marks`, where the caller has them already."""
+    markers = [(mark.args, mark.kwargs) for mark in (gpumem_marks(item) if marks is None else marks)]
     if not markers and "gpumem" not in getattr(item, "fixturenames", ()):
         return None
     return parse_marker(markers)

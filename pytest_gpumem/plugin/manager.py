@@ -90,9 +90,9 @@ class GpumemManager:
         """The final word on which tests are measured: markers a conftest added after collection are
         validated here (a bad one errors its test), and a test whose markers were removed is not measured."""
         for item in items:  # the markers as they are now: a conftest may have added or removed some
-            item.stash[MARKS_KEY] = gpumem_marks(item)
+            item.stash[MARKS_KEY] = marks = gpumem_marks(item)
             try:
-                spec = marker_spec(item)
+                spec = marker_spec(item, marks)
             except SpecError as exc:
                 item.stash[SPEC_ERROR_KEY] = f"invalid gpumem marker on {item.nodeid}: {exc}"
                 continue
