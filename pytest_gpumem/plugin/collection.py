@@ -28,6 +28,7 @@ __all__ = [
     "MarkerCheck",
     "gpumem_marks",
     "marker_spec",
+    "settle_spec",
 ]
 
 SPEC_KEY = pytest.StashKey[GpumemSpec]()
@@ -50,12 +51,28 @@ def gpumem_marks(item: pytest.Item) -> list[pytest.Mark]:
     return closest_first(list(item.iter_markers("gpumem")), getattr(getattr(item, "callspec", None), "marks", ()))
 
 
-def marker_spec(item: pytest.Item) -> GpumemSpec | None:
-    """The item's validated marker (None when it is not measured); raises :class:`SpecError`."""
-    markers = [(mark.args, mark.kwargs) for mark in gpumem_marks(item)]
+def marker_spec(item: pytest.Item, marks: list[pytest.Mark] | None = None) -> GpumemSpec | None:
+    """The item's validated marker (None when it is not measured); raises :class:`SpecError`.
+    ``marks``: the item's :func:`gpumem_marks`, where the caller has them already."""
+    markers = [(mark.args, mark.kwargs) for mark in (gpumem_marks(item) if marks is None else marks)]
     if not markers and "gpumem" not in getattr(item, "fixturenames", ()):
         return None
     return parse_marker(markers)
+
+
+def settle_spec(item: pytest.Item, marks: list[pytest.Mark] | None = None) -> None:
+    """The item's marker as the collection leaves it (``marks``: its :func:`gpumem_marks`, where
+    the caller has them): its spec in ``item.stash[SPEC_KEY]`` (none when it is not measured), a
+    bad one's error in ``item.stash[SPEC_ERROR_KEY]``."""
+    try:
+        spec = marker_spec(item, marks)
+    except SpecError as exc:
+        item.stash[SPEC_ERROR_KEY] = f"invalid gpumem marker on {item.nodeid}: {exc}"
+        return
+    if spec is not None:
+        item.stash[SPEC_KEY] = spec
+    elif SPEC_KEY in item.stash:
+        del item.stash[SPEC_KEY]
 
 
 def _validate_markers(report: pytest.CollectReport) -> None:
@@ -112,18 +129,15 @@ class DisabledManager:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        for item in items:  # markers a conftest added after collection
-            try:
-                marker_spec(item)
-            except SpecError as exc:
-                item.stash[SPEC_ERROR_KEY] = f"invalid gpumem marker on {item.nodeid}: {exc}"
+        for item in items:  # markers a conftest added or removed after collection
+            settle_spec(item)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         error = item.stash.get(SPEC_ERROR_KEY, None)
         if error is not None:
             pytest.fail(error, pytrace=False)
-        spec = marker_spec(item)
+        spec = item.stash.get(SPEC_KEY, None)
         if spec is None:
             return
         from pytest_gpumem.plugin.engines import DeviceUnavailable, choose_device

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from pytest_gpumem.budgets.formulas import Budget, model_states
-from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT
+from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT, DistributedError, run_ranks
 
 if TYPE_CHECKING:
     from pytest_gpumem.data.figures import Measurement
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.diagnose.microbatch import Plan
     from pytest_gpumem.plugin.unmeasured import Unmeasured
 
-__all__ = ["GpumemFixture", "NotMeasured", "check_phase", "tracked_budget"]
+__all__ = ["GpumemFixture", "NotMeasured", "check_phase", "distributed_ranks", "tracked_budget"]
 
 #: What :meth:`GpumemFixture.mark_phase` takes.
 PHASE_MARKS = (None, "forward", "backward", "optimizer")
@@ -105,6 +105,20 @@ def check_phase(nodeid: str, phase: str | None) -> None:
     """Refuse what :meth:`GpumemFixture.mark_phase` does not take."""
     if phase not in PHASE_MARKS:
         raise ValueError(f"{nodeid}: mark_phase({phase!r}): expected 'forward', 'backward', 'optimizer' or None")
+
+
+def distributed_ranks(
+    nodeid: str, fn: Callable[[int, RankContext], Any], world_size: int, **options: Any
+) -> list[Measurement]:
+    """``gpumem.distributed``'s ranks (:func:`~pytest_gpumem.diagnose.distributed.run_ranks`); an
+    error names the test."""
+    __tracebackhide__ = True
+    try:
+        return run_ranks(fn, world_size, **options)
+    except DistributedError as exc:
+        raise DistributedError(f"{nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{nodeid}: gpumem.distributed: {exc}") from None
 
 
 def tracked_budget(

@@ -21,16 +21,14 @@ import pytest
 
 from pytest_gpumem.baselines import BaselineFileError
 from pytest_gpumem.data.metrics import METRICS
-from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.plugin.collection import (
-    SPEC_ERROR_KEY,
     SPEC_KEY,
     CollectionBook,
     MarkerCheck,
     gpumem_marks,
     is_worker,
-    marker_spec,
+    settle_spec,
 )
 from pytest_gpumem.plugin.ending import RunEnd, append_section
 from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measuring
@@ -90,16 +88,8 @@ class GpumemManager:
         """The final word on which tests are measured: markers a conftest added after collection are
         validated here (a bad one errors its test), and a test whose markers were removed is not measured."""
         for item in items:  # the markers as they are now: a conftest may have added or removed some
-            item.stash[MARKS_KEY] = gpumem_marks(item)
-            try:
-                spec = marker_spec(item)
-            except SpecError as exc:
-                item.stash[SPEC_ERROR_KEY] = f"invalid gpumem marker on {item.nodeid}: {exc}"
-                continue
-            if spec is not None:
-                item.stash[SPEC_KEY] = spec
-            elif SPEC_KEY in item.stash:
-                del item.stash[SPEC_KEY]
+            item.stash[MARKS_KEY] = marks = gpumem_marks(item)
+            settle_spec(item, marks)
         if not self.worker and any(SPEC_KEY in item.stash for item in items):
             try:
                 self.baselines.store  # noqa: B018 - read the baseline file now: a bad one stops the run before it starts

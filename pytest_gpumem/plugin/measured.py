@@ -12,13 +12,13 @@ import torch
 from pytest_gpumem.budgets.formulas import Budget
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import SPAN_METRICS
-from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT, DistributedError, RankContext, run_ranks
+from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT, RankContext
 from pytest_gpumem.diagnose.microbatch import Plan, plan_for
 from pytest_gpumem.diagnose.microbatch import max_microbatch as search_microbatch
 from pytest_gpumem.judge.limits import LimitSpec, check_span_name
 from pytest_gpumem.measurement.recorder import Recorder, Span
 from pytest_gpumem.measurement.steps import train_step_span
-from pytest_gpumem.plugin.fixture import GpumemFixture, check_phase, tracked_budget
+from pytest_gpumem.plugin.fixture import GpumemFixture, check_phase, distributed_ranks, tracked_budget
 from pytest_gpumem.units import parse_size
 
 __all__ = ["GpuMem"]
@@ -90,22 +90,18 @@ class GpuMem(GpumemFixture):
         if fake is None:
             fake = self.recorder.fake
         where = device or ("cuda" if self.device.type == "cuda" and predict is None else "cpu")
-        try:
-            measurements = run_ranks(
-                fn,
-                world_size,
-                backend=backend,
-                device=where,
-                timeout=timeout,
-                predict=predict,
-                fake=fake,
-                ranks=ranks,
-                sites=self.recorder.sites,
-            )
-        except DistributedError as exc:
-            raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
-        except (ValueError, TypeError) as exc:
-            raise type(exc)(f"{self.nodeid}: gpumem.distributed: {exc}") from None
+        measurements = distributed_ranks(
+            self.nodeid,
+            fn,
+            world_size,
+            backend=backend,
+            device=where,
+            timeout=timeout,
+            predict=predict,
+            fake=fake,
+            ranks=ranks,
+            sites=self.recorder.sites,
+        )
         limits = [spec for spec in self._marker_limits if spec.metric in SPAN_METRICS]
         self.recorder.ranks_measured = True
         named = []

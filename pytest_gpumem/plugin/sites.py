@@ -32,10 +32,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.plugin.runner import RunOptions, TestRun
     from pytest_gpumem.plugin.session import BaselineSession
 
-__all__ = ["SECOND_RUN", "run_options", "second_run"]
-
-#: What a report says of sites that come from a second run.
-SECOND_RUN = "sites from a second run"
+__all__ = ["run_options", "second_run"]
 
 
 def _mode(settings: Settings, spec: GpumemSpec) -> str:

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from pytest_gpumem.budgets.formulas import Budget, tracked_psi
-from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT, DistributedError, RankContext, run_ranks
+from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT, RankContext
 from pytest_gpumem.diagnose.microbatch import Plan
 from pytest_gpumem.judge.limits import check_span_name, parse_span_limits
 from pytest_gpumem.measurement.steps import train_step_span
-from pytest_gpumem.plugin.fixture import GpumemFixture, NotMeasured, check_phase, tracked_budget
+from pytest_gpumem.plugin.fixture import GpumemFixture, NotMeasured, check_phase, distributed_ranks, tracked_budget
 
 __all__ = ["Unmeasured", "UnmeasuredGpuMem"]
 
@@ -120,12 +120,7 @@ class UnmeasuredGpuMem(GpumemFixture):
                 "gpumem.distributed(predict=...) predicts by measuring: skipped while pytest-gpumem is disabled"
             )
         where = device or ("cuda" if self.device.type == "cuda" else "cpu")
-        try:
-            run_ranks(fn, world_size, backend=backend, device=where, timeout=timeout)
-        except DistributedError as exc:
-            raise DistributedError(f"{self.nodeid}: gpumem.distributed: {exc.message}", exc.reports) from None
-        except (ValueError, TypeError) as exc:
-            raise type(exc)(f"{self.nodeid}: gpumem.distributed: {exc}") from None
+        distributed_ranks(self.nodeid, fn, world_size, backend=backend, device=where, timeout=timeout)
         return [Unmeasured(f"gpumem.distributed(...)[{rank}]") for rank in range(world_size)]
 
     def max_microbatch(
