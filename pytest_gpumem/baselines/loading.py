@@ -38,9 +38,7 @@ def load(path: str | os.PathLike[str]) -> BaselineStore:
     """
     target = Path(path)
     try:
-        with open(target, "rb") as handle:
-            info = os.fstat(handle.fileno())
-            data = handle.read()
+        found, data = read(target)
     except FileNotFoundError:
         store = BaselineStore()
         store.commit(target)
@@ -52,8 +50,16 @@ def load(path: str | os.PathLike[str]) -> BaselineStore:
             hint="Check that the path names a readable file.",
         ) from None
     store = parse(data, target)
-    store.commit(target, fingerprint(info), digest(data))
+    store.commit(target, found, digest(data))
     return store
+
+
+def read(path: Path) -> tuple[Fingerprint, bytes]:
+    """The bytes of the file at ``path`` and its :func:`fingerprint`, taken through the handle they are
+    read from (so that both are of the same file). Raises ``OSError``."""
+    with open(path, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        return fingerprint(info), handle.read()
 
 
 def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> BaselineStore:

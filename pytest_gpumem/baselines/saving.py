@@ -16,7 +16,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from pytest_gpumem.baselines.loading import digest, fingerprint, parse
+from pytest_gpumem.baselines.loading import digest, fingerprint, parse, read
 from pytest_gpumem.baselines.store import BaselineStore, Fingerprint
 from pytest_gpumem.baselines.validation import BaselineFileError
 
@@ -110,16 +110,14 @@ def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, fo
 def _merge(store: BaselineStore, target: Path, real: Path) -> tuple[BaselineStore, Fingerprint, bytes]:
     """The file on disk now with ``store``'s changes applied; its fingerprint and digest as read."""
     try:
-        with open(real, "rb") as handle:
-            info = os.fstat(handle.fileno())
-            data = handle.read()
+        found, data = read(real)
     except OSError as exc:
         raise BaselineFileError(
             target, f"cannot read the baseline file to merge into it: {exc.strerror or exc}", hint=_HINT_MERGE
         ) from None
     fresh = parse(data, target)
     store.apply_changes(fresh)
-    return fresh, fingerprint(info), digest(data)
+    return fresh, found, digest(data)
 
 
 def lock_path(path: str | os.PathLike[str]) -> Path:

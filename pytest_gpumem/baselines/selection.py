@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_gpumem.baselines.staleness import file_of
 from pytest_gpumem.baselines.store import BaselineStore
 
 __all__ = ["SelectionError", "environment_named", "listed", "matches_anything", "tests_missing", "tests_named"]
@@ -82,7 +83,7 @@ def tests_missing(store: BaselineStore, keys: Sequence[str], rootdir: Path) -> d
     doomed: dict[str, list[str]] = {}
     for key in keys:
         for test in store.tests(key):
-            path = test.split("::", 1)[0]
+            path = file_of(test)
             if path not in exists:
                 exists[path] = (rootdir / path).exists()
             if not exists[path]:

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from pytest_gpumem.baselines.canonical import span_items
 from pytest_gpumem.baselines.store import BaselineStore, StaleEntry
 
 __all__ = [
@@ -115,8 +114,7 @@ def find_stale(store: BaselineStore, collection: Collection, environment: str) -
             continue
         path = file_of(test)
         if path in collection.whole or (path in missing and not none_exists):
-            raw = store._raw_test(environment, test) or {}
-            stale.append(StaleEntry(environment, test, tuple(name for name, _ in span_items(raw.get("spans", {})))))
+            stale.append(StaleEntry(environment, test, store.span_names(environment, test)))
             continue
         reason = NO_FILE_EXISTS if path in missing else collection.kept_because(path)
         kept[reason] = kept.get(reason, 0) + 1

@@ -231,6 +231,11 @@ class BaselineStore:
             return {}
         return {name: BaselineEntry.from_dict(span) for name, span in span_items(raw.get("spans", {}))}
 
+    def span_names(self, environment: str, test: str) -> tuple[str, ...]:
+        """The names of ``test``'s span baselines in ``environment``, in the file's order (empty when none)."""
+        raw = self._raw_test(environment, test)
+        return () if raw is None else tuple(name for name, _ in span_items(raw.get("spans", {})))
+
     def entry(self, environment: str, test: str, span: str = CALL_SPAN) -> BaselineEntry | None:
         """The baseline of ``span`` of ``test`` in ``environment``; ``None`` when there is none."""
         raw = self._raw_test(environment, test)
@@ -356,12 +361,12 @@ class BaselineStore:
             env = self._envs.get(key)
             if env is None:
                 continue
-            for test, raw in sorted(env.get("tests", {}).items()):
+            for test in sorted(env.get("tests", {})):
                 if test in ids or (prefixes is not None and not any(_under(test, p) for p in prefixes)):
                     continue
                 if any(_under(test, k) for k in kept):
                     continue
-                found.append(StaleEntry(key, test, tuple(name for name, _ in span_items(raw.get("spans", {})))))
+                found.append(StaleEntry(key, test, self.span_names(key, test)))
         return found
 
     def prune(self, stale: Iterable[StaleEntry]) -> int:

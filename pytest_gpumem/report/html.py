@@ -19,7 +19,7 @@ from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.metrics import CATEGORIES, METRICS, metric_info
 from pytest_gpumem.units import UNITS, format_delta, format_size
 
-__all__ = ["render_html"]
+__all__ = ["html_text", "render_html"]
 
 # ---------------------------------------------------------------------------
 # HTML page
@@ -131,23 +131,27 @@ def render_html(
         '<meta charset="utf-8">',
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{_esc(title)} · pytest-gpumem</title>",
+        f"<title>{html_text(title)} · pytest-gpumem</title>",
         f"<style>{_CSS}</style>",
         "</head>",
         "<body>",
         "<main>",
-        f"<h1>{_esc(title)}</h1>",
+        f"<h1>{html_text(title)}</h1>",
         f'<p class="meta">{_meta_line(measurement)}</p>',
     ]
     if details:  # browsers drop a newline right after <pre>: the one written here, not the first line's
-        parts += ['<section class="card details">', "<h2>Details</h2>", f"<pre>\n{_esc(chr(10).join(details))}</pre>"]
+        parts += [
+            '<section class="card details">',
+            "<h2>Details</h2>",
+            f"<pre>\n{html_text(chr(10).join(details))}</pre>",
+        ]
         parts.append("</section>")
     parts += [
         '<section class="card">',
         "<h2>Allocated memory over the span</h2>",
         "<figure>",
         chart.svg(samples, peak_sample, measurement),
-        f"<figcaption>{_esc(chart.caption(len(samples), timeline))}</figcaption>",
+        f"<figcaption>{html_text(chart.caption(len(samples), timeline))}</figcaption>",
         "</figure>",
         "</section>",
         *sections,  # HTML of its own: the sites, the baseline run's beside this run's (report/sites.py)
@@ -337,7 +341,7 @@ class _Chart:
             hover += f"; highest {format_size(highest)}" if samples else ""
             out.append(
                 f'<path class="band" data-category="{category}" fill="{_COLOURS[category]}" d="{_path(ring)}">'
-                f"<title>{_esc(hover)}</title></path>"
+                f"<title>{html_text(hover)}</title></path>"
             )
         if not samples:
             out.append(
@@ -361,11 +365,11 @@ class _Chart:
                 rows.append(0.0)
             rows[row] = x + 4 + width
             out.append(
-                f'<g class="phase"><title>{_esc(label)} begins at event {event:,}</title>'
-                f'<line data-phase="{_esc(label)}" data-event="{event}" x1="{_n(x)}" y1="{_TOP}" x2="{_n(x)}" '
+                f'<g class="phase"><title>{html_text(label)} begins at event {event:,}</title>'
+                f'<line data-phase="{html_text(label)}" data-event="{event}" x1="{_n(x)}" y1="{_TOP}" x2="{_n(x)}" '
                 f'y2="{_BOTTOM}"/>'
                 f'<text x="{_n(x + 4)}" y="{_TOP + 12 + 13 * row}" paint-order="stroke" stroke="#fff" '
-                f'stroke-width="3">{_esc(text)}</text></g>'
+                f'stroke-width="3">{html_text(text)}</text></g>'
             )
         out.append("</g>")
         return out
@@ -380,10 +384,10 @@ class _Chart:
             y = _n(self.y(value))
             text = f"{_truncate(name, 22)} {format_size(value)}"
             out.append(
-                f'<g class="ref"><title>{_esc(name)}: {format_size(value)} ({value:,} B)</title>'
-                f'<line data-line="{_esc(name)}" data-bytes="{value}" x1="{_LEFT}" y1="{y}" x2="{_RIGHT}" y2="{y}" '
-                f'stroke="{colour}"/>'
-                f'<text x="{_RIGHT + 6}" y="{_n(label_y)}" fill="{colour}">{_esc(text)}</text></g>'
+                f'<g class="ref"><title>{html_text(name)}: {format_size(value)} ({value:,} B)</title>'
+                f'<line data-line="{html_text(name)}" data-bytes="{value}" x1="{_LEFT}" y1="{y}" x2="{_RIGHT}" '
+                f'y2="{y}" stroke="{colour}"/>'
+                f'<text x="{_RIGHT + 6}" y="{_n(label_y)}" fill="{colour}">{html_text(text)}</text></g>'
             )
         out.append("</g>")
         return out
@@ -418,7 +422,11 @@ class _Chart:
 
 
 def _meta_line(m: Measurement) -> str:
-    items = [f"span <b>{_esc(m.name)}</b>", f"engine <b>{_esc(m.engine)}</b>", f"device <b>{_esc(m.device)}</b>"]
+    items = [
+        f"span <b>{html_text(m.name)}</b>",
+        f"engine <b>{html_text(m.engine)}</b>",
+        f"device <b>{html_text(m.device)}</b>",
+    ]
     if m.psi is not None:
         items.append(f"Ψ <b>{m.psi:,}</b> trainable parameters")
     if m.cuda_rounding:
@@ -437,7 +445,7 @@ def _figures_table(m: Measurement) -> str:
         else:
             value, cost = _size(m.figure(metric)), _cell(format_delta(m.cost(metric)))
         rows.append(f'<tr><td>{metric}</td><td class="num">{value}</td><td class="num">{cost}</td>')
-        rows.append(f'<td class="note">{_esc(meaning)}</td></tr>')
+        rows.append(f'<td class="note">{html_text(meaning)}</td></tr>')
     extras = (
         ("requested peak", m.requested_peak, "highest bytes the code asked for"),
         ("saved activations", m.saved_activations, "storages saved for backward"),
@@ -493,7 +501,7 @@ def _phases_table(m: Measurement) -> str:
     )
     for name, phase in m.phases.items():
         rows.append(
-            f'<tr data-phase="{_esc(name)}"><td>{_esc(name)}</td><td class="num">{_size(phase.start)}</td>'
+            f'<tr data-phase="{html_text(name)}"><td>{html_text(name)}</td><td class="num">{_size(phase.start)}</td>'
             f'<td class="num">{_size(phase.peak)}</td><td class="num">{_size(phase.end)}</td>'
             f'<td class="num">{_cell(format_delta(phase.peak - phase.start))}</td></tr>'
         )
@@ -501,13 +509,13 @@ def _phases_table(m: Measurement) -> str:
     return "".join(rows)
 
 
-def _esc(text: object) -> str:
+def html_text(text: object) -> str:
     """``text`` as HTML text or attribute value: escaped, control characters and lone surrogates replaced."""
     return html.escape(_CONTROL.sub("\ufffd", str(text)), quote=True)
 
 
 def _cell(text: str) -> str:
-    return '<span class="na">n/a</span>' if text == "n/a" else _esc(text)
+    return '<span class="na">n/a</span>' if text == "n/a" else html_text(text)
 
 
 def _size(nbytes: int | None) -> str:

@@ -9,7 +9,6 @@ Every table comes from :func:`site_rows`, so the three forms show the same rows.
 
 from __future__ import annotations
 
-import html
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ from pytest_gpumem.data.findings import Finding
 from pytest_gpumem.data.sites import BEFORE, SiteFigures, SiteProfile
 from pytest_gpumem.judge.sites import SiteChange, SiteDiff
 from pytest_gpumem.report.cells import RecordLike
+from pytest_gpumem.report.html import html_text as _esc
 from pytest_gpumem.tables import Col, Table, markdown_table, markdown_text, visible, wrap
 from pytest_gpumem.units import format_delta, format_size
 
@@ -206,10 +206,6 @@ def site_markdown(records: Sequence[RecordLike]) -> str:
 def _bar(nbytes: int, scale: int, colour: str) -> str:
     width = 0 if scale <= 0 else max(1, round(220 * nbytes / scale)) if nbytes else 0
     return f'<svg width="{width + 2}" height="10" role="img"><rect width="{width}" height="10" fill="{colour}"/></svg>'
-
-
-def _esc(text: object) -> str:
-    return html.escape(str(text), quote=True)
 
 
 def site_section_html(record: RecordLike) -> str:
