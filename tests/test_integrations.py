@@ -6,28 +6,18 @@ limit that is too small fails with the plugin's message."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import run_fresh
+from conftest import needs, run_fresh
 
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 F32 = 4
-
-
-def needs(*packages: str) -> None:
-    """Skip unless ``packages`` are installed, without importing them: importing a framework in
-    the suite's own process (lightning's import makes tensors and threads) would change what
-    later tests measure; the examples run in processes of their own."""
-    missing = [name for name in packages if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not installed")
 
 
 def measured(pytester: pytest.Pytester, example: str, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
