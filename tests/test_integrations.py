@@ -24,7 +24,7 @@ def measured(pytester: pytest.Pytester, example: str, *args: str) -> tuple[pytes
     """Run ``examples/<example>`` in a fresh process; its result and the JSON report's only test."""
     pytester.makepyfile(**{Path(example).stem: (ROOT / "examples" / example).read_text()})
     report = pytester.path / "report.json"
-    result = run_fresh(pytester, f"--gpumem-json={report}", "-p", "no:cacheprovider", *args)
+    result = run_fresh(pytester, f"--gpumem-json={report}", *args)
     (test,) = json.loads(report.read_text())["tests"]
     return result, test
 
@@ -78,7 +78,7 @@ def test_a_limit_too_small_for_a_trainer_step_fails_with_the_plugins_message(pyt
     needs("transformers")
     source = (ROOT / "examples" / "test_hf_trainer.py").read_text().replace('peak="16MiB"', 'peak="1MiB"')
     pytester.makepyfile(test_hf_trainer=source)
-    result = run_fresh(pytester, "-p", "no:cacheprovider")
+    result = run_fresh(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*peak cost * exceeds the limit 1.00 MiB (1MiB) by *"])
 
@@ -89,7 +89,7 @@ def test_the_adapters_run_with_the_plugin_disabled(pytester: pytest.Pytester) ->
     needs("transformers", "lightning", "accelerate")
     for example in ("test_hf_trainer.py", "test_lightning.py", "test_accelerate.py"):
         pytester.makepyfile(**{Path(example).stem: (ROOT / "examples" / example).read_text()})
-    run_fresh(pytester, "--gpumem-disable", "-p", "no:cacheprovider").assert_outcomes(passed=3)
+    run_fresh(pytester, "--gpumem-disable").assert_outcomes(passed=3)
 
 
 def test_unwrap_finds_the_torch_objects_inside_the_wrappers() -> None:
