@@ -10,7 +10,9 @@ does importing the plugin's measuring modules, which the plugin loads lazily.
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
+import importlib.util
 import os
 import pkgutil
 import shutil
@@ -150,6 +152,15 @@ def run_fresh(pytester: pytest.Pytester, *args: str, device: str | None = "cpu")
     return pytester.runpytest_subprocess(*_pinned(args, device))
 
 
+def needs(*packages: str) -> None:
+    """Skip unless ``packages`` are installed, without importing them: importing a framework in
+    the suite's own process (lightning's import makes tensors and threads) would change what
+    later tests measure; the tests that use one run it in processes of their own."""
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed")
+
+
 def forget_last_failure() -> None:
     """Drop what pytest keeps of an earlier failure until the next test's call (its frames hold tensors)."""
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
@@ -199,6 +210,18 @@ def forget_compiled_code() -> Iterator[None]:
 
 
 @pytest.fixture
+def nothing_frozen() -> Iterator[None]:
+    """The process with no frozen objects, before and after the test: this suite freezes what is
+    alive before each test (a speed-up only, :func:`refreeze`), and freezing it again would freeze
+    whatever tests made since; the collector's thresholds as they were, after."""
+    thresholds = gc.get_threshold()
+    gc.unfreeze()
+    yield
+    gc.set_threshold(*thresholds)
+    gc.unfreeze()
+
+
+@pytest.fixture
 def cpu_engine() -> Engine:
     """A fresh CPU engine after its clean-state protocol (the tracker not started)."""
     forget_last_failure()
@@ -219,8 +242,6 @@ def refreeze() -> None:
     What earlier tests left alive is frozen too: a reference cycle of theirs that dies later is
     not freed (memory only), and a tensor of theirs is out of ``gc.get_objects()``'s sight,
     which no test reads across tests."""
-    import gc
-
     gc.collect()
     gc.freeze()
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import re
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -173,17 +172,6 @@ def test_a_cuda_test_makes_two_full_collections_of_what_it_made(pytester: pytest
         assert asked[name] == 2, (name, asked)
         collections = walked[name][2]
         assert len(collections) == 2 and max(collections) < BOUND, (name, collections)
-
-
-@pytest.fixture
-def nothing_frozen() -> Iterator[None]:
-    """The process with no frozen objects, before and after the test (this suite's conftest freezes
-    its collected objects, a speed-up only), and the collector's thresholds as they were."""
-    thresholds = gc.get_threshold()
-    gc.unfreeze()
-    yield
-    gc.set_threshold(*thresholds)
-    gc.unfreeze()
 
 
 class Cycle:

@@ -6,14 +6,13 @@ limit that is too small fails with the plugin's message."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import run_fresh
+from conftest import needs, run_fresh
 
 pytest_plugins = ["pytester"]
 
@@ -21,20 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 F32 = 4
 
 
-def needs(*packages: str) -> None:
-    """Skip unless ``packages`` are installed, without importing them: importing a framework in
-    the suite's own process (lightning's import makes tensors and threads) would change what
-    later tests measure; the examples run in processes of their own."""
-    missing = [name for name in packages if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not installed")
-
-
 def measured(pytester: pytest.Pytester, example: str, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
     """Run ``examples/<example>`` in a fresh process; its result and the JSON report's only test."""
     pytester.makepyfile(**{Path(example).stem: (ROOT / "examples" / example).read_text()})
     report = pytester.path / "report.json"
-    result = run_fresh(pytester, f"--gpumem-json={report}", "-p", "no:cacheprovider", *args)
+    result = run_fresh(pytester, f"--gpumem-json={report}", *args)
     (test,) = json.loads(report.read_text())["tests"]
     return result, test
 
@@ -88,7 +78,7 @@ def test_a_limit_too_small_for_a_trainer_step_fails_with_the_plugins_message(pyt
     needs("transformers")
     source = (ROOT / "examples" / "test_hf_trainer.py").read_text().replace('peak="16MiB"', 'peak="1MiB"')
     pytester.makepyfile(test_hf_trainer=source)
-    result = run_fresh(pytester, "-p", "no:cacheprovider")
+    result = run_fresh(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*peak cost * exceeds the limit 1.00 MiB (1MiB) by *"])
 
@@ -99,7 +89,7 @@ def test_the_adapters_run_with_the_plugin_disabled(pytester: pytest.Pytester) ->
     needs("transformers", "lightning", "accelerate")
     for example in ("test_hf_trainer.py", "test_lightning.py", "test_accelerate.py"):
         pytester.makepyfile(**{Path(example).stem: (ROOT / "examples" / example).read_text()})
-    run_fresh(pytester, "--gpumem-disable", "-p", "no:cacheprovider").assert_outcomes(passed=3)
+    run_fresh(pytester, "--gpumem-disable").assert_outcomes(passed=3)
 
 
 def test_unwrap_finds_the_torch_objects_inside_the_wrappers() -> None:

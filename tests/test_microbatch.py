@@ -41,15 +41,6 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: intra-op threads only add synchronisation (and noise on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def engine(cpu_engine: Engine) -> Iterator[Engine]:
     assert cpu_engine.tracker is not None

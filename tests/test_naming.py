@@ -29,7 +29,7 @@ def test_step():
 @pytest.mark.parametrize("tb", ["auto", "long", "short"])
 def test_an_emulated_out_of_memory_error_shows_the_users_lines(pytester: pytest.Pytester, tb: str) -> None:
     pytester.makepyfile(test_oom_lines=OOM)
-    result = run(pytester, f"--tb={tb}", "-p", "no:cacheprovider")
+    result = run(pytester, f"--tb={tb}")
     result.assert_outcomes(failed=1)
     failure = result.stdout.str().split("= FAILURES =")[1].split("- gpumem -")[0]
     assert "x = make_activations()" in failure  # the test's line
@@ -68,7 +68,7 @@ def test_a_model_kept_as_an_attribute_of_a_global():
 @pytest.mark.slow
 def test_leaks_through_module_level_objects_are_named_as_the_code_reads_them(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_held=LEAKS)
-    result = run_fresh(pytester, "-p", "no:cacheprovider", "-p", "no:randomly")
+    result = run_fresh(pytester, "-p", "no:randomly")
     result.assert_outcomes(failed=3)
     text = result.stdout.str()
     sections = text.split("= FAILURES =")[1]
@@ -98,7 +98,7 @@ def test_step():
 @pytest.mark.slow
 def test_an_out_of_memory_report_names_module_level_models_and_optimizers(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_oom_report=OOM_REPORT)
-    result = run_fresh(pytester, "-p", "no:cacheprovider")
+    result = run_fresh(pytester)
     result.assert_outcomes(failed=1)
     table = result.stdout.str().split("largest live tensors")[1].split("- gpumem artifacts -")[0]
     for name in (
@@ -134,7 +134,7 @@ def test_an_out_of_memory_report_names_what_an_earlier_test_left_behind(pytester
     """The new-user trial's out-of-memory report listed 290 MiB of tensors that an earlier
     test left alive as "held by unknown": the report names their holder when Python holds it."""
     pytester.makepyfile(test_left_behind=LEFT_BEHIND)
-    result = run_fresh(pytester, "-p", "no:cacheprovider", "-p", "no:randomly")
+    result = run_fresh(pytester, "-p", "no:randomly")
     result.assert_outcomes(passed=1, failed=1)
     table = result.stdout.str().split("largest live tensors")[1].split("- gpumem artifacts -")[0]
     # two levels up the referrers: the dict, and the object whose attribute it is

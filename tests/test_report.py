@@ -540,7 +540,7 @@ def test_step(gpumem):
     gpumem.train_step(model, opt, (torch.ones(64, 1024), torch.ones(64, 1024)), torch.nn.functional.mse_loss)
 """
     )
-    result = run(pytester, "-p", "no:cacheprovider")
+    result = run(pytester)
     result.assert_outcomes(passed=1)
     text = " ".join(result.stdout.str().split())
     assert "peak 89.77 MiB 24.77 MiB 64.00 MiB [1]" in text

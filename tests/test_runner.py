@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -208,16 +207,6 @@ def test_engines_are_made_once_per_device() -> None:
     cpu = engines.cpu()
     assert engines.get(torch.device("cpu"), breakdown=True) is cpu
     assert cpu.tracker is not None
-
-
-@pytest.fixture
-def nothing_frozen() -> Iterator[None]:
-    """The process with no frozen objects, before and after the test: this suite's conftest
-    freezes its collected objects (a speed-up only; a census may have unfrozen them already),
-    and freezing them again would freeze whatever tests made since."""
-    gc.unfreeze()
-    yield
-    gc.unfreeze()
 
 
 @pytest.mark.usefixtures("nothing_frozen")

@@ -18,18 +18,11 @@ from typing import Any
 
 import pytest
 
-from conftest import run_fresh
+from conftest import needs, run_fresh
 
 pytest_plugins = ["pytester"]
 
 F32 = 4
-
-
-def needs(*packages: str) -> None:
-    """Skip unless ``packages`` are installed, without importing them here."""
-    missing = [name for name in packages if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not installed")
 
 
 def _line(source: str, text: str) -> int:
