@@ -18,7 +18,6 @@ in a stored profile's diff. Counted per naming scheme:
 from __future__ import annotations
 
 import argparse
-import ast
 import difflib
 import itertools
 import subprocess
@@ -27,31 +26,10 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-
-def functions(text: str) -> list[tuple[int, int, str]]:
-    """(first line with decorators, last line, qualified name) of each function, innermost last."""
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
-        return []
-    found: list[tuple[int, int, str]] = []
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
-                found.append((first, child.end_lineno or child.lineno, prefix + child.name))
-                visit(child, f"{prefix}{child.name}.<locals>.")
-            elif isinstance(child, ast.ClassDef):
-                visit(child, f"{prefix}{child.name}.")
-            else:
-                visit(child, prefix)
-
-    visit(tree, "")
-    return found
+from pytest_gpumem.measurement.engines.traces import functions_in
 
 
-def enclosing(found: list[tuple[int, int, str]], line: int) -> tuple[int, str] | None:
+def enclosing(found: tuple[tuple[int, int, str], ...], line: int) -> tuple[int, str] | None:
     inner = [f for f in found if f[0] <= line <= f[1]]
     if not inner:
         return None
@@ -82,7 +60,7 @@ def measure(repo: Path, path: str) -> tuple[Counter[str], int, int]:
     history = versions(repo, path)
     for (_, old), (_, new) in itertools.pairwise(history):
         old_lines, new_lines = old.splitlines(), new.splitlines()
-        old_funcs, new_funcs = functions(old), functions(new)
+        old_funcs, new_funcs = functions_in(old), functions_in(new)
         if not old_funcs or not new_funcs:
             continue
         commits += 1

@@ -25,7 +25,7 @@ from pytest_gpumem.data.sites import BEFORE, ELSEWHERE, Site, SiteCounts
 from pytest_gpumem.measurement.engines.sites import Found, source_line
 from pytest_gpumem.units import cuda_rounded
 
-__all__ = ["TraceMoment", "merge_found", "replay_moments", "replay_trace", "window_numbers"]
+__all__ = ["TraceMoment", "functions_in", "merge_found", "replay_moments", "replay_trace", "window_numbers"]
 
 _FREES = ("free_requested", "free", "free_completed")
 _OTHER = 5  # CATEGORIES.index("other"): the allocator does not know what a block holds
@@ -40,10 +40,9 @@ class TraceMoment:
     blocks: dict[int, tuple[int, int]] = field(default_factory=dict)  # address → (size, event index)
 
 
-@lru_cache(maxsize=256)
-def _functions(filename: str) -> tuple[tuple[int, int, str], ...]:
-    """(first line with decorators, last line, qualified name) of every function in ``filename``."""
-    text = "".join(linecache.getlines(filename))
+def functions_in(text: str) -> tuple[tuple[int, int, str], ...]:
+    """(first line with decorators, last line, qualified name) of every function in the source
+    ``text``, outer before inner; () when it does not parse."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -63,6 +62,12 @@ def _functions(filename: str) -> tuple[tuple[int, int, str], ...]:
 
     visit(tree, "")
     return tuple(found)
+
+
+@lru_cache(maxsize=256)
+def _functions(filename: str) -> tuple[tuple[int, int, str], ...]:
+    """:func:`functions_in` of the file ``filename``."""
+    return functions_in("".join(linecache.getlines(filename)))
 
 
 def frame_site(filename: str, name: str, line: int, file: str) -> Site:
