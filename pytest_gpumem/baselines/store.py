@@ -333,7 +333,6 @@ class BaselineStore:
         environment: str | None,
         *,
         roots: Iterable[str] | None = None,
-        skipped: Iterable[str] = (),
     ) -> list[StaleEntry]:
         """Baselines whose test no longer exists, sorted by environment then node id.
 
@@ -342,10 +341,8 @@ class BaselineStore:
         ``None`` searches all of them. ``roots`` are node-id prefixes (paths
         such as ``"tests/unit"`` or ``"tests/test_a.py"``) naming what this run
         collected; a baseline outside them is never stale. ``None`` means the
-        whole suite was collected. ``skipped`` are the node ids of collectors
-        that were skipped as they were collected (a module skipped at import,
-        ``pytest.importorskip``): the tests under them exist but could not be
-        collected, so they are never stale.
+        whole suite was collected. (What a run skipped as it collected, a module
+        skipped at import, :mod:`~pytest_gpumem.baselines.staleness` keeps.)
 
         The plugin passes the current environment: a test may exist only where
         it can be collected (parametrized over the available devices, or in a
@@ -354,7 +351,6 @@ class BaselineStore:
         """
         ids = collected if isinstance(collected, (set, frozenset)) else set(collected)
         prefixes = None if roots is None else [_normalize_root(root) for root in roots]
-        kept = [_normalize_root(node) for node in skipped]
         keys = sorted(self._envs) if environment is None else [environment]
         found: list[StaleEntry] = []
         for key in keys:
@@ -363,8 +359,6 @@ class BaselineStore:
                 continue
             for test in sorted(env.get("tests", {})):
                 if test in ids or (prefixes is not None and not any(_under(test, p) for p in prefixes)):
-                    continue
-                if any(_under(test, k) for k in kept):
                     continue
                 found.append(StaleEntry(key, test, self.span_names(key, test)))
         return found
