@@ -10,12 +10,12 @@ Every table comes from :func:`site_rows`, so the three forms show the same rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding
 from pytest_gpumem.data.sites import BEFORE, SiteFigures, SiteProfile
-from pytest_gpumem.judge.sites import SiteChange, SiteDiff
+from pytest_gpumem.judge.sites import SiteDiff
 from pytest_gpumem.report.cells import RecordLike
 from pytest_gpumem.report.html import html_text as _esc
 from pytest_gpumem.tables import Col, Table, markdown_table, markdown_text, visible, wrap
@@ -73,6 +73,8 @@ class SiteTable:
     second_run: str
     #: the rows are changes against a baseline (else the largest sites)
     changes: bool = True
+    #: each row's bytes at the table's moment: (the baseline's, None without one; this run's)
+    sizes: list[tuple[int | None, int]] = field(default_factory=list)
 
 
 def _example(figures: SiteFigures) -> str:
@@ -102,10 +104,18 @@ def change_rows(diff: SiteDiff, moment: str) -> list[list[str]]:
     return rows
 
 
-def top_rows(profile: SiteProfile, moment: str) -> list[list[str]]:
+def _change_sizes(diff: SiteDiff, moment: str) -> list[tuple[int | None, int]]:
+    """The baseline's and this run's bytes of each of :func:`change_rows`' rows."""
+    if moment == "peak":
+        return [(change.before_peak, change.after_peak) for change in diff.at(moment)]
+    return [(change.before_end, change.after_end) for change in diff.at(moment)]
+
+
+def _largest(profile: SiteProfile, moment: str) -> list[tuple[SiteFigures, int]]:
+    """The sites holding bytes at ``moment``, largest first, with those bytes."""
     key = (lambda s: s.peak) if moment == "peak" else (lambda s: s.end)
     return [
-        _cells(figures, format_size(key(figures)), "")
+        (figures, key(figures))
         for figures in sorted(profile.sites, key=lambda s: -key(s))
         if key(figures) and figures.site.key != BEFORE
     ]
@@ -150,15 +160,17 @@ def _table(
             else f"(none of {diff.compared} sites changed {_AT[moment]}: the start or what the sites miss moved)"
         )
         title = f"{where}{_AT[moment]}, against the baseline (sites by growth):"
-        return SiteTable(span, moment, title, rows, footer, _second_run(diff))
+        return SiteTable(span, moment, title, rows, footer, _second_run(diff), sizes=_change_sizes(diff, moment))
     if measurement is None or measurement.sites is None:
         return None
     profile = measurement.sites
-    rows = top_rows(profile, moment)
+    largest = _largest(profile, moment)
+    rows = [_cells(figures, format_size(nbytes), "") for figures, nbytes in largest]
     rest = profile.rest_peak if moment == "peak" else profile.rest_end
     footer = f"({len(rows)} sites; {profile.rest_sites} more hold {format_size(rest)})" if profile.rest_sites else ""
     title = f"{where}{_AT[moment]}, the largest sites:"
-    return SiteTable(span, moment, title, rows, footer, _second_run(profile), changes=False)
+    sizes: list[tuple[int | None, int]] = [(None, nbytes) for _, nbytes in largest]
+    return SiteTable(span, moment, title, rows, footer, _second_run(profile), changes=False, sizes=sizes)
 
 
 def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0, error: bool = False) -> list[str]:
@@ -212,21 +224,8 @@ def site_section_html(record: RecordLike) -> str:
     """The HTML artifact's card: for each table, the baseline's bytes beside this run's, site by site,
     as two bars (no scripts); "" when the record has no sites to show."""
     cards = []
-    diffs: dict[str, SiteDiff] = getattr(record, "site_changes", {}) or {}
     for table in site_tables(record):
-        diff = diffs.get(table.span)
-        changes: list[SiteChange] = diff.at(table.moment) if diff is not None else []
-        pairs: list[tuple[list[str], int | None, int]] = []
-        if diff is not None:
-            for change, row in zip(changes, table.rows, strict=True):
-                before = change.before_peak if table.moment == "peak" else change.before_end
-                after = change.after_peak if table.moment == "peak" else change.after_end
-                pairs.append((row, before, after))
-        else:
-            measurement = next((m for m in record.measurements if m.name == table.span), None)
-            figures = [] if measurement is None or measurement.sites is None else measurement.sites.sites
-            size = {f.site.where(): f.peak if table.moment == "peak" else f.end for f in figures}
-            pairs = [(row, None, size.get(row[3], 0)) for row in table.rows]
+        pairs = [(row, before, after) for row, (before, after) in zip(table.rows, table.sizes, strict=True)]
         scale = max([1, *(max(before or 0, after) for _, before, after in pairs)])
         body = []
         for row, before, after in pairs:
