@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_fresh
+from conftest import run, run_fresh
 from pytest_gpumem.measurement import frozen
 from pytest_gpumem.measurement.collector import Collector, collect, give_back, running
 
@@ -259,3 +259,67 @@ def test_one_collector_runs_at_a_time() -> None:
     with Collector() as outer, Collector() as inner:
         assert outer.active and not inner.active and running() is outer
     assert running() is None
+
+
+@pytest.mark.usefixtures("nothing_frozen")
+def test_no_tensor_a_module_holds_gets_a_weak_reference_and_the_trackers_still_find_them() -> None:
+    """``torch.utils.swap_tensors`` refuses a tensor with a weak reference (FSDP2's ``to_empty``,
+    ``.to()`` of fake parameters, ``swap_module_params_on_conversion``): the collector remembers a
+    module's parameters, their gradients and its buffers through the module, at the run's start,
+    at a compaction and after a collection of the user's, and only other tensors directly."""
+    before = torch.nn.BatchNorm1d(3)
+    before.weight.grad = torch.ones(3)
+    loose = torch.ones(2)
+    with Collector(compact_above=0) as collector:
+        gc.collect()  # the user's: what was made since is remembered as it ends
+        during = torch.nn.Linear(2, 2)
+        gc.collect()
+        later = torch.nn.Linear(2, 2)
+        assert collector.compact()
+        held = [
+            *before.parameters(),
+            before.weight.grad,
+            *before.buffers(),
+            *during.parameters(),
+            *later.parameters(),
+        ]
+        assert [weakref.getweakrefs(tensor) for tensor in held] == [[]] * len(held)
+        remembered = {id(tensor) for tensor in frozen.tensors()}
+        assert {id(tensor) for tensor in [*held, loose]} <= remembered
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            for module in (before, during, later):
+                module.to(torch.float64)  # swaps each parameter (and a gradient) in place
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        assert before.weight.grad.dtype == during.weight.dtype == later.weight.dtype == torch.float64
+
+
+@pytest.mark.usefixtures("nothing_frozen")  # as a user's session starts: the plugin's collector freezes
+def test_a_test_that_swaps_its_parameters_runs_as_it_does_without_the_plugin(pytester: pytest.Pytester) -> None:
+    """A module built at import (frozen as the run starts) and one built in the test, after a
+    collection of the user's, convert with ``swap_module_params_on_conversion`` as without the plugin."""
+    pytester.makepyfile(
+        """
+import gc
+import pytest
+import torch
+from torch import nn
+
+MODEL = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("which", ["built-at-import", "built-in-the-test"])
+@pytest.mark.gpumem(device="cpu")
+def test_swap(which):
+    model = MODEL if which == "built-at-import" else nn.Linear(4, 4)
+    gc.collect()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert model.weight.dtype == torch.float64
+"""
+    )
+    run(pytester).assert_outcomes(passed=2)

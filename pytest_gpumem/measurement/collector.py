@@ -16,7 +16,6 @@ import weakref
 from typing import Any
 
 from pytest_gpumem.measurement import frozen
-from pytest_gpumem.measurement.engines.storages import tensors_among
 
 __all__ = ["COMPACT_ABOVE", "Collector", "collect", "give_back", "running"]
 
@@ -95,7 +94,7 @@ class Collector:
         self._collecting = False
         self._collections = 0  # the plugin's own collections so far
         self._refreeze = False  # a full collection not the plugin's was given everything: freeze as it ends
-        self._young: list[weakref.ref[Any]] = []  # the tensors not frozen as it started
+        self._young: list[weakref.ref[Any]] = []  # the modules and tensors not frozen as it started
         self._compacted_at = 0  # ... at the last compaction
 
     # -- the run ----------------------------------------------------------------------
@@ -161,7 +160,7 @@ class Collector:
         self._compacted_at = self._collections
         if len(objects) <= self.compact_above:
             return False
-        frozen.add(tensors_among(objects))
+        frozen.add(objects)
         del objects
         gc.freeze()
         self.frozen = True
@@ -184,14 +183,14 @@ class Collector:
             return
         if phase == "start":
             if self.frozen:
-                self._young = frozen.references(tensors_among(gc.get_objects()))
+                self._young = frozen.references(gc.get_objects())
                 self.given_back += 1
                 self.give_back()
                 self._refreeze = True
         elif self._refreeze:
             self._refreeze = False
             young, self._young = self._young, []
-            frozen.add(tensor for tensor in (ref() for ref in young) if tensor is not None)
+            frozen.add(obj for obj in (ref() for ref in young) if obj is not None)
             gc.freeze()
             self.frozen = True
             self.froze += 1

@@ -5,8 +5,9 @@
 (:class:`pytest_gpumem.measurement.collector.Collector`) freezes what exists before the
 first measured test, so that each test's collections and scans cover only objects made
 since, and freezes again between tests what the session imported or built since. The
-tensors alive at each freeze are remembered here (weakly), so that a tracker made later
-and a census of live tensors still find them without unfreezing. Naming what holds
+tensors alive at each freeze are remembered here (weakly, a module's own through the module:
+:func:`references`), so that a tracker made later and a census of live tensors still find
+them without unfreezing. Naming what holds
 a tensor needs the frozen objects themselves (:func:`thaw`).
 """
 
@@ -15,21 +16,56 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
-from pytest_gpumem.measurement.engines.storages import tensors_among
+from pytest_gpumem.measurement.engines.storages import Kinds, instances_among, tensors_among
 
 __all__ = ["add", "forget", "known", "references", "remember", "tensors", "thaw"]
 
-_tensors: list[weakref.ref[torch.Tensor]] = []
+#: weak references to the frozen modules and to the frozen tensors no module holds
+_refs: list[weakref.ref[Any]] = []
 _known = False
+_MODULE_KINDS = Kinds(torch.nn.Module)
 
 
-def references(found: Iterable[torch.Tensor]) -> list[weakref.ref[torch.Tensor]]:
-    """Weak references to the tensors of ``found``, but for a tensor subclass without weak references."""
-    refs = []
-    for tensor in found:
+def _held_by(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The tensors ``module`` holds itself: its parameters, their gradients and its buffers."""
+    for param in getattr(module, "_parameters", {}).values():
+        if param is not None:
+            yield param
+            if param.is_leaf and param.grad is not None:
+                yield param.grad
+    for buffer in getattr(module, "_buffers", {}).values():
+        if buffer is not None:
+            yield buffer
+
+
+def _modules() -> Iterator[torch.nn.Module]:
+    for ref in _refs:
+        obj = ref()
+        if obj is not None and _MODULE_KINDS[type(obj)]:
+            yield obj
+
+
+def references(objects: list[Any]) -> list[weakref.ref[Any]]:
+    """Weak references to the modules among ``objects`` and to the tensors among them that no
+    module holds (neither these nor one remembered), but for a tensor subclass without weak
+    references.
+
+    A module's parameters, their gradients and its buffers are reached through the module, never
+    referenced weakly themselves: ``torch.utils.swap_tensors`` refuses a tensor with a weak
+    reference, and torch swaps exactly those (``Module.to_empty`` and ``.to()`` of FSDP2's
+    sharded or fake parameters, ``torch.__future__.set_swap_module_params_on_conversion``), so
+    a weak reference of ours would make the user's code fail where it runs without the plugin.
+    """
+    modules = instances_among(objects, _MODULE_KINDS)
+    held = {id(tensor) for module in (*modules, *_modules()) for tensor in _held_by(module)}
+    refs: list[weakref.ref[Any]] = [weakref.ref(module) for module in modules]
+    for tensor in tensors_among(objects):
+        if id(tensor) in held:
+            continue
         try:
             refs.append(weakref.ref(tensor))
         except TypeError:  # a tensor subclass without weak references
@@ -38,23 +74,25 @@ def references(found: Iterable[torch.Tensor]) -> list[weakref.ref[torch.Tensor]]
 
 
 def remember() -> None:
-    """Remember every tensor the collector sees now (call just before ``gc.freeze()``)."""
+    """Remember every module and tensor the collector sees now (call just before ``gc.freeze()``)."""
     global _known
-    _tensors[:] = references(tensors_among(gc.get_objects()))
+    _refs.clear()
+    _refs[:] = references(gc.get_objects())
     _known = True
 
 
-def add(found: Iterable[torch.Tensor]) -> None:
-    """Remember the tensors among ``found`` not remembered yet (call just before a later ``gc.freeze()``)."""
-    known_ids = {id(tensor) for tensor in tensors()}
-    _tensors[:] = [ref for ref in _tensors if ref() is not None]
-    _tensors.extend(references(obj for obj in found if id(obj) not in known_ids))
+def add(found: Iterable[Any]) -> None:
+    """Remember the modules and tensors among ``found`` not remembered yet (call just before a
+    later ``gc.freeze()``)."""
+    _refs[:] = [ref for ref in _refs if ref() is not None]
+    known_ids = {id(ref()) for ref in _refs}
+    _refs.extend(references([obj for obj in found if id(obj) not in known_ids]))
 
 
 def forget() -> None:
     """The frozen objects went back to the collector (``gc.unfreeze()``): nothing to remember."""
     global _known
-    _tensors.clear()
+    _refs.clear()
     _known = False
 
 
@@ -71,11 +109,16 @@ def known() -> bool:
 
 
 def tensors() -> Iterator[torch.Tensor]:
-    """The frozen tensors still alive (``gc.get_objects()`` does not list them)."""
-    for ref in _tensors:
-        tensor = ref()
-        if tensor is not None:
-            yield tensor
+    """The frozen tensors still alive (``gc.get_objects()`` does not list them): those remembered,
+    and those the remembered modules hold now. A tensor may come more than once."""
+    for ref in _refs:
+        obj = ref()
+        if obj is None:
+            continue
+        if _MODULE_KINDS[type(obj)]:
+            yield from _held_by(obj)
+        else:
+            yield obj
 
 
 def thaw() -> None:
