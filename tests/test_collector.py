@@ -323,3 +323,53 @@ def test_swap(which):
 """
     )
     run(pytester).assert_outcomes(passed=2)
+
+
+THEIR_FREEZE = """
+import pytest, torch
+
+LEAKS = []
+
+
+def step():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.gpumem(retained="0B")
+def test_1_leaks():
+    step()
+    LEAKS.append(torch.ones(1000))
+
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_2_step():
+    step()
+
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_3_step():
+    step()
+"""
+
+
+@pytest.mark.slow
+def test_after_a_census_gave_back_what_a_conftest_froze_later_tests_walk_what_they_made(
+    pytester: pytest.Pytester,
+) -> None:
+    """A conftest froze objects itself (``gc.freeze()``), so the plugin's collector froze nothing;
+    the leak report's census gave them back for good. The collector starts after that test, and
+    the later tests' collections walk what they made, not the whole process."""
+    pytester.makeconftest(COUNTING + "\nimport torch\n\ngc.freeze()  # the conftest's own\n")
+    pytester.makepyfile(test_theirs=THEIR_FREEZE)
+    result = run_fresh(pytester, "-s", "-p", "no:randomly", "--gpumem-leak-check")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*LEAKS*"])  # the census named the holder
+    walked = _walked(result.stdout.str())
+    for name in ("test_2_step", "test_3_step"):
+        collections = walked[name][2]
+        assert collections and max(collections) < BOUND, (name, collections)

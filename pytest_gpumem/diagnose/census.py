@@ -147,7 +147,7 @@ def storage_groups(
         objects: Iterable[Any] = itertools.chain(gc.get_objects(), frozen.tensors())
     else:
         if gc.get_freeze_count():
-            gc.unfreeze()
+            frozen.give_back_theirs()
         objects = gc.get_objects()
     with _reading(engine):  # one reading of the tracker's counts for every storage asked about
         for obj in objects:

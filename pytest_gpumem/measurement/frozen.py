@@ -22,11 +22,22 @@ import torch
 
 from pytest_gpumem.measurement.engines.storages import Kinds, instances_among, tensors_among
 
-__all__ = ["add", "forget", "known", "references", "remember", "tensors", "thaw"]
+__all__ = [
+    "add",
+    "forget",
+    "give_back_theirs",
+    "known",
+    "references",
+    "remember",
+    "tensors",
+    "thaw",
+    "theirs_given_back",
+]
 
 #: weak references to the frozen modules and to the frozen tensors no module holds
 _refs: list[weakref.ref[Any]] = []
 _known = False
+_theirs_given_back = False
 _MODULE_KINDS = Kinds(torch.nn.Module)
 
 
@@ -135,3 +146,20 @@ def thaw() -> None:
     if known():
         gc.unfreeze()
     forget()
+
+
+def give_back_theirs() -> None:
+    """Give back the objects someone else froze (a conftest's ``gc.freeze()``, an enclosing
+    session's), for a census that must see every tensor: for good, since they cannot be told
+    from what was made since. Noted, so that the run's collector may take over
+    (:func:`theirs_given_back`)."""
+    global _theirs_given_back
+    gc.unfreeze()
+    _theirs_given_back = True
+
+
+def theirs_given_back() -> bool:
+    """Whether :func:`give_back_theirs` gave objects back since the last call (and forget it)."""
+    global _theirs_given_back
+    given, _theirs_given_back = _theirs_given_back, False
+    return given

@@ -97,8 +97,13 @@ class Engines:
 class Freezer:
     """Wires the run's :class:`~pytest_gpumem.measurement.collector.Collector` (what the plugin does to
     the garbage collector, and its rule) into pytest: started before the first measured test,
-    compacted once each test's teardown is done (registered as a plugin for that, while it froze
-    objects), stopped when the run ends."""
+    compacted once each test's teardown is done (registered as a plugin for that), stopped when
+    the run ends.
+
+    Where someone else had frozen objects as the run started, the collector froze nothing; once a
+    census of live tensors (an out-of-memory or leak report) has given their objects back for
+    good, nothing is frozen any more, and the collector starts after that test as it would have
+    at the run's start: the later tests' collections walk what they made, not the whole process."""
 
     def __init__(self, config: pytest.Config | None = None) -> None:
         self.collector = Collector()
@@ -112,12 +117,16 @@ class Freezer:
     def start(self) -> None:
         """Collect garbage and freeze what exists now (see :meth:`Collector.start`)."""
         self.collector.start()
-        if self._config is not None and self.collector.active:
+        if self._config is not None:
             self._config.pluginmanager.register(self, "gpumem-collector")
 
     def pytest_runtest_logfinish(self) -> None:
-        """A test is done, its fixtures torn down: freeze what the session built since, if a lot."""
-        self.collector.compact()
+        """A test is done, its fixtures torn down: freeze what the session built since, if a lot
+        (or start, where a census gave back what someone else froze)."""
+        if self.collector.active:
+            self.collector.compact()
+        elif frozen.theirs_given_back():
+            self.collector.start()
 
     def scan(self, engine: Engine) -> None:
         """Let ``engine``'s tracker register every tensor alive, frozen ones included."""
