@@ -60,7 +60,8 @@ def pytest_sessionfinish(session):
         print("WALKED", name, modules, int(dynamo), *walked)
 """
 
-LAZY = """
+#: two optimizer steps of a small model
+STEP = """
 import pytest, torch
 
 
@@ -71,12 +72,10 @@ def step():
         opt.zero_grad(set_to_none=True)
         model(torch.randn(4, 32)).pow(2).mean().backward()
         opt.step()
+"""
 
-
-@pytest.mark.gpumem(peak="1GiB")
-def test_1_first_step_imports_lazily():
-    step()
-
+#: the two tests after the first, each a measured step
+LATER = """
 
 @pytest.mark.gpumem(peak="1GiB")
 def test_2_step():
@@ -88,6 +87,17 @@ def test_3_step():
     step()
 """
 
+LAZY = (
+    STEP
+    + """
+
+@pytest.mark.gpumem(peak="1GiB")
+def test_1_first_step_imports_lazily():
+    step()
+
+"""
+    + LATER
+)
 #: Objects a later test's collections may walk: the test's own objects and pytest's for it are a
 #: few thousand; the first step's lazy imports are over 100,000.
 BOUND = 10_000
@@ -325,19 +335,10 @@ def test_swap(which):
     run(pytester).assert_outcomes(passed=2)
 
 
-THEIR_FREEZE = """
-import pytest, torch
-
+THEIR_FREEZE = (
+    STEP
+    + """
 LEAKS = []
-
-
-def step():
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
-    opt = torch.optim.AdamW(model.parameters())
-    for _ in range(2):
-        opt.zero_grad(set_to_none=True)
-        model(torch.randn(4, 32)).pow(2).mean().backward()
-        opt.step()
 
 
 @pytest.mark.gpumem(retained="0B")
@@ -345,16 +346,9 @@ def test_1_leaks():
     step()
     LEAKS.append(torch.ones(1000))
 
-
-@pytest.mark.gpumem(peak="1GiB")
-def test_2_step():
-    step()
-
-
-@pytest.mark.gpumem(peak="1GiB")
-def test_3_step():
-    step()
 """
+    + LATER
+)
 
 
 @pytest.mark.slow
