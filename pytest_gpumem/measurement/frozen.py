@@ -87,8 +87,8 @@ def references(objects: list[Any]) -> list[weakref.ref[Any]]:
 def remember() -> None:
     """Remember every module and tensor the collector sees now (call just before ``gc.freeze()``)."""
     global _known
-    _refs.clear()
-    _refs[:] = references(gc.get_objects())
+    _refs.clear()  # references() counts the tensors of the remembered modules as held: none yet
+    _refs.extend(references(gc.get_objects()))
     _known = True
 
 
