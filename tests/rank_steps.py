@@ -1,7 +1,8 @@
 """The training steps that distributed tests run on each rank (``run_ranks(fn, ...)``).
 
-A rank process is started with ``spawn``: it imports the module that defines its function
-afresh. This module imports torch and nothing of the test suite, so a rank does not pay for
+A rank process is spawned, or forked from a server that has imported only what every rank
+imports (``pytest_gpumem.diagnose.warm_ranks``): either way it imports the module that defines
+its function afresh. This module imports torch and nothing of the test suite, so a rank does not pay for
 ``tests/conftest.py``'s warm-up (hypothesis, every plugin module, a training step of each
 kind: about 1.8 CPU-seconds a process).
 
@@ -12,7 +13,9 @@ tensors) with AdamW, twice.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -116,6 +119,22 @@ def rank_one_dies(rank: int, ctx: RankContext) -> None:
 def sleeps(rank: int, ctx: RankContext) -> None:
     time.sleep(120)
     (Path(os.environ["GPUMEM_TEST_WOKE"]) / f"woke{rank}").touch()  # never, when it is stopped at the timeout
+
+
+#: The environment variable naming the folder that :func:`describes_its_process` writes to.
+PROCESS_REPORTS = "GPUMEM_TEST_RANK_REPORTS"
+
+
+def describes_its_process(rank: int, ctx: RankContext) -> None:
+    """Writes, as JSON, what this rank's process has imported, its pid and its parent's, and the
+    ``PYTEST_CURRENT_TEST`` it sees, to ``rank<N>.json`` in the folder :data:`PROCESS_REPORTS` names."""
+    report = {
+        "modules": sorted(sys.modules),
+        "pid": os.getpid(),
+        "parent": os.getppid(),
+        "test": os.environ.get("PYTEST_CURRENT_TEST"),
+    }
+    (Path(os.environ[PROCESS_REPORTS]) / f"rank{rank}.json").write_text(json.dumps(report), encoding="utf-8")
 
 
 def _llama_70b(ctx: RankContext, *, on_meta: bool, checkpointed: bool, cast_cache: bool) -> None:

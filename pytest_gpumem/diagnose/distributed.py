@@ -1,8 +1,10 @@
 """A distributed training step inside one test: ``world_size`` ranks, each measured on its own.
 
-:func:`run_ranks` starts the ranks as PyTorch's own multi-process tests do: processes made
-with ``torch.multiprocessing``'s ``spawn`` start method, each initialising the default
-process group (``gloo`` on the CPU, ``nccl`` on CUDA) over a TCP store on this machine.
+:func:`run_ranks` starts the ranks as PyTorch's own multi-process tests do: processes as made
+with ``torch.multiprocessing``'s ``spawn`` start method (on Linux, CPU and fake ranks are forked
+from a server that has imported what every rank imports: :mod:`pytest_gpumem.diagnose.warm_ranks`),
+each initialising the default process group (``gloo`` on the CPU, ``nccl`` on CUDA) over a TCP
+store on this machine.
 Each rank runs ``fn(rank, ctx)`` inside :func:`pytest_gpumem.measure` on its device and sends
 its :class:`~pytest_gpumem.data.figures.Measurement` back. A rank that raises, dies or is still
 running at the timeout fails the whole run with that rank's report, and no rank process is
@@ -32,6 +34,7 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -51,6 +54,10 @@ __all__ = ["DistributedError", "RankContext", "run_ranks"]
 DEFAULT_TIMEOUT = 300.0
 #: The longest a run may be given (seconds): a week.
 MAX_TIMEOUT = 7 * 24 * 3600
+
+#: The environment variable that chooses how CPU and fake rank processes start: ``warm`` (the
+#: default, on Linux: forked from a server that has imported what a rank imports) or ``spawn``.
+RANK_START = "PYTEST_GPUMEM_RANK_START"
 
 #: The signal that ends a process at once (Windows has no SIGKILL: there, terminating is killing).
 _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
@@ -198,8 +205,10 @@ def _rank_main(
     results: Any,
     predict: str | None = None,
     sites: SiteConfig | None = None,
+    environment: dict[str, str] | None = None,
 ) -> None:
     """The body of one rank process (started by :func:`run_ranks`)."""
+    adopt_environment(environment)
     group = _own_group()
     results.put((rank, "started", group))
     _die_with_parent(group)
@@ -253,8 +262,10 @@ def _fake_ranks_main(
     results: Any,
     predict: str,
     sites: SiteConfig | None = None,
+    environment: dict[str, str] | None = None,
 ) -> None:
     """The body of the one process that runs ``ranks`` over the fake process group, one after another."""
+    adopt_environment(environment)
     group = _own_group()
     for rank in ranks:
         results.put((rank, "started", group))
@@ -386,7 +397,7 @@ def run_ranks(
     """Run ``fn(rank, ctx)`` in ``world_size`` rank processes; one :class:`Measurement` per rank, in rank order.
 
     Args:
-        fn: a module-level function (the ranks are started with ``spawn``, which pickles it).
+        fn: a module-level function (it is pickled and sent to each rank process).
         world_size: the number of ranks (at least 1).
         backend: the process group's backend; None: ``"nccl"`` on CUDA, else ``"gloo"``.
         device: ``"cpu"`` (every rank on the CPU engine) or ``"cuda"`` (rank ``r`` on ``cuda:r``:
@@ -443,10 +454,12 @@ def run_ranks(
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(
             f"the rank function {name} cannot be sent to the rank processes ({exc}): "
-            "define it at module level (the ranks are started with spawn)"
+            "define it at module level (it is pickled and sent to each rank process)"
         ) from None
     import torch.multiprocessing as mp
 
+    warm = _starts_warm(chosen if device == "cpu" else device)
+    environment = dict(os.environ)
     context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()
@@ -481,15 +494,24 @@ def run_ranks(
     with _processes(groups) as processes:
         if fake:
             starts: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
-                (_fake_ranks_main, (wanted, world_size, timeout, fn, results, predict, sites))
+                (_fake_ranks_main, (wanted, world_size, timeout, fn, results, predict, sites, environment))
             ]
         else:
             starts = [
-                (_rank_main, (rank, world_size, port, chosen, device, timeout, fn, results, predict, sites))
+                (
+                    _rank_main,
+                    (rank, world_size, port, chosen, device, timeout, fn, results, predict, sites, environment),
+                )
                 for rank in wanted
             ]
         for target, args in starts:
-            process = context.Process(target=target, args=args, daemon=True)
+            process: Any
+            if warm:
+                from pytest_gpumem.diagnose.warm_ranks import WarmProcess
+
+                process = WarmProcess(chosen, target=target, args=args, daemon=True)
+            else:
+                process = context.Process(target=target, args=args, daemon=True)
             process.start()
             processes.append(process)
         failed = False
@@ -522,6 +544,28 @@ def run_ranks(
         names = ", ".join(map(str, ordered))
         raise DistributedError(f"{len(ordered)} of {len(wanted)} ranks failed (rank {names})", ordered)
     return [figures[rank] for rank in wanted]
+
+
+def _starts_warm(kind: str) -> bool:
+    """Whether rank processes of ``kind`` (a backend on the CPU, or ``"cuda"``) start from a warm
+    server (:mod:`pytest_gpumem.diagnose.warm_ranks`): gloo and fake ranks on Linux, unless
+    :data:`RANK_START` says ``spawn``.
+
+    Raises:
+        ValueError: :data:`RANK_START` holds something other than ``warm`` or ``spawn``.
+    """
+    chosen = os.environ.get(RANK_START, "warm")
+    if chosen not in ("warm", "spawn"):
+        raise ValueError(f"the environment variable {RANK_START} must be 'warm' or 'spawn', got {chosen!r}")
+    return chosen == "warm" and kind in ("gloo", "fake") and sys.platform.startswith("linux")
+
+
+def adopt_environment(environment: dict[str, str] | None) -> None:
+    """In a rank process: take the environment variables the run was started with (a warm rank
+    was forked from a server started earlier, and inherited the server's)."""
+    if environment is not None and environment != dict(os.environ):
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def _wanted_ranks(

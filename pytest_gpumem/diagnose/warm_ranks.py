@@ -1,0 +1,127 @@
+"""Rank processes started warm: forked from a server that has imported what every rank imports.
+
+With ``spawn`` each rank process is a new interpreter that imports torch, and on fake ranks
+TorchDynamo (which ``FakeTensorMode`` imports), before the rank's function runs: about 1.2
+CPU-seconds a process on gloo ranks and 2.3 on fake ranks, in every run. On Linux,
+:func:`~pytest_gpumem.diagnose.distributed.run_ranks` starts CPU ranks (gloo) and fake ranks
+from a fork server instead, multiprocessing's ``forkserver`` kind, private to pytest-gpumem (a
+``forkserver`` the user's own code starts is not touched): it imports, once, the modules such
+a rank process imports before the rank's function runs (:data:`PRELOAD`, no other), and then
+forks a rank process per request, which starts in a few hundredths of a second.
+
+The rank runs as it would in a spawned process: the same modules imported when its function
+starts, its function and arguments sent the same way, ``sys.path`` and the working folder the
+caller's (multiprocessing's own preparation), and the caller's environment variables as they are
+when the run starts (it takes them first). A server is started for the environment it
+was asked in and kept for later runs of the process that started it; a run asked in another
+environment (but for ``PYTEST_CURRENT_TEST``, which pytest changes each test and nothing reads
+at import) starts a new server, because modules may read the environment while they import.
+The server ends when that process ends.
+
+CUDA ranks are still spawned: forking is unsafe in a process that may have initialised CUDA, and
+a rank on a GPU pays CUDA's start-up anyway. ``PYTEST_GPUMEM_RANK_START=spawn`` spawns every rank.
+This module imports only on platforms with a fork server: ``run_ranks`` imports it where it starts
+ranks warm.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import threading
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
+from typing import Any
+
+__all__ = ["PRELOAD", "WarmProcess", "server_pid", "stop_servers"]
+
+#: What a rank process of each kind imports before the rank's function runs, imported by its server once.
+#: ``tests/test_distributed.py`` checks that a warm rank process has no module a spawned one lacks.
+PRELOAD: dict[str, tuple[str, ...]] = {
+    "gloo": ("pytest_gpumem.diagnose.distributed", "torch.distributed", "pytest_gpumem.measurement.active"),
+    "fake": (
+        "pytest_gpumem.diagnose.distributed",
+        "torch.distributed",
+        "pytest_gpumem.measurement.active",
+        "torch.testing._internal.distributed.fake_pg",
+        "pytest_gpumem.diagnose.fake_ddp",
+        "pytest_gpumem.measurement.engines.fake",
+        "torch.distributed.tensor.debug",
+    ),
+}
+
+#: Environment variables left out of a server's key: pytest sets this one for every test.
+_VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+
+_lock = threading.Lock()
+#: kind → (the environment the server was started in, the server)
+#: (ForkServer's stop and pid are CPython's private names, kept from 3.8 to 3.14: typed Any)
+_servers: dict[str, tuple[dict[str, str], Any]] = {}
+
+
+def _server(kind: str) -> Any:
+    """The running server for ``kind`` in this environment, started when there is none."""
+    environment = {name: value for name, value in os.environ.items() if name not in _VOLATILE}
+    with _lock:
+        known = _servers.get(kind)
+        if known is not None and known[0] == environment:
+            return known[1]
+        if known is not None:
+            known[1]._stop()
+        if not _servers:
+            atexit.register(stop_servers)  # waits for them, so that their CPU time is counted as this process's
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload(list(PRELOAD[kind]))
+        _servers[kind] = (environment, server)
+        return server
+
+
+def server_pid(kind: str) -> int | None:
+    """The process id of the server for ``kind`` (``"gloo"``, ``"fake"``), None when none is running."""
+    with _lock:
+        known = _servers.get(kind)
+        return None if known is None else known[1]._forkserver_pid
+
+
+def stop_servers() -> None:
+    """Stop every server this process started, and wait for each to end (when its rank processes have)."""
+    with _lock:
+        for _, server in _servers.values():
+            server._stop()
+        _servers.clear()
+
+
+class _WarmPopen(popen_forkserver.Popen):
+    """multiprocessing's forkserver ``Popen``, asking this package's server instead of the global one."""
+
+    def __init__(self, process_obj: Any, server: Any) -> None:
+        self._server = server
+        super().__init__(process_obj)
+
+    def _launch(self, process_obj: Any) -> None:  # popen_forkserver.Popen._launch, with self._server
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            mp_context.set_spawning_popen(None)
+        self.sentinel, w = self._server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        parent_w = os.dup(w)  # the child's sentinel of this process: closed when this process ends
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))  # type: ignore[attr-defined]
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class WarmProcess(mp_context.ForkServerProcess):
+    """A rank process forked by the server for ``kind`` (the other arguments are ``Process``'s)."""
+
+    def __init__(self, kind: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._kind = kind
+
+    def _Popen(self, process_obj: Any) -> _WarmPopen:  # type: ignore[override]
+        return _WarmPopen(process_obj, _server(self._kind))

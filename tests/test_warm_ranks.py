@@ -1,0 +1,134 @@
+"""CPU and fake ranks started warm: forked from a server that imported what every rank imports
+(``pytest_gpumem.diagnose.warm_ranks``), not spawned as new interpreters.
+
+The figures are the spawned ranks' (``tests/test_fake_ranks.py`` compares fake ranks with the
+recorded real ranks, CI's ``--real-ranks`` run compares real ranks with the same file); these
+tests check what else could differ: the modules a rank has imported when its function starts,
+the environment it sees, which server forks it, and that no server outlives its process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rank_steps import PROCESS_REPORTS, describes_its_process
+
+from pytest_gpumem import run_ranks
+from pytest_gpumem.diagnose import warm_ranks
+from pytest_gpumem.diagnose.distributed import RANK_START
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks start warm on Linux")
+
+FAKE = {"predict": "h100", "fake": True}
+#: multiprocessing's forkserver client and this package's server code, in a warm rank only
+WARM_ONLY = {"multiprocessing.forkserver", "multiprocessing.popen_forkserver", "pytest_gpumem.diagnose.warm_ranks"}
+
+
+def _reports(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text(encoding="utf-8")) for path in sorted(folder.glob("rank*.json"))]
+
+
+def _run(folder: Path, world_size: int, **kwargs: Any) -> list[dict[str, Any]]:
+    """Run :func:`describes_its_process` on ``world_size`` ranks writing to ``folder``; their reports."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ[PROCESS_REPORTS] = str(folder)
+    run_ranks(describes_its_process, world_size, **kwargs)
+    return _reports(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [{}, FAKE], ids=["gloo", "fake"])
+def test_a_warm_rank_has_imported_what_a_spawned_rank_has(
+    kwargs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the rank's function starts, a warm rank process has imported the modules a spawned
+    one has, and no other but the fork server's client; it is the server's child, not pytest's."""
+    monkeypatch.setenv(PROCESS_REPORTS, "")
+    monkeypatch.setenv(RANK_START, "spawn")
+    spawned = _run(tmp_path / "spawn", 2, **kwargs)
+    monkeypatch.setenv(RANK_START, "warm")
+    warm = _run(tmp_path / "warm", 2, **kwargs)
+    kind = "fake" if kwargs else "gloo"
+    server = warm_ranks.server_pid(kind)
+    assert [r["parent"] for r in spawned] == [os.getpid()] * len(spawned)
+    assert {r["parent"] for r in warm} == {server}
+    for before, after in zip(spawned, warm, strict=True):
+        assert set(after["modules"]) - set(before["modules"]) == WARM_ONLY
+        assert set(before["modules"]) - set(after["modules"]) <= {"multiprocessing.popen_spawn_posix"}
+
+
+@pytest.mark.slow
+def test_a_server_is_kept_while_the_environment_is_and_its_ranks_see_the_runs_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later run in the same environment is forked by the same server, and its rank sees the
+    environment of its own run (here the test pytest says it is running); a run in another
+    environment gets a new server, and the old one is stopped."""
+    monkeypatch.setenv(PROCESS_REPORTS, str(tmp_path))
+    monkeypatch.setenv(RANK_START, "warm")
+    now = os.environ["PYTEST_CURRENT_TEST"]
+    first = _run(tmp_path, 1, **FAKE)
+    server = warm_ranks.server_pid("fake")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/elsewhere.py::test_other (call)")
+    second = _run(tmp_path, 1, **FAKE)
+    assert warm_ranks.server_pid("fake") == server
+    assert [first[0]["test"], second[0]["test"]] == [now, "tests/elsewhere.py::test_other (call)"]
+    assert first[0]["parent"] == second[0]["parent"] == server
+    monkeypatch.setenv("GPUMEM_TEST_ANOTHER_ENVIRONMENT", "1")
+    third = _run(tmp_path, 1, **FAKE)
+    assert warm_ranks.server_pid("fake") not in (None, server)
+    assert third[0]["parent"] == warm_ranks.server_pid("fake")
+    assert not Path(f"/proc/{server}").exists()  # stopped, and waited for
+
+
+@pytest.mark.slow
+def test_a_server_runs_one_thread_and_imports_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forking is safe only from a process with one thread that has run no torch operator: the
+    server imports and waits (multiprocessing's server loop), nothing else."""
+    monkeypatch.setenv(PROCESS_REPORTS, "")
+    monkeypatch.setenv(RANK_START, "warm")
+    _run(tmp_path, 1, **FAKE)
+    server = warm_ranks.server_pid("fake")
+    assert [task.name for task in Path(f"/proc/{server}/task").iterdir()] == [str(server)]
+
+
+def test_a_bad_start_method_is_an_error_that_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(RANK_START, "fork")
+    with pytest.raises(ValueError, match=r"PYTEST_GPUMEM_RANK_START must be 'warm' or 'spawn', got 'fork'"):
+        run_ranks(describes_its_process, 1, **FAKE)
+
+
+@pytest.mark.slow
+def test_no_server_outlives_its_process_and_its_cpu_time_is_the_processs(tmp_path: Path) -> None:
+    """A process that ran warm ranks waits, as it ends, for its servers: they are gone when it is,
+    and their CPU time (importing torch) counts among its children's, as a spawned rank's would."""
+    code = textwrap.dedent(
+        f"""
+        import atexit, os, resource, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+
+        def last():  # registered first: runs after the package's own exit handlers
+            used = resource.getrusage(resource.RUSAGE_CHILDREN)
+            print(os.path.exists(f"/proc/{{server}}"), used.ru_utime + used.ru_stime > 1.0)
+
+        atexit.register(last)
+        from rank_steps import describes_its_process
+        from pytest_gpumem import run_ranks
+        from pytest_gpumem.diagnose.warm_ranks import server_pid
+
+        run_ranks(describes_its_process, 1, predict="h100", fake=True)
+        server = server_pid("fake")
+        print(server is not None)
+        """
+    )
+    env = {**os.environ, PROCESS_REPORTS: str(tmp_path), RANK_START: "warm"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False", "True"]
