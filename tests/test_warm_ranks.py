@@ -35,10 +35,10 @@ def _reports(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(path.read_text(encoding="utf-8")) for path in sorted(folder.glob("rank*.json"))]
 
 
-def _run(folder: Path, world_size: int, **kwargs: Any) -> list[dict[str, Any]]:
+def _run(monkeypatch: pytest.MonkeyPatch, folder: Path, world_size: int, **kwargs: Any) -> list[dict[str, Any]]:
     """Run :func:`describes_its_process` on ``world_size`` ranks writing to ``folder``; their reports."""
     folder.mkdir(parents=True, exist_ok=True)
-    os.environ[PROCESS_REPORTS] = str(folder)
+    monkeypatch.setenv(PROCESS_REPORTS, str(folder))
     run_ranks(describes_its_process, world_size, **kwargs)
     return _reports(folder)
 
@@ -50,11 +50,10 @@ def test_a_warm_rank_has_imported_what_a_spawned_rank_has(
 ) -> None:
     """When the rank's function starts, a warm rank process has imported the modules a spawned
     one has, and no other but the fork server's client; it is the server's child, not pytest's."""
-    monkeypatch.setenv(PROCESS_REPORTS, "")
     monkeypatch.setenv(RANK_START, "spawn")
-    spawned = _run(tmp_path / "spawn", 2, **kwargs)
+    spawned = _run(monkeypatch, tmp_path / "spawn", 2, **kwargs)
     monkeypatch.setenv(RANK_START, "warm")
-    warm = _run(tmp_path / "warm", 2, **kwargs)
+    warm = _run(monkeypatch, tmp_path / "warm", 2, **kwargs)
     kind = "fake" if kwargs else "gloo"
     server = warm_ranks.server_pid(kind)
     assert [r["parent"] for r in spawned] == [os.getpid()] * len(spawned)
@@ -71,18 +70,17 @@ def test_a_server_is_kept_while_the_environment_is_and_its_ranks_see_the_runs_en
     """A later run in the same environment is forked by the same server, and its rank sees the
     environment of its own run (here the test pytest says it is running); a run in another
     environment gets a new server, and the old one is stopped."""
-    monkeypatch.setenv(PROCESS_REPORTS, str(tmp_path))
     monkeypatch.setenv(RANK_START, "warm")
     now = os.environ["PYTEST_CURRENT_TEST"]
-    first = _run(tmp_path, 1, **FAKE)
+    first = _run(monkeypatch, tmp_path, 1, **FAKE)
     server = warm_ranks.server_pid("fake")
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/elsewhere.py::test_other (call)")
-    second = _run(tmp_path, 1, **FAKE)
+    second = _run(monkeypatch, tmp_path, 1, **FAKE)
     assert warm_ranks.server_pid("fake") == server
     assert [first[0]["test"], second[0]["test"]] == [now, "tests/elsewhere.py::test_other (call)"]
     assert first[0]["parent"] == second[0]["parent"] == server
     monkeypatch.setenv("GPUMEM_TEST_ANOTHER_ENVIRONMENT", "1")
-    third = _run(tmp_path, 1, **FAKE)
+    third = _run(monkeypatch, tmp_path, 1, **FAKE)
     assert warm_ranks.server_pid("fake") not in (None, server)
     assert third[0]["parent"] == warm_ranks.server_pid("fake")
     assert not Path(f"/proc/{server}").exists()  # stopped, and waited for
@@ -92,9 +90,8 @@ def test_a_server_is_kept_while_the_environment_is_and_its_ranks_see_the_runs_en
 def test_a_server_runs_one_thread_and_imports_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Forking is safe only from a process with one thread that has run no torch operator: the
     server imports and waits (multiprocessing's server loop), nothing else."""
-    monkeypatch.setenv(PROCESS_REPORTS, "")
     monkeypatch.setenv(RANK_START, "warm")
-    _run(tmp_path, 1, **FAKE)
+    _run(monkeypatch, tmp_path, 1, **FAKE)
     server = warm_ranks.server_pid("fake")
     assert [task.name for task in Path(f"/proc/{server}/task").iterdir()] == [str(server)]
 
@@ -132,3 +129,31 @@ def test_no_server_outlives_its_process_and_its_cpu_time_is_the_processs(tmp_pat
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "False", "True"]
+
+
+def _in_a_forked_child(folder: str) -> None:
+    os.environ[PROCESS_REPORTS] = folder
+    run_ranks(describes_its_process, 1, **FAKE)
+    (Path(folder) / "server").write_text(str(warm_ranks.server_pid("fake")), encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_a_process_forked_after_warm_ranks_ran_starts_its_own_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process forked from one whose ranks ran warm (a data loader worker, say) does not ask
+    its parent's server, which is not its child: it starts its own."""
+    import multiprocessing
+
+    monkeypatch.setenv(RANK_START, "warm")
+    _run(monkeypatch, tmp_path / "parent", 1, **FAKE)
+    parents = warm_ranks.server_pid("fake")
+    child = multiprocessing.get_context("fork").Process(target=_in_a_forked_child, args=(str(tmp_path / "child"),))
+    (tmp_path / "child").mkdir()
+    child.start()
+    child.join(300)
+    assert child.exitcode == 0
+    own = int((tmp_path / "child" / "server").read_text(encoding="utf-8"))
+    assert own != parents
+    assert _reports(tmp_path / "child")[0]["parent"] == own
+    assert warm_ranks.server_pid("fake") == parents

@@ -55,40 +55,48 @@ PRELOAD: dict[str, tuple[str, ...]] = {
 _VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
 
 _lock = threading.Lock()
-#: kind → (the environment the server was started in, the server)
-#: (ForkServer's stop and pid are CPython's private names, kept from 3.8 to 3.14: typed Any)
-_servers: dict[str, tuple[dict[str, str], Any]] = {}
+#: kind → (the process that started the server, the environment it was started in, the server).
+#: ForkServer's stop and pid are CPython's private names (from 3.8 to 3.14): the server is typed Any.
+_servers: dict[str, tuple[int, dict[str, str], Any]] = {}
+_stopped_at_exit = False
 
 
 def _server(kind: str) -> Any:
-    """The running server for ``kind`` in this environment, started when there is none."""
+    """The running server for ``kind`` in this process and environment, started when there is none.
+
+    A process forked from one that started servers (a data loader worker) starts its own: the
+    servers it inherited the names of are its parent's children, not its own.
+    """
+    global _stopped_at_exit
     environment = {name: value for name, value in os.environ.items() if name not in _VOLATILE}
     with _lock:
         known = _servers.get(kind)
-        if known is not None and known[0] == environment:
-            return known[1]
-        if known is not None:
-            known[1]._stop()
-        if not _servers:
+        if known is not None and known[:2] == (os.getpid(), environment):
+            return known[2]
+        if known is not None and known[0] == os.getpid():
+            known[2]._stop()
+        if not _stopped_at_exit:
             atexit.register(stop_servers)  # waits for them, so that their CPU time is counted as this process's
+            _stopped_at_exit = True
         server = forkserver.ForkServer()
         server.set_forkserver_preload(list(PRELOAD[kind]))
-        _servers[kind] = (environment, server)
+        _servers[kind] = (os.getpid(), environment, server)
         return server
 
 
 def server_pid(kind: str) -> int | None:
-    """The process id of the server for ``kind`` (``"gloo"``, ``"fake"``), None when none is running."""
+    """The process id of this process's server for ``kind`` (``"gloo"``, ``"fake"``), None when none is running."""
     with _lock:
         known = _servers.get(kind)
-        return None if known is None else known[1]._forkserver_pid
+        return known[2]._forkserver_pid if known is not None and known[0] == os.getpid() else None
 
 
 def stop_servers() -> None:
     """Stop every server this process started, and wait for each to end (when its rank processes have)."""
     with _lock:
-        for _, server in _servers.values():
-            server._stop()
+        for owner, _, server in _servers.values():
+            if owner == os.getpid():
+                server._stop()
         _servers.clear()
 
 
