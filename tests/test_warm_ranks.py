@@ -35,10 +35,21 @@ def _reports(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(path.read_text(encoding="utf-8")) for path in sorted(folder.glob("rank*.json"))]
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, folder: Path, world_size: int, **kwargs: Any) -> list[dict[str, Any]]:
-    """Run :func:`describes_its_process` on ``world_size`` ranks writing to ``folder``; their reports."""
-    folder.mkdir(parents=True, exist_ok=True)
+@pytest.fixture
+def reports(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The folder the ranks report to, the same in every test of this process, so that the
+    environment, which names it, is too: the tests share their servers, as a user's tests do."""
+    folder = tmp_path_factory.getbasetemp() / "rank-reports"
+    folder.mkdir(exist_ok=True)
     monkeypatch.setenv(PROCESS_REPORTS, str(folder))
+    monkeypatch.setenv(RANK_START, "warm")
+    return folder
+
+
+def _run(folder: Path, world_size: int, **kwargs: Any) -> list[dict[str, Any]]:
+    """Run :func:`describes_its_process` on ``world_size`` ranks reporting to ``folder``; their reports."""
+    for old in folder.glob("rank*.json"):
+        old.unlink()
     run_ranks(describes_its_process, world_size, **kwargs)
     return _reports(folder)
 
@@ -46,14 +57,14 @@ def _run(monkeypatch: pytest.MonkeyPatch, folder: Path, world_size: int, **kwarg
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [{}, FAKE], ids=["gloo", "fake"])
 def test_a_warm_rank_has_imported_what_a_spawned_rank_has(
-    kwargs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kwargs: dict[str, Any], reports: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When the rank's function starts, a warm rank process has imported the modules a spawned
     one has, and no other but the fork server's client; it is the server's child, not pytest's."""
     monkeypatch.setenv(RANK_START, "spawn")
-    spawned = _run(monkeypatch, tmp_path / "spawn", 2, **kwargs)
+    spawned = _run(reports, 2, **kwargs)
     monkeypatch.setenv(RANK_START, "warm")
-    warm = _run(monkeypatch, tmp_path / "warm", 2, **kwargs)
+    warm = _run(reports, 2, **kwargs)
     kind = "fake" if kwargs else "gloo"
     server = warm_ranks.server_pid(kind)
     assert [r["parent"] for r in spawned] == [os.getpid()] * len(spawned)
@@ -65,33 +76,33 @@ def test_a_warm_rank_has_imported_what_a_spawned_rank_has(
 
 @pytest.mark.slow
 def test_a_server_is_kept_while_the_environment_is_and_its_ranks_see_the_runs_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    reports: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A later run in the same environment is forked by the same server, and its rank sees the
     environment of its own run (here the test pytest says it is running); a run in another
     environment gets a new server, and the old one is stopped."""
-    monkeypatch.setenv(RANK_START, "warm")
     now = os.environ["PYTEST_CURRENT_TEST"]
-    first = _run(monkeypatch, tmp_path, 1, **FAKE)
+    first = _run(reports, 1, **FAKE)
     server = warm_ranks.server_pid("fake")
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/elsewhere.py::test_other (call)")
-    second = _run(monkeypatch, tmp_path, 1, **FAKE)
+    second = _run(reports, 1, **FAKE)
     assert warm_ranks.server_pid("fake") == server
     assert [first[0]["test"], second[0]["test"]] == [now, "tests/elsewhere.py::test_other (call)"]
     assert first[0]["parent"] == second[0]["parent"] == server
     monkeypatch.setenv("GPUMEM_TEST_ANOTHER_ENVIRONMENT", "1")
-    third = _run(monkeypatch, tmp_path, 1, **FAKE)
+    third = _run(reports, 1, **FAKE)
     assert warm_ranks.server_pid("fake") not in (None, server)
     assert third[0]["parent"] == warm_ranks.server_pid("fake")
     assert not Path(f"/proc/{server}").exists()  # stopped, and waited for
 
 
 @pytest.mark.slow
-def test_a_server_runs_one_thread_and_imports_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forking is safe only from a process with one thread that has run no torch operator: the
-    server imports and waits (multiprocessing's server loop), nothing else."""
-    monkeypatch.setenv(RANK_START, "warm")
-    _run(monkeypatch, tmp_path, 1, **FAKE)
+def test_a_server_runs_one_thread_and_imports_only(reports: Path) -> None:
+    """Forking is safe from a process that has run no torch operator and whose threads are
+    stopped at a fork: the server imports and waits (multiprocessing's server loop), nothing else.
+    With this suite's ``OMP_NUM_THREADS=1`` it has one thread (otherwise numpy's OpenBLAS keeps an
+    idle pool, which OpenBLAS's fork handler stops before each fork)."""
+    _run(reports, 1, **FAKE)
     server = warm_ranks.server_pid("fake")
     assert [task.name for task in Path(f"/proc/{server}/task").iterdir()] == [str(server)]
 
@@ -138,15 +149,12 @@ def _in_a_forked_child(folder: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_process_forked_after_warm_ranks_ran_starts_its_own_server(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_process_forked_after_warm_ranks_ran_starts_its_own_server(reports: Path, tmp_path: Path) -> None:
     """A process forked from one whose ranks ran warm (a data loader worker, say) does not ask
     its parent's server, which is not its child: it starts its own."""
     import multiprocessing
 
-    monkeypatch.setenv(RANK_START, "warm")
-    _run(monkeypatch, tmp_path / "parent", 1, **FAKE)
+    _run(reports, 1, **FAKE)
     parents = warm_ranks.server_pid("fake")
     child = multiprocessing.get_context("fork").Process(target=_in_a_forked_child, args=(str(tmp_path / "child"),))
     (tmp_path / "child").mkdir()
