@@ -21,7 +21,6 @@ import tempfile
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
-import _forked_sessions as forked_sessions
 import hypothesis  # noqa: F401  (below: imported before any in-process run)
 import pytest
 import torch
@@ -149,13 +148,8 @@ def run(pytester: pytest.Pytester, *args: str, device: str | None = "cpu") -> py
 
 
 def run_fresh(pytester: pytest.Pytester, *args: str, device: str | None = "cpu") -> pytest.RunResult:
-    """:func:`run` in a new process: nothing else is allocated when it starts. The process is
-    forked from a server that has imported torch and pytest (``tests/_forked_sessions.py``): a
-    session of one small measured test costs about 0.6 CPU-s, where ``python -m pytest`` costs
-    1.9 (``pytester.runpytest_subprocess``), and the server's start 1.2, once per process. A test
-    of what a session imports, torch or pytest included, needs ``runpytest_subprocess``: in a
-    forked session they are imported already."""
-    return forked_sessions.runpytest(pytester, *_pinned(args, device))
+    """:func:`run` in a new process: nothing else is allocated when it starts (about 3 s more)."""
+    return pytester.runpytest_subprocess(*_pinned(args, device))
 
 
 def needs(*packages: str) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import unittest
 from pathlib import Path
 from typing import Any
 
-import _forked_sessions as forked_sessions
 import pytest
 from sybil import Document, Example, Region, Sybil
 from sybil.example import SybilFailure
@@ -56,9 +57,19 @@ def _run_test_file(example: Example) -> str | None:
     (folder / name).write_text(source, encoding="utf-8")
     env = {key: value for key, value in os.environ.items() if key not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
     # on the CPU engine, as the documents' outputs are, whatever the machine has
-    args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--gpumem-device=cpu", name]
-    # a new process, forked from a server that has imported torch and pytest (_forked_sessions)
-    done = forked_sessions.run(args, cwd=folder, env=env, timeout=600)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+        "--gpumem-device=cpu",
+        name,
+    ]
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
         return f"{name} (line {example.line}) failed as a pytest session:\n{done.stdout[-6000:]}{done.stderr[-2000:]}"
     return None

@@ -6,7 +6,6 @@ that CPU tests replay). Nothing here is mocked: without a device they do not run
 
 from __future__ import annotations
 
-import _forked_sessions as forked_sessions
 import pytest
 import torch
 
@@ -98,7 +97,7 @@ def test_step(gpumem, run):
     print("FIGURES", m.cost("peak"), m.cost("allocated"), m.cost("reserved"))
 """
     )
-    result = forked_sessions.runpytest(pytester, "-s", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     lines = [line.split("FIGURES")[1].split() for line in result.outlines if "FIGURES" in line]
     assert len(lines) == 2
@@ -118,7 +117,7 @@ def test_on_gpu(gpumem):
     x = torch.ones(1024, device=gpumem.device)
 """
     )
-    forked_sessions.runpytest(pytester, "--gpumem-require-gpu", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.runpytest_subprocess("--gpumem-require-gpu", "-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
 def _workspaces_held(engine) -> int:  # type: ignore[no-untyped-def]
@@ -247,7 +246,7 @@ def test_step(gpumem):
 """
     )
     for device_name in ("cuda", "cpu"):
-        result = forked_sessions.runpytest(pytester, "-p", "no:cacheprovider", f"--gpumem-device={device_name}")
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--gpumem-device={device_name}")
         result.assert_outcomes(passed=1)
 
 

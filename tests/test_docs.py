@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import _forked_sessions as forked_sessions
 import pytest
 import torch
 
@@ -260,7 +259,7 @@ _TEST_FILES = [block for path in DOCUMENTS for block in python_blocks(path) if b
 def _run(pytester: pytest.Pytester, block: Block, *args: str) -> pytest.RunResult:
     assert block.marker is not None
     pytester.path.joinpath(block.marker[1]).write_text(block.text, encoding="utf-8")
-    return forked_sessions.runpytest(pytester, "-p", "no:cacheprovider", *args)
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
 
 
 def _output_after(block: Block) -> list[str]:

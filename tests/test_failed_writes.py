@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _forked_sessions as forked_sessions
 import pytest
 
 from conftest import run
@@ -157,8 +156,6 @@ def _full_disk(limit: int) -> None:
 
 
 def full_disk_session(folder: Path, *args: str, limit: int = 300) -> subprocess.CompletedProcess[str]:
-    """A real subprocess, the file-size limit set before it starts, its output on pipes (a forked
-    session's output goes to files, which the limit would cut)."""
     env = {**os.environ, "GITHUB_STEP_SUMMARY": str(folder / "summary.md"), "PYTEST_ADDOPTS": "-p no:randomly"}
     env.pop("CI", None)
     command = [
@@ -180,9 +177,11 @@ def full_disk_session(folder: Path, *args: str, limit: int = 300) -> subprocess.
 @pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="RLIMIT_FSIZE is POSIX")
 def test_a_full_disk_fails_every_write_by_name_and_nothing_else(tmp_path: Path) -> None:
     (tmp_path / "test_p.py").write_text(PASSING)
-    recording = forked_sessions.run(
-        ["-p", "no:cacheprovider", "--gpumem-device=cpu", "--gpumem-update-baselines"],
+    recording = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpumem-device=cpu", "--gpumem-update-baselines"],
         cwd=tmp_path,
+        capture_output=True,
+        text=True,
         env={**os.environ, "PYTEST_ADDOPTS": "-p no:randomly"},
     )
     assert recording.returncode == 0, recording.stdout
