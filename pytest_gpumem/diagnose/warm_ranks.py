@@ -7,7 +7,7 @@ CPU-seconds a process on gloo ranks and 2.3 on fake ranks, in every run. On Linu
 from a fork server instead, multiprocessing's ``forkserver`` kind, private to pytest-gpumem (a
 ``forkserver`` the user's own code starts is not touched): it imports, once, the modules such
 a rank process imports before the rank's function runs (:data:`PRELOAD`, no other), and then
-forks a rank process per request, which starts in a few hundredths of a second.
+forks a rank process per request, which starts in a fraction of a second.
 
 The rank runs as it would in a spawned process: the same modules imported when its function
 starts, its function and arguments sent the same way, ``sys.path`` and the working folder the
@@ -37,7 +37,7 @@ from typing import Any
 __all__ = ["PRELOAD", "WarmProcess", "server_pid", "stop_servers"]
 
 #: What a rank process of each kind imports before the rank's function runs, imported by its server once.
-#: ``tests/test_distributed.py`` checks that a warm rank process has no module a spawned one lacks.
+#: ``tests/test_warm_ranks.py`` checks that a warm rank process has no module a spawned one lacks.
 PRELOAD: dict[str, tuple[str, ...]] = {
     "gloo": ("pytest_gpumem.diagnose.distributed", "torch.distributed", "pytest_gpumem.measurement.active"),
     "fake": (
