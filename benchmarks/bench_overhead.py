@@ -446,6 +446,17 @@ def junit_figures(path: Path) -> dict[str, str]:
     return figures
 
 
+def timed_run(command: list[str], **kwargs: Any) -> tuple[subprocess.CompletedProcess[str], float, float]:
+    """``subprocess.run(command, **kwargs)`` with its output captured as text: the result, its wall
+    seconds and its CPU seconds (user + system, of the child and every process it waited for)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return result, wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
 def run_session(
     folder: Path, variant: Variant, *, cov: bool, cuda: bool, junit: Path | None, collect: bool = False
 ) -> tuple[float, float]:
@@ -470,12 +481,7 @@ def run_session(
         command += ["--cov=.", "--cov-report="]
     if junit is not None:
         command.append(f"--junitxml={junit}")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    result = subprocess.run([*command, str(folder)], cwd=folder, env=env, capture_output=True, text=True, check=False)
-    elapsed = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    result, elapsed, cpu = timed_run([*command, str(folder)], cwd=folder, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
     return elapsed, cpu

@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
+import tempfile
 from typing import Any
 
+from bench_overhead import timed_run
 from tabulate import tabulate
 
 SCRIPT = """
@@ -56,23 +56,14 @@ if __name__ == "__main__":
 """
 
 
-def _children_cpu() -> float:
-    used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return used.ru_utime + used.ru_stime
-
-
 def one(method: str, runs: int, script: str) -> dict[str, Any]:
     """One interpreter's calls under ``method``: their seconds, and its CPU time with its processes'."""
-    before = _children_cpu()
-    done = subprocess.run(
-        [sys.executable, script, str(runs)],
-        env={**os.environ, "PYTEST_GPUMEM_RANK_START": method},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    command = [sys.executable, script, str(runs)]
+    done, _, cpu = timed_run(command, env={**os.environ, "PYTEST_GPUMEM_RANK_START": method})
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     seconds: dict[str, list[float]] = json.loads(done.stdout.splitlines()[-1])
-    return {"seconds": seconds, "cpu": _children_cpu() - before}
+    return {"seconds": seconds, "cpu": cpu}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,8 +73,6 @@ def main(argv: list[str] | None = None) -> None:
     options = parser.parse_args(argv)
     if options.runs < 2 or options.repeat < 1:
         parser.error(f"--runs must be at least 2 and --repeat at least 1 (got {options.runs}, {options.repeat})")
-    import tempfile
-
     with tempfile.TemporaryDirectory() as folder:
         script = os.path.join(folder, "ranks.py")
         with open(script, "w", encoding="utf-8") as f:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_overhead import write_suite
+from bench_overhead import timed_run, write_suite
 
 from pytest_gpumem.data.sites import SiteConfig
 from pytest_gpumem.measurement.engines import make_engine
@@ -109,15 +108,11 @@ def session(folder: Path, args: list[str], pythonpath: str | None) -> tuple[floa
     env.pop("PYTEST_ADDOPTS", None)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--gpumem-device=cpu", *args, "."]
-    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result, wall, cpu = timed_run(command, cwd=folder, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
 
 
 def part_two(tests: int, rounds: int, main: str | None) -> None:

@@ -28,6 +28,7 @@ outside), and a SIGTERM sent to pytest while the ranks run stops them before pyt
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import pickle
@@ -208,7 +209,7 @@ def _rank_main(
     environment: dict[str, str] | None = None,
 ) -> None:
     """The body of one rank process (started by :func:`run_ranks`)."""
-    adopt_environment(environment)
+    _adopt_environment(environment)
     group = _own_group()
     results.put((rank, "started", group))
     _die_with_parent(group)
@@ -265,7 +266,7 @@ def _fake_ranks_main(
     environment: dict[str, str] | None = None,
 ) -> None:
     """The body of the one process that runs ``ranks`` over the fake process group, one after another."""
-    adopt_environment(environment)
+    _adopt_environment(environment)
     group = _own_group()
     for rank in ranks:
         results.put((rank, "started", group))
@@ -504,14 +505,13 @@ def run_ranks(
                 )
                 for rank in wanted
             ]
-        for target, args in starts:
-            process: Any
-            if warm:
-                from pytest_gpumem.diagnose.warm_ranks import WarmProcess
+        make: Callable[..., Any] = context.Process
+        if warm:
+            from pytest_gpumem.diagnose.warm_ranks import WarmProcess
 
-                process = WarmProcess(chosen, target=target, args=args, daemon=True)
-            else:
-                process = context.Process(target=target, args=args, daemon=True)
+            make = functools.partial(WarmProcess, chosen)
+        for target, args in starts:
+            process = make(target=target, args=args, daemon=True)
             process.start()
             processes.append(process)
         failed = False
@@ -557,10 +557,14 @@ def _starts_warm(kind: str) -> bool:
     chosen = os.environ.get(RANK_START, "warm")
     if chosen not in ("warm", "spawn"):
         raise ValueError(f"the environment variable {RANK_START} must be 'warm' or 'spawn', got {chosen!r}")
-    return chosen == "warm" and kind in ("gloo", "fake") and sys.platform.startswith("linux")
+    if chosen == "spawn" or not sys.platform.startswith("linux"):
+        return False
+    from pytest_gpumem.diagnose.warm_ranks import PRELOAD  # imports only where there is a fork server
+
+    return kind in PRELOAD
 
 
-def adopt_environment(environment: dict[str, str] | None) -> None:
+def _adopt_environment(environment: dict[str, str] | None) -> None:
     """In a rank process: take the environment variables the run was started with (a warm rank
     was forked from a server started earlier, and inherited the server's)."""
     if environment is not None and environment != dict(os.environ):

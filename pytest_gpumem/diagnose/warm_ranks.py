@@ -30,6 +30,7 @@ import atexit
 import io
 import os
 import threading
+from dataclasses import dataclass
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from typing import Any
@@ -54,15 +55,24 @@ PRELOAD: dict[str, tuple[str, ...]] = {
 #: Environment variables left out of a server's key: pytest sets this one for every test.
 _VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
 
+
+@dataclass
+class _Server:
+    """A fork server for one kind of rank, and what it was started by and in."""
+
+    owner: int  # the process that started it: only that one may ask it for ranks, or stop it
+    environment: dict[str, str]  # the environment it was started in, but for :data:`_VOLATILE`
+    forkserver: Any  # ForkServer: its stop and pid are CPython's private names (3.8 to 3.14)
+
+
 _lock = threading.Lock()
-#: kind → (the process that started the server, the environment it was started in, the server).
-#: ForkServer's stop and pid are CPython's private names (from 3.8 to 3.14): the server is typed Any.
-_servers: dict[str, tuple[int, dict[str, str], Any]] = {}
+#: kind → its server
+_servers: dict[str, _Server] = {}
 _stopped_at_exit = False
 
 
 def _server(kind: str) -> Any:
-    """The running server for ``kind`` in this process and environment, started when there is none.
+    """The running fork server for ``kind`` in this process and environment, started when there is none.
 
     A process forked from one that started servers (a data loader worker) starts its own: the
     servers it inherited the names of are its parent's children, not its own.
@@ -71,16 +81,16 @@ def _server(kind: str) -> Any:
     environment = {name: value for name, value in os.environ.items() if name not in _VOLATILE}
     with _lock:
         known = _servers.get(kind)
-        if known is not None and known[:2] == (os.getpid(), environment):
-            return known[2]
-        if known is not None and known[0] == os.getpid():
-            known[2]._stop()
+        if known is not None and known.owner == os.getpid():
+            if known.environment == environment:
+                return known.forkserver
+            known.forkserver._stop()
         if not _stopped_at_exit:
             atexit.register(stop_servers)  # waits for them, so that their CPU time is counted as this process's
             _stopped_at_exit = True
         server = forkserver.ForkServer()
         server.set_forkserver_preload(list(PRELOAD[kind]))
-        _servers[kind] = (os.getpid(), environment, server)
+        _servers[kind] = _Server(os.getpid(), environment, server)
         return server
 
 
@@ -88,15 +98,15 @@ def server_pid(kind: str) -> int | None:
     """The process id of this process's server for ``kind`` (``"gloo"``, ``"fake"``), None when none is running."""
     with _lock:
         known = _servers.get(kind)
-        return known[2]._forkserver_pid if known is not None and known[0] == os.getpid() else None
+        return known.forkserver._forkserver_pid if known is not None and known.owner == os.getpid() else None
 
 
 def stop_servers() -> None:
     """Stop every server this process started, and wait for each to end (when its rank processes have)."""
     with _lock:
-        for owner, _, server in _servers.values():
-            if owner == os.getpid():
-                server._stop()
+        for known in _servers.values():
+            if known.owner == os.getpid():
+                known.forkserver._stop()
         _servers.clear()
 
 
