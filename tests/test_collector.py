@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import gc
 import re
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 
@@ -21,8 +23,9 @@ import pytest
 import torch
 
 from conftest import run, run_fresh
+from pytest_gpumem.measurement import collector as collector_module
 from pytest_gpumem.measurement import frozen
-from pytest_gpumem.measurement.collector import Collector, collect, give_back, running
+from pytest_gpumem.measurement.collector import Collector, collect, give_back, others_frozen, running
 
 #: Counts, per test, the objects each full collection walks as it starts, and says which
 #: modules the first test imported.
@@ -255,6 +258,7 @@ def test_compaction_waits_for_many_objects_and_thaw_gives_them_back() -> None:
 @pytest.mark.usefixtures("nothing_frozen")
 def test_objects_someone_else_froze_are_left_alone() -> None:
     gc.freeze()  # as a conftest, a library or an enclosing session would
+    collector_module.interpreter_frozen()  # asked of a child once: its objects die before the count
     count = gc.get_freeze_count()
     with Collector() as collector:
         assert not collector.active and running() is None
@@ -262,6 +266,51 @@ def test_objects_someone_else_froze_are_left_alone() -> None:
         gc.collect()
         assert gc.get_freeze_count() == count  # nothing given back: it cannot tell theirs from its own
     assert gc.get_freeze_count() == count
+
+
+@pytest.mark.usefixtures("nothing_frozen")
+def test_the_interpreters_own_frozen_objects_do_not_stop_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.12 starts with objects of its own frozen (immortal tuples of its deep-frozen
+    standard library, :func:`interpreter_frozen`): they are nobody's, so the collector freezes
+    and gives back as usual. Objects frozen here stand in for them; one more frozen is someone's."""
+    gc.freeze()
+    count = gc.get_freeze_count()
+    monkeypatch.setattr(collector_module, "interpreter_frozen", lambda: count)
+    assert count > 0 and not others_frozen()
+    with Collector() as collector:
+        assert collector.active and running() is collector
+    assert gc.get_freeze_count() == 0  # given back with the collector's own
+    gc.freeze()
+    kept = [[] for _ in range(10)]
+    gc.freeze()  # beyond the interpreter's: someone's
+    assert others_frozen()
+    with Collector() as collector:
+        assert not collector.active
+    del kept
+
+
+@pytest.mark.slow
+def test_a_fresh_process_has_no_one_elses_frozen_objects() -> None:
+    """``interpreter_frozen()`` is what a bare interpreter of this Python holds frozen (375 tuples
+    on Python 3.12, none on 3.11 and 3.13), so a process that imported torch and the plugin has
+    nothing frozen that is someone else's, and the run's collector starts there."""
+    bare = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", "import gc; print(gc.get_freeze_count())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    code = (
+        "from pytest_gpumem.measurement.collector import Collector, interpreter_frozen, others_frozen\n"
+        "print(interpreter_frozen(), others_frozen())\n"
+        "collector = Collector()\n"
+        "collector.start()\n"
+        "print(collector.active)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == [bare.stdout.strip(), "False", "True"]
+    if sys.version_info[:2] == (3, 12):
+        assert int(bare.stdout) > 0
 
 
 @pytest.mark.usefixtures("nothing_frozen")

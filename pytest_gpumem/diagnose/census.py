@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.diagnose.holders import frame_locals, module_level_objects, referrer_names
-from pytest_gpumem.measurement import frozen
+from pytest_gpumem.measurement import collector, frozen
 from pytest_gpumem.measurement.engines import Engine
 from pytest_gpumem.tables import table
 from pytest_gpumem.units import cuda_rounded, format_size
@@ -146,7 +146,7 @@ def storage_groups(
     if frozen.known():
         objects: Iterable[Any] = itertools.chain(gc.get_objects(), frozen.tensors())
     else:
-        if gc.get_freeze_count():
+        if collector.others_frozen():
             frozen.give_back_theirs()
         objects = gc.get_objects()
     with _reading(engine):  # one reading of the tracker's counts for every storage asked about

@@ -11,13 +11,16 @@ everything. Outside a run nothing is frozen, and :func:`collect` is ``gc.collect
 
 from __future__ import annotations
 
+import functools
 import gc
+import subprocess
+import sys
 import weakref
 from typing import Any
 
 from pytest_gpumem.measurement import frozen
 
-__all__ = ["COMPACT_ABOVE", "Collector", "collect", "give_back", "running"]
+__all__ = ["COMPACT_ABOVE", "Collector", "collect", "give_back", "interpreter_frozen", "others_frozen", "running"]
 
 #: Objects left to the collector (not frozen) between tests above which :meth:`Collector.compact`
 #: freezes them. A few thousand objects cost a full collection well under a millisecond; the
@@ -30,6 +33,39 @@ _running: Collector | None = None
 def running() -> Collector | None:
     """The collector that froze objects in this process for a run, or None."""
     return _running
+
+
+def interpreter_frozen() -> int:
+    """Objects the interpreter itself holds frozen from its start: what ``gc.get_freeze_count()``
+    is in a bare interpreter of this Python (``-I -S``). Python 3.12 keeps a few hundred
+    immortal tuples of its deep-frozen standard-library code there (375 on 3.12.1 and 3.12.3);
+    earlier and later versions none. Asked of a child process once, and only while something is
+    frozen here; 0 when the child cannot run (then every frozen object counts as someone else's)."""
+    return _bare_interpreter_frozen() if gc.get_freeze_count() else 0
+
+
+@functools.cache
+def _bare_interpreter_frozen() -> int:
+    if not sys.executable:
+        return 0
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", "import gc; print(gc.get_freeze_count())"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return int(done.stdout.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0
+
+
+def others_frozen() -> bool:
+    """Whether someone (a conftest, a library, an enclosing session) froze objects beyond the
+    interpreter's own (:func:`interpreter_frozen`)."""
+    count = gc.get_freeze_count()
+    return count > 0 and count > interpreter_frozen()
 
 
 def collect() -> None:
@@ -75,9 +111,11 @@ class Collector:
 
     Objects frozen by someone else before :meth:`start` (a conftest, a library, an enclosing
     pytest session) stay frozen, and the collector freezes nothing and gives nothing back: it
-    cannot tell theirs from its own. With the collector disabled (``gc.disable()``) it freezes
-    nothing either. Objects someone freezes during the run are given back with the plugin's.
-    The tensors among the frozen objects are remembered
+    cannot tell theirs from its own. The interpreter's own frozen objects
+    (:func:`interpreter_frozen`: Python 3.12's immortal tuples) are nobody's: they are given
+    back and frozen with the collector's, which changes nothing for them. With the collector
+    disabled (``gc.disable()``) it freezes nothing either. Objects someone freezes during the
+    run are given back with the plugin's. The tensors among the frozen objects are remembered
     (:mod:`pytest_gpumem.measurement.frozen`) so that a tracker and a census still find them.
 
     Attributes:
@@ -103,7 +141,7 @@ class Collector:
         """Collect garbage and freeze what exists now (unless the collector is off, someone froze
         objects before, or another collector runs in this process)."""
         global _running
-        if self.active or _running is not None or not gc.isenabled() or gc.get_freeze_count() > 0:
+        if self.active or _running is not None or not gc.isenabled() or others_frozen():
             return
         self.collect()
         frozen.remember()
