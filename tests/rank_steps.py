@@ -126,13 +126,17 @@ PROCESS_REPORTS = "GPUMEM_TEST_RANK_REPORTS"
 
 
 def describes_its_process(rank: int, ctx: RankContext) -> None:
-    """Writes, as JSON, what this rank's process has imported, its pid and its parent's, and the
-    ``PYTEST_CURRENT_TEST`` it sees, to ``rank<N>.json`` in the folder :data:`PROCESS_REPORTS` names."""
+    """Writes, as JSON, what this rank's process has imported, its pid and its parent's, the
+    ``PYTEST_CURRENT_TEST`` and ``CUDA_VISIBLE_DEVICES`` it sees, whether CUDA is available and
+    the accelerator torch picks by itself, to ``rank<N>.json`` in the folder :data:`PROCESS_REPORTS` names."""
     report = {
         "modules": sorted(sys.modules),
         "pid": os.getpid(),
         "parent": os.getppid(),
         "test": os.environ.get("PYTEST_CURRENT_TEST"),
+        "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cuda": torch.cuda.is_available(),
+        "accelerator": str(torch._C._get_accelerator()),
     }
     (Path(os.environ[PROCESS_REPORTS]) / f"rank{rank}.json").write_text(json.dumps(report), encoding="utf-8")
 

@@ -107,6 +107,20 @@ def test_a_server_runs_one_thread_and_imports_only(reports: Path) -> None:
     assert [task.name for task in Path(f"/proc/{server}/task").iterdir()] == [str(server)]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["warm", "spawn"])
+@pytest.mark.parametrize("kwargs", [{}, FAKE], ids=["gloo", "fake"])
+def test_cpu_and_fake_ranks_see_no_gpu(
+    kwargs: dict[str, Any], start: str, reports: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU and fake ranks run as on a machine without a GPU, also on one with a GPU: no device is
+    visible to them, so code that picks the accelerator by itself (FSDP2's default mesh) picks the
+    CPU and their figures are those of CPU-only CI. The GPU check runs this where CUDA is present."""
+    monkeypatch.setenv(RANK_START, start)
+    ranks = _run(reports, 2, **kwargs)
+    assert [(r["visible_gpus"], r["cuda"], r["accelerator"]) for r in ranks] == [("", False, "cpu")] * 2
+
+
 def test_a_bad_start_method_is_an_error_that_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(RANK_START, "fork")
     with pytest.raises(ValueError, match=r"PYTEST_GPUMEM_RANK_START must be 'warm' or 'spawn', got 'fork'"):

@@ -60,6 +60,10 @@ MAX_TIMEOUT = 7 * 24 * 3600
 #: default, on Linux: forked from a server that has imported what a rank imports) or ``spawn``.
 RANK_START = "PYTEST_GPUMEM_RANK_START"
 
+#: The environment variable that is empty in CPU and fake rank processes: they see no GPU, as on
+#: the machine without one where their figures are the same (see ``_without_gpus``).
+HIDE_GPUS = "CUDA_VISIBLE_DEVICES"
+
 #: The signal that ends a process at once (Windows has no SIGKILL: there, terminating is killing).
 _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
 
@@ -216,6 +220,8 @@ def _rank_main(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     where = _device_for(rank, device)
     try:
+        if where.type == "cpu":
+            _without_gpus()
         if where.type == "cuda":
             torch.cuda.set_device(where)
         measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict, sites)
@@ -276,6 +282,11 @@ def _fake_ranks_main(
     from pytest_gpumem.diagnose.fake_ddp import ddp_on_fake_ranks
 
     ddp_on_fake_ranks()
+    try:
+        _without_gpus()
+    except RuntimeError as exc:
+        results.put(_failure(ranks[0], exc))
+        return
     for rank in ranks:
         _forget_earlier_ranks()
         try:
@@ -461,6 +472,8 @@ def run_ranks(
 
     warm = _starts_warm(chosen if device == "cpu" else device)
     environment = dict(os.environ)
+    if device == "cpu":  # CPU and fake ranks run as on a machine without a GPU (see _without_gpus)
+        environment[HIDE_GPUS] = ""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()
@@ -562,6 +575,20 @@ def _starts_warm(kind: str) -> bool:
     from pytest_gpumem.diagnose.warm_ranks import PRELOAD  # imports only where there is a fork server
 
     return kind in PRELOAD
+
+
+def _without_gpus() -> None:
+    """In a CPU or fake rank process: check that it sees no GPU (:data:`HIDE_GPUS` is empty in its
+    environment), so that it runs as on a machine without one, where its figures were made to be
+    the same: code that picks the accelerator by itself (FSDP2's default device mesh, a
+    ``DeviceMesh``, ``torch.accelerator``) picks the CPU. A GPU still seen means torch read the
+    device count before the rank took its environment: an error, not a silent run on the GPU."""
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            f"a CPU rank process sees {torch.cuda.device_count()} CUDA device(s) although {HIDE_GPUS} is empty "
+            "in it (torch counted the devices before the rank started): its step would run on the GPU. "
+            f"Start the ranks with {RANK_START}=spawn, or report this to pytest-gpumem"
+        )
 
 
 def _adopt_environment(environment: dict[str, str] | None) -> None:
