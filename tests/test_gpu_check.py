@@ -109,6 +109,36 @@ def test_junit_counts_and_first_lines_of_a_real_session(pytester: pytest.Pyteste
     assert gpu_check.junit(pytester.path / "missing.xml")["tests"] is None
 
 
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_a_stopped_sessions_outcomes_are_read_from_its_verbose_log(
+    pytester: pytest.Pytester, tmp_path: Path, workers: list[str]
+) -> None:
+    """A part stopped at its budget writes no JUnit report: its failures are named from the log
+    of ``pytest -v`` (what the session printed before it was stopped, here all of it)."""
+    pytester.makepyfile(
+        test_y="""
+        import pytest
+
+        def test_ok():
+            pass
+
+        def test_bad():
+            assert False
+
+        @pytest.mark.skip(reason="not here")
+        def test_skipped():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:gpumem", "-p", "no:randomly", "-v", *workers)
+    log = tmp_path / "part.log"
+    log.write_text("test_y.py::test_earlier FAILED\n" + result.stdout.str(), encoding="utf-8")
+    start = len("test_y.py::test_earlier FAILED\n")
+    read = gpu_check.outcomes_in_log(log, start)
+    assert (read["tests"], read["failures"], read["errors"], read["skipped"]) == (3, 1, 0, 1)
+    assert read["failed"] == ["test_y.py::test_bad: FAILED (the part was stopped: from its log)"]
+
+
 def test_summary_names_the_device_the_parts_and_the_failures() -> None:
     summary = {
         "device": {

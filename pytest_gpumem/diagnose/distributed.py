@@ -33,13 +33,11 @@ import math
 import os
 import pickle
 import queue
-import signal
 import socket
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -48,6 +46,7 @@ import torch
 
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.sites import SiteConfig
+from pytest_gpumem.diagnose.rank_processes import die_with_parent, ended, own_group, rank_processes
 
 __all__ = ["DistributedError", "RankContext", "run_ranks"]
 
@@ -63,9 +62,6 @@ RANK_START = "PYTEST_GPUMEM_RANK_START"
 #: The environment variable that is empty in CPU and fake rank processes: they see no GPU, as on
 #: the machine without one where their figures are the same (see ``_without_gpus``).
 HIDE_GPUS = "CUDA_VISIBLE_DEVICES"
-
-#: The signal that ends a process at once (Windows has no SIGKILL: there, terminating is killing).
-_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
 
 
 class DistributedError(RuntimeError):
@@ -123,44 +119,6 @@ def _device_for(rank: int, device: str) -> torch.device:
     return torch.device(device)
 
 
-def _own_group() -> int | None:
-    """Make this process the leader of a process group of its own (its children join it);
-    the group's id, None where there are no process groups."""
-    if not hasattr(os, "setpgid"):
-        return None
-    try:
-        os.setpgid(0, 0)
-    except OSError:
-        return None
-    return os.getpid()
-
-
-def _end_group(group: int | None) -> None:
-    """End this rank, with every process of its group."""
-    if group is not None:
-        with contextlib.suppress(OSError):
-            os.killpg(group, _KILL)
-    os._exit(1)
-
-
-def _die_with_parent(group: int | None) -> None:
-    """End this rank and its group when the process that started it is gone, however it ended
-    (a thread that waits on the parent's sentinel: it runs while the rank waits in a collective)."""
-    import multiprocessing
-    from multiprocessing.connection import wait
-
-    parent = multiprocessing.parent_process()
-    if parent is None or parent.sentinel is None:
-        return
-    sentinel = parent.sentinel
-
-    def watch() -> None:
-        wait([sentinel])
-        _end_group(group)
-
-    threading.Thread(target=watch, name="gpumem-parent-watch", daemon=True).start()
-
-
 def _measured_rank(
     rank: int,
     world_size: int,
@@ -214,9 +172,9 @@ def _rank_main(
 ) -> None:
     """The body of one rank process (started by :func:`run_ranks`)."""
     _adopt_environment(environment)
-    group = _own_group()
+    group = own_group()
     results.put((rank, "started", group))
-    _die_with_parent(group)
+    die_with_parent(group)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     where = _device_for(rank, device)
     try:
@@ -273,10 +231,10 @@ def _fake_ranks_main(
 ) -> None:
     """The body of the one process that runs ``ranks`` over the fake process group, one after another."""
     _adopt_environment(environment)
-    group = _own_group()
+    group = own_group()
     for rank in ranks:
         results.put((rank, "started", group))
-    _die_with_parent(group)
+    die_with_parent(group)
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     from pytest_gpumem.diagnose.fake_ddp import ddp_on_fake_ranks
@@ -313,85 +271,6 @@ def _on_fake_ranks(exc: BaseException) -> BaseException:
         error.__cause__ = exc
         return error
     return exc
-
-
-def _ended(exitcode: int | None) -> str:
-    """How a rank process ended before reporting, from its exit code (negative: the signal that killed it)."""
-    if exitcode is None or exitcode >= 0:
-        return f"exited with code {exitcode} before reporting"
-    try:
-        name = signal.Signals(-exitcode).name
-    except ValueError:
-        return f"was killed by signal {-exitcode} before reporting"
-    text = f"was killed by {name} (signal {-exitcode}) before reporting"
-    if name == "SIGKILL":
-        text += " (SIGKILL: often the system's out-of-memory killer; see the kernel log, `dmesg`)"
-    return text
-
-
-def _signal(process: Any, group: int | None, signum: int) -> None:
-    """Send ``signum`` to a rank's process group (it and the processes it started), else to it alone."""
-    if group is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signum)
-    elif process.pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signum)
-
-
-@contextlib.contextmanager
-def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> Iterator[None]:
-    """While the ranks run: a SIGTERM to this process kills them and their groups first, then
-    goes to the handler that was in place (by default, it ends this process). Only in the main
-    thread (where handlers are set), and not where SIGTERM is ignored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous == signal.SIG_IGN:
-        yield
-        return
-    if previous is None:  # a handler set outside Python: none can be restored, the default is
-        previous = signal.SIG_DFL
-
-    def stop(signum: int, frame: Any) -> None:
-        for rank, process in enumerate(processes):
-            _signal(process, groups.get(rank), _KILL)
-        signal.signal(signal.SIGTERM, previous)
-        if callable(previous):
-            previous(signum, frame)
-        else:
-            os.kill(os.getpid(), signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def _processes(groups: dict[int, int | None]) -> Iterator[list[Any]]:
-    """The rank processes; on leaving, any still alive is terminated, then killed, each with its
-    process group (``groups``: the process's index → the group it made), so that nothing it started is left."""
-    processes: list[Any] = []
-    try:
-        with _stopped_on_sigterm(processes, groups):
-            yield processes
-    finally:
-        for rank, process in enumerate(processes):
-            if process.is_alive():
-                _signal(process, groups.get(rank), signal.SIGTERM)
-        deadline = time.monotonic() + 5.0
-        for rank, process in enumerate(processes):
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                _signal(process, groups.get(rank), _KILL)
-                process.kill()
-                process.join()
-        for rank, process in enumerate(processes):  # what a rank started and left running
-            if groups.get(rank) is not None:
-                _signal(process, groups[rank], _KILL)
 
 
 def run_ranks(
@@ -505,7 +384,7 @@ def run_ranks(
             if rank not in figures and rank not in reports and not processes[owner[rank]].is_alive()
         ]
 
-    with _processes(groups) as processes:
+    with rank_processes(groups) as processes:
         if fake:
             starts: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
                 (_fake_ranks_main, (wanted, world_size, timeout, fn, results, predict, sites, environment))
@@ -548,7 +427,7 @@ def run_ranks(
                 with contextlib.suppress(queue.Empty):
                     take(results.get(timeout=0.1))
             for rank in silent(processes):  # died without a word: its peers' errors follow
-                reports[rank] = f"rank {rank} {_ended(processes[owner[rank]].exitcode)}"
+                reports[rank] = f"rank {rank} {ended(processes[owner[rank]].exitcode)}"
     if reports:
         ordered = dict(sorted(reports.items()))
         if fake:  # the ranks run one after another: only the first that failed has a story

@@ -1,0 +1,134 @@
+"""The rank processes of :func:`~pytest_gpumem.diagnose.distributed.run_ranks`: how they are kept
+from outliving a run. Each rank leads a process group of its own (with the processes it starts),
+ends it when the process that started it is gone, and the parent stops every group when the run
+ends, fails, times out or is sent SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+#: The signal that ends a process at once (Windows has no SIGKILL: there, terminating is killing).
+KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+
+
+def own_group() -> int | None:
+    """Make this process the leader of a process group of its own (its children join it);
+    the group's id, None where there are no process groups."""
+    if not hasattr(os, "setpgid"):
+        return None
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        return None
+    return os.getpid()
+
+
+def end_group(group: int | None) -> None:
+    """End this rank, with every process of its group."""
+    if group is not None:
+        with contextlib.suppress(OSError):
+            os.killpg(group, KILL)
+    os._exit(1)
+
+
+def die_with_parent(group: int | None) -> None:
+    """End this rank and its group when the process that started it is gone, however it ended
+    (a thread that waits on the parent's sentinel: it runs while the rank waits in a collective)."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        wait([sentinel])
+        end_group(group)
+
+    threading.Thread(target=watch, name="gpumem-parent-watch", daemon=True).start()
+
+
+def ended(exitcode: int | None) -> str:
+    """How a rank process ended before reporting, from its exit code (negative: the signal that killed it)."""
+    if exitcode is None or exitcode >= 0:
+        return f"exited with code {exitcode} before reporting"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        return f"was killed by signal {-exitcode} before reporting"
+    text = f"was killed by {name} (signal {-exitcode}) before reporting"
+    if name == "SIGKILL":
+        text += " (SIGKILL: often the system's out-of-memory killer; see the kernel log, `dmesg`)"
+    return text
+
+
+def signal_group(process: Any, group: int | None, signum: int) -> None:
+    """Send ``signum`` to a rank's process group (it and the processes it started), else to it alone."""
+    if group is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signum)
+    elif process.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signum)
+
+
+@contextlib.contextmanager
+def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> Iterator[None]:
+    """While the ranks run: a SIGTERM to this process kills them and their groups first, then
+    goes to the handler that was in place (by default, it ends this process). Only in the main
+    thread (where handlers are set), and not where SIGTERM is ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        yield
+        return
+    if previous is None:  # a handler set outside Python: none can be restored, the default is
+        previous = signal.SIG_DFL
+
+    def stop(signum: int, frame: Any) -> None:
+        for rank, process in enumerate(processes):
+            signal_group(process, groups.get(rank), KILL)
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def rank_processes(groups: dict[int, int | None]) -> Iterator[list[Any]]:
+    """The rank processes; on leaving, any still alive is terminated, then killed, each with its
+    process group (``groups``: the process's index → the group it made), so that nothing it started is left."""
+    processes: list[Any] = []
+    try:
+        with _stopped_on_sigterm(processes, groups):
+            yield processes
+    finally:
+        for rank, process in enumerate(processes):
+            if process.is_alive():
+                signal_group(process, groups.get(rank), signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for rank, process in enumerate(processes):
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                signal_group(process, groups.get(rank), KILL)
+                process.kill()
+                process.join()
+        for rank, process in enumerate(processes):  # what a rank started and left running
+            if groups.get(rank) is not None:
+                signal_group(process, groups[rank], KILL)
