@@ -465,8 +465,8 @@ def _without_gpus() -> None:
     if torch.cuda.is_available():
         raise RuntimeError(
             f"a CPU rank process sees {torch.cuda.device_count()} CUDA device(s) although {HIDE_GPUS} is empty "
-            "in it (torch counted the devices before the rank started): its step would run on the GPU. "
-            f"Start the ranks with {RANK_START}=spawn, or report this to pytest-gpumem"
+            "in it (torch counted the devices before the rank took its environment): its step would run on "
+            "the GPU, unmeasured. Please report this to pytest-gpumem with your torch version"
         )
 
 
