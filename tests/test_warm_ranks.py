@@ -117,8 +117,8 @@ def test_cpu_and_fake_ranks_see_no_gpu(
     visible to them, so code that picks the accelerator by itself (FSDP2's default mesh) picks the
     CPU and their figures are those of CPU-only CI. The GPU check runs this where CUDA is present."""
     monkeypatch.setenv(RANK_START, start)
-    ranks = _run(reports, 2, **kwargs)
-    assert [(r["visible_gpus"], r["cuda"], r["accelerator"]) for r in ranks] == [("", False, "cpu")] * 2
+    ranks = _run(reports, 1, **kwargs)
+    assert [(r["visible_gpus"], r["cuda"], r["accelerator"]) for r in ranks] == [("", False, "cpu")]
 
 
 def test_a_bad_start_method_is_an_error_that_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
