@@ -64,8 +64,8 @@ def _bare_interpreter_frozen() -> int:
 def others_frozen() -> bool:
     """Whether someone (a conftest, a library, an enclosing session) froze objects beyond the
     interpreter's own (:func:`interpreter_frozen`)."""
-    count = gc.get_freeze_count()
-    return count > 0 and count > interpreter_frozen()
+    count = gc.get_freeze_count()  # walks the frozen objects before Python 3.13: once
+    return count > 0 and count > _bare_interpreter_frozen()
 
 
 def collect() -> None:
