@@ -275,7 +275,7 @@ def test_the_interpreters_own_frozen_objects_do_not_stop_the_collector(monkeypat
     and gives back as usual. Objects frozen here stand in for them; one more frozen is someone's."""
     gc.freeze()
     count = gc.get_freeze_count()
-    monkeypatch.setattr(collector_module, "_bare_interpreter_frozen", lambda: count)  # what a bare interpreter reports
+    monkeypatch.setattr(collector_module, "interpreter_frozen", lambda: count)
     assert count > 0 and not others_frozen()
     with Collector() as collector:
         assert collector.active and running() is collector

@@ -35,17 +35,14 @@ def running() -> Collector | None:
     return _running
 
 
+@functools.cache
 def interpreter_frozen() -> int:
     """Objects the interpreter itself holds frozen from its start: what ``gc.get_freeze_count()``
     is in a bare interpreter of this Python (``-I -S``). Python 3.12 keeps a few hundred
     immortal tuples of its deep-frozen standard-library code there (375 on 3.12.1 and 3.12.3);
-    earlier and later versions none. Asked of a child process once, and only while something is
-    frozen here; 0 when the child cannot run (then every frozen object counts as someone else's)."""
-    return _bare_interpreter_frozen() if gc.get_freeze_count() else 0
-
-
-@functools.cache
-def _bare_interpreter_frozen() -> int:
+    earlier and later versions none. Asked of a child process once (:func:`others_frozen` asks
+    only while something is frozen); 0 when the child cannot run (then every frozen object
+    counts as someone else's)."""
     if not sys.executable:
         return 0
     try:
@@ -65,7 +62,7 @@ def others_frozen() -> bool:
     """Whether someone (a conftest, a library, an enclosing session) froze objects beyond the
     interpreter's own (:func:`interpreter_frozen`)."""
     count = gc.get_freeze_count()  # walks the frozen objects before Python 3.13: once
-    return count > 0 and count > _bare_interpreter_frozen()
+    return count > 0 and count > interpreter_frozen()
 
 
 def collect() -> None:
