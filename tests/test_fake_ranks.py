@@ -109,8 +109,8 @@ def test_fake_ranks_give_the_real_ranks_prediction_to_the_byte(run_id: str) -> N
     fake = _run(run_id, fake=True)
     if recorded["torch"] == _torch_release():
         assert fake == recorded["runs"][run_id]
-    else:  # real ranks may hold one more small block at the peak (_one_block_late)
-        assert [_one_block_late(r, f) for r, f in zip(_run(run_id), fake, strict=True)] == fake
+    else:  # real ranks may free a tensor of gloo's thread late (_real_ranks_against)
+        assert _real_ranks_against(run_id, fake) == fake
     assert multiprocessing.active_children() == []
 
 
@@ -122,10 +122,10 @@ def test_the_recorded_real_ranks_are_what_real_ranks_give(run_id: str, request: 
     mode = request.config.getoption("--real-ranks")
     if mode is None:
         pytest.skip("real gloo ranks run with --real-ranks (CI's first run)")
-    real = _run(run_id)
-    assert [m["name"] for m in real] == [f"rank{r}" for r in range(int(run_id.rpartition("-")[2]))]
-    assert multiprocessing.active_children() == []
     if mode == "record":
+        real = _run(run_id)
+        assert [m["name"] for m in real] == [f"rank{r}" for r in range(int(run_id.rpartition("-")[2]))]
+        assert multiprocessing.active_children() == []
         recorded = _recorded() if REAL_RANKS.exists() else {}
         runs = recorded.get("runs", {}) if recorded.get("torch") == _torch_release() else {}
         runs[run_id] = real
@@ -134,9 +134,8 @@ def test_the_recorded_real_ranks_are_what_real_ranks_give(run_id: str, request: 
     recorded = _recorded()
     if recorded["torch"] != _torch_release():
         pytest.skip(f"recorded with torch {recorded['torch']}, this is {_torch_release()}: --real-ranks=record")
-    assert [_one_block_late(r, m) for r, m in zip(real, recorded["runs"][run_id], strict=True)] == recorded["runs"][
-        run_id
-    ]
+    assert _real_ranks_against(run_id, recorded["runs"][run_id]) == recorded["runs"][run_id]
+    assert multiprocessing.active_children() == []
 
 
 #: The smallest block of CUDA's caching allocator: what a small tensor costs at the peak.
@@ -158,6 +157,38 @@ def _one_block_late(real: dict[str, Any], recorded: dict[str, Any]) -> dict[str,
         "peak": recorded["peak"],
         "breakdown": {**real["breakdown"], "temporaries": recorded["breakdown"]["temporaries"]},
     }
+
+
+#: How many times a comparison runs the real ranks at most (see _real_ranks_against).
+REAL_TRIES = 3
+
+
+def _lagged(real: dict[str, Any], expected: dict[str, Any]) -> bool:
+    """Whether ``real`` is ``expected`` but for a higher peak (and so the peak's breakdown): every
+    figure of the step's end equal, the peak above."""
+    ends = [name for name in real if name not in ("peak", "breakdown")]
+    return [real[name] for name in ends] == [expected[name] for name in ends] and real["peak"] > expected["peak"]
+
+
+def _real_ranks_against(run_id: str, expected: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Real gloo ranks' figures of ``run_id``, run again (up to ``REAL_TRIES`` runs) while they
+    differ from ``expected`` only by a higher peak on some rank.
+
+    A collective's tensors are freed by gloo's thread after the collective completes, and a
+    rank's own thread may go on first: then a tensor it is done with is still alive when the
+    rank peaks. Beyond the small block of ``_one_block_late`` (often), a rare run on a busy
+    machine holds a second parameter-sized temporary into the first backward, most likely a
+    collective's flattened buffer (seen once in CI, ZeRO-1 over DDP on 4 ranks: rank 2 peaked
+    320,000 B higher, in the first backward with x, two 2,102,272-byte temporaries and a small
+    block). The figures of the step's end are equal in
+    every run, and the recorded peak is what a run gives when the thread keeps up, as the fake
+    ranks (one thread) always do: so a run that only peaks higher is run again, and any other
+    difference is returned at once."""
+    for _ in range(REAL_TRIES):
+        real = [_one_block_late(r, e) for r, e in zip(_run(run_id), expected, strict=True)]
+        if real == expected or not all(r == e or _lagged(r, e) for r, e in zip(real, expected, strict=True)):
+            return real
+    return real
 
 
 RECORD_ABOUT = (
