@@ -180,10 +180,9 @@ def _real_ranks_against(run_id: str, expected: list[dict[str, Any]]) -> list[dic
     machine holds a second parameter-sized temporary into the first backward, most likely a
     collective's flattened buffer (seen once in CI, ZeRO-1 over DDP on 4 ranks: rank 2 peaked
     320,000 B higher, in the first backward with x, two 2,102,272-byte temporaries and a small
-    block). The figures of the step's end are equal in
-    every run, and the recorded peak is what a run gives when the thread keeps up, as the fake
-    ranks (one thread) always do: so a run that only peaks higher is run again, and any other
-    difference is returned at once."""
+    block). The figures of the step's end are equal in every run, and the recorded peak is what
+    a run gives when the thread keeps up, as the fake ranks (one thread) always do: so a run
+    that only peaks higher is run again, and any other difference is returned at once."""
     for _ in range(REAL_TRIES):
         real = [_one_block_late(r, e) for r, e in zip(_run(run_id), expected, strict=True)]
         if real == expected or not all(r == e or _lagged(r, e) for r, e in zip(real, expected, strict=True)):
