@@ -3,8 +3,10 @@
 In-process pytester runs restore ``sys.modules`` afterwards, so a torch module first
 imported inside one (optimizers import parts of torch lazily at their first step)
 would be imported again by the next and register its operators twice. One real
-training step of each kind here imports them all before any pytester run, and so
-does importing the plugin's measuring modules, which the plugin loads lazily.
+training step of each kind imports them all before any pytester run (as the session
+is configured), and so does importing the plugin's measuring modules, which the plugin
+loads lazily. A session that only collects (``--collect-only``: ``scripts/gpu-check``'s
+dry run) runs no test, and skips both.
 """
 
 from __future__ import annotations
@@ -68,8 +70,6 @@ def _warm_up_lazy_torch_imports() -> None:
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
-_warm_up_lazy_torch_imports()
-
 
 def _import_every_plugin_module() -> None:
     """Import every module of the package before any in-process pytester run.
@@ -86,9 +86,6 @@ def _import_every_plugin_module() -> None:
         # that use them do, in processes of their own
         if module.name != "pytest_gpumem.__main__" and not module.name.startswith("pytest_gpumem.integrations."):
             importlib.import_module(module.name)
-
-
-_import_every_plugin_module()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -110,6 +107,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not config.option.collectonly:
+        _warm_up_lazy_torch_imports()
+        _import_every_plugin_module()
     if config.getoption("--check-leftovers"):
         from tests._isolation import Leftovers
 

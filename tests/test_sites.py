@@ -422,6 +422,62 @@ def test_a_leak_report_names_where_each_leaked_tensor_was_made(
     assert "test_leak_site.py:6 remember" in row  # the line in remember() that made it
 
 
+def test_a_second_run_confirms_no_leak_and_starts_with_the_collector_frozen_again(
+    pytester: pytest.Pytester, nothing_frozen: None
+) -> None:
+    """The second run of a leaking test only names its lines: the leak report is the first run's,
+    so the second neither snapshots the storages nor confirms a leak (a census and three full
+    collections of the whole process). The first run's leak check gave the collector's frozen
+    objects back; they are frozen again before the second run, as between tests, so that its
+    collections walk what it makes. (A contract on the plugin's own calls: counted by wrapping
+    them in the session's conftest.)"""
+    pytester.makeconftest(
+        """
+        import pytest
+        from pytest_gpumem.plugin import runner
+
+        @pytest.fixture(autouse=True, scope="session")
+        def _counted():
+            confirm, snapshot = runner.confirm_leak, runner.snapshot_storages
+
+            def counted(name, call):
+                def wrapper(*args, **kwargs):
+                    with open("calls.txt", "a") as out:
+                        out.write(name + "\\n")
+                    return call(*args, **kwargs)
+                return wrapper
+
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(runner, "confirm_leak", counted("confirm", confirm))
+                patch.setattr(runner, "snapshot_storages", counted("snapshot", snapshot))
+                yield
+        """
+    )
+    pytester.makepyfile(
+        test_leak_twice="""
+        import gc
+        import pytest, torch
+
+        CACHE = []
+
+        @pytest.mark.gpumem(retained="0B")
+        def test_leaks():
+            with open("frozen.txt", "a") as out:
+                out.write(f"{gc.get_freeze_count()}\\n")
+            CACHE.append(torch.zeros(4096))
+        """
+    )
+    result = run(pytester, "--gpumem-json=report.json")
+    result.assert_outcomes(failed=1)
+    assert (pytester.path / "calls.txt").read_text().split() == ["snapshot", "confirm"]
+    first, second = (int(n) for n in (pytester.path / "frozen.txt").read_text().split())
+    assert first > 0 and second > 0  # 0 for the second: every collection of it walks the whole process
+    (test,) = json.loads((pytester.path / "report.json").read_text())["tests"]
+    call = test["measurements"][0]
+    assert call["sites"]["second_run"] is True
+    assert "test_leak_twice.CACHE[0]" in result.stdout.str()  # the first run's report: CACHE[0], not [1]
+
+
 def test_baselines_show_and_diff_print_the_stored_sites(
     suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -54,6 +54,10 @@ class RunOptions:
     device_limit: int | None = None
     #: record where storages are made, chosen so (None: not in this run; see plugin/sites.py)
     sites: SiteConfig | None = None
+    #: build the leak report (a snapshot of the storages at the start, the leak confirmed at the end)
+    #: and the out-of-memory report (a census at the refused allocation); False for a second run with
+    #: sites, whose reports stay the first run's
+    reports: bool = True
 
 
 def _forget_last_failure() -> None:
@@ -105,7 +109,9 @@ class TestRun:
 
     @property
     def leak_check(self) -> bool:
-        return self.options.leak_check or any(limit.metric == "retained" for limit in self.spec.limits)
+        """Whether this run snapshots the storages at its start and confirms a leak at its end."""
+        checked = self.options.leak_check or any(limit.metric == "retained" for limit in self.spec.limits)
+        return checked and self.options.reports
 
     def start(self, code: CodeType | None = None) -> None:
         """Clean the device, read the start, and begin the ``call`` span.
@@ -128,7 +134,8 @@ class TestRun:
             self._stack.enter_context(activate(recorder))
             self._state = recorder.open("call")
             watches = self._watches
-            self._watch = watches.enter_context(OomWatch(self.engine, recorder))
+            if self.options.reports:
+                self._watch = watches.enter_context(OomWatch(self.engine, recorder))
             if recorder.device_limit is not None:
                 watches.enter_context(self.engine.limit_memory(recorder.device_limit))
             if self.options.snapshots is not None:
@@ -182,7 +189,7 @@ class TestRun:
             self.tracked = [weakref.ref(obj) for obj in recorder.tracked]
             self._stack.close()
             recorder.end()
-        if oom is not None and exc is not None:
+        if exc is not None and is_oom(exc):
             release_oom(exc, engine)  # what the failed test held goes; the traceback ends at the user's line
         engine.settle()  # library workspaces stay: they were there at the start reading too
         notes = call.notes

@@ -78,6 +78,7 @@ def second_run(
     sites of the same span of that run; the leak and out-of-memory reports stay the first run's.
     ``record`` as it is otherwise."""
     from pytest_gpumem.diagnose.oom import is_oom
+    from pytest_gpumem.measurement import collector
     from pytest_gpumem.plugin.returnwatch import code_of
     from pytest_gpumem.plugin.runner import TestRun
 
@@ -90,7 +91,13 @@ def second_run(
             return record
     elif not _fails(session, record):
         return record
-    options = replace(run.options, sites=settings.site_config, snapshots=None)
+    running = collector.running()
+    if running is not None:
+        # what the first run's leak check or report gave back to the collector is frozen again, as
+        # between tests: the second run's collections walk what it makes, as the first run's did
+        running.compact()
+    # the leak and out-of-memory reports stay the first run's (see with_sites): the second builds none
+    options = replace(run.options, sites=settings.site_config, snapshots=None, reports=False)
     again = TestRun(
         run.nodeid, run.spec, run.engine, environment=run.environment, options=options, fake=run.recorder.fake
     )
