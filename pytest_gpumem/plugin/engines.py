@@ -121,8 +121,12 @@ class Freezer:
             self._config.pluginmanager.register(self, "gpumem-collector")
 
     def pytest_runtest_logfinish(self) -> None:
-        """A test is done, its fixtures torn down: freeze what the session built since, if a lot
-        (or start, where a census gave back what someone else froze)."""
+        """A test is done, its fixtures torn down: :meth:`refreeze`."""
+        self.refreeze()
+
+    def refreeze(self) -> None:
+        """Between tests, and before a failing test's second run: freeze what the session built
+        since, if a lot (or start, where a census gave back what someone else froze)."""
         if self.collector.active:
             self.collector.compact()
         elif frozen.theirs_given_back():

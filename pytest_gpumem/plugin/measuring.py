@@ -185,9 +185,13 @@ class Measuring:
         try:
             result = yield
         except BaseException as exc:
-            item.stash[RECORD_KEY] = second_run(item, run, _finish(item, run, exc), exc, self.settings, self.baselines)
+            item.stash[RECORD_KEY] = second_run(
+                item, run, _finish(item, run, exc), exc, self.settings, self.baselines, self.freezer
+            )
             raise
-        item.stash[RECORD_KEY] = second_run(item, run, _finish(item, run, None), None, self.settings, self.baselines)
+        item.stash[RECORD_KEY] = second_run(
+            item, run, _finish(item, run, None), None, self.settings, self.baselines, self.freezer
+        )
         return result
 
 

@@ -27,6 +27,7 @@ from pytest_gpumem.judge.judgement import JudgeOptions, judge
 from pytest_gpumem.judge.record import TestRecord
 
 if TYPE_CHECKING:
+    from pytest_gpumem.plugin.engines import Freezer
     from pytest_gpumem.plugin.marker import GpumemSpec
     from pytest_gpumem.plugin.options import Settings
     from pytest_gpumem.plugin.runner import RunOptions, TestRun
@@ -72,13 +73,14 @@ def second_run(
     exc: BaseException | None,
     settings: Settings,
     session: BaselineSession,
+    freezer: Freezer | None,
 ) -> TestRecord:
     """``record`` with sites: when the test failed on memory (or ran out of memory) and its first
     run recorded none, its call runs once more with sites on, and each span of ``record`` gets the
     sites of the same span of that run; the leak and out-of-memory reports stay the first run's.
-    ``record`` as it is otherwise."""
+    ``record`` as it is otherwise. ``freezer``: the run's collector (None where the run has none),
+    which freezes again before the second run what the first run's reports gave back."""
     from pytest_gpumem.diagnose.oom import is_oom
-    from pytest_gpumem.measurement import collector
     from pytest_gpumem.plugin.returnwatch import code_of
     from pytest_gpumem.plugin.runner import TestRun
 
@@ -91,11 +93,10 @@ def second_run(
             return record
     elif not _fails(session, record):
         return record
-    running = collector.running()
-    if running is not None:
+    if freezer is not None:
         # what the first run's leak check or report gave back to the collector is frozen again, as
         # between tests: the second run's collections walk what it makes, as the first run's did
-        running.compact()
+        freezer.refreeze()
     # the leak and out-of-memory reports stay the first run's (see with_sites): the second builds none
     options = replace(run.options, sites=settings.site_config, snapshots=None, reports=False)
     again = TestRun(
