@@ -20,7 +20,16 @@ from typing import Any
 
 from pytest_gpumem.measurement import frozen
 
-__all__ = ["COMPACT_ABOVE", "Collector", "collect", "give_back", "interpreter_frozen", "others_frozen", "running"]
+__all__ = [
+    "COMPACT_ABOVE",
+    "Collector",
+    "collect",
+    "collect_everything",
+    "give_back",
+    "interpreter_frozen",
+    "others_frozen",
+    "running",
+]
 
 #: Objects left to the collector (not frozen) between tests above which :meth:`Collector.compact`
 #: freezes them. A few thousand objects cost a full collection well under a millisecond; the
@@ -74,6 +83,15 @@ def collect() -> None:
         gc.collect()
 
 
+def collect_everything() -> None:
+    """A full collection on the plugin's account that sees every object, the frozen ones too (see
+    :meth:`Collector.collect_everything`), else ``gc.collect()``."""
+    if _running is not None:
+        _running.collect_everything()
+    else:
+        gc.collect()
+
+
 def give_back() -> bool:
     """Give the running collector's frozen objects back before a collection whose figure needs
     everything (see :meth:`Collector.give_back`); returns whether any were frozen."""
@@ -96,9 +114,10 @@ class Collector:
       What survives it is alive, and is frozen again as it ends (a suite that collects in every
       test pays its own collections, not the plugin's walks of everything after them).
       Where a figure counts everything alive, the plugin collects with everything given back
-      too (:func:`give_back`): before a test with an emulated device limit, and when a test
-      seems to retain memory, so that a cycle among frozen objects that a test dropped never
-      shows as a leak or fills the emulated device.
+      too: before a test with an emulated device limit (:func:`collect_everything`, which
+      freezes what survives again), and when a test seems to retain memory (:func:`give_back`),
+      so that a cycle among frozen objects that a test dropped never shows as a leak or fills
+      the emulated device.
     * **A test's collections do not walk what the session imported or built.** :meth:`start`
       freezes what exists before the first measured test (the libraries, pytest, the collected
       test modules); :meth:`compact`, between tests, freezes what is left when it is a lot (over
@@ -201,6 +220,21 @@ class Collector:
         self.frozen = True
         self.froze += 1
         return True
+
+    def collect_everything(self) -> None:
+        """A full collection on the plugin's account that sees every object: the frozen ones are given
+        back to it, and what survives it (all of it alive) is frozen again as it ends, as a full
+        collection the plugin did not ask for is (:meth:`_on_collection`). The test that follows
+        (one with an emulated device limit) starts from a state where a cycle among the frozen
+        objects that an earlier test dropped is freed, and its own collections walk what it makes,
+        not the whole process."""
+        if not self.frozen:
+            self.collect()
+            return
+        self.given_back += 1
+        self.give_back()
+        self.collect()
+        self.compact()
 
     def give_back(self) -> None:
         """Give the frozen objects back now (``gc.unfreeze()``): the next collection walks them, and

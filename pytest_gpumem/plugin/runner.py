@@ -125,9 +125,10 @@ class TestRun:
         _forget_last_failure()
         recorder = self.recorder
         if recorder.device_limit is not None:
-            # the emulated device holds all that is alive: the clean state's collection is given the
-            # frozen objects, so a cycle among them that a test dropped is freed first
-            collector.give_back()
+            # the emulated device holds all that is alive: a collection given the frozen objects
+            # first, so a cycle among them that a test dropped is freed; what survives is frozen
+            # again, so the clean state's collection and the test's walk what it makes
+            collector.collect_everything()
         recorder.begin()  # collects garbage and registers what is alive
         try:
             self._snapshot = snapshot_storages(self.engine) if self.leak_check else None
