@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from conftest import forget_last_failure
 from pytest_gpumem.diagnose.microbatch import MicrobatchError, Plan, max_microbatch, plan_accumulation, plan_for
-from pytest_gpumem.diagnose.oom import release_oom
+from pytest_gpumem.diagnose.oom import OomWatch, release_oom
 from pytest_gpumem.measurement.devicelimit import device_limit
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.engines.base import Engine
@@ -122,6 +122,25 @@ def test_nothing_fits_returns_zero(engine: Engine, trainer: Trainer, peaks: Peak
     found = max_microbatch(trainer.step, limit=limit, engine=engine, cleanup=trainer.cleanup)
     assert found == 0
     assert trainer.sizes == [1]
+
+
+def test_the_tries_that_run_out_of_memory_build_no_report_and_the_watch_is_kept(
+    engine: Engine, trainer: Trainer, peaks: Peaks
+) -> None:
+    """A measured test watches for out-of-memory errors (:class:`OomWatch`), whose report is a
+    census of every live tensor, each named by what holds it. The search catches each try's
+    error, so no report is built for it; an error after the search is reported as before."""
+    limit = peaks[37]
+    with OomWatch(engine) as watch:
+        assert max_microbatch(trainer.step, limit=limit, engine=engine, cleanup=trainer.cleanup) == 37
+        assert watch.report is None, "a report was built for a try the search caught"
+        with device_limit(engine, limit), pytest.raises(Exception) as raised:
+            trainer.step(64)
+        assert watch.report is not None and watch.report.requested is not None
+        assert f"Tried to allocate {watch.report.requested} bytes" in str(raised.value)
+        release_oom(raised.value, engine)
+        trainer.cleanup()
+    assert engine.tracker is not None and engine.tracker.on_oom is None
 
 
 def test_plan_accumulation_on_the_found_size(engine: Engine, trainer: Trainer, peaks: Peaks) -> None:

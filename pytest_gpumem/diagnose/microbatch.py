@@ -140,6 +140,9 @@ def max_microbatch(
     def fits(size: int) -> bool:
         guard = searched.limit_memory(nbytes) if searched is not None and nbytes is not None else nullcontext()
         before = searched.allocated() if searched is not None else None
+        # the search catches every out-of-memory error of a try: no report is built at its
+        # refused allocation (a census of every live tensor, each named by what holds it)
+        watch = searched.swap_oom_callback(None) if searched is not None else None
         fitted = True
         try:
             with guard:
@@ -150,6 +153,8 @@ def max_microbatch(
             release_oom(exc, collect=False)  # drop the failed try's frames; collected below when needed
             fitted = False
         finally:
+            if searched is not None:
+                searched.swap_oom_callback(watch)
             if cleanup is not None:
                 cleanup()
             # A full collection costs ~0.1 s in a large process: skip it when memory came back anyway.
