@@ -667,3 +667,48 @@ def test_a_baseline_file_with_a_bad_site_is_refused_naming_the_file_the_site_and
     assert json.loads(baselines.read_text())["environments"][key]["tests"]["test_train.py::test_step"]["spans"]["call"][
         "sites"
     ][site].startswith("peak=lots")
+
+
+XFAIL_OOM = """
+import pytest, torch
+
+
+def ran(name):
+    with open("runs.txt", "a") as out:
+        out.write(name + "\\n")
+
+
+@pytest.mark.xfail(raises=torch.OutOfMemoryError, strict=True)
+@pytest.mark.gpumem(device_limit="1MiB")
+def test_expected():
+    ran("expected")
+    torch.ones(1 << 20)
+
+
+@pytest.mark.xfail(raises=ValueError)
+@pytest.mark.gpumem(device_limit="1MiB")
+def test_another_error_expected():
+    ran("another")
+    torch.ones(1 << 20)
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "outcomes", "runs"),
+    [
+        ([], {"xfailed": 1, "failed": 1}, ["expected", "another", "another"]),
+        (["--runxfail"], {"failed": 2}, ["expected", "expected", "another", "another"]),
+    ],
+    ids=["xfail", "runxfail"],
+)
+def test_an_out_of_memory_error_its_xfail_mark_expects_is_not_run_again(
+    pytester: pytest.Pytester, args: list[str], outcomes: dict[str, int], runs: list[str]
+) -> None:
+    """An ``xfail`` test that runs out of memory as its mark expects is reported as expected, with
+    no sites to show: its call is not run a second time. Another error than the one expected
+    fails the test, and ``--runxfail`` reports every failure: those run again to name the lines."""
+    pytester.makepyfile(test_xfail_oom=XFAIL_OOM)
+    result = run(pytester, *args)
+    result.assert_outcomes(**outcomes)
+    assert (pytester.path / "runs.txt").read_text().split() == runs
+    assert result.stdout.str().count("sites from a second run") == outcomes["failed"]

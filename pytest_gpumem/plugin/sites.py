@@ -66,6 +66,31 @@ def _fails(session: BaselineSession, record: TestRecord) -> bool:
     return copy.failed
 
 
+def _expected(item: pytest.Item, exc: BaseException) -> bool:
+    """Whether pytest reports ``exc`` as an expected failure: the test is marked ``xfail`` (its
+    ``raises`` matching, its condition true) and ``--runxfail`` is not given. Its report shows no
+    sites, so the second run that would name them is not run. Read as pytest's own skipping plugin
+    reads it (``_pytest.skipping``); where that cannot be read, the second run runs as before."""
+    if getattr(item.config.option, "runxfail", False):
+        return False
+    try:
+        from _pytest.skipping import evaluate_xfail_marks, xfailed_key
+    except ImportError:  # pragma: no cover - pytest moved it
+        return False
+    xfailed = item.stash.get(xfailed_key, None)
+    if xfailed is None:
+        xfailed = evaluate_xfail_marks(item)
+    if xfailed is None:
+        return False
+    raises = xfailed.raises
+    if raises is None:
+        return True
+    if isinstance(raises, (type, tuple)):
+        return isinstance(exc, raises)
+    matches = getattr(raises, "matches", None)  # pytest.RaisesExc (pytest 8.4 and later)
+    return bool(matches(exc)) if callable(matches) else False
+
+
 def second_run(
     item: pytest.Item,
     run: TestRun,
@@ -75,8 +100,9 @@ def second_run(
     session: BaselineSession,
     freezer: Freezer | None,
 ) -> TestRecord:
-    """``record`` with sites: when the test failed on memory (or ran out of memory) and its first
-    run recorded none, its call runs once more with sites on, and each span of ``record`` gets the
+    """``record`` with sites: when the test failed on memory (or ran out of memory, unless that is
+    the failure its ``xfail`` mark expects) and its first run recorded none, its call runs once
+    more with sites on, and each span of ``record`` gets the
     sites of the same span of that run; the leak and out-of-memory reports stay the first run's.
     ``record`` as it is otherwise. ``freezer``: the run's collector (None where the run has none),
     which freezes again before the second run what the first run's reports gave back."""
@@ -89,7 +115,7 @@ def second_run(
     if not run.engine.records_sites:  # the CPU engine observing allocations: no second run for nothing
         return record
     if exc is not None:
-        if not is_oom(exc):
+        if not is_oom(exc) or _expected(item, exc):
             return record
     elif not _fails(session, record):
         return record
