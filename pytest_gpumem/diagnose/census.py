@@ -403,12 +403,13 @@ def take_census(
     unnamed = [group for group in chosen if not any(id(t) in names for t in group.tensors)]
     if unnamed:  # what else holds them: a cache, a compiler's graph, a global container
         hints = holder_hints(unnamed, {}, thaw=False)
-        rest = [group for i, group in enumerate(unnamed) if i not in hints]
+        rest = [i for i in range(len(unnamed)) if i not in hints]
         if rest and collector.give_back():
             # held by objects the plugin froze (what an earlier test left in a cache): they are
             # given back to the collector until the next test, and searched too; a report that
-            # comes again in this test (a microbatch search) finds them given back already
-            hints.update({len(unnamed) + i: hint for i, hint in holder_hints(rest, {}, thaw=False).items()})
+            # comes again in this test finds them given back already
+            found = holder_hints([unnamed[i] for i in rest], {}, thaw=False)
+            hints.update({rest[j]: hint for j, hint in found.items()})
         for tensor, name in hints.values():
             names[id(tensor)] = (name, None)
     with _reading(engine):

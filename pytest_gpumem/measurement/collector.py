@@ -228,11 +228,9 @@ class Collector:
         (one with an emulated device limit) starts from a state where a cycle among the frozen
         objects that an earlier test dropped is freed, and its own collections walk what it makes,
         not the whole process."""
-        if not self.frozen:
-            self.collect()
-            return
-        self.given_back += 1
-        self.give_back()
+        if self.frozen:
+            self.given_back += 1
+            self.give_back()
         self.collect()
         self.compact()
 
