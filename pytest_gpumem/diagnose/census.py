@@ -404,7 +404,7 @@ def take_census(
     if unnamed:  # what else holds them: a cache, a compiler's graph, a global container
         hints = holder_hints(unnamed, {}, thaw=False)
         rest = [i for i in range(len(unnamed)) if i not in hints]
-        if rest and collector.give_back():
+        if rest and frozen.thaw():
             # held by objects the plugin froze (what an earlier test left in a cache): they are
             # given back to the collector until the next test, and searched too; a report that
             # comes again in this test finds them given back already

@@ -132,20 +132,23 @@ def tensors() -> Iterator[torch.Tensor]:
             yield obj
 
 
-def thaw() -> None:
+def thaw() -> bool:
     """Give the plugin's frozen objects back to the collector, so that ``gc.get_referrers``
     sees them (naming what holds a leaked tensor); only failures' reports need it. The
     running collector freezes again between tests (its :meth:`compact`); without one (objects
-    remembered by hand), they are given back for good."""
+    remembered by hand), they are given back for good. Returns whether any were frozen."""
     from pytest_gpumem.measurement.collector import running
 
     collector = running()
     if collector is not None:
+        was_frozen = collector.frozen
         collector.give_back()
-        return
-    if known():
+        return was_frozen
+    was_frozen = known()
+    if was_frozen:
         gc.unfreeze()
     forget()
+    return was_frozen
 
 
 def give_back_theirs() -> None:

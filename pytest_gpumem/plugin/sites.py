@@ -103,9 +103,9 @@ def second_run(
     """``record`` with sites: when the test failed on memory (or ran out of memory, unless that is
     the failure its ``xfail`` mark expects) and its first run recorded none, its call runs once
     more with sites on, and each span of ``record`` gets the sites of the same span of that run;
-    the leak and out-of-memory reports stay the first run's.
-    ``record`` as it is otherwise. ``freezer``: the run's collector (None where the run has none),
-    which freezes again before the second run what the first run's reports gave back."""
+    the leak and out-of-memory reports stay the first run's. ``record`` as it is otherwise.
+    ``freezer``: the run's collector (None where the run has none), which freezes again before
+    the second run what the first run's reports gave back."""
     from pytest_gpumem.diagnose.oom import is_oom
     from pytest_gpumem.plugin.returnwatch import code_of
     from pytest_gpumem.plugin.runner import TestRun
