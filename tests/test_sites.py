@@ -539,6 +539,40 @@ def test_a_fake_mode_prediction_that_does_not_fit_names_its_sites_in_the_predict
     assert "(16384, 2048) float32" in row
 
 
+@pytest.mark.parametrize("fake", [True, False], ids=["fake", "real"])
+def test_a_failing_test_on_fake_tensors_records_its_sites_in_its_only_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, fake: bool
+) -> None:
+    """On fake tensors the first run records the sites (a few percent of a fake step): a test
+    that fails on memory runs its call once, and its failure names the line with no "second
+    run". The same test on real tensors records none in its first run and runs its call again."""
+    monkeypatch.setenv("COLUMNS", "200")
+    pytester.makepyfile(
+        test_fit=f"""
+        import pytest, torch
+
+        @pytest.mark.gpumem(predict="h100", fake={fake}, peak="1MiB")
+        def test_step(gpumem):
+            with open("calls.txt", "a") as out:
+                out.write("call\\n")
+            model = torch.nn.Linear(1024, 1024)
+            gpumem.track(model)
+            model(torch.randn(64, 1024)).sum().backward()
+        """
+    )
+    result = run(pytester, "--gpumem-json=report.json")
+    result.assert_outcomes(failed=1)
+    calls = (pytester.path / "calls.txt").read_text().split()
+    assert calls == (["call"] if fake else ["call", "call"])
+    failure = result.stdout.str().split("exceeds the limit 1.00 MiB (1MiB)", 1)[1]
+    assert "at the peak, the largest sites:" in failure
+    assert "test_fit.py:7 test_step" in failure  # the Linear's weight and bias
+    assert ("sites from a second run" in failure) is not fake
+    (test,) = json.loads((pytester.path / "report.json").read_text())["tests"]
+    (call,) = [m for m in test["measurements"] if m["name"] == "call"]
+    assert call["sites"]["second_run"] is not fake
+
+
 @pytest.mark.slow
 def test_with_transformers_included_the_site_is_in_the_models_own_code(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch

@@ -110,7 +110,7 @@ class Measuring:
                 f"{item.nodeid}: fake=True needs a prediction: predict= on the marker or --gpumem-predict",
                 pytrace=False,
             )
-        options = run_options(settings, spec)
+        options = run_options(settings, spec, fake=fake)
         item.stash[RUN_KEY] = TestRun(
             item.nodeid,
             spec,

@@ -116,8 +116,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "sites",
         "when measured tests record where their bytes were made (the lines, by growth, in a failure): rerun "
-        "(default: on --gpumem-update-baselines, and a test that fails on memory runs its call once more with "
-        "sites on), always (in every run: costs each test a frame walk per allocation) or off.",
+        "(default: on --gpumem-update-baselines and on fake tensors, and a test that fails on memory runs its "
+        "call once more with sites on), always (in every run: costs each test a frame walk per allocation) or off.",
         default="rerun",
         metavar="MODE",
     ),

@@ -3,8 +3,10 @@ test that failed on memory.
 
 Recording a site costs a walk up the stack at every allocation, so a passing test never pays
 it: sites are recorded on a baseline update (they are stored with the figures), in every run
-with ``--gpumem-sites=always``, and otherwise (``rerun``, the default) by running the call of
-a test that failed on memory once more, right after the first, with sites on. The second run
+with ``--gpumem-sites=always``, in every run of a test on fake tensors (there the walk costs a
+few percent of a step, and a second run would cost the whole step again), and otherwise
+(``rerun``, the default) by running the call of a test that failed on memory once more, right
+after the first, with sites on. The second run
 reuses the test's fixture values: function-scoped fixtures are not set up again (pytest sets
 a test's fixtures up once; tearing them down and up again in the middle of its call phase would
 run other fixtures' finalizers out of order). A test whose call changes state its fixtures
@@ -40,12 +42,14 @@ def _mode(settings: Settings, spec: GpumemSpec) -> str:
     return spec.sites or settings.sites
 
 
-def run_options(settings: Settings, spec: GpumemSpec) -> RunOptions:
-    """What the run asks of this test's first run: sites only on a baseline update or with ``always``."""
+def run_options(settings: Settings, spec: GpumemSpec, *, fake: bool = False) -> RunOptions:
+    """What the run asks of this test's first run: sites on a baseline update, with ``always``,
+    and on fake tensors (``fake``), where recording them costs a few percent of a step that a
+    second run would run again whole."""
     from pytest_gpumem.plugin.runner import RunOptions
 
     mode = _mode(settings, spec)
-    sites = mode == "always" or (mode != "off" and settings.baselines.update)
+    sites = mode == "always" or (mode != "off" and (settings.baselines.update or fake))
     return RunOptions(
         leak_check=settings.leak_check,
         snapshots=settings.artifacts if settings.snapshot else None,
