@@ -42,7 +42,7 @@ def _mode(settings: Settings, spec: GpumemSpec) -> str:
     return spec.sites or settings.sites
 
 
-def run_options(settings: Settings, spec: GpumemSpec, *, fake: bool = False) -> RunOptions:
+def run_options(settings: Settings, spec: GpumemSpec, *, fake: bool) -> RunOptions:
     """What the run asks of this test's first run: sites on a baseline update, with ``always``,
     and on fake tensors (``fake``), where recording them costs a few percent of a step that a
     second run would run again whole."""
