@@ -539,13 +539,16 @@ def test_a_fake_mode_prediction_that_does_not_fit_names_its_sites_in_the_predict
     assert "(16384, 2048) float32" in row
 
 
-@pytest.mark.parametrize("fake", [True, False], ids=["fake", "real"])
+@pytest.mark.parametrize(
+    ("fake", "mode"), [(True, "rerun"), (False, "rerun"), (True, "off")], ids=["fake", "real", "fake-off"]
+)
 def test_a_failing_test_on_fake_tensors_records_its_sites_in_its_only_run(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, fake: bool
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, fake: bool, mode: str
 ) -> None:
     """On fake tensors the first run records the sites (a few percent of a fake step): a test
     that fails on memory runs its call once, and its failure names the line with no "second
-    run". The same test on real tensors records none in its first run and runs its call again."""
+    run". The same test on real tensors records none in its first run and runs its call again;
+    with ``--gpumem-sites=off`` a fake test records none either."""
     monkeypatch.setenv("COLUMNS", "200")
     pytester.makepyfile(
         test_fit=f"""
@@ -560,16 +563,19 @@ def test_a_failing_test_on_fake_tensors_records_its_sites_in_its_only_run(
             model(torch.randn(64, 1024)).sum().backward()
         """
     )
-    result = run(pytester, "--gpumem-json=report.json")
+    result = run(pytester, "--gpumem-json=report.json", f"--gpumem-sites={mode}")
     result.assert_outcomes(failed=1)
     calls = (pytester.path / "calls.txt").read_text().split()
     assert calls == (["call"] if fake else ["call", "call"])
     failure = result.stdout.str().split("exceeds the limit 1.00 MiB (1MiB)", 1)[1]
+    (test,) = json.loads((pytester.path / "report.json").read_text())["tests"]
+    (call,) = [m for m in test["measurements"] if m["name"] == "call"]
+    if mode == "off":
+        assert "largest sites" not in failure and call.get("sites") is None
+        return
     assert "at the peak, the largest sites:" in failure
     assert "test_fit.py:7 test_step" in failure  # the Linear's weight and bias
     assert ("sites from a second run" in failure) is not fake
-    (test,) = json.loads((pytester.path / "report.json").read_text())["tests"]
-    (call,) = [m for m in test["measurements"] if m["name"] == "call"]
     assert call["sites"]["second_run"] is not fake
 
 

@@ -1,17 +1,17 @@
 """Sites in a run: which test runs record where their bytes were made, and the second run of a
 test that failed on memory.
 
-Recording a site costs a walk up the stack at every allocation, so a passing test never pays
-it: sites are recorded on a baseline update (they are stored with the figures), in every run
-with ``--gpumem-sites=always``, in every run of a test on fake tensors (there the walk costs a
-few percent of a step, and a second run would cost the whole step again), and otherwise
-(``rerun``, the default) by running the call of a test that failed on memory once more, right
-after the first, with sites on. The second run
-reuses the test's fixture values: function-scoped fixtures are not set up again (pytest sets
-a test's fixtures up once; tearing them down and up again in the middle of its call phase would
-run other fixtures' finalizers out of order). A test whose call changes state its fixtures
-hold (a model trained in place, an optimizer's state, a counter) gives other figures the second
-time: the record says so, and its figures stay the first run's. ``sites="off"`` on the marker
+Recording a site costs a walk up the stack at every allocation, so a passing test on real
+tensors never pays it: sites are recorded on a baseline update (they are stored with the
+figures), in every run with ``--gpumem-sites=always``, in every run of a test on fake tensors
+(there the walk costs a few percent of a step, and a second run would cost the whole step
+again), and otherwise (``rerun``, the default) by running the call of a test that failed on
+memory once more, right after the first, with sites on. The second run reuses the test's
+fixture values: function-scoped fixtures are not set up again (pytest sets a test's fixtures up
+once; tearing them down and up again in the middle of its call phase would run other fixtures'
+finalizers out of order). A test whose call changes state its fixtures hold (a model trained in
+place, an optimizer's state, a counter) gives other figures the second time: the record says
+so, and its figures stay the first run's. ``sites="off"`` on the marker
 (or ``--gpumem-sites=off``) leaves such a test alone. No torch at import.
 """
 
