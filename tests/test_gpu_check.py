@@ -140,6 +140,19 @@ def test_a_stopped_sessions_outcomes_are_read_from_its_verbose_log(
 
 
 def test_summary_names_the_device_the_parts_and_the_failures() -> None:
+    """The summary's table, the failures, the validation against the committed record (a change
+    of clean-state protocol said as such, the differences past the first 60 counted, none lost)
+    and the overhead ratios."""
+    differences = [f"zoo.w{i}.cuda peak cost: {i:,} → 0 B (-{i:,} B)" for i in range(65)]
+    validation = {
+        "record": "validate/nvidia-h200-torch2.11",
+        "checks": 61,
+        "failed_checks": [],
+        "against": "nvidia-h100-80gb-hbm3-torch2.11",
+        "differences": differences,
+        "same": 85,
+        "protocols": [1, 2],
+    }
     summary = {
         "device": {
             "device": "NVIDIA H200",
@@ -162,7 +175,10 @@ def test_summary_names_the_device_the_parts_and_the_failures() -> None:
                     | {"tests": 17, "failures": 1, "errors": 0, "skipped": 0, "failed": ["t::a: boom"]}
                 ],
             ).__dict__,
-            gpu_check.Outcome("overhead", "passed", 100.0, figures={"ratios": {"cpu on/off": 1.04}}).__dict__,
+            gpu_check.Outcome("validate", "passed", 56.0, figures=validation).__dict__,
+            gpu_check.Outcome(
+                "overhead", "passed", 100.0, figures={"ratios": {"on/off": {"wall": 1.2135074, "cpu": 1.2133950}}}
+            ).__dict__,
             gpu_check.Outcome("fast-slice", "skipped", why="the budget was gone (3 s left)").__dict__,
         ],
     }
@@ -171,7 +187,11 @@ def test_summary_names_the_device_the_parts_and_the_failures() -> None:
     assert "| cuda-tests | failed | 40 | 17 | 1 | 0 |" in text
     assert "| fast-slice | skipped (the budget was gone (3 s left)) | 0 |  |  |  |" in text
     assert "- FAILED t::a: boom" in text
-    assert "- cpu on/off: 1.04" in text
+    assert "- against `nvidia-h100-80gb-hbm3-torch2.11`: 85 figures equal, 65 differ" in text
+    assert "  - the committed record was made with clean-state protocol 1, this one with 2: costs" in text
+    assert f"  - {differences[59]}" in text and differences[60] not in text
+    assert "  - … and 5 more (`validate/nvidia-h200-torch2.11/record.json`)" in text
+    assert "- on/off: wall ×1.214, cpu ×1.213" in text
 
 
 @pytest.mark.slow
