@@ -364,9 +364,8 @@ def test_llama_7b(gpumem):
     # in a process of its own: transformers' modules imported inside an in-process session are
     # dropped when it ends (pytester restores sys.modules), while the package object stays with
     # the classes it cached (LlamaConfig), so a later test of this process would mix two copies.
-    # Sites off: the report at the refused allocation is what this test checks; the second run
-    # that names the lines of a Llama-7B failure is checked by test_sites_frameworks.py (and
-    # docs/sites.md), and here would run the 32 layers again for nothing this test reads
+    # Sites off: the report at the refused allocation is what this test checks; the lines of a
+    # Llama-7B failure are checked by test_sites_frameworks.py (and docs/sites.md)
     result = run_fresh(pytester, "-p", "no:randomly", "--gpumem-sites=off")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(

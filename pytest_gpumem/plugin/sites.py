@@ -11,8 +11,8 @@ fixture values: function-scoped fixtures are not set up again (pytest sets a tes
 once; tearing them down and up again in the middle of its call phase would run other fixtures'
 finalizers out of order). A test whose call changes state its fixtures hold (a model trained in
 place, an optimizer's state, a counter) gives other figures the second time: the record says
-so, and its figures stay the first run's. ``sites="off"`` on the marker
-(or ``--gpumem-sites=off``) leaves such a test alone. No torch at import.
+so, and its figures stay the first run's. ``sites="off"`` on the marker (or
+``--gpumem-sites=off``) leaves such a test alone. No torch at import.
 """
 
 from __future__ import annotations
