@@ -64,10 +64,22 @@ def test_an_option_a_script_does_not_know_fails_the_dry_run() -> None:
 
 
 @pytest.mark.slow
-def test_a_selection_that_does_not_collect_fails_the_dry_run() -> None:
-    argv = [sys.executable, "-m", "pytest", "tests/test_no_such_file.py"]
-    why = gpu_check.check_command(gpu_check.Command("x", argv, "pytest"), gpu_check.environment())
-    assert why is not None and why.startswith("collection failed (exit 4)")
+def test_a_selection_that_does_not_collect_fails_the_dry_run_and_the_others_still_pass() -> None:
+    """The dry run collects every pytest command in one process, one session after another: each
+    command is answered for by its own session, whatever the sessions before it did."""
+    pytest_ = [sys.executable, "-m", "pytest"]
+    commands = [
+        gpu_check.Command("x", [*pytest_, "tests/test_no_such_file.py"], "pytest"),
+        gpu_check.Command("x", [*pytest_, "tests/test_units.py", "-n", "2", "--junitxml=never.xml"], "pytest"),
+        gpu_check.Command("x", [*pytest_, "tests/test_units.py", "--no-such-option"], "pytest"),
+        gpu_check.Command("x", [*pytest_, "tests/test_units.py", "-k", "format"], "pytest"),
+    ]
+    missing, fine, unknown, selected = gpu_check.collection_problems(commands, gpu_check.environment())
+    assert missing is not None and missing.startswith("collection failed (exit 4)")
+    assert "file or directory not found: tests/test_no_such_file.py" in missing
+    assert unknown is not None and "unrecognized arguments: --no-such-option" in unknown
+    assert fine is None and selected is None
+    assert not (ROOT / "never.xml").exists()
 
 
 def test_unknown_parts_are_a_usage_error() -> None:
