@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
+import tempfile
 import unittest
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from sybil.example import SybilFailure
 from sybil.parsers.markdown import ClearNamespaceParser, PythonCodeBlockParser, SkipParser
 
 from pytest_gpumem.budgets import optimizers
+from tests._warm_sessions import run_session
 
 ROOT = Path(__file__).resolve().parent.parent
 #: ``<!-- test-file: test_x.py -->`` (or ``quickstart``) on the line before a block.
@@ -39,7 +39,8 @@ class _CodeBlocks(PythonCodeBlockParser):
 
 
 class _TestFiles(PythonCodeBlockParser):
-    """The blocks that are test modules: each runs as a pytest session in a fresh process."""
+    """The blocks that are test modules: each runs as a pytest session in a process of its own
+    (forked from one that has imported torch: ``tests/_warm_sessions.py``)."""
 
     def __call__(self, document: Document) -> Any:
         for region in super().__call__(document):
@@ -58,9 +59,6 @@ def _run_test_file(example: Example) -> str | None:
     env = {key: value for key, value in os.environ.items() if key not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
     # on the CPU engine, as the documents' outputs are, whatever the machine has
     command = [
-        sys.executable,
-        "-m",
-        "pytest",
         "-q",
         "-p",
         "no:cacheprovider",
@@ -69,9 +67,12 @@ def _run_test_file(example: Example) -> str | None:
         "--gpumem-device=cpu",
         name,
     ]
-    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600, check=False)
-    if done.returncode != 0:
-        return f"{name} (line {example.line}) failed as a pytest session:\n{done.stdout[-6000:]}{done.stderr[-2000:]}"
+    with tempfile.TemporaryDirectory(prefix="gpumem-docs-output-") as output:  # not in the example's folder
+        stdout, stderr = Path(output) / "stdout", Path(output) / "stderr"
+        code = run_session(command, cwd=folder, env=env, stdout=stdout, stderr=stderr)
+        out, err = stdout.read_text(encoding="utf8"), stderr.read_text(encoding="utf8")
+    if code != 0:
+        return f"{name} (line {example.line}) failed as a pytest session:\n{out[-6000:]}{err[-2000:]}"
     return None
 
 
