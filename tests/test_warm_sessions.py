@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._warm_sessions import runpytest_warm
+from tests._warm_sessions import _zygotes, runpytest_warm
 
 SESSION = """
 import atexit, os, sys, threading, time
@@ -52,6 +52,9 @@ def test_a_warm_session_starts_fresh_and_ends_as_an_interpreter_does(
 
     first = runpytest_warm(pytester, "-p", "no:randomly", "-p", "no:cacheprovider")
     first.assert_outcomes(passed=2)
+    zygote = _zygotes[os.getpid()].process.pid
+    if Path("/proc").is_dir():  # it forks: it must run one thread (importing torch starts none)
+        assert len(os.listdir(f"/proc/{zygote}/task")) == 1
     assert (tmp_path / "thread").read_text() == "joined"
     assert (tmp_path / "atexit").read_text() == "ran"
     assert first.stderr.str() == ""
