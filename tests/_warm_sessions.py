@@ -52,10 +52,11 @@ base = [p for p in sys.path[1:] if p not in own]  # the interpreter's own entrie
 requests = os.fdopen(0, "rb", buffering=0)
 
 def session(request):
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        os.dup2(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    opened = [os.open(os.devnull, os.O_RDONLY)]
+    opened += [os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for name in ("stdout", "stderr")]
+    for fd, source in enumerate(opened):
+        os.dup2(source, fd)
+        os.close(source)  # only 0, 1 and 2 open, as in a new interpreter
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
