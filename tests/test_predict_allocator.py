@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -104,31 +105,33 @@ def test_targets_are_data_and_names_are_checked() -> None:
 
 def test_the_allocation_trace_recorded_on_an_h100_replays_to_the_same_segments(recorded_h100: Path) -> None:
     """The memory snapshot recorded on the H100 (torch 2.11, the reference workloads of
-    ``python -m pytest_gpumem validate``): its trace replayed through the model reserves the same segments,
-    in the same order, and ends with the snapshot's segments, block for block."""
+    ``python -m pytest_gpumem validate``, clean-state protocol 2): its whole trace replayed through
+    the model reserves a segment exactly where the H100 did, of the same size, and ends with the
+    snapshot's segments, block for block. One segment is older than the trace: the 2 MiB small
+    segment the trace's first allocation (a 4-byte tensor) lands in, which the model reserves
+    there."""
     with (recorded_h100 / "snapshot.pickle").open("rb") as file:
         snapshot = pickle.load(file)
     trace = snapshot["device_traces"][0]
-    # from the first empty_cache on: before it, blocks allocated before the trace began are unknown
-    first = next(i for i, event in enumerate(trace) if event["action"] == "segment_free")
-    while trace[first]["action"] == "segment_free":
-        first += 1
+    reserved_in_trace = {event["addr"] for event in trace if event["action"] == "segment_alloc"}
+    older = [segment for segment in snapshot["segments"] if segment["address"] not in reserved_in_trace]
+    assert [(segment["total_size"], segment["segment_type"]) for segment in older] == [(2 * 1024 * 1024, "small")]
     model = CachingAllocatorModel(target("h100").allocator)
-    recorded, modelled = [], []
-    for event in trace[first:]:
+    recorded, modelled = [(0, 2 * 1024 * 1024)], []  # the older segment, reserved for the first allocation
+    for index, event in enumerate(trace):
         action = event["action"]
         if action == "alloc":
             reserved = model.reserved
             model.malloc(event["addr"], event["size"])
             if model.reserved > reserved:
-                modelled.append(model.reserved - reserved)
+                modelled.append((index, model.reserved - reserved))
         elif action == "free_completed":
             model.free(event["addr"])
         elif action == "segment_alloc":
-            recorded.append(event["size"])
+            recorded.append((index + 1, event["size"]))  # the allocation that needed it comes next
         elif action == "segment_free":
             model.empty_cache()
-    assert len(recorded) == 23
+    assert len(recorded) == 17
     assert modelled == recorded
     expected = [
         (
@@ -138,5 +141,8 @@ def test_the_allocation_trace_recorded_on_an_h100_replays_to_the_same_segments(r
         )
         for segment in snapshot["segments"]
     ]
-    assert model.segments() == expected
-    assert (model.reserved, model.allocated) == (35_651_584, 34_603_008)
+    assert sorted(model.segments()) == sorted(expected)
+    stats = json.loads((recorded_h100 / "memory_stats.json").read_text(encoding="utf-8"))["snapshot"]
+    assert (model.reserved, model.allocated) == (69_206_016, 68_157_440)
+    assert model.reserved == stats["reserved_bytes.all.current"]
+    assert model.allocated == stats["allocated_bytes.all.current"]

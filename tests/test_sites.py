@@ -316,7 +316,7 @@ def test_a_recorded_h100_trace_replays_to_the_allocators_counter_and_names_its_p
     """The committed H100 snapshot (Python stacks, the trace's last entries): replayed from the
     bytes it implies at its start, the trace ends at the allocator's own ``allocated`` count read
     with it, the blocks it leaves alive are the snapshot's active blocks (address and size), and the
-    sites at its peak add up to that peak, named from the frames of the validation script."""
+    sites at its peak add up to that peak, named from the frames of the validation package's reference workloads."""
     from pytest_gpumem.measurement.engines.traces import replay_moments, replay_trace
     from pytest_gpumem.validate.record import load_snapshot
 
@@ -339,7 +339,8 @@ def test_a_recorded_h100_trace_replays_to_the_allocators_counter_and_names_its_p
     assert end.blocks and {addr: size for addr, (size, _) in end.blocks.items()}.items() <= active.items()
 
     def name_of(filename: str) -> str | None:
-        return filename.removeprefix("<checkout>/") if filename.startswith("<checkout>/scripts/") else None
+        validation = filename.startswith("<checkout>/pytest_gpumem/validate/")
+        return filename.removeprefix("<checkout>/") if validation else None
 
     peaks, _ = replay_trace(events, name_of, start=start, windows=[0])  # not stamped: one window
     found = peaks[0]
@@ -349,7 +350,7 @@ def test_a_recorded_h100_trace_replays_to_the_allocators_counter_and_names_its_p
         allocated -= int(event["size"]) if event["action"] == "free_requested" else 0
         highest = max(highest, allocated)
     assert sum(counts.total for _, _, counts, _, _ in found if counts is not None) == highest
-    named = [site for site, _, _, _, _ in found if site.file == "scripts/gpu_validate_lib.py"]
+    named = [site for site, _, _, _, _ in found if site.file == "pytest_gpumem/validate/reference.py"]
     assert named and all(site.function and site.line > 0 for site in named)
 
 
