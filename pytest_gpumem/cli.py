@@ -64,10 +64,13 @@ class CommandError(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if arguments[:1] == ["validate"]:  # GPU validation: its own command line (imports torch)
-        from pytest_gpumem.validate.main import main as validate
+    if arguments[:1] == ["validate"]:  # GPU validation: its own command line, parsed before torch is imported
+        from pytest_gpumem.validate.options import build_parser
 
-        return validate(arguments[1:])
+        options = build_parser().parse_args(arguments[1:])
+        from pytest_gpumem.validate.main import run as validate
+
+        return validate(options)
     parser, actions = _parser()
     try:
         args, _ = parser.parse_known_args(arguments)

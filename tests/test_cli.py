@@ -189,6 +189,25 @@ def test_usage_errors_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(action in out for action in ("show", "diff", "prune"))
 
 
+def test_the_validations_help_and_a_bad_option_answer_without_importing_torch() -> None:
+    """``validate --help`` and a usage error come from the command line's parser alone: torch,
+    which the validation itself needs, is not imported for them (it takes seconds)."""
+    code = (
+        "import sys\n"
+        "from pytest_gpumem.cli import main\n"
+        "for argv in (['validate', '--help'], ['validate', '--size', 'huge']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as exit:\n"
+        "        print('exit', exit.code, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "usage: python -m pytest_gpumem validate" in done.stdout and "--trace {mlp,reference}" in done.stdout
+    assert "argument --size: invalid choice: 'huge'" in done.stderr
+    assert [line for line in done.stdout.splitlines() if line.startswith("exit ")] == ["exit 0 False", "exit 2 False"]
+
+
 # --------------------------------------------------------------------------- diff
 
 

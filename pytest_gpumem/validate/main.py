@@ -14,6 +14,7 @@ import torch
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.validate.against import differences, load_record
 from pytest_gpumem.validate.compare import zoo_comparison, zoo_step
+from pytest_gpumem.validate.options import build_parser
 from pytest_gpumem.validate.record import build_record, record_name, run_suite, suite_from, take_snapshot, write_record
 from pytest_gpumem.validate.reference import (
     counter_checks,
@@ -26,75 +27,8 @@ from pytest_gpumem.validate.reference import (
 )
 from pytest_gpumem.validate.render import render_terminal
 from pytest_gpumem.validate.replay import replay
-from pytest_gpumem.validate.results import (
-    CHECKOUT,
-    SNAPSHOT_ENTRIES,
-    TRACED_STEP,
-    TRACES,
-    Check,
-    Run,
-    log,
-    suite_check,
-)
-from pytest_gpumem.validate.zoo import MODELS, SIZES, zoo
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m pytest_gpumem validate",
-        description=(
-            "Validate pytest-gpumem on a CUDA GPU and record what it saw (in a checkout: under "
-            "fixtures/recorded/; installed: under ./gpumem-validation/ unless --out says where)."
-        ),
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="folder in which the record folder <gpu-model>-torch<version>/ is written "
-        "(default: fixtures/recorded; required with --cpu-only)",
-    )
-    parser.add_argument(
-        "--cpu-only",
-        "--dry-run",
-        dest="cpu_only",
-        action="store_true",
-        help="run only what needs no GPU (CPU half of the zoo, references on the CPU engine); GPU figures are n/a",
-    )
-    parser.add_argument("--device", default="cuda", help="the CUDA device (default: cuda, the current one)")
-    parser.add_argument("--size", choices=SIZES, default="small", help="zoo and reference sizes (default: small)")
-    parser.add_argument(
-        "--models",
-        default=",".join(MODELS),
-        help=f"comma-separated zoo models (default: {','.join(MODELS)}; those whose package is missing are skipped)",
-    )
-    parser.add_argument("--skip-suite", action="store_true", help="do not run the CUDA test suite")
-    parser.add_argument("--suite-timeout", type=float, default=300.0, help="seconds for the CUDA suite (default 300)")
-    parser.add_argument("--pytest-arg", action="append", default=[], help="an extra argument for the CUDA suite")
-    parser.add_argument(
-        "--suite-from",
-        type=Path,
-        metavar="JUNIT_XML",
-        help="the CUDA suite already ran on this machine (`pytest tests -m cuda --junitxml=FILE`): record its result "
-        "from that JUnit XML file instead of running it again",
-    )
-    parser.add_argument("--suite-log", type=Path, help="with --suite-from: that run's output, kept in the record")
-    parser.add_argument(
-        "--snapshot-entries", type=int, default=SNAPSHOT_ENTRIES, help="allocation history kept in the snapshot"
-    )
-    parser.add_argument(
-        "--trace",
-        choices=TRACES,
-        default="mlp",
-        help="what the memory snapshot's allocation history covers: the zoo MLP's fp32 training step "
-        "(default: mlp) or the reference workloads (reference)",
-    )
-    parser.add_argument(
-        "--against",
-        type=Path,
-        help="a committed record folder (e.g. fixtures/recorded/nvidia-h100-80gb-hbm3-torch2.11): "
-        "the figures of the workloads both records hold are compared, and the differences listed",
-    )
-    return parser
+from pytest_gpumem.validate.results import CHECKOUT, TRACED_STEP, Check, Run, log, suite_check
+from pytest_gpumem.validate.zoo import zoo
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -107,7 +41,11 @@ def _inside(path: Path, folder: Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the validation; 0 when every check passed, 1 when one failed, 2 when it could not run."""
-    options = _parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(options: argparse.Namespace) -> int:
+    """Run the validation the parsed ``options`` ask for (:func:`~pytest_gpumem.validate.options.build_parser`)."""
     recorded = None if CHECKOUT is None else CHECKOUT / "fixtures" / "recorded"
     if options.cpu_only:
         if options.out is None:

@@ -32,8 +32,6 @@ SUITE_LOG = "cuda-suite.log"
 #: Every file a record may hold (the device tool brings back at most 8 files of 16 MiB each).
 RECORD_FILES: tuple[str, ...] = (RECORD_FILE, SUMMARY_FILE, STATS_FILE, SNAPSHOT_FILE, SUITE_LOG)
 
-#: Allocation-history entries kept for the memory snapshot.
-SNAPSHOT_ENTRIES = 2_000
 #: Largest snapshot file written; longer histories are cut from the front until it fits.
 SNAPSHOT_LIMIT = 12 * 2**20
 #: Last bytes of the CUDA suite's output kept in ``cuda-suite.log``.
@@ -44,8 +42,6 @@ MLP_REFERENCE: Mapping[str, tuple[int, int, int]] = {"small": (2, 4096, 1024), "
 
 PROTOCOL = 2
 
-#: What the memory snapshot's allocation history may cover (``validate --trace``).
-TRACES: tuple[str, ...] = ("mlp", "reference")
 #: The workload traced by ``--trace mlp``: the zoo MLP's fp32 AdamW step on the GPU (after its warm-up).
 TRACED_STEP = "trace.zoo.mlp.fp32"
 
