@@ -18,6 +18,7 @@ import importlib.util
 import os
 import pkgutil
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Generator, Iterator
@@ -202,6 +203,21 @@ def recorded_h100() -> Path:
     record = target("h100").record
     assert record is not None
     return Path(__file__).resolve().parents[1] / record
+
+
+@pytest.fixture(scope="session")
+def cpu_only_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``python -m pytest_gpumem validate --cpu-only --size tiny --against <the H100 record>`` run
+    once, as a user would run it, from another folder: its output and record folder (the tests of
+    the validation read them; the tests of the replay read copies of the record)."""
+    out = tmp_path_factory.mktemp("record")
+    h100 = Path(__file__).resolve().parents[1] / "fixtures" / "recorded" / "nvidia-h100-80gb-hbm3-torch2.11"
+    command = [sys.executable, "-m", "pytest_gpumem", "validate", "--cpu-only", "--out", str(out), "--size", "tiny"]
+    command += ["--against", str(h100)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=out)
+    folders = [path for path in out.iterdir() if path.is_dir()]
+    assert len(folders) == 1, (done.stdout, done.stderr)
+    return done, folders[0]
 
 
 @pytest.fixture

@@ -11,8 +11,6 @@ import copy
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,36 +43,6 @@ ROOT = Path(__file__).resolve().parents[1]
 H100 = ROOT / "fixtures" / "recorded" / "nvidia-h100-80gb-hbm3-torch2.11"
 CPU = torch.device("cpu")
 MiB = 2**20
-
-
-@pytest.fixture(scope="module")
-def cpu_only_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``python -m pytest_gpumem validate --cpu-only --size tiny`` run as a user would run it, from
-    another folder; its output and record folder."""
-    out = tmp_path_factory.mktemp("record")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest_gpumem",
-            "validate",
-            "--cpu-only",
-            "--out",
-            str(out),
-            "--size",
-            "tiny",
-            "--against",
-            str(H100),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=out,
-    )
-    folders = [path for path in out.iterdir() if path.is_dir()]
-    assert len(folders) == 1, (done.stdout, done.stderr)
-    return done, folders[0]
 
 
 def record_of(folder: Path) -> dict[str, Any]:
