@@ -195,14 +195,19 @@ def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
     return pytester
 
 
-@pytest.fixture
-def recorded_h100() -> Path:
-    """The folder of the record the H100 prediction target is checked against (``targets.json``)."""
+def recorded_folder(gpu: str) -> Path:
+    """The folder of the record the prediction target ``gpu`` is checked against (``targets.json``)."""
     from pytest_gpumem.targets import target
 
-    record = target("h100").record
+    record = target(gpu).record
     assert record is not None
     return Path(__file__).resolve().parents[1] / record
+
+
+@pytest.fixture
+def recorded_h100() -> Path:
+    """The folder of the record the H100 prediction target is checked against."""
+    return recorded_folder("h100")
 
 
 @pytest.fixture(scope="session")
@@ -211,9 +216,8 @@ def cpu_only_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.C
     once, as a user would run it, from another folder: its output and record folder (the tests of
     the validation read them; the tests of the replay read copies of the record)."""
     out = tmp_path_factory.mktemp("record")
-    h100 = Path(__file__).resolve().parents[1] / "fixtures" / "recorded" / "nvidia-h100-80gb-hbm3-torch2.11"
     command = [sys.executable, "-m", "pytest_gpumem", "validate", "--cpu-only", "--out", str(out), "--size", "tiny"]
-    command += ["--against", str(h100)]
+    command += ["--against", str(recorded_folder("h100"))]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=out)
     folders = [path for path in out.iterdir() if path.is_dir()]
     assert len(folders) == 1, (done.stdout, done.stderr)

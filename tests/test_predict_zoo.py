@@ -32,12 +32,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from conftest import recorded_folder
 from pytest_gpumem.measurement.engines.predict import PredictEngine
 from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.targets import Target, target
@@ -54,8 +54,7 @@ TRANSFORMERS_ROWS = [(name, precision) for name in ("gpt2", "llama") for precisi
 
 def _record(gpu: str) -> dict[str, Any]:
     """The record ``gpu``'s prediction target is checked against (``targets.json``)."""
-    folder = Path(__file__).resolve().parents[1] / str(target(gpu).record)
-    data: dict[str, Any] = json.loads((folder / "record.json").read_text(encoding="utf-8"))
+    data: dict[str, Any] = json.loads((recorded_folder(gpu) / "record.json").read_text(encoding="utf-8"))
     return data
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run
+from conftest import recorded_folder, run
 from pytest_gpumem.baselines import load
 from pytest_gpumem.data.sites import OTHER_SITES, SiteProfile
 
@@ -309,7 +309,7 @@ def test_a_bad_sites_marker_keyword_is_a_collection_error(pytester: pytest.Pytes
     assert "sites='maybe' is not one of" in result.stdout.str()
 
 
-RECORDED = Path(__file__).resolve().parent.parent / "fixtures" / "recorded" / "nvidia-h100-80gb-hbm3-torch2.11"
+RECORDED = recorded_folder("h100")
 
 
 def test_a_recorded_h100_trace_replays_to_the_allocators_counter_and_names_its_python_sites() -> None:
