@@ -402,3 +402,25 @@ def test_step(gpumem):
 """
     )
     run(pytester).assert_outcomes(passed=1)
+
+
+def test_fake_tensors_are_no_memory_where_the_run_is_not_on_fake_tensors() -> None:
+    """Outside a run on fake tensors a fake tensor is a shape, not memory: TorchDynamo keeps many
+    (it traces a compiled function with them), and a test may make some itself. On the CPU engine
+    they count for nothing, whether alive before a span or made inside it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    kept = []
+    with measure("before", device="cpu") as before:
+        pass
+    with FakeTensorMode():
+        kept.append(torch.ones(1024, 1024))  # 4 MiB, were it memory
+    with measure("fakes", device="cpu") as span:
+        with FakeTensorMode():
+            kept.append(torch.ones(1024, 1024))
+        real = torch.ones(256)
+    figures = span.measurement
+    assert all(isinstance(tensor, FakeTensor) for tensor in kept)
+    assert figures.start == before.measurement.start
+    assert (figures.peak - figures.start, figures.allocated - figures.start) == (256 * 4, 256 * 4)
+    del real

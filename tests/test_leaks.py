@@ -259,3 +259,57 @@ def test_two():
     result.assert_outcomes(failed=2)
     held_by = [line.split()[-1] for line in result.stdout.lines if line.rstrip().endswith("HOLDER.kept")]
     assert held_by == ["test_holder.HOLDER.kept", "test_holder.HOLDER.kept"]
+
+
+FROZEN_BY_A_CONFTEST = {
+    "conftest.py": """
+import gc
+
+import torch
+
+KEPT = [torch.ones(1000)]  # a session's tensor, alive for good
+gc.collect()
+gc.freeze()  # a conftest's speed-up: everything alive now is frozen
+""",
+    "test_frozen.py": """
+import pytest
+import torch
+
+from conftest import KEPT
+
+
+@pytest.mark.gpumem(retained="0B")
+def test_keeps_nothing():
+    torch.ones(10)
+
+
+@pytest.mark.gpumem(retained="0B")
+def test_keeps_a_tensor():
+    KEPT.append(torch.ones(256))
+""",
+}
+
+
+def test_tensors_a_conftest_froze_are_never_counted_as_retained(pytester: pytest.Pytester) -> None:
+    """A conftest that freezes what is alive (``gc.freeze()``, a known speed-up of large suites)
+    hides its tensors from ``gc.get_objects()``: they are given back before the start that the
+    leak check compares the end with, not brought into sight by its census afterwards, when they
+    would count as retained by a test that kept nothing. A test that keeps a tensor still fails,
+    by that tensor's bytes alone."""
+    from conftest import run_fresh
+
+    pytester.makepyfile(**FROZEN_BY_A_CONFTEST)
+    result = run_fresh(pytester, "-p", "no:randomly", "-rf")
+    result.assert_outcomes(passed=1, failed=1)
+    failed = [line for line in result.outlines if line.startswith("FAILED")]
+    assert len(failed) == 1 and "test_keeps_a_tensor" in failed[0], result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "test_frozen.py::test_keeps_a_tensor",
+            f"  call  retained * +{256 * F32 / 1024:.2f} KiB    0 B  exceeded",
+            "test_frozen.py::test_keeps_nothing",
+            "*",
+            "*",
+            "  call  retained * 0 B    0 B  ok",
+        ]
+    )

@@ -23,6 +23,7 @@ import torch
 from pytest_gpumem.diagnose.holders import frame_locals, module_level_objects, referrer_names
 from pytest_gpumem.measurement import collector, frozen
 from pytest_gpumem.measurement.engines import Engine
+from pytest_gpumem.measurement.engines.storages import _PLAIN, fakes_counted, is_fake
 from pytest_gpumem.tables import table
 from pytest_gpumem.units import cuda_rounded, format_size
 
@@ -129,6 +130,23 @@ class StorageGroup:
         self.tensors: list[torch.Tensor] = []
 
 
+def see_every_tensor() -> None:
+    """Make every tensor visible to ``gc.get_objects()``, before a census or before the start
+    whose storages a leak check compares the end with: frozen objects are invisible to it. The
+    plugin's own (frozen before the first test) are remembered (:func:`frozen.tensors`); objects
+    someone else froze (a conftest's ``gc.freeze()``) go back to the collector, for good
+    (:func:`frozen.give_back_theirs`)."""
+    if not frozen.known() and collector.others_frozen():
+        frozen.give_back_theirs()
+
+
+def _counts_fakes(engine: Engine | None) -> bool:
+    """Whether fake tensors are the memory a census counts: during a measurement on fake tensors,
+    and after it, for its leak check (its tracker counted them). Elsewhere a fake tensor (one
+    TorchDynamo keeps from compiling a function) is a shape, not memory on any device."""
+    return fakes_counted() or bool(getattr(getattr(engine, "tracker", None), "counts_fakes", False))
+
+
 def storage_groups(
     device: torch.device, engine: Engine | None = None, *, counted_only: bool = False
 ) -> dict[int, StorageGroup]:
@@ -141,18 +159,15 @@ def storage_groups(
     groups: dict[int, StorageGroup] = {}
     listed: set[int] = set()  # ids of the tensors grouped: a remembered frozen tensor someone else unfroze comes twice
     tensor_type = torch.Tensor
-    # Frozen objects are invisible to gc.get_objects(): the plugin's own (frozen before the
-    # first test) are remembered; objects someone else froze go back to the collector.
-    if frozen.known():
-        objects: Iterable[Any] = itertools.chain(gc.get_objects(), frozen.tensors())
-    else:
-        if collector.others_frozen():
-            frozen.give_back_theirs()
-        objects = gc.get_objects()
+    see_every_tensor()
+    objects: Iterable[Any] = itertools.chain(gc.get_objects(), frozen.tensors()) if frozen.known() else gc.get_objects()
+    fakes = _counts_fakes(engine)
     with _reading(engine):  # one reading of the tracker's counts for every storage asked about
         for obj in objects:
             cls = type(obj)
             if not (cls is tensor_type or issubclass(cls, tensor_type)) or id(obj) in listed:
+                continue
+            if cls not in _PLAIN and not fakes and is_fake(obj):  # shapes only: no memory anywhere
                 continue
             try:
                 if not on_device(obj):

@@ -27,6 +27,7 @@ from typing import Any
 
 from pytest_gpumem.data.figures import OutputNotWritten, PartialFigures
 from pytest_gpumem.data.sites import SiteConfig
+from pytest_gpumem.diagnose.census import see_every_tensor
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
 from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, release_oom
 from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
@@ -129,6 +130,11 @@ class TestRun:
             # first, so a cycle among them that a test dropped is freed; what survives is frozen
             # again, so the clean state's collection and the test's walk what it makes
             collector.collect_everything()
+        if self.leak_check:
+            # the storages at the start must be all there are: objects someone else froze (a
+            # conftest's gc.freeze()) go back before the engine registers what is alive, or the
+            # snapshot's census would bring them into sight afterwards, as if made by the test
+            see_every_tensor()
         recorder.begin()  # collects garbage and registers what is alive
         try:
             self._snapshot = snapshot_storages(self.engine) if self.leak_check else None

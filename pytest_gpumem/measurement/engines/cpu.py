@@ -10,6 +10,7 @@ import torch
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.categories import forget_categories
+from pytest_gpumem.measurement.engines.storages import fakes_counted
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
 __all__ = ["CpuEngine"]
@@ -93,6 +94,7 @@ class CpuEngine(TrackerMembers):
     def clean(self) -> None:
         self.settle()
         forget_categories(self.tracker)
+        self.tracker.counts_fakes = fakes_counted()  # before the scan: a fake tensor is memory only in a fake run
         self.tracker.scan()
         self.tracker.take_window()
 

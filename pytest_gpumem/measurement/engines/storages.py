@@ -128,6 +128,20 @@ def unseen_note(nbytes: int) -> str:
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
+def is_fake(tensor: Any) -> bool:
+    """Whether ``tensor`` is a fake tensor (``FakeTensor``: a shape and a dtype, no memory on any
+    device), without importing their module: where it is not imported, there is none."""
+    module = sys.modules.get("torch._subclasses.fake_tensor")
+    return module is not None and isinstance(tensor, module.FakeTensor)
+
+
+def fakes_counted() -> bool:
+    """Whether fake tensors are the memory counted now: a fake-tensor mode is active (a
+    measurement with ``fake=True`` runs in one). Outside it a fake tensor is a shape: a compiled
+    function's graph keeps many (TorchDynamo traces with them), and none holds a byte."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 class Kinds(dict):  # type: ignore[type-arg]
     """type → whether it is a subclass of ``base``, filled as types are met (``__missing__``):
     looked up by ``map``, in C, for every object the garbage collector lists."""
@@ -178,6 +192,15 @@ def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
         nested = local_tensors(inner) if type(inner) not in _PLAIN else None
         found.extend(nested if nested is not None else [inner])
     return found
+
+
+def inner_tensors(tensor: torch.Tensor, counts_fakes: bool) -> list[torch.Tensor] | None:
+    """What holds the bytes of a tensor that is not a plain one: nothing for a fake tensor unless
+    fake tensors are what is counted (:func:`fakes_counted`), the local tensors of a wrapper
+    subclass (:func:`local_tensors`), None for a tensor that holds its own storage."""
+    if not counts_fakes and is_fake(tensor):
+        return []
+    return local_tensors(tensor)
 
 
 def sort_scanned(tensors: Iterable[Any]) -> tuple[list[Any], list[Any], list[Any]]:

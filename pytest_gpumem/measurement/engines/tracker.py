@@ -58,7 +58,8 @@ from pytest_gpumem.measurement.engines.storages import (
     OutOfMemory,
     StorageObserver,
     Window,
-    local_tensors,
+    fakes_counted,
+    inner_tensors,
     sort_scanned,
     tensors_among,
 )
@@ -124,6 +125,7 @@ class StorageTracker(TrackedSites):
         self._acquire, self._release = self._lock.acquire, self._lock.release
         #: notes on what the figures miss since :meth:`start` (threads it could not follow)
         self.notes: list[str] = []
+        self.counts_fakes = False  #: fake tensors are memory (set as a measurement starts: fake=True)
         self._freed = self._on_freed  # one bound method for every weak reference
         self._mode: TrackerMode | None = None
         self._saved_hooks: Any = None
@@ -280,7 +282,7 @@ class StorageTracker(TrackedSites):
 
     def _output(self, tensor: torch.Tensor, fresh: bool) -> None:
         if type(tensor) not in _PLAIN:  # a wrapper subclass (DTensor): its local tensors hold the bytes
-            inner = local_tensors(tensor)
+            inner = inner_tensors(tensor, self.counts_fakes)
             if inner is not None:
                 for local in inner:
                     self._output(local, fresh)
@@ -354,7 +356,7 @@ class StorageTracker(TrackedSites):
             if not isinstance(tensor, torch.Tensor):
                 continue
             if type(tensor) not in _PLAIN:
-                inner = local_tensors(tensor)
+                inner = inner_tensors(tensor, self.counts_fakes)
                 if inner is not None:
                     self._register(inner, category)
                     continue
@@ -476,6 +478,7 @@ class StorageTracker(TrackedSites):
         """Begin watching operators (and saved tensors, unless ``saved_tensors`` is False)."""
         if self._mode is not None:
             raise RuntimeError("the storage tracker is already active")
+        self.counts_fakes = fakes_counted()
         self._begin_count(timeline)
         self._mode = self._make_mode()
         self._mode.__enter__()
@@ -540,7 +543,7 @@ class StorageTracker(TrackedSites):
 
     def _pack(self, tensor: torch.Tensor) -> Held:
         if type(tensor) not in _PLAIN:
-            inner = local_tensors(tensor)
+            inner = inner_tensors(tensor, self.counts_fakes)
             if inner is not None:  # a wrapper subclass: what it saves is its local tensor
                 if len(inner) != 1 or not self._on_device(inner[0]):
                     return Held(tensor)
