@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import run as run_session
+from conftest import run_fresh
 from pytest_gpumem.diagnose.leaks import LeakCheck, confirm_leak, referrer_names, snapshot_storages
 from pytest_gpumem.measurement.engines.base import Engine
 
@@ -296,8 +297,6 @@ def test_tensors_a_conftest_froze_are_never_counted_as_retained(pytester: pytest
     leak check compares the end with, not brought into sight by its census afterwards, when they
     would count as retained by a test that kept nothing. A test that keeps a tensor still fails,
     by that tensor's bytes alone."""
-    from conftest import run_fresh
-
     pytester.makepyfile(**FROZEN_BY_A_CONFTEST)
     result = run_fresh(pytester, "-p", "no:randomly", "-rf")
     result.assert_outcomes(passed=1, failed=1)

@@ -49,7 +49,7 @@ from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement import collector, frozen
 from pytest_gpumem.measurement.engines.followers import follow_threads
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
-from pytest_gpumem.measurement.engines.storages import Block, Entry, Window
+from pytest_gpumem.measurement.engines.storages import Block, Entry, Window, is_fake
 from pytest_gpumem.measurement.engines.tracker import TEMPORARIES, StorageTracker
 from pytest_gpumem.units import cuda_rounded
 
@@ -178,13 +178,11 @@ class AllocationTracker(StorageTracker):
         A block that no Python object reaches (held by C++ alone, an autograd graph kept
         alive) stays as it is: its free is seen only if it happens while a later span runs.
         """
-        from torch._subclasses.fake_tensor import FakeTensor  # torch.compile's tracing tensors: no memory
-
         tensor_type = torch.Tensor
         for obj in itertools.chain(gc.get_objects(), frozen.tensors()):  # frozen ones too (a full collection's)
             kind = type(obj)  # type(): isinstance would ask proxies for __class__
-            if not issubclass(kind, tensor_type) or issubclass(kind, FakeTensor):
-                continue  # a fake tensor's data pointer is meaningless, and torch warns when it is read
+            if not issubclass(kind, tensor_type) or (kind is not tensor_type and is_fake(obj)):
+                continue  # torch.compile's tracing tensors: no memory, a data pointer torch warns about
             try:
                 storage = obj.untyped_storage()
                 ptr = storage.data_ptr()

@@ -213,8 +213,6 @@ def sort_scanned(tensors: Iterable[Any]) -> tuple[list[Any], list[Any], list[Any
     grads: list[Any] = []
     others: list[Any] = []
     parameter_type = torch.nn.Parameter
-    # loaded by whoever makes fake tensors; a scan is no reason to load it
-    fake_type = getattr(sys.modules.get("torch._subclasses.fake_tensor"), "FakeTensor", None)
     copies: set[int] = set()
     for tensor in tensors:
         kind = type(tensor)
@@ -224,7 +222,7 @@ def sort_scanned(tensors: Iterable[Any]) -> tuple[list[Any], list[Any], list[Any
                 grads.append(tensor.grad)
             continue
         others.append(tensor)
-        if fake_type is not None and kind is not torch.Tensor and isinstance(tensor, fake_type):
+        if kind is not torch.Tensor and is_fake(tensor):
             constant = getattr(tensor, "constant", None)
             if isinstance(constant, torch.Tensor):
                 copies.add(id(constant))
