@@ -24,7 +24,7 @@ import torch
 
 from conftest import run, run_fresh
 from pytest_gpumem.measurement import collector as collector_module
-from pytest_gpumem.measurement import frozen
+from pytest_gpumem.measurement import frozen, gcfunctions
 from pytest_gpumem.measurement.collector import Collector, collect, give_back, others_frozen, running
 
 #: Counts, per test, the objects each full collection walks as it starts, and says which
@@ -36,11 +36,14 @@ import pytest
 WALKED = {}
 CURRENT = []
 MODULES = {}
+# gc's own function, taken before the plugin's collector wraps it (its wrapper gives the frozen
+# objects back to a user's call, which would count everything)
+GET_OBJECTS = gc.get_objects
 
 
 def _count(phase, info):
     if phase == "start" and info["generation"] == 2 and CURRENT:
-        WALKED.setdefault(CURRENT[-1], []).append(len(gc.get_objects()))
+        WALKED.setdefault(CURRENT[-1], []).append(len(GET_OBJECTS()))
 
 
 gc.callbacks.append(_count)
@@ -194,7 +197,7 @@ class Cycle:
 
 
 def _is_frozen(obj: object) -> bool:
-    return all(other is not obj for other in gc.get_objects())
+    return all(other is not obj for other in gcfunctions.get_objects())
 
 
 @pytest.mark.usefixtures("nothing_frozen")
@@ -220,7 +223,7 @@ def test_a_full_collection_the_plugin_did_not_ask_for_is_given_everything() -> N
         assert ref() is not None
         gc.collect()  # ...the user's does
         assert ref() is None and collector.given_back == 2
-    assert gc.get_freeze_count() == 0  # the run's end gives everything back
+    assert gcfunctions.get_freeze_count() == 0  # the run's end gives everything back
     assert collector._on_collection not in gc.callbacks and not frozen.known()
 
 
@@ -259,13 +262,13 @@ def test_compaction_waits_for_many_objects_and_thaw_gives_them_back() -> None:
 def test_objects_someone_else_froze_are_left_alone() -> None:
     gc.freeze()  # as a conftest, a library or an enclosing session would
     collector_module.interpreter_frozen()  # asked of a child once: its objects die before the count
-    count = gc.get_freeze_count()
+    count = gcfunctions.get_freeze_count()
     with Collector() as collector:
         assert not collector.active and running() is None
         assert not collector.compact()
         gc.collect()
-        assert gc.get_freeze_count() == count  # nothing given back: it cannot tell theirs from its own
-    assert gc.get_freeze_count() == count
+        assert gcfunctions.get_freeze_count() == count  # nothing given back: it cannot tell theirs from its own
+    assert gcfunctions.get_freeze_count() == count
 
 
 @pytest.mark.usefixtures("nothing_frozen")
@@ -274,12 +277,12 @@ def test_the_interpreters_own_frozen_objects_do_not_stop_the_collector(monkeypat
     standard library, :func:`interpreter_frozen`): they are nobody's, so the collector freezes
     and gives back as usual. Objects frozen here stand in for them; one more frozen is someone's."""
     gc.freeze()
-    count = gc.get_freeze_count()
+    count = gcfunctions.get_freeze_count()
     monkeypatch.setattr(collector_module, "interpreter_frozen", lambda: count)
     assert count > 0 and not others_frozen()
     with Collector() as collector:
         assert collector.active and running() is collector
-    assert gc.get_freeze_count() == 0  # given back with the collector's own
+    assert gcfunctions.get_freeze_count() == 0  # given back with the collector's own
     gc.freeze()
     kept = [[] for _ in range(10)]
     gc.freeze()  # beyond the interpreter's: someone's

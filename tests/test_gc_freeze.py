@@ -125,7 +125,9 @@ def build():                                # a cache a test fills: the collecto
 
 
 def is_frozen(obj):
-    return gc.get_freeze_count() > 0 and not any(o is obj for o in gc.get_objects())
+    from pytest_gpumem.measurement import gcfunctions  # gc's own functions: its wrappers give frozen objects back
+
+    return gcfunctions.get_freeze_count() > 0 and not any(o is obj for o in gcfunctions.get_objects())
 
 
 @pytest.mark.gpumem(device="cpu")

@@ -11,6 +11,7 @@ from conftest import forget_last_failure
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.judge.judgement import judge
 from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.measurement import gcfunctions
 from pytest_gpumem.measurement.active import measure
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.engines.base import Engine
@@ -215,27 +216,27 @@ def test_the_freezer_keeps_older_objects_out_and_engines_still_see_frozen_tensor
     freezer = Freezer()
     freezer.start()
     try:
-        assert freezer.active and gc.get_freeze_count() > 0
-        assert all(obj is not before for obj in gc.get_objects())  # frozen: out of the collector's sight
+        assert freezer.active and gcfunctions.get_freeze_count() > 0
+        assert all(obj is not before for obj in gcfunctions.get_objects())  # frozen: out of the collector's sight
         engine = Engines(freezer=freezer).cpu()  # its first scan counts the remembered frozen tensors
         assert engine.tracker is not None and engine.tracker.category_of(before) == "other"
-        assert all(obj is not before for obj in gc.get_objects())  # without unfreezing them
+        assert all(obj is not before for obj in gcfunctions.get_objects())  # without unfreezing them
     finally:
         freezer.stop()
-    assert gc.get_freeze_count() == 0  # the run's own frozen objects go back when it ends
+    assert gcfunctions.get_freeze_count() == 0  # the run's own frozen objects go back when it ends
 
 
 @pytest.mark.usefixtures("nothing_frozen")
 def test_the_freezer_leaves_objects_someone_else_froze_and_freezes_nothing_more() -> None:
     gc.freeze()  # as a conftest or an enclosing session would
-    frozen_before = gc.get_freeze_count()
+    frozen_before = gcfunctions.get_freeze_count()
     made_after = torch.ones(10)
     freezer = Freezer()
     freezer.start()
     try:
         assert not freezer.active
-        assert gc.get_freeze_count() <= frozen_before  # frozen objects may die; none are added
-        assert any(obj is made_after for obj in gc.get_objects())
+        assert gcfunctions.get_freeze_count() <= frozen_before  # frozen objects may die; none are added
+        assert any(obj is made_after for obj in gcfunctions.get_objects())
     finally:
         freezer.stop()
-    assert gc.get_freeze_count() > 0  # someone else's frozen objects stay frozen
+    assert gcfunctions.get_freeze_count() > 0  # someone else's frozen objects stay frozen

@@ -10,7 +10,6 @@ failures, not on every test. Sizes are bytes.
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.diagnose.holders import frame_locals, module_level_objects, referrer_names
-from pytest_gpumem.measurement import collector, frozen
+from pytest_gpumem.measurement import collector, frozen, gcfunctions
 from pytest_gpumem.measurement.engines import Engine
 from pytest_gpumem.measurement.engines.storages import _PLAIN, fakes_counted, is_fake
 from pytest_gpumem.tables import table
@@ -160,7 +159,9 @@ def storage_groups(
     listed: set[int] = set()  # ids of the tensors grouped: a remembered frozen tensor someone else unfroze comes twice
     tensor_type = torch.Tensor
     see_every_tensor()
-    objects: Iterable[Any] = itertools.chain(gc.get_objects(), frozen.tensors()) if frozen.known() else gc.get_objects()
+    objects: Iterable[Any] = (
+        itertools.chain(gcfunctions.get_objects(), frozen.tensors()) if frozen.known() else gcfunctions.get_objects()
+    )
     fakes = _counts_fakes(engine)
     with _reading(engine):  # one reading of the tracker's counts for every storage asked about
         for obj in objects:

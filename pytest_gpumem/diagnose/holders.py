@@ -11,7 +11,6 @@ referrers costs tens of milliseconds in a large process: on failures only.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import sysconfig
@@ -21,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pytest_gpumem.measurement import frozen
+from pytest_gpumem.measurement import frozen, gcfunctions
 
 __all__ = ["frame_locals", "library_dirs", "module_level_objects", "referrer_names"]
 
@@ -220,7 +219,7 @@ def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = (), 
     pending: dict[int, list[tuple[int, str]]] = {}  # id(container) -> [(id(target), accessor)]
     containers: list[object] = []
     ignored = {id(obj) for obj in ignore} | {id(targets), id(containers)}
-    referrers = gc.get_referrers(*targets)
+    referrers = gcfunctions.get_referrers(*targets)
     ignored.add(id(referrers))
     for holder in referrers:
         if id(holder) in ignored or _own_frame(holder):
@@ -243,7 +242,7 @@ def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = (), 
     # is one level further up; named by a module-level name if it has one (below)
     owners: list[object] = []
     weak: list[tuple[int, str]] = []  # names through an anonymous container: kept if nothing better
-    referrers = gc.get_referrers(*containers)
+    referrers = gcfunctions.get_referrers(*containers)
     ignored.add(id(referrers))
     for holder in referrers:
         if id(holder) in ignored or _own_frame(holder):

@@ -18,7 +18,7 @@ import sys
 import weakref
 from typing import Any
 
-from pytest_gpumem.measurement import frozen
+from pytest_gpumem.measurement import frozen, gcfunctions
 
 __all__ = [
     "COMPACT_ABOVE",
@@ -70,7 +70,7 @@ def interpreter_frozen() -> int:
 def others_frozen() -> bool:
     """Whether someone (a conftest, a library, an enclosing session) froze objects beyond the
     interpreter's own (:func:`interpreter_frozen`)."""
-    count = gc.get_freeze_count()  # walks the frozen objects before Python 3.13: once
+    count = gcfunctions.get_freeze_count()  # walks the frozen objects before Python 3.13: once
     return count > 0 and count > interpreter_frozen()
 
 
@@ -104,35 +104,32 @@ def give_back() -> bool:
 class Collector:
     """Owns what the plugin does to ``gc``: the freeze, its own collections, giving frozen objects back.
 
-    Its rule, in two halves:
+    Its rule, in three parts:
 
-    * **The suite's garbage is never kept alive by the plugin.** Whenever a full collection
-      that the plugin did not ask for starts (the user's ``gc.collect()``, a library's, the
-      interpreter's own collection of its oldest generation), a ``gc.callbacks`` hook gives
-      every frozen object back first (``gc.unfreeze()``): that collection sees everything, as
-      it would without the plugin, and frees a cycle the suite dropped, whenever it was made.
-      What survives it is alive, and is frozen again as it ends (a suite that collects in every
-      test pays its own collections, not the plugin's walks of everything after them).
-      Where a figure counts everything alive, the plugin collects with everything given back
-      too: before a test with an emulated device limit (:func:`collect_everything`, which
-      freezes what survives again), and when a test seems to retain memory (:func:`give_back`),
-      so that a cycle among frozen objects that a test dropped never shows as a leak or fills
-      the emulated device.
+    * **The suite's garbage is never kept alive by the plugin.** The collector freezes only
+      right after a collection of what it freezes: what it freezes is alive. Whenever a full
+      collection that the plugin did not ask for starts (the user's ``gc.collect()``, a
+      library's, the interpreter's own), a ``gc.callbacks`` hook gives every frozen object back
+      first: that collection sees everything, as it would without the plugin, and frees a
+      cycle the suite dropped, whenever it was made; what survives it (alive) is frozen again.
+      Where a figure counts everything alive (an emulated device limit, a test that seems to
+      retain memory), the plugin collects with everything given back too.
+    * **Nothing is hidden from the user's code.** While objects are frozen,
+      ``gc.get_objects``, ``gc.get_referrers`` and ``gc.get_freeze_count`` give them back
+      before they answer (:mod:`~pytest_gpumem.measurement.gcfunctions`); a user's
+      ``gc.freeze()`` gives them back first and ends the collector's freezing for the run, so
+      that the user's freeze is the user's alone. A ``gc.disable()`` stops its freezing while
+      it lasts; thresholds are never touched.
     * **A test's collections do not walk what the session imported or built.** :meth:`start`
-      freezes what exists before the first measured test (the libraries, pytest, the collected
-      test modules); :meth:`compact`, between tests, freezes what is left when it is a lot (over
-      :attr:`compact_above` objects not frozen): the modules a first optimizer step imports
-      lazily, a library's caches, compiled code, a fixture of wider scope, what the leak check
-      or a report was given back. Later tests' collections walk what they made.
+      freezes what exists before the first measured test; :meth:`compact`, between tests,
+      collects and freezes what is left when it is a lot (over :attr:`compact_above` objects
+      not frozen). Later tests' collections walk what they made.
 
-    Objects frozen by someone else before :meth:`start` (a conftest, a library, an enclosing
-    pytest session) stay frozen, and the collector freezes nothing and gives nothing back: it
-    cannot tell theirs from its own. The interpreter's own frozen objects
-    (:func:`interpreter_frozen`: Python 3.12's immortal tuples) are nobody's: they are given
-    back and frozen with the collector's, which changes nothing for them. With the collector
-    disabled (``gc.disable()``) it freezes nothing either. Objects someone freezes during the
-    run are given back with the plugin's. The tensors among the frozen objects are remembered
-    (:mod:`pytest_gpumem.measurement.frozen`) so that a tracker and a census still find them.
+    Objects frozen by someone else before :meth:`start` stay frozen, and the collector freezes
+    nothing and gives nothing back: it cannot tell theirs from its own. The interpreter's own
+    frozen objects (:func:`interpreter_frozen`) are nobody's. The tensors among the frozen
+    objects are remembered (:mod:`pytest_gpumem.measurement.frozen`) so that a tracker and a
+    census still find them.
 
     Attributes:
         froze: freezes so far (:meth:`start`'s and each :meth:`compact` that froze).
@@ -146,10 +143,8 @@ class Collector:
         self.froze = 0
         self.given_back = 0
         self._collecting = False
-        self._collections = 0  # the plugin's own collections so far
         self._refreeze = False  # a full collection not the plugin's was given everything: freeze as it ends
         self._young: list[weakref.ref[Any]] = []  # the modules and tensors not frozen as it started
-        self._compacted_at = 0  # ... at the last compaction
 
     # -- the run ----------------------------------------------------------------------
 
@@ -161,11 +156,12 @@ class Collector:
             return
         self.collect()
         frozen.remember()
-        gc.freeze()
+        gcfunctions.freeze()
         self.active = self.frozen = True
         self.froze += 1
         _running = self
         gc.callbacks.append(self._on_collection)
+        gcfunctions.install(self._on_user_call)
 
     def stop(self) -> None:
         """Give every frozen object back and forget them: the run is over."""
@@ -173,6 +169,7 @@ class Collector:
         if not self.active:
             return
         self.active = False
+        gcfunctions.uninstall()
         if self._on_collection in gc.callbacks:
             gc.callbacks.remove(self._on_collection)
         if _running is self:
@@ -196,50 +193,65 @@ class Collector:
             gc.collect()
         finally:
             self._collecting = False
-            self._collections += 1
 
     def compact(self) -> bool:
-        """Between tests: when over :attr:`compact_above` objects are left to the collector, freeze
-        them (their tensors remembered). Returns whether it froze. Counting lists what is not frozen
-        (~25 ns an object). The garbage is collected first unless the plugin collected since the last
-        call (a measured test's end): then what its teardown dropped is frozen with the rest, and
-        freed by the next full collection that is given everything."""
-        if not self.active:
+        """Between tests: when over :attr:`compact_above` objects are left to the collector, collect
+        them and freeze what survives (its tensors remembered). Returns whether it froze. Counting
+        lists what is not frozen (~25 ns an object). Nothing while ``gc`` is disabled."""
+        if not self.active or not gc.isenabled():
             return False
-        objects = gc.get_objects()
-        if len(objects) > self.compact_above and self._collections == self._compacted_at:
-            del objects
-            self.collect()  # nothing collected since the last test (not measured): its garbage first
-            objects = gc.get_objects()
-        self._compacted_at = self._collections
+        if len(gcfunctions.get_objects()) <= self.compact_above:
+            return False
+        self.collect()  # what the last test and its teardown dropped is freed, never frozen
+        objects = gcfunctions.get_objects()
         if len(objects) <= self.compact_above:
             return False
         frozen.add(objects)
         del objects
-        gc.freeze()
+        gcfunctions.freeze()
         self.frozen = True
         self.froze += 1
         return True
 
     def collect_everything(self) -> None:
         """A full collection on the plugin's account that sees every object: the frozen ones are given
-        back to it, and what survives it (all of it alive) is frozen again as it ends, as a full
-        collection the plugin did not ask for is (:meth:`_on_collection`). The test that follows
+        back to it, and what survives it (all of it alive) is frozen again. The test that follows
         (one with an emulated device limit) starts from a state where a cycle among the frozen
-        objects that an earlier test dropped is freed, and its own collections walk what it makes,
-        not the whole process."""
+        objects that an earlier test dropped is freed."""
         if self.frozen:
             self.given_back += 1
             self.give_back()
-        self.collect()
-        self.compact()
+        if not self.compact():
+            self.collect()
 
     def give_back(self) -> None:
         """Give the frozen objects back now (``gc.unfreeze()``): the next collection walks them, and
         ``gc.get_referrers`` sees them. The next :meth:`compact` freezes again."""
         if self.frozen:
             self.frozen = False
-            gc.unfreeze()
+            gcfunctions.unfreeze()
+
+    def _on_user_call(self, name: str) -> None:
+        """Before a user's call of a wrapped ``gc`` function (see
+        :mod:`~pytest_gpumem.measurement.gcfunctions`): the frozen objects go back; after the
+        user's own ``gc.freeze()`` (``"froze"``) the collector stops freezing for the run."""
+        if name == "froze":
+            self._yield_to_user()
+            return
+        if self.frozen:
+            self.given_back += 1
+            self.give_back()
+
+    def _yield_to_user(self) -> None:
+        """The user froze objects: theirs now, never given back or frozen again by the plugin."""
+        global _running
+        self.active = False
+        gcfunctions.uninstall()
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
+        if _running is self:
+            _running = None
+        frozen.forget()
 
     def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
         """``gc.callbacks`` hook: a full collection the plugin did not ask for is given everything
@@ -250,14 +262,16 @@ class Collector:
             return
         if phase == "start":
             if self.frozen:
-                self._young = frozen.references(gc.get_objects())
+                self._young = frozen.references(gcfunctions.get_objects())
                 self.given_back += 1
                 self.give_back()
                 self._refreeze = True
         elif self._refreeze:
             self._refreeze = False
             young, self._young = self._young, []
+            if not self.active or not gc.isenabled():
+                return
             frozen.add(obj for obj in (ref() for ref in young) if obj is not None)
-            gc.freeze()
+            gcfunctions.freeze()
             self.frozen = True
             self.froze += 1

@@ -13,13 +13,13 @@ a tensor needs the frozen objects themselves (:func:`thaw`).
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
+from pytest_gpumem.measurement import gcfunctions
 from pytest_gpumem.measurement.engines.storages import Kinds, instances_among, tensors_among
 
 __all__ = [
@@ -88,7 +88,7 @@ def remember() -> None:
     """Remember every module and tensor the collector sees now (call just before ``gc.freeze()``)."""
     global _known
     _refs.clear()  # references() counts the tensors of the remembered modules as held: none yet
-    _refs.extend(references(gc.get_objects()))
+    _refs.extend(references(gcfunctions.get_objects()))
     _known = True
 
 
@@ -146,7 +146,7 @@ def thaw() -> bool:
         return was_frozen
     was_frozen = known()
     if was_frozen:
-        gc.unfreeze()
+        gcfunctions.unfreeze()
     forget()
     return was_frozen
 
@@ -157,7 +157,7 @@ def give_back_theirs() -> None:
     from what was made since. Noted, so that the run's collector may take over
     (:func:`theirs_given_back`)."""
     global _theirs_given_back
-    gc.unfreeze()
+    gcfunctions.unfreeze()
     _theirs_given_back = True
 
 

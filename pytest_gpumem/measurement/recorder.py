@@ -8,9 +8,12 @@ previous boundary is folded into every open span (and the running phase), so
 each span gets its own exact peak however they nest.
 
 Phases (forward, backward, optimizer) are found through hooks, not by the user:
-a forward pre-hook on each tracked module starts "forward", a pre-hook on the
+a forward pre-hook for the tracked modules starts "forward", a pre-hook on the
 autograd node of the module's outputs starts "backward" when backward reaches
-it, and the optimizer's step pre/post hooks bracket "optimizer".
+it, and step pre/post hooks for the tracked optimizers bracket "optimizer". The
+module and optimizer hooks are torch's global ones, filtered by the tracked objects'
+ids: nothing is stored on a user's module or optimizer, so ``copy.deepcopy``,
+``pickle`` and ``torch.save`` treat them as they do without the plugin.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from pytest_gpumem.budgets.formulas import tracked_psi
 from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline
@@ -106,6 +111,9 @@ class Recorder:
         self.saved_tensors = saved_tensors
         self.tracked: list[Any] = []
         self._tracked_ids: set[int] = set()
+        #: ids of the tracked modules and optimizers (alive while tracked: ``tracked`` holds them)
+        self._module_ids: set[int] = set()
+        self._optimizer_ids: set[int] = set()
         self._open: list[_SpanState] = []
         self._handles: list[Any] = []
         self._phase: str | None = None
@@ -166,6 +174,8 @@ class Recorder:
         self._faked.close()
         self.tracked.clear()
         self._tracked_ids.clear()
+        self._module_ids.clear()
+        self._optimizer_ids.clear()
 
     # -- tracked objects -------------------------------------------------------
 
@@ -186,15 +196,21 @@ class Recorder:
             self._tracked_ids.add(id(obj))
             self.tracked.append(obj)
             if isinstance(obj, torch.nn.Module):
-                self._handles.append(obj.register_forward_pre_hook(self._forward_pre))
-                self._handles.append(obj.register_forward_hook(self._forward_post))
+                if not self._module_ids:
+                    self._handles.append(register_module_forward_pre_hook(self._any_forward_pre))
+                    self._handles.append(register_module_forward_hook(self._any_forward_post))
+                self._module_ids.add(id(obj))
                 if self.engine.categorizes:
+                    # kept in the tensor's _post_accumulate_grad_hooks, which copy, pickle and
+                    # torch.save leave out
                     for param in obj.parameters():
                         if param.requires_grad:
                             self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
             else:
-                self._handles.append(obj.register_step_pre_hook(self._optimizer_pre))
-                self._handles.append(obj.register_step_post_hook(self._optimizer_post))
+                if not self._optimizer_ids:
+                    self._handles.append(register_optimizer_step_pre_hook(self._any_optimizer_pre))
+                    self._handles.append(register_optimizer_step_post_hook(self._any_optimizer_post))
+                self._optimizer_ids.add(id(obj))
         if self.active:
             self._classify()
 
@@ -244,6 +260,22 @@ class Recorder:
         return tracked_psi(self.tracked)
 
     # -- hooks -----------------------------------------------------------------
+
+    def _any_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if id(module) in self._module_ids:
+            self._forward_pre(module, args)
+
+    def _any_forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if id(module) in self._module_ids:
+            self._forward_post(module, args, output)
+
+    def _any_optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self._optimizer_ids:
+            self._optimizer_pre(optimizer, args, kwargs)
+
+    def _any_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self._optimizer_ids:
+            self._optimizer_post(optimizer, args, kwargs)
 
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         if self._depth == 0 and not self.external_phases:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.measurement import collector, frozen
+from pytest_gpumem.measurement import collector, frozen, gcfunctions
 from pytest_gpumem.measurement.engines.followers import follow_threads
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.storages import Block, Entry, Window, is_fake
@@ -179,7 +179,9 @@ class AllocationTracker(StorageTracker):
         alive) stays as it is: its free is seen only if it happens while a later span runs.
         """
         tensor_type = torch.Tensor
-        for obj in itertools.chain(gc.get_objects(), frozen.tensors()):  # frozen ones too (a full collection's)
+        for obj in itertools.chain(
+            gcfunctions.get_objects(), frozen.tensors()
+        ):  # frozen ones too (a full collection's)
             kind = type(obj)  # type(): isinstance would ask proxies for __class__
             if not issubclass(kind, tensor_type) or (kind is not tensor_type and is_fake(obj)):
                 continue  # torch.compile's tracing tensors: no memory, a data pointer torch warns about

@@ -31,7 +31,6 @@ finds what of it is still alive (see :func:`unseen_note`).
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -45,7 +44,7 @@ from torch.utils._python_dispatch import (
 )
 
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.measurement import frozen
+from pytest_gpumem.measurement import frozen, gcfunctions
 from pytest_gpumem.measurement.engines.compiled import forget_skips
 from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
@@ -426,7 +425,7 @@ class StorageTracker(TrackedSites):
 
     def _scan(self, extra: Iterable[object] = ()) -> None:
         # with the tensors among the collector's frozen objects, which gc.get_objects() does not list
-        self._register_scanned(gc.get_objects(), itertools.chain(extra, frozen.tensors()))
+        self._register_scanned(gcfunctions.get_objects(), itertools.chain(extra, frozen.tensors()))
 
     def _register_scanned(self, objects: list[Any], extra: Iterable[object]) -> None:
         """Register the tensors among ``objects`` (the collector's) and ``extra``."""

@@ -1,0 +1,60 @@
+"""``gc``'s functions as the plugin calls them, and what a user's code calls while a run's
+collector has objects frozen.
+
+While the run's :class:`~pytest_gpumem.measurement.collector.Collector` holds objects frozen,
+``gc.get_objects``, ``gc.get_referrers``, ``gc.get_freeze_count``, ``gc.freeze`` and
+``gc.unfreeze`` are wrappers that give the frozen objects back before they call ``gc``'s own
+function: a user's code sees every object and referrer, and its own freeze, as it does
+without the plugin. The plugin calls the functions kept here, which give nothing back.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["freeze", "get_freeze_count", "get_objects", "get_referrers", "install", "unfreeze", "uninstall"]
+
+get_objects = gc.get_objects
+get_referrers = gc.get_referrers
+get_freeze_count = gc.get_freeze_count
+freeze = gc.freeze
+unfreeze = gc.unfreeze
+
+_WRAPPED = {
+    "get_objects": get_objects,
+    "get_referrers": get_referrers,
+    "get_freeze_count": get_freeze_count,
+    "freeze": freeze,
+    "unfreeze": unfreeze,
+}
+
+
+def _wrapper(name: str, real: Callable[..., Any], before: Callable[[str], None]) -> Callable[..., Any]:
+    @functools.wraps(real)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        before(name)
+        result = real(*args, **kwargs)
+        if name == "freeze":
+            before("froze")
+        return result
+
+    return call
+
+
+def install(before: Callable[[str], None]) -> None:
+    """Put wrappers in ``gc``'s place that call ``before(name)`` first (and ``before("froze")``
+    after a user's ``gc.freeze()``)."""
+    for name, real in _WRAPPED.items():
+        if getattr(gc, name) is real:
+            setattr(gc, name, _wrapper(name, real, before))
+
+
+def uninstall() -> None:
+    """Put ``gc``'s own functions back."""
+    for name, real in _WRAPPED.items():
+        current = getattr(gc, name)
+        if current is not real and getattr(current, "__wrapped__", None) is real:
+            setattr(gc, name, real)
