@@ -6,6 +6,7 @@ why it cannot."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from pytest_gpumem.measurement.observe import choose_observe, observe_conflict
 from pytest_gpumem.plugin.collection import SPEC_ERROR_KEY, SPEC_KEY, gpumem_marks, marker_spec, worker_index
 from pytest_gpumem.plugin.marker import GpumemSpec, late_marker_problems, parse_marker
 from pytest_gpumem.plugin.options import Settings
-from pytest_gpumem.plugin.sites import run_options, second_run
+from pytest_gpumem.plugin.sites import no_second_run, no_sites_note, run_options, wants_sites, with_sites
 from pytest_gpumem.plugin.torchrun import Launch
 
 if TYPE_CHECKING:
@@ -34,6 +35,35 @@ RUN_KEY: pytest.StashKey[TestRun] = pytest.StashKey()
 RECORD_KEY = pytest.StashKey[TestRecord]()
 #: the test's ``gpumem`` marks when its collection ended: any other is a marker added later
 MARKS_KEY = pytest.StashKey[list[pytest.Mark]]()
+#: a test's second run for sites: the first run's record, while it waits for them
+SECOND_RUN_KEY = pytest.StashKey["_SecondRun"]()
+
+
+class _SecondRun:
+    """A test's second run for sites: the first run's record; the second run's, once it ran."""
+
+    def __init__(self, first: TestRecord) -> None:
+        self.first = first
+        self.running = False
+        self.record: TestRecord | None = None
+
+
+class _NextItem:
+    """What the first run's teardown is told comes next: when a second run for sites follows, the
+    test itself again without its own node (its function-scoped fixtures are torn down, those of
+    wider scope kept for the second run); else pytest's next item."""
+
+    def __init__(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        self._item = item
+        self._nextitem = nextitem
+
+    def listchain(self) -> list[Any]:
+        if SECOND_RUN_KEY in self._item.stash:
+            return self._item.listchain()[:-1]
+        return [] if self._nextitem is None else self._nextitem.listchain()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._nextitem, name)
 
 
 class Measuring:
@@ -69,6 +99,59 @@ class Measuring:
         finally:
             if self.freezer is not None:
                 self.freezer.stop()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        """A measured test that may want its sites runs through pytest's own protocol with its reports
+        held back: when it failed on memory, it runs once more with sites on (fresh function-scoped
+        fixtures), and its first run's reports are logged with the sites attached."""
+        spec = item.stash.get(SPEC_KEY, None)
+        if spec is None or (spec.sites or self.settings.sites) != "rerun" or self.settings.site_config is None:
+            return None
+        from _pytest.runner import runtestprotocol
+
+        ihook = item.ihook
+        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        reports = runtestprotocol(item, nextitem=_NextItem(item, nextitem), log=False)  # type: ignore[arg-type]
+        second = item.stash.get(SECOND_RUN_KEY, None)
+        if second is not None:
+            try:
+                outcome = self._second_run(item, nextitem, second)
+            finally:
+                del item.stash[SECOND_RUN_KEY]
+            record = with_sites(second.first, second.record, outcome)
+            for report in reports:
+                if report.when == "call" and getattr(report, "gpumem", None) is not None:
+                    report.gpumem = record.to_json()  # type: ignore[attr-defined]
+        for report in reports:
+            ihook.pytest_runtest_logreport(report=report)
+        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def _second_run(self, item: pytest.Item, nextitem: pytest.Item | None, second: _SecondRun) -> str | None:
+        """Run the test again with sites on through pytest's protocol, its reports and warnings
+        dropped; returns what it did when it did not pass (None when it passed)."""
+        import warnings
+
+        from _pytest.outcomes import Exit
+        from _pytest.runner import runtestprotocol
+
+        if self.freezer is not None:
+            self.freezer.refreeze()  # what the first run's teardown dropped is collected, as between tests
+        second.running = True
+        try:
+            with warnings.catch_warnings(record=True):
+                reports = runtestprotocol(item, nextitem=nextitem, log=False)
+        except Exit as exc:
+            return f"called pytest.exit ({exc.msg}), which was ignored"
+        except Exception as exc:  # a hook's error: the first run's reports stand
+            return f"raised {type(exc).__name__}: {exc}"
+        finally:
+            second.running = False
+        for report in reports:
+            if not report.passed:
+                return f"{'was skipped' if report.skipped else 'failed'} in its {report.when}: {_short(report)}"
+        return None
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
@@ -111,6 +194,9 @@ class Measuring:
                 pytrace=False,
             )
         options = run_options(settings, spec, fake=fake)
+        second = item.stash.get(SECOND_RUN_KEY, None)
+        if second is not None and second.running:  # sites on; the leak and out-of-memory reports stay the first run's
+            options = replace(options, sites=settings.site_config, snapshots=None, reports=False)
         item.stash[RUN_KEY] = TestRun(
             item.nodeid,
             spec,
@@ -182,17 +268,36 @@ class Measuring:
             problem = f"{item.nodeid}: {exc}"
         if problem is not None:
             pytest.fail(problem, pytrace=False)
+        began = time.perf_counter()
         try:
             result = yield
         except BaseException as exc:
-            item.stash[RECORD_KEY] = second_run(
-                item, run, _finish(item, run, exc), exc, self.settings, self.baselines, self.freezer
-            )
+            self._keep(item, run, _finish(item, run, exc), exc, time.perf_counter() - began)
             raise
-        item.stash[RECORD_KEY] = second_run(
-            item, run, _finish(item, run, None), None, self.settings, self.baselines, self.freezer
-        )
+        self._keep(item, run, _finish(item, run, None), None, time.perf_counter() - began)
         return result
+
+    def _keep(
+        self, item: pytest.Item, run: TestRun, record: TestRecord, exc: BaseException | None, seconds: float
+    ) -> None:
+        """Keep the call's record for its report; a second run's for the first run's sites. A first run
+        that failed on memory without sites asks for a second run, or says why it gets none."""
+        second = item.stash.get(SECOND_RUN_KEY, None)
+        if second is not None and second.running:
+            second.record = record
+            return
+        item.stash[RECORD_KEY] = record
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not wants_sites(
+            item, run, record, exc, self.settings, self.baselines
+        ):
+            return
+        reason = no_second_run(item, record, seconds, self.settings)
+        if reason is None and self.launch is not None:
+            reason = "pytest runs under torchrun, whose ranks would not run it again together"
+        if reason is not None:
+            record.reports.append(no_sites_note(reason))
+        else:
+            item.stash[SECOND_RUN_KEY] = _SecondRun(record)
 
 
 def _spec_now(item: pytest.Item) -> GpumemSpec | None:
@@ -226,3 +331,15 @@ def _finish(item: pytest.Item, run: TestRun, exc: BaseException | None) -> TestR
     record = run.finish(exc)
     record.errors.extend(f"{item.nodeid}: {problem}" for problem in problems)
     return record
+
+
+def _short(report: pytest.TestReport) -> str:
+    """The one line that says why ``report`` did not pass."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, line, reason)
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None:
+        return str(crash.message).splitlines()[0] if crash.message else "(no message)"
+    lines = str(longrepr).strip().splitlines()
+    return lines[-1] if lines else "(no message)"

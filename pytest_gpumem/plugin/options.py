@@ -122,6 +122,13 @@ OPTIONS: tuple[Option, ...] = (
         metavar="MODE",
     ),
     Option(
+        "sites-rerun-limit",
+        "the longest first call, in seconds, after which a test that failed on memory is not run again for "
+        "its sites (the failure says how to get them). Default: 10.",
+        default="10",
+        metavar="SECONDS",
+    ),
+    Option(
         "sites-include",
         "comma-separated packages whose frames count as your code for sites (e.g. transformers); by "
         "default only files under the rootdir do.",
@@ -157,6 +164,8 @@ class Settings:
     sites: str = "rerun"
     #: how sites are chosen (the rootdir, the included packages)
     site_config: SiteConfig | None = None
+    #: the longest first call (seconds) after which a test is not run again for its sites
+    rerun_limit: float = 10.0
 
     @classmethod
     def read(cls, value: Callable[[str], Any], rootpath: Path, cache_dir: Callable[[], Path] | None = None) -> Settings:
@@ -228,6 +237,7 @@ class Settings:
             snapshot=flag("gpumem_snapshot"),
             sites=parsed("gpumem_sites", parse_sites_mode, "rerun"),
             site_config=SiteConfig(str(rootpath), parsed("gpumem_sites_include", _packages) or ()),
+            rerun_limit=parsed("gpumem_sites_rerun_limit", _seconds, "10"),
             baselines=BaselineOptions(
                 path=baselines or rootpath / DEFAULT_FILENAME,
                 tolerance=parsed("gpumem_tolerance", parse_tolerance),
@@ -288,3 +298,14 @@ def _env_flag(name: str) -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     raise OptionError(f"{name}={os.environ[name]!r}: expected 1, true, yes or on (or 0, false, no, off)")
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds, 0 or more."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, got {text!r}") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"expected a number of seconds (0 or more), got {text!r}")
+    return seconds

@@ -3,16 +3,14 @@ test that failed on memory.
 
 Recording a site costs a walk up the stack at every allocation, so a passing test on real
 tensors never pays it: sites are recorded on a baseline update (they are stored with the
-figures), in every run with ``--gpumem-sites=always``, in every run of a test on fake tensors
-(there the walk costs a few percent of a step, and a second run would cost the whole step
-again), and otherwise (``rerun``, the default) by running the call of a test that failed on
-memory once more, right after the first, with sites on. The second run reuses the test's
-fixture values: function-scoped fixtures are not set up again (pytest sets a test's fixtures up
-once; tearing them down and up again in the middle of its call phase would run other fixtures'
-finalizers out of order). A test whose call changes state its fixtures hold (a model trained in
-place, an optimizer's state, a counter) gives other figures the second time: the record says
-so, and its figures stay the first run's. ``sites="off"`` on the marker (or
-``--gpumem-sites=off``) leaves such a test alone. No torch at import.
+figures), in every run with ``--gpumem-sites=always``, in every run of a test on fake tensors,
+and otherwise (``rerun``, the default) by running a test that failed on memory once more with
+sites on, through pytest's own protocol, as pytest-rerunfailures does: the first run's
+function-scoped fixtures are torn down, the second run sets up fresh ones, and the first run's
+reports are logged once the sites are attached to them. The second run's outcome is never
+reported: what it raised (a skip, a failure, an exit, a timeout) is noted with the sites. No
+second run where one cannot be done safely (:func:`no_second_run`): the failure says why and
+how to get the sites. No torch at import.
 """
 
 from __future__ import annotations
@@ -29,13 +27,12 @@ from pytest_gpumem.judge.judgement import JudgeOptions, judge
 from pytest_gpumem.judge.record import TestRecord
 
 if TYPE_CHECKING:
-    from pytest_gpumem.plugin.engines import Freezer
     from pytest_gpumem.plugin.marker import GpumemSpec
     from pytest_gpumem.plugin.options import Settings
     from pytest_gpumem.plugin.runner import RunOptions, TestRun
     from pytest_gpumem.plugin.session import BaselineSession
 
-__all__ = ["run_options", "second_run"]
+__all__ = ["fails_on_memory", "no_second_run", "no_sites_note", "run_options", "wants_sites", "with_sites"]
 
 
 def _mode(settings: Settings, spec: GpumemSpec) -> str:
@@ -58,7 +55,7 @@ def run_options(settings: Settings, spec: GpumemSpec, *, fake: bool) -> RunOptio
     )
 
 
-def _fails(session: BaselineSession, record: TestRecord) -> bool:
+def fails_on_memory(session: BaselineSession, record: TestRecord) -> bool:
     """Whether the judge fails ``record`` (judged on a copy: the process that owns the run judges it again)."""
     copy = TestRecord.from_json(record.to_json(timeline=False))
     options = session.options
@@ -95,69 +92,103 @@ def _expected(item: pytest.Item, exc: BaseException) -> bool:
     return bool(matches(exc)) if callable(matches) else False
 
 
-def second_run(
+def wants_sites(
     item: pytest.Item,
     run: TestRun,
     record: TestRecord,
     exc: BaseException | None,
     settings: Settings,
     session: BaselineSession,
-    freezer: Freezer | None,
-) -> TestRecord:
-    """``record`` with sites: when the test failed on memory (or ran out of memory, unless that is
-    the failure its ``xfail`` mark expects) and its first run recorded none, its call runs once
-    more with sites on, and each span of ``record`` gets the sites of the same span of that run;
-    the leak and out-of-memory reports stay the first run's. ``record`` as it is otherwise.
-    ``freezer``: the run's collector (None where the run has none), which freezes again before
-    the second run what the first run's reports gave back."""
+) -> bool:
+    """Whether the test's first run failed on memory (or ran out of memory, unless that is the
+    failure its ``xfail`` mark expects) without recording sites: its sites need a second run."""
     from pytest_gpumem.diagnose.oom import is_oom
-    from pytest_gpumem.plugin.returnwatch import code_of
-    from pytest_gpumem.plugin.runner import TestRun
 
     if _mode(settings, run.spec) != "rerun" or run.options.sites is not None or settings.site_config is None:
-        return record
+        return False
     if not run.engine.records_sites:  # the CPU engine observing allocations: no second run for nothing
-        return record
+        return False
     if exc is not None:
-        if not is_oom(exc) or _expected(item, exc):
-            return record
-    elif not _fails(session, record):
-        return record
-    if freezer is not None:
-        # what the first run's leak check or report gave back to the collector is frozen again, as
-        # between tests: the second run's collections walk what it makes, as the first run's did
-        freezer.refreeze()
-    # the leak and out-of-memory reports stay the first run's (see with_sites): the second builds none
-    options = replace(run.options, sites=settings.site_config, snapshots=None, reports=False)
-    again = TestRun(
-        run.nodeid, run.spec, run.engine, environment=run.environment, options=options, fake=run.recorder.fake
+        return is_oom(exc) and not _expected(item, exc)
+    return fails_on_memory(session, record)
+
+
+#: how launchers (torchrun, mpirun, srun) tell a process how many ranks run: ranks run a test
+#: together, and a rank that ran it again alone would pair its collectives with the other ranks' next test
+_WORLD_SIZES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def _ranks() -> int:
+    import os
+
+    for name in _WORLD_SIZES:
+        try:
+            count = int(os.environ.get(name, ""))
+        except ValueError:
+            continue
+        if count > 1:
+            return count
+    return 1
+
+
+def no_second_run(item: pytest.Item, record: TestRecord, seconds: float, settings: Settings) -> str | None:
+    """Why the test that wants sites cannot run again safely, or None when it can: ranks (torchrun,
+    other launchers, ``gpumem.distributed``), a first call longer than ``--gpumem-sites-rerun-limit``,
+    a per-test timeout, a debugger, another plugin that runs tests again, a session that stops."""
+    config = item.config
+    if _ranks() > 1:
+        return f"it runs on {_ranks()} ranks (a launcher started them), which would not run it again together"
+    if record.ranks_measured:
+        return "the test ran ranks (gpumem.distributed), which would not run it again together"
+    if seconds > settings.rerun_limit:
+        return f"its call took {seconds:.1f} s, over --gpumem-sites-rerun-limit={settings.rerun_limit:g} s"
+    if _timeout(item) is not None:
+        return f"a per-test timeout is set ({_timeout(item)})"
+    if config.getoption("usepdb", False) or config.getoption("trace", False):
+        return "pytest runs under a debugger (--pdb, --trace)"
+    for name in ("rerunfailures", "flaky"):
+        if config.pluginmanager.hasplugin(name):
+            return f"the {name} plugin runs tests again itself"
+    if item.session.shouldfail or item.session.shouldstop:
+        return "the session is stopping"
+    return None
+
+
+def _timeout(item: pytest.Item) -> str | None:
+    """The per-test timeout pytest-timeout applies to ``item``, as text, or None."""
+    config = item.config
+    if not config.pluginmanager.hasplugin("timeout"):
+        return None
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        return None if not value else f"@pytest.mark.timeout({value})"
+    for getter in (lambda: config.getoption("timeout", None), lambda: config.getini("timeout")):
+        try:
+            value = getter()
+        except (ValueError, KeyError):
+            continue
+        try:
+            if value not in (None, "") and float(value) > 0:
+                return f"--timeout={value}"
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def no_sites_note(reason: str) -> str:
+    """The failure's note where the second run for sites was not run."""
+    return (
+        f"sites: not recorded: no second run, since {reason}. To name the lines, run this test with "
+        '--gpumem-sites=always (or sites="always" on its marker): its only run then records them.'
     )
-    fixture = getattr(item, "funcargs", {}).get("gpumem")
-    if fixture is not None and getattr(fixture, "recorder", None) is run.recorder:
-        fixture.recorder = again.recorder  # the test's gpumem measures the second run
-    again.start(code_of(getattr(item, "obj", None)))
-    for ref in run.tracked:  # tracked by a fixture, before the call: tracked again
-        obj = ref()
-        if obj is not None:
-            again.recorder.track(obj)
-    raised: BaseException | None = None
-    try:
-        item.runtest()
-    except Exception as error:  # the second run's outcome is reported, not raised
-        raised = error
-    except BaseException:  # KeyboardInterrupt, pytest.exit: stop as the first run would
-        again.finish(None)
-        raise
-    second = again.finish(raised)
-    if fixture is not None and getattr(fixture, "recorder", None) is again.recorder:
-        fixture.recorder = run.recorder
-    return with_sites(record, second, raised)
 
 
-def with_sites(first: TestRecord, second: TestRecord, raised: BaseException | None) -> TestRecord:
+def with_sites(first: TestRecord, second: TestRecord | None, outcome: str | None) -> TestRecord:
     """``first`` with the sites of ``second`` (the same test run again with sites on), span by span,
-    each marked as from a second run and saying where that run's figures differ."""
-    seconds = {m.name: m for m in second.measurements}
+    each marked as from a second run and saying where that run's figures differ; ``outcome``: what
+    the second run did if it did not pass ("failed: ...", "skipped: ..."), noted and never reported."""
+    seconds = {m.name: m for m in second.measurements} if second is not None else {}
     measurements = []
     for measurement in first.measurements:
         other = seconds.get(measurement.name)
@@ -165,15 +196,15 @@ def with_sites(first: TestRecord, second: TestRecord, raised: BaseException | No
             measurements.append(measurement)
             continue
         note = _differs(measurement, other)
-        if raised is not None and first.passed:
-            note = f"the second run raised {type(raised).__name__}: {raised}".strip()
+        if outcome is not None:
+            note = f"the second run {outcome}"
         measurements.append(replace(measurement, sites=replace(other.sites, second_run=True, note=note)))
     first.measurements = measurements
+    if second is None or not any(m.sites is not None for m in second.measurements):
+        first.reports.append(f"sites: the second run recorded none ({outcome or 'it measured nothing'})")
     # The leak and out-of-memory reports stay the first run's: they name what held the memory
-    # when the test failed. A second run does not start where the first did (a test that leaks
-    # into a module-level list leaks again: its report would name CACHE[2] for CACHE[0]; objects
-    # the collector froze between the runs hide their holders' names). The sites above name the
-    # lines; --gpumem-sites=always puts them into the reports too.
+    # when the test failed. The sites above name the lines; --gpumem-sites=always puts them into
+    # the reports too.
     return first
 
 

@@ -49,6 +49,7 @@ from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement import collector, frozen, gcfunctions
 from pytest_gpumem.measurement.engines.followers import follow_threads
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
+from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
 from pytest_gpumem.measurement.engines.storages import Block, Entry, Window, is_fake
 from pytest_gpumem.measurement.engines.tracker import TEMPORARIES, StorageTracker
 from pytest_gpumem.units import cuda_rounded
@@ -158,14 +159,14 @@ class AllocationTracker(StorageTracker):
         self._profiling = True
         follow_threads(self, follow=True)
         if saved_tensors:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, unpack)
-            self._saved_hooks.__enter__()
+            self._saved_hooks = SavedTensorHooks(self._pack_hook, unpack, on_aside=self._saved_aside)
+            self._saved_hooks.push()
 
     def stop(self) -> None:
         follow_threads(self, follow=False)
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
-            hooks.__exit__(None, None, None)
+            hooks.pop()
         if self._profiling:
             collector.collect()  # garbage made in the span is freed while its frees are still reported
             self._flush(restart=False)

@@ -100,6 +100,8 @@ class SavedTensors:
         self.current = 0
         self._peak = 0
         self._hooks: Any = None
+        #: the hooks stepped aside where torch turned saved-tensor hooks off (torch.func)
+        self.stepped_aside = False
 
     @property
     def active(self) -> bool:
@@ -109,14 +111,19 @@ class SavedTensors:
         if self._hooks is not None:
             raise RuntimeError("the saved-tensor counter is already active")
         self._peak = self.current
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
-        self._hooks.__enter__()
+        from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
+
+        self._hooks = SavedTensorHooks(self._pack, unpack, on_aside=self._aside)
+        self._hooks.push()
 
     def stop(self) -> None:
         """Stop counting new saves; releases of counted ones are still seen."""
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
-            hooks.__exit__(None, None, None)
+            hooks.pop()
+
+    def _aside(self) -> None:
+        self.stepped_aside = True
 
     def take_peak(self) -> int:
         """The highest bytes held for backward since the previous call; opens a new window."""

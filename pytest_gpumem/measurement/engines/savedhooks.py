@@ -1,0 +1,136 @@
+"""The plugin's saved-tensor hooks, which step aside where torch refuses such hooks.
+
+``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian`` and a user's
+``torch.autograd.graph.disable_saved_tensors_hooks(...)`` raise while any saved-tensor hooks
+are pushed. While a :class:`SavedTensorHooks` is pushed, torch's switch
+(``torch._C._autograd._saved_tensors_hooks_disable`` and ``..._enable``) is wrapped: turning
+hooks off pops the plugin's hooks first (when they are the top of the thread's stack), and
+turning them on again pushes them back. What autograd saves in between is not counted as
+saved for backward: :attr:`SavedTensorHooks.stepped_aside` says how often that happened.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["STEPPED_ASIDE_NOTE", "SavedTensorHooks"]
+
+_autograd: Any = torch._C._autograd
+
+STEPPED_ASIDE_NOTE = (
+    "saved tensors were not counted where torch turns saved-tensor hooks off "
+    "(torch.func transforms, disable_saved_tensors_hooks): what autograd saved there counts as temporaries"
+)
+
+#: the pushed hooks of each thread, innermost last
+_active: dict[int, list[SavedTensorHooks]] = {}
+_lock = threading.Lock()
+_real: dict[str, Callable[..., Any]] = {}
+
+
+def _disable(*args: Any, **kwargs: Any) -> Any:
+    for hooks in reversed(_active.get(threading.get_ident(), ())):
+        hooks._step_aside()
+    return _real["disable"](*args, **kwargs)
+
+
+def _enable(*args: Any, **kwargs: Any) -> Any:
+    result = _real["enable"](*args, **kwargs)
+    for hooks in _active.get(threading.get_ident(), ()):
+        hooks._step_back()
+    return result
+
+
+def _install() -> None:
+    if not _real:
+        _real["disable"] = _autograd._saved_tensors_hooks_disable
+        _real["enable"] = _autograd._saved_tensors_hooks_enable
+        _autograd._saved_tensors_hooks_disable = _disable
+        _autograd._saved_tensors_hooks_enable = _enable
+
+
+def _uninstall() -> None:
+    if _real and not _active:
+        if _autograd._saved_tensors_hooks_disable is _disable:
+            _autograd._saved_tensors_hooks_disable = _real["disable"]
+        if _autograd._saved_tensors_hooks_enable is _enable:
+            _autograd._saved_tensors_hooks_enable = _real["enable"]
+        _real.clear()
+
+
+def _disabled() -> bool:
+    return _autograd._saved_tensors_hooks_get_disabled_error_message() is not None
+
+
+class SavedTensorHooks:
+    """``pack`` and ``unpack`` as the calling thread's saved-tensor hooks between :meth:`push`
+    and :meth:`pop`, out of the way wherever torch turns such hooks off."""
+
+    def __init__(
+        self,
+        pack: Callable[[torch.Tensor], Any],
+        unpack: Callable[[Any], torch.Tensor],
+        *,
+        on_aside: Callable[[], None] | None = None,
+    ) -> None:
+        self.pack = pack
+        self.unpack = unpack
+        self._on_aside = on_aside
+        self._pushed = False
+        self._thread: int | None = None
+        #: regions in which the hooks stepped aside
+        self.stepped_aside = 0
+
+    def push(self) -> None:
+        with _lock:
+            _install()
+            self._thread = threading.get_ident()
+            _active.setdefault(self._thread, []).append(self)
+        if _disabled():  # entered where hooks are off: pushed once they are on again
+            self._aside()
+        else:
+            _autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+            self._pushed = True
+
+    def pop(self) -> None:
+        if self._pushed and self._on_top():
+            _autograd._pop_saved_tensors_default_hooks()
+        self._pushed = False
+        with _lock:
+            stack = _active.get(self._thread or 0, [])
+            if self in stack:
+                stack.remove(self)
+            if not stack:
+                _active.pop(self._thread or 0, None)
+            _uninstall()
+
+    def _on_top(self) -> bool:
+        top = _autograd._top_saved_tensors_default_hooks(True)
+        return top is not None and top[0] is self.pack and top[1] is self.unpack
+
+    def _step_aside(self) -> None:
+        if self._pushed and self._on_top():
+            _autograd._pop_saved_tensors_default_hooks()
+            self._pushed = False
+            self._aside()
+
+    def _aside(self) -> None:
+        self.stepped_aside += 1
+        if self._on_aside is not None:
+            self._on_aside()
+
+    def _step_back(self) -> None:
+        if not self._pushed and not _disabled():
+            _autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+            self._pushed = True
+
+    def __enter__(self) -> SavedTensorHooks:
+        self.push()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pop()
