@@ -7,8 +7,6 @@ import errno
 import hashlib
 import os
 import re
-import secrets
-import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ from filelock import FileLock, Timeout
 from pytest_gpumem.baselines.loading import digest, fingerprint, parse, read
 from pytest_gpumem.baselines.store import BaselineStore, Fingerprint
 from pytest_gpumem.baselines.validation import BaselineFileError
+from pytest_gpumem.files import write_file
 
 __all__ = ["LOCK_TIMEOUT_S", "ORPHAN_AGE_S", "lock_path", "save"]
 
@@ -212,34 +211,11 @@ def _cannot_write(target: Path, exc: OSError) -> BaselineFileError:
 
 
 def _atomic_write(target: Path, data: bytes) -> None:
-    folder = target.parent
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write the baseline file (see :func:`~pytest_gpumem.files.write_file`: replaced atomically and
+    durably when it is a regular file, never renamed over when it is a device or a FIFO)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(target)
-    try:
-        mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
-    except FileNotFoundError:
-        mode = None  # a new file: 0o666 less the umask, as open() would give it
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        temp = folder / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        try:
-            fd = os.open(temp, flags, 0o666)
-            break
-        except FileExistsError:  # pragma: no cover - 32 random bits collided
-            continue
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            if mode is not None and hasattr(os, "fchmod"):
-                os.fchmod(handle.fileno(), mode)
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    _fsync_folder(folder)
+    write_file(target, data, durable=True)
 
 
 def _fsync_folder(folder: Path) -> None:

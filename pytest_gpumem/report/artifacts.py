@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import os
 import re
-import secrets
 from pathlib import Path
 
 from pytest_gpumem.data.findings import failure_message
 from pytest_gpumem.data.metrics import DRAWN_METRICS
+from pytest_gpumem.files import write_file
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.report.html import render_html
 from pytest_gpumem.report.sites import site_section_html
@@ -104,25 +103,9 @@ def artifact_path(directory: Path, nodeid: str, suffix: str) -> Path:
 
 
 def write_html(path: Path, html: str) -> None:
-    """Write ``html`` to ``path`` as UTF-8, atomically.
-
-    The text goes to a temporary file in the same folder, which then replaces
-    ``path`` (:func:`os.replace`): a reader never sees half a page, and a crash
-    leaves no partial file under the final name. Missing parent folders are
-    created; the file gets the usual permissions (``0o666`` less the umask).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    data = html.encode("utf-8")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as stream:
-            stream.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    """Write ``html`` to ``path`` as UTF-8 (:func:`~pytest_gpumem.files.write_file`: atomically, a
+    symbolic link written through, a device or FIFO never renamed over)."""
+    write_file(path, html.encode("utf-8"))
 
 
 def write_artifacts(record: TestRecord, directory: Path) -> list[str]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.baselines.canonical import json_bytes
 from pytest_gpumem.data.findings import Finding
+from pytest_gpumem.files import write_file
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.report.cells import RecordLike
 from pytest_gpumem.report.text import markdown_report
@@ -142,17 +142,11 @@ def _report(kind: str, path: Path, data: bytes) -> list[str]:
 
 
 def _replace(path: Path, data: bytes) -> None:
-    """Write a report atomically: a temporary file beside ``path`` replaces it once complete, so a
-    failure leaves the previous report (or none), never an empty or partial one.
+    """Write a report (:func:`~pytest_gpumem.files.write_file`): a regular file is replaced once the
+    new one is complete, so a failure leaves the previous report (or none); a symbolic link is
+    written through; a device or FIFO is written into, never renamed over.
 
     Node ids from file names that are not UTF-8 hold lone surrogates: the reports write them
     escaped (``\\udcff``), as the baseline file does (see :func:`~pytest_gpumem.baselines.canonical.json_bytes`).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        temporary.write_bytes(data)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    write_file(path, data)

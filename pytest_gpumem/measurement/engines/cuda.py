@@ -22,6 +22,7 @@ import torch
 
 from pytest_gpumem.data.figures import OutputNotWritten
 from pytest_gpumem.data.sites import Site, SiteConfig
+from pytest_gpumem.files import move_file
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.categories import forget_categories
@@ -293,7 +294,7 @@ class CudaEngine(TrackerMembers):
             try:
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 memory._dump_snapshot(temporary)
-                os.replace(temporary, path)
+                move_file(temporary, path)
             except OSError as exc:
                 with suppress(OSError):
                     os.unlink(temporary)

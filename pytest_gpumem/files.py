@@ -1,0 +1,120 @@
+"""Writing the files the plugin makes (reports, artifacts, snapshots, the baseline file) without
+swapping anything in at the user's path.
+
+A regular file (or a new one) is replaced atomically: a temporary file in the same folder,
+renamed over it once complete, with the old file's permissions. A symbolic link is written
+through: its target is replaced and the link stays. Anything else at the path (``/dev/null``,
+a FIFO, a socket) is never renamed over: a character device is written into, a FIFO is written
+into when a reader holds it open and refused otherwise (pytest would wait on it forever), a
+socket is refused. A refusal is an :class:`OSError` that names the path and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+import sys
+from pathlib import Path
+
+__all__ = ["move_file", "write_file"]
+
+
+def write_file(path: str | os.PathLike[str], data: bytes, *, durable: bool = False) -> Path:
+    """Write ``data`` to ``path`` as described in the module's docstring; returns the path written
+    (a symbolic link's target). ``durable``: fsync the file and its folder (the baseline file).
+    Missing parent folders are made."""
+    target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    try:
+        found = os.stat(target)
+    except FileNotFoundError:
+        found = None
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        _write_into(target, found.st_mode, data)
+        return target
+    _replace(target, data, None if found is None else stat.S_IMODE(found.st_mode), durable=durable)
+    return target
+
+
+def _write_into(target: Path, mode: int, data: bytes) -> None:
+    """Write into something that is no regular file, or refuse it."""
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
+    if stat.S_ISCHR(mode):
+        flags = os.O_WRONLY
+    elif stat.S_ISFIFO(mode):
+        flags = os.O_WRONLY | os.O_NONBLOCK  # no reader: ENXIO at once, instead of waiting forever
+    else:
+        raise OSError(errno.EINVAL, "is neither a regular file, a device nor a FIFO: not replaced", str(target))
+    try:
+        fd = os.open(target, flags | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise OSError(errno.ENXIO, "is a FIFO that no process reads: not replaced", str(target)) from None
+        raise
+    try:
+        if flags & os.O_NONBLOCK:
+            os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def _temporary(target: Path) -> tuple[int, Path]:
+    """A new temporary file beside ``target``, opened for writing, and its path."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        temporary = target.parent / f".{target.name[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(temporary, flags, 0o666), temporary
+        except FileExistsError:  # pragma: no cover - 32 random bits collided
+            continue
+
+
+def move_file(temporary: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """Put the complete file ``temporary`` (written by someone else, beside ``path``) at ``path`` as
+    :func:`write_file` would: renamed over a regular file or a symbolic link's target, written into
+    a device or a FIFO (and removed)."""
+    target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    try:
+        found = os.stat(target)
+    except FileNotFoundError:
+        found = None
+    if found is None or stat.S_ISREG(found.st_mode):
+        os.replace(temporary, target)
+        return
+    try:
+        _write_into(target, found.st_mode, Path(temporary).read_bytes())
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+
+
+def _replace(target: Path, data: bytes, mode: int | None, *, durable: bool) -> None:
+    folder = target.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, temporary = _temporary(target)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            if mode is not None and hasattr(os, "fchmod"):
+                os.fchmod(handle.fileno(), mode)
+            handle.write(data)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    if durable and sys.platform != "win32":
+        with contextlib.suppress(OSError):
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
