@@ -43,10 +43,19 @@ TIGHT_SEP = " "
 ELLIPSIS = "…"
 
 
+def file_of(nodeid: str) -> str:
+    """The file part of a node id: ``tests/test_a.py`` of ``tests/test_a.py::test_x[1]``, and
+    ``a::b/test_a.py`` of ``a::b/test_a.py::test_x`` (a folder's name may hold "::"; parameter ids
+    may hold "/" and "::": the file ends at the first "::" after the last "/" before any "[")."""
+    slash = nodeid.split("[", 1)[0].rfind("/")
+    cut = nodeid.find("::", slash + 1)
+    return nodeid if cut < 0 else nodeid[:cut]
+
+
 def short_id(nodeid: str) -> str:
     """The node id without the folders of its file (parametrize ids may hold "/" too)."""
-    path, sep, rest = nodeid.partition("::")
-    return path.rsplit("/", 1)[-1] + sep + rest
+    path = file_of(nodeid)
+    return path.rsplit("/", 1)[-1] + nodeid[len(path) :]
 
 
 def elide_middle(text: str, width: int) -> str:

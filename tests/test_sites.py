@@ -461,10 +461,12 @@ def test_a_second_run_confirms_no_leak_and_starts_with_the_collector_frozen_agai
 
         CACHE = []
 
+        from pytest_gpumem.measurement import gcfunctions  # gc's own: its wrapper would give them back
+
         @pytest.mark.gpumem(retained="0B")
         def test_leaks():
             with open("frozen.txt", "a") as out:
-                out.write(f"{gc.get_freeze_count()}\\n")
+                out.write(f"{gcfunctions.get_freeze_count()}\\n")
             CACHE.append(torch.zeros(4096))
         """
     )
@@ -666,7 +668,7 @@ def test_a_second_run_whose_figures_differ_says_so_and_keeps_the_first_runs_figu
         """
         import pytest, torch
 
-        @pytest.fixture
+        @pytest.fixture(scope="module")
         def trained():
             model = torch.nn.Linear(64, 64)
             return model, torch.optim.AdamW(model.parameters())
@@ -675,7 +677,7 @@ def test_a_second_run_whose_figures_differ_says_so_and_keeps_the_first_runs_figu
         def test_step(trained):
             model, opt = trained
             model(torch.ones(8, 64)).sum().backward()
-            opt.step()  # Adam's state: made by the first run, already there in the second
+            opt.step()  # Adam's state: made by the first run, already there in the second (a module's fixture)
         """
     )
     report = pytester.path / "report.json"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from pytest_gpumem.baselines.store import BaselineStore, StaleEntry
+from pytest_gpumem.tables import file_of
 
 __all__ = [
     "FAILED",
@@ -90,11 +91,6 @@ class Staleness:
 
     stale: list[StaleEntry]
     kept: dict[str, int]
-
-
-def file_of(nodeid: str) -> str:
-    """The file part of a node id: ``tests/test_a.py`` of ``tests/test_a.py::test_x[1]``."""
-    return nodeid.split("::", 1)[0]
 
 
 def find_stale(store: BaselineStore, collection: Collection, environment: str) -> Staleness:

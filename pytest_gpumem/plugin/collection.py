@@ -248,9 +248,9 @@ def _narrowed_files(config: pytest.Config) -> list[str | None]:
     node-id paths; None for one whose file cannot be told (a module name under ``--pyargs``)."""
     found: list[str | None] = []
     for arg in config.args:
-        path, colons, _ = str(arg).partition("::")
-        if not colons:
-            continue
+        path = file_of(str(arg))
+        if path == str(arg) or Path(config.invocation_params.dir, arg).exists():
+            continue  # a whole file or folder (whose name may hold "::")
         where = Path(os.path.abspath(Path(config.invocation_params.dir, path)))
         try:
             found.append(where.relative_to(config.rootpath).as_posix() if where.is_file() else None)

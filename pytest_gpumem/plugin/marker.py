@@ -88,7 +88,10 @@ class GpumemSpec:
 
 T = TypeVar("T")
 
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(?::[0-9]+)?)$")
+#: torch keeps a device index in 8 bits: ``torch.device("cuda:128")`` is ``cuda:-128``, and it
+#: refuses leading zeros (``cuda:00``)
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(?::(?:0|[1-9][0-9]{0,2}))?)$")
+_MAX_DEVICE_INDEX = 127
 
 
 def parse_device(value: object) -> str:
@@ -99,8 +102,11 @@ def parse_device(value: object) -> str:
     if type(value).__name__ == "device" and type(value).__module__ == "torch":
         value = str(value)
     text = value.strip() if isinstance(value, str) else None
-    if text is None or _DEVICE_RE.match(text) is None:
-        raise SpecError(f"device={shown(value)} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if text is None or _DEVICE_RE.match(text) is None or int(text.partition(":")[2] or 0) > _MAX_DEVICE_INDEX:
+        raise SpecError(
+            f"device={shown(value)} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N' "
+            f"(N from 0 to {_MAX_DEVICE_INDEX}, without leading zeros)"
+        )
     return text
 
 

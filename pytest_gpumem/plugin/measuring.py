@@ -142,7 +142,8 @@ class Measuring:
         try:
             with warnings.catch_warnings(record=True):
                 reports = runtestprotocol(item, nextitem=nextitem, log=False)
-        except Exit as exc:
+        except Exit as exc:  # the session goes on: the test's own fixtures are torn down as pytest would
+            _teardown(item, nextitem)
             return f"called pytest.exit ({exc.msg}), which was ignored"
         except Exception as exc:  # a hook's error: the first run's reports stand
             return f"raised {type(exc).__name__}: {exc}"
@@ -343,3 +344,13 @@ def _short(report: pytest.TestReport) -> str:
         return str(crash.message).splitlines()[0] if crash.message else "(no message)"
     lines = str(longrepr).strip().splitlines()
     return lines[-1] if lines else "(no message)"
+
+
+def _teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Tear down what the test set up, its report dropped, after its second run stopped early."""
+    from _pytest.runner import call_and_report
+
+    call_and_report(item, "teardown", False, nextitem=nextitem)
+    if hasattr(item, "_request"):
+        item._request = False  # as runtestprotocol leaves a test that ran
+        item.funcargs = None  # type: ignore[attr-defined]

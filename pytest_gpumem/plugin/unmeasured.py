@@ -1,5 +1,6 @@
 """The ``gpumem`` fixture while pytest-gpumem is disabled (``--gpumem-disable``): the test's code
-runs, nothing is measured, and a figure read raises :class:`~pytest_gpumem.plugin.fixture.NotMeasured`."""
+runs, nothing is measured, and a test that reads a figure is skipped at that line, with a reason
+that says so: the off switch never fails a test that passes with the plugin on."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT, RankContext
 from pytest_gpumem.diagnose.microbatch import Plan
 from pytest_gpumem.judge.limits import check_span_name, parse_span_limits
 from pytest_gpumem.measurement.steps import train_step_span
-from pytest_gpumem.plugin.fixture import GpumemFixture, NotMeasured, check_phase, distributed_ranks, tracked_budget
+from pytest_gpumem.plugin.fixture import GpumemFixture, check_phase, distributed_ranks, tracked_budget
 
 __all__ = ["Unmeasured", "UnmeasuredGpuMem"]
 
 
 class Unmeasured:
-    """Stands for the figures of a span in a run where nothing is measured: reading one is a
-    :class:`NotMeasured` error that says so (never a 0 that a test could compare)."""
+    """Stands for the figures of a span in a run where nothing is measured: reading one skips the
+    test with a reason that says so (never a 0 that a test could compare)."""
 
     def __init__(self, what: str, name: str | None = None) -> None:
         self._what = what
@@ -29,9 +30,13 @@ class Unmeasured:
 
     def __getattr__(self, name: str) -> Any:
         __tracebackhide__ = True
-        raise NotMeasured(
+        if name.startswith("__"):  # copy, pickle and inspection probe for these: they are not figures
+            raise AttributeError(name)
+        import pytest
+
+        pytest.skip(
             f"{self._what}.{name}: nothing is measured while pytest-gpumem is disabled "
-            "(--gpumem-disable or PYTEST_GPUMEM_DISABLE): a test that reads figures needs the plugin on"
+            "(--gpumem-disable or PYTEST_GPUMEM_DISABLE): a test that reads figures is skipped there"
         )
 
     def __repr__(self) -> str:
@@ -58,8 +63,8 @@ class UnmeasuredGpuMem(GpumemFixture):
     The test runs as it would with the plugin on, on the same device, with nothing measured:
     ``track()``, ``measure()`` blocks and ``train_step()`` run the code, Ψ and ``budget()``
     are computed (they are theory, not measurement), ``distributed()`` runs its ranks. A
-    figure read from a span or a step raises :class:`NotMeasured`; ``max_microbatch()`` and
-    ``plan_accumulation()``, which search by measuring, skip the test.
+    figure read from a span or a step skips the test there, as ``max_microbatch()`` and
+    ``plan_accumulation()``, which search by measuring, do.
     """
 
     def __init__(self, device: torch.device, nodeid: str) -> None:
