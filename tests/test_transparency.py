@@ -19,9 +19,9 @@ from torch import nn
 
 from conftest import run, run_fresh
 from pytest_gpumem import measure
-from pytest_gpumem.data.figures import PartialFigures
 from pytest_gpumem.baselines import load
 from pytest_gpumem.cli import main
+from pytest_gpumem.data.figures import PartialFigures
 from pytest_gpumem.measurement.engines.savedhooks import STEPPED_ASIDE_NOTE
 
 
@@ -61,9 +61,9 @@ def test_torch_func_and_disabled_saved_tensor_hooks_run_and_the_figures_say_what
         torch.func.vmap(torch.func.grad_and_value(lambda x: (x.sin() * x).sum()))(torch.randn(2, 16))
         with torch.autograd.graph.disable_saved_tensors_hooks("the user's own message"):
             (x * x).sum().backward()
-            with pytest.raises(RuntimeError, match="the user's own message"):  # torch's refusal, as without
-                with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                    pass
+            refused = pytest.raises(RuntimeError, match="the user's own message")  # torch's refusal, as without
+            with refused, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                pass
         (x.sin() * x).sum().backward()  # counted again
     assert STEPPED_ASIDE_NOTE in span.measurement.notes
     assert span.measurement.saved_activations is not None and span.measurement.saved_activations >= 16 * 4
