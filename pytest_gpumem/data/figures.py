@@ -9,6 +9,7 @@ span itself added is its *cost*: a figure minus ``start`` (see
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,28 @@ class PartialFigures(Warning):
     """A span's figures miss memory the engine could not see (work on a thread it could not
     watch, storages made outside PyTorch's operators); the notes of its :class:`Measurement`
     say what. Make it an error with ``-W error::pytest_gpumem.data.figures.PartialFigures``."""
+
+
+def notify(warning: Warning, stacklevel: int = 1) -> None:
+    """Warn about figures (:class:`PartialFigures`, :class:`CompiledCodeNotMeasured`, ...) so that a
+    filter naming the warning's class applies as given (``-W error::pytest_gpumem.PartialFigures``
+    fails the test), while a blanket one (``-W error``, ``filterwarnings = error``) does not turn it
+    into the test's failure: the warning is then shown in pytest's summary, and the reports say the
+    same. A blanket ``ignore`` silences it."""
+    kind = type(warning)
+    text = str(warning)
+    for action, message, category, _module, _line in warnings.filters:
+        if not issubclass(kind, category) or (message is not None and not message.match(text)):
+            continue
+        if category not in (Warning, UserWarning):  # the user named this warning: as given
+            break
+        if action == "ignore":
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", kind)
+            warnings.warn(warning, stacklevel=stacklevel + 2)
+        return
+    warnings.warn(warning, stacklevel=stacklevel + 1)
 
 
 class OutputNotWritten(Warning):

@@ -19,7 +19,6 @@ ids: nothing is stored on a user's module or optimizer, so ``copy.deepcopy``,
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -30,7 +29,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from pytest_gpumem.budgets.formulas import tracked_psi
-from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline
+from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline, notify
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.data.sites import SiteConfig, build_profile
@@ -451,7 +450,7 @@ class Recorder:
         notes = tuple(dict.fromkeys(self.engine.notes[state.notes_from :]))
         for note in notes:
             if note != STEPPED_ASIDE_NOTE:  # torch's own refusal: said in the reports, never raised (-W error)
-                warnings.warn(PartialFigures(f"span {state.name!r}: {note}"), stacklevel=2)
+                notify(PartialFigures(f"span {state.name!r}: {note}"), stacklevel=2)
         return Measurement(
             name=state.name,
             engine=self.engine.name,
@@ -483,7 +482,7 @@ class Recorder:
         if len(frames) <= state.compiled_from:
             return
         shown = describe_compiled(list(frames[state.compiled_from :]))
-        warnings.warn(
+        notify(
             CompiledCodeNotMeasured(
                 f"span {state.name!r} measured the eager program, not the torch.compile'd one: "
                 f"TorchDynamo ran {shown} eagerly because the {self.engine.name} engine's tensor tracker "

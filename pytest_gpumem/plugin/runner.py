@@ -25,7 +25,7 @@ from pathlib import Path
 from types import CodeType
 from typing import Any
 
-from pytest_gpumem.data.figures import OutputNotWritten, PartialFigures
+from pytest_gpumem.data.figures import OutputNotWritten, PartialFigures, notify
 from pytest_gpumem.data.sites import SiteConfig
 from pytest_gpumem.diagnose.census import see_every_tensor
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
@@ -204,7 +204,7 @@ class TestRun:
             unseen = engine.scan()
             if unseen > 0:
                 notes = (*notes, unseen_note(unseen))
-                warnings.warn(PartialFigures(f"{self.nodeid}: {notes[-1]}"), stacklevel=2)
+                notify(PartialFigures(f"{self.nodeid}: {notes[-1]}"), stacklevel=2)
         call = replace(
             call, retained=engine.allocated() - call.start, max_microbatch=recorder.max_microbatch, notes=notes
         )

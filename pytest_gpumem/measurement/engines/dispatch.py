@@ -81,6 +81,7 @@ class TrackerMode(TorchDispatchMode):
         kernels allocate their buffers outside the dispatcher), so the answer stays False and
         the skipped frame is reported instead: figures of the eager program must never pass
         for figures of the compiled one in silence."""
+        _never_traced()
         if self.armed:
             frame = skipped_frame()
             if frame is not None:
@@ -131,3 +132,19 @@ class TrackerMode(TorchDispatchMode):
         finally:
             if prior is not None:
                 set_eval_frame(prior)
+
+
+_untraced = False
+
+
+def _never_traced() -> None:
+    """Put the package among the folders TorchDynamo never traces into (once, as it starts to
+    compile: it is imported by then). Tracing a compiled frame under the tracker would otherwise
+    inline this mode's ``__torch_dispatch__`` and warn that it cannot trace its frame-hook call: a
+    ``UserWarning`` that a suite with ``filterwarnings = error`` would see as a failure."""
+    global _untraced
+    if not _untraced:
+        _untraced = True
+        from torch._dynamo import trace_rules
+
+        trace_rules.add("pytest_gpumem")

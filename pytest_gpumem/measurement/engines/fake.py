@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +48,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_leaves
 
+from pytest_gpumem.data.figures import notify
 from pytest_gpumem.measurement.engines.compiled import PLUGIN_ROOT, TORCH_ROOT
 
 __all__ = ["FakeKernels", "FakeModeError", "FakeTensorsDiffer", "fake_mode", "real_bookkeeping", "warn_tracing_paths"]
@@ -125,7 +125,7 @@ def warn_tracing_paths(objects: Any, name: str) -> None:
             }
         )
         if kinds:
-            warnings.warn(
+            notify(
                 FakeTensorsDiffer(
                     f"{name}: {', '.join(kinds)} ran on fake tensors and {library} checks for them: {why} "
                     "(docs/will-it-fit.md)"
