@@ -273,3 +273,49 @@ def test_nothing_is_left_in_gcs_place_after_a_run(pytester: pytest.Pytester) -> 
     assert {name: getattr(gc, name) for name in before} == before
     assert os.environ.get("PYTEST_GPUMEM_DISABLE") is None
     assert Path(__file__).exists()
+
+
+#: Ten tests whose fixtures drop a 64 MiB tensor in a reference cycle at teardown, then an
+#: emulated device and a microbatch search: what they find must not depend on the ten before.
+ORDER = """
+import pytest, torch
+
+CACHE = []
+
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+        self.tensor = torch.ones(16 * 2**20)  # 64 MiB
+
+
+@pytest.fixture
+def held():
+    yield Cycle()
+
+
+@pytest.mark.parametrize("n", range(10))
+def test_a_drops_a_cycle(held, n):
+    CACHE.append([[] for _ in range(20_000)])  # the collector freezes between these tests
+
+
+def test_b_finds_the_largest_microbatch(gpumem):
+    found = gpumem.max_microbatch(lambda n: torch.ones(n, 2**18), limit="256MiB", upper=1024)  # 1 MiB a row
+    print("\\nFOUND", found)
+
+
+@pytest.mark.gpumem(device="cpu", device_limit="256MiB")
+def test_c_fits_under_the_emulated_device():
+    torch.ones(48 * 2**20)  # 192 MiB
+"""
+
+
+@pytest.mark.slow
+def test_emulated_limits_and_microbatch_searches_do_not_depend_on_test_order(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_order=ORDER)
+    found = {}
+    for selection in ("test_b or test_c", "test_a or test_b or test_c"):
+        result = run_fresh(pytester, "-s", "-p", "no:randomly", "-k", selection)
+        result.assert_outcomes(passed=2 if selection.startswith("test_b") else 12)
+        found[selection] = [line for line in result.stdout.lines if line.startswith("FOUND")]
+    assert found["test_b or test_c"] == found["test_a or test_b or test_c"] != []
