@@ -10,10 +10,8 @@ each span gets its own exact peak however they nest.
 Phases (forward, backward, optimizer) are found through hooks, not by the user:
 a forward pre-hook for the tracked modules starts "forward", a pre-hook on the
 autograd node of the module's outputs starts "backward" when backward reaches
-it, and step pre/post hooks for the tracked optimizers bracket "optimizer". The
-module and optimizer hooks are torch's global ones, filtered by the tracked objects'
-ids: nothing is stored on a user's module or optimizer, so ``copy.deepcopy``,
-``pickle`` and ``torch.save`` treat them as they do without the plugin.
+it, and step pre/post hooks for the tracked optimizers bracket "optimizer"
+(:mod:`~pytest_gpumem.measurement.tracked`: nothing is stored on a user's objects).
 """
 
 from __future__ import annotations
@@ -25,10 +23,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from pytest_gpumem.budgets.formulas import tracked_psi
 from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline, notify
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import CATEGORIES
@@ -37,6 +32,7 @@ from pytest_gpumem.judge.limits import LimitSpec, parse_span_limits
 from pytest_gpumem.measurement.engines import describe_compiled
 from pytest_gpumem.measurement.engines.base import Engine, Reading
 from pytest_gpumem.measurement.engines.savedhooks import STEPPED_ASIDE_NOTE
+from pytest_gpumem.measurement.tracked import Tracked
 
 __all__ = ["Recorder", "Span"]
 
@@ -109,11 +105,7 @@ class Recorder:
         self.sites, self._end_sites = sites, engine.sites_now()  # then: bytes by site as allocated is read
         self.timeline = timeline and engine.categorizes
         self.saved_tensors = saved_tensors
-        self.tracked: list[Any] = []
-        self._tracked_ids: set[int] = set()
-        #: ids of the tracked modules and optimizers (alive while tracked: ``tracked`` holds them)
-        self._module_ids: set[int] = set()
-        self._optimizer_ids: set[int] = set()
+        self._tracked = Tracked(engine, self)
         self._open: list[_SpanState] = []
         self._handles: list[Any] = []
         self._phase: str | None = None
@@ -155,7 +147,7 @@ class Recorder:
         except BaseException:
             self._faked.close()
             raise
-        self._classify()
+        self._tracked.classify()
         self.active = True
 
     def end(self) -> None:
@@ -172,12 +164,14 @@ class Recorder:
 
             warn_tracing_paths(self.tracked, self.label)
         self._faked.close()
-        self.tracked.clear()
-        self._tracked_ids.clear()
-        self._module_ids.clear()
-        self._optimizer_ids.clear()
+        self._tracked.clear()
 
     # -- tracked objects -------------------------------------------------------
+
+    @property
+    def tracked(self) -> list[Any]:
+        """The tracked modules and optimizers (see :mod:`~pytest_gpumem.measurement.tracked`)."""
+        return self._tracked.objects
 
     def track(self, *objects: Any) -> None:
         """Register modules and optimizers for the breakdown, phases and Ψ.
@@ -186,103 +180,29 @@ class Recorder:
         "gradients"; optimizers' state tensors as "optimizer_state". Tracking the
         same object twice is harmless.
         """
-        for obj in objects:
-            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-                raise TypeError(
-                    f"gpumem.track() takes torch.nn.Module and torch.optim.Optimizer objects, got {type(obj).__name__}"
-                )
-            if id(obj) in self._tracked_ids:
-                continue
-            self._tracked_ids.add(id(obj))
-            self.tracked.append(obj)
-            if isinstance(obj, torch.nn.Module):
-                if not self._module_ids:
-                    self._handles.append(register_module_forward_pre_hook(self._any_forward_pre))
-                    self._handles.append(register_module_forward_hook(self._any_forward_post))
-                self._module_ids.add(id(obj))
-                if self.engine.categorizes:
-                    # kept in the tensor's _post_accumulate_grad_hooks, which copy, pickle and
-                    # torch.save leave out
-                    for param in obj.parameters():
-                        if param.requires_grad:
-                            self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
-            else:
-                if not self._optimizer_ids:
-                    self._handles.append(register_optimizer_step_pre_hook(self._any_optimizer_pre))
-                    self._handles.append(register_optimizer_step_post_hook(self._any_optimizer_post))
-                self._optimizer_ids.add(id(obj))
+        self._tracked.add(*objects)
         if self.active:
-            self._classify()
+            self._tracked.classify()
 
     def reclassify(self) -> None:
         """Give the tracked objects' tensors their categories now (an out-of-memory report does
         this: an optimizer's state made in the step that failed is known as such only from its
         ``state``)."""
-        self._classify()
-
-    def _classify(self) -> None:
-        engine = self.engine
-        if not engine.categorizes:
-            return
-        for obj in self.tracked:
-            if isinstance(obj, torch.nn.Module):
-                params = list(obj.parameters())
-                engine.classify(params, "parameters")
-                engine.classify([p.grad for p in params if p.grad is not None], "gradients")
-            else:
-                self._classify_optimizer(obj)
-
-    def _classify_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        engine = self.engine
-        if not engine.categorizes:
-            return
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        engine.classify(params, "parameters")
-        engine.classify([p.grad for p in params if p.grad is not None], "gradients")
-        # a wrapper that shards the optimizer (ZeroRedundancyOptimizer) keeps the rank's state in
-        # the optimizer it wraps, ``.optim``
-        inner = getattr(optimizer, "optim", None)
-        holders = [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
-        engine.classify(
-            [
-                value
-                for holder in holders
-                for state in holder.state.values()
-                for value in state.values()
-                if isinstance(value, torch.Tensor)
-            ],
-            "optimizer_state",
-        )
+        self._tracked.classify()
 
     @property
     def psi(self) -> int | None:
         """Trainable parameter count of the tracked objects; None when nothing is tracked."""
-        return tracked_psi(self.tracked)
+        return self._tracked.psi
 
-    # -- hooks -----------------------------------------------------------------
+    # -- phases, from the tracked objects' hooks ----------------------------------
 
-    def _any_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if id(module) in self._module_ids:
-            self._forward_pre(module, args)
-
-    def _any_forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if id(module) in self._module_ids:
-            self._forward_post(module, args, output)
-
-    def _any_optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in self._optimizer_ids:
-            self._optimizer_pre(optimizer, args, kwargs)
-
-    def _any_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in self._optimizer_ids:
-            self._optimizer_post(optimizer, args, kwargs)
-
-    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+    def forward_pre(self) -> None:
         if self._depth == 0 and not self.external_phases:
             self.set_phase("forward")
         self._depth += 1
 
-    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def forward_post(self, output: Any) -> None:
         self._depth -= 1
         if self._depth == 0 and self.active and torch.is_grad_enabled():
             for tensor in _tensors(output):
@@ -299,16 +219,11 @@ class Recorder:
         if self._phase == "backward":
             self.set_phase(None)
 
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        if self.active and param.grad is not None:
-            self.engine.classify((param.grad,), "gradients")
-
-    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def optimizer_pre(self) -> None:
         if not self.external_phases:
             self.set_phase("optimizer")
 
-    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._classify_optimizer(optimizer)
+    def optimizer_post(self) -> None:
         if not self.external_phases:
             self.set_phase(None)
 

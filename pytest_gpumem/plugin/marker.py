@@ -239,3 +239,14 @@ def _sites(value: object) -> str:
         return parse_sites_mode(value)
     except ValueError as exc:
         raise SpecError(str(exc)) from None
+
+
+def parse_seconds(text: str) -> float:
+    """A number of seconds, 0 or more."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, got {text!r}") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"expected a number of seconds (0 or more), got {text!r}")
+    return seconds

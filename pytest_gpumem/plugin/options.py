@@ -18,7 +18,7 @@ from pytest_gpumem.data.sites import SiteConfig, parse_sites_mode
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.rule import describe_default_tolerances
 from pytest_gpumem.measurement.observe import parse_observe
-from pytest_gpumem.plugin.marker import parse_device, parse_predict
+from pytest_gpumem.plugin.marker import parse_device, parse_predict, parse_seconds
 from pytest_gpumem.plugin.session import BaselineOptions
 from pytest_gpumem.units import SizeError, parse_size
 
@@ -237,7 +237,7 @@ class Settings:
             snapshot=flag("gpumem_snapshot"),
             sites=parsed("gpumem_sites", parse_sites_mode, "rerun"),
             site_config=SiteConfig(str(rootpath), parsed("gpumem_sites_include", _packages) or ()),
-            rerun_limit=parsed("gpumem_sites_rerun_limit", _seconds, "10"),
+            rerun_limit=parsed("gpumem_sites_rerun_limit", parse_seconds, "10"),
             baselines=BaselineOptions(
                 path=baselines or rootpath / DEFAULT_FILENAME,
                 tolerance=parsed("gpumem_tolerance", parse_tolerance),
@@ -298,14 +298,3 @@ def _env_flag(name: str) -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     raise OptionError(f"{name}={os.environ[name]!r}: expected 1, true, yes or on (or 0, false, no, off)")
-
-
-def _seconds(text: str) -> float:
-    """A number of seconds, 0 or more."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise ValueError(f"expected a number of seconds, got {text!r}") from None
-    if not seconds >= 0 or seconds == float("inf"):
-        raise ValueError(f"expected a number of seconds (0 or more), got {text!r}")
-    return seconds

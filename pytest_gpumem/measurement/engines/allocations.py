@@ -159,7 +159,7 @@ class AllocationTracker(StorageTracker):
         self._profiling = True
         follow_threads(self, follow=True)
         if saved_tensors:
-            self._saved_hooks = SavedTensorHooks(self._pack_hook, unpack, on_aside=self._saved_aside)
+            self._saved_hooks = SavedTensorHooks(self._pack_hook, unpack, notes=self.notes)
             self._saved_hooks.push()
 
     def stop(self) -> None:

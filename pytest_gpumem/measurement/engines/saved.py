@@ -113,7 +113,7 @@ class SavedTensors:
         self._peak = self.current
         from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
 
-        self._hooks = SavedTensorHooks(self._pack, unpack, on_aside=self._aside)
+        self._hooks = SavedTensorHooks(self._pack, unpack)
         self._hooks.push()
 
     def stop(self) -> None:
@@ -121,9 +121,7 @@ class SavedTensors:
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
             hooks.pop()
-
-    def _aside(self) -> None:
-        self.stepped_aside = True
+            self.stepped_aside = self.stepped_aside or hooks.stepped_aside > 0
 
     def take_peak(self) -> int:
         """The highest bytes held for backward since the previous call; opens a new window."""

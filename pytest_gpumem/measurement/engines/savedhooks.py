@@ -75,11 +75,12 @@ class SavedTensorHooks:
         pack: Callable[[torch.Tensor], Any],
         unpack: Callable[[Any], torch.Tensor],
         *,
-        on_aside: Callable[[], None] | None = None,
+        notes: list[str] | None = None,
     ) -> None:
         self.pack = pack
         self.unpack = unpack
-        self._on_aside = on_aside
+        #: where to note (once) that the hooks stepped aside
+        self._notes = notes
         self._pushed = False
         self._thread: int | None = None
         #: regions in which the hooks stepped aside
@@ -120,8 +121,8 @@ class SavedTensorHooks:
 
     def _aside(self) -> None:
         self.stepped_aside += 1
-        if self._on_aside is not None:
-            self._on_aside()
+        if self._notes is not None and STEPPED_ASIDE_NOTE not in self._notes:
+            self._notes.append(STEPPED_ASIDE_NOTE)
 
     def _step_back(self) -> None:
         if not self._pushed and not _disabled():

@@ -49,7 +49,7 @@ from pytest_gpumem.measurement.engines.compiled import forget_skips
 from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
-from pytest_gpumem.measurement.engines.savedhooks import STEPPED_ASIDE_NOTE, SavedTensorHooks
+from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
 from pytest_gpumem.measurement.engines.sites import TrackedSites
 from pytest_gpumem.measurement.engines.storages import (
     _PLAIN,
@@ -486,7 +486,7 @@ class StorageTracker(TrackedSites):
         watch_resizes(self, watch=True)
         follow_threads(self, follow=True)
         if saved_tensors:
-            self._saved_hooks = SavedTensorHooks(self._pack, unpack, on_aside=self._saved_aside)
+            self._saved_hooks = SavedTensorHooks(self._pack, unpack, notes=self.notes)
             self._saved_hooks.push()
         if self.thread_contexts:
             self._contexts = contextlib.ExitStack()
@@ -505,15 +505,10 @@ class StorageTracker(TrackedSites):
         _push_mode(mode)
         stack.callback(_pop_mode)
         if self._saved_hooks is not None:
-            stack.enter_context(SavedTensorHooks(self._pack, unpack, on_aside=self._saved_aside))
+            stack.enter_context(SavedTensorHooks(self._pack, unpack, notes=self.notes))
         if self._contexts is not None:
             for make in self.thread_contexts:
                 stack.enter_context(make())
-
-    def _saved_aside(self) -> None:
-        """The saved-tensor hooks stepped aside where torch turns them off: the figures say so."""
-        if STEPPED_ASIDE_NOTE not in self.notes:
-            self.notes.append(STEPPED_ASIDE_NOTE)
 
     def _make_mode(self) -> TrackerMode:
         """The dispatch mode that reports operators' outputs to this tracker."""

@@ -1,0 +1,146 @@
+"""The modules and optimizers a recording tracks: their tensors' categories, Ψ, and the hooks
+that tell the recorder where a training step's phases begin.
+
+The module and optimizer hooks are torch's global ones (``register_module_forward_pre_hook``,
+``register_optimizer_step_pre_hook``, ...), filtered by the tracked objects' ids: nothing is
+stored on a user's module or optimizer, so ``copy.deepcopy``, ``pickle`` and ``torch.save``
+treat them as they do without the plugin. A parameter's post-accumulate-grad hook lives in
+the tensor's ``_post_accumulate_grad_hooks``, which copies and pickles leave out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from pytest_gpumem.budgets.formulas import tracked_psi
+from pytest_gpumem.measurement.engines.base import Engine
+
+__all__ = ["PhaseHooks", "Tracked"]
+
+
+class PhaseHooks(Protocol):
+    """What the tracked objects' hooks call (the recorder)."""
+
+    active: bool
+
+    def forward_pre(self) -> None: ...
+    def forward_post(self, output: Any) -> None: ...
+    def optimizer_pre(self) -> None: ...
+    def optimizer_post(self) -> None: ...
+
+
+class Tracked:
+    """The tracked modules and optimizers of one recording, and their hooks (removed by :meth:`clear`)."""
+
+    def __init__(self, engine: Engine, phases: PhaseHooks) -> None:
+        self.engine = engine
+        self.phases = phases
+        #: the tracked objects, in the order they were tracked
+        self.objects: list[Any] = []
+        self._ids: set[int] = set()
+        self._modules: set[int] = set()
+        self._optimizers: set[int] = set()
+        self._handles: list[Any] = []
+
+    def add(self, *objects: Any) -> None:
+        """Track modules and optimizers (again: harmless)."""
+        for obj in objects:
+            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                raise TypeError(
+                    f"gpumem.track() takes torch.nn.Module and torch.optim.Optimizer objects, got {type(obj).__name__}"
+                )
+            if id(obj) in self._ids:
+                continue
+            self._ids.add(id(obj))
+            self.objects.append(obj)
+            if isinstance(obj, torch.nn.Module):
+                if not self._modules:
+                    self._handles.append(register_module_forward_pre_hook(self._forward_pre))
+                    self._handles.append(register_module_forward_hook(self._forward_post))
+                self._modules.add(id(obj))
+                if self.engine.categorizes:
+                    for param in obj.parameters():
+                        if param.requires_grad:
+                            self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+            else:
+                if not self._optimizers:
+                    self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+                    self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
+                self._optimizers.add(id(obj))
+
+    def clear(self) -> None:
+        """Remove every hook and let go of the tracked objects."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.objects.clear()
+        self._ids.clear()
+        self._modules.clear()
+        self._optimizers.clear()
+
+    @property
+    def psi(self) -> int | None:
+        """Trainable parameter count of the tracked objects; None when nothing is tracked."""
+        return tracked_psi(self.objects)
+
+    def classify(self) -> None:
+        """Give the tracked objects' tensors their categories (parameters, gradients, optimizer state)."""
+        engine = self.engine
+        if not engine.categorizes:
+            return
+        for obj in self.objects:
+            if isinstance(obj, torch.nn.Module):
+                params = list(obj.parameters())
+                engine.classify(params, "parameters")
+                engine.classify([p.grad for p in params if p.grad is not None], "gradients")
+            else:
+                self.classify_optimizer(obj)
+
+    def classify_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        engine = self.engine
+        if not engine.categorizes:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        engine.classify(params, "parameters")
+        engine.classify([p.grad for p in params if p.grad is not None], "gradients")
+        # a wrapper that shards the optimizer (ZeroRedundancyOptimizer) keeps the rank's state in
+        # the optimizer it wraps, ``.optim``
+        inner = getattr(optimizer, "optim", None)
+        holders = [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
+        engine.classify(
+            [
+                value
+                for holder in holders
+                for state in holder.state.values()
+                for value in state.values()
+                if isinstance(value, torch.Tensor)
+            ],
+            "optimizer_state",
+        )
+
+    # -- torch's hooks, filtered by id --------------------------------------------------
+
+    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if id(module) in self._modules:
+            self.phases.forward_pre()
+
+    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if id(module) in self._modules:
+            self.phases.forward_post(output)
+
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self._optimizers:
+            self.phases.optimizer_pre()
+
+    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self._optimizers:
+            self.classify_optimizer(optimizer)
+            self.phases.optimizer_post()
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if self.phases.active and param.grad is not None:
+            self.engine.classify((param.grad,), "gradients")
