@@ -130,7 +130,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     commands = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
     commands.add_parser(  # parsed by pytest_gpumem.validate.main (main() hands it over before parsing)
         "validate",
-        help=f"check pytest-gpumem on this machine's GPU and write a record (see {DOCS_URL}/validation.md)",
+        help="check pytest-gpumem on this machine's GPU and write a record (validation.md in the documentation, below)",
         add_help=False,
     )
     group = commands.add_parser(
@@ -273,8 +273,11 @@ def _baseline_file(args: argparse.Namespace) -> Path:
         )
     if not found.path.exists():
         raise CommandError(f"{found.path}: no such file ({found.how}); give --file PATH for another file")
-    args.file, args.found_rootdir = found.path, found.rootdir
-    return found.path
+    path = found.path
+    if path.parent == Path.cwd():  # named as the user would: the file in the current folder by its name
+        path = Path(path.name)
+    args.file, args.found_rootdir = path, found.rootdir
+    return path
 
 
 def _read(path: Path) -> BaselineStore:
