@@ -88,6 +88,20 @@ def test_junit_properties_carry_what_was_judged(grown: pytest.Pytester) -> None:
 
 
 @pytest.mark.slow
+def test_junit_properties_under_xdist(grown: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller judges, and adds the properties to the teardown report, where the JUnit file reads them."""
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(grown.path))
+    result = run(grown, "-n", "2", "--junitxml=junit.xml")
+    result.assert_outcomes(failed=1, passed=1)
+    props = properties(grown.path / "junit.xml", "test_grows")
+    assert (props["gpumem.peak.cost"], props["gpumem.peak.baseline"]) == (str(3 * MiB), str(2 * MiB))
+    assert props["gpumem.peak.status"] == "regressed"
+    errors = [line for line in result.stdout.lines if line.startswith("::error")]
+    assert len(errors) == 1 and errors[0].startswith(f"::error file=test_suite.py,line={GROWING_LINE},")
+
+
+@pytest.mark.slow
 def test_strict_stale_baselines_say_why_in_red_and_in_the_junit_file(
     grown: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
