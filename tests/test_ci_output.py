@@ -6,12 +6,14 @@ GitHub's 1 MiB."""
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from conftest import run
-from pytest_gpumem.report.ci import STEP_SUMMARY_LIMIT, Annotation, capped_summary
+from pytest_gpumem.data.findings import Finding
+from pytest_gpumem.report.ci import STEP_SUMMARY_LIMIT, Annotation, capped_summary, junit_properties
 
 pytest_plugins = ["pytester"]
 
@@ -34,8 +36,9 @@ def test_grows():
 
 
 @pytest.mark.gpumem
-def test_steady():
-    torch.ones(256, 256)
+def test_steady(gpumem):
+    with gpumem.measure("alloc"):
+        torch.ones(256, 256)
 """
 
 #: the lines of ``test_grows`` (pytest's location: its first decorator) and of ``b = torch.ones(N, 256)`` in the
@@ -84,6 +87,8 @@ def test_junit_properties_carry_what_was_judged(grown: pytest.Pytester) -> None:
     steady = properties(grown.path / "junit.xml", "test_steady")
     assert steady["gpumem.peak.cost"] == steady["gpumem.peak.baseline"] == str(256 * 1024)
     assert steady["gpumem.peak.status"] == "ok"
+    assert steady["gpumem[alloc].peak.cost"] == steady["gpumem[alloc].peak.baseline"] == str(256 * 1024)
+    assert steady["gpumem[alloc].peak.status"] == "ok"
     assert "gpumem.failure" not in steady
 
 
@@ -182,6 +187,21 @@ def test_the_step_summary_stays_under_github_s_limit(grown: pytest.Pytester, mon
     result = run(grown)
     assert summary.stat().st_size == STEP_SUMMARY_LIMIT - 10
     assert "could not append to $GITHUB_STEP_SUMMARY" in result.stdout.str()
+
+
+def test_counts_are_properties_too() -> None:
+    """``max_microbatch`` (a count) with its minimum (the marker's ``min_microbatch``, a limit)."""
+    from test_gate import measured
+
+    record = measured("t.py::test_fit", 1000)
+    record.measurements[0] = replace(record.measurements[0], max_microbatch=16)
+    record.findings.append(Finding("t.py::test_fit", "call", "max_microbatch", "limit", "ok", measured=16, reference=8))
+    props = dict(junit_properties(record))
+    assert props["gpumem.max_microbatch.measured"] == props["gpumem.max_microbatch.cost"] == 16
+    assert props["gpumem.max_microbatch.limit"] == 8
+    assert props["gpumem.max_microbatch.status"] == "ok"
+    assert props["gpumem.peak.cost"] == 4000
+    assert "gpumem.failure" not in props
 
 
 def test_a_cut_summary_closes_what_it_opened() -> None:

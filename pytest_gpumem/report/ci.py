@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_gpumem.data.findings import Finding, failure_message
-from pytest_gpumem.data.metrics import METRICS
+from pytest_gpumem.data.metrics import COUNT_METRICS, METRICS
 from pytest_gpumem.report.cells import RecordLike
 from pytest_gpumem.report.text import STATUS_ORDER
 
@@ -58,12 +58,13 @@ def junit_properties(record: RecordLike) -> list[tuple[str, str | int]]:
     """The judged figures as JUnit properties: for each span and metric ``PREFIX.METRIC.measured``,
     ``.cost``, ``.limit``, ``.budget``, ``.baseline`` (bytes, or a count; each only when known)
     and ``.status`` (the worst of the figure's checks: ``ok``, ``exceeded``, ``regressed``, ``new``,
-    ...; ``unchecked`` when nothing checked it); ``gpumem.failure``, the failure's first line."""
+    ...; ``unchecked`` when nothing checked it), ``max_microbatch`` too where a test searched for it;
+    ``gpumem.failure``, the failure's first line."""
     properties: list[tuple[str, str | int]] = []
     for measurement in record.measurements:
         prefix = property_prefix(measurement.name)
         findings = [f for f in record.findings if f.span == measurement.name]
-        for metric in METRICS:
+        for metric in METRICS + COUNT_METRICS:
             judged = [f for f in findings if f.metric == metric]
             measured = measurement.figure(metric)
             if measured is None and not judged:
