@@ -25,7 +25,7 @@ import pytest
 try:
     import sybil  # noqa: F401
 except ImportError:  # the demo suite runs without the development tools; the docs' examples need Sybil
-    _INSTALL = 'python -m pip install -e ".[dev]"'
+    _INSTALL = 'python -m pip install -U "pip>=25.1" && python -m pip install -e . --group dev'
 
     class _NotRun(pytest.Item):
         def runtest(self) -> None:

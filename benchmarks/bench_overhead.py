@@ -421,7 +421,9 @@ def choose(names: list[str] | None, *, cuda: bool, warm_up: bool, anchors: bool)
         wanted += ANCHORS
     unknown = [name for name in wanted if name not in known]
     if "memray" in wanted and importlib.util.find_spec("pytest_memray") is None:
-        raise SystemExit('bench_overhead.py: the memray variant needs pytest-memray (pip install -e ".[bench]")')
+        raise SystemExit(
+            "bench_overhead.py: the memray variant needs pytest-memray (pip install --group bench: pip 25.1 or later)"
+        )
     if unknown:
         raise SystemExit(f"bench_overhead.py: unknown variant(s) {', '.join(unknown)}: choose from {', '.join(known)}")
     if "off" not in wanted:

@@ -38,6 +38,7 @@ from pytest_gpumem.baselines import (
     parse,
     save,
 )
+from pytest_gpumem.baselines.locate import locate
 from pytest_gpumem.baselines.selection import SelectionError, environment_named, listed, tests_missing, tests_named
 from pytest_gpumem.data.findings import Tolerance, parse_tolerance
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
@@ -50,6 +51,8 @@ from pytest_gpumem.units import format_percent
 __all__ = ["main"]
 
 PROG = "python -m pytest_gpumem"
+#: The documentation, which the wheel does not ship.
+DOCS_URL = "https://github.com/pytest-gpumem/pytest-gpumem/tree/main/docs"
 
 #: Exit status: a cost grew beyond the tolerance (``diff --fail-on-growth``).
 EXIT_GREW = 1
@@ -98,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error(message: str, hint: str = "") -> None:
-    print(f"{PROG} baselines {message}", file=sys.stderr)
+    print(f"{_prog()} baselines {message}", file=sys.stderr)
     if hint:
         print(f"hint: {hint}", file=sys.stderr)
 
@@ -120,14 +123,14 @@ def _quiet_stdout() -> None:
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser of the whole command line, and each action's own parser by name."""
     parser = argparse.ArgumentParser(
-        prog=PROG,
+        prog=_prog(),
         description="Tools for pytest-gpumem's baseline file.",
-        epilog="Exit status: 0 success, 1 a cost grew (diff --fail-on-growth), 2 an error.",
+        epilog=f"Exit status: 0 success, 1 a cost grew (diff --fail-on-growth), 2 an error. Documentation: {DOCS_URL}",
     )
     commands = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
     commands.add_parser(  # parsed by pytest_gpumem.validate.main (main() hands it over before parsing)
         "validate",
-        help="check pytest-gpumem on this machine's GPU and write a record (see docs/validation.md)",
+        help="check pytest-gpumem on this machine's GPU and write a record (validation.md in the documentation, below)",
         add_help=False,
     )
     group = commands.add_parser(
@@ -153,14 +156,18 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
             "--sites", action="store_true", help="also the sites stored with each span (where bytes were made)"
         )
 
-    file_help = f"the baseline file (default: {DEFAULT_FILENAME} in the current folder)"
+    file_help = (
+        "the baseline file (default: the one pytest uses, found from the current folder up: the first folder "
+        f"with a pytest configuration file (its gpumem_baselines, else {DEFAULT_FILENAME} there) or with a "
+        f"{DEFAULT_FILENAME})"
+    )
 
     show = sub.add_parser(
         "show",
         help="print the baselines, one table per environment",
         description="Print the recorded costs of every test and span, one table per environment.",
     )
-    show.add_argument("--file", type=Path, default=Path(DEFAULT_FILENAME), metavar="PATH", help=file_help)
+    show.add_argument("--file", type=Path, metavar="PATH", help=file_help)
     common(show)
     display(show)
     show.set_defaults(handler=_show)
@@ -208,7 +215,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         ),
         epilog="Exit status: 0 removed (or nothing to remove), 2 an error or a refusal: nothing was written.",
     )
-    prune.add_argument("--file", type=Path, default=Path(DEFAULT_FILENAME), metavar="PATH", help=file_help)
+    prune.add_argument("--file", type=Path, metavar="PATH", help=file_help)
     common(
         prune,
         tests_help="node ids, or path prefixes (tests/test_old.py, tests/legacy), to remove",
@@ -223,7 +230,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "--rootdir",
         type=Path,
         metavar="DIR",
-        help="what node ids are relative to, for --missing (default: the baseline file's folder)",
+        help="what node ids are relative to, for --missing (default: the rootdir, the folder of the pytest "
+        "configuration file the baseline file was found by; else the baseline file's folder)",
     )
     prune.add_argument(
         "--all",
@@ -244,6 +252,32 @@ def _tolerance(text: str) -> Tolerance:
 
 
 # --------------------------------------------------------------------------- reading and filtering
+
+
+def _prog() -> str:
+    """The program's name in messages: ``pytest-gpumem`` when run by its console script."""
+    return "pytest-gpumem" if Path(sys.argv[0]).name.startswith("pytest-gpumem") else PROG
+
+
+def _baseline_file(args: argparse.Namespace) -> Path:
+    """``--file``, else the file pytest uses (:func:`locate`); sets ``args.file`` and ``args.found_rootdir``."""
+    args.found_rootdir = None
+    if args.file is not None:
+        return Path(args.file)
+    found = locate(Path.cwd())
+    if found.path is None:
+        raise CommandError(
+            f"no baseline file given and none found: no folder from {found.where_looked()} holds a pytest "
+            f"configuration file (pytest.ini, pyproject.toml, tox.ini, setup.cfg) or a {DEFAULT_FILENAME}; "
+            "give --file PATH"
+        )
+    if not found.path.exists():
+        raise CommandError(f"{found.path}: no such file ({found.how}); give --file PATH for another file")
+    path = found.path
+    if path.parent == Path.cwd():  # named as the user would: the file in the current folder by its name
+        path = Path(path.name)
+    args.file, args.found_rootdir = path, found.rootdir
+    return path
 
 
 def _read(path: Path) -> BaselineStore:
@@ -325,7 +359,7 @@ def _count(number: int, noun: str) -> str:
 
 
 def _show(args: argparse.Namespace) -> int:
-    store = _read(args.file)
+    store = _read(_baseline_file(args))
     keys = _environments([store], args.env)
     if not keys:
         print(f"{args.file} has no baselines")
@@ -499,7 +533,7 @@ def _prune(args: argparse.Namespace) -> int:
         raise CommandError("give either --missing or --all, not both")
     if args.env is not None and not args.env.strip():
         raise CommandError("--env: empty; name an environment (a part of its key that only it contains)")
-    store = _read(args.file)
+    store = _read(_baseline_file(args))
     keys = list(store.environment_keys())
     if args.env is not None:
         keys = [environment_named(store, args.env)]
@@ -514,7 +548,7 @@ def _prune(args: argparse.Namespace) -> int:
         lines.append(f"{verb} environment {key!r} ({_count(removed, 'test')})")
     else:
         if args.missing:
-            rootdir = args.rootdir if args.rootdir is not None else args.file.resolve().parent
+            rootdir = args.rootdir or args.found_rootdir or args.file.resolve().parent
             doomed = tests_missing(store, keys, rootdir)
         elif args.tests:
             doomed = tests_named(store, keys, args.tests, everything=args.all)

@@ -44,10 +44,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help = option.help.replace("%", "%%")  # argparse %-formats help texts
         if option.flag:
             group.addoption(option.flag_name, dest=option.dest, action="store_true", default=None, help=help)
-            parser.addini(option.dest, f"default for {option.flag_name}", type="bool", default=False)
+            parser.addini(option.dest, option.ini_help, type="bool", default=False)
         else:
             group.addoption(option.flag_name, dest=option.dest, default=None, metavar=option.metavar, help=help)
-            parser.addini(option.dest, f"default for {option.flag_name}", default=option.default)
+            parser.addini(option.dest, option.ini_help, default=option.default)
 
 
 def _settings(config: pytest.Config) -> Settings:

@@ -3,6 +3,7 @@ summary, and under ``torchrun`` every rank's records gathered to rank 0."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,17 @@ from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.session import BaselineSession
 from pytest_gpumem.plugin.torchrun import Launch
 from pytest_gpumem.report.artifacts import write_artifacts
+from pytest_gpumem.report.ci import (
+    MAX_ANNOTATIONS,
+    Annotation,
+    failure_annotations,
+    junit_properties,
+    run_annotation,
+    workspace,
+)
 from pytest_gpumem.report.text import terminal_summary
 
-__all__ = ["RunEnd", "append_section"]
+__all__ = ["RunEnd", "append_section", "junit_failure"]
 
 
 def append_section(report: pytest.TestReport, title: str, text: str) -> None:
@@ -29,6 +38,34 @@ def append_section(report: pytest.TestReport, title: str, text: str) -> None:
         addsection(title, text)
     else:
         report.longrepr = f"{report.longrepr}\n\n{text}"
+
+
+def junit_failure(config: pytest.Config, message: str, near: Path) -> None:
+    """Write ``message`` into pytest's JUnit XML file (``--junitxml``) as the failed test case
+    ``gpumem::run``, so that a CI test panel shows why the run failed; ``near`` (the baseline file)
+    is its file. Nothing without ``--junitxml``."""
+    try:
+        from _pytest.junitxml import xml_key
+    except ImportError:  # pragma: no cover - a pytest without it writes no JUnit file we know
+        return
+    xml = config.stash.get(xml_key, None)
+    if xml is None:
+        return
+    try:
+        file = near.relative_to(config.rootpath).as_posix()
+    except ValueError:
+        file = near.name
+    for when, outcome, longrepr in (("call", "failed", message), ("teardown", "passed", None)):
+        report = pytest.TestReport(
+            nodeid="gpumem::run",
+            location=(file, None, "gpumem run"),
+            keywords={},
+            outcome=outcome,  # type: ignore[arg-type]
+            longrepr=longrepr,
+            when=when,  # type: ignore[arg-type]
+            user_properties=[("gpumem.failure", message.splitlines()[0])] if when == "teardown" else [],
+        )
+        xml.pytest_runtest_logreport(report)
 
 
 class RunEnd:
@@ -59,12 +96,31 @@ class RunEnd:
         self.problems: list[str] = []
         #: an :class:`OutputNotWritten` warning was made an error (``-W error``): the run fails
         self.escalated = False
+        #: each judged test's JUnit properties, by node id, until its teardown report takes them
+        self.properties: dict[str, list[tuple[str, str | int]]] = {}
+        #: on GitHub Actions: the ``::error`` annotations of the tests that failed on memory
+        self.annotations: list[Annotation] = []
+        #: why the run fails where no test does (stale baselines in strict mode, a file not written)
+        self.failures: list[str] = []
 
+    def judged(self, report: pytest.TestReport, record: TestRecord) -> None:
+        """A judged test: its JUnit properties for its teardown report, and on GitHub Actions the
+        annotation of a failure at the line that grew (else at the test)."""
+        self.properties[report.nodeid] = junit_properties(record)
+        # a failed report only: one whose memory failure was expected (xfail) is not annotated
+        if record.failed and report.failed and os.environ.get("GITHUB_ACTIONS") == "true":
+            file, line, _ = report.location
+            location = (file, 0 if line is None else line + 1)
+            self.annotations += failure_annotations(record, location, self.config.rootpath, workspace())
+
+    @pytest.hookimpl(tryfirst=True)  # before pytest's JUnit XML writes its file: the run's failure goes in it
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.worker:
             self.book.worker_output()
             return
         if self.launch is not None and not self._gather(session):
+            if self.error is not None:  # the gather failed: nothing may be written but the reason, in the JUnit XML
+                self._run_failures()
             return  # another rank writes, or the gather failed and nothing may be written
         if self.error is None:
             try:
@@ -83,6 +139,27 @@ class RunEnd:
             self._not_written(problem)
         if self.escalated and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        self._run_failures()
+
+    def _run_failures(self) -> None:
+        """Why the run fails where no test does, one line each, also as a failed test case
+        ``gpumem::run`` in the JUnit XML file (``--junitxml``), which CI's test panels show."""
+        stale = [f for f in self.baselines.stale if f.failed]
+        if stale and not self.settings.baselines.update and self.error is None:
+            tests = sorted({f.test for f in stale})
+            self.failures.append(
+                f"gpumem: the run fails: {len(tests)} stale baseline(s) with --gpumem-strict "
+                f"(first: {tests[0]}): refresh the baseline file with --gpumem-update-baselines --gpumem-prune"
+            )
+        if self.error is not None:
+            self.failures.append(self.error)
+        if self.escalated:
+            self.failures.append(
+                "gpumem: the run fails: an output could not be written and -W error made the warning an error: "
+                + "; ".join(self.problems)
+            )
+        if self.failures:
+            junit_failure(self.config, "\n".join(self.failures), self.settings.baselines.path)
 
     def artifacts(self, report: pytest.TestReport, record: TestRecord) -> None:
         """The test's artifact page (a failed test's, or every test's with ``--gpumem-artifacts-all``),
@@ -165,5 +242,21 @@ class RunEnd:
             terminalreporter.write_line(text.encode("utf-8", "backslashreplace").decode("utf-8"))
         for problem in self.problems:
             terminalreporter.write_line(f"gpumem: {problem}", yellow=True)
-        if self.error:
-            terminalreporter.write_line(self.error, red=True)
+        # the run's failures; the error alone where the run ended before they were gathered (the ranks' gather)
+        failures = self.failures or ([self.error] if self.error else [])
+        if failures and text is None and not self.problems:
+            terminalreporter.write_sep("=", "gpumem")
+        for failure in failures:
+            terminalreporter.write_line(failure, red=True)
+        if os.environ.get("GITHUB_ACTIONS") == "true":
+            self._annotate(terminalreporter)
+
+    def _annotate(self, terminalreporter: Any) -> None:
+        """GitHub Actions' ``::error`` workflow commands: the tests that failed on memory, then the run's failures."""
+        found = list(self.annotations)
+        where = self.settings.baselines.path
+        found += [run_annotation(failure, where if where.is_file() else None, workspace()) for failure in self.failures]
+        for annotation in found[:MAX_ANNOTATIONS]:
+            terminalreporter.write_line(annotation.command())
+        if len(found) > MAX_ANNOTATIONS:
+            terminalreporter.write_line(f"gpumem: {len(found) - MAX_ANNOTATIONS} more failure(s) not annotated")

@@ -150,6 +150,8 @@ class GpumemManager:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if self.worker:
             return
+        if report.when == "teardown":  # the judged figures, where pytest's JUnit XML reads a test's properties
+            report.user_properties.extend(self.ending.properties.pop(report.nodeid, ()))
         if report.when == "teardown" and report.failed:  # a test that failed in any phase records no baseline
             if report.nodeid in self.baselines.records:
                 with self.baselines.records.edit(report.nodeid) as judged:
@@ -184,6 +186,7 @@ class GpumemManager:
             width, verbosity = _terminal_width(self.config), int(self.config.option.verbose)
             text = error_section(record, reports=record.reports, width=width, verbosity=verbosity)
             append_section(report, "gpumem", text)
+        self.ending.judged(report, record)
         self.ending.artifacts(report, record)
 
 

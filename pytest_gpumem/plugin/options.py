@@ -50,6 +50,13 @@ class Option:
     def flag_name(self) -> str:
         return f"--gpumem-{self.name}"
 
+    @property
+    def ini_help(self) -> str:
+        """The ini setting's help (``pytest --help``): the option's, naming the option that overrides it."""
+        text = self.help.rstrip(".")
+        kind = "true or false; " if self.flag else ""
+        return f"{text[:1].upper()}{text[1:]} ({kind}{self.flag_name} overrides it)."
+
 
 #: Every option, in ``--help`` order.
 OPTIONS: tuple[Option, ...] = (

@@ -15,6 +15,7 @@ from pytest_gpumem.data.findings import Finding
 from pytest_gpumem.files import write_file
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.report.cells import RecordLike
+from pytest_gpumem.report.ci import STEP_SUMMARY_LIMIT, capped_summary
 from pytest_gpumem.report.text import markdown_report
 
 __all__ = ["REPORT_SCHEMA", "json_report", "write_reports"]
@@ -84,7 +85,8 @@ def write_reports(
 ) -> list[str]:
     """Write the run's reports: the JSON report at ``json_path``, the Markdown report at
     ``markdown_path`` (each atomically, when given) and the Markdown appended to the GitHub
-    step summary file ``step_summary``. Nothing when there is nothing to report.
+    step summary file ``step_summary`` (there the passing tests' rows folded into ``<details>``, and
+    cut with a note where the file would pass GitHub's 1 MiB). Nothing when there is nothing to report.
 
     One that cannot be written does not stop the others: returns one line per report that could
     not be written, naming it, its path and the reason (empty when all were written). A failed
@@ -104,11 +106,24 @@ def write_reports(
     if markdown_path is not None:
         problems += _report("Markdown", markdown_path, markdown.encode("utf-8", "backslashreplace"))
     if step_summary:
+        folded = markdown_report(records, header=", ".join(keys), extra_findings=stale, fold_passing=True)
         try:
-            _append(Path(step_summary), markdown.encode("utf-8", "backslashreplace"))
+            _append_summary(Path(step_summary), folded)
         except OSError as exc:
             problems.append(f"could not append to $GITHUB_STEP_SUMMARY ({step_summary}): {exc.strerror or exc}")
     return problems
+
+
+def _append_summary(path: Path, markdown: str) -> None:
+    """Append ``markdown`` to the step summary file, cut so that the file stays under GitHub's limit."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        size = 0
+    data, _ = capped_summary(markdown, STEP_SUMMARY_LIMIT - size)
+    if not data:
+        raise OSError(0, f"the file already holds {size:,} bytes of GitHub's {STEP_SUMMARY_LIMIT:,}: no room")
+    _append(path, data)
 
 
 def _append(path: Path, data: bytes) -> None:

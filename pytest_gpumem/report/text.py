@@ -424,11 +424,13 @@ def markdown_report(
     *,
     header: str = "",
     extra_findings: Sequence[Finding] = (),
+    fold_passing: bool = False,
 ) -> str:
     """A GitHub-flavoured Markdown report: a heading, the environment, the summary as one table.
 
     The columns, notes and legend are the terminal summary's (full node ids, no
-    width limit).
+    width limit). ``fold_passing`` (the step summary) moves the rows of the tests that pass
+    into a second table in a ``<details>`` block, closed until clicked.
     """
     records = list(records)
     rows = _rows(records, only_problems=False, verbosity=0)
@@ -437,13 +439,25 @@ def markdown_report(
     if header:
         lines += [f"Environment: {markdown_code(header)}", ""]
     lines.append(f"{len(records)} measured test(s), {failed} failing on memory.")
-    lines.append("")
-    lines.append("| " + " | ".join(SUMMARY_HEADERS) + " |")
-    lines.append("|" + "---|" * len(SUMMARY_HEADERS))
     notes = _Notes()
-    for title, cells in _summary_table(rows, notes, 0, markdown=True).groups:
-        for row in cells:
-            lines.append("| " + " | ".join(markdown_text(cell) for cell in [title, *row]) + " |")
+    failing = {row.test for row in rows if row.failed}
+    tables = [rows]
+    if fold_passing:
+        tables = [[row for row in rows if row.test in failing], [row for row in rows if row.test not in failing]]
+    for index, shown in enumerate(tables):
+        if not shown and (index or len(tables) > 1):
+            continue
+        lines.append("")
+        if index:
+            passing = len({row.test for row in shown})
+            lines += [f"<details><summary>{passing} test(s) passing on memory</summary>", ""]
+        lines.append("| " + " | ".join(SUMMARY_HEADERS) + " |")
+        lines.append("|" + "---|" * len(SUMMARY_HEADERS))
+        for title, cells in _summary_table(shown, notes, 0, markdown=True).groups:
+            for row in cells:
+                lines.append("| " + " | ".join(markdown_text(cell) for cell in [title, *row]) + " |")
+        if index:
+            lines += ["", "</details>"]
     below = [f"- [{number}] {markdown_text(one_line(text), cell=False)}" for number, text in enumerate(notes.texts, 1)]
     below += [f"- {plain(text)}" for text in _legend(rows)]
     if below:

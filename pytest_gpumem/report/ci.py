@@ -1,0 +1,202 @@
+"""The judgement where CI reads it: a test's JUnit properties (each span's and metric's measured
+figure, cost, limit, budget, baseline and status, and the failure's first line), GitHub Actions'
+``::error`` annotations at the line that grew, and the step summary's size cap. No pytest."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pytest_gpumem.data.findings import Finding, failure_message
+from pytest_gpumem.data.metrics import COUNT_METRICS, METRICS
+from pytest_gpumem.report.cells import RecordLike
+from pytest_gpumem.report.text import STATUS_ORDER
+
+__all__ = [
+    "MAX_ANNOTATIONS",
+    "STEP_SUMMARY_LIMIT",
+    "Annotation",
+    "capped_summary",
+    "failure_annotations",
+    "first_line",
+    "junit_properties",
+    "property_prefix",
+    "run_annotation",
+    "workspace",
+]
+
+#: GitHub's limit on a step summary file (1 MiB); the plugin's part keeps the file under it.
+STEP_SUMMARY_LIMIT = 1024 * 1024
+#: Most ``::error`` annotations a run prints (GitHub shows 10 of each kind a step).
+MAX_ANNOTATIONS = 10
+
+
+def property_prefix(span: str) -> str:
+    """A span's JUnit property prefix: ``gpumem`` for the test call, ``gpumem[NAME]`` for a span."""
+    return "gpumem" if span == "call" else f"gpumem[{span}]"
+
+
+def first_line(record: RecordLike) -> str:
+    """The first line of a test's memory failure: its first error, else its first broken check ("" if none)."""
+    if record.errors:
+        return f"gpumem: {record.errors[0]}".splitlines()[0]
+    message = failure_message(f for f in record.findings if f.failed)
+    return message.splitlines()[0] if message else ""
+
+
+def _status(findings: Sequence[Finding]) -> str:
+    """The worst status of a figure's findings ("unchecked" when nothing judged it)."""
+    if not findings:
+        return "unchecked"
+    order = {status: i for i, status in enumerate(STATUS_ORDER)}
+    return min((f.status for f in findings), key=lambda s: order.get(s, len(order)))
+
+
+def junit_properties(record: RecordLike) -> list[tuple[str, str | int]]:
+    """The judged figures as JUnit properties: for each span and metric ``PREFIX.METRIC.measured``,
+    ``.cost``, ``.limit``, ``.budget``, ``.baseline`` (bytes, or a count; each only when known)
+    and ``.status`` (the worst of the figure's checks: ``ok``, ``exceeded``, ``regressed``, ``new``,
+    ...; ``unchecked`` when nothing checked it), ``max_microbatch`` too where a test searched for it;
+    ``gpumem.failure``, the failure's first line."""
+    properties: list[tuple[str, str | int]] = []
+    for measurement in record.measurements:
+        prefix = property_prefix(measurement.name)
+        findings = [f for f in record.findings if f.span == measurement.name]
+        for metric in METRICS + COUNT_METRICS:
+            judged = [f for f in findings if f.metric == metric]
+            measured = measurement.figure(metric)
+            if measured is None and not judged:
+                continue
+            name = f"{prefix}.{metric}"
+            if measured is not None:
+                properties.append((f"{name}.measured", measured))
+            cost = measurement.cost(metric)
+            if cost is not None:
+                properties.append((f"{name}.cost", cost))
+            for kind in ("limit", "budget", "baseline"):
+                reference = next((f.reference for f in judged if f.kind == kind and f.reference is not None), None)
+                if reference is not None:
+                    properties.append((f"{name}.{kind}", reference))
+            properties.append((f"{name}.status", _status(judged)))
+    failure = first_line(record) if record.failed else ""
+    if failure:
+        properties.append(("gpumem.failure", failure))
+    return properties
+
+
+# --------------------------------------------------------------------------- GitHub annotations
+
+
+@dataclass(frozen=True)
+class Annotation:
+    """One ``::error`` workflow command: a file (relative to the workspace) and line, a title, a message."""
+
+    file: str
+    line: int
+    title: str
+    message: str
+
+    def command(self) -> str:
+        """The line GitHub Actions reads from the job's output."""
+        where = f"file={_property(self.file)}," if self.file else ""
+        where += f"line={self.line}," if self.file and self.line else ""
+        return f"::error {where}title={_property(self.title)}::{_data(self.message)}"
+
+
+def _data(text: str) -> str:
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _property(text: str) -> str:
+    return _data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def _in_workspace(path: Path, workspace: Path | None) -> str:
+    """``path`` relative to the workspace (GitHub's checkout; else the current folder) when it lies
+    in it, else as it is."""
+    try:
+        return path.resolve().relative_to((workspace or Path.cwd()).resolve()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def _site_line(record: RecordLike, rootdir: Path) -> tuple[str, int, str] | None:
+    """The line of the rootdir's code that grew most against the baseline (a regression's sites),
+    else the largest site at the peak of a span that broke a limit; None when no site names a file
+    of the rootdir with its line."""
+    broken = [f for f in record.findings if f.failed]
+    candidates = []
+    for finding in broken:
+        changes = getattr(record, "site_changes", {}).get(finding.span)
+        if finding.kind == "baseline" and changes is not None:
+            grown = [c.figures.site for c in changes.at("peak") if c.status != "gone" and c.delta("peak") > 0]
+            candidates += [(site, "the line whose tensors grew most") for site in grown]
+    for finding in broken:
+        measurement = next((m for m in record.measurements if m.name == finding.span), None)
+        if measurement is not None and measurement.sites is not None:
+            candidates += [(f.site, "the line that held the most at the peak") for f in measurement.sites.sites]
+    for site, why in candidates:
+        if not site.pseudo and site.line and (rootdir / site.file).is_file():
+            return site.file, site.line, why
+    return None
+
+
+def failure_annotations(
+    record: RecordLike, location: tuple[str, int] | None, rootdir: Path, workspace: Path | None
+) -> list[Annotation]:
+    """The ``::error`` annotation of a test that failed on memory: at the line of the rootdir's code
+    whose bytes grew (the sites), else at the test (``location``: its file, relative to the
+    rootdir, and line); none when the record did not fail."""
+    if not record.failed:
+        return []
+    message = "\n".join(f"gpumem: {error}" for error in record.errors)
+    broken = failure_message(f for f in record.findings if f.failed)
+    message = "\n".join(part for part in (message, broken) if part)
+    site = _site_line(record, rootdir)
+    if site is not None:
+        file, line, why = site
+        message += f"\n({why}: {file}:{line})"
+    elif location is not None:
+        file, line = location
+    else:
+        return []
+    return [Annotation(_in_workspace(rootdir / file, workspace), line, f"gpumem: {record.nodeid}", message)]
+
+
+def run_annotation(message: str, file: Path | None, workspace: Path | None) -> Annotation:
+    """The annotation of a run that fails where no test does (stale baselines in strict mode), at
+    ``file`` (the baseline file) when there is one."""
+    return Annotation("" if file is None else _in_workspace(file, workspace), 0, "gpumem: the run fails", message)
+
+
+def workspace() -> Path | None:
+    """GitHub's workspace (``$GITHUB_WORKSPACE``), which annotation paths are relative to."""
+    found = os.environ.get("GITHUB_WORKSPACE")
+    return Path(found) if found else None
+
+
+# --------------------------------------------------------------------------- step summary
+
+
+def capped_summary(markdown: str, room: int) -> tuple[bytes, bool]:
+    """The Markdown to append to a step summary that has ``room`` bytes left under GitHub's limit:
+    whole, or cut at a line with a note saying so (and any ``<details>`` it opened closed); the
+    second value says whether it was cut. Empty when not even the note fits."""
+    data = markdown.encode("utf-8", "backslashreplace")
+    if len(data) <= room:
+        return data, False
+    note = (
+        "\n\n**The gpumem report was cut here: GitHub's step summary holds 1 MiB.** The whole report is "
+        "in the files of `--gpumem-markdown` and `--gpumem-json`.\n"
+    )
+    closing = "\n</details>\n"
+    reserve = len(note.encode()) + len(closing)
+    if room < reserve + 1:
+        return b"", True
+    cut = data[: room - reserve]
+    cut = cut[: cut.rfind(b"\n") + 1] if b"\n" in cut else b""
+    text = cut.decode("utf-8", "ignore")
+    opened = text.count("<details>") - text.count("</details>")
+    return (text + closing * opened + note).encode("utf-8"), True
