@@ -164,3 +164,43 @@ def test_cuda_snapshot_leaves_a_users_history_recording_on(pytester: pytest.Pyte
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*history on at the end: True*"])
     assert list((pytester.path / "art").glob("*.snapshot.pickle"))
+
+
+def test_the_trace_is_recorded_only_inside_the_block_and_the_observer_is_put_back(tmp_path: Path) -> None:
+    from pytest_gpumem.measurement.engines.cpu import CpuEngine
+    from pytest_gpumem.measurement.engines.predict import PredictEngine
+    from pytest_gpumem.targets import target
+
+    for engine in (CpuEngine(), PredictEngine(target("h100"))):
+        before = engine.tracker.observer
+        engine.clean()
+        engine.start()
+        try:
+            torch.ones(250)  # made and freed before the block: not in the trace
+            with engine.record_history(str(tmp_path / "s.pickle")) as path:
+                assert engine.tracker.observer is not before
+                x = torch.ones(1000)
+                del x
+            torch.ones(250)
+        finally:
+            engine.stop()
+        assert engine.tracker.observer is before
+        assert path == str(tmp_path / "s.pickle")
+        snapshot = pickle.loads((tmp_path / "s.pickle").read_bytes())
+        events = [(e["action"], e["size"]) for e in snapshot["device_traces"][0] if "segment" not in e["action"]]
+        assert events == [("alloc", 4096 if engine.predicts else 4000)] + [
+            (action, 4096 if engine.predicts else 4000) for action in ("free_requested", "free_completed")
+        ]
+
+
+@pytest.mark.slow
+def test_a_snapshot_from_the_profilers_allocation_reports(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_steps=SUITE)
+    args = ("--gpumem-observe=allocations", "--gpumem-snapshot", "--gpumem-artifacts=art", "--gpumem-artifacts-all")
+    run(pytester, *args, "--gpumem-json=r.json", "-k", "test_cpu").assert_outcomes(passed=1)
+    (path,) = (pytester.path / "art").glob("*.snapshot.pickle")
+    snapshot = pickle.loads(path.read_bytes())
+    call = json.loads((pytester.path / "r.json").read_text())["tests"][0]["measurements"][0]
+    assert _trace_peak(snapshot) == call["peak"] - call["start"]
+    assert "total_reserved" in _memory_viz.segsum(snapshot)
+    assert all(entry["frames"] == [] for entry in snapshot["device_traces"][0])  # read after the operators ran
