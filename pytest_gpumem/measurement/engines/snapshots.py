@@ -5,9 +5,9 @@
 only while a snapshot is asked for, and :meth:`SnapshotRecorder.snapshot` returns the dict that
 ``torch.cuda.memory._snapshot()`` returns: ``segments`` (what is allocated at the end, with the
 Python stack that made each block) and ``device_traces`` (one list of ``alloc`` /
-``free_requested`` / ``free_completed`` / ``segment_alloc`` entries, the last
-:data:`SNAPSHOT_ENTRIES` kept). The dict holds only lists, dicts, strings and integers, so it
-unpickles without this package.
+``free_requested`` / ``free_completed`` entries, and ``segment_alloc`` where the predicted
+allocator reserves a segment; the last :data:`SNAPSHOT_ENTRIES` kept). The dict holds only
+lists, tuples, dicts, strings and integers, so it unpickles without this package.
 
 Addresses: on the CPU engine every storage gets an address of its own from a counter that never
 goes back (storages have no device addresses to show, and a storage's key may be reused once it
@@ -52,18 +52,33 @@ _ALIGN = 512
 
 Frames = list[dict[str, Any]]
 
+_UNSEEN: Any = object()
 
-def python_frames() -> Frames:
+
+def python_frames(cache: dict[tuple[Any, int], Any]) -> Frames:
     """The Python stack of the caller, innermost first, as memory_viz's frames (``filename``,
-    ``line``, ``name``), without this package's own frames."""
+    ``line``, ``name``), without this package's own frames. ``cache`` keeps one dict per code
+    location (None: one of this package's), shared by every stack that passes there: the
+    snapshot pickles each once."""
     frames: Frames = []
+    append = frames.append
     frame: Any = sys._getframe(1)
-    while frame is not None and len(frames) < MAX_FRAMES:
-        code = frame.f_code
-        if not code.co_filename.startswith(PLUGIN_ROOT):
-            frames.append({"filename": code.co_filename, "line": frame.f_lineno or 0, "name": code.co_name})
+    for _ in range(MAX_FRAMES * 2):  # this package's frames are skipped; a stack is kept to MAX_FRAMES
+        if frame is None:
+            break
+        key = (frame.f_code, frame.f_lasti)  # the instruction: cheaper to read than the line
+        found = cache.get(key, _UNSEEN)
+        if found is _UNSEEN:
+            code = frame.f_code
+            found = cache[key] = (
+                None
+                if code.co_filename.startswith(PLUGIN_ROOT)
+                else {"filename": code.co_filename, "line": frame.f_lineno or 0, "name": code.co_name}
+            )
+        if found is not None:
+            append(found)
         frame = frame.f_back
-    return frames
+    return frames[:MAX_FRAMES]
 
 
 class SnapshotRecorder:
@@ -92,6 +107,7 @@ class SnapshotRecorder:
         self._blocks: dict[int, tuple[int, int, Frames]] = {}
         self._next_address = _FIRST_ADDRESS
         self._segments_seen: set[int] = set()
+        self._frames: dict[tuple[Any, int], Any] = {}
         #: frames are read as an operator runs; allocations read from the profiler's reports come later
         self._stacks = tracker.observes == "operators"
 
@@ -133,10 +149,9 @@ class SnapshotRecorder:
     def allocated(self, key: int, nbytes: int) -> None:
         if self.inner is not None:
             self.inner.allocated(key, nbytes)
-        frames = python_frames() if self._stacks else []
+        frames = python_frames(self._frames) if self._stacks else []
         if self.model is None:
             address, size = self._address(nbytes), nbytes
-            self._entry("segment_alloc", address, size, frames)
         else:
             found = self.model.block_of(key)
             if found is None:
@@ -158,8 +173,6 @@ class SnapshotRecorder:
         address, size, frames = block
         self._entry("free_requested", address, size, frames)
         self._entry("free_completed", address, size, frames)
-        if self.model is None:
-            self._entry("segment_free", address, size, frames)
 
     def resized(self, key: int, nbytes: int) -> None:
         """A storage resized in place is a free and a new block, as the caching allocator sees it."""
