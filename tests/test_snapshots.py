@@ -204,3 +204,16 @@ def test_a_snapshot_from_the_profilers_allocation_reports(pytester: pytest.Pytes
     assert _trace_peak(snapshot) == call["peak"] - call["start"]
     assert "total_reserved" in _memory_viz.segsum(snapshot)
     assert all(entry["frames"] == [] for entry in snapshot["device_traces"][0])  # read after the operators ran
+
+
+def test_a_snapshot_that_cannot_be_written_is_a_warning_and_nothing_else(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_steps=SUITE)
+    from pytest_gpumem.report.artifacts import artifact_path
+
+    blocked = artifact_path(pytester.path / "art", "test_steps.py::test_cpu", ".snapshot.pickle")
+    blocked.mkdir(parents=True)  # a folder at the snapshot's name
+    result = run(pytester, "--gpumem-snapshot", "--gpumem-artifacts=art", "--gpumem-artifacts-all", "-k", "test_cpu")
+    result.assert_outcomes(passed=1)
+    text = " ".join(result.stdout.str().split())
+    assert f"could not write the memory snapshot {blocked}" in text and "INTERNALERROR" not in text
+    assert blocked.is_dir() and not [p for p in blocked.parent.iterdir() if p.name.endswith(".tmp")]
