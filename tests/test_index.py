@@ -110,3 +110,13 @@ def test_pytest_html_report_gets_the_figures_and_the_page(pytester: pytest.Pytes
     assert "gpumem, memory ok" in figures and "3.91 KiB" in figures
     assert costs["test_suite.py::test_small"]["peak"] == 4000
     assert [t for t in tests["test_suite.py::test_unmeasured"] if t["extras"]] == []
+
+
+def test_an_index_that_cannot_be_written_is_a_warning_and_the_pages_are_written(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_suite=SUITE)
+    (pytester.path / "art" / "index.html").mkdir(parents=True)  # a folder at its name
+    result = run(pytester, "--gpumem-artifacts=art")
+    result.assert_outcomes(passed=2, failed=2)
+    text = " ".join(result.stdout.str().split())
+    assert f"could not write the artifact index {pytester.path / 'art' / 'index.html'}" in text
+    assert "INTERNALERROR" not in text and len(list((pytester.path / "art").glob("test_suite*.html"))) == 2
