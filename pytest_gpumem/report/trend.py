@@ -276,6 +276,7 @@ def openmetrics(history: History, series: Sequence[Series], metrics: Sequence[st
 
 _W, _H = 960, 310
 _LEFT, _RIGHT, _TOP, _BOTTOM = 90, 820, 44, 260
+_LABEL_GAP = 52  # the narrowest distance between two commit labels in one row
 
 _CSS = """
 :root { color-scheme: light; }
@@ -359,15 +360,22 @@ def _chart(history: History, key: Series, metrics: Sequence[str]) -> tuple[str, 
             if text:
                 changes.append(_Change(index, version.commit, text))
         previous = version
-    for row, change in enumerate(changes):
-        cx = _n(x(change.index))
-        label_y = _TOP - 10 - 13 * (row % 2)
+    last_label = [-1e9, -1e9]  # x of the last label in each of the two rows above the chart
+    for change in changes:
+        position = x(change.index)
+        row = 0 if position - last_label[0] >= _LABEL_GAP else 1
+        label = ""
+        if position - last_label[row] >= _LABEL_GAP:  # else too close to its neighbours: the tooltip names it
+            last_label[row] = position
+            label = (
+                f'<text x="{_n(position)}" y="{_TOP - 10 - 13 * row}" text-anchor="middle">'
+                f"{html_text(change.commit.short[:7])}</text>"
+            )
         parts.append(
             f'<g class="change" data-commit="{html_text(change.commit.sha)}">'
             f"<title>{html_text(change.commit.short)} {html_text(change.commit.day)} "
             f"{html_text(change.commit.subject)}: {html_text(change.text)}</title>"
-            f'<line x1="{cx}" x2="{cx}" y1="{_TOP - 4}" y2="{_BOTTOM}"/>'
-            f'<text x="{cx}" y="{label_y}" text-anchor="middle">{html_text(change.commit.short[:7])}</text></g>'
+            f'<line x1="{_n(position)}" x2="{_n(position)}" y1="{_TOP - 4}" y2="{_BOTTOM}"/>{label}</g>'
         )
     for position, (metric, points) in enumerate(drawn):
         colour = _colour(metric, position)
