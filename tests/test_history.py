@@ -239,3 +239,16 @@ def test_errors_name_the_file_and_the_problem(pytester: pytest.Pytester, capsys:
     assert "--export 'csv': the formats are github-benchmark, openmetrics" in capsys.readouterr().err
     assert main(["baselines", "history", "test_nothing"]) == 2
     assert "TEST 'test_nothing' matches no test" in capsys.readouterr().err
+
+
+def test_the_openmetrics_export_parses_with_the_prometheus_client(
+    pytester: pytest.Pytester, repository: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = pytest.importorskip("prometheus_client.openmetrics.parser")
+    pytester.chdir()
+    assert main(["baselines", "history", "--export", "openmetrics", "m.txt"]) == 0
+    (family,) = parser.text_string_to_metric_families((pytester.path / "m.txt").read_text())
+    assert (family.name, family.type, family.unit) == ("gpumem_cost_bytes", "gauge", "bytes")
+    latest = _costs(pytester, repository["fixed"], "test_m.py::test_mlp", "call")
+    values = {(s.labels["test"], s.labels["span"], s.labels["metric"]): s.value for s in family.samples}
+    assert values[("test_m.py::test_mlp", "call", "peak")] == latest["peak"] and len(values) == 6
