@@ -1,4 +1,4 @@
-"""The command line: ``python -m pytest_gpumem baselines show|diff|prune`` and ``validate``.
+"""The command line: ``python -m pytest_gpumem baselines show|diff|prune|history`` and ``validate``.
 
 ``validate`` (GPU validation, :mod:`pytest_gpumem.validate`) has a command line of its own.
 
@@ -241,7 +241,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     prune.add_argument("--dry-run", action="store_true", help="print what would be removed; write nothing")
     prune.set_defaults(handler=_prune)
-    return parser, {"show": show, "diff": diff, "prune": prune}
+
+    from pytest_gpumem.cli_history import add_history  # the baseline file's history in git
+
+    history = add_history(sub, common, file_help)
+    return parser, {"show": show, "diff": diff, "prune": prune, "history": history}
 
 
 def _tolerance(text: str) -> Tolerance:

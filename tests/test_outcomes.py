@@ -195,8 +195,8 @@ def test_under(gpumem):
     line = next(line for line in result.outlines if "gpumem artifacts:" in line)
     path = pytester.path / "art" / line.split("gpumem artifacts:")[1].strip().rsplit("/", 1)[-1]
     assert path.parent == pytester.path / "art" and path.exists()
-    files = list((pytester.path / "art").iterdir())
-    assert files == [path]  # nothing for the passing test, nothing outside the folder
+    files = sorted((pytester.path / "art").iterdir())
+    assert files == [pytester.path / "art" / "index.html", path]  # no page for the passing test, nothing outside
     page = path.read_text(encoding="utf-8")
     parser = _SvgParser()
     parser.feed(page)
@@ -207,7 +207,7 @@ def test_under(gpumem):
     assert "http" not in page.replace("http-equiv", "") and "<script" not in page
     everything = run(pytester, "--gpumem-artifacts=all", "--gpumem-artifacts-all")
     everything.assert_outcomes(passed=1, failed=1)
-    assert len(list((pytester.path / "all").iterdir())) == 2
+    assert len(list((pytester.path / "all").iterdir())) == 3  # the two pages and the run's index
 
 
 MICROBATCH = """

@@ -3,6 +3,7 @@ summary, and under ``torchrun`` every rank's records gathered to rank 0."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from pathlib import Path
@@ -17,7 +18,7 @@ from pytest_gpumem.plugin.collection import CollectionBook
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.session import BaselineSession
 from pytest_gpumem.plugin.torchrun import Launch
-from pytest_gpumem.report.artifacts import write_artifacts
+from pytest_gpumem.report.artifacts import index_figures, write_artifacts, write_index
 from pytest_gpumem.report.ci import (
     MAX_ANNOTATIONS,
     Annotation,
@@ -26,9 +27,10 @@ from pytest_gpumem.report.ci import (
     run_annotation,
     workspace,
 )
+from pytest_gpumem.report.html import html_text
 from pytest_gpumem.report.text import terminal_summary
 
-__all__ = ["RunEnd", "append_section", "junit_failure"]
+__all__ = ["RunEnd", "add_html_extras", "append_section", "junit_failure"]
 
 
 def append_section(report: pytest.TestReport, title: str, text: str) -> None:
@@ -68,6 +70,29 @@ def junit_failure(config: pytest.Config, message: str, near: Path) -> None:
         xml.pytest_runtest_logreport(report)
 
 
+def add_html_extras(report: pytest.TestReport, record: TestRecord, page: str | None, html_report: str | None) -> None:
+    """Add the call's figures and a link to the test's page to ``report``'s pytest-html extras
+    (``report.extras``). ``html_report`` is pytest-html's ``--html`` path: the link is relative to
+    its folder, so the two can be uploaded together."""
+    extras = importlib.import_module("pytest_html.extras")  # optional: only when pytest-html runs
+
+    from pytest_gpumem.data.metrics import metric_info
+
+    cells = "".join(
+        f"<td>{html_text(metric)}</td><td>{html_text(metric_info(metric).format(value))}</td>"
+        for metric, value in index_figures(record).items()
+        if value is not None
+    )
+    verdict = "memory failed" if record.failed else "memory ok"
+    added = [extras.html(f'<div class="gpumem">gpumem, {verdict}, costs: <table><tr>{cells}</tr></table></div>')]
+    if page is not None:
+        href = Path(page).as_uri()
+        if html_report:
+            href = os.path.relpath(page, Path(html_report).resolve().parent).replace(os.sep, "/")
+        added.append(extras.url(href, name="gpumem memory timeline"))
+    report.extras = [*getattr(report, "extras", []), *added]  # type: ignore[attr-defined]  # pytest-html reads it
+
+
 class RunEnd:
     """The end of the run: the baseline file written, the reports, the artifact pages, and what could
     not be written. A part of :class:`~pytest_gpumem.plugin.manager.GpumemManager`, registered as a
@@ -102,6 +127,8 @@ class RunEnd:
         self.annotations: list[Annotation] = []
         #: why the run fails where no test does (stale baselines in strict mode, a file not written)
         self.failures: list[str] = []
+        #: the measured tests' pages (node id → path), for the run's index
+        self.pages: dict[str, str] = {}
 
     def judged(self, report: pytest.TestReport, record: TestRecord) -> None:
         """A judged test: its JUnit properties for its teardown report, and on GitHub Actions the
@@ -137,6 +164,7 @@ class RunEnd:
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
         for problem in self.baselines.write_reports():
             self._not_written(problem)
+        self.write_index()
         if self.escalated and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         self._run_failures()
@@ -164,16 +192,32 @@ class RunEnd:
     def artifacts(self, report: pytest.TestReport, record: TestRecord) -> None:
         """The test's artifact page (a failed test's, or every test's with ``--gpumem-artifacts-all``),
         named in its failure report; a page that cannot be written is a warning, never the run's end."""
+        page: str | None = None
         if report.failed or self.settings.artifacts_all:
             try:
-                said = "gpumem artifacts: " + ", ".join(write_artifacts(record, self.settings.artifacts))
+                written = write_artifacts(record, self.settings.artifacts)
             except OSError as exc:
                 said = f"gpumem artifacts: {exc.strerror or exc}"
                 self._not_written(exc.strerror or str(exc))
+            else:
+                page = self.pages[record.nodeid] = written[0]
+                said = "gpumem artifacts: " + ", ".join(written)
             if report.failed:
                 append_section(report, "gpumem artifacts", said)
         elif record.snapshot:
             Path(record.snapshot).unlink(missing_ok=True)
+        if self.config.pluginmanager.hasplugin("html"):
+            add_html_extras(report, record, page, self.config.getoption("htmlpath", None))
+
+    def write_index(self) -> None:
+        """The run's ``index.html`` in the artifact folder, once a page was written: every measured
+        test with its status and figures, linking its page."""
+        if not self.pages:
+            return
+        try:
+            write_index(self.baselines.records.decoded_all(), self.settings.artifacts, self.pages)
+        except OSError as exc:
+            self._not_written(exc.strerror or str(exc))
 
     def _not_written(self, problem: str) -> None:
         """A report, page or snapshot that could not be written: an :class:`OutputNotWritten` warning

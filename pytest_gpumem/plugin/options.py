@@ -119,7 +119,7 @@ OPTIONS: tuple[Option, ...] = (
         metavar="DIR",
     ),
     Option("artifacts-all", "write artifacts for passing tests too.", flag=True),
-    Option("snapshot", "CUDA: record allocation history and write a PyTorch memory snapshot per test.", flag=True),
+    Option("snapshot", "record allocation history and write a PyTorch memory snapshot per test.", flag=True),
     Option(
         "sites",
         "when measured tests record where their bytes were made (the lines, by growth, in a failure): rerun "

@@ -17,13 +17,22 @@ import re
 from pathlib import Path
 
 from pytest_gpumem.data.findings import failure_message
-from pytest_gpumem.data.metrics import DRAWN_METRICS
+from pytest_gpumem.data.metrics import DRAWN_METRICS, METRICS, metric_info
 from pytest_gpumem.files import write_file
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.report.html import render_html
+from pytest_gpumem.report.html import html_text, render_html
 from pytest_gpumem.report.sites import site_section_html
 
-__all__ = ["MAX_NAME_LENGTH", "artifact_path", "artifact_stem", "write_artifacts", "write_html"]
+__all__ = [
+    "INDEX_NAME",
+    "MAX_NAME_LENGTH",
+    "artifact_path",
+    "artifact_stem",
+    "render_index",
+    "write_artifacts",
+    "write_html",
+    "write_index",
+]
 
 # ---------------------------------------------------------------------------
 # File names
@@ -150,3 +159,110 @@ def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
     except OSError as exc:
         raise OSError(exc.errno, f"could not write the artifact page {path}: {exc.strerror or exc}") from None
     return [str(path)] + ([record.snapshot] if record.snapshot else [])
+
+
+# ---------------------------------------------------------------------------
+# The run's index
+# ---------------------------------------------------------------------------
+
+#: The file name of the run-level page in the artifact folder.
+INDEX_NAME = "index.html"
+
+_INDEX_CSS = """
+:root { color-scheme: light; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, Arial, sans-serif; color: #1d2330;
+  background: #f6f7f9; margin: 0; }
+main { max-width: 1180px; margin: 0 auto; padding: 20px 24px 32px; }
+h1 { font-size: 20px; margin: 0 0 4px; }
+.meta { color: #5b6474; margin: 0 0 14px; }
+.card { background: #fff; border: 1px solid #dde1e7; border-radius: 8px; padding: 10px 12px; overflow-x: auto; }
+table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; font-size: 13px; }
+th, td { padding: 4px 8px; border-bottom: 1px solid #eceff3; text-align: left; vertical-align: top; }
+th { font-weight: 600; color: #5b6474; font-size: 12px; }
+td.num, th.num { text-align: right; white-space: nowrap; }
+td.test { word-break: break-all; }
+.na { color: #98a0ad; }
+.status { font-weight: 600; border-radius: 4px; padding: 1px 6px; font-size: 12px; }
+.passed { color: #1b5e20; background: #e3f3e4; }
+.failed { color: #b3261e; background: #fbe4e2; }
+td.why { color: #5b6474; font-size: 12px; }
+"""
+
+
+def index_figures(record: TestRecord) -> dict[str, int | None]:
+    """The call span's costs shown for ``record`` (bytes; None where n/a): each figure of
+    :data:`~pytest_gpumem.data.metrics.METRICS`."""
+    if not record.measurements:
+        return dict.fromkeys(METRICS)
+    call = record.measurements[0]
+    return {metric: call.cost(metric) for metric in METRICS}
+
+
+def render_index(records: list[TestRecord], pages: dict[str, str], *, title: str = "pytest-gpumem run") -> str:
+    """One self-contained page listing every measured test of ``records``: its status (failed on
+    memory or by its own code, or passed), the call span's costs, the first line of its failure, and a
+    link to its page where ``pages`` (node id → path of the page) has one. Links are relative to the
+    artifact folder, so the folder can be moved or uploaded whole."""
+    failed = sum(1 for record in records if record.failed or not record.passed)
+    rows = []
+    for record in sorted(records, key=lambda r: (r.passed and not r.failed, r.nodeid)):
+        bad = record.failed or not record.passed
+        status = "failed" if bad else "passed"
+        figures = index_figures(record)
+        cells = "".join(
+            f'<td class="num" title="{value:,} B">{html_text(metric_info(metric).format(value))}</td>'
+            if value is not None
+            else '<td class="num"><span class="na">n/a</span></td>'
+            for metric, value in figures.items()
+        )
+        failing = [f for f in record.findings if f.failed]
+        why = failure_message(failing).splitlines()[0] if failing else ""
+        if not why and record.errors:
+            why = record.errors[0]
+        if not why and not record.passed:
+            why = "the test's own code failed"
+        page = pages.get(record.nodeid)
+        name = html_text(record.nodeid)
+        link = f'<a href="{html_text(Path(page).name)}">{name}</a>' if page else name
+        rows.append(
+            f'<tr data-test="{name}" data-status="{status}"><td class="test">{link}</td>'
+            f'<td><span class="status {status}">{status}</span></td>{cells}<td class="why">{html_text(why)}</td></tr>'
+        )
+    headers = "".join(f'<th class="num">{html_text(metric)}</th>' for metric in METRICS)
+    return "\n".join(
+        [
+            "<!DOCTYPE html>",
+            '<html lang="en">',
+            "<head>",
+            '<meta charset="utf-8">',
+            "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
+            '<meta name="viewport" content="width=device-width, initial-scale=1">',
+            f"<title>{html_text(title)}</title>",
+            f"<style>{_INDEX_CSS}</style>",
+            "</head>",
+            "<body>",
+            "<main>",
+            f"<h1>{html_text(title)}</h1>",
+            f'<p class="meta">{len(records)} measured tests, {failed} failed. Figures are the call\'s costs (a '
+            "figure minus the call's start); a test's name links to its page where one was written.</p>",
+            '<div class="card"><table>',
+            f"<tr><th>test</th><th>status</th>{headers}<th>why it failed</th></tr>",
+            *rows,
+            "</table></div>",
+            "</main>",
+            "</body>",
+            "</html>",
+            "",
+        ]
+    )
+
+
+def write_index(records: list[TestRecord], directory: Path, pages: dict[str, str]) -> str:
+    """Write :func:`render_index` to ``index.html`` in ``directory``, atomically; returns its path.
+    Raises ``OSError`` naming the page and why it could not be written."""
+    path = Path(directory).resolve() / INDEX_NAME
+    try:
+        write_html(path, render_index(records, pages))
+    except OSError as exc:
+        raise OSError(exc.errno, f"could not write the artifact index {path}: {exc.strerror or exc}") from None
+    return str(path)

@@ -32,6 +32,9 @@ __all__ = ["AllocatorRules", "CachingAllocatorModel"]
 
 MiB = 1 << 20
 
+#: The address of the first segment (:meth:`CachingAllocatorModel.layout`; any value: nothing reads it)
+BASE_ADDRESS = 0x7F00_0000_0000
+
 
 @dataclass(frozen=True)
 class AllocatorRules:
@@ -108,6 +111,9 @@ class CachingAllocatorModel:
         self._requested: dict[Any, int] = {}
         self._segments: dict[int, int] = {}  # segment id -> size
         self._segment_ids = itertools.count()
+        #: segment id -> its address (an address space of its own: segments never overlap)
+        self._bases: dict[int, int] = {}
+        self._next_base = BASE_ADDRESS
         self.allocated = 0
         self.reserved = 0
         self.peak_allocated = 0
@@ -196,12 +202,45 @@ class CachingAllocatorModel:
             layout.append((self._segments[segment], firsts[segment].small, tuple(blocks)))
         return layout
 
+    def block_of(self, key: Any) -> tuple[int, int, int, int] | None:
+        """Where ``key``'s block is: its segment's id and address, its offset in the segment and its
+        size (bytes); None if ``key`` is not allocated."""
+        block = self._live.get(key)
+        if block is None:
+            return None
+        return block.segment, self._bases[block.segment], block.offset, block.size
+
+    def segment_bytes(self, segment: int) -> int:
+        """The size of the reserved segment ``segment`` (bytes)."""
+        return self._segments[segment]
+
+    def layout(self) -> list[tuple[int, int, int, bool, list[tuple[int, int, Any]]]]:
+        """Each reserved segment in the order reserved: its id, address, size, whether it is a
+        small-pool segment, and its blocks in address order as ``(offset, size, key)`` (key None:
+        a free block the allocator caches)."""
+        keys = {id(block): key for key, block in self._live.items()}
+        firsts: dict[int, _Block] = {}
+        for known in (*self._live.values(), *self._free_blocks.values()):
+            while known.prev is not None:
+                known = known.prev
+            firsts[known.segment] = known
+        layout = []
+        for segment in sorted(firsts):
+            block: _Block | None = firsts[segment]
+            blocks = []
+            while block is not None:
+                blocks.append((block.offset, block.size, None if block.free else keys.get(id(block))))
+                block = block.next
+            layout.append((segment, self._bases[segment], self._segments[segment], firsts[segment].small, blocks))
+        return layout
+
     def empty_cache(self) -> None:
         """Release every segment no live block is in (``torch.cuda.empty_cache()``)."""
         for block in list(self._free_blocks.values()):
             if block.prev is None and block.next is None:
                 self._uncache(block)
                 self.reserved -= self._segments.pop(block.segment)
+                del self._bases[block.segment]
 
     def reset_peaks(self) -> None:
         """Peaks from the current figures on (``torch.cuda.reset_peak_memory_stats()``)."""
@@ -213,6 +252,8 @@ class CachingAllocatorModel:
     def _reserve(self, size: int, small: bool) -> _Block:
         segment = next(self._segment_ids)
         self._segments[segment] = size
+        self._bases[segment] = self._next_base
+        self._next_base += -(-size // self.rules.round_large) * self.rules.round_large
         self.segments_reserved += 1
         self.reserved += size
         if self.reserved > self.peak_reserved:

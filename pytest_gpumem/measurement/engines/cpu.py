@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.categories import forget_categories
+from pytest_gpumem.measurement.engines.snapshots import SnapshotRecorder, write_snapshot
 from pytest_gpumem.measurement.engines.storages import fakes_counted
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
+
+if TYPE_CHECKING:
+    from pytest_gpumem.targets.allocator import CachingAllocatorModel
 
 __all__ = ["CpuEngine"]
 
@@ -154,5 +159,18 @@ class CpuEngine(TrackerMembers):
 
     @contextmanager
     def record_history(self, path: str) -> Iterator[str | None]:
-        """The CPU engine keeps no allocation history: writes nothing, yields None."""
-        yield None
+        """Record the tracker's allocations and frees (with Python stacks) during the block and write
+        a memory snapshot that PyTorch's memory_viz opens to ``path`` at its end
+        (:mod:`~pytest_gpumem.measurement.engines.snapshots`); a snapshot that cannot be written is
+        an :class:`~pytest_gpumem.data.figures.OutputNotWritten` warning. Yields ``path``."""
+        recorder = SnapshotRecorder(self.tracker, self._snapshot_model())
+        recorder.start()
+        try:
+            yield path
+        finally:
+            recorder.stop()
+            write_snapshot(path, recorder.snapshot())
+
+    def _snapshot_model(self) -> CachingAllocatorModel | None:
+        """The allocator whose blocks a snapshot shows (None: every storage is a segment of its own)."""
+        return None

@@ -28,6 +28,7 @@ from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.saved import SavedTensors
 from pytest_gpumem.measurement.engines.sites import Found, SiteFilter
+from pytest_gpumem.measurement.engines.snapshots import SNAPSHOT_ENTRIES
 from pytest_gpumem.measurement.engines.traces import merge_found, replay_trace
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
@@ -42,8 +43,6 @@ def cuda_available() -> bool:
         return False
 
 
-#: Entries of allocation history kept for a memory snapshot.
-SNAPSHOT_ENTRIES = 100_000
 #: Entries of allocation history kept while sites are recorded: the trace is a ring that drops its
 #: oldest entries, and a span's sites need its beginning (about 300 bytes an entry with stacks).
 SITE_ENTRIES = 2_000_000
@@ -284,9 +283,17 @@ class CudaEngine(TrackerMembers):
 
         The pickle is written whole or not at all (a temporary file renamed into place); one that
         cannot be written (a full disk, a folder at its name) is an :class:`OutputNotWritten`
-        warning naming the path and the reason, and the history is switched off either way."""
+        warning naming the path and the reason.
+
+        A history the user records already (``torch._C._cuda_isHistoryEnabled()``) is left as it is,
+        with its own settings, and the snapshot is of it; otherwise the history is switched on here and
+        off at the end. torch tells whether history is recorded, not with which settings, so these are
+        never changed."""
         memory = torch.cuda.memory
-        memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
+        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+        users = bool(enabled()) if enabled is not None else False
+        if not users:
+            memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
         try:
             yield path
         finally:
@@ -301,7 +308,8 @@ class CudaEngine(TrackerMembers):
                 problem = f"could not write the memory snapshot {path}: {exc.strerror or exc}"
                 warnings.warn(OutputNotWritten(problem), stacklevel=3)
             finally:
-                memory._record_memory_history(enabled=None)
+                if not users:
+                    memory._record_memory_history(enabled=None)
 
     def _total_memory(self) -> int:
         return int(self._backend.get_device_properties(self.device).total_memory)

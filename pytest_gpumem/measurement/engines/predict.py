@@ -32,6 +32,7 @@ from pytest_gpumem.measurement.engines.cpu import CpuEngine
 from pytest_gpumem.measurement.engines.storages import Block, Kinds, instances_among
 from pytest_gpumem.measurement.engines.tracker import OTHER, StorageTracker
 from pytest_gpumem.targets import AttentionBackend, Target, Workspace
+from pytest_gpumem.targets.allocator import CachingAllocatorModel
 
 __all__ = ["PredictEngine", "Prediction"]
 
@@ -536,3 +537,6 @@ class PredictEngine(CpuEngine):
 
     def empty_cache(self) -> None:
         self.predictor.model.empty_cache()
+
+    def _snapshot_model(self) -> CachingAllocatorModel:
+        return self.predictor.model

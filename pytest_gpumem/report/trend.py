@@ -1,0 +1,481 @@
+"""The memory trend across commits: the baseline file's history as a table, sparklines, an HTML
+page with a chart per test and span, and exports for CI dashboards.
+
+Every function takes a :class:`~pytest_gpumem.baselines.history.History` (read from git by
+:func:`~pytest_gpumem.baselines.history.read_history`) and the series to show. Figures are the
+baselines' costs, in bytes for byte metrics.
+
+* :func:`history_table`: one table per environment, a row per commit and span.
+* :func:`sparklines`: one line per test, span and metric: ``▁▂▂▅█``, first and last value.
+* :func:`history_html`: one self-contained page (inline SVG and CSS, no script, a
+  Content-Security-Policy that fetches nothing) with a chart per test and span; each change is a
+  labelled point, named by its commit.
+* :func:`github_benchmark`: github-action-benchmark's ``customSmallerIsBetter`` JSON (a list of
+  ``{"name", "unit", "value", "extra"}``) for the newest commit.
+* :func:`openmetrics`: OpenMetrics text for GitLab's metrics report (``artifacts:reports:metrics``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pytest_gpumem.baselines.history import Commit, History, Version
+from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
+from pytest_gpumem.report.html import html_text
+from pytest_gpumem.tables import markdown_table, table
+from pytest_gpumem.units import format_delta, format_size
+
+__all__ = [
+    "Series",
+    "github_benchmark",
+    "history_html",
+    "history_table",
+    "metrics_of",
+    "openmetrics",
+    "select",
+    "sparklines",
+]
+
+#: One series: (environment key, test node id, span).
+Series = tuple[str, str, str]
+
+_BARS = "▁▂▃▄▅▆▇█"
+_COLOURS = {"peak": "#b3261e", "allocated": "#1f3a5f", "reserved": "#00796b", "retained": "#8d6e00"}
+_OTHER_COLOURS = ("#6a3d9a", "#e15759", "#4e79a7", "#59a14f")
+
+
+def select(history: History, tests: Sequence[str] = (), environment: str | None = None) -> list[Series]:
+    """The series of ``history`` whose node id contains one of ``tests`` (all when empty) and whose
+    environment key contains ``environment`` (case-insensitive; all when None)."""
+    chosen = []
+    for series in history.series():
+        env, test, _ = series
+        if tests and not any(text in test for text in tests):
+            continue
+        if environment is not None and environment.casefold() not in env.casefold():
+            continue
+        chosen.append(series)
+    return chosen
+
+
+def metrics_of(history: History, series: Sequence[Series], wanted: Sequence[str] = ()) -> list[str]:
+    """``wanted``, or the metrics the series hold a figure for (the baseline metrics first)."""
+    if wanted:
+        return list(wanted)
+    held = {
+        metric
+        for version in history.versions
+        for key in series
+        for metric, value in version.figures.get(key, {}).items()
+        if value is not None
+    }
+    known = [m for m in (*BASELINE_METRICS, *METRICS) if m in held]
+    return list(dict.fromkeys(known)) + sorted(held.difference(known))
+
+
+def _points(history: History, series: Series, metric: str) -> list[tuple[int, Commit, int | None]]:
+    """(version index, commit, value) of each version that holds ``series``."""
+    return [
+        (index, version.commit, version.figures[series].get(metric))
+        for index, version in enumerate(history.versions)
+        if series in version.figures
+    ]
+
+
+def _show(metric: str, value: int | None, exact: bool) -> str:
+    if value is None:
+        return "n/a"
+    return str(value) if exact else metric_info(metric).format(value)
+
+
+def _delta(metric: str, before: int | None, after: int | None, exact: bool) -> str:
+    if before is None or after is None:
+        return f"{_show(metric, before, exact)} → {_show(metric, after, exact)}"
+    change = after - before
+    if exact or metric_info(metric).unit != "bytes":
+        return f"{change:+d}"
+    return format_delta(change)
+
+
+def _changes(before: Version | None, after: Version, series: Series, metrics: Sequence[str], exact: bool) -> str:
+    """What changed in ``series`` from ``before`` to ``after``: ``peak +1.00 KiB``; ``recorded`` when new."""
+    if before is None or series not in before.figures:
+        return "recorded"
+    old, new = before.figures[series], after.figures[series]
+    return ", ".join(
+        f"{metric} {_delta(metric, old.get(metric), new.get(metric), exact)}"
+        for metric in metrics
+        if old.get(metric) != new.get(metric)
+    )
+
+
+def history_table(
+    history: History, series: Sequence[Series], metrics: Sequence[str], *, exact: bool = False, markdown: bool = False
+) -> str:
+    """One table per environment: a row per commit that holds a span, with its figures and what changed."""
+    blocks = []
+    for environment in dict.fromkeys(env for env, _, _ in series):
+        headers = ["test", "span", "commit", "date", "subject", *metrics, "change"]
+        rows: list[list[str]] = []
+        for key in (s for s in series if s[0] == environment):
+            previous: Version | None = None
+            for version in history.versions:
+                if key not in version.figures:
+                    if previous is not None and key in previous.figures:
+                        rows.append([key[1], key[2], version.commit.short, version.commit.day, version.commit.subject])
+                        rows[-1] += [""] * len(metrics) + ["removed"]
+                    previous = version
+                    continue
+                figures = version.figures[key]
+                cells = [key[1], key[2], version.commit.short, version.commit.day, version.commit.subject]
+                cells += [_show(metric, figures.get(metric), exact) for metric in metrics]
+                cells.append(_changes(previous, version, key, metrics, exact))
+                rows.append(cells)
+                previous = version
+        right = range(5, 5 + len(metrics))
+        title = f"### `{environment}`" if markdown else environment
+        body = markdown_table(headers, rows, right=right) if markdown else table(headers, rows, right=right)
+        blocks.append(f"{title}\n\n{body}" if markdown else f"{title}\n{body}")
+    return "\n\n".join(blocks)
+
+
+def sparkline(values: Sequence[int | None]) -> str:
+    """One character per value, ``▁`` (lowest) to ``█`` (highest); a space for n/a."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return " " * len(values)
+    low, high = min(known), max(known)
+    if low == high:
+        return "".join(" " if v is None else _BARS[3] for v in values)
+    return "".join(" " if v is None else _BARS[round((v - low) / (high - low) * (len(_BARS) - 1))] for v in values)
+
+
+def sparklines(
+    history: History, series: Sequence[Series], metrics: Sequence[str], *, exact: bool = False, markdown: bool = False
+) -> str:
+    """One row per test, span and metric: its sparkline over the commits that hold it (oldest on the
+    left), its first and last value and the change between them; one table per environment."""
+    blocks = []
+    for environment in dict.fromkeys(env for env, _, _ in series):
+        rows = []
+        for key in (s for s in series if s[0] == environment):
+            for metric in metrics:
+                points = _points(history, key, metric)
+                values = [value for _, _, value in points]
+                if all(value is None for value in values):
+                    continue
+                first, last = values[0], values[-1]
+                changes = sum(1 for a, b in itertools.pairwise(values) if a != b)
+                rows.append(
+                    [
+                        key[1],
+                        key[2],
+                        metric,
+                        sparkline(values),
+                        _show(metric, first, exact),
+                        _show(metric, last, exact),
+                        _delta(metric, first, last, exact) if first != last else "",
+                        f"{len(points)} / {changes}",
+                    ]
+                )
+        headers = ["test", "span", "metric", "trend", "first", "last", "change", "commits / changes"]
+        right = (4, 5, 6, 7)
+        title = f"### `{environment}`" if markdown else environment
+        body = markdown_table(headers, rows, right=right) if markdown else table(headers, rows, right=right)
+        blocks.append(f"{title}\n\n{body}" if markdown else f"{title}\n{body}")
+    return "\n\n".join(blocks)
+
+
+# --------------------------------------------------------------------------- exports
+
+
+def github_benchmark(history: History, series: Sequence[Series], metrics: Sequence[str]) -> list[dict[str, object]]:
+    """github-action-benchmark's ``customSmallerIsBetter`` entries for the newest commit: one per test,
+    span and metric (``name`` ``"TEST [SPAN] METRIC"``, ``unit`` ``"bytes"``, ``value`` the cost,
+    ``extra`` the commit and the environment). Figures that are n/a are left out; ``max_microbatch``
+    (bigger is better) is too. Raises ``ValueError`` when the series span several environments
+    (the names would collide): choose one with ``--env``."""
+    environments = sorted({env for env, _, _ in series})
+    if len(environments) > 1:
+        raise ValueError(
+            f"the history holds {len(environments)} environments ({'; '.join(environments)}): "
+            "choose one with --env for github-benchmark (one benchmark name per test, span and metric)"
+        )
+    latest = history.latest
+    if latest is None:
+        return []
+    entries: list[dict[str, object]] = []
+    for key in series:
+        figures = latest.figures.get(key)
+        if figures is None:
+            continue
+        for metric in metrics:
+            info = metric_info(metric)
+            value = figures.get(metric)
+            if value is None or info.higher_is_better:
+                continue
+            entries.append(
+                {
+                    "name": f"{key[1]} [{key[2]}] {metric}",
+                    "unit": "bytes" if info.unit == "bytes" else "count",
+                    "value": value,
+                    "extra": f"commit {latest.commit.short} ({latest.commit.day}); environment {key[0]}",
+                }
+            )
+    return entries
+
+
+def github_benchmark_json(history: History, series: Sequence[Series], metrics: Sequence[str]) -> str:
+    """:func:`github_benchmark` as the JSON text the action reads."""
+    return json.dumps(github_benchmark(history, series, metrics), indent=2, ensure_ascii=False) + "\n"
+
+
+def _label_value(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def openmetrics(history: History, series: Sequence[Series], metrics: Sequence[str]) -> str:
+    """OpenMetrics text of the newest commit's figures: a gauge family ``gpumem_cost_bytes`` (byte
+    figures) and ``gpumem_cost`` (counts), a sample per test, span and metric labelled ``test``,
+    ``span``, ``metric`` and ``environment``; n/a figures left out; ending with ``# EOF``."""
+    latest = history.latest
+    families: dict[str, list[str]] = {"gpumem_cost_bytes": [], "gpumem_cost": []}
+    if latest is not None:
+        for key in series:
+            figures = latest.figures.get(key)
+            if figures is None:
+                continue
+            for metric in metrics:
+                value = figures.get(metric)
+                if value is None:
+                    continue
+                family = "gpumem_cost_bytes" if metric_info(metric).unit == "bytes" else "gpumem_cost"
+                labels = ",".join(
+                    f'{name}="{_label_value(text)}"'
+                    for name, text in (("test", key[1]), ("span", key[2]), ("metric", metric), ("environment", key[0]))
+                )
+                families[family].append(f"{family}{{{labels}}} {value}")
+    lines = []
+    for family, samples in families.items():
+        if not samples:
+            continue
+        lines.append(f"# TYPE {family} gauge")
+        if family.endswith("_bytes"):
+            lines.append(f"# UNIT {family} bytes")
+        lines.append(f"# HELP {family} pytest-gpumem baseline cost, newest commit of the baseline file")
+        lines += samples
+    lines.append("# EOF")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- the HTML page
+
+_W, _H = 960, 310
+_LEFT, _RIGHT, _TOP, _BOTTOM = 90, 820, 44, 260
+_LABEL_GAP = 52  # the narrowest distance between two commit labels in one row
+
+_CSS = """
+:root { color-scheme: light; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, Arial, sans-serif; color: #1d2330;
+  background: #f6f7f9; margin: 0; }
+main { max-width: 1080px; margin: 0 auto; padding: 20px 24px 32px; }
+h1 { font-size: 20px; margin: 0 0 4px; }
+h2 { font-size: 16px; margin: 22px 0 8px; word-break: break-all; }
+h3 { font-size: 14px; margin: 0 0 6px; word-break: break-all; }
+.meta { color: #5b6474; margin: 0 0 14px; }
+.card { background: #fff; border: 1px solid #dde1e7; border-radius: 8px; padding: 14px 16px; margin: 0 0 14px;
+  overflow-x: auto; }
+svg { display: block; width: 100%; height: auto; }
+svg text { font-family: system-ui, -apple-system, "Segoe UI", Roboto, Arial, sans-serif; font-size: 11px;
+  fill: #3b4352; }
+svg .grid-line { stroke: #e6e9ee; } svg .axis { stroke: #8a93a3; }
+svg .change line { stroke: #3b4352; stroke-dasharray: 3 3; } svg .change text { font-weight: 600; }
+table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; font-size: 13px; }
+th, td { padding: 3px 8px; border-bottom: 1px solid #eceff3; text-align: left; vertical-align: top; }
+th { font-weight: 600; color: #5b6474; font-size: 12px; }
+td.num { text-align: right; white-space: nowrap; } code { font-size: 12px; }
+.skipped { color: #8a4b00; }
+.swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin: 0 4px 0 10px; }
+"""
+
+
+def _colour(metric: str, index: int) -> str:
+    return _COLOURS.get(metric, _OTHER_COLOURS[index % len(_OTHER_COLOURS)])
+
+
+def _n(value: float) -> str:
+    text = f"{value:.1f}"
+    return text[:-2] if text.endswith(".0") else text
+
+
+def _ticks(high: int) -> list[int]:
+    """Round sizes from 0 to at least ``high``, a power of two apart (four to eight steps)."""
+    if high <= 0:
+        return [0, 1]
+    step = 1 << max(0, math.ceil(math.log2(high / 4)) - 1) if high >= 8 else 1
+    while high / step > 8:
+        step *= 2
+    return [step * i for i in range(math.ceil(high / step) + 1)]
+
+
+@dataclass
+class _Change:
+    index: int
+    commit: Commit
+    text: str
+
+
+def _chart(history: History, key: Series, metrics: Sequence[str]) -> tuple[str, list[_Change]]:
+    """The SVG chart of one series and its changes (each a commit that changed a figure or recorded it)."""
+    count = len(history.versions)
+    drawn = [(m, _points(history, key, m)) for m in metrics]
+    drawn = [(m, points) for m, points in drawn if any(v is not None for _, _, v in points)]
+    values = [v for _, points in drawn for _, _, v in points if v is not None]
+    high = _ticks(max(values, default=0))[-1] or 1
+    span = max(count - 1, 1)
+
+    def x(index: int) -> float:
+        return _LEFT + (_RIGHT - _LEFT) * (index / span if count > 1 else 0.5)
+
+    def y(value: int) -> float:
+        return _BOTTOM - (_BOTTOM - _TOP) * value / high
+
+    parts = [f'<svg viewBox="0 0 {_W} {_H}" role="img" aria-label="{html_text(key[1])} {html_text(key[2])}">']
+    for tick in _ticks(max(values, default=0)):
+        parts.append(
+            f'<line class="grid-line" x1="{_LEFT}" x2="{_RIGHT}" y1="{_n(y(tick))}" y2="{_n(y(tick))}"/>'
+            f'<text x="{_LEFT - 6}" y="{_n(y(tick) + 4)}" text-anchor="end">{html_text(format_size(tick))}</text>'
+        )
+    parts.append(f'<line class="axis" x1="{_LEFT}" x2="{_RIGHT}" y1="{_BOTTOM}" y2="{_BOTTOM}"/>')
+    # changes: a commit where any drawn figure differs from the version before (or the span appears)
+    changes: list[_Change] = []
+    previous: Version | None = None
+    for index, version in enumerate(history.versions):
+        if key in version.figures:
+            text = _changes(previous, version, key, [m for m, _ in drawn], exact=False)
+            if text:
+                changes.append(_Change(index, version.commit, text))
+        previous = version
+    last_label = [-1e9, -1e9]  # x of the last label in each of the two rows above the chart
+    for change in changes:
+        position = x(change.index)
+        row = 0 if position - last_label[0] >= _LABEL_GAP else 1
+        label = ""
+        if position - last_label[row] >= _LABEL_GAP:  # else too close to its neighbours: the tooltip names it
+            last_label[row] = position
+            label = (
+                f'<text x="{_n(position)}" y="{_TOP - 10 - 13 * row}" text-anchor="middle">'
+                f"{html_text(change.commit.short[:7])}</text>"
+            )
+        parts.append(
+            f'<g class="change" data-commit="{html_text(change.commit.sha)}">'
+            f"<title>{html_text(change.commit.short)} {html_text(change.commit.day)} "
+            f"{html_text(change.commit.subject)}: {html_text(change.text)}</title>"
+            f'<line x1="{_n(position)}" x2="{_n(position)}" y1="{_TOP - 4}" y2="{_BOTTOM}"/>{label}</g>'
+        )
+    for position, (metric, points) in enumerate(drawn):
+        colour = _colour(metric, position)
+        segments: list[list[tuple[float, float]]] = [[]]
+        before = -2
+        for index, _, value in points:
+            if value is None or index != before + 1:  # a gap: the span was not in the file, or n/a
+                segments.append([])
+            if value is not None:
+                segments[-1].append((x(index), y(value)))
+            before = index
+        for segment in segments:
+            if len(segment) > 1:
+                path = " ".join(f"{_n(px)},{_n(py)}" for px, py in segment)
+                parts.append(
+                    f'<polyline data-metric="{html_text(metric)}" points="{path}" fill="none" '
+                    f'stroke="{colour}" stroke-width="2"/>'
+                )
+        for index, commit, value in points:
+            if value is None:
+                continue
+            parts.append(
+                f'<circle data-metric="{html_text(metric)}" cx="{_n(x(index))}" cy="{_n(y(value))}" r="3.5" '
+                f'fill="{colour}"><title>{html_text(metric)} {html_text(format_size(value))} ({value:,} B) at '
+                f"{html_text(commit.short)} {html_text(commit.day)}: {html_text(commit.subject)}</title></circle>"
+            )
+        last = next((v for _, _, v in reversed(points) if v is not None), None)
+        if last is not None:
+            parts.append(
+                f'<text x="{_RIGHT + 8}" y="{_n(y(last) + 4)}" fill="{colour}" style="fill:{colour}">'
+                f"{html_text(metric)} {html_text(format_size(last))}</text>"
+            )
+    first, last_version = history.versions[0].commit, history.versions[-1].commit
+    parts.append(f'<text x="{_LEFT}" y="{_BOTTOM + 18}">{html_text(first.short[:7])} {html_text(first.day)}</text>')
+    if count > 1:
+        parts.append(
+            f'<text x="{_RIGHT}" y="{_BOTTOM + 18}" text-anchor="end">'
+            f"{html_text(last_version.short[:7])} {html_text(last_version.day)}</text>"
+        )
+    parts.append(
+        f'<text x="{(_LEFT + _RIGHT) / 2}" y="{_BOTTOM + 36}" text-anchor="middle">'
+        f"commits of the baseline file, oldest on the left ({count})</text>"
+    )
+    parts.append("</svg>")
+    return "".join(parts), changes
+
+
+def history_html(history: History, series: Sequence[Series], metrics: Sequence[str], *, title: str = "") -> str:
+    """One self-contained page: a chart per test and span of the ``metrics`` over the commits, each
+    change marked with its commit, and a table of the changes below it."""
+    heading = title or f"Memory trend of {history.file.name}"
+    versions = history.versions
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en">',
+        "<head>",
+        '<meta charset="utf-8">',
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{html_text(heading)} · pytest-gpumem</title>",
+        f"<style>{_CSS}</style>",
+        "</head>",
+        "<body>",
+        "<main>",
+        f"<h1>{html_text(heading)}</h1>",
+    ]
+    if versions:
+        parts.append(
+            f'<p class="meta">{len(versions)} commits of <code>{html_text(history.file)}</code>, from '
+            f"{html_text(versions[0].commit.short)} ({html_text(versions[0].commit.day)}) to "
+            f"{html_text(versions[-1].commit.short)} ({html_text(versions[-1].commit.day)}). Costs: a figure minus "
+            "its span's start.</p>"
+        )
+    notes = [v for v in versions if v.note]
+    if history.skipped or notes:
+        items = [
+            f"<li>{html_text(s.commit.short)} {html_text(s.commit.subject)}: skipped, {html_text(s.reason)}</li>"
+            for s in history.skipped
+        ]
+        items += [f"<li>{html_text(v.commit.short)}: {html_text(v.note)}</li>" for v in notes]
+        parts.append(f'<div class="card skipped"><ul>{"".join(items)}</ul></div>')
+    legend = "".join(
+        f'<span class="swatch" style="background:{_colour(m, i)}"></span>{html_text(m)}' for i, m in enumerate(metrics)
+    )
+    if not series:
+        parts.append('<div class="card">No test matches.</div>')
+    for environment in dict.fromkeys(env for env, _, _ in series):
+        parts.append(f"<h2>{html_text(environment)}</h2>")
+        for key in (s for s in series if s[0] == environment):
+            chart, changes = _chart(history, key, metrics)
+            rows = "".join(
+                f"<tr><td><code>{html_text(c.commit.short)}</code></td><td>{html_text(c.commit.day)}</td>"
+                f"<td>{html_text(c.commit.subject)}</td><td>{html_text(c.text)}</td></tr>"
+                for c in changes
+            )
+            parts.append(
+                f'<section class="card" data-test="{html_text(key[1])}" data-span="{html_text(key[2])}">'
+                f'<h3>{html_text(key[1])} <span class="meta">[{html_text(key[2])}]</span></h3>'
+                f'<p class="meta">{legend}</p>{chart}'
+                f"<table><tr><th>commit</th><th>date</th><th>subject</th><th>change</th></tr>{rows}</table></section>"
+            )
+    parts += ["</main>", "</body>", "</html>", ""]
+    return "\n".join(parts)
