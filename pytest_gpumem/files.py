@@ -29,7 +29,7 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, durable: bool = Fal
     target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     try:
         found = os.stat(target)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # made below (a file in a folder's place says so)
         found = None
     if found is not None and not stat.S_ISREG(found.st_mode):
         _write_into(target, found.st_mode, data)
@@ -82,7 +82,7 @@ def move_file(temporary: str | os.PathLike[str], path: str | os.PathLike[str]) -
     target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     try:
         found = os.stat(target)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # made below (a file in a folder's place says so)
         found = None
     if found is None or stat.S_ISREG(found.st_mode):
         os.replace(temporary, target)
