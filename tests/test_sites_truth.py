@@ -5,12 +5,15 @@ category by category, on every engine), and the headline's categories agree with
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from conftest import run
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.data.sites import Site, SiteFigures, SiteProfile
+from pytest_gpumem.judge.sites import diff_sites
 from test_sites import MODEL, TEST
 
 pytest_plugins = ["pytester"]
@@ -38,27 +41,24 @@ def _insert(source: str, after: str, lines: str) -> str:
         out.append(line)
         if after in line:
             indent = line[: len(line) - len(line.lstrip())]
-            out += [indent + extra if extra else "" for extra in lines.splitlines()]
+            out += [extra if not extra or extra.startswith(" ") else indent + extra for extra in lines.splitlines()]
     return "\n".join(out) + "\n"
 
 
-#: Unrelated lines: a comment, a blank line, logging.
-UNRELATED = "# a comment\n\nlogging.getLogger(__name__).debug('step')"
-
-#: Where the unrelated lines go: above every line of the step, between its lines, below them.
+#: Where unrelated lines (comments, blank lines, logging) go, after which line and with what
+#: indent: above every line of the step, between two of its lines, below them, in the model.
 PLACES = {
-    "above": ("def test_step(gpumem):", "    "),
-    "between": ("logits = model(idx)", ""),
-    "below": ("opt.zero_grad(set_to_none=True)", ""),
-    "in the model": ("h = self.up(x)", ""),
+    "above": ("def test_step(gpumem):", "    # a comment\n\n    logging.getLogger(__name__).debug('step')"),
+    "between": ("logits = model(idx)", "# a comment\nlogging.getLogger(__name__).debug('step')"),
+    "below": ("opt.zero_grad(set_to_none=True)", "\n# a comment"),
+    "in the model": ("h = self.up(x)", "__import__('logging').getLogger(__name__).debug('up')"),
 }
 
 
 def _shifted(place: str) -> tuple[str, str]:
-    after, indent = PLACES[place]
-    lines = "\n".join(indent + line if line else "" for line in UNRELATED.splitlines())
+    after, lines = PLACES[place]
     if place == "in the model":
-        return _insert(MODEL, after, lines.replace("logging.", "__import__('logging').")), TEST
+        return _insert(MODEL, after, lines), TEST
     return MODEL, _insert(TEST.replace("import os\n", "import logging\nimport os\n"), after, lines)
 
 
@@ -138,3 +138,50 @@ def test_the_headline_categories_are_the_rows_summed(
         category = change["site"]["category"]
         summed[category] = summed.get(category, 0) + change["delta"]["peak"]
     assert {c: d for c, d in summed.items() if d} == finding["changed"]
+
+
+def _row(offset: int, code: str, peak: int, category: str = "activations") -> SiteFigures:
+    return SiteFigures(Site("m.py", "Block.forward", offset, 10 + offset, code), peak, 0, 1, category, "forward")
+
+
+@pytest.mark.parametrize(
+    ("offsets", "moved"),
+    [((2, 5), (2, 8)), ((2, 5), (5, 8)), ((2, 5), (4, 5))],
+    ids=["between-the-repeats", "above-both", "between-above"],
+)
+def test_a_repeated_line_pairs_with_the_nearest_of_its_baseline_after_the_functions_shift(
+    offsets: tuple[int, int], moved: tuple[int, int]
+) -> None:
+    """``h = layer(h)`` twice in a function, each holding its own bytes: with lines inserted above,
+    between or around them, each pairs with the baseline's of the same order: nothing changed."""
+    kept = [_row(1, "x = self.embed(idx)", 64), _row(9, "return self.head(h)", 32)]
+    shift = moved[1] - offsets[1]
+    baseline = SiteProfile((*kept, _row(offsets[0], "h = layer(h)", 100), _row(offsets[1], "h = layer(h)", 200)))
+    now = [replace(row, site=replace(row.site, offset=row.site.offset + shift)) for row in kept[1:]]
+    start = moved[0] - offsets[0]
+    now.append(replace(kept[0], site=replace(kept[0].site, offset=1 + min(start, shift))))
+    current = SiteProfile((*now, _row(moved[0], "h = layer(h)", 100), _row(moved[1], "h = layer(h)", 200)))
+    assert diff_sites("call", baseline, current).changes == ()
+
+
+def test_a_line_whose_text_changed_pairs_by_its_place_after_the_shift() -> None:
+    """``h = up(x)`` edited into ``h = up(x).double()`` under a comment inserted above the function's
+    lines: the row is the same line's, changed (not a "new" and a "gone")."""
+    baseline = SiteProfile((_row(1, "x = embed(idx)", 64), _row(2, "h = up(x)", 100)))
+    current = SiteProfile((_row(2, "x = embed(idx)", 64), _row(3, "h = up(x).double()", 200)))
+    (change,) = diff_sites("call", baseline, current).changes
+    assert (change.status, change.before_peak, change.delta()) == ("changed", 100, 100)
+
+
+def test_a_baseline_stored_before_rows_were_split_by_category_compares_site_by_site() -> None:
+    """A stored profile keyed by site alone (one row of all its bytes) is compared with this run's
+    rows summed by site: no row for a site that merely has two categories now."""
+    old = SiteProfile.from_stored({"m.py:Block.forward+2": "peak=300 end=0 n=2 activations forward | h = up(x)"})
+    assert not old.by_category
+    current = SiteProfile((_row(2, "h = up(x)", 200), _row(2, "h = up(x)", 100, "temporaries")))
+    assert diff_sites("call", old, current).changes == ()
+    stored = current.to_stored()
+    assert sorted(stored) == ["m.py:Block.forward+2 activations", "m.py:Block.forward+2 temporaries"]
+    again = SiteProfile.from_stored(stored)
+    assert again.by_category and diff_sites("call", again, current).changes == ()
+    assert {row.site.code for row in again.sites} == {"h = up(x)"}  # the smaller row's code from its sibling
