@@ -9,12 +9,12 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from test_sites import MODEL, TEST
 
 from conftest import run
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.data.sites import Site, SiteFigures, SiteProfile
 from pytest_gpumem.judge.sites import diff_sites
-from test_sites import MODEL, TEST
 
 pytest_plugins = ["pytester"]
 

@@ -151,6 +151,9 @@ class SiteFigures:
     category: str = "other"
     phase: str = ""
     examples: tuple[str, ...] = ()
+    #: what holds the row's storages alive at the end, (name, bytes) largest first: found for a
+    #: failing test's second run only (``Trainer.debug[…]``, ``opt.state[…]['exp_avg']``); never stored
+    holders: tuple[tuple[str, int], ...] = ()
 
     @property
     def key(self) -> str:
@@ -172,6 +175,7 @@ class SiteFigures:
             "category": self.category,
             "phase": self.phase,
             "examples": list(self.examples),
+            "holders": [[name, nbytes] for name, nbytes in self.holders],
         }
 
     @classmethod
@@ -191,6 +195,7 @@ class SiteFigures:
             str(data.get("category", "other")),
             str(data.get("phase", "")),
             tuple(str(e) for e in data.get("examples") or ()),
+            tuple((str(name), int(nbytes)) for name, nbytes in data.get("holders") or ()),
         )
 
     def stored(self) -> str:

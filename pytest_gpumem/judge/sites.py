@@ -124,17 +124,14 @@ def diff_sites(span: str, baseline: SiteProfile, current: SiteProfile) -> SiteDi
     shifts = _shifts(pairs)
     # a line whose text changed: by its place, once the shift of the function's other lines is undone
     pairs += _pair(before, after, lambda row: _place(row, shifts), lambda row: _place(row, {}))
-    pairs += _pair(
-        before, after, lambda row: (row.site.function, row.site.code, row.category) if row.site.code else None
-    )
+    pairs += _pair(before, after, _moved_function)
     changes: list[SiteChange] = []
     for old, new in sorted(pairs, key=lambda pair: pair[1].key):
         if old.peak != new.peak or old.end != new.end:
             changes.append(SiteChange(new, old.peak, old.end))
+    compared = len(pairs) + len(after) + len(before)
     hidden = [
-        new
-        for new in after
-        if baseline.rest_sites and new.peak <= baseline.rest_peak and new.end <= baseline.rest_end
+        new for new in after if baseline.rest_sites and new.peak <= baseline.rest_peak and new.end <= baseline.rest_end
     ]
     if (
         hidden
@@ -147,11 +144,9 @@ def diff_sites(span: str, baseline: SiteProfile, current: SiteProfile) -> SiteDi
         unlisted = any(new is row for row in hidden)
         changes.append(SiteChange(new, None, None, "unlisted" if unlisted else "new"))
     for old in before:
-        hidden = current.rest_sites and old.peak <= current.rest_peak and old.end <= current.rest_end
-        if hidden:  # this run lists only its largest sites: it may be among the others, unchanged
-            continue
+        if current.rest_sites and old.peak <= current.rest_peak and old.end <= current.rest_end:
+            continue  # this run lists only its largest sites: it may be among the others, unchanged
         changes.append(SiteChange(old, old.peak, old.end, "gone"))
-    compared = len(pairs) + len(after) + len(before)
     return SiteDiff(span, tuple(changes), compared, current.second_run, current.note)
 
 
