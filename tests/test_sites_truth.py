@@ -185,3 +185,115 @@ def test_a_baseline_stored_before_rows_were_split_by_category_compares_site_by_s
     again = SiteProfile.from_stored(stored)
     assert again.by_category and diff_sites("call", again, current).changes == ()
     assert {row.site.code for row in again.sites} == {"h = up(x)"}  # the smaller row's code from its sibling
+
+
+TRAINER = """\
+import os
+
+import pytest
+import torch
+
+REGRESSION = os.environ.get("REGRESSION", "")
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, vocab=96, width=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.head = torch.nn.Linear(4 * width, vocab)
+
+    def forward(self, idx):
+        return self.head(torch.nn.functional.gelu(self.up(self.embed(idx))))
+
+
+class Trainer:
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer, self.debug = model, optimizer, []
+
+    def step(self, idx):
+        logits = self.model(idx)
+        if REGRESSION == "debug":
+            self.debug.append(logits)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.gpumem
+def test_train(gpumem):
+    torch.manual_seed(0)
+    model = Tiny()
+    optimizer = torch.optim.AdamW(model.parameters(), amsgrad=REGRESSION == "amsgrad")
+    gpumem.track(model, optimizer)
+    trainer = Trainer(model, optimizer)
+    idx = torch.randint(0, 96, (4, 16))
+    for _ in range(3):
+        trainer.step(idx)
+"""
+
+#: The model's parameters' bytes (float32): the embedding, the two linears' weights and biases.
+PARAMETERS = 4 * (96 * 32 + 32 * 128 + 128 + 128 * 96 + 96)
+
+
+@pytest.fixture
+def trainer(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(test_trainer=TRAINER)
+    run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)
+    return pytester
+
+
+def _row_at_end(test: dict[str, Any], code: str) -> dict[str, Any]:
+    (change,) = [c for c in test["site_changes"]["call"]["changes"] if c["delta"]["end"]]
+    assert change["site"]["code"].startswith(code)
+    return change
+
+
+def test_a_tensor_kept_in_a_list_names_the_list_that_holds_it(
+    trainer: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``self.debug.append(logits)``: the row is the line that made the logits, and it names what
+    keeps them: the trainer's ``debug`` list, holding the three steps' logits (4 × 16 × 96 float32s
+    each) at the end, to the byte."""
+    monkeypatch.setenv("COLUMNS", "250")
+    monkeypatch.setenv("REGRESSION", "debug")
+    report = trainer.path / "report.json"
+    result = run(trainer, f"--gpumem-json={report}")
+    result.assert_outcomes(failed=1)
+    test = json.loads(report.read_text())["tests"][0]
+    change = _row_at_end(test, "return self.head(")
+    assert change["delta"]["end"] == 3 * 4 * 16 * 96 * 4
+    assert change["site"]["holders"] == [["Trainer.debug[…]", 3 * 4 * 16 * 96 * 4]]
+    end_table = result.stdout.str().split("at the end, against the baseline")[1]
+    assert "held by Trainer.debug[…]" in end_table.split("sites from a second run")[0]
+
+
+def test_an_optimizer_option_names_the_state_key_it_adds(
+    trainer: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``amsgrad=True``: the optimizer's step line grew by one more state the size of the
+    parameters, and the row says which: ``optimizer.state[…]['max_exp_avg_sq']``, and the option
+    that adds it (its ``exp_avg`` and ``exp_avg_sq``, of the same size, were there before)."""
+    monkeypatch.setenv("COLUMNS", "250")
+    monkeypatch.setenv("REGRESSION", "amsgrad")
+    report = trainer.path / "report.json"
+    result = run(trainer, f"--gpumem-json={report}")
+    result.assert_outcomes(failed=1)
+    test = json.loads(report.read_text())["tests"][0]
+    change = _row_at_end(test, "self.optimizer.step()")
+    assert change["delta"]["end"] == PARAMETERS
+    holders = dict(map(tuple, change["site"]["holders"]))
+    assert holders["optimizer.state[…]['max_exp_avg_sq'] (amsgrad=True)"] == PARAMETERS
+    assert holders["optimizer.state[…]['exp_avg']"] == PARAMETERS
+    assert "held by optimizer.state[…]['max_exp_avg_sq'] (amsgrad=True)" in result.stdout.str()
+
+
+def test_passing_runs_search_no_holders(trainer: pytest.Pytester) -> None:
+    """The holders are searched in a failing test's second run only: a baseline update and a
+    passing run with sites on (``always``) name none."""
+    report = trainer.path / "report.json"
+    for args in (["--gpumem-update-baselines"], ["--gpumem-sites=always"]):
+        run(trainer, f"--gpumem-json={report}", *args).assert_outcomes(passed=1)
+        (call,) = [m for m in json.loads(report.read_text())["tests"][0]["measurements"] if m["name"] == "call"]
+        assert call["sites"]["sites"] and all(row["holders"] == [] for row in call["sites"]["sites"])
