@@ -26,12 +26,15 @@ __all__ = ["holder_pattern", "kept_by_site", "state_key", "state_options"]
 
 _STATE = re.compile(r"\.state\[[^\]]*\]")
 _INDEX = re.compile(r"\[\d+\]")
+_LOCAL = re.compile(r"^(?P<name>local '[^']*') in .*$")
 _STATE_KEY = re.compile(r"\.state\[…\]\['(?P<key>[^']+)'\]$")
 
 
 def holder_pattern(name: str) -> str:
     """``name`` with its indices and parameters left out: ``opt.state[model.0.weight]['exp_avg']``
-    is ``opt.state[…]['exp_avg']``, ``Trainer.debug[3]`` is ``Trainer.debug[…]``."""
+    is ``opt.state[…]['exp_avg']``, ``Trainer.debug[3]`` is ``Trainer.debug[…]``; a local variable
+    without its frame's place (``local 'kept'``)."""
+    name = _LOCAL.sub(r"\g<name>", name)
     return _INDEX.sub("[…]", _STATE.sub(".state[…]", name))
 
 
