@@ -243,8 +243,12 @@ def site_markdown(records: Sequence[RecordLike]) -> str:
     return "\n\n".join(["### Sites", *parts]) + "\n" if parts else ""
 
 
+#: The widest bar of the HTML card (pixels): two of them and the other columns fit a 1024-pixel window.
+_BAR = 120
+
+
 def _bar(nbytes: int, scale: int, colour: str) -> str:
-    width = 0 if scale <= 0 else max(1, round(220 * nbytes / scale)) if nbytes else 0
+    width = 0 if scale <= 0 else max(1, round(_BAR * nbytes / scale)) if nbytes else 0
     return f'<svg width="{width + 2}" height="10" role="img"><rect width="{width}" height="10" fill="{colour}"/></svg>'
 
 
@@ -260,7 +264,7 @@ def site_section_html(record: RecordLike) -> str:
             baseline = "" if before is None else f"{_bar(before, scale, '#a0a0a0')} {_esc(format_size(before))}"
             body.append(
                 f'<tr data-site="{_esc(row[3])}"><td class="num">{_esc(row[0])}</td><td>{_esc(row[1])}</td>'
-                f"<td>{_esc(row[2])}</td><td>{_esc(row[3])}<br><code>{_esc(row[4])}</code></td>"
+                f"<td>{_esc(row[2])}</td><td class='where'>{_esc(row[3])}<br><code>{_esc(row[4])}</code></td>"
                 f'<td class="num">{baseline}</td><td class="num">{_bar(after, scale, "#e15759")} '
                 f"{_esc(format_size(after))}</td><td class='note'>{_esc(row[7] or row[6])}</td></tr>"
             )
