@@ -518,7 +518,8 @@ def _phases_table(m: Measurement) -> str:
     for name, phase in m.phases.items():
         times = f" ×{phase.count}" if phase.count > 1 else ""  # ran N times in the span, as the terminal says
         rows.append(
-            f'<tr data-phase="{html_text(name)}"><td>{html_text(name)}{times}</td><td class="num">{_size(phase.start)}</td>'
+            f'<tr data-phase="{html_text(name)}"><td>{html_text(name)}{times}</td>'
+            f'<td class="num">{_size(phase.start)}</td>'
             f'<td class="num">{_size(phase.peak)}</td><td class="num">{_size(phase.end)}</td>'
             f'<td class="num">{_cell(format_delta(phase.peak - phase.start))}</td></tr>'
         )
