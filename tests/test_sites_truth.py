@@ -297,3 +297,17 @@ def test_passing_runs_search_no_holders(trainer: pytest.Pytester) -> None:
         run(trainer, f"--gpumem-json={report}", *args).assert_outcomes(passed=1)
         (call,) = [m for m in json.loads(report.read_text())["tests"][0]["measurements"] if m["name"] == "call"]
         assert call["sites"]["sites"] and all(row["holders"] == [] for row in call["sites"]["sites"])
+
+
+def test_a_line_that_holds_none_of_a_category_now_is_a_change_to_nothing_not_gone() -> None:
+    """``logits = model(idx)`` held float32 temporaries at the peak; with ``.double()`` on the next
+    line it holds none of them then, but still makes its activations: its temporaries row is a
+    change to 0 B at its line, not a "gone" row for a line that is there."""
+    baseline = SiteProfile((_row(1, "logits = model(idx)", 300), _row(1, "logits = model(idx)", 512, "temporaries")))
+    current = SiteProfile((_row(1, "logits = model(idx)", 300), _row(2, "logits = logits.double()", 1024)))
+    changes = diff_sites("call", baseline, current).at("peak")
+    assert [(c.status, c.figures.site.code, c.figures.category, c.delta()) for c in changes] == [
+        ("new", "logits = logits.double()", "activations", 1024),
+        ("changed", "logits = model(idx)", "temporaries", -512),
+    ]
+    assert changes[1].figures.site.line == 11  # this run's line, not a stored site's

@@ -58,7 +58,7 @@ CODE_CHARS = 48
 #: Most characters of one example shape kept.
 EXAMPLE_CHARS = 40
 #: Most sites a measurement carries (the rest are summed in :attr:`SiteProfile.rest_peak`...).
-CARRIED_SITES = 40
+CARRIED_SITES = 64
 #: Most bytes of text a test's stored profiles take in the baseline file, all spans together.
 SITES_BUDGET = 3072
 

@@ -40,8 +40,8 @@ def holder_pattern(name: str) -> str:
 
 def kept_by_site(
     engine: Any, tracked: Iterable[Any], frame: FrameType | None, code: CodeType | None = None
-) -> dict[str, dict[str, int]]:
-    """By site (``"model.py:58 Block.forward"``), the bytes of its live storages by what holds
+) -> dict[tuple[str, str | None], dict[str, int]]:
+    """By site (``"model.py:58 Block.forward"``) and category, the bytes of its live storages by what holds
     them (:func:`holder_pattern` of the name); storages nothing names are left out. ``frame``:
     the stack whose locals name tensors and tracked objects; ``code``: the test function's, whose
     frame is looked for among its referrers when it is not on that stack (it has returned)."""
@@ -50,11 +50,11 @@ def kept_by_site(
         frames[:0] = [f for f in gc.get_referrers(code) if isinstance(f, FrameType) and f.f_code is code]
     census = take_census(engine.device, engine, list(tracked), frames, None, counted_only=engine.exact)
     del frames
-    found: dict[str, dict[str, int]] = {}
+    found: dict[tuple[str, str | None], dict[str, int]] = {}
     for tensor in census.tensors:
         if tensor.site is None or tensor.held_by is None:
             continue
-        holders = found.setdefault(tensor.site, {})
+        holders = found.setdefault((tensor.site, tensor.category), {})
         name = holder_pattern(tensor.held_by)
         holders[name] = holders.get(name, 0) + tensor.nbytes
     return found

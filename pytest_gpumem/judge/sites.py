@@ -143,7 +143,12 @@ def diff_sites(span: str, baseline: SiteProfile, current: SiteProfile) -> SiteDi
     for new in after:
         unlisted = any(new is row for row in hidden)
         changes.append(SiteChange(new, None, None, "unlisted" if unlisted else "new"))
+    still = {(row.site.file, row.site.function, row.site.code): row.site for row in current.sites if row.site.code}
     for old in before:
+        site = still.get((old.site.file, old.site.function, old.site.code)) if old.site.code else None
+        if site is not None:  # the line is there, holding none of this category now: a change to nothing
+            changes.append(SiteChange(replace(old, site=site, peak=0, end=0, count=0), old.peak, old.end))
+            continue
         if current.rest_sites and old.peak <= current.rest_peak and old.end <= current.rest_end:
             continue  # this run lists only its largest sites: it may be among the others, unchanged
         changes.append(SiteChange(old, old.peak, old.end, "gone"))

@@ -109,7 +109,7 @@ class TestRun:
         self._history: str | None = None
         self._started = False
         #: by site, what holds its live tensors at the return (a second run only; :meth:`_at_return`)
-        self._kept: dict[str, dict[str, int]] | None = None
+        self._kept: dict[tuple[str, str | None], dict[str, int]] | None = None
         self._code: CodeType | None = None
 
     @property
@@ -176,7 +176,7 @@ class TestRun:
         options = state_options(tracked)
         rows = []
         for row in call.sites.sites:
-            held = kept.get(row.site.where(), {})
+            held = kept.get((row.site.where(), row.category), {})
             named = []
             for name, nbytes in sorted(held.items(), key=lambda item: (-item[1], item[0])):
                 key = state_key(name)
