@@ -311,3 +311,21 @@ def test_a_line_that_holds_none_of_a_category_now_is_a_change_to_nothing_not_gon
         ("changed", "logits = model(idx)", "temporaries", -512),
     ]
     assert changes[1].figures.site.line == 11  # this run's line, not a stored site's
+
+
+@pytest.mark.parametrize("regression", ["debug", "amsgrad"])
+def test_the_headline_categories_are_the_rows_summed_for_a_kept_tensor_and_an_option(
+    trainer: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, regression: str
+) -> None:
+    """As for docs/sites.md's first three regressions: the rows' changes at the peak, summed by
+    category, are the failure's "by category at the peak", to the byte."""
+    monkeypatch.setenv("REGRESSION", regression)
+    report = trainer.path / "report.json"
+    run(trainer, f"--gpumem-json={report}").assert_outcomes(failed=1)
+    found = json.loads(report.read_text())["tests"][0]
+    (finding,) = [f for f in found["findings"] if f["metric"] == "peak" and f["span"] == "call"]
+    summed: dict[str, int] = {}
+    for change in found["site_changes"]["call"]["changes"]:
+        category = change["site"]["category"]
+        summed[category] = summed.get(category, 0) + change["delta"]["peak"]
+    assert {c: d for c, d in summed.items() if d} == finding["changed"]
