@@ -107,6 +107,7 @@ def _pages(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> list[P
     return pages
 
 
+@pytest.mark.slow  # five failing sessions and fifteen browser windows
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium (Debian's chromium package) is not installed")
 def test_no_column_is_clipped_at_1024_and_1400_pixels(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
