@@ -423,15 +423,16 @@ def test_reference_lines_are_drawn_at_their_height() -> None:
     assert ys == sorted(ys, reverse=True) and len(set(ys)) == len(ys)  # higher limit, higher on the page
 
 
-def test_y_range_includes_a_limit_far_above_the_samples() -> None:
+def test_a_limit_far_above_the_samples_is_a_marker_at_the_top_edge_and_the_axis_fits_the_data() -> None:
     root = parse(render(lines={"limit peak": 4 * GiB}))
     (line,) = root.having("data-line")
     (peak,) = root.having("data-peak")
     svg = root.find_all("svg")[0]
     height = float(svg.attrs["viewbox"].split()[3])
     assert 0 < float(line.attrs["y1"]) < float(peak.attrs["cy"]) < height
+    assert line.attrs["data-above"] == "true" and "4.00 GiB" in line.parent.text()  # type: ignore[union-attr]
     tick_labels = [el.text() for el in svg.find_all("text", **{"class": "tick"})]
-    assert any("GiB" in label for label in tick_labels)
+    assert not any("GiB" in label for label in tick_labels)  # the axis is the data's
 
 
 def test_axis_ticks_are_readable_sizes() -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "build_profile",
     "parse_sites_mode",
     "parse_stored_site",
+    "split_row_key",
 ]
 
 #: The key of the bytes alive before sites were recorded (made in a fixture, an earlier test,
@@ -57,9 +58,9 @@ CODE_CHARS = 48
 #: Most characters of one example shape kept.
 EXAMPLE_CHARS = 40
 #: Most sites a measurement carries (the rest are summed in :attr:`SiteProfile.rest_peak`...).
-CARRIED_SITES = 40
+CARRIED_SITES = 64
 #: Most bytes of text a test's stored profiles take in the baseline file, all spans together.
-SITES_BUDGET = 2048
+SITES_BUDGET = 3072
 
 #: When sites are recorded: "rerun" (on a baseline update, and a test that fails on memory runs
 #: once more with sites on: the default), "always" (in every measured test's run), "off" (never).
@@ -119,6 +120,21 @@ class Site:
 
 
 _KEY_RE = re.compile(r"^(?P<file>[^:]+):(?P<function>.+)\+(?P<offset>\d+)$")
+_ROW_RE = re.compile(r"^(?P<site>.*) (?P<category>[a-z_]+)$")
+
+
+def split_row_key(key: str) -> tuple[str, str | None]:
+    """A stored row's key read as (the site's key, the row's category): ``"t.py:f+3 gradients"`` is
+    ``("t.py:f+3", "gradients")``; a key of a baseline stored before rows were split by category
+    (one row a site) has no category: ``("t.py:f+3", None)``."""
+    match = _ROW_RE.match(key)
+    if (
+        match is not None
+        and match["category"] in CATEGORIES
+        and (_KEY_RE.match(match["site"]) or match["site"] in _PSEUDO)
+    ):
+        return match["site"], match["category"]
+    return key, None
 
 
 @dataclass(frozen=True)
@@ -135,6 +151,14 @@ class SiteFigures:
     category: str = "other"
     phase: str = ""
     examples: tuple[str, ...] = ()
+    #: what holds the row's storages alive at the end, (name, bytes) largest first: found for a
+    #: failing test's second run only (``Trainer.debug[…]``, ``opt.state[…]['exp_avg']``); never stored
+    holders: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def key(self) -> str:
+        """The row's key: its site's and its category, ``tinygpt.py:Block.forward+3 activations``."""
+        return f"{self.site.key} {self.category}"
 
     def to_dict(self) -> dict[str, Any]:
         site = self.site
@@ -151,6 +175,7 @@ class SiteFigures:
             "category": self.category,
             "phase": self.phase,
             "examples": list(self.examples),
+            "holders": [[name, nbytes] for name, nbytes in self.holders],
         }
 
     @classmethod
@@ -170,6 +195,7 @@ class SiteFigures:
             str(data.get("category", "other")),
             str(data.get("phase", "")),
             tuple(str(e) for e in data.get("examples") or ()),
+            tuple((str(name), int(nbytes)) for name, nbytes in data.get("holders") or ()),
         )
 
     def stored(self) -> str:
@@ -190,7 +216,9 @@ _STORED_RE = re.compile(
 
 
 def parse_stored_site(key: str, value: object) -> SiteFigures:
-    """One stored site (``key``: ``value``) read back; ``ValueError`` saying what is wrong otherwise."""
+    """One stored site's row (``key``: ``value``) read back; ``ValueError`` saying what is wrong otherwise.
+    ``key`` is the site's key, followed by the row's category (a baseline stored before rows were
+    split by category has none)."""
     if not isinstance(value, str):
         raise ValueError(f"site {key!r}: expected a string such as 'peak=1024 end=0 n=1 activations forward'")
     match = _STORED_RE.match(value)
@@ -202,11 +230,14 @@ def parse_stored_site(key: str, value: object) -> SiteFigures:
     phase = "" if match["phase"] in (None, "-") else match["phase"]
     if key != OTHER_SITES and category not in CATEGORIES:
         raise ValueError(f"site {key!r}: unknown category {category!r} (one of {', '.join(CATEGORIES)})")
+    site_key, row_category = split_row_key(key)
+    if row_category is not None and row_category != category:
+        raise ValueError(f"site {key!r}: the key's category {row_category!r} is not the figures' {category!r}")
     if phase and phase not in PHASES:
         raise ValueError(f"site {key!r}: unknown phase {phase!r} (one of {', '.join(PHASES)}, or -)")
     examples = tuple(e.strip() for e in (match["examples"] or "").split(";") if e.strip())
     return SiteFigures(
-        Site.from_key(key, match["code"] or ""),
+        Site.from_key(site_key, match["code"] or ""),
         int(match["peak"]),
         int(match["end"]),
         int(match["count"]),
@@ -225,6 +256,9 @@ class SiteProfile:
     sites add up to the span's peak and end (exactly on the CPU engine). ``second_run``: the
     sites come from running the test once more with sites on (the first run had none);
     ``note``: what to know about them (the second run's figures differed from the first's).
+    Each row is one site's bytes of one category (a site that made gradients and temporaries
+    has two), so that the rows add up, category by category, to the span's breakdown;
+    ``by_category`` is False for a profile stored before (one row a site, of all its bytes).
     """
 
     sites: tuple[SiteFigures, ...] = ()
@@ -233,6 +267,7 @@ class SiteProfile:
     rest_sites: int = 0
     second_run: bool = False
     note: str = ""
+    by_category: bool = True
 
     @property
     def peak(self) -> int:
@@ -244,7 +279,15 @@ class SiteProfile:
         return sum(s.end for s in self.sites) + self.rest_end
 
     def by_key(self) -> dict[str, SiteFigures]:
-        return {s.site.key: s for s in self.sites}
+        """The rows by :attr:`SiteFigures.key` (site and category)."""
+        return {s.key: s for s in self.sites}
+
+    def categories(self, moment: str = "peak") -> dict[str, int]:
+        """Bytes by category at the ``"peak"`` (or ``"end"``) over the listed rows (the rest have none)."""
+        found = dict.fromkeys(CATEGORIES, 0)
+        for s in self.sites:
+            found[s.category] += s.peak if moment == "peak" else s.end
+        return found
 
     def top(self, count: int) -> SiteProfile:
         """The profile with its ``count`` largest sites listed, the others summed in the rest."""
@@ -265,6 +308,7 @@ class SiteProfile:
             "rest": {"peak": self.rest_peak, "end": self.rest_end, "sites": self.rest_sites},
             "second_run": self.second_run,
             "note": self.note,
+            "by_category": self.by_category,
         }
 
     @classmethod
@@ -277,23 +321,27 @@ class SiteProfile:
             int(rest.get("sites", 0)),
             bool(data.get("second_run", False)),
             str(data.get("note", "")),
+            bool(data.get("by_category", False)),
         )
 
     # -- the baseline file's form ----------------------------------------------------------
 
     def to_stored(self, budget: int = SITES_BUDGET) -> dict[str, str]:
-        """The profile as the baseline file keeps it: site key → :meth:`SiteFigures.stored`, the
-        largest sites first until their text reaches ``budget`` characters, the others summed
-        under :data:`OTHER_SITES` (its ``n``: how many sites). The file sorts the keys."""
+        """The profile as the baseline file keeps it: row key (:attr:`SiteFigures.key`) →
+        :meth:`SiteFigures.stored`, the largest rows first until their text reaches ``budget``
+        characters, the others summed under :data:`OTHER_SITES` (its ``n``: how many sites). The file sorts the keys."""
         stored: dict[str, str] = {}
         used = 0
         left = [s for s in self.sites if s.site.key != BEFORE]  # the span's start, not a site of it
+        coded: set[str] = set()  # sites whose code a larger row of theirs already gives
         while left:
-            text = left[0].stored()
-            size = len(left[0].site.key) + len(text) + 16  # quotes, colon, indent, comma, newline
+            row = left[0]
+            text = row.stored() if row.site.key not in coded else replace(row, site=replace(row.site, code="")).stored()
+            coded.add(row.site.key)
+            size = len(row.key) + len(text) + 24  # quotes, colon, indent, comma, newline
             if used + size > budget and stored:
                 break
-            stored[left[0].site.key] = text
+            stored[left[0].key] = text
             used += size
             left.pop(0)
         rest = (
@@ -310,13 +358,17 @@ class SiteProfile:
         """A profile read from the baseline file (``ValueError`` naming the site for a bad one)."""
         sites = []
         rest = (0, 0, 0)
+        split = True
         for key, value in stored.items():
             figures = parse_stored_site(str(key), value)
             if key == OTHER_SITES:
                 rest = (figures.peak, figures.end, figures.count)
             else:
                 sites.append(figures)
-        return cls(tuple(sorted(sites, key=_order)), *rest)
+                split = split and split_row_key(str(key))[1] is not None
+        code = {s.site.key: s.site.code for s in sites if s.site.code}  # a site's other rows give it once
+        sites = [s if s.site.code else replace(s, site=replace(s.site, code=code.get(s.site.key, ""))) for s in sites]
+        return cls(tuple(sorted(sites, key=_order)), *rest, by_category=split)
 
 
 def parse_sites_mode(value: object) -> str:
@@ -332,7 +384,7 @@ def parse_sites_mode(value: object) -> str:
 
 
 def _order(figures: SiteFigures) -> tuple[int, int, str]:
-    return (-figures.peak, -figures.end, figures.site.key)
+    return (-figures.peak, -figures.end, figures.key)
 
 
 def build_profile(
@@ -341,38 +393,58 @@ def build_profile(
     limit: int = CARRIED_SITES,
 ) -> SiteProfile | None:
     """A profile of what the engines found: ``(site, phase, at the peak, at the end, examples)``
-    for each site and phase that made storages; merged by site key (the phase of the larger
-    part wins, a category is that of the most bytes), its ``limit`` largest sites listed.
-    None for None (sites were not recorded)."""
+    for each site and phase that made storages; one row per site and category (so the rows
+    add up to the breakdown, category by category), the phase of a row that of most of its
+    bytes, its ``limit`` largest rows listed. None for None (sites were not recorded)."""
     if found is None:
         return None
-    merged: dict[str, tuple[Site, dict[str, int], SiteCounts, SiteCounts, tuple[str, ...]]] = {}
+    rows: dict[tuple[str, int], _Row] = {}
     for site, phase, peak, end, examples in found:
         peak, end = peak or SiteCounts(), end or SiteCounts()
         if not (peak.total or end.total):
             continue
-        known = merged.get(site.key)
-        if known is None:
-            known = merged[site.key] = (site, {}, SiteCounts(), SiteCounts(), ())
-        phases = known[1]
-        phases[phase] = phases.get(phase, 0) + max(peak.total, end.total)
-        known[2].add(peak)
-        known[3].add(end)
-        merged[site.key] = (*known[:4], tuple(dict.fromkeys(known[4] + examples))[:2])
+        peak_counts, end_counts = peak.by_category_counts(), end.by_category_counts()
+        for index in range(len(CATEGORIES)):
+            at_peak, at_end = peak.nbytes[index], end.nbytes[index]
+            if not (at_peak or at_end):
+                continue
+            row = rows.get((site.key, index))
+            if row is None:
+                row = rows[(site.key, index)] = _Row(site)
+            row.peak += at_peak
+            row.end += at_end
+            row.peak_count += peak_counts[index]
+            row.end_count += end_counts[index]
+            row.phases[phase] = row.phases.get(phase, 0) + max(at_peak, at_end)
+            row.examples = tuple(dict.fromkeys(row.examples + examples))[:2]
     figures = []
-    for site, phases, peak, end, examples in merged.values():
-        main = peak if peak.total else end
-        phase = max(phases, key=lambda name: (phases[name], name))
-        figures.append(SiteFigures(site, peak.total, end.total, main.count, main.category, phase, examples))
+    for (_, index), row in rows.items():
+        phase = max(row.phases, key=lambda name: (row.phases[name], name))
+        count = row.peak_count if row.peak else row.end_count
+        figures.append(SiteFigures(row.site, row.peak, row.end, count, CATEGORIES[index], phase, row.examples))
     return SiteProfile(tuple(sorted(figures, key=_order))).top(limit)
+
+
+class _Row:
+    """One site's bytes of one category while :func:`build_profile` sums them."""
+
+    __slots__ = ("end", "end_count", "examples", "peak", "peak_count", "phases", "site")
+
+    def __init__(self, site: Site) -> None:
+        self.site = site
+        self.peak = self.end = self.peak_count = self.end_count = 0
+        self.phases: dict[str, int] = {}
+        self.examples: tuple[str, ...] = ()
 
 
 @dataclass
 class SiteCounts:
-    """A site's bytes by category (:data:`CATEGORIES` order) and storages, at one moment (engines fill it)."""
+    """A site's bytes and storages by category (:data:`CATEGORIES` order), at one moment (engines fill it)."""
 
     nbytes: list[int] = field(default_factory=lambda: [0] * len(CATEGORIES))
     count: int = 0
+    #: storages by category (None: not known by category, all counted under the largest)
+    tensors: list[int] | None = None
 
     @property
     def total(self) -> int:
@@ -382,6 +454,18 @@ class SiteCounts:
         for i, nbytes in enumerate(other.nbytes):
             self.nbytes[i] += nbytes
         self.count += other.count
+        if other.tensors is not None or self.tensors is not None:
+            mine, theirs = self.by_category_counts(), other.by_category_counts()
+            self.tensors = [a + b for a, b in zip(mine, theirs, strict=True)]
+
+    def by_category_counts(self) -> list[int]:
+        """Storages by category: :attr:`tensors`, or :attr:`count` all under the largest category."""
+        if self.tensors is not None:
+            return list(self.tensors)
+        found = [0] * len(CATEGORIES)
+        if self.count:
+            found[CATEGORIES.index(self.category)] = self.count
+        return found
 
     @property
     def category(self) -> str:

@@ -3,10 +3,11 @@
 Modelled on ``tracemalloc.Snapshot.compare_to``: each site of either side is matched with
 the other side's, and what changed is listed by growth (the grown first, largest first, then
 the shrunk), a site only in this run "new since the baseline", one only in the baseline
-"gone". Sites are matched by key (``file:function+offset``); a site whose key found no
-partner is matched by its file, function and source line (a line that moved inside its
-function), then by its function and source line (a function that moved to another file), so
-that code moved without changing memory does not show as a pair of "new" and "gone".
+"gone". A row is one site's bytes of one category. Rows are matched by file, function,
+category and source line first (the nearest offset among repeated lines), then by place (a
+line whose text changed), then by function and source line (a function moved to another
+file), so that code moved without changing memory does not show as a pair of "new" and
+"gone" (see :func:`diff_sites`).
 
 Pure: no I/O, no torch. Sizes are bytes.
 """
@@ -14,12 +15,12 @@ Pure: no I/O, no torch. Sizes are bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from pytest_gpumem.data.sites import BEFORE, Site, SiteFigures, SiteProfile
+from pytest_gpumem.data.sites import BEFORE, SiteFigures, SiteProfile
 
-__all__ = ["SiteChange", "SiteDiff", "diff_sites"]
+__all__ = ["SiteChange", "SiteDiff", "diff_sites", "merge_categories"]
 
 Status = Literal["changed", "new", "gone", "unlisted"]
 
@@ -106,51 +107,174 @@ class SiteDiff:
 
 
 def diff_sites(span: str, baseline: SiteProfile, current: SiteProfile) -> SiteDiff:
-    """The sites of ``current`` (this run) that changed against ``baseline`` (the stored profile)."""
+    """The rows of ``current`` (this run) that changed against ``baseline`` (the stored profile).
+
+    A row (a site's bytes of one category) is paired with the baseline's by its file, function,
+    category and code first, the nearest offset among lines of the same text (after the shift of
+    the function's other lines); then by its place (file, function and offset: a line whose
+    text was edited); then by function and code (a function moved to another file). So lines
+    inserted, deleted or moved around a site give no row. A baseline stored before rows were
+    split by category (one row a site) is compared with this run's rows summed by site.
+    """
+    if not baseline.by_category and current.by_category:
+        current = merge_categories(current)
     before = [s for s in baseline.sites if s.site.key != BEFORE]  # the start: not what the span made
     after = [s for s in current.sites if s.site.key != BEFORE]
-    pairs: list[tuple[SiteFigures, SiteFigures]] = []
-    matchers: list[Callable[[Site], Hashable]] = [
-        lambda site: site.key,
-        lambda site: (site.file, site.function, site.code) if site.code else None,
-        lambda site: (site.function, site.code) if site.code else None,
-    ]
-    for match in matchers:
-        pairs += _pair(before, after, match)
+    pairs = _pair_by_code(before, after)
+    shifts = _shifts(pairs)
+    # a line whose text changed: by its place, once the shift of the function's other lines is undone
+    pairs += _pair(before, after, lambda row: _place(row, shifts), lambda row: _place(row, {}))
+    pairs += _pair(before, after, _moved_function)
     changes: list[SiteChange] = []
-    for old, new in pairs:
+    for old, new in sorted(pairs, key=lambda pair: pair[1].key):
         if old.peak != new.peak or old.end != new.end:
             changes.append(SiteChange(new, old.peak, old.end))
-    for new in after:
-        hidden = baseline.rest_sites and new.peak <= baseline.rest_peak and new.end <= baseline.rest_end
-        changes.append(SiteChange(new, None, None, "unlisted" if hidden else "new"))
-    for old in before:
-        hidden = current.rest_sites and old.peak <= current.rest_peak and old.end <= current.rest_end
-        if hidden:  # this run lists only its largest sites: it may be among the others, unchanged
-            continue
-        changes.append(SiteChange(old, old.peak, old.end, "gone"))
     compared = len(pairs) + len(after) + len(before)
+    hidden = [
+        new for new in after if baseline.rest_sites and new.peak <= baseline.rest_peak and new.end <= baseline.rest_end
+    ]
+    if (
+        hidden
+        and sum(new.peak for new in hidden) + current.rest_peak == baseline.rest_peak
+        and sum(new.end for new in hidden) + current.rest_end == baseline.rest_end
+    ):  # the baseline's others, as they were: nothing changed among them
+        after = [new for new in after if all(new is not row for row in hidden)]
+        hidden = []
+    for new in after:
+        unlisted = any(new is row for row in hidden)
+        changes.append(SiteChange(new, None, None, "unlisted" if unlisted else "new"))
+    still = {(row.site.file, row.site.function, row.site.code): row.site for row in current.sites if row.site.code}
+    for old in before:
+        site = still.get((old.site.file, old.site.function, old.site.code)) if old.site.code else None
+        if site is not None:  # the line is there, holding none of this category now: a change to nothing
+            changes.append(SiteChange(replace(old, site=site, peak=0, end=0, count=0), old.peak, old.end))
+            continue
+        if current.rest_sites and old.peak <= current.rest_peak and old.end <= current.rest_end:
+            continue  # this run lists only its largest sites: it may be among the others, unchanged
+        changes.append(SiteChange(old, old.peak, old.end, "gone"))
     return SiteDiff(span, tuple(changes), compared, current.second_run, current.note)
 
 
+def merge_categories(profile: SiteProfile) -> SiteProfile:
+    """``profile`` with one row a site (its categories summed; the category and phase of its
+    largest row), as profiles were stored before rows were split by category."""
+    merged: dict[str, list[SiteFigures]] = {}
+    for row in profile.sites:
+        merged.setdefault(row.site.key, []).append(row)
+    rows = []
+    for group in merged.values():
+        main = max(group, key=lambda row: (row.peak, row.end))
+        peak, end = sum(row.peak for row in group), sum(row.end for row in group)
+        count = sum(row.count for row in group)
+        rows.append(replace(main, peak=peak, end=end, count=count))
+    rows.sort(key=lambda row: (-row.peak, -row.end, row.key))
+    return replace(profile, sites=tuple(rows), by_category=False)
+
+
+def _pair_by_code(before: list[SiteFigures], after: list[SiteFigures]) -> list[tuple[SiteFigures, SiteFigures]]:
+    """Rows paired by file, function, category and code; among rows of the same text, in order of
+    offset, those nearest after the shift of the function's lines paired by unique text. Removes
+    them from both lists."""
+
+    def text(row: SiteFigures) -> Hashable:
+        site = row.site
+        return (site.file, site.function, site.code, row.category) if site.code else None
+
+    groups: dict[Hashable, tuple[list[SiteFigures], list[SiteFigures]]] = {}
+    for side, rows in enumerate((before, after)):
+        for row in rows:
+            key = text(row)
+            if key is not None:
+                groups.setdefault(key, ([], []))[side].append(row)
+    found: list[tuple[SiteFigures, SiteFigures]] = []
+    shifts: dict[tuple[str, str], list[int]] = {}
+    for olds, news in groups.values():
+        if len(olds) == 1 and len(news) == 1:
+            found.append((olds[0], news[0]))
+            function = (news[0].site.file, news[0].site.function)
+            shifts.setdefault(function, []).append(news[0].site.offset - olds[0].site.offset)
+    for olds, news in groups.values():
+        if not olds or not news or (len(olds) == 1 and len(news) == 1):
+            continue
+        moved = sorted(shifts.get((news[0].site.file, news[0].site.function), [0]))
+        found += _align(sorted(olds, key=_offset), sorted(news, key=_offset), moved[len(moved) // 2])
+    paired = {id(row) for pair in found for row in pair}
+    before[:] = [row for row in before if id(row) not in paired]
+    after[:] = [row for row in after if id(row) not in paired]
+    return found
+
+
+def _shifts(pairs: list[tuple[SiteFigures, SiteFigures]]) -> dict[tuple[str, str], int]:
+    """By (file, function): the median distance the paired rows' lines moved (lines inserted above them)."""
+    moved: dict[tuple[str, str], list[int]] = {}
+    for old, new in pairs:
+        if (old.site.file, old.site.function) == (new.site.file, new.site.function):
+            moved.setdefault((new.site.file, new.site.function), []).append(new.site.offset - old.site.offset)
+    return {function: sorted(found)[len(found) // 2] for function, found in moved.items()}
+
+
+def _place(row: SiteFigures, shifts: Mapping[tuple[str, str], int]) -> Hashable:
+    site = row.site
+    return (site.file, site.function, site.offset - shifts.get((site.file, site.function), 0), row.category)
+
+
+def _moved_function(row: SiteFigures) -> Hashable:
+    return (row.site.function, row.site.code, row.category) if row.site.code else None
+
+
+def _offset(row: SiteFigures) -> int:
+    return row.site.offset
+
+
+def _align(olds: list[SiteFigures], news: list[SiteFigures], shift: int) -> list[tuple[SiteFigures, SiteFigures]]:
+    """The pairs of ``olds`` and ``news`` (each sorted by offset) in order that pair as many as can
+    be, with the least distance between an old offset moved by ``shift`` and the new offset."""
+    n, m = len(olds), len(news)
+    # best[i][j]: (pairs, -distance) of olds[i:] with news[j:]
+    best = [[(0, 0)] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            take = best[i + 1][j + 1]
+            distance = abs(news[j].site.offset - olds[i].site.offset - shift)
+            candidates = [(take[0] + 1, take[1] - distance), best[i + 1][j], best[i][j + 1]]
+            best[i][j] = max(candidates)
+    pairs = []
+    i = j = 0
+    while i < n and j < m:
+        take = best[i + 1][j + 1]
+        distance = abs(news[j].site.offset - olds[i].site.offset - shift)
+        if best[i][j] == (take[0] + 1, take[1] - distance):
+            pairs.append((olds[i], news[j]))
+            i, j = i + 1, j + 1
+        elif best[i][j] == best[i + 1][j]:
+            i += 1
+        else:
+            j += 1
+    return pairs
+
+
 def _pair(
-    before: list[SiteFigures], after: list[SiteFigures], match: Callable[[Site], Hashable]
+    before: list[SiteFigures],
+    after: list[SiteFigures],
+    match: Callable[[SiteFigures], Hashable],
+    old_match: Callable[[SiteFigures], Hashable] | None = None,
 ) -> list[tuple[SiteFigures, SiteFigures]]:
-    """Pairs of ``before`` and ``after`` that ``match`` gives the same, unique, key; removes them from both."""
-    olds = _unique(before, match)
+    """Pairs of ``before`` and ``after`` that ``match`` (``old_match`` for ``before``, when given)
+    gives the same, unique, key; removes them from both."""
+    olds = _unique(before, old_match or match)
     news = _unique(after, match)
     found = [(olds[key], news[key]) for key in olds.keys() & news.keys()]
     paired_old = {id(old) for old, _ in found}
     paired_new = {id(new) for _, new in found}
     before[:] = [f for f in before if id(f) not in paired_old]
     after[:] = [f for f in after if id(f) not in paired_new]
-    return sorted(found, key=lambda pair: pair[1].site.key)
+    return found
 
 
-def _unique(figures: list[SiteFigures], match: Callable[[Site], Hashable]) -> dict[Hashable, SiteFigures]:
+def _unique(figures: list[SiteFigures], match: Callable[[SiteFigures], Hashable]) -> dict[Hashable, SiteFigures]:
     seen: dict[Hashable, SiteFigures | None] = {}
     for item in figures:
-        key = match(item.site)
+        key = match(item)
         if key is None:
             continue
         seen[key] = None if key in seen else item

@@ -25,9 +25,10 @@ from pathlib import Path
 from types import CodeType
 from typing import Any
 
-from pytest_gpumem.data.figures import OutputNotWritten, PartialFigures, notify
+from pytest_gpumem.data.figures import Measurement, OutputNotWritten, PartialFigures, notify
 from pytest_gpumem.data.sites import SiteConfig
 from pytest_gpumem.diagnose.census import see_every_tensor
+from pytest_gpumem.diagnose.kept import kept_by_site, state_key, state_options
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
 from pytest_gpumem.diagnose.oom import OomReport, OomWatch, is_oom, release_oom
 from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
@@ -107,6 +108,9 @@ class TestRun:
         self._watch: OomWatch | None = None
         self._history: str | None = None
         self._started = False
+        #: by site, what holds its live tensors at the return (a second run only; :meth:`_at_return`)
+        self._kept: dict[tuple[str, str | None], dict[str, int]] | None = None
+        self._code: CodeType | None = None
 
     @property
     def leak_check(self) -> bool:
@@ -147,12 +151,38 @@ class TestRun:
                 watches.enter_context(self.engine.limit_memory(recorder.device_limit))
             if self.options.snapshots is not None:
                 self._history = self._record_history(watches, self.options.snapshots)
-            watches.enter_context(watch_return(code, lambda: self._returned.append(recorder.allocated_now())))
+            self._code = code
+            watches.enter_context(watch_return(code, self._at_return))
         except BaseException:
             self._watches.close()
             self._stack.close()
             recorder.end()
             raise
+
+    def _at_return(self) -> None:
+        """The test function returns: read ``allocated`` while its locals are alive; in a second run
+        with sites (the test failed on memory), find what holds each site's live tensors too."""
+        recorder = self.recorder
+        self._returned.append(recorder.allocated_now())
+        if self.options.sites is not None and not self.options.reports:
+            self._kept = kept_by_site(self.engine, recorder.tracked, sys._getframe(1), self._code)
+
+    def _with_holders(self, call: Measurement, tracked: list[Any]) -> Measurement:
+        """``call`` whose site rows name what holds their storages (:attr:`_kept`), an optimizer
+        state key with the option that adds it (``max_exp_avg_sq (amsgrad=True)``)."""
+        kept, self._kept = self._kept, None
+        if not kept or call.sites is None:
+            return call
+        options = state_options(tracked)
+        rows = []
+        for row in call.sites.sites:
+            held = kept.get((row.site.where(), row.category), {})
+            named = []
+            for name, nbytes in sorted(held.items(), key=lambda item: (-item[1], item[0])):
+                key = state_key(name)
+                named.append((f"{name} ({options[key]})" if key in options else name, nbytes))
+            rows.append(replace(row, holders=tuple(named)) if named else row)
+        return replace(call, sites=replace(call.sites, sites=tuple(rows)))
 
     def _record_history(self, watches: contextlib.ExitStack, folder: Path) -> str | None:
         """Record the allocation history for this test's memory snapshot; a path that cannot hold it
@@ -194,8 +224,11 @@ class TestRun:
             timeline = recorder.timeline_since(self._state.start_event)
         finally:
             self.tracked = [weakref.ref(obj) for obj in recorder.tracked]
+            tracked = list(recorder.tracked) if self._kept else []
             self._stack.close()
             recorder.end()
+        call = self._with_holders(call, tracked)  # the span is closed: probing an optimizer counts nowhere
+        del tracked
         if exc is not None and is_oom(exc):
             release_oom(exc, engine)  # what the failed test held goes; the traceback ends at the user's line
         engine.settle()  # library workspaces stay: they were there at the start reading too

@@ -66,13 +66,16 @@ h2 { font-size: 15px; margin: 0 0 8px; }
 figure { margin: 0; }
 figure svg { display: block; width: 100%; height: auto; }
 figcaption { color: #5b6474; font-size: 12px; margin-top: 4px; }
-.grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(380px, 1fr)); gap: 14px; }
+.grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(500px, 1fr)); gap: 14px; }
 .grid .card { margin: 0; }
 table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
 th, td { padding: 3px 8px; border-bottom: 1px solid #eceff3; text-align: left; vertical-align: top; }
 th { font-weight: 600; color: #5b6474; font-size: 12px; }
 td.num, th.num { text-align: right; white-space: nowrap; }
 td.note { color: #5b6474; font-size: 12px; }
+.sites td.where { overflow-wrap: anywhere; }
+.sites td code { white-space: pre-wrap; overflow-wrap: anywhere; font-size: 12px; }
+.sites td.note { overflow-wrap: anywhere; min-width: 8em; }
 tr.total td { font-weight: 600; border-bottom: none; }
 .na { color: #98a0ad; }
 .swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 6px; }
@@ -244,7 +247,7 @@ class _Chart:
         if x_hi <= x_lo:
             x_hi = x_lo + 1.0
         ref = tuple((str(name), max(0, int(value))) for name, value in lines.items())
-        highest = max([measurement.peak, *(s.total for s in samples), *(v for _, v in ref), 1])
+        highest = max([measurement.peak, *(s.total for s in samples), 1])  # the data: a limit above is a marker
         step = 1
         while step * 5 < highest:
             step <<= 1
@@ -378,10 +381,23 @@ class _Chart:
         if not self.lines:
             return []
         out = ['<g class="refs">']
-        placed = _spread([self.y(value) + 4 for _, value in self.lines], gap=13, lo=_TOP + 4, hi=_BOTTOM + 4)
-        for i, ((name, value), label_y) in enumerate(zip(self.lines, placed, strict=True)):
+        heights = [max(_TOP, self.y(value)) for _, value in self.lines]
+        placed = _spread([y + 4 for y in heights], gap=13, lo=_TOP + 4, hi=_BOTTOM + 4)
+        for i, ((name, value), height, label_y) in enumerate(zip(self.lines, heights, placed, strict=True)):
             colour = _LINE_COLOURS[i % len(_LINE_COLOURS)]
-            y = _n(self.y(value))
+            y = _n(height)
+            if value > self.y_top:  # above the data: a marker at the top edge, with its value
+                text = f"↑ {_truncate(name, 20)} {format_size(value)}"
+                out.append(
+                    f'<g class="ref above"><title>{html_text(name)}: {format_size(value)} ({value:,} B), above '
+                    f"the chart's top ({format_size(self.y_top)})</title>"
+                    f'<line data-line="{html_text(name)}" data-bytes="{value}" data-above="true" x1="{_RIGHT - 60}" '
+                    f'y1="{y}" x2="{_RIGHT}" y2="{y}" stroke="{colour}"/>'
+                    f'<path d="M{_n(_RIGHT - 5)},{_n(height + 1)}L{_RIGHT},{_n(height - 7)}L{_n(_RIGHT + 5)},'
+                    f'{_n(height + 1)}Z" fill="{colour}"/>'
+                    f'<text x="{_RIGHT + 8}" y="{_n(label_y)}" fill="{colour}">{html_text(text)}</text></g>'
+                )
+                continue
             text = f"{_truncate(name, 22)} {format_size(value)}"
             out.append(
                 f'<g class="ref"><title>{html_text(name)}: {format_size(value)} ({value:,} B)</title>'
@@ -500,8 +516,10 @@ def _phases_table(m: Measurement) -> str:
         '<th class="num">peak − start</th></tr>'
     )
     for name, phase in m.phases.items():
+        times = f" ×{phase.count}" if phase.count > 1 else ""  # ran N times in the span, as the terminal says
         rows.append(
-            f'<tr data-phase="{html_text(name)}"><td>{html_text(name)}</td><td class="num">{_size(phase.start)}</td>'
+            f'<tr data-phase="{html_text(name)}"><td>{html_text(name)}{times}</td>'
+            f'<td class="num">{_size(phase.start)}</td>'
             f'<td class="num">{_size(phase.peak)}</td><td class="num">{_size(phase.end)}</td>'
             f'<td class="num">{_cell(format_delta(phase.peak - phase.start))}</td></tr>'
         )

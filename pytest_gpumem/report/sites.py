@@ -9,6 +9,8 @@ Every table comes from :func:`site_rows`, so the three forms show the same rows.
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -95,12 +97,38 @@ def _cells(figures: SiteFigures, change: str, note: str) -> list[str]:
     ]
 
 
+_OPTION = re.compile(r" \(\w+=[^()]*\)$")
+
+
+def held_by(figures: SiteFigures, delta: int) -> str:
+    """``"held by Trainer.debug[…]"``: what keeps the row's growth of ``delta`` bytes alive, when a
+    second run found it (:attr:`SiteFigures.holders`). The holders whose bytes are the growth
+    exactly, when one set of them is (the one an optimizer's option adds, among equal ones);
+    else the largest two."""
+    holders = list(figures.holders)
+    if not holders or delta <= 0:
+        return ""
+    exact = [
+        chosen
+        for size in range(1, min(len(holders), 3) + 1)
+        for chosen in itertools.combinations(holders[:8], size)
+        if sum(nbytes for _, nbytes in chosen) == delta
+    ]
+    optioned = [chosen for chosen in exact if all(_OPTION.search(name) for name, _ in chosen)]
+    if len(exact) == 1 or len(optioned) == 1:
+        names = [name for name, _ in (exact[0] if len(exact) == 1 else optioned[0])]
+    else:
+        names = [f"{name} ({format_size(nbytes)})" for name, nbytes in holders[:2]]
+    return "held by " + ", ".join(names)
+
+
 def change_rows(diff: SiteDiff, moment: str) -> list[list[str]]:
     rows = []
     for change in diff.at(moment):
         delta = change.delta(moment)
         text = format_delta(delta) if change.status != "unlisted" else f"({format_delta(delta)})"
-        rows.append(_cells(change.figures, text, _NOTES.get(change.status, "")))
+        notes = [_NOTES.get(change.status, ""), held_by(change.figures, delta)]
+        rows.append(_cells(change.figures, text, "; ".join(note for note in notes if note)))
     return rows
 
 
@@ -165,7 +193,7 @@ def _table(
         return None
     profile = measurement.sites
     largest = _largest(profile, moment)
-    rows = [_cells(figures, format_size(nbytes), "") for figures, nbytes in largest]
+    rows = [_cells(figures, format_size(nbytes), held_by(figures, nbytes)) for figures, nbytes in largest]
     rest = profile.rest_peak if moment == "peak" else profile.rest_end
     footer = f"({len(rows)} sites; {profile.rest_sites} more hold {format_size(rest)})" if profile.rest_sites else ""
     title = f"{where}{_AT[moment]}, the largest sites:"
@@ -215,8 +243,12 @@ def site_markdown(records: Sequence[RecordLike]) -> str:
     return "\n\n".join(["### Sites", *parts]) + "\n" if parts else ""
 
 
+#: The widest bar of the HTML card (pixels): two of them and the other columns fit a 1024-pixel window.
+_BAR = 120
+
+
 def _bar(nbytes: int, scale: int, colour: str) -> str:
-    width = 0 if scale <= 0 else max(1, round(220 * nbytes / scale)) if nbytes else 0
+    width = 0 if scale <= 0 else max(1, round(_BAR * nbytes / scale)) if nbytes else 0
     return f'<svg width="{width + 2}" height="10" role="img"><rect width="{width}" height="10" fill="{colour}"/></svg>'
 
 
@@ -232,7 +264,7 @@ def site_section_html(record: RecordLike) -> str:
             baseline = "" if before is None else f"{_bar(before, scale, '#a0a0a0')} {_esc(format_size(before))}"
             body.append(
                 f'<tr data-site="{_esc(row[3])}"><td class="num">{_esc(row[0])}</td><td>{_esc(row[1])}</td>'
-                f"<td>{_esc(row[2])}</td><td>{_esc(row[3])}<br><code>{_esc(row[4])}</code></td>"
+                f"<td>{_esc(row[2])}</td><td class='where'>{_esc(row[3])}<br><code>{_esc(row[4])}</code></td>"
                 f'<td class="num">{baseline}</td><td class="num">{_bar(after, scale, "#e15759")} '
                 f"{_esc(format_size(after))}</td><td class='note'>{_esc(row[7] or row[6])}</td></tr>"
             )

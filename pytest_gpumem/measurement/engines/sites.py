@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import CodeType, FrameType
 from typing import Any
 
+from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.data.sites import BEFORE, CODE_CHARS, ELSEWHERE, EXAMPLE_CHARS, Site, SiteConfig, SiteCounts
 from pytest_gpumem.measurement.engines.storages import Window
 
@@ -145,7 +146,7 @@ class _State:
         self.code = code
         self.line = line
         self.phase = phase
-        self.counts = SiteCounts()
+        self.counts = SiteCounts(tensors=[0] * len(CATEGORIES))
         #: the two largest storages' (bytes, shape and dtype as text, (shape, dtype))
         self.examples: list[tuple[int, str, Any]] = []
         self.where: tuple[str, str] | None = None
@@ -204,6 +205,8 @@ class SiteRecorder:
         counts = state.counts
         counts.nbytes[entry.category] += entry.nbytes
         counts.count += 1
+        if counts.tensors is not None:
+            counts.tensors[entry.category] += 1
         examples = state.examples
         if len(examples) < 2 or entry.nbytes > examples[-1][0]:  # the two largest, each shape once
             kind = (tensor.shape, tensor.dtype)  # an example's already: no text to make (a line run again)
@@ -219,6 +222,8 @@ class SiteRecorder:
         if state is not None and state.owner is self:
             state.counts.nbytes[entry.category] -= entry.nbytes
             state.counts.count -= 1
+            if state.counts.tensors is not None:
+                state.counts.tensors[entry.category] -= 1
 
     def moved(self, entry: Any, old: int, new: int, window: SiteSnapshot | None) -> None:
         """``entry`` changes category from ``old`` to ``new``; ``window``: the window's peak
@@ -226,13 +231,11 @@ class SiteRecorder:
         state: _State | None = getattr(entry, "site", None)
         mine = state is not None and state.owner is self
         if state is not None and mine:
-            state.counts.nbytes[old] -= entry.nbytes
-            state.counts.nbytes[new] += entry.nbytes
+            _move(state.counts, entry.nbytes, old, new)
         if window is not None:
             counts = window.get(state if mine else BEFORE)
             if counts is not None:
-                counts.nbytes[old] -= entry.nbytes
-                counts.nbytes[new] += entry.nbytes
+                _move(counts, entry.nbytes, old, new)
 
     def resized(self, entry: Any, delta: int) -> None:
         state = getattr(entry, "site", None)
@@ -248,13 +251,22 @@ class SiteRecorder:
         for state in self._states.values():
             counts = state.counts
             if counts.count or any(counts.nbytes):
-                found[state] = SiteCounts(list(counts.nbytes), counts.count)
+                found[state] = SiteCounts(list(counts.nbytes), counts.count, list(counts.tensors or ()) or None)
                 for i, nbytes in enumerate(counts.nbytes):
                     before[i] -= nbytes
                 left -= counts.count
         if any(before):
             found[BEFORE] = SiteCounts(before, max(left, 0))
         return found
+
+
+def _move(counts: SiteCounts, nbytes: int, old: int, new: int) -> None:
+    """One storage of ``nbytes`` counted under category ``old`` is of ``new``."""
+    counts.nbytes[old] -= nbytes
+    counts.nbytes[new] += nbytes
+    if counts.tensors is not None:
+        counts.tensors[old] -= 1
+        counts.tensors[new] += 1
 
 
 class TrackedSites:

@@ -1,0 +1,113 @@
+"""What keeps a site's tensors alive: the holders a failing test's sites name.
+
+At the return of a test's call in the second run (the test failed on memory, so the search is
+paid for failures only), the live tensors are found and named as a leak report names them
+(:func:`~pytest_gpumem.diagnose.census.take_census`: a tracked optimizer's state
+``opt.state[model.weight]['exp_avg']``, an attribute ``Trainer.debug[3]``, a local variable),
+then grouped by site and by the name with its indices left out (``Trainer.debug[…]``). An
+optimizer state key that an option of the optimizer adds (``max_exp_avg_sq`` with
+``amsgrad=True``) is named with that option (:func:`state_options`).
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import re
+from collections.abc import Iterable, Mapping
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+
+from pytest_gpumem.diagnose.census import stack_frames, take_census
+
+__all__ = ["holder_pattern", "kept_by_site", "state_key", "state_options"]
+
+_STATE = re.compile(r"\.state\[[^\]]*\]")
+_INDEX = re.compile(r"\[\d+\]")
+_LOCAL = re.compile(r"^(?P<name>local '[^']*') in .*$")
+_STATE_KEY = re.compile(r"\.state\[…\]\['(?P<key>[^']+)'\]$")
+
+
+def holder_pattern(name: str) -> str:
+    """``name`` with its indices and parameters left out: ``opt.state[model.0.weight]['exp_avg']``
+    is ``opt.state[…]['exp_avg']``, ``Trainer.debug[3]`` is ``Trainer.debug[…]``; a local variable
+    without its frame's place (``local 'kept'``)."""
+    name = _LOCAL.sub(r"\g<name>", name)
+    return _INDEX.sub("[…]", _STATE.sub(".state[…]", name))
+
+
+def kept_by_site(
+    engine: Any, tracked: Iterable[Any], frame: FrameType | None, code: CodeType | None = None
+) -> dict[tuple[str, str | None], dict[str, int]]:
+    """By site (``"model.py:58 Block.forward"``) and category, the bytes of its live storages by what holds
+    them (:func:`holder_pattern` of the name); storages nothing names are left out. ``frame``:
+    the stack whose locals name tensors and tracked objects; ``code``: the test function's, whose
+    frame is looked for among its referrers when it is not on that stack (it has returned)."""
+    frames = list(stack_frames(frame))
+    if code is not None and all(f.f_code is not code for f in frames):
+        frames[:0] = [f for f in gc.get_referrers(code) if isinstance(f, FrameType) and f.f_code is code]
+    census = take_census(engine.device, engine, list(tracked), frames, None, counted_only=engine.exact)
+    del frames
+    found: dict[tuple[str, str | None], dict[str, int]] = {}
+    for tensor in census.tensors:
+        if tensor.site is None or tensor.held_by is None:
+            continue
+        holders = found.setdefault((tensor.site, tensor.category), {})
+        name = holder_pattern(tensor.held_by)
+        holders[name] = holders.get(name, 0) + tensor.nbytes
+    return found
+
+
+def state_options(optimizers: Iterable[Any]) -> dict[str, str]:
+    """By state key, the options of ``optimizers`` (set away from their defaults) that add it:
+    ``{"max_exp_avg_sq": "amsgrad=True"}``. Each optimizer class is stepped once on a one-element
+    parameter with its defaults and with each such option; a class that cannot be built so
+    (arguments without defaults) gives nothing."""
+    found: dict[str, str] = {}
+    for optimizer in optimizers:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            continue
+        try:
+            found.update(_option_keys(type(optimizer), optimizer.defaults))
+        except Exception:  # an optimizer this probe cannot build or step: nothing to say
+            continue
+    return found
+
+
+def _option_keys(cls: type[torch.optim.Optimizer], options: Mapping[str, Any]) -> dict[str, str]:
+    signature = inspect.signature(cls.__init__)
+    defaults = {
+        name: p.default
+        for name, p in signature.parameters.items()
+        if p.default is not inspect.Parameter.empty and name in options
+    }
+    changed = {
+        name: value
+        for name, value in options.items()
+        if name in defaults and isinstance(value, (bool, int, float, str)) and value != defaults[name]
+    }
+    if not changed:
+        return {}
+    base = _keys(cls, {})
+    found: dict[str, str] = {}
+    for name, value in changed.items():
+        for key in _keys(cls, {name: value}) - base:
+            found.setdefault(key, f"{name}={value!r}")
+    return found
+
+
+def _keys(cls: type[torch.optim.Optimizer], options: Mapping[str, Any]) -> set[str]:
+    """The tensor state keys ``cls`` makes in one step on a one-element parameter."""
+    param = torch.zeros(1, requires_grad=True)
+    param.grad = torch.ones(1)
+    probe = cls([param], **options)
+    probe.step()
+    return {key for key, value in probe.state[param].items() if isinstance(value, torch.Tensor)}
+
+
+def state_key(pattern: str) -> str | None:
+    """The optimizer state key a :func:`holder_pattern` names (``opt.state[…]['exp_avg']``: ``exp_avg``)."""
+    match = _STATE_KEY.search(pattern)
+    return None if match is None else match["key"]
