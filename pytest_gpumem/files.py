@@ -19,7 +19,7 @@ import stat
 import sys
 from pathlib import Path
 
-__all__ = ["move_file", "write_file"]
+__all__ = ["move_file", "unwritable", "write_file"]
 
 
 def write_file(path: str | os.PathLike[str], data: bytes, *, durable: bool = False) -> Path:
@@ -118,3 +118,26 @@ def _replace(target: Path, data: bytes, mode: int | None, *, durable: bool) -> N
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def unwritable(path: Path, *, folder: bool = False, written: bool = True) -> str | None:
+    """Why ``path`` cannot be written as a file (``folder``: made as a folder), or None when it can.
+
+    A missing parent folder is fine (it is made when the file is written, as pytest's
+    ``--junitxml`` does) unless something in the way is a file or cannot be written.
+    ``written=False`` only checks that the path is of the right kind (a file that is read).
+    """
+    if path.is_dir() and not folder:
+        return f"{path} is a directory: give a file name"
+    if path.exists() and not path.is_dir() and folder:
+        return f"{path} is a file: give a folder"
+    if not written:
+        return None
+    existing = path if folder and path.is_dir() else path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{path} cannot be created: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{path} cannot be written: the folder {existing} is not writable"
+    return None

@@ -22,11 +22,6 @@ def _lines(path: Path) -> int:
     return len(path.read_text(encoding="utf-8").splitlines())
 
 
-def test_no_module_is_over_600_lines() -> None:
-    long = {str(path.relative_to(PACKAGE)): _lines(path) for path in MODULES if _lines(path) > 600}
-    assert not long, long
-
-
 def test_the_pytest_layer_is_wiring_in_modules_of_at_most_300_lines() -> None:
     plugin = PACKAGE / "plugin"
     modules = sorted(plugin.glob("*.py"))

@@ -42,14 +42,14 @@ def test_fake():
 
 
 def _snapshots(pytester: pytest.Pytester) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    pytester.makepyfile(test_steps=SUITE)
+    pytester.makepyfile(test_snapshot_steps=SUITE)
     result = run(
         pytester, "--gpumem-snapshot", "--gpumem-artifacts=art", "--gpumem-artifacts-all", "--gpumem-json=r.json"
     )
     result.assert_outcomes(passed=3)
     found = {}
     for path in (pytester.path / "art").glob("*.snapshot.pickle"):
-        name = path.name.split("-")[0].removeprefix("test_steps.py_")
+        name = path.name.split("-")[0].removeprefix("test_snapshot_steps.py_")
         data = path.read_bytes()
         # nothing but builtins: the pickle opens where this package is not installed (memory_viz's page)
         assert not [op.name for op, _, _ in pickletools.genops(data) if "GLOBAL" in op.name or op.name == "REDUCE"]
@@ -92,7 +92,7 @@ def test_every_cpu_run_engine_writes_a_snapshot_that_memory_viz_reads(pytester: 
         # each allocation has the Python stack that made it, innermost first, the test's line among them
         alloc = next(e for e in snapshot["device_traces"][0] if e["action"] == "alloc" and e["frames"])
         names = [(Path(f["filename"]).name, f["name"]) for f in alloc["frames"]]
-        assert ("test_steps.py", "step") in names and ("test_steps.py", name) in names
+        assert ("test_snapshot_steps.py", "step") in names and ("test_snapshot_steps.py", name) in names
         assert not any("pytest_gpumem" in f["filename"] for f in alloc["frames"])
         if name == "test_cpu":
             assert snapshot["segments"] == [] and flame == ""  # nothing is alive once the step is over
@@ -136,7 +136,7 @@ def test_snapshot_of_storages_alive_at_the_end_names_their_category(pytester: py
 
 
 def test_no_snapshot_is_recorded_unless_asked(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_steps=SUITE)
+    pytester.makepyfile(test_snapshot_steps=SUITE)
     run(pytester, "--gpumem-artifacts=art", "--gpumem-artifacts-all").assert_outcomes(passed=3)
     assert not list((pytester.path / "art").glob("*.pickle"))
 
@@ -195,7 +195,7 @@ def test_the_trace_is_recorded_only_inside_the_block_and_the_observer_is_put_bac
 
 @pytest.mark.slow
 def test_a_snapshot_from_the_profilers_allocation_reports(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_steps=SUITE)
+    pytester.makepyfile(test_snapshot_steps=SUITE)
     args = ("--gpumem-observe=allocations", "--gpumem-snapshot", "--gpumem-artifacts=art", "--gpumem-artifacts-all")
     run(pytester, *args, "--gpumem-json=r.json", "-k", "test_cpu").assert_outcomes(passed=1)
     (path,) = (pytester.path / "art").glob("*.snapshot.pickle")
@@ -207,10 +207,10 @@ def test_a_snapshot_from_the_profilers_allocation_reports(pytester: pytest.Pytes
 
 
 def test_a_snapshot_that_cannot_be_written_is_a_warning_and_nothing_else(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_steps=SUITE)
+    pytester.makepyfile(test_snapshot_steps=SUITE)
     from pytest_gpumem.report.artifacts import artifact_path
 
-    blocked = artifact_path(pytester.path / "art", "test_steps.py::test_cpu", ".snapshot.pickle")
+    blocked = artifact_path(pytester.path / "art", "test_snapshot_steps.py::test_cpu", ".snapshot.pickle")
     blocked.mkdir(parents=True)  # a folder at the snapshot's name
     result = run(pytester, "--gpumem-snapshot", "--gpumem-artifacts=art", "--gpumem-artifacts-all", "-k", "test_cpu")
     result.assert_outcomes(passed=1)

@@ -15,6 +15,7 @@ from pytest_gpumem import __version__
 from pytest_gpumem.baselines import DEFAULT_FILENAME
 from pytest_gpumem.data.findings import parse_tolerance
 from pytest_gpumem.data.sites import SiteConfig, parse_sites_mode
+from pytest_gpumem.files import unwritable
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.rule import describe_default_tolerances
 from pytest_gpumem.measurement.observe import parse_observe
@@ -257,29 +258,6 @@ class Settings:
                 generator=f"pytest-gpumem {__version__}",
             ),
         )
-
-
-def unwritable(path: Path, *, folder: bool = False, written: bool = True) -> str | None:
-    """Why ``path`` cannot be written as a file (``folder``: made as a folder), or None when it can.
-
-    A missing parent folder is fine (it is made when the file is written, as pytest's
-    ``--junitxml`` does) unless something in the way is a file or cannot be written.
-    ``written=False`` only checks that the path is of the right kind (a file that is read).
-    """
-    if path.is_dir() and not folder:
-        return f"{path} is a directory: give a file name"
-    if path.exists() and not path.is_dir() and folder:
-        return f"{path} is a file: give a folder"
-    if not written:
-        return None
-    existing = path if folder and path.is_dir() else path.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{path} cannot be created: {existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{path} cannot be written: the folder {existing} is not writable"
-    return None
 
 
 def _packages(text: str) -> tuple[str, ...]:
