@@ -148,6 +148,7 @@ class Recorder:
             self._faked.close()
             raise
         self._tracked.classify()
+        self._tracked.quiet()
         self.active = True
 
     def end(self) -> None:

@@ -6,10 +6,16 @@ The module and optimizer hooks are torch's global ones (``register_module_forwar
 stored on a user's module or optimizer, so ``copy.deepcopy``, ``pickle`` and ``torch.save``
 treat them as they do without the plugin. A parameter's post-accumulate-grad hook lives in
 the tensor's ``_post_accumulate_grad_hooks``, which copies and pickles leave out.
+
+torch warns at every call of a ``torch.compile``'d module while any global module hook exists
+(the hook would fire for the compiled wrapper too; these hooks ignore it, not being tracked):
+that warning, which the plugin's hooks alone would cause, is ignored while they are installed,
+so that a suite with ``filterwarnings = error`` runs its compiled modules as without the plugin.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +26,9 @@ from pytest_gpumem.budgets.formulas import tracked_psi
 from pytest_gpumem.measurement.engines.base import Engine
 
 __all__ = ["PhaseHooks", "Tracked"]
+
+#: torch's warning about global module hooks at a compiled module's call (torch._dynamo.eval_frame)
+_COMPILED_MODULE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
 
 class PhaseHooks(Protocol):
@@ -45,6 +54,26 @@ class Tracked:
         self._modules: set[int] = set()
         self._optimizers: set[int] = set()
         self._handles: list[Any] = []
+        #: the warnings filter that ignores torch's warning about global module hooks, while inserted
+        self._quiet: tuple[Any, ...] | None = None
+
+    def quiet(self) -> None:
+        """Ignore torch's warning about global module hooks while the module hooks are installed
+        (again at a span's start: pytest restores the filters at each phase's end)."""
+        if not self._modules:
+            return
+        if self._quiet is not None and self._quiet in warnings.filters:
+            return
+        warnings.filterwarnings("ignore", message=_COMPILED_MODULE_WARNING, category=UserWarning)
+        self._quiet = warnings.filters[0]
+
+    def _unquiet(self) -> None:
+        quiet, self._quiet = self._quiet, None
+        if quiet is not None and quiet in warnings.filters:
+            warnings.filters.remove(quiet)  # type: ignore[attr-defined]  # a list at run time
+            mutated = getattr(warnings, "_filters_mutated", None)
+            if mutated is not None:
+                mutated()
 
     def add(self, *objects: Any) -> None:
         """Track modules and optimizers (again: harmless)."""
@@ -62,6 +91,7 @@ class Tracked:
                     self._handles.append(register_module_forward_pre_hook(self._forward_pre))
                     self._handles.append(register_module_forward_hook(self._forward_post))
                 self._modules.add(id(obj))
+                self.quiet()
                 if self.engine.categorizes:
                     for param in obj.parameters():
                         if param.requires_grad:
@@ -74,6 +104,7 @@ class Tracked:
 
     def clear(self) -> None:
         """Remove every hook and let go of the tracked objects."""
+        self._unquiet()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -81,8 +81,8 @@ class TrackerMode(TorchDispatchMode):
         kernels allocate their buffers outside the dispatcher), so the answer stays False and
         the skipped frame is reported instead: figures of the eager program must never pass
         for figures of the compiled one in silence."""
-        _never_traced()
-        if self.armed:
+        if self.armed:  # TorchDynamo asks (the mode's own __enter__ asked first): it is imported
+            _never_traced()
             frame = skipped_frame()
             if frame is not None:
                 code, library, text = frame
