@@ -20,6 +20,7 @@ from test_sites_truth import TRAINER
 from conftest import run
 from pytest_gpumem.data.figures import Measurement, Phase, Timeline
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.report.artifacts import INDEX_NAME
 from pytest_gpumem.report.html import render_html
 
 pytest_plugins = ["pytester"]
@@ -101,7 +102,7 @@ def _pages(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> list[P
         )
         result.assert_outcomes(failed=1)
         monkeypatch.delenv(variable)
-        (page,) = folder.glob("*.html")
+        (page,) = [path for path in folder.glob("*.html") if path.name != INDEX_NAME]  # the run's index beside it
         assert "Sites at the peak" in page.read_text(encoding="utf-8")
         pages.append(page)
     return pages
