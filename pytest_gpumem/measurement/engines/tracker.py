@@ -70,7 +70,7 @@ __all__ = ["CUDA_BLOCK", "StorageObserver", "StorageTracker", "Window", "cuda_ro
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
 
 #: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
-TIMELINE_LIMIT = 4096
+TIMELINE_LIMIT = 1024
 
 
 class StorageTracker(TrackedSites):
@@ -188,7 +188,7 @@ class StorageTracker(TrackedSites):
             window.peak = current
             window.event = events
             self._pending = True
-        if self.timeline is not None:
+        if self.timeline is not None and events % self._timeline_stride == 0:
             self._sample()
 
     def add_block(self, key: int, nbytes: int, category: str = "other") -> Block:
@@ -226,8 +226,8 @@ class StorageTracker(TrackedSites):
             self._by_category[entry.category] -= entry.nbytes
             self.current -= entry.nbytes
             self._param_keys.discard(key)
-            self.events += 1
-            if self.timeline is not None:
+            self.events = events = self.events + 1
+            if self.timeline is not None and events % self._timeline_stride == 0:
                 self._sample()
         finally:
             self._release()
@@ -251,18 +251,22 @@ class StorageTracker(TrackedSites):
             self._sample()
 
     def _sample(self) -> None:
-        assert self.timeline is not None
+        timeline = self.timeline
+        assert timeline is not None
         if self.events % self._timeline_stride == 0:
-            self.timeline.append((self.events, tuple(self._by_category)))
-            if len(self.timeline) >= TIMELINE_LIMIT:
+            timeline.append((self.events, tuple(self._by_category)))
+            if len(timeline) >= TIMELINE_LIMIT:
                 self._halve_timeline()
 
     def _halve_timeline(self) -> None:
-        assert self.timeline is not None
-        kept = []
-        for i in range(0, len(self.timeline), 2):
-            pair = self.timeline[i : i + 2]
-            kept.append(max(pair, key=lambda sample: sum(sample[1])))
+        """Keep the higher of each pair of samples (the first of a tie), and sample half as often."""
+        timeline = self.timeline
+        assert timeline is not None
+        totals = [sum(parts) for _, parts in timeline]
+        kept = [
+            timeline[i] if i + 1 == len(timeline) or totals[i] >= totals[i + 1] else timeline[i + 1]
+            for i in range(0, len(timeline), 2)
+        ]
         self.timeline = kept
         self._timeline_stride *= 2
 
@@ -279,6 +283,45 @@ class StorageTracker(TrackedSites):
                     for inner in item:
                         if isinstance(inner, tensor_type):
                             self._output(inner, fresh)
+
+    def _fresh(self, tensor: torch.Tensor) -> None:
+        """:meth:`_output` of a plain tensor that an operator made (a FRESH output): the common case
+        of a CPU count, inline; the rest goes to :meth:`_output`."""
+        if (
+            not self._cpu
+            or self.limit is not None
+            or self.sites is not None
+            or self.observer is not None
+            or self.cuda_rounding
+        ):
+            self._output(tensor, True)
+            return
+        if not tensor.is_cpu or tensor.layout != self._strided:
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        entries = self._entries
+        if key in entries:  # a known storage (lift_fresh of a tensor made outside the dispatcher)
+            self._output(tensor, True)
+            return
+        nbytes = storage.nbytes()
+        entry = Entry(storage, self._freed)
+        self.events = events = self.events + 1
+        entry.key = key
+        entry.nbytes = nbytes
+        entry.category = entry.prior = TEMPORARIES
+        entry.moved = events
+        entry.saves = 0
+        entries[key] = entry
+        self._by_category[TEMPORARIES] += nbytes
+        self.current = current = self.current + nbytes
+        window = self._window
+        if current > window.peak:
+            window.peak = current
+            window.event = events
+            self._pending = True
+        if self.timeline is not None and events % self._timeline_stride == 0:
+            self._sample()
 
     def _output(self, tensor: torch.Tensor, fresh: bool) -> None:
         if type(tensor) not in _PLAIN:  # a wrapper subclass (DTensor): its local tensors hold the bytes
