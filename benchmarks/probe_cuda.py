@@ -1,6 +1,7 @@
 """Where a measured CUDA test's cost goes, operation by operation (a GPU is needed, but for ``--dry-run``).
 
-Run: ``python benchmarks/probe_cuda.py [--alone] [--suite DIR] [--rounds R] [--max-seconds S] [--json PATH]``.
+Run: ``python benchmarks/probe_cuda.py [--alone] [--ablate [--suite DIR | --tests N]] [--rounds R] [--max-seconds S]
+[--json PATH]``.
 
 Two probes:
 
@@ -9,7 +10,8 @@ Two probes:
   the workspace warm-up kernels, ``empty_cache()`` with the refill it causes (a 64 MiB block made
   again), ``memory_stats()``, ``memory_allocated()``, ``reset_peak_memory_stats()``,
   ``synchronize()``, the NVML read, a full ``gc.collect()``;
-* ``--suite DIR`` (a suite that ``bench_overhead.py --cuda --keep DIR`` wrote): ablation sessions,
+* ``--ablate``: ablation sessions over ``--suite DIR`` (a suite that ``bench_overhead.py --cuda --keep
+  DIR`` wrote) or over a CUDA suite of ``--tests`` tests (20 by default) written for the probe,
   interleaved: ``off`` (``-p no:gpumem``), ``on``, and ``on`` with one operation switched off at a
   time through the CUDA engine's patch points (the seams the contract tests' stand-in replaces):
   ``warm-up``, ``empty_cache``, ``nvml``, ``synchronize``, ``collections`` (the plugin's own garbage
@@ -33,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_overhead import OFF, Variant, run_session
+from bench_overhead import OFF, Variant, run_session, write_suite
 
 #: Operations switched off in the ablation sessions: name → how (the plugin module below applies it).
 ABLATIONS = ("warm-up", "empty_cache", "nvml", "synchronize", "collections", "saved-tensors")
@@ -158,18 +160,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--alone", action="store_true", help="time each suspected operation by itself")
     parser.add_argument("--calls", type=int, default=50, help="calls of each operation timed alone (default 50)")
+    parser.add_argument("--ablate", action="store_true", help="ablation sessions: one operation off at a time")
     parser.add_argument("--suite", type=Path, default=None, help="a CUDA suite (bench_overhead.py --cuda --keep)")
+    parser.add_argument("--tests", type=int, default=20, help="tests of the suite written when --suite is not given")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of ablation sessions (default 1)")
     parser.add_argument("--max-seconds", type=float, default=None, help="start no round that would end past this")
     parser.add_argument("--json", type=Path, default=None, help="write what was measured here")
     parser.add_argument("--dry-run", action="store_true", help="check the options; run nothing (no GPU needed)")
     options = parser.parse_args(argv)
-    if not options.alone and options.suite is None:
-        parser.error("nothing to probe: give --alone, --suite DIR or both")
-    if options.calls < 1 or options.rounds < 1:
-        parser.error(f"--calls and --rounds must be at least 1 (got {options.calls} and {options.rounds})")
+    if not options.alone and not options.ablate:
+        parser.error("nothing to probe: give --alone, --ablate or both")
+    if min(options.calls, options.rounds, options.tests) < 1:
+        parser.error(
+            f"--calls, --rounds and --tests must be at least 1 (got {options.calls}, {options.rounds}, {options.tests})"
+        )
+    if options.suite is not None and not (options.suite / "conftest.py").is_file():
+        parser.error(f"--suite {options.suite}: no suite there (bench_overhead.py --cuda --keep DIR writes one)")
     if options.dry_run:
-        ablate = f"ablations over {options.suite}" if options.suite else ""
+        ablate = f"ablations over {options.suite or f'{options.tests} tests'}" if options.ablate else ""
         print(f"probes: {'alone ' if options.alone else ''}{ablate}")
         return
     import torch
@@ -179,10 +187,12 @@ def main(argv: list[str] | None = None) -> None:
     found: dict[str, Any] = {}
     if options.alone:
         found["alone"] = alone(options.calls)
-    if options.suite is not None:
-        if not (options.suite / "conftest.py").is_file():
-            parser.error(f"--suite {options.suite}: no suite there (bench_overhead.py --cuda --keep DIR writes one)")
+    if options.ablate and options.suite is not None:
         found["ablations"] = ablations(options.suite, options.rounds, options.max_seconds)
+    elif options.ablate:
+        with tempfile.TemporaryDirectory(prefix="gpumem-probe-") as folder:
+            write_suite(Path(folder), options.tests, suite="cuda")
+            found["ablations"] = ablations(Path(folder), options.rounds, options.max_seconds)
     if options.json is not None:
         options.json.write_text(json.dumps(found, indent=2) + "\n")
 
