@@ -71,6 +71,7 @@ PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(
 
 #: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
 TIMELINE_LIMIT = 1024
+_WIDTH = 1 + len(CATEGORIES)  # a sample's ints: its event's index, its bytes by category
 
 
 class StorageTracker(TrackedSites):
@@ -140,7 +141,8 @@ class StorageTracker(TrackedSites):
         #: their code objects: TorchDynamo marks a code it skips to be skipped from then on;
         #: :meth:`stop` clears that mark, so the code is compiled again once the span is over.
         self.skipped_codes: set[Any] = set()
-        self.timeline: list[tuple[int, tuple[int, ...]]] | None = None
+        #: the timeline's samples, flat: an event's index, then its bytes by category (:attr:`timeline`)
+        self._samples: list[int] | None = None
         self._timeline_stride = 1
         self.sites = None  # where storages are made, only when asked (TrackedSites)
         #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
@@ -188,7 +190,7 @@ class StorageTracker(TrackedSites):
             window.peak = current
             window.event = events
             self._pending = True
-        if self.timeline is not None and events % self._timeline_stride == 0:
+        if self._samples is not None and events % self._timeline_stride == 0:
             self._sample()
 
     def add_block(self, key: int, nbytes: int, category: str = "other") -> Block:
@@ -227,7 +229,7 @@ class StorageTracker(TrackedSites):
             self.current -= entry.nbytes
             self._param_keys.discard(key)
             self.events = events = self.events + 1
-            if self.timeline is not None and events % self._timeline_stride == 0:
+            if self._samples is not None and events % self._timeline_stride == 0:
                 self._sample()
         finally:
             self._release()
@@ -247,27 +249,41 @@ class StorageTracker(TrackedSites):
             window.peak = self.current
             window.event = self.events
             self._pending = True
-        if self.timeline is not None:
+        if self._samples is not None:
             self._sample()
 
+    @property
+    def timeline(self) -> list[tuple[int, tuple[int, ...]]] | None:
+        """The samples kept since :meth:`start` with ``timeline``: (event index, bytes by category),
+        at most ``TIMELINE_LIMIT``, each the higher of the two it replaced when they were halved."""
+        samples = self._samples
+        if samples is None:
+            return None
+        width = _WIDTH
+        return [(samples[i], tuple(samples[i + 1 : i + width])) for i in range(0, len(samples), width)]
+
     def _sample(self) -> None:
-        timeline = self.timeline
-        assert timeline is not None
+        samples = self._samples
+        assert samples is not None
         if self.events % self._timeline_stride == 0:
-            timeline.append((self.events, tuple(self._by_category)))
-            if len(timeline) >= TIMELINE_LIMIT:
+            samples.append(self.events)  # flat: no tuple per sample
+            samples.extend(self._by_category)
+            if len(samples) >= TIMELINE_LIMIT * _WIDTH:
                 self._halve_timeline()
 
     def _halve_timeline(self) -> None:
         """Keep the higher of each pair of samples (the first of a tie), and sample half as often."""
-        timeline = self.timeline
-        assert timeline is not None
-        totals = [sum(parts) for _, parts in timeline]
-        kept = [
-            timeline[i] if i + 1 == len(timeline) or totals[i] >= totals[i + 1] else timeline[i + 1]
-            for i in range(0, len(timeline), 2)
-        ]
-        self.timeline = kept
+        samples = self._samples
+        assert samples is not None
+        width = _WIDTH
+        kept: list[int] = []
+        for i in range(0, len(samples), 2 * width):
+            j = i + width
+            if j < len(samples) and sum(samples[j + 1 : j + width]) > sum(samples[i + 1 : i + width]):
+                kept += samples[j : j + width]
+            else:
+                kept += samples[i : i + width]
+        self._samples = kept
         self._timeline_stride *= 2
 
     def _outputs(self, out: Any, fresh: bool) -> None:
@@ -320,7 +336,7 @@ class StorageTracker(TrackedSites):
             window.peak = current
             window.event = events
             self._pending = True
-        if self.timeline is not None and events % self._timeline_stride == 0:
+        if self._samples is not None and events % self._timeline_stride == 0:
             self._sample()
 
     def _output(self, tensor: torch.Tensor, fresh: bool) -> None:
@@ -559,12 +575,10 @@ class StorageTracker(TrackedSites):
 
     def _begin_count(self, timeline: bool) -> None:
         """Events count from here: a new window at the current count, the timeline (if kept) restarted."""
-        self.timeline = [] if timeline else None
+        self._samples = [0, *self._by_category] if timeline else None
         self._timeline_stride = 1
         self.events = 0
         self.notes = []
-        if self.timeline is not None:
-            self.timeline.append((0, tuple(self._by_category)))
         self._window = self._new_window()
         self._pending = False
 
