@@ -293,7 +293,9 @@ class StorageTracker(TrackedSites):
             self._output(out, fresh)
         elif isinstance(out, (tuple, list)):
             for item in out:
-                if isinstance(item, tensor_type):
+                if fresh and type(item) is tensor_type:
+                    self._fresh(item)
+                elif isinstance(item, tensor_type):
                     self._output(item, fresh)
                 elif isinstance(item, (tuple, list)):
                     for inner in item:
