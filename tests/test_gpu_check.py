@@ -271,3 +271,27 @@ def test_profile_session_prints_where_a_session_spends_its_time(pytester: pytest
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout and "=== by tottime ===" in done.stdout and "=== by cumulative ===" in done.stdout
     assert out.stat().st_size > 0
+
+
+def test_the_overhead_is_split_into_one_time_and_per_test_cost(tmp_path: Path) -> None:
+    """The 1-test and the 40-test sessions' added CPU (on − off medians) give a test's part (their
+    difference over 39) and the session's one-time part; the summary prints both."""
+
+    def bench(tests: int, off: float, on: float) -> dict[str, object]:
+        variants = [{"name": "off", "median_cpu_s": off}, {"name": "on", "median_cpu_s": on}]
+        ratios = {"on/off": {"wall": on / off, "cpu": on / off}}
+        return {"tests": tests, "rounds": 3, "ratios": ratios, "variants": variants}
+
+    (tmp_path / "overhead.json").write_text(json.dumps(bench(40, 7.0, 8.2)))
+    (tmp_path / "overhead-1.json").write_text(json.dumps(bench(1, 3.0, 3.42)))
+    figures = gpu_check.read_overhead(tmp_path)
+    split = figures["split"]
+    assert split["tests"] == 40
+    assert split["per_test_cpu_ms"] == pytest.approx((1.2 - 0.42) / 39 * 1000)
+    assert split["one_time_cpu_s"] == pytest.approx(0.42 - (1.2 - 0.42) / 39)
+    device = {"device": "GPU", "total_memory": 0, "compute_capability": "9.0", "torch": "2", "cuda": "13"}
+    part = {"name": "overhead", "status": "passed", "why": "", "seconds": 90.0, "commands": [], "figures": figures}
+    summary = {"device": {**device, "cudnn": 1, "python": "3.12"}, "seconds": 90.0, "budget": 540.0, "parts": [part]}
+    assert "+20.0 ms a test, +0.40 s once a session" in gpu_check.render(summary)
+    (tmp_path / "overhead-1.json").unlink()
+    assert "split" not in gpu_check.read_overhead(tmp_path)

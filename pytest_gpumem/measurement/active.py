@@ -106,6 +106,8 @@ def measure(
         return
     engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe, predict=predict)
     recorder = Recorder(engine, timeline=timeline, fake=fake, label=name, sites=sites)
+    recorder.reserved = nbytes is not None or "reserved" in limits  # from an empty cache only then
+    recorder.driver = True  # the span's figures are the caller's to read, the driver's among them
     recorder.track(*track)
     recorder.begin()
     token = _ACTIVE.set(recorder)

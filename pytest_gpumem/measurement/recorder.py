@@ -123,6 +123,11 @@ class Recorder:
         self.ranks_measured = False
         #: the emulated device size in bytes the test runs under, if any.
         self.device_limit: int | None = None
+        #: the plan needs the ``reserved`` figure from an empty cache (a limit or budget on it):
+        #: the cache is emptied before the start only then, or under a device limit
+        self.reserved = False
+        #: the plan shows the driver's figures (NVML): read at a span's end only then
+        self.driver = False
         #: the largest microbatch size found by ``gpumem.max_microbatch()``, if it ran.
         self.max_microbatch: int | None = None
         #: the recording runs on fake tensors (``fake=True``: shapes, no data)
@@ -141,7 +146,7 @@ class Recorder:
 
             self._faked.enter_context(fake_mode())
         try:
-            self.engine.clean()
+            self.engine.clean(empty_cache=self.reserved or self.device_limit is not None)
             self.engine.start(saved_tensors=self.saved_tensors, timeline=self.timeline)
             self.engine.start_sites(self.sites)  # not on every engine: observe="allocations"
         except BaseException:
@@ -359,7 +364,7 @@ class Recorder:
                 state.phases[self._phase].end = now
             self._open.remove(state)
             counters = self.engine.counters()
-            used, mine = self.engine.driver()
+            used, mine = self.engine.driver() if self.driver else (None, None)
             end, end_breakdown = self._allocated_now() if allocated is None else allocated
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
         self._warn_compiled(state)

@@ -18,7 +18,7 @@ import torch
 
 from pytest_gpumem.measurement.engines.base import Engine, Reading
 from pytest_gpumem.measurement.engines.compiled import describe_compiled
-from pytest_gpumem.measurement.engines.cuda import cuda_available
+from pytest_gpumem.measurement.engines.cuda import cuda_available, cuda_device_count
 from pytest_gpumem.measurement.engines.storages import unseen_note
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 from pytest_gpumem.measurement.observe import observe_conflict, parse_observe
@@ -29,6 +29,7 @@ __all__ = [
     "Reading",
     "StorageTracker",
     "cuda_available",
+    "cuda_device_count",
     "describe_compiled",
     "make_engine",
     "resolve_device",
@@ -110,9 +111,7 @@ def make_engine(
             f"observe='allocations' is implemented for the CPU engine, not {str(resolved)!r}: on CUDA the "
             "caching allocator's figures are already those of the code that runs, compiled or not"
         )
-    if not cuda_available() or (resolved.index or 0) >= torch.cuda.device_count():
-        raise ValueError(
-            f"device {str(resolved)!r} is not available ({torch.cuda.device_count()} CUDA devices visible)"
-        )
+    if not cuda_available() or (resolved.index or 0) >= cuda_device_count():
+        raise ValueError(f"device {str(resolved)!r} is not available ({cuda_device_count()} CUDA devices visible)")
     tracker = StorageTracker(resolved, cuda_rounding=True) if breakdown else None
     return CudaEngine(resolved, tracker=tracker)

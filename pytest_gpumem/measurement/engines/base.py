@@ -186,9 +186,10 @@ class Engine(Protocol):
 
     # -- actions --------------------------------------------------------------------
 
-    def clean(self) -> None:
+    def clean(self, *, empty_cache: bool = True) -> None:
         """Bring the device to a clean, comparable state before a start reading (its steady state:
-        garbage collected, library workspaces created, the allocator's cache emptied, peaks reset)."""
+        garbage collected, library workspaces created, peaks reset; the allocator's cache emptied
+        with ``empty_cache``)."""
 
     def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
         """Begin watching: the storage tracker when there is one, and what autograd saves

@@ -96,7 +96,7 @@ class CpuEngine(TrackerMembers):
 
     # -- actions --------------------------------------------------------------------
 
-    def clean(self) -> None:
+    def clean(self, *, empty_cache: bool = True) -> None:
         self.settle()
         forget_categories(self.tracker)
         self.tracker.counts_fakes = fakes_counted()  # before the scan: a fake tensor is memory only in a fake run

@@ -13,6 +13,8 @@ from __future__ import annotations
 import inspect
 import itertools
 import os
+import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -32,15 +34,42 @@ from pytest_gpumem.measurement.engines.snapshots import SNAPSHOT_ENTRIES
 from pytest_gpumem.measurement.engines.traces import merge_found, replay_trace
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
-__all__ = ["CudaEngine", "cuda_available", "nvml_memory"]
+__all__ = ["CudaEngine", "cuda_available", "cuda_device_count", "nvml_memory"]
+
+
+#: ``torch.cuda.is_available`` as last called, and its answer: torch asks the driver at every call
+#: (``cudaGetDeviceCount``), and the plugin asks for every measured test.
+_available: list[Any] = [None, False]
 
 
 def cuda_available() -> bool:
-    """True when torch sees a CUDA (or ROCm) device."""
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:  # a broken driver must read as "no device", not crash collection
-        return False
+    """True when torch sees a CUDA (or ROCm) device: the driver is asked once a process (the
+    runtime reads ``CUDA_VISIBLE_DEVICES`` once, at its first call), again only where
+    ``torch.cuda.is_available`` itself was replaced since."""
+    function = torch.cuda.is_available
+    if _available[0] is not function:
+        try:
+            found = bool(function())
+        except Exception:  # a broken driver must read as "no device", not crash collection
+            found = False
+        _available[:] = [function, found]
+    return bool(_available[1])
+
+
+_counted: list[Any] = [None, 0]
+
+
+def cuda_device_count() -> int:
+    """The number of CUDA devices torch sees (0 where none): asked once a process, as
+    :func:`cuda_available` (torch caches it only once CUDA is initialized)."""
+    function = torch.cuda.device_count
+    if _counted[0] is not function:
+        try:
+            found = int(function()) if cuda_available() else 0
+        except Exception:
+            found = 0
+        _counted[:] = [function, found]
+    return int(_counted[1])
 
 
 #: Entries of allocation history kept while sites are recorded: the trace is a ring that drops its
@@ -76,6 +105,14 @@ def _workspace_kernels(device: torch.device) -> None:
         total.backward()
 
 
+def workspaces_may_be_freed() -> bool:
+    """Whether code in this process may have freed the cuBLAS workspaces since the last warm-up:
+    Inductor's CUDA graph trees (``torch.compile(mode="reduce-overhead")``) free them before and
+    after each warm-up and recording. Where their module was never imported, nothing of
+    PyTorch's frees them outside a leak check, which makes them again itself."""
+    return "torch._inductor.cudagraph_trees" in sys.modules
+
+
 def _memory_api() -> Any:
     accelerator = getattr(torch, "accelerator", None)
     memory = getattr(accelerator, "memory", None)
@@ -109,6 +146,11 @@ class CudaEngine(TrackerMembers):
         self._count_saved = True
         self._workspaces: int | None = None
         self._sites: _TraceSites | None = None
+        #: per thread: whether this thread's context, BLAS handle and workspaces were made (``warm``)
+        self._threads = threading.local()
+        #: ``memory_stats()`` of this moment, inside :meth:`reading` (one read serves its figures)
+        self._stats: dict[str, Any] | None = None
+        self._in_reading = False
 
     @property
     def predicts(self) -> str | None:
@@ -122,29 +164,35 @@ class CudaEngine(TrackerMembers):
 
     # -- actions --------------------------------------------------------------------
 
-    def clean(self) -> None:
+    def clean(self, *, empty_cache: bool = True) -> None:
         """Bring the device to its steady state before a start reading.
 
         Synchronize and collect garbage (only the objects made since the collector
         last froze its older ones, under the plugin), make sure the context, RNG and
-        BLAS handle exist, create the library workspaces that a training step's threads
-        get (see :meth:`warm_workspaces`; every time, since a test may free them, as Inductor's
-        CUDA graph trees do; measured the first time) and keep them, return the allocator's cached
-        blocks to the driver, and reset the peaks. A test's figures then never include
-        a workspace an earlier test did or did not create. PyTorch's leak check frees
-        the workspaces instead: :func:`pytest_gpumem.diagnose.leaks.confirm_leak` does that.
+        BLAS handle exist and create the library workspaces that a training step's threads
+        get (:meth:`warm_workspaces`), once per thread (the first time measured), return the
+        allocator's cached blocks to the driver (only with ``empty_cache``: a reserved figure
+        from an empty cache, or a device limit, needs it), and reset the peaks. A test's
+        figures then never include a workspace an earlier test did or did not create. The
+        warm-up runs again before every test once Inductor's CUDA graph trees are in the
+        process: they free the workspaces (:func:`workspaces_may_be_freed`). PyTorch's leak
+        check frees the workspaces instead: :func:`pytest_gpumem.diagnose.leaks.confirm_leak` does that.
         """
         with self._backend.device(self.device):
             self.settle()
-            _initialize(self.device)
-            if self._workspaces is None:  # the first time: how many bytes they hold
-                self.release_workspaces()
-                before = self.allocated()
-                self.warm_workspaces()
-                self._workspaces = self.allocated() - before
-            else:
-                self.warm_workspaces()
-            self.empty_cache()
+            threads = self._threads
+            if not getattr(threads, "warm", False) or workspaces_may_be_freed():
+                _initialize(self.device)
+                if self._workspaces is None:  # the first time: how many bytes they hold
+                    self.release_workspaces()
+                    before = self.allocated()
+                    self.warm_workspaces()
+                    self._workspaces = self.allocated() - before
+                else:
+                    self.warm_workspaces()
+                threads.warm = True
+            if empty_cache:
+                self.empty_cache()
             self._api.reset_peak_memory_stats(self.device)
         if self.tracker is not None:
             forget_categories(self.tracker)
@@ -322,17 +370,40 @@ class CudaEngine(TrackerMembers):
 
     # -- readings -------------------------------------------------------------------
 
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Readings taken at one moment: one ``memory_stats()`` serves the window, allocated and
+        reserved bytes and the counters (a peak reset changes only the peaks)."""
+        if self._in_reading:
+            yield
+            return
+        self._in_reading = True
+        try:
+            yield
+        finally:
+            self._in_reading, self._stats = False, None
+
     def allocated(self) -> int:
+        if self._stats is not None:
+            return int(self._stats.get("allocated_bytes.all.current", 0))
         return int(self._api.memory_allocated(self.device))
 
     def reserved(self) -> int | None:
+        if self._stats is not None:
+            return int(self._stats.get("reserved_bytes.all.current", 0))
         return int(self._api.memory_reserved(self.device))
 
     def stats(self) -> dict[str, Any]:
-        """The allocator's raw ``memory_stats()`` for this device."""
-        return dict(self._api.memory_stats(self.device))
+        """The allocator's raw ``memory_stats()`` for this device (inside :meth:`reading`: read once)."""
+        if self._stats is not None:
+            return self._stats
+        stats = dict(self._api.memory_stats(self.device))
+        if self._in_reading:
+            self._stats = stats
+        return stats
 
     def take_window(self, *, defer: bool = False) -> Reading:
+        self._stats = None  # a window closes now: read it
         stats = self.stats()
         self._api.reset_peak_memory_stats(self.device)
         saved = None
@@ -460,8 +531,13 @@ def nvml_memory(device: torch.device) -> tuple[int | None, int | None]:
         if not _nvml_state.get("initialised"):
             pynvml.nvmlInit()
             _nvml_state["initialised"] = True
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else "GPU-" + uuid)
+        handles = _nvml_state.setdefault("handles", {})
+        handle = handles.get(device)
+        if handle is None:  # found once per device: the UUID's lookup asks the driver
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            handle = handles[device] = pynvml.nvmlDeviceGetHandleByUUID(
+                uuid if uuid.startswith("GPU-") else "GPU-" + uuid
+            )
         used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
     except Exception:
         return None, None

@@ -40,10 +40,14 @@ class Dispatched(Limited, Protocol):
 
     def _output(self, out: torch.Tensor, fresh: bool) -> None: ...
 
+    def _fresh(self, out: torch.Tensor) -> None: ...
+
     def _outputs(self, out: Any, fresh: bool) -> None: ...
 
 
 __all__ = ["TrackerMode"]
+
+_TENSOR = torch.Tensor
 
 
 class TrackerMode(TorchDispatchMode):
@@ -60,7 +64,7 @@ class TrackerMode(TorchDispatchMode):
         self.hooks = tracker.operator_hooks
         # bound once (the lock's methods too: cheaper than a with-statement): this runs once per operator
         self.acquire, self.release = tracker._lock.acquire, tracker._lock.release
-        self.output, self.outputs = tracker._output, tracker._outputs
+        self.output, self.outputs, self.fresh = tracker._output, tracker._outputs, tracker._fresh
         #: set once the mode is on the stack: from then on only TorchDynamo asks
         #: :meth:`ignore_compile_internals` (the mode's own ``__enter__`` asks it first)
         self.armed = False
@@ -122,7 +126,12 @@ class TrackerMode(TorchDispatchMode):
             if kind:
                 self.acquire()  # one count for every thread the tracker watches
                 try:
-                    if isinstance(out, torch.Tensor):
+                    if type(out) is _TENSOR:
+                        if kind == FRESH:
+                            self.fresh(out)  # the common case: one call
+                        else:
+                            self.output(out, False)
+                    elif isinstance(out, _TENSOR):
                         self.output(out, kind == FRESH)
                     else:
                         self.outputs(out, kind == FRESH)

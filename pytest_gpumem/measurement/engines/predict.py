@@ -517,9 +517,10 @@ class PredictEngine(CpuEngine):
             sites=window.sites,
         )
 
-    def clean(self) -> None:
+    def clean(self, *, empty_cache: bool = True) -> None:
         """As the CUDA engine: collect garbage, register what is alive, create the workspaces,
-        return cached blocks (``empty_cache``), and start a new window."""
+        return cached blocks, and start a new window. The predicted cache is emptied whether
+        ``empty_cache`` or not: a model of the device's cache has no cost to save."""
         self.settle()
         forget_categories(self.tracker)
         self.tracker.scan()

@@ -70,7 +70,8 @@ __all__ = ["CUDA_BLOCK", "StorageObserver", "StorageTracker", "Window", "cuda_ro
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
 
 #: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
-TIMELINE_LIMIT = 4096
+TIMELINE_LIMIT = 1024
+_WIDTH = 1 + len(CATEGORIES)  # a sample's ints: its event's index, its bytes by category
 
 
 class StorageTracker(TrackedSites):
@@ -140,7 +141,8 @@ class StorageTracker(TrackedSites):
         #: their code objects: TorchDynamo marks a code it skips to be skipped from then on;
         #: :meth:`stop` clears that mark, so the code is compiled again once the span is over.
         self.skipped_codes: set[Any] = set()
-        self.timeline: list[tuple[int, tuple[int, ...]]] | None = None
+        #: the timeline's samples, flat: an event's index, then its bytes by category (:attr:`timeline`)
+        self._samples: list[int] | None = None
         self._timeline_stride = 1
         self.sites = None  # where storages are made, only when asked (TrackedSites)
         #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
@@ -188,7 +190,7 @@ class StorageTracker(TrackedSites):
             window.peak = current
             window.event = events
             self._pending = True
-        if self.timeline is not None:
+        if self._samples is not None and events % self._timeline_stride == 0:
             self._sample()
 
     def add_block(self, key: int, nbytes: int, category: str = "other") -> Block:
@@ -226,8 +228,8 @@ class StorageTracker(TrackedSites):
             self._by_category[entry.category] -= entry.nbytes
             self.current -= entry.nbytes
             self._param_keys.discard(key)
-            self.events += 1
-            if self.timeline is not None:
+            self.events = events = self.events + 1
+            if self._samples is not None and events % self._timeline_stride == 0:
                 self._sample()
         finally:
             self._release()
@@ -247,23 +249,41 @@ class StorageTracker(TrackedSites):
             window.peak = self.current
             window.event = self.events
             self._pending = True
-        if self.timeline is not None:
+        if self._samples is not None:
             self._sample()
 
+    @property
+    def timeline(self) -> list[tuple[int, tuple[int, ...]]] | None:
+        """The samples kept since :meth:`start` with ``timeline``: (event index, bytes by category),
+        at most ``TIMELINE_LIMIT``, each the higher of the two it replaced when they were halved."""
+        samples = self._samples
+        if samples is None:
+            return None
+        width = _WIDTH
+        return [(samples[i], tuple(samples[i + 1 : i + width])) for i in range(0, len(samples), width)]
+
     def _sample(self) -> None:
-        assert self.timeline is not None
+        samples = self._samples
+        assert samples is not None
         if self.events % self._timeline_stride == 0:
-            self.timeline.append((self.events, tuple(self._by_category)))
-            if len(self.timeline) >= TIMELINE_LIMIT:
+            samples.append(self.events)  # flat: no tuple per sample
+            samples.extend(self._by_category)
+            if len(samples) >= TIMELINE_LIMIT * _WIDTH:
                 self._halve_timeline()
 
     def _halve_timeline(self) -> None:
-        assert self.timeline is not None
-        kept = []
-        for i in range(0, len(self.timeline), 2):
-            pair = self.timeline[i : i + 2]
-            kept.append(max(pair, key=lambda sample: sum(sample[1])))
-        self.timeline = kept
+        """Keep the higher of each pair of samples (the first of a tie), and sample half as often."""
+        samples = self._samples
+        assert samples is not None
+        width = _WIDTH
+        kept: list[int] = []
+        for i in range(0, len(samples), 2 * width):
+            j = i + width
+            if j < len(samples) and sum(samples[j + 1 : j + width]) > sum(samples[i + 1 : i + width]):
+                kept += samples[j : j + width]
+            else:
+                kept += samples[i : i + width]
+        self._samples = kept
         self._timeline_stride *= 2
 
     def _outputs(self, out: Any, fresh: bool) -> None:
@@ -273,12 +293,53 @@ class StorageTracker(TrackedSites):
             self._output(out, fresh)
         elif isinstance(out, (tuple, list)):
             for item in out:
-                if isinstance(item, tensor_type):
+                if fresh and type(item) is tensor_type:
+                    self._fresh(item)
+                elif isinstance(item, tensor_type):
                     self._output(item, fresh)
                 elif isinstance(item, (tuple, list)):
                     for inner in item:
                         if isinstance(inner, tensor_type):
                             self._output(inner, fresh)
+
+    def _fresh(self, tensor: torch.Tensor) -> None:
+        """:meth:`_output` of a plain tensor that an operator made (a FRESH output): the common case
+        of a CPU count, inline; the rest goes to :meth:`_output`."""
+        if (
+            not self._cpu
+            or self.limit is not None
+            or self.sites is not None
+            or self.observer is not None
+            or self.cuda_rounding
+        ):
+            self._output(tensor, True)
+            return
+        if not tensor.is_cpu or tensor.layout != self._strided:
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        entries = self._entries
+        if key in entries:  # a known storage (lift_fresh of a tensor made outside the dispatcher)
+            self._output(tensor, True)
+            return
+        nbytes = storage.nbytes()
+        entry = Entry(storage, self._freed)
+        self.events = events = self.events + 1
+        entry.key = key
+        entry.nbytes = nbytes
+        entry.category = entry.prior = TEMPORARIES
+        entry.moved = events
+        entry.saves = 0
+        entries[key] = entry
+        self._by_category[TEMPORARIES] += nbytes
+        self.current = current = self.current + nbytes
+        window = self._window
+        if current > window.peak:
+            window.peak = current
+            window.event = events
+            self._pending = True
+        if self._samples is not None and events % self._timeline_stride == 0:
+            self._sample()
 
     def _output(self, tensor: torch.Tensor, fresh: bool) -> None:
         if type(tensor) not in _PLAIN:  # a wrapper subclass (DTensor): its local tensors hold the bytes
@@ -516,12 +577,10 @@ class StorageTracker(TrackedSites):
 
     def _begin_count(self, timeline: bool) -> None:
         """Events count from here: a new window at the current count, the timeline (if kept) restarted."""
-        self.timeline = [] if timeline else None
+        self._samples = [0, *self._by_category] if timeline else None
         self._timeline_stride = 1
         self.events = 0
         self.notes = []
-        if self.timeline is not None:
-            self.timeline.append((0, tuple(self._by_category)))
         self._window = self._new_window()
         self._pending = False
 
