@@ -505,7 +505,6 @@ def test_the_cache_is_emptied_only_where_the_plan_asks(pytester: pytest.Pytester
     assert (measured(), measured(reserved="1GiB"), measured(device_limit="1GiB")) == (0, 1, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="the plugin's run does not tell its recorder of a reserved limit yet")
 def test_a_reserved_limit_empties_the_cache(pytester: pytest.Pytester, cuda: RecordingCuda) -> None:
     """A test whose marker limits ``reserved`` starts from an empty cache."""
     pytester.makepyfile(

@@ -101,6 +101,8 @@ class TestRun:
         #: the objects the test tracked, once it has finished (weakly: a second run tracks them again)
         self.tracked: list[weakref.ref[Any]] = []
         self.recorder.device_limit = spec.device_limit if spec.device_limit is not None else self.options.device_limit
+        #: the marker limits reserved: the cache is emptied before the start reading (docs/figures.md)
+        self.recorder.reserved = any(limit.metric == "reserved" for limit in spec.limits)
         self._stack = contextlib.ExitStack()  # what lives as long as the call: the recorder's activation
         self._watches = contextlib.ExitStack()  # what is left just before the call span closes
         self._returned: list[tuple[int, dict[str, int] | None]] = []
