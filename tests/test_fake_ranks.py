@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import multiprocessing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -356,7 +357,7 @@ LLAMA_LAYER_INPUT = 2048 * 8192 * 4
 
 @pytest.mark.slow
 @TORCH_2_11_KEEPS_EARLIER_MESHES
-def test_a_llama_70b_fsdp2_step_is_predicted_per_rank_on_64_fake_ranks() -> None:
+def test_a_llama_70b_fsdp2_step_is_predicted_per_rank_on_64_fake_ranks(say: Callable[[str], None]) -> None:
     """Ranks 0 and 63 of 64, the model built on the meta device, each layer checkpointed,
     autocast's cast cache off, on slices of 3 and 4 of its 80 decoder layers: every dimension
     divides by 64, so each rank holds Ψ/64 of the slice and, after the step, 16 bytes per
@@ -369,7 +370,7 @@ def test_a_llama_70b_fsdp2_step_is_predicted_per_rank_on_64_fake_ranks() -> None
     assert LLAMA_70B_PSI % 64 == LLAMA_LAYER_PSI % 64 == 0
     runs = {}
     for layers in SLICES:
-        print(f"Llama-70B, {layers} of its 80 layers, ranks 0 and 63 of 64")
+        say(f"Llama-70B on fake tensors, {layers} of its 80 layers, ranks 0 and 63 of 64")
         step = functools.partial(llama_70b_fits, layers)
         runs[layers] = run_ranks(step, 64, predict="h100", fake=True, ranks=[0, 63], timeout=900)
     for layers, ranks in runs.items():
@@ -407,14 +408,14 @@ BREAKS_FIRST = {
 
 
 @pytest.mark.slow
-def test_what_breaks_first_is_named_at_the_peak() -> None:
+def test_what_breaks_first_is_named_at_the_peak(say: Callable[[str], None]) -> None:
     """What does not fit an 80 GB card, and why, in the category that dominates the peak; on 8
     ranks, whose shards are 8 times those of 64 (and the category that dominates the same), and
     after the step each rank holds 16 bytes per parameter of its shard, however it was built.
     The three ways run as ranks 0, 1 and 2 of one run (:func:`rank_steps.llama_70b_what_breaks_first`):
     one process, each way measured as a rank of its own."""
     pytest.importorskip("transformers")
-    print("Llama-70B built three ways, on 3 of 8 fake ranks (about 70 CPU-seconds)")
+    say("Llama-70B on fake tensors, built three ways, as ranks 0, 1 and 2 of 8")
     ranks = run_ranks(llama_70b_what_breaks_first, 8, predict="h100", fake=True, ranks=[0, 1, 2], timeout=900)
     assert list(WHAT_BREAKS_FIRST) == list(BREAKS_FIRST)
     psi = LLAMA_70B_PSI // 8
