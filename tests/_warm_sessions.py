@@ -14,10 +14,13 @@ takes the request's working folder, environment, ``sys.path`` (the folder first,
 arguments; its standard input is ``/dev/null`` and its output goes to the files pytester reads.
 It ends as an interpreter does: the non-daemon threads joined, the ``atexit`` functions run.
 
-A zygote is started again when a variable of the environment other than the ones pytester
-changes each test (:data:`_VOLATILE`) differs from the one it was started in: torch reads some
-at import. ``GPUMEM_TESTS_COLD_SESSIONS=1`` starts a new interpreter for every session instead,
-to rule this module out when a test fails. The documents' test modules
+A zygote is started again when a variable that the interpreter or torch reads while it starts
+(``pytest_gpumem.diagnose.warm_ranks.import_key``: ``TORCH_*``, ``OMP_*``, ``CUDA_*``, ``PYTHON*``,
+the interpreter) differs from the one it was started in; ``PYTHONPATH`` is compared without the
+session's own folder, which pytester puts first and changes each test. The rest of the
+environment (``HOME``, the tests' own variables) a session takes from its request.
+``GPUMEM_TESTS_COLD_SESSIONS=1`` starts a new interpreter for every session instead, to rule
+this module out when a test fails. The documents' test modules
 (``tests/docs_examples.py``) run so too; the sessions a document's own code starts, and the
 suite's other subprocesses (``torchrun``, ``scripts/gpu-check``, the benchmarks, signals sent to a
 pytest process), are new interpreters, as their users' are.
@@ -38,10 +41,7 @@ from typing import Any
 import pytest
 from _pytest.pathlib import make_numbered_dir
 
-#: Variables pytester sets for each test, which nothing reads while torch or pytest imports.
-_VOLATILE = frozenset(
-    {"HOME", "USERPROFILE", "PYTEST_DEBUG_TEMPROOT", "PYTEST_CURRENT_TEST", "PYTHONPATH", "PY_COLORS", "PYTEST_ADDOPTS"}
-)
+from pytest_gpumem.diagnose.warm_ranks import import_key
 
 _ZYGOTE = r"""
 import atexit, json, os, sys, threading, traceback
@@ -95,8 +95,8 @@ while True:
 
 
 class _Zygote:
-    def __init__(self, environment: dict[str, str]) -> None:
-        self.key = _key(environment)
+    def __init__(self, environment: dict[str, str], cwd: Path) -> None:
+        self.key = _key(environment, cwd)
         self.process = subprocess.Popen(
             [sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=environment
         )
@@ -120,19 +120,21 @@ class _Zygote:
 _zygotes: dict[int, _Zygote] = {}  # by the process that started it (a forked test process starts its own)
 
 
-def _key(environment: dict[str, str]) -> dict[str, str]:
-    return {name: value for name, value in environment.items() if name not in _VOLATILE}
+def _key(environment: dict[str, str], cwd: Path) -> tuple[tuple[str, str], ...]:
+    """What the zygote's imports may depend on, for a session in ``cwd`` (see the module's docstring)."""
+    path = [p for p in environment.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(cwd)]
+    return import_key({**environment, "PYTHONPATH": os.pathsep.join(path)})
 
 
-def _zygote(environment: dict[str, str]) -> _Zygote:
+def _zygote(environment: dict[str, str], cwd: Path) -> _Zygote:
     known = _zygotes.get(os.getpid())
-    if known is not None and known.key == _key(environment) and known.process.poll() is None:
+    if known is not None and known.key == _key(environment, cwd) and known.process.poll() is None:
         return known
     if known is not None:
         known.stop()
     else:
         atexit.register(_stop)
-    _zygotes[os.getpid()] = started = _Zygote(environment)
+    _zygotes[os.getpid()] = started = _Zygote(environment, cwd)
     return started
 
 
@@ -153,7 +155,7 @@ def run_session(args: list[str], *, cwd: Path, env: dict[str, str], stdout: Path
                 command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err
             ).returncode
     request = {"args": args, "cwd": str(cwd), "env": env, "stdout": str(stdout), "stderr": str(stderr)}
-    return _zygote(env).run(request)
+    return _zygote(env, cwd).run(request)
 
 
 def runpytest_warm(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:

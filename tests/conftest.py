@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import hypothesis  # noqa: F401  (below: imported before any in-process run)
@@ -171,6 +171,18 @@ def forget_last_failure() -> None:
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             delattr(sys, name)
+
+
+@pytest.fixture
+def say(request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]) -> Callable[[str], None]:
+    """A line on the terminal as the test runs, past pytest's capture: what a test of more than
+    30 seconds is doing, so that no minute of the suite is silent."""
+
+    def write(text: str) -> None:
+        with capsys.disabled():
+            print(f"\n{request.node.nodeid}: {text}", flush=True)
+
+    return write
 
 
 @pytest.fixture(autouse=True)

@@ -127,13 +127,14 @@ PROCESS_REPORTS = "GPUMEM_TEST_RANK_REPORTS"
 
 def describes_its_process(rank: int, ctx: RankContext) -> None:
     """Writes, as JSON, what this rank's process has imported, its pid and its parent's, the
-    ``PYTEST_CURRENT_TEST`` and ``CUDA_VISIBLE_DEVICES`` it sees, whether CUDA is available and
+    ``PYTEST_CURRENT_TEST``, ``HOME`` and ``CUDA_VISIBLE_DEVICES`` it sees, whether CUDA is available and
     the accelerator torch picks by itself, to ``rank<N>.json`` in the folder :data:`PROCESS_REPORTS` names."""
     report = {
         "modules": sorted(sys.modules),
         "pid": os.getpid(),
         "parent": os.getppid(),
         "test": os.environ.get("PYTEST_CURRENT_TEST"),
+        "home": os.environ.get("HOME"),
         "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "cuda": torch.cuda.is_available(),
         "accelerator": str(torch._C._get_accelerator()),
@@ -141,26 +142,30 @@ def describes_its_process(rank: int, ctx: RankContext) -> None:
     (Path(os.environ[PROCESS_REPORTS]) / f"rank{rank}.json").write_text(json.dumps(report), encoding="utf-8")
 
 
-def _llama_70b(ctx: RankContext, *, on_meta: bool, checkpointed: bool, cast_cache: bool) -> None:
+#: Llama-70B's shape (transformers' ``LlamaConfig``) but for its layer count.
+LLAMA_70B = {
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "use_cache": False,
+}
+
+
+def _llama_70b(ctx: RankContext, *, on_meta: bool, checkpointed: bool, cast_cache: bool, layers: int = 80) -> None:
     """A transformers Llama-70B-shaped model (80 layers, d=8192, GQA 64/8 heads, SwiGLU 28672),
     FSDP2 on every decoder layer and the root, bf16 autocast, fp32 AdamW, batch 1 × 2048.
 
     ``on_meta``: built on the meta device and given its shards' memory after ``fully_shard``
     (``to_empty``), instead of built whole; ``checkpointed``: each decoder layer recomputed in
-    backward; ``cast_cache``: autocast keeps its bf16 copies of the weights until it ends."""
+    backward; ``cast_cache``: autocast keeps its bf16 copies of the weights until it ends;
+    ``layers``: a slice of the model, its first ``layers`` decoder layers."""
     import transformers
     from torch.distributed.fsdp import fully_shard
 
-    config = transformers.LlamaConfig(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        use_cache=False,
-    )
+    config = transformers.LlamaConfig(num_hidden_layers=layers, **LLAMA_70B)
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         model = transformers.LlamaForCausalLM(config)
     if checkpointed:
@@ -179,17 +184,21 @@ def _llama_70b(ctx: RankContext, *, on_meta: bool, checkpointed: bool, cast_cach
     optimizer.step()
 
 
-def llama_70b_built_whole(rank: int, ctx: RankContext) -> None:
-    _llama_70b(ctx, on_meta=False, checkpointed=False, cast_cache=True)
+#: How each rank of :func:`llama_70b_what_breaks_first` builds and runs the model, by rank.
+WHAT_BREAKS_FIRST = {
+    "built-whole": {"on_meta": False, "checkpointed": False, "cast_cache": True},
+    "on-meta": {"on_meta": True, "checkpointed": False, "cast_cache": True},
+    "checkpointed-with-cast-cache": {"on_meta": True, "checkpointed": True, "cast_cache": True},
+}
 
 
-def llama_70b_on_meta(rank: int, ctx: RankContext) -> None:
-    _llama_70b(ctx, on_meta=True, checkpointed=False, cast_cache=True)
+def llama_70b_what_breaks_first(rank: int, ctx: RankContext) -> None:
+    """Rank ``r`` runs the ``r``-th way of :data:`WHAT_BREAKS_FIRST`: on fake ranks, which run
+    one after another in one process, the three ways cost one process, each measured as a rank."""
+    _llama_70b(ctx, **list(WHAT_BREAKS_FIRST.values())[rank])
 
 
-def llama_70b_checkpointed(rank: int, ctx: RankContext) -> None:
-    _llama_70b(ctx, on_meta=True, checkpointed=True, cast_cache=True)
-
-
-def llama_70b_fits(rank: int, ctx: RankContext) -> None:
-    _llama_70b(ctx, on_meta=True, checkpointed=True, cast_cache=False)
+def llama_70b_fits(layers: int, rank: int, ctx: RankContext) -> None:
+    """The first ``layers`` layers of the model that fits: on meta, checkpointed, no cast cache
+    (``functools.partial(llama_70b_fits, layers)`` is the rank function)."""
+    _llama_70b(ctx, on_meta=True, checkpointed=True, cast_cache=False, layers=layers)

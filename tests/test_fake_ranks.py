@@ -10,23 +10,24 @@ and the fake ranks are compared with the file; the file is checked against real 
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from rank_steps import (
+    WHAT_BREAKS_FIRST,
     ddp_bucket_view_step,
     ddp_hook_step,
     ddp_step,
     ddp_unused_step,
     fsdp_step,
-    llama_70b_built_whole,
-    llama_70b_checkpointed,
     llama_70b_fits,
-    llama_70b_on_meta,
+    llama_70b_what_breaks_first,
     mlp,
     reads_a_value,
     zero_ddp_step,
@@ -342,55 +343,91 @@ def test_over_budget(gpumem):
     result.stdout.fnmatch_lines(["[[]rank3-of-8[]] allocated cost * exceeds the budget * (16Ψ) by *"])
 
 
-#: Llama-70B-shaped: 80 layers of attention (q, o: d²; k, v: d·d/8), SwiGLU (3·d·28672) and two
-#: RMSNorms, the embedding and the untied head (32000·d each), the final norm
-LLAMA_70B_PSI = 80 * (2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) + 2 * 32000 * 8192 + 8192
+#: Llama-70B-shaped, per decoder layer: attention (q, o: d²; k, v: d·d/8), SwiGLU (3·d·28672)
+#: and two RMSNorms; outside the layers: the embedding and the untied head (32000·d each), the final norm
+LLAMA_LAYER_PSI = 2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192
+LLAMA_OUTSIDE_PSI = 2 * 32000 * 8192 + 8192
+LLAMA_70B_PSI = 80 * LLAMA_LAYER_PSI + LLAMA_OUTSIDE_PSI
 GiB = 1 << 30
+#: the slices of the 64-rank run, in decoder layers
+SLICES = (3, 4)
+#: what a checkpointed layer keeps until its backward: its input, 2,048 tokens of 8,192 fp32 features
+LLAMA_LAYER_INPUT = 2048 * 8192 * 4
 
 
 @pytest.mark.slow
 @TORCH_2_11_KEEPS_EARLIER_MESHES
-def test_a_llama_70b_fsdp2_step_is_predicted_per_rank_on_64_fake_ranks() -> None:
+def test_a_llama_70b_fsdp2_step_is_predicted_per_rank_on_64_fake_ranks(say: Callable[[str], None]) -> None:
     """Ranks 0 and 63 of 64, the model built on the meta device, each layer checkpointed,
-    autocast's cast cache off: every dimension divides by 64, so each rank holds Ψ/64 of the
-    69 B parameters and, after the step, 16 bytes per parameter of its shard, to the byte (the
-    723 step counters are on the host); its peak fits an 80 GB card."""
+    autocast's cast cache off, on slices of 3 and 4 of its 80 decoder layers: every dimension
+    divides by 64, so each rank holds Ψ/64 of the slice and, after the step, 16 bytes per
+    parameter of its shard, to the byte (the step counters are on the host). A layer adds, at
+    the peak, its parameters' shard and its checkpointed input, and after the step 16 bytes per
+    parameter of its shard, as the full model's arithmetic has it; with 76 more layers the peak
+    fits an 80 GB card (the 80-layer run's peak, 27,316,408,832 B, is 77,824 B above the slices'
+    27,316,331,008: a 512-byte block more of temporaries and of other per 38 layers)."""
     pytest.importorskip("transformers")
-    ranks = run_ranks(llama_70b_fits, 64, predict="h100", fake=True, ranks=[0, 63], timeout=900)
-    psi = LLAMA_70B_PSI // 64
-    assert LLAMA_70B_PSI % 64 == 0
-    for m in ranks:
-        assert m.psi == psi
-        parts = m.allocated_breakdown
-        assert parts is not None
-        assert (parts["parameters"], parts["gradients"]) == (4 * psi, 4 * psi)
-        assert parts["optimizer_state"] == 8 * psi
-        assert 16 * psi < m.peak < 80 * 10**9
-    first, last = (_figures(m) for m in ranks)
-    assert [first[name] for name in FIGURES[:4]] == [last[name] for name in FIGURES[:4]]
+    assert LLAMA_70B_PSI % 64 == LLAMA_LAYER_PSI % 64 == 0
+    runs = {}
+    for layers in SLICES:
+        say(f"Llama-70B on fake tensors, {layers} of its 80 layers, ranks 0 and 63 of 64")
+        step = functools.partial(llama_70b_fits, layers)
+        runs[layers] = run_ranks(step, 64, predict="h100", fake=True, ranks=[0, 63], timeout=900)
+    for layers, ranks in runs.items():
+        psi = (layers * LLAMA_LAYER_PSI + LLAMA_OUTSIDE_PSI) // 64
+        for m in ranks:
+            assert m.psi == psi
+            parts = m.allocated_breakdown
+            assert parts is not None
+            assert (parts["parameters"], parts["gradients"]) == (4 * psi, 4 * psi)
+            assert parts["optimizer_state"] == 8 * psi
+        first, last = (_figures(m) for m in ranks)
+        assert [first[name] for name in FIGURES[:4]] == [last[name] for name in FIGURES[:4]]
+    (small, _), (large, _) = runs[SLICES[0]], runs[SLICES[1]]
+    assert small.breakdown is not None and large.breakdown is not None
+    assert small.allocated_breakdown is not None and large.allocated_breakdown is not None
+    shard = LLAMA_LAYER_PSI // 64
+    after = {name: large.allocated_breakdown[name] - small.allocated_breakdown[name] for name in STATES}
+    assert after == {"parameters": 4 * shard, "gradients": 4 * shard, "optimizer_state": 8 * shard}
+    at_peak = {name: large.breakdown[name] - small.breakdown[name] for name in ("parameters", "activations")}
+    assert at_peak == {"parameters": 4 * shard, "activations": LLAMA_LAYER_INPUT}
+    more = 80 - SLICES[1]
+    assert large.psi + more * shard == LLAMA_70B_PSI // 64
+    peak = large.peak + more * (4 * shard + LLAMA_LAYER_INPUT)
+    assert 16 * LLAMA_70B_PSI // 64 < peak < 80 * 10**9
+
+
+#: what the parameters, gradients and optimizer state of the allocated breakdown are called
+STATES = ("parameters", "gradients", "optimizer_state")
+#: what dominates the peak in each way of building and running the model, and what the peak exceeds
+BREAKS_FIRST = {
+    "built-whole": ("temporaries", 256 * GiB),  # the whole fp32 model, before sharding
+    "on-meta": ("activations", 200 * GiB),  # 80 layers' activations of 2,048 tokens
+    "checkpointed-with-cast-cache": ("temporaries", 137 * GiB),  # autocast's bf16 copies of the weights
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("step", "largest", "over"),
-    [
-        (llama_70b_built_whole, "temporaries", 256 * GiB),  # the whole fp32 model, before sharding
-        (llama_70b_on_meta, "activations", 200 * GiB),  # 80 layers' activations of 2,048 tokens
-        (llama_70b_checkpointed, "temporaries", 137 * GiB),  # autocast's bf16 copies of the weights
-    ],
-    ids=["built-whole", "on-meta", "checkpointed-with-cast-cache"],
-)
-def test_what_breaks_first_is_named_at_the_peak(step: Any, largest: str, over: int) -> None:
+def test_what_breaks_first_is_named_at_the_peak(say: Callable[[str], None]) -> None:
     """What does not fit an 80 GB card, and why, in the category that dominates the peak; on 8
     ranks, whose shards are 8 times those of 64 (and the category that dominates the same), and
-    after the step each rank holds 16 bytes per parameter of its shard, however it was built."""
+    after the step each rank holds 16 bytes per parameter of its shard, however it was built.
+    The three ways run as ranks 0, 1 and 2 of one run (:func:`rank_steps.llama_70b_what_breaks_first`):
+    one process, each way measured as a rank of its own."""
     pytest.importorskip("transformers")
-    (m,) = run_ranks(step, 8, predict="h100", fake=True, ranks=[0], timeout=900)
-    assert m.breakdown is not None
-    assert max(m.breakdown, key=m.breakdown.__getitem__) == largest
-    assert m.peak > over
+    say("Llama-70B on fake tensors, built three ways, as ranks 0, 1 and 2 of 8")
+    ranks = run_ranks(llama_70b_what_breaks_first, 8, predict="h100", fake=True, ranks=[0, 1, 2], timeout=900)
+    assert list(WHAT_BREAKS_FIRST) == list(BREAKS_FIRST)
     psi = LLAMA_70B_PSI // 8
-    assert m.psi == psi
-    parts = m.allocated_breakdown
-    assert parts is not None
-    assert (parts["parameters"], parts["gradients"], parts["optimizer_state"]) == (4 * psi, 4 * psi, 8 * psi)
+    seen, expected = {}, {}
+    for way, m in zip(WHAT_BREAKS_FIRST, ranks, strict=True):
+        assert m.breakdown is not None and m.allocated_breakdown is not None
+        largest, over = BREAKS_FIRST[way]
+        seen[way] = (
+            max(m.breakdown, key=m.breakdown.__getitem__),
+            m.peak > over,
+            m.psi,
+            [m.allocated_breakdown[name] for name in STATES],
+        )
+        expected[way] = (largest, True, psi, [4 * psi, 4 * psi, 8 * psi])
+    assert seen == expected

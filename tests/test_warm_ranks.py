@@ -37,8 +37,7 @@ def _reports(folder: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def reports(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The folder the ranks report to, the same in every test of this process, so that the
-    environment, which names it, is too: the tests share their servers, as a user's tests do."""
+    """The folder the ranks report to, the same in every test of this process."""
     folder = tmp_path_factory.getbasetemp() / "rank-reports"
     folder.mkdir(exist_ok=True)
     monkeypatch.setenv(PROCESS_REPORTS, str(folder))
@@ -78,18 +77,22 @@ def test_a_warm_rank_has_imported_what_a_spawned_rank_has(
 def test_a_server_is_kept_while_the_environment_is_and_its_ranks_see_the_runs_environment(
     reports: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A later run in the same environment is forked by the same server, and its rank sees the
-    environment of its own run (here the test pytest says it is running); a run in another
-    environment gets a new server, and the old one is stopped."""
-    now = os.environ["PYTEST_CURRENT_TEST"]
+    """A later run whose variables read at import (torch's, OpenMP's, the interpreter's) are the
+    same is forked by the same server, and its rank sees the environment of its own run (here the
+    test pytest says it is running, and a variable of the test's own); a run with another value
+    of one of those variables gets a new server, and the old one is stopped."""
+    now, home = os.environ["PYTEST_CURRENT_TEST"], os.environ.get("HOME")
     first = _run(reports, 1, **FAKE)
     server = warm_ranks.server_pid("fake")
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/elsewhere.py::test_other (call)")
+    monkeypatch.setenv("HOME", str(reports))
+    monkeypatch.setenv("GPUMEM_TEST_ANOTHER_VARIABLE", "1")
     second = _run(reports, 1, **FAKE)
     assert warm_ranks.server_pid("fake") == server
     assert [first[0]["test"], second[0]["test"]] == [now, "tests/elsewhere.py::test_other (call)"]
     assert first[0]["parent"] == second[0]["parent"] == server
-    monkeypatch.setenv("GPUMEM_TEST_ANOTHER_ENVIRONMENT", "1")
+    assert [first[0]["home"], second[0]["home"]] == [home, str(reports)]
+    monkeypatch.setenv("TORCH_GPUMEM_TEST_ANOTHER_ENVIRONMENT", "1")
     third = _run(reports, 1, **FAKE)
     assert warm_ranks.server_pid("fake") not in (None, server)
     assert third[0]["parent"] == warm_ranks.server_pid("fake")

@@ -13,10 +13,9 @@ The rank runs as it would in a spawned process: the same modules imported when i
 starts, its function and arguments sent the same way, ``sys.path`` and the working folder the
 caller's (multiprocessing's own preparation), and the caller's environment variables as they are
 when the run starts (it takes them first). A server is started for the environment it
-was asked in and kept for later runs of the process that started it; a run asked in another
-environment (but for ``PYTEST_CURRENT_TEST``, which pytest changes each test and nothing reads
-at import) starts a new server, because modules may read the environment while they import.
-The server ends when that process ends.
+was asked in and kept for later runs of the process that started it; a run asked with other
+values of the variables that the interpreter and torch read while they start (:func:`import_key`)
+starts a new server. The server ends when that process ends.
 
 CUDA ranks are still spawned: forking is unsafe in a process that may have initialised CUDA, and
 a rank on a GPU pays CUDA's start-up anyway. ``PYTEST_GPUMEM_RANK_START=spawn`` spawns every rank.
@@ -29,13 +28,15 @@ from __future__ import annotations
 import atexit
 import io
 import os
+import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from typing import Any
 
-__all__ = ["PRELOAD", "WarmProcess", "server_pid", "stop_servers"]
+__all__ = ["PRELOAD", "WarmProcess", "import_key", "server_pid", "stop_servers"]
 
 #: What a rank process of each kind imports before the rank's function runs, imported by its server once.
 #: ``tests/test_warm_ranks.py`` checks that a warm rank process has no module a spawned one lacks.
@@ -52,8 +53,17 @@ PRELOAD: dict[str, tuple[str, ...]] = {
     ),
 }
 
-#: Environment variables left out of a server's key: pytest sets this one for every test.
-_VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+#: The prefixes of the environment variables that the interpreter, torch and its libraries read
+#: while they import and start their thread pools (``PYTHONPATH``, ``TORCH_*``, ``OMP_NUM_THREADS``...).
+IMPORT_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_", "LD_")
+
+
+def import_key(environment: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """What a process started in ``environment`` imports differently by: the interpreter and the
+    variables of :data:`IMPORT_PREFIXES`. A server is reused while it is the same: the rest of the
+    environment (which pytest and its tests change at every test) a rank takes from its run."""
+    chosen = sorted((name, value) for name, value in environment.items() if name.startswith(IMPORT_PREFIXES))
+    return (("<interpreter>", sys.executable), *chosen)
 
 
 @dataclass
@@ -61,7 +71,7 @@ class _Server:
     """A fork server for one kind of rank, and what it was started by and in."""
 
     owner: int  # the process that started it: only that one may ask it for ranks, or stop it
-    environment: dict[str, str]  # the environment it was started in, but for :data:`_VOLATILE`
+    key: tuple[tuple[str, str], ...]  # the :func:`import_key` of the environment it was started in
     forkserver: Any  # ForkServer: its stop and pid are CPython's private names (3.8 to 3.14)
 
 
@@ -78,11 +88,11 @@ def _server(kind: str) -> Any:
     servers it inherited the names of are its parent's children, not its own.
     """
     global _stopped_at_exit
-    environment = {name: value for name, value in os.environ.items() if name not in _VOLATILE}
+    key = import_key(os.environ)
     with _lock:
         known = _servers.get(kind)
         if known is not None and known.owner == os.getpid():
-            if known.environment == environment:
+            if known.key == key:
                 return known.forkserver
             known.forkserver._stop()
         if not _stopped_at_exit:
@@ -90,7 +100,7 @@ def _server(kind: str) -> Any:
             _stopped_at_exit = True
         server = forkserver.ForkServer()
         server.set_forkserver_preload(list(PRELOAD[kind]))
-        _servers[kind] = _Server(os.getpid(), environment, server)
+        _servers[kind] = _Server(os.getpid(), key, server)
         return server
 
 
