@@ -111,7 +111,7 @@ def test_development_pins_are_a_dependency_group() -> None:
     # the README's second command installs the group with a pip that reads it; CI runs the same
     readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     command = 'python -m pip install -U "pip>=25.1" && python -m pip install "torch==2.13.0" -e . --group dev'
-    assert readme[6].strip() == f"{command} && python -m pytest"
+    assert readme[6].strip() == f"{command} && python -m pytest -n auto"
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert 'python -m pip install -q -U "pip>=25.1"\npython -m pip install -q "torch==2.13.0" -e . --group dev' in ci
 
