@@ -165,15 +165,9 @@ class Collector:
 
     def stop(self) -> None:
         """Give every frozen object back and forget them: the run is over."""
-        global _running
         if not self.active:
             return
-        self.active = False
-        gcfunctions.uninstall()
-        if self._on_collection in gc.callbacks:
-            gc.callbacks.remove(self._on_collection)
-        if _running is self:
-            _running = None
+        self._detach()
         self.give_back()
         frozen.forget()
 
@@ -244,6 +238,12 @@ class Collector:
 
     def _yield_to_user(self) -> None:
         """The user froze objects: theirs now, never given back or frozen again by the plugin."""
+        self._detach()
+        self.frozen = False
+        frozen.forget()
+
+    def _detach(self) -> None:
+        """No longer the run's collector: its wrappers and its ``gc.callbacks`` hook go."""
         global _running
         self.active = False
         gcfunctions.uninstall()
@@ -251,7 +251,6 @@ class Collector:
             gc.callbacks.remove(self._on_collection)
         if _running is self:
             _running = None
-        frozen.forget()
 
     def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
         """``gc.callbacks`` hook: a full collection the plugin did not ask for is given everything

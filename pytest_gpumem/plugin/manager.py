@@ -34,7 +34,7 @@ from pytest_gpumem.plugin.ending import RunEnd, append_section
 from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measuring
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.session import BaselineSession
-from pytest_gpumem.plugin.sites import fails_on_memory
+from pytest_gpumem.plugin.sites import fails_on_memory, xfail_of
 from pytest_gpumem.plugin.torchrun import launch, rename
 from pytest_gpumem.report.details import error_section, failure_text
 
@@ -191,17 +191,7 @@ class GpumemManager:
 
 
 def _xfail_reason(item: pytest.Item) -> str | None:
-    """The reason of the ``xfail`` mark that applies to ``item`` (its condition true, no ``raises``,
-    ``--runxfail`` not given), as pytest's skipping plugin reads it; None otherwise."""
-    if getattr(item.config.option, "runxfail", False):
-        return None
-    try:
-        from _pytest.skipping import evaluate_xfail_marks, xfailed_key
-    except ImportError:  # pragma: no cover - pytest moved it
-        return None
-    xfailed = item.stash.get(xfailed_key, None)
-    if xfailed is None:
-        xfailed = evaluate_xfail_marks(item)
-    if xfailed is None or xfailed.raises is not None:
-        return None
-    return xfailed.reason
+    """The reason of the ``xfail`` mark that applies to ``item`` without ``raises`` (a memory
+    failure raises nothing), or None."""
+    xfailed = xfail_of(item)
+    return None if xfailed is None or xfailed.raises is not None else str(xfailed.reason)

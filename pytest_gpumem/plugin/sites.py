@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.plugin.runner import RunOptions, TestRun
     from pytest_gpumem.plugin.session import BaselineSession
 
-__all__ = ["fails_on_memory", "no_second_run", "no_sites_note", "run_options", "wants_sites", "with_sites"]
+__all__ = ["fails_on_memory", "no_second_run", "no_sites_note", "run_options", "wants_sites", "with_sites", "xfail_of"]
 
 
 def _mode(settings: Settings, spec: GpumemSpec) -> str:
@@ -67,20 +67,23 @@ def fails_on_memory(session: BaselineSession, record: TestRecord) -> bool:
     return copy.failed
 
 
-def _expected(item: pytest.Item, exc: BaseException) -> bool:
-    """Whether pytest reports ``exc`` as an expected failure: the test is marked ``xfail`` (its
-    ``raises`` matching, its condition true) and ``--runxfail`` is not given. Its report shows no
-    sites, so the second run that would name them is not run. Read as pytest's own skipping plugin
-    reads it (``_pytest.skipping``); where that cannot be read, the second run runs as before."""
+def xfail_of(item: pytest.Item) -> Any:
+    """The ``xfail`` mark that applies to ``item`` as pytest's skipping plugin reads it (its
+    condition true, ``--runxfail`` not given), or None; None too where that cannot be read."""
     if getattr(item.config.option, "runxfail", False):
-        return False
+        return None
     try:
         from _pytest.skipping import evaluate_xfail_marks, xfailed_key
     except ImportError:  # pragma: no cover - pytest moved it
-        return False
+        return None
     xfailed = item.stash.get(xfailed_key, None)
-    if xfailed is None:
-        xfailed = evaluate_xfail_marks(item)
+    return evaluate_xfail_marks(item) if xfailed is None else xfailed
+
+
+def _expected(item: pytest.Item, exc: BaseException) -> bool:
+    """Whether pytest reports ``exc`` as an expected failure (:func:`xfail_of`, its ``raises``
+    matching): its report shows no sites, so the second run that would name them is not run."""
+    xfailed = xfail_of(item)
     if xfailed is None:
         return False
     raises = xfailed.raises
