@@ -26,16 +26,22 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, durable: bool = Fal
     """Write ``data`` to ``path`` as described in the module's docstring; returns the path written
     (a symbolic link's target). ``durable``: fsync the file and its folder (the baseline file).
     Missing parent folders are made."""
-    target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
-    try:
-        found = os.stat(target)
-    except (FileNotFoundError, NotADirectoryError):  # made below (a file in a folder's place says so)
-        found = None
+    target, found = _target(path)
     if found is not None and not stat.S_ISREG(found.st_mode):
         _write_into(target, found.st_mode, data)
         return target
     _replace(target, data, None if found is None else stat.S_IMODE(found.st_mode), durable=durable)
     return target
+
+
+def _target(path: str | os.PathLike[str]) -> tuple[Path, os.stat_result | None]:
+    """The file ``path`` names (a symbolic link's target), and its status; None where nothing is
+    there yet (it is made when written: a file in a parent folder's place says so then)."""
+    target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    try:
+        return target, os.stat(target)
+    except (FileNotFoundError, NotADirectoryError):
+        return target, None
 
 
 def _write_into(target: Path, mode: int, data: bytes) -> None:
@@ -79,11 +85,7 @@ def move_file(temporary: str | os.PathLike[str], path: str | os.PathLike[str]) -
     """Put the complete file ``temporary`` (written by someone else, beside ``path``) at ``path`` as
     :func:`write_file` would: renamed over a regular file or a symbolic link's target, written into
     a device or a FIFO (and removed)."""
-    target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
-    try:
-        found = os.stat(target)
-    except (FileNotFoundError, NotADirectoryError):  # made below (a file in a folder's place says so)
-        found = None
+    target, found = _target(path)
     if found is None or stat.S_ISREG(found.st_mode):
         os.replace(temporary, target)
         return

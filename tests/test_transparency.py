@@ -11,6 +11,7 @@ import gc
 import io
 import os
 import pickle
+import warnings
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,9 @@ def test_a_tracked_model_and_optimizer_can_be_copied_pickled_and_saved() -> None
 
 def test_torch_func_and_disabled_saved_tensor_hooks_run_and_the_figures_say_what_was_not_counted() -> None:
     x = torch.randn(16, requires_grad=True)
-    with _no_warning(), measure("func") as span:
+    with warnings.catch_warnings(), measure("func") as span:
+        # a note of torch's refusal is no warning (-W error stays green)
+        warnings.simplefilter("error", PartialFigures)
         torch.func.grad(lambda x: (x.sin() * x).sum())(x)
         torch.func.jacrev(lambda x: x.sin() * x)(x)
         torch.func.hessian(lambda x: (x.sin() * x).sum())(x)
@@ -68,19 +71,6 @@ def test_torch_func_and_disabled_saved_tensor_hooks_run_and_the_figures_say_what
     assert STEPPED_ASIDE_NOTE in span.measurement.notes
     assert span.measurement.saved_activations is not None and span.measurement.saved_activations >= 16 * 4
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None  # nothing left pushed
-
-
-class _no_warning:
-    def __enter__(self) -> None:
-        import warnings
-
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
-        # a note of torch's refusal is no warning (-W error stays green)
-        warnings.simplefilter("error", PartialFigures)
-
-    def __exit__(self, *exc: object) -> None:
-        self._catch.__exit__(*exc)
 
 
 @pytest.mark.parametrize(

@@ -161,7 +161,7 @@ class Collector:
         self.froze += 1
         _running = self
         gc.callbacks.append(self._on_collection)
-        gcfunctions.install(self._on_user_call)
+        gcfunctions.install(self._on_user_call, self._yield_to_user)
 
     def stop(self) -> None:
         """Give every frozen object back and forget them: the run is over."""
@@ -225,19 +225,16 @@ class Collector:
             self.frozen = False
             gcfunctions.unfreeze()
 
-    def _on_user_call(self, name: str) -> None:
+    def _on_user_call(self) -> None:
         """Before a user's call of a wrapped ``gc`` function (see
-        :mod:`~pytest_gpumem.measurement.gcfunctions`): the frozen objects go back; after the
-        user's own ``gc.freeze()`` (``"froze"``) the collector stops freezing for the run."""
-        if name == "froze":
-            self._yield_to_user()
-            return
+        :mod:`~pytest_gpumem.measurement.gcfunctions`): the frozen objects go back."""
         if self.frozen:
             self.given_back += 1
             self.give_back()
 
     def _yield_to_user(self) -> None:
-        """The user froze objects: theirs now, never given back or frozen again by the plugin."""
+        """After the user's own ``gc.freeze()``: the frozen objects are theirs now, never given back or
+        frozen again by the plugin."""
         self._detach()
         self.frozen = False
         frozen.forget()

@@ -32,24 +32,26 @@ _WRAPPED = {
 }
 
 
-def _wrapper(name: str, real: Callable[..., Any], before: Callable[[str], None]) -> Callable[..., Any]:
+def _wrapper(
+    real: Callable[..., Any], before: Callable[[], None], after: Callable[[], None] | None
+) -> Callable[..., Any]:
     @functools.wraps(real)
     def call(*args: Any, **kwargs: Any) -> Any:
-        before(name)
+        before()
         result = real(*args, **kwargs)
-        if name == "freeze":
-            before("froze")
+        if after is not None:
+            after()
         return result
 
     return call
 
 
-def install(before: Callable[[str], None]) -> None:
-    """Put wrappers in ``gc``'s place that call ``before(name)`` first (and ``before("froze")``
-    after a user's ``gc.freeze()``)."""
+def install(give_back: Callable[[], None], froze: Callable[[], None]) -> None:
+    """Put wrappers in ``gc``'s place that call ``give_back()`` first, and ``froze()`` after a
+    user's ``gc.freeze()``."""
     for name, real in _WRAPPED.items():
         if getattr(gc, name) is real:
-            setattr(gc, name, _wrapper(name, real, before))
+            setattr(gc, name, _wrapper(real, give_back, froze if name == "freeze" else None))
 
 
 def uninstall() -> None:

@@ -139,14 +139,16 @@ def no_second_run(item: pytest.Item, record: TestRecord, seconds: float, setting
     other launchers, ``gpumem.distributed``), a first call longer than ``--gpumem-sites-rerun-limit``,
     a per-test timeout, a debugger, another plugin that runs tests again, a session that stops."""
     config = item.config
-    if _ranks() > 1:
-        return f"it runs on {_ranks()} ranks (a launcher started them), which would not run it again together"
+    ranks = _ranks()
+    if ranks > 1:
+        return f"it runs on {ranks} ranks (a launcher started them), which would not run it again together"
     if record.ranks_measured:
         return "the test ran ranks (gpumem.distributed), which would not run it again together"
     if seconds > settings.rerun_limit:
         return f"its call took {seconds:.1f} s, over --gpumem-sites-rerun-limit={settings.rerun_limit:g} s"
-    if _timeout(item) is not None:
-        return f"a per-test timeout is set ({_timeout(item)})"
+    timeout = _timeout(item)
+    if timeout is not None:
+        return f"a per-test timeout is set ({timeout})"
     if config.getoption("usepdb", False) or config.getoption("trace", False):
         return "pytest runs under a debugger (--pdb, --trace)"
     for name in ("rerunfailures", "flaky"):

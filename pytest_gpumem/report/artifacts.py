@@ -20,7 +20,7 @@ from pytest_gpumem.data.findings import failure_message
 from pytest_gpumem.data.metrics import DRAWN_METRICS, METRICS, metric_info
 from pytest_gpumem.files import write_file
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.report.html import html_text, render_html
+from pytest_gpumem.report.html import html_text, page_head, render_html
 from pytest_gpumem.report.sites import site_section_html
 
 __all__ = [
@@ -231,17 +231,7 @@ def render_index(records: list[TestRecord], pages: dict[str, str], *, title: str
     headers = "".join(f'<th class="num">{html_text(metric)}</th>' for metric in METRICS)
     return "\n".join(
         [
-            "<!DOCTYPE html>",
-            '<html lang="en">',
-            "<head>",
-            '<meta charset="utf-8">',
-            "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
-            '<meta name="viewport" content="width=device-width, initial-scale=1">',
-            f"<title>{html_text(title)}</title>",
-            f"<style>{_INDEX_CSS}</style>",
-            "</head>",
-            "<body>",
-            "<main>",
+            *page_head(title, _INDEX_CSS),
             f"<h1>{html_text(title)}</h1>",
             f'<p class="meta">{len(records)} measured tests, {failed} failed. Figures are the call\'s costs (a '
             "figure minus the call's start); a test's name links to its page where one was written.</p>",

@@ -19,7 +19,7 @@ from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.metrics import CATEGORIES, METRICS, metric_info
 from pytest_gpumem.units import UNITS, format_delta, format_size
 
-__all__ = ["html_text", "render_html"]
+__all__ = ["html_text", "page_head", "render_html"]
 
 # ---------------------------------------------------------------------------
 # HTML page
@@ -128,17 +128,7 @@ def render_html(
     peak_sample = max(samples, key=lambda s: s.total) if samples else None
     chart = _Chart.build(samples, timeline, measurement, lines)
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en">',
-        "<head>",
-        '<meta charset="utf-8">',
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{html_text(title)} · pytest-gpumem</title>",
-        f"<style>{_CSS}</style>",
-        "</head>",
-        "<body>",
-        "<main>",
+        *page_head(f"{title} · pytest-gpumem", _CSS),
         f"<h1>{html_text(title)}</h1>",
         f'<p class="meta">{_meta_line(measurement)}</p>',
     ]
@@ -525,6 +515,24 @@ def _phases_table(m: Measurement) -> str:
         )
     rows.append("</table></section>")
     return "".join(rows)
+
+
+def page_head(title: str, css: str) -> list[str]:
+    """The opening lines of a self-contained page, to ``<main>``: UTF-8, a Content-Security-Policy
+    that forbids fetching anything, ``title`` (escaped) and the inline ``css``."""
+    return [
+        "<!DOCTYPE html>",
+        '<html lang="en">',
+        "<head>",
+        '<meta charset="utf-8">',
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{html_text(title)}</title>",
+        f"<style>{css}</style>",
+        "</head>",
+        "<body>",
+        "<main>",
+    ]
 
 
 def html_text(text: object) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from pytest_gpumem.baselines.history import Commit, History, Version
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
-from pytest_gpumem.report.html import html_text
+from pytest_gpumem.report.html import html_text, page_head
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_delta, format_size
 
@@ -429,17 +429,7 @@ def history_html(history: History, series: Sequence[Series], metrics: Sequence[s
     heading = title or f"Memory trend of {history.file.name}"
     versions = history.versions
     parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en">',
-        "<head>",
-        '<meta charset="utf-8">',
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{html_text(heading)} · pytest-gpumem</title>",
-        f"<style>{_CSS}</style>",
-        "</head>",
-        "<body>",
-        "<main>",
+        *page_head(f"{heading} · pytest-gpumem", _CSS),
         f"<h1>{html_text(heading)}</h1>",
     ]
     if versions:
