@@ -298,7 +298,9 @@ def _opt_int(value: Any) -> int | None:
 
 
 def _categories(breakdown: Mapping[str, int] | None) -> dict[str, int] | None:
-    return None if breakdown is None else {c: int(breakdown.get(c, 0)) for c in CATEGORIES}
+    """The categories ``breakdown`` has, in report order (activations are absent where they were
+    not told apart from temporaries)."""
+    return None if breakdown is None else {c: int(breakdown[c]) for c in CATEGORIES if c in breakdown}
 
 
 def _read_categories(data: Any) -> dict[str, int] | None:

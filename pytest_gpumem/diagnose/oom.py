@@ -178,7 +178,7 @@ class OomReport:
             lines.append(f"  limit:     {format_size(self.limit)} ({self.limit} B)")
         text = "\n".join(lines)
         if self.breakdown is not None:
-            rows = [[category, format_size(self.breakdown.get(category, 0))] for category in CATEGORIES]
+            rows = [[category, format_size(self.breakdown.get(category))] for category in CATEGORIES]
             text += "\n\nallocated by category\n" + table(("category", "bytes"), rows)
         if self.largest:
             title = (
@@ -259,7 +259,7 @@ def oom_report(
         reserved=engine.reserved(),
         limit=engine.memory_limit(),
         phase=recorder.phase if recorder is not None else None,
-        breakdown=engine.breakdown(),
+        breakdown=engine.breakdown() if recorder is None else recorder.categories(engine.breakdown()),
         largest=live.tensors,
         live_count=live.count,
         live_bytes=live.nbytes,

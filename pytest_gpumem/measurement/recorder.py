@@ -84,7 +84,9 @@ class Recorder:
     Args:
         engine: where bytes are read.
         timeline: keep allocated-by-category samples for plots (needs a tracker).
-        saved_tensors: count the bytes autograd holds for backward (``saved_tensors_hooks``).
+        saved_tensors: count the bytes autograd holds for backward (``saved_tensors_hooks``) and tell
+            activations apart from temporaries; without it the figures have no ``activations`` category
+            and ``saved_activations`` is None.
         fake: run between :meth:`begin` and :meth:`end` on fake tensors (shapes, no data; see
             :mod:`pytest_gpumem.measurement.engines.fake`).
         label: what the recording is of, in its warnings (the test's node id, a span's name).
@@ -343,7 +345,14 @@ class Recorder:
         if parts is None:
             return now, None
         parts["other"] += max(0, now - sum(parts.values()))
-        return now, parts
+        return now, self.categories(parts)
+
+    def categories(self, parts: dict[str, int] | None) -> dict[str, int] | None:
+        """``parts`` (bytes by category) as a figure shows them: without ``activations`` when the
+        recording does not tell them apart (``saved_tensors`` False: they are among temporaries)."""
+        if parts is not None and not self.saved_tensors:
+            parts.pop("activations", None)
+        return parts
 
     def close(
         self,
@@ -367,6 +376,7 @@ class Recorder:
             used, mine = self.engine.driver() if self.driver else (None, None)
             end, end_breakdown = self._allocated_now() if allocated is None else allocated
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
+        breakdown = self.categories(breakdown)
         self._warn_compiled(state)
         notes = tuple(dict.fromkeys(self.engine.notes[state.notes_from :]))
         for note in notes:

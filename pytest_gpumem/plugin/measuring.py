@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpumem.baselines import Environment
+from pytest_gpumem.baselines import BaselineFileError, Environment
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.measurement.observe import choose_observe, observe_conflict
@@ -124,14 +124,31 @@ class Measuring:
         second = item.stash.get(SECOND_RUN_KEY, None)
         if second is not None and second.running:  # sites on; the leak and out-of-memory reports stay the first run's
             options = replace(options, sites=settings.site_config, snapshots=None, reports=False)
+        environment = self._environment(engine)
         item.stash[RUN_KEY] = TestRun(
             item.nodeid,
             spec,
             engine,
-            environment=self._environment(engine),
+            environment=environment,
             options=options,
             fake=fake,
+            # activations told apart where the plan reads them: the breakdown asked for, the test's own
+            # figures (the gpumem fixture), a baseline
+            saved_tensors=breakdown or "gpumem" in getattr(item, "fixturenames", ()) or self._baselined(item, environment),
         )
+
+    def _baselined(self, item: pytest.Item, environment: dict[str, Any]) -> bool:
+        """Whether the test's figures meet a baseline: it has one in this environment, or the run
+        writes baselines. Its activations are then told apart from temporaries (the saved-tensor
+        accounting), as the baseline's breakdown keeps them; without a baseline they are only where
+        the test asks for the breakdown (docs/figures.md, "Activations")."""
+        if self.baselines.options.update:
+            return True
+        try:
+            store = self.baselines.store
+        except BaselineFileError:
+            return True  # the judge reports the file; the figures stay those a baseline would compare
+        return bool(store.span_names(Environment.from_dict(environment).key, item.nodeid))
 
     def _gpu_index(self) -> int | None:
         """Which GPU this process measures on when several are visible: the xdist worker's, else

@@ -78,6 +78,7 @@ class TestRun:
         engine: where bytes are read.
         environment: ``Environment.to_dict()`` of the engine, for the record.
         options: what the run asks of every test.
+        saved_tensors: tell activations apart (the saved-tensor accounting): the test's plan reads them.
     """
 
     __test__ = False  # a name pytest would otherwise collect
@@ -91,13 +92,21 @@ class TestRun:
         environment: dict[str, Any],
         options: RunOptions | None = None,
         fake: bool = False,
+        saved_tensors: bool = True,
     ) -> None:
         self.nodeid = nodeid
         self.spec = spec
         self.engine = engine
         self.environment = environment
         self.options = options or RunOptions()
-        self.recorder = Recorder(engine, timeline=engine.categorizes, fake=fake, label=nodeid, sites=self.options.sites)
+        self.recorder = Recorder(
+            engine,
+            timeline=engine.categorizes,
+            saved_tensors=saved_tensors,
+            fake=fake,
+            label=nodeid,
+            sites=self.options.sites,
+        )
         #: the objects the test tracked, once it has finished (weakly: a second run tracks them again)
         self.tracked: list[weakref.ref[Any]] = []
         self.recorder.device_limit = spec.device_limit if spec.device_limit is not None else self.options.device_limit

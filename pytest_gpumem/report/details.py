@@ -3,7 +3,7 @@ text of a test that failed on memory (its broken checks, then its figures)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from pytest_gpumem.data.figures import Measurement, Phase
 from pytest_gpumem.data.findings import Finding, failure_message
@@ -218,6 +218,8 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
     breakdown = [row for m in measurements for row in _breakdown_cells(m)]
     if breakdown:
         lines += ["", *wrap("breakdown at peak", width), *Table(_BREAKDOWN_COLS, [("", breakdown)]).render(width)]
+        if any(m.breakdown is not None and "activations" not in m.breakdown for m in measurements):
+            lines += wrap(LEGEND_ACTIVATIONS, width, "", "  ")
     phases = [row for m in measurements for row in _phase_cells(m)]
     if phases:
         lines += ["", *wrap("phases", width), *Table(_PHASE_COLS, [("", phases)], lead=2).render(width)]
@@ -256,6 +258,19 @@ def error_section(
 _MODEL_STATES = ("parameters", "gradients", "optimizer_state")
 
 
+#: Under the breakdown of a span whose activations were not told apart from temporaries.
+LEGEND_ACTIVATIONS = (
+    "activations n/a: counted among temporaries in this test; breakdown=True (or a baseline) tells them apart"
+)
+
+
+def _category_name(name: str, categories: Mapping[str, int]) -> str:
+    """``name`` as a line names it: temporaries that include the activations say so."""
+    if name == "temporaries" and "activations" not in categories:
+        return "temporaries (activations among them)"
+    return name
+
+
 def _beyond_model_states(record: RecordLike, broken: Sequence[Finding]) -> list[str]:
     """For each broken limit or budget on ``peak`` or ``allocated`` of a span whose engine knows the
     categories: the bytes it held beyond the model states (activations, temporaries, other), which
@@ -275,7 +290,9 @@ def _beyond_model_states(record: RecordLike, broken: Sequence[Finding]) -> list[
         if not categories:
             continue
         beyond = [
-            f"{name} {format_size(size)}" for name, size in categories.items() if name not in _MODEL_STATES and size
+            f"{_category_name(name, categories)} {format_size(size)}"
+            for name, size in categories.items()
+            if name not in _MODEL_STATES and size
         ]
         where = "" if finding.span == "call" else f"[{finding.span}] "
         if beyond:

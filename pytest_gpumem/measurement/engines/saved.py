@@ -26,30 +26,34 @@ _PARAMETER = torch.nn.Parameter
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
+_NO_DISPATCH = torch._C._DisableTorchDispatch
+
+
 def detached(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor.detach()``; for plain tensors without a round trip through a dispatch mode
     (the storage tracker's, or the user's: this detach is pytest-gpumem's own doing)."""
     if type(tensor) in _PLAIN_TENSORS:
-        with torch._C._DisableTorchDispatch():
+        with _NO_DISPATCH():
             return tensor.detach()
     return tensor.detach()
 
 
 class Held:
-    """What autograd keeps instead of a saved tensor under pytest-gpumem's hooks: a detached
-    alias of it and its version.
+    """What autograd keeps instead of a saved tensor under pytest-gpumem's hooks: the tensor (a
+    detached alias of it where it has a ``grad_fn``) and its version.
 
-    Detached, so that a node saving its own output (ReLU, Tanh, exp) holds no Python
-    object that holds the node: a cycle through C++ the collector cannot break. Holding
-    the tensor through a hook hides it from autograd's check that a saved tensor was not
-    modified in place afterwards; the version counter, shared by the detached alias, is
-    recorded here and checked by :func:`unpack`.
+    Detached, so that a node saving its own output (ReLU, Tanh, exp) holds no Python object
+    that holds the node: a cycle through C++ the collector cannot break. A leaf has no node to
+    hold, so it is kept as it is (autograd saves it as it is too). Holding the tensor through a
+    hook hides it from autograd's check that a saved tensor was not modified in place
+    afterwards; the version counter, shared by the detached alias, is recorded here and
+    checked by :func:`unpack`.
     """
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = detached(tensor)
+        self.tensor = tensor if tensor.is_leaf else detached(tensor)
         self.version = tensor._version
 
 
@@ -60,7 +64,8 @@ class Released(Held):
     __slots__ = ("release", "token")
 
     def __init__(self, tensor: torch.Tensor, release: Callable[[Any], None], token: Any) -> None:
-        super().__init__(tensor)
+        self.tensor = tensor if tensor.is_leaf else detached(tensor)
+        self.version = tensor._version
         self.release = release
         self.token = token
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -71,7 +72,8 @@ PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(
 
 #: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
 TIMELINE_LIMIT = 1024
-_WIDTH = 1 + len(CATEGORIES)  # a sample's ints: its event's index, its bytes by category
+_WIDTH = 2 + len(CATEGORIES)  # a sample's ints: its event's index, its total, its bytes by category
+_NEVER = sys.maxsize  # the next sampled event while no timeline is kept
 
 
 class StorageTracker(TrackedSites):
@@ -144,6 +146,7 @@ class StorageTracker(TrackedSites):
         #: the timeline's samples, flat: an event's index, then its bytes by category (:attr:`timeline`)
         self._samples: list[int] | None = None
         self._timeline_stride = 1
+        self._next_sample = _NEVER  # the event the timeline samples next
         self.sites = None  # where storages are made, only when asked (TrackedSites)
         #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
         self.limit: int | None = None
@@ -190,7 +193,7 @@ class StorageTracker(TrackedSites):
             window.peak = current
             window.event = events
             self._pending = True
-        if self._samples is not None and events % self._timeline_stride == 0:
+        if events >= self._next_sample:
             self._sample()
 
     def add_block(self, key: int, nbytes: int, category: str = "other") -> Block:
@@ -229,7 +232,7 @@ class StorageTracker(TrackedSites):
             self.current -= entry.nbytes
             self._param_keys.discard(key)
             self.events = events = self.events + 1
-            if self._samples is not None and events % self._timeline_stride == 0:
+            if events >= self._next_sample:
                 self._sample()
         finally:
             self._release()
@@ -249,7 +252,7 @@ class StorageTracker(TrackedSites):
             window.peak = self.current
             window.event = self.events
             self._pending = True
-        if self._samples is not None:
+        if self.events >= self._next_sample:
             self._sample()
 
     @property
@@ -260,31 +263,36 @@ class StorageTracker(TrackedSites):
         if samples is None:
             return None
         width = _WIDTH
-        return [(samples[i], tuple(samples[i + 1 : i + width])) for i in range(0, len(samples), width)]
+        return [(samples[i], tuple(samples[i + 2 : i + width])) for i in range(0, len(samples), width)]
 
     def _sample(self) -> None:
+        """Sample the count at this event (called once :attr:`events` reaches the next sampled event)."""
         samples = self._samples
         assert samples is not None
-        if self.events % self._timeline_stride == 0:
-            samples.append(self.events)  # flat: no tuple per sample
-            samples.extend(self._by_category)
-            if len(samples) >= TIMELINE_LIMIT * _WIDTH:
-                self._halve_timeline()
+        events = self.events
+        samples.append(events)  # flat: no tuple per sample
+        samples.append(self.current)
+        samples.extend(self._by_category)
+        stride = self._timeline_stride
+        self._next_sample = events - events % stride + stride
+        if len(samples) >= TIMELINE_LIMIT * _WIDTH:
+            self._halve_timeline()
 
     def _halve_timeline(self) -> None:
         """Keep the higher of each pair of samples (the first of a tie), and sample half as often."""
         samples = self._samples
         assert samples is not None
-        width = _WIDTH
+        width, count = _WIDTH, len(samples)
         kept: list[int] = []
-        for i in range(0, len(samples), 2 * width):
+        for i in range(0, count, 2 * width):
             j = i + width
-            if j < len(samples) and sum(samples[j + 1 : j + width]) > sum(samples[i + 1 : i + width]):
+            if j < count and samples[j + 1] > samples[i + 1]:  # by their totals
                 kept += samples[j : j + width]
             else:
                 kept += samples[i : i + width]
         self._samples = kept
-        self._timeline_stride *= 2
+        self._timeline_stride = stride = self._timeline_stride * 2
+        self._next_sample = self.events - self.events % stride + stride
 
     def _outputs(self, out: Any, fresh: bool) -> None:
         """Count the storages of an operator's outputs; ``fresh``: it creates them (see FRESH)."""
@@ -338,7 +346,7 @@ class StorageTracker(TrackedSites):
             window.peak = current
             window.event = events
             self._pending = True
-        if self._samples is not None and events % self._timeline_stride == 0:
+        if events >= self._next_sample:
             self._sample()
 
     def _output(self, tensor: torch.Tensor, fresh: bool) -> None:
@@ -577,8 +585,9 @@ class StorageTracker(TrackedSites):
 
     def _begin_count(self, timeline: bool) -> None:
         """Events count from here: a new window at the current count, the timeline (if kept) restarted."""
-        self._samples = [0, *self._by_category] if timeline else None
+        self._samples = [0, self.current, *self._by_category] if timeline else None
         self._timeline_stride = 1
+        self._next_sample = 1 if timeline else _NEVER
         self.events = 0
         self.notes = []
         self._window = self._new_window()
@@ -638,21 +647,27 @@ class StorageTracker(TrackedSites):
 
     def _save(self, entry: Entry) -> None:
         """Autograd holds ``entry`` for backward once more: counted once however often it is held."""
-        with self._lock:
+        self._acquire()
+        try:
             if entry.saves == 0:
-                self.saved += entry.nbytes
-                if self.saved > self._window.saved_peak:
-                    self._window.saved_peak = self.saved
+                self.saved = saved = self.saved + entry.nbytes
+                if saved > self._window.saved_peak:
+                    self._window.saved_peak = saved
                 if entry.category in (TEMPORARIES, OTHER):
                     entry.prior = entry.category
                     self._move(entry, ACTIVATIONS, discovered=False)
             entry.saves += 1
+        finally:
+            self._release()
 
     def _unsave(self, entry: Entry) -> None:
-        with self._lock:
+        self._acquire()
+        try:
             entry.saves -= 1
             if entry.saves == 0:
                 self.saved -= entry.nbytes
                 # The holder keeps the tensor alive, so the storage is still counted here.
                 if entry.category == ACTIVATIONS and entry() is not None:
                     self._move(entry, entry.prior, discovered=False)
+        finally:
+            self._release()
