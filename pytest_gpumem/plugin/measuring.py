@@ -125,6 +125,9 @@ class Measuring:
         if second is not None and second.running:  # sites on; the leak and out-of-memory reports stay the first run's
             options = replace(options, sites=settings.site_config, snapshots=None, reports=False)
         environment = self._environment(engine)
+        # activations told apart where the plan reads them: the breakdown asked for, the test's own
+        # figures (the gpumem fixture), a baseline
+        reads_saved = breakdown or "gpumem" in getattr(item, "fixturenames", ()) or self._baselined(item, environment)
         item.stash[RUN_KEY] = TestRun(
             item.nodeid,
             spec,
@@ -132,9 +135,7 @@ class Measuring:
             environment=environment,
             options=options,
             fake=fake,
-            # activations told apart where the plan reads them: the breakdown asked for, the test's own
-            # figures (the gpumem fixture), a baseline
-            saved_tensors=breakdown or "gpumem" in getattr(item, "fixturenames", ()) or self._baselined(item, environment),
+            saved_tensors=reads_saved,
         )
 
     def _baselined(self, item: pytest.Item, environment: dict[str, Any]) -> bool:

@@ -70,8 +70,9 @@ __all__ = ["CUDA_BLOCK", "StorageObserver", "StorageTracker", "Window", "cuda_ro
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
 
-#: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
-TIMELINE_LIMIT = 1024
+#: Most samples a timeline keeps (as many as a test's record keeps); longer timelines are halved
+#: (keeping maxima).
+TIMELINE_LIMIT = 512
 _WIDTH = 2 + len(CATEGORIES)  # a sample's ints: its event's index, its total, its bytes by category
 _NEVER = sys.maxsize  # the next sampled event while no timeline is kept
 
@@ -283,14 +284,11 @@ class StorageTracker(TrackedSites):
         samples = self._samples
         assert samples is not None
         width, count = _WIDTH, len(samples)
-        kept: list[int] = []
-        for i in range(0, count, 2 * width):
-            j = i + width
-            if j < count and samples[j + 1] > samples[i + 1]:  # by their totals
-                kept += samples[j : j + width]
-            else:
-                kept += samples[i : i + width]
-        self._samples = kept
+        firsts = [  # of each pair, the sample with the higher total
+            i + width if i + width < count and samples[i + width + 1] > samples[i + 1] else i
+            for i in range(0, count, 2 * width)
+        ]
+        self._samples = [value for first in firsts for value in samples[first : first + width]]
         self._timeline_stride = stride = self._timeline_stride * 2
         self._next_sample = self.events - self.events % stride + stride
 
