@@ -17,7 +17,8 @@ test suite of an optimizer library is written:
 
 The variants, each a fresh interpreter (``bench_overhead.run_session``): ``off`` (``-p no:gpumem``),
 ``dispatch`` (the plugin off, an empty ``TorchDispatchMode`` around each test call: the floor),
-``on`` (the plugin), ``profiler`` (the plugin off, ``torch.profiler.profile(profile_memory=True)``
+``on`` (the plugin), ``breakdown`` (the plugin with ``--gpumem-breakdown``: activations told apart
+from temporaries, a saved-tensor hook call per tensor autograd saves), ``profiler`` (the plugin off, ``torch.profiler.profile(profile_memory=True)``
 around each test call) and ``memray`` (the plugin off, pytest-memray's ``--memray``; where it is not
 installed, ``--memray-path`` names a folder it was installed into with ``pip install --target``).
 Rounds are interleaved, the order reversed every other round; figures are medians of CPU seconds
@@ -149,6 +150,7 @@ def variants(memray_path: Path | None) -> dict[str, Variant]:
         Variant("off", "off (-p no:gpumem)", OFF),
         Variant("dispatch", "empty TorchDispatchMode per test (the floor)", OFF, {"GPUMEM_BENCH_ANCHOR": "dispatch"}),
         Variant("on", "on (the CPU engine)", []),
+        Variant("breakdown", "on, --gpumem-breakdown (activations told apart)", ["--gpumem-breakdown"]),
         Variant("profiler", "torch.profiler(profile_memory) per test", OFF, {"GPUMEM_BENCH_ANCHOR": "profiler"}),
         Variant("memray", "pytest-memray --memray", [*OFF, "--memray"], memray_env),
     ]
