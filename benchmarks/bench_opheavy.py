@@ -18,9 +18,10 @@ test suite of an optimizer library is written:
 The variants, each a fresh interpreter (``bench_overhead.run_session``): ``off`` (``-p no:gpumem``),
 ``dispatch`` (the plugin off, an empty ``TorchDispatchMode`` around each test call: the floor),
 ``on`` (the plugin), ``breakdown`` (the plugin with ``--gpumem-breakdown``: activations told apart
-from temporaries, a saved-tensor hook call per tensor autograd saves), ``profiler`` (the plugin off, ``torch.profiler.profile(profile_memory=True)``
-around each test call) and ``memray`` (the plugin off, pytest-memray's ``--memray``; where it is not
-installed, ``--memray-path`` names a folder it was installed into with ``pip install --target``).
+from temporaries, a saved-tensor hook call per tensor autograd saves), ``profiler`` (the plugin
+off, ``torch.profiler.profile(profile_memory=True)`` around each test call) and ``memray`` (the
+plugin off, pytest-memray's ``--memray``; where it is not installed, ``--memray-path`` names a
+folder it was installed into with ``pip install --target``).
 Rounds are interleaved, the order reversed every other round; figures are medians of CPU seconds
 (user + system) of the session's process. The line that matters is ``on / dispatch``: what the
 plugin adds over the floor, on the same suite.
