@@ -35,7 +35,7 @@ __all__ = [
 MARKER_KEYWORD_HELP: dict[str, str] = {
     **{info.name: info.meaning for info in METRIC_TABLE if info.meaning},  # the limits, in METRICS order
     "device": "'auto', 'cpu', 'cuda' or 'cuda:N' (overrides --gpumem-device)",
-    "breakdown": "True/False: run the storage tracker on CUDA for the breakdown by category",
+    "breakdown": "True/False: the full breakdown by category (activations told apart; the storage tracker on CUDA)",
     "observe": "CPU engine: 'operators' (default) or 'allocations' (compiled code runs as compiled)",
     "predict": "CPU engine: report what this GPU would show (e.g. 'h100'); ignored on a GPU",
     "fake": "True/False: with a prediction, run the test on fake tensors (shapes, no data); ignored on a GPU",

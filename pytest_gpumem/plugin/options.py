@@ -74,7 +74,11 @@ OPTIONS: tuple[Option, ...] = (
         flag=True,
     ),
     Option("require-gpu", "fail (instead of skip) measured tests when no CUDA device is available.", flag=True),
-    Option("breakdown", "on CUDA, also run the storage tracker for the breakdown by category.", flag=True),
+    Option(
+        "breakdown",
+        "the full breakdown by category: activations told apart from temporaries, the storage tracker on CUDA.",
+        flag=True,
+    ),
     Option("cuda-rounding", "CPU engine: round storages up to 512-byte blocks as CUDA does.", flag=True),
     Option(
         "observe",
