@@ -1,0 +1,74 @@
+"""The codec (pytest_gpumem.codec): every serialised dataclass writes the bytes it wrote before the codec
+(tests/data/codec_golden.json, written by the hand-written methods it replaced) and reads them back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pytest_gpumem.baselines import Environment
+from pytest_gpumem.codec import from_data, to_data
+from pytest_gpumem.data.figures import Measurement, Timeline
+from pytest_gpumem.data.findings import Finding
+from pytest_gpumem.data.sites import SiteProfile
+from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.judge.sites import SiteDiff
+from pytest_gpumem.validate.results import Check
+from tests import codec_samples as samples
+
+GOLDEN = Path(__file__).parent / "data" / "codec_golden.json"
+
+
+def test_every_dataclass_writes_the_bytes_the_hand_written_methods_wrote() -> None:
+    assert json.dumps(samples.samples(), indent=1) + "\n" == GOLDEN.read_text()
+
+
+@pytest.mark.parametrize(
+    ("cls", "value"),
+    [
+        (Measurement, samples.MEASUREMENT),
+        (Timeline, samples.TIMELINE),
+        (Finding, samples.FINDING),
+        (SiteDiff, samples.DIFF),
+        (SiteProfile, samples.PROFILE),
+        (Environment, samples.ENVIRONMENT),
+        (TestRecord, samples.record()),
+        (Check, Check("g", "n", False, 1, None, "d")),
+    ],
+)
+def test_what_is_written_reads_back_equal(cls: type, value: object) -> None:
+    data = json.loads(json.dumps(to_data(value)))
+    assert from_data(cls, data) == value
+    assert TestRecord.from_json(samples.record().to_json()) == samples.record()
+
+
+def test_data_written_before_a_field_existed_reads_with_its_old_meaning() -> None:
+    profile = SiteProfile.from_dict({"sites": [], "rest": {"peak": 5}})
+    assert (profile.rest_peak, profile.rest_end, profile.by_category) == (5, 0, False)  # one row a site
+    measurement = Measurement.from_dict(
+        {
+            "name": "call",
+            "engine": "cpu",
+            "device": "cpu",
+            "start": 1,
+            "peak": 2,
+            "allocated": 1,
+            "phases": None,
+            "notes": None,
+        }
+    )
+    assert (measurement.reserved, measurement.phases, measurement.notes) == (None, {}, ())
+    assert Environment.from_dict({"total_memory": "80GB", "cuda_rounding": "yes"}) == Environment("unknown")
+
+
+def test_a_value_of_the_wrong_type_is_named_by_its_key_path() -> None:
+    data = to_data(samples.record())
+    data["measurements"][1]["peak"] = "lots"
+    with pytest.raises(ValueError, match=r"^measurements\[1\]\.peak: expected int, found 'lots'$"):
+        TestRecord.from_dict(data)
+    with pytest.raises(ValueError, match=r"^measurements\[0\]: expected an object, found list$"):
+        TestRecord.from_dict({"nodeid": "t", "measurements": [[]]})
+    with pytest.raises(ValueError, match=r"missing key 'nodeid'"):
+        TestRecord.from_dict({})
