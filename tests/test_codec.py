@@ -72,3 +72,13 @@ def test_a_value_of_the_wrong_type_is_named_by_its_key_path() -> None:
         TestRecord.from_dict({"nodeid": "t", "measurements": [[]]})
     with pytest.raises(ValueError, match=r"missing key 'nodeid'"):
         TestRecord.from_dict({})
+
+
+@pytest.mark.parametrize("record", sorted((Path(__file__).parents[1] / "fixtures" / "recorded").glob("*/record.json")))
+def test_the_committed_gpu_records_read_back_to_the_same_data(record: Path) -> None:
+    data = json.loads(record.read_text(encoding="utf-8"))
+    for workload in data["workloads"].values():
+        assert Measurement.from_dict(workload["measurement"]).to_dict() == workload["measurement"]
+    assert [Check.from_dict(check).to_dict() for check in data["checks"]] == data["checks"]
+    for key in ("environment", "cpu_environment"):
+        assert Environment.from_dict(data[key]).to_dict() == data[key]
