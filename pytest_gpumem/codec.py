@@ -53,6 +53,8 @@ class Coded:
 
     #: the keys written first, in this order (the others follow in the fields' order)
     _codec_order: ClassVar[tuple[str, ...]] = ()
+    #: reading refuses keys that are not the fields'
+    _codec_strict: ClassVar[bool] = False
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = to_data(self)
@@ -112,6 +114,11 @@ def from_data(cls: type[T], data: Any, where: str = "") -> T:
     Raises ``ValueError`` naming the key (``where`` leads it) for a value of the wrong type or a missing one."""
     if not isinstance(data, Mapping):
         raise ValueError(f"{where or cls.__name__}: expected an object, found {type(data).__name__}")
+    if getattr(cls, "_codec_strict", False):
+        known = {(c.key or f.name).split(".")[0] for f, c, _ in _fields(typing.cast(type, cls))}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{where or cls.__name__}: unknown key(s) {', '.join(unknown)}")
     values: dict[str, Any] = {}
     for f, coding, hint in _fields(typing.cast(type, cls)):
         if not f.init:
@@ -125,7 +132,7 @@ def from_data(cls: type[T], data: Any, where: str = "") -> T:
                 values[f.name] = coding.missing
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 if not _nullable(hint):
-                    raise ValueError(f"{where}.{key}: missing" if where else f"missing key {key!r}")
+                    raise ValueError(f"{where}.{key}: missing" if where else f"missing {key!r}")
                 values[f.name] = None
             continue
         here = f"{where}.{key}" if where else key

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +19,7 @@ from pytest_gpumem.data.findings import Finding
 from pytest_gpumem.data.sites import SiteProfile
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.judge.sites import SiteDiff
+from pytest_gpumem.targets import Target, target
 from pytest_gpumem.validate.results import Check
 from tests import codec_samples as samples
 
@@ -70,7 +75,7 @@ def test_a_value_of_the_wrong_type_is_named_by_its_key_path() -> None:
         TestRecord.from_dict(data)
     with pytest.raises(ValueError, match=r"^measurements\[0\]: expected an object, found list$"):
         TestRecord.from_dict({"nodeid": "t", "measurements": [[]]})
-    with pytest.raises(ValueError, match=r"missing key 'nodeid'"):
+    with pytest.raises(ValueError, match=r"^missing 'nodeid'$"):
         TestRecord.from_dict({})
 
 
@@ -82,3 +87,42 @@ def test_the_committed_gpu_records_read_back_to_the_same_data(record: Path) -> N
     assert [Check.from_dict(check).to_dict() for check in data["checks"]] == data["checks"]
     for key in ("environment", "cpu_environment"):
         assert Environment.from_dict(data[key]).to_dict() == data[key]
+
+
+def _target_row() -> dict[str, Any]:
+    text = resources.files("pytest_gpumem.targets").joinpath("targets.json").read_text(encoding="utf-8")
+    row: dict[str, Any] = json.loads(text)["targets"][0]
+    return row
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (
+            lambda r: r["attention"]["backends"]["flash"].update(head_dims=1),
+            "attention backend flash: unknown key(s) head_dims",
+        ),
+        (lambda r: r["allocator"].update(min_blok=1), "unknown allocator rule(s) min_blok"),
+        (lambda r: r["allocator"].update(min_block=0), "allocator rules must be positive byte counts: min_block=0"),
+        (lambda r: r["workspaces"][0].update(when="always"), "workspace cuBLAS: when='always' (use 'bias' or none)"),
+        (
+            lambda r: r["attention"]["backends"]["flash"].update(rng_state="x"),
+            "rng_state of flash: use 'always', 'dropout' or 'never'",
+        ),
+        (
+            lambda r: r["attention"].update(order=["math", "flash"]),
+            "the attention order must end with 'math' (it takes every call)",
+        ),
+        (lambda r: r["attention"].update(order=["fast", "math"]), "unknown attention backend(s) fast"),
+        (lambda r: r.pop("device_name"), "missing 'device_name'"),
+    ],
+)
+def test_a_bad_row_of_targets_json_is_refused_naming_the_target_and_the_problem(
+    change: Callable[[dict[str, Any]], object], problem: str
+) -> None:
+    row = _target_row()
+    assert Target.from_dict(copy.deepcopy(row)) == target(row["name"])
+    change(row)
+    with pytest.raises(ValueError) as info:
+        Target.from_dict(row)
+    assert str(info.value) == f"prediction target {row['name']!r} in targets.json: {problem}"
