@@ -65,43 +65,71 @@ class Coded:
         return from_data(cls, data)
 
 
+class _Field(typing.NamedTuple):
+    """How one field is written and read: its coding, its key's path, its default, its reader."""
+
+    name: str
+    coding: _Coding
+    path: tuple[str, ...]
+    default: Any  # _UNSET: none
+    nullable: bool
+    read: Callable[[Any], Any]
+    init: bool
+    plain: bool  # written as it is under its own name (no coding)
+
+
 @cache
-def _fields(cls: type) -> tuple[tuple[dataclasses.Field[Any], _Coding, Any], ...]:
+def _fields(cls: type) -> tuple[_Field, ...]:
     hints = typing.get_type_hints(cls)
-    return tuple((f, f.metadata.get("codec", _PLAIN), hints[f.name]) for f in dataclasses.fields(cls))
+    plan = []
+    for f in dataclasses.fields(cls):
+        coding: _Coding = f.metadata.get("codec", _PLAIN)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        hint = hints[f.name]
+        nullable = hint is Any or type(None) in typing.get_args(hint)
+        read = coding.read or _reader(hint)
+        path = () if coding.flat else tuple((coding.key or f.name).split("."))
+        default = _UNSET if default is dataclasses.MISSING else default
+        plan.append(_Field(f.name, coding, path, default, nullable, read, f.init, coding == _PLAIN))
+    return tuple(plan)
 
 
-def _default(f: dataclasses.Field[Any]) -> Any:
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
+_SCALARS = frozenset((int, float, str, bool, type(None)))
 
 
 def to_data(value: Any) -> Any:
     """``value`` as JSON-ready data: a dataclass as an object of its fields in their order, a mapping as an
     object, a tuple, list or set as an array (a set sorted), an enum as its value."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    kind: Any = type(value)
+    if kind in _SCALARS:
+        return value
+    if hasattr(kind, "__dataclass_fields__"):
         out: dict[str, Any] = {}
-        for f, coding, _hint in _fields(type(value)):
+        for f in _fields(kind):
             item = getattr(value, f.name)
-            if not coding.skip and not (coding.omit and item == _default(f)):
+            if f.plain:
+                out[f.name] = item if type(item) in _SCALARS else to_data(item)
+                continue
+            coding = f.coding
+            if not coding.skip and not (coding.omit and item == f.default):
                 encoded = coding.write(item) if coding.write else to_data(item)
-                *path, last = (coding.key or f.name).split(".")
                 node = out
-                for part in path:
+                for part in f.path[:-1]:
                     node = node.setdefault(part, {})
                 if coding.flat:
                     node.update(encoded)
                 else:
-                    node[last] = encoded
+                    node[f.path[-1]] = encoded
             for name, derive in coding.then.items():
                 out[name] = derive(value)
-        first = getattr(value, "_codec_order", ())
+        first = getattr(kind, "_codec_order", ())
         return {**{key: out.pop(key) for key in first if key in out}, **out} if first else out
+    if kind is list or kind is tuple:
+        return [to_data(item) for item in value]
+    if kind is dict or isinstance(value, Mapping):
+        return {key: to_data(item) for key, item in value.items()}
     if isinstance(value, Enum):
         return value.value
-    if isinstance(value, Mapping):
-        return {key: to_data(item) for key, item in value.items()}
     if isinstance(value, (set, frozenset)):
         return sorted(to_data(item) for item in value)
     if isinstance(value, (list, tuple)):
@@ -109,73 +137,124 @@ def to_data(value: Any) -> Any:
     return value
 
 
+class _Bad(ValueError):
+    """A value of the wrong type; ``path`` gathers its keys as the error goes up."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.path: list[str] = []
+
+
 def from_data(cls: type[T], data: Any, where: str = "") -> T:
     """The ``cls`` dataclass that :func:`to_data` wrote as ``data``; keys it does not know are ignored.
-    Raises ``ValueError`` naming the key (``where`` leads it) for a value of the wrong type or a missing one."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{where or cls.__name__}: expected an object, found {type(data).__name__}")
+    Raises ``ValueError`` naming the key path (after ``where``) of a value of the wrong type or a missing one."""
+    try:
+        made: T = _from(cls, data)
+        return made
+    except _Bad as bad:
+        path = where + "".join(bad.path).removeprefix("" if where else ".")
+        raise ValueError(f"{path}: {bad.problem}" if path else bad.problem) from None
+
+
+def _from(cls: Any, data: Any) -> Any:
+    if type(data) is not dict and not isinstance(data, Mapping):
+        raise _Bad(f"expected an object, found {_shown(data)}")
+    fields = _fields(cls)
     if getattr(cls, "_codec_strict", False):
-        known = {(c.key or f.name).split(".")[0] for f, c, _ in _fields(typing.cast(type, cls))}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - {f.path[0] for f in fields if f.path})
         if unknown:
-            raise ValueError(f"{where or cls.__name__}: unknown key(s) {', '.join(unknown)}")
+            raise _Bad(f"unknown key(s) {', '.join(unknown)}")
     values: dict[str, Any] = {}
-    for f, coding, hint in _fields(typing.cast(type, cls)):
+    for f in fields:
         if not f.init:
             continue
-        key = coding.key or f.name
         raw: Any = data
-        for part in () if coding.flat else key.split("."):
-            raw = raw.get(part) if isinstance(raw, Mapping) else None
-        if raw is None and not (_nullable(hint) and _has(data, key)):
-            if coding.missing is not _UNSET:
-                values[f.name] = coding.missing
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                if not _nullable(hint):
-                    raise ValueError(f"{where}.{key}: missing" if where else f"missing {key!r}")
+        for part in f.path:
+            raw = raw.get(part, _UNSET) if type(raw) is dict or isinstance(raw, Mapping) else _UNSET
+        if raw is _UNSET or (raw is None and not f.nullable):
+            if f.coding.missing is not _UNSET:
+                values[f.name] = f.coding.missing
+            elif f.default is _UNSET:
+                if not f.nullable:
+                    raise _Bad(f"missing {'.'.join(f.path)!r}")
                 values[f.name] = None
-            continue
-        here = f"{where}.{key}" if where else key
-        values[f.name] = coding.read(raw) if coding.read else _read(hint, raw, here)
+        elif raw is None:
+            values[f.name] = None
+        else:
+            try:
+                values[f.name] = f.read(raw)
+            except _Bad as bad:
+                bad.path.insert(0, "." + ".".join(f.path))
+                raise
     return cls(**values)
 
 
-def _has(data: Mapping[str, Any], key: str) -> bool:
-    *path, last = key.split(".")
-    for part in path:
-        data = data.get(part) or {}
-    return last in data
+def _shown(value: Any) -> str:
+    return "an array" if isinstance(value, list) else "an object" if isinstance(value, dict) else repr(value)
 
 
-def _nullable(hint: Any) -> bool:
-    return hint is Any or type(None) in typing.get_args(hint)
+def _same(value: Any) -> Any:
+    return value
 
 
-def _read(hint: Any, value: Any, where: str) -> Any:
-    """``value`` read as the type ``hint`` says."""
+@cache
+def _reader(hint: Any) -> Callable[[Any], Any]:
+    """What reads a value of the type ``hint``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return None
         kinds = [a for a in args if a is not type(None)]
-        return _read(kinds[0], value, where) if len(kinds) == 1 else value
+        return _reader(kinds[0]) if len(kinds) == 1 else _same  # null is read before
     if dataclasses.is_dataclass(hint):
-        return from_data(typing.cast(type, hint), value, where)
+        return lambda value: _from(hint, value)
     if isinstance(hint, type) and issubclass(hint, Enum):
-        return hint(value)
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_read(args[0], item, f"{where}[{i}]") for i, item in enumerate(value))
-        return tuple(_read(a, item, f"{where}[{i}]") for i, (a, item) in enumerate(zip(args, value, strict=True)))
-    if origin in (list, Sequence):
-        return [_read(args[0], item, f"{where}[{i}]") for i, item in enumerate(value)]
-    if origin in (set, frozenset):
-        return frozenset(_read(args[0], item, where) for item in value)
+        return hint
+    if origin in (tuple, list, Sequence, set, frozenset):
+        fixed = origin is tuple and not (len(args) == 2 and args[1] is Ellipsis)
+        items = [_reader(a) for a in args] if fixed else None
+        each = _reader(args[0])
+        made: Callable[[Any], Any] = {tuple: tuple, set: frozenset, frozenset: frozenset}.get(origin, list)
+
+        def array(value: Any) -> Any:
+            if type(value) is not list:
+                raise _Bad(f"expected an array, found {_shown(value)}")
+            if items is not None and len(items) != len(value):
+                raise _Bad(f"expected {len(items)} items, found {len(value)}")
+            out = []
+            for i, item in enumerate(value):
+                try:
+                    out.append(items[i](item) if items is not None else each(item))
+                except _Bad as bad:
+                    bad.path.insert(0, f"[{i}]")
+                    raise
+            return made(out)
+
+        return array
     if origin in (dict, Mapping):
-        return {str(k): _read(args[1], item, f"{where}.{k}") for k, item in value.items()}
+        each = _reader(args[1])
+
+        def mapping(value: Any) -> dict[str, Any]:
+            if type(value) is not dict:
+                raise _Bad(f"expected an object, found {_shown(value)}")
+            out = {}
+            for key, item in value.items():
+                try:
+                    out[str(key)] = each(item)
+                except _Bad as bad:
+                    bad.path.insert(0, f".{key}")
+                    raise
+            return out
+
+        return mapping
     if hint in (int, float, str, bool):
-        try:
-            return hint(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}: expected {hint.__name__}, found {value!r}") from None
-    return value
+
+        def scalar(value: Any) -> Any:
+            if type(value) is hint:
+                return value
+            try:
+                return hint(value)
+            except (TypeError, ValueError):
+                raise _Bad(f"expected {hint.__name__}, found {_shown(value)}") from None
+
+        return scalar
+    return _same

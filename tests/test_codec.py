@@ -73,7 +73,7 @@ def test_a_value_of_the_wrong_type_is_named_by_its_key_path() -> None:
     data["measurements"][1]["peak"] = "lots"
     with pytest.raises(ValueError, match=r"^measurements\[1\]\.peak: expected int, found 'lots'$"):
         TestRecord.from_dict(data)
-    with pytest.raises(ValueError, match=r"^measurements\[0\]: expected an object, found list$"):
+    with pytest.raises(ValueError, match=r"^measurements\[0\]: expected an object, found an array$"):
         TestRecord.from_dict({"nodeid": "t", "measurements": [[]]})
     with pytest.raises(ValueError, match=r"^missing 'nodeid'$"):
         TestRecord.from_dict({})
