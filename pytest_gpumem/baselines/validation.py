@@ -93,12 +93,15 @@ def _check_version(_key: str, value: Any) -> None:
         raise ValueError(f"the schema version must be an integer, found {_json_type(value)}")
     if value != SCHEMA_VERSION:
         newer = value > SCHEMA_VERSION
-        advice = "Upgrade pytest-gpumem to the release that wrote it" if newer else "Record the baselines again with "
         raise _Refused(
             f"schema version {value} cannot be read by this release of pytest-gpumem (it reads version "
             f"{SCHEMA_VERSION}); the file was written by {'a newer' if newer else 'an older'} release",
-            advice + ("" if newer else "`pytest --gpumem-update-baselines`") + "; the file was left untouched.",
+            ("Upgrade pytest-gpumem to the release that wrote it" if newer else _RECORD_AGAIN)
+            + "; the file was left untouched.",
         )
+
+
+_RECORD_AGAIN = "Record the baselines again with `pytest --gpumem-update-baselines`"
 
 
 def _check_key_text(key: str, value: Any) -> None:
@@ -111,98 +114,67 @@ def _check_counts(_key: str, value: Any) -> None:
         raise ValueError("expected an object of integer byte counts or null")
 
 
-_ANY = Node()
-_FIGURE = "an integer number of bytes or null"
-_SPAN = Node(
-    "object",
-    "an object",
+def _object(description: str, keys: Mapping[str, Node] | None = None, each: Node | None = None, **more: Any) -> Node:
+    return Node("object", more.pop("expected", "an object"), description, keys=keys or {}, each=each, **more)
+
+
+def _figure(description: str, signed: bool) -> Node:
+    return Node("integer", "an integer number of bytes or null", description, nullable=True, signed=signed)
+
+
+_SPAN = _object(
     "The figures of one span: each metric's cost (bytes, or a count; null when unknown); keys a later "
     "release adds are kept.",
-    keys={
-        **{
-            name: Node("integer", _FIGURE, METRIC_INFO[name].about, True, signed=METRIC_INFO[name].signed)
-            for name in (*METRICS, *COUNT_METRICS)
-        },
-        "start": Node(
-            "integer", _FIGURE, "allocated bytes when the span began (files of earlier releases)", True, signed=False
-        ),
-        "breakdown": Node(
-            "object",
-            "an object of integer byte counts or null",
+    {
+        **{name: _figure(METRIC_INFO[name].about, METRIC_INFO[name].signed) for name in (*METRICS, *COUNT_METRICS)},
+        "start": _figure("allocated bytes when the span began (files of earlier releases)", False),
+        "breakdown": _object(
             "Bytes by category at the peak.",
-            True,
             each=Node("integer", "an integer byte count", signed=False),
+            expected="an object of integer byte counts or null",
+            nullable=True,
             check=_check_counts,
         ),
-        "sites": Node(
-            "object",
-            "an object of site figures",
+        "sites": _object(
             "Where the bytes alive at the peak were made: 'file:function+offset category' → "
             "'peak=<bytes> end=<bytes> n=<count> <category> <phase> [examples] [| code]'.",
             each=Node("string", "a string", check=parse_stored_site),
+            expected="an object of site figures",
         ),
     },
-    each=Node(signed=True),
+    Node(signed=True),
 )
 _KEY_PART = "A part of the environment's key: a string without '|', line breaks or surrounding spaces; null: unknown."
-_ENVIRONMENT = Node(
-    "object",
-    "an object",
-    "Where the baselines were recorded (the fields of pytest_gpumem.baselines.Environment); its key is "
-    "recomputed from it.",
-    True,
-    keys={
+_ENVIRONMENT = _object(
+    "Where the baselines were recorded (pytest_gpumem.baselines.Environment); its key is made from it.",
+    {
         **{name: Node(description=_KEY_PART, check=_check_key_text) for name in KEYED_FIELDS},
         "total_memory": Node(description="The device's memory in bytes (read as null unless an integer)."),
-        "allocator": Node(
-            description="The caching allocator's settings, name → value (read as null unless an object)."
-        ),
+        "allocator": Node(description="The caching allocator's settings, name → value (null unless an object)."),
         "cuda_rounding": Node(description="CPU engine: storages rounded up to CUDA's 512-byte blocks (else null)."),
-        "labels": Node(
-            "object",
-            "an object of strings",
-            "Labels the user chose (--gpumem-env-label name=value).",
+        "labels": _object(
+            "Labels a pytest_gpumem_environment hook added, name → value: parts of the key.",
             each=Node("string", "a string", check=check_label),
+            expected="an object of strings",
         ),
     },
+    nullable=True,
 )
-FILE = Node(
-    "object",
-    "a JSON object",
+_TEST = _object("", {"spans": _object("The spans by name ('call': the whole test).", each=_SPAN)}, fill=("spans",))
+FILE = _object(
     "The baselines of a test suite: for each environment, the figures of each test's spans.",
-    keys={
-        "schema": Node(
-            "integer", "an integer", "The file layout's version.", check=_check_version, const=SCHEMA_VERSION
-        ),
-        "environments": Node(
-            "object",
-            "an object",
+    {
+        "schema": Node("integer", description="The file layout's version.", check=_check_version, const=SCHEMA_VERSION),
+        "environments": _object(
             "The environments by key (pytest_gpumem.baselines.Environment.key).",
-            each=Node(
-                "object",
-                "an object",
-                keys={
-                    "environment": _ENVIRONMENT,
-                    "tests": Node(
-                        "object",
-                        "an object",
-                        "The tests by node id.",
-                        each=Node(
-                            "object",
-                            "an object",
-                            keys={
-                                "spans": Node(
-                                    "object", "an object", "The spans by name ('call': the whole test).", each=_SPAN
-                                )
-                            },
-                            fill=("spans",),
-                        ),
-                    ),
-                },
+            each=_object(
+                "",
+                {"environment": _ENVIRONMENT, "tests": _object("The tests by node id.", each=_TEST)},
                 fill=("tests",),
             ),
         ),
     },
+    expected="a JSON object",
     required=("schema",),
 )
 
@@ -254,7 +226,7 @@ def _walk(node: Node, value: Any, keys: tuple[str, ...], fail: Callable[..., Bas
         for key in node.fill:
             value.setdefault(key, {})
         for key in [*(k for k in node.keys if k in value), *(k for k in value if k not in node.keys)]:
-            child = node.keys.get(key, node.each or _ANY)
+            child = node.keys.get(key, node.each or Node())
             _walk(child, value[key], (*keys, key), fail)
 
 
