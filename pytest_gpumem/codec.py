@@ -33,19 +33,9 @@ class _Coding:
 _PLAIN = _Coding()
 
 
-def coded(
-    *,
-    key: str | None = None,
-    omit: bool = False,
-    missing: Any = _UNSET,
-    write: Callable[[Any], Any] | None = None,
-    read: Callable[[Any], Any] | None = None,
-    then: Mapping[str, Callable[[Any], Any]] | None = None,
-    skip: bool = False,
-    flat: bool = False,
-) -> dict[str, Any]:
-    """A field's coding, as its metadata: ``field(default=None, metadata=coded(omit=True))``."""
-    return {"codec": _Coding(key, omit, missing, write, read, then or {}, skip, flat)}
+def coded(**coding: Any) -> dict[str, Any]:
+    """A field's coding (the options of :class:`_Coding`) as its metadata: ``field(metadata=coded(omit=True))``."""
+    return {"codec": _Coding(**coding)}
 
 
 class Coded:
@@ -85,11 +75,11 @@ def _fields(cls: type) -> tuple[_Field, ...]:
     for f in dataclasses.fields(cls):
         coding: _Coding = f.metadata.get("codec", _PLAIN)
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = _UNSET if default is dataclasses.MISSING else default
         hint = hints[f.name]
         nullable = hint is Any or type(None) in typing.get_args(hint)
         read = coding.read or _reader(hint)
         path = () if coding.flat else tuple((coding.key or f.name).split("."))
-        default = _UNSET if default is dataclasses.MISSING else default
         plan.append(_Field(f.name, coding, path, default, nullable, read, f.init, coding == _PLAIN))
     return tuple(plan)
 
