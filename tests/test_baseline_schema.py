@@ -3,7 +3,9 @@ line and column of the bad value, and the JSON Schema published from it describe
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -136,3 +138,71 @@ def test_a_repeated_key_is_located_where_the_reader_took_it() -> None:
     assert position(text, ("a", "b")) == (2, 13)
     assert position(text, ("a", "missing")) == (2, 7)  # the deepest found
     assert position("[1]", ("a",)) == (None, None)
+
+
+GOOD = {
+    "schema": 1,
+    "environments": {
+        "k": {
+            "environment": {"engine": "cpu", "labels": {"a": "b"}},
+            "tests": {"t": {"spans": {"call": {"peak": 1, "allocated": -1, "breakdown": {"other": 1}, "sites": {}}}}},
+        }
+    },
+}
+DEEP = json.loads("[" * 40 + "]" * 40)
+SPAN = '["environments"]["k"]["tests"]["t"]["spans"]["call"]'
+
+
+def env(d: dict[str, Any]) -> dict[str, Any]:
+    found: dict[str, Any] = d["environments"]["k"]
+    return found
+
+
+def span(d: dict[str, Any]) -> dict[str, Any]:
+    found: dict[str, Any] = env(d)["tests"]["t"]["spans"]["call"]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: span(d).update(later=-5, retained=-1), None),  # a later release's figure may be negative
+        (lambda d: env(d).update(environment=None), None),
+        (lambda d: env(d).pop("tests"), None),
+        (
+            lambda d: span(d).update(peak=True),
+            f'{SPAN}["peak"]: expected an integer number of bytes or null, found a boolean',
+        ),
+        (lambda d: span(d).update(start=-1), f'{SPAN}["start"]: -1 is negative: this figure is never below 0'),
+        (lambda d: span(d).update(later=2**70), f'{SPAN}["later"]: 1180591620717411303424 is beyond 2**63 - 1'),
+        (lambda d: span(d).update(later=DEEP), f'{SPAN}["later"]: a value nested too deeply (more than 32 levels)'),
+        (lambda d: env(d)["tests"]["t"].update(x=DEEP), '["tests"]["t"]["x"]: a value nested too deeply'),
+        (lambda d: d.update(x=DEEP), '["x"]: a value nested too deeply'),
+        (lambda d: span(d).update(breakdown={"other": 1.5}), "integer byte counts or null; 'other' is the number 1.5"),
+        (lambda d: span(d).update(breakdown=[1]), "integer byte counts or null, found an array"),
+        (lambda d: span(d).update(sites={"t.py:f+1 activations": 5}), "expected a string such as 'peak=1024"),
+        (lambda d: span(d).update(sites=[]), f'{SPAN}["sites"]: expected an object of site figures, found an array'),
+        (lambda d: env(d)["environment"]["labels"].update(a=5), "invalid environment label 'a'=5"),
+        (lambda d: env(d)["environment"].update(device_name="unknown"), "which the key shows for None"),
+        (lambda d: env(d)["tests"].update(t=None), '["tests"]["t"]: expected an object, found null'),
+        (lambda d: d.update(schema=True), '["schema"]: the schema version must be an integer, found a boolean'),
+    ],
+)
+def test_each_kind_of_bad_value_is_refused_at_its_place(
+    tmp_path: Path, change: Callable[[dict[str, Any]], object], message: str | None
+) -> None:
+    data = copy.deepcopy(GOOD)
+    change(data)
+    text = json.dumps(data, indent=2)
+    path = tmp_path / "b.json"
+    path.write_text(text, encoding="utf-8")
+    if message is None:
+        load(path)
+        return
+    with pytest.raises(BaselineFileError) as info:
+        load(path)
+    assert message in str(info.value)
+    line, column = info.value.line, info.value.column
+    assert line is not None and column is not None
+    assert text.splitlines()[line - 1][column - 1] in '-0123456789[{"tfn'  # the start of the bad value
+    assert path.read_text(encoding="utf-8") == text

@@ -110,8 +110,9 @@ def _check_key_text(key: str, value: Any) -> None:
 
 
 def _check_counts(_key: str, value: Any) -> None:
-    if isinstance(value, dict) and not all(type(v) is int for v in value.values()):
-        raise ValueError("expected an object of integer byte counts or null")
+    bad = [(k, v) for k, v in value.items() if type(v) is not int] if isinstance(value, dict) else []
+    if bad:
+        raise ValueError(f"expected an object of integer byte counts or null; {bad[0][0]!r} is {_json_type(bad[0][1])}")
 
 
 def _object(description: str, keys: Mapping[str, Node] | None = None, each: Node | None = None, **more: Any) -> Node:
