@@ -354,7 +354,3 @@ def _major_minor(version: str | None) -> str | None:
 
 def _shown(value: str | None) -> str:
     return "unknown" if value is None else value
-
-
-def _opt_str(value: Any) -> str | None:
-    return None if value is None else str(value)
