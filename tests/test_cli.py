@@ -174,7 +174,7 @@ def test_a_broken_file_is_reported_with_its_line_and_advice(capsys: pytest.Captu
     assert path.read_bytes() == before
     path.write_text('{"schema": 1, "environments": {"k": {"tests": {"t": {"spans": {"call": {"peak": "big"}}}}}}}')
     code, _, err = run(capsys, "show")
-    assert code == 2 and 'gpumem-baselines.json:1: ["environments"]["k"]' in err and "expected an integer" in err
+    assert code == 2 and 'gpumem-baselines.json:1:81: ["environments"]["k"]' in err and "expected an integer" in err
 
 
 def test_usage_errors_and_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -68,6 +68,7 @@ def test_the_wheel_carries_what_the_index_shows(dist: Path) -> None:
     wheel, fields, readme = wheel_metadata(dist)
     assert fields["License-Expression"] == ["MIT"]
     licence = wheel.read(next(n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE"))).decode()
+    assert "pytest_gpumem/schema/baselines.schema.json" in wheel.namelist()
     assert licence.startswith("MIT License") and "WITHOUT WARRANTY OF ANY KIND" in licence
     urls = dict(value.split(", ", 1) for value in fields["Project-URL"])
     assert set(urls) == {"Homepage", "Documentation", "Changelog", "Issues", "Source"}

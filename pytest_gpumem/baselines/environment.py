@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpumem.codec import Coded, coded
 from pytest_gpumem.units import format_size
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ _VERSION_RE = re.compile(r"^\s*(\d+)\.(\d+)")
 
 
 @dataclass(frozen=True)
-class Environment:
+class Environment(Coded):
     """What makes memory figures comparable between two runs.
 
     Two runs whose environments have the same :attr:`key` compare their figures
@@ -91,17 +92,26 @@ class Environment:
     laptop hold on any CI runner.
     """
 
-    engine: str
+    engine: str = field(metadata=coded(missing="unknown"))
     device_name: str | None = None
-    total_memory: int | None = None
+    total_memory: int | None = field(default=None, metadata=coded(read=lambda v: v if type(v) is int else None))
     compute_capability: str | None = None
     torch_version: str | None = None
     cuda_version: str | None = None
     hip_version: str | None = None
     cudnn_version: str | None = None
-    allocator: tuple[tuple[str, str], ...] | None = None
-    cuda_rounding: bool | None = None
-    labels: tuple[tuple[str, str], ...] = ()
+    allocator: tuple[tuple[str, str], ...] | None = field(
+        default=None,
+        metadata=coded(
+            write=lambda v: None if v is None else dict(v),
+            read=lambda v: _allocator_pairs(v) if isinstance(v, Mapping) else None,
+        ),
+    )
+    cuda_rounding: bool | None = field(default=None, metadata=coded(read=lambda v: v if type(v) is bool else None))
+    labels: tuple[tuple[str, str], ...] = field(  # left out when there are none: older files keep their bytes
+        default=(),
+        metadata=coded(omit=True, write=dict, read=lambda v: _label_pairs(v) if isinstance(v, Mapping) else ()),
+    )
 
     def __post_init__(self) -> None:
         for name in KEYED_FIELDS:
@@ -208,51 +218,6 @@ class Environment:
         else:
             parts += [f"{name}={value}" for name, value in self.allocator]
         return " | ".join(parts + labels)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict in field order; ``allocator`` and ``labels`` become objects ``{name: value}``.
-
-        ``labels`` is left out when there are none, so that files written
-        before labels existed keep their bytes.
-        """
-        data: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "labels":
-                if value:
-                    data["labels"] = dict(value)
-                continue
-            if f.name == "allocator" and value is not None:
-                value = dict(value)
-            data[f.name] = value
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Environment:
-        """Rebuild an environment written by :meth:`to_dict`; missing keys are ``None``, unknown ones ignored.
-
-        Raises ``ValueError`` naming the label for a bad label (a file that
-        :func:`~pytest_gpumem.baselines.load` accepted has none).
-        """
-        allocator = data.get("allocator")
-        total = data.get("total_memory")
-        rounding = data.get("cuda_rounding")
-        labels = data.get("labels")
-        if not isinstance(allocator, Mapping):
-            allocator = None
-        return cls(
-            engine=str(data.get("engine", "unknown")),
-            device_name=_opt_str(data.get("device_name")),
-            total_memory=total if type(total) is int else None,
-            compute_capability=_opt_str(data.get("compute_capability")),
-            torch_version=_opt_str(data.get("torch_version")),
-            cuda_version=_opt_str(data.get("cuda_version")),
-            hip_version=_opt_str(data.get("hip_version")),
-            cudnn_version=_opt_str(data.get("cudnn_version")),
-            allocator=None if allocator is None else _allocator_pairs(allocator),
-            cuda_rounding=rounding if isinstance(rounding, bool) else None,
-            labels=_label_pairs(labels) if isinstance(labels, Mapping) else (),
-        )
 
 
 def allocator_settings(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -389,7 +354,3 @@ def _major_minor(version: str | None) -> str | None:
 
 def _shown(value: str | None) -> str:
     return "unknown" if value is None else value
-
-
-def _opt_str(value: Any) -> str | None:
-    return None if value is None else str(value)

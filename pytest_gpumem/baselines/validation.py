@@ -5,28 +5,23 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.baselines.canonical import SCHEMA_VERSION
 from pytest_gpumem.baselines.environment import KEYED_FIELDS, check_key_text, check_label
-from pytest_gpumem.data.metrics import COUNT_METRICS, METRIC_TABLE, METRICS
+from pytest_gpumem.data.metrics import COUNT_METRICS, METRIC_INFO, METRICS
 from pytest_gpumem.data.sites import parse_stored_site
 from pytest_gpumem.units import MAX_BYTES, shown
 
-__all__ = ["MAX_DEPTH", "BaselineFileError"]
+__all__ = ["FILE", "MAX_DEPTH", "BaselineFileError", "Node", "json_schema", "position", "validate"]
 
 #: How deep a value under a key this release does not know may nest arrays and objects. The
 #: layout this release writes goes 8 levels deep; a file nested deeper than Python can parse or
 #: write back is refused like any other file that cannot be read.
 MAX_DEPTH = 32
-
-# Span keys whose type this release checks (bytes or null) when loading.
-_SPAN_INT_KEYS = frozenset((*METRICS, *COUNT_METRICS, "start"))
-# Span keys this release knows that never hold a number below 0 (allocated and retained may: a
-# cost that ends below its span's start); keys a later release added may.
-_UNSIGNED_KEYS = _SPAN_INT_KEYS - frozenset(info.name for info in METRIC_TABLE if info.signed)
 
 HINT_RESTORE = (
     "Restore it from version control (e.g. `git checkout -- {path}`), or delete it and record the "
@@ -67,132 +62,201 @@ class BaselineFileError(Exception):
         super().__init__(message)
 
 
-def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | None = None) -> None:
-    """Check the types of everything this release reads; raise :class:`BaselineFileError` on the first problem.
+@dataclass(frozen=True)
+class Node:
+    """One value of a baseline file: its JSON type, the keys it knows (and what any other key holds),
+    and the check beyond its type; :data:`FILE` is the whole file, :func:`json_schema` publishes it."""
 
-    ``text`` is the JSON ``tree`` was read from, to find the line of a
-    problem (``""``: no lines). ``hint`` replaces the default advice (restore
-    the file from version control). Adds the ``tests`` and ``spans`` objects
-    that may be left out.
+    type: str = ""  #: "object", "integer" or "string"; "": any JSON value (nested at most MAX_DEPTH levels)
+    expected: str = ""  #: how an error names the type: "an object"
+    description: str = ""
+    nullable: bool = False
+    keys: Mapping[str, Node] = field(default_factory=dict)
+    each: Node | None = None  #: what a key not in ``keys`` holds; None: anything
+    required: tuple[str, ...] = ()
+    fill: tuple[str, ...] = ()  #: keys that may be left out, added as empty objects
+    signed: bool | None = None  #: an integer here lies within ±(2**63 - 1) (True), or 0 to that (False)
+    check: Callable[[str, Any], object] | None = None  #: (key, value): raises ValueError saying the problem
+    const: Any = None  #: the only value (for the published schema; ``check`` refuses others)
+
+
+class _Refused(ValueError):
+    """A problem with its own advice."""
+
+    def __init__(self, problem: str, advice: str) -> None:
+        super().__init__(problem)
+        self.advice = advice
+
+
+def _check_version(_key: str, value: Any) -> None:
+    if type(value) is not int:
+        raise ValueError(f"the schema version must be an integer, found {_json_type(value)}")
+    if value != SCHEMA_VERSION:
+        newer = value > SCHEMA_VERSION
+        raise _Refused(
+            f"schema version {value} cannot be read by this release of pytest-gpumem (it reads version "
+            f"{SCHEMA_VERSION}); the file was written by {'a newer' if newer else 'an older'} release",
+            ("Upgrade pytest-gpumem to the release that wrote it" if newer else _RECORD_AGAIN)
+            + "; the file was left untouched.",
+        )
+
+
+_RECORD_AGAIN = "Record the baselines again with `pytest --gpumem-update-baselines`"
+
+
+def _check_key_text(key: str, value: Any) -> None:
+    if isinstance(value, str):  # a key reads one way only
+        check_key_text(key, value, shows_none=key != "engine")
+
+
+def _check_counts(_key: str, value: Any) -> None:
+    bad = [(k, v) for k, v in value.items() if type(v) is not int] if isinstance(value, dict) else []
+    if bad:
+        raise ValueError(f"expected an object of integer byte counts or null; {bad[0][0]!r} is {_json_type(bad[0][1])}")
+
+
+def _object(description: str, keys: Mapping[str, Node] | None = None, each: Node | None = None, **more: Any) -> Node:
+    return Node("object", more.pop("expected", "an object"), description, keys=keys or {}, each=each, **more)
+
+
+def _figure(description: str, signed: bool) -> Node:
+    return Node("integer", "an integer number of bytes or null", description, nullable=True, signed=signed)
+
+
+_SPAN = _object(
+    "The figures of one span: each metric's cost (bytes, or a count; null when unknown); keys a later "
+    "release adds are kept.",
+    {
+        **{name: _figure(METRIC_INFO[name].about, METRIC_INFO[name].signed) for name in (*METRICS, *COUNT_METRICS)},
+        "start": _figure("allocated bytes when the span began (files of earlier releases)", False),
+        "breakdown": _object(
+            "Bytes by category at the peak.",
+            each=Node("integer", "an integer byte count", signed=False),
+            expected="an object of integer byte counts or null",
+            nullable=True,
+            check=_check_counts,
+        ),
+        "sites": _object(
+            "Where the bytes alive at the peak were made: 'file:function+offset category' → "
+            "'peak=<bytes> end=<bytes> n=<count> <category> <phase> [examples] [| code]'.",
+            each=Node("string", "a string", check=parse_stored_site),
+            expected="an object of site figures",
+        ),
+    },
+    Node(signed=True),
+)
+_KEY_PART = "A part of the environment's key: a string without '|', line breaks or surrounding spaces; null: unknown."
+_ENVIRONMENT = _object(
+    "Where the baselines were recorded (pytest_gpumem.baselines.Environment); its key is made from it.",
+    {
+        **{name: Node(description=_KEY_PART, check=_check_key_text) for name in KEYED_FIELDS},
+        "total_memory": Node(description="The device's memory in bytes (read as null unless an integer)."),
+        "allocator": Node(description="The caching allocator's settings, name → value (null unless an object)."),
+        "cuda_rounding": Node(description="CPU engine: storages rounded up to CUDA's 512-byte blocks (else null)."),
+        "labels": _object(
+            "Labels a pytest_gpumem_environment hook added, name → value: parts of the key.",
+            each=Node("string", "a string", check=check_label),
+            expected="an object of strings",
+        ),
+    },
+    nullable=True,
+)
+_TEST = _object("", {"spans": _object("The spans by name ('call': the whole test).", each=_SPAN)}, fill=("spans",))
+FILE = _object(
+    "The baselines of a test suite: for each environment, the figures of each test's spans.",
+    {
+        "schema": Node("integer", description="The file layout's version.", check=_check_version, const=SCHEMA_VERSION),
+        "environments": _object(
+            "The environments by key (pytest_gpumem.baselines.Environment.key).",
+            each=_object(
+                "",
+                {"environment": _ENVIRONMENT, "tests": _object("The tests by node id.", each=_TEST)},
+                fill=("tests",),
+            ),
+        ),
+    },
+    expected="a JSON object",
+    required=("schema",),
+)
+
+
+def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | None = None) -> None:
+    """Check ``tree`` against :data:`FILE`; raise :class:`BaselineFileError` on the first problem.
+
+    ``text`` is the JSON ``tree`` was read from, to find the line and column of a problem
+    (``""``: none). ``hint`` replaces the default advice (restore the file from version control).
+    Adds the ``tests`` and ``spans`` objects that may be left out.
     """
 
     def fail(keys: tuple[str, ...], problem: str, advice: str = "") -> BaselineFileError:
         where = "".join(f"[{json.dumps(k, ensure_ascii=False)}]" for k in keys)
         default = f"Correct it by hand, or {lower_first(HINT_RESTORE.format(path=path))}" if hint is None else hint
+        line, column = position(text, keys) if keys else (None, None)
         return BaselineFileError(
-            path,
-            f"{where or 'top level'}: {problem}",
-            line=_locate(text, keys) if keys else None,
-            hint=advice or default,
+            path, f"{where or 'top level'}: {problem}", line=line, column=column, hint=advice or default
         )
-
-    def check_unknown(keys: tuple[str, ...], value: Any) -> None:
-        if isinstance(value, (dict, list)) and _too_deep(value):
-            raise fail(keys, f"a value nested too deeply (more than {MAX_DEPTH} levels)")
 
     if not isinstance(tree, dict):
         raise fail((), f"expected a JSON object, found {_json_type(tree)}; this is not a pytest-gpumem baseline file")
-    for top_key, value in tree.items():
-        if top_key not in ("schema", "environments"):
-            check_unknown((top_key,), value)
-    schema = tree.get("schema")
     if "schema" not in tree:
         raise fail((), 'no "schema" version; this is not a pytest-gpumem baseline file')
-    if type(schema) is not int:
-        raise fail(("schema",), f"the schema version must be an integer, found {_json_type(schema)}")
-    if schema != SCHEMA_VERSION:
-        newer = schema > SCHEMA_VERSION
-        raise fail(
-            ("schema",),
-            f"schema version {schema} cannot be read by this release of pytest-gpumem (it reads version "
-            f"{SCHEMA_VERSION}); the file was written by {'a newer' if newer else 'an older'} release",
-            advice=(
-                "Upgrade pytest-gpumem to the release that wrote it"
-                if newer
-                else "Record the baselines again with `pytest --gpumem-update-baselines`"
-            )
-            + "; the file was left untouched.",
-        )
-    envs = tree.get("environments", {})
-    if not isinstance(envs, dict):
-        raise fail(("environments",), f"expected an object, found {_json_type(envs)}")
-    for key, env in envs.items():
-        if not isinstance(env, dict):
-            raise fail(("environments", key), f"expected an object, found {_json_type(env)}")
-        described = env.get("environment", {})
-        if described is not None and not isinstance(described, dict):
-            raise fail(("environments", key, "environment"), f"expected an object, found {_json_type(described)}")
-        for env_key, value in env.items():
-            check_unknown(("environments", key, env_key), value if env_key != "tests" else None)
-        labels = (described or {}).get("labels")
-        if labels is not None:
-            where = ("environments", key, "environment", "labels")
-            if not isinstance(labels, dict):
-                raise fail(where, f"expected an object of strings, found {_json_type(labels)}")
-            for name, value in labels.items():
-                try:
-                    check_label(name, value)
-                except ValueError as exc:
-                    raise fail((*where, name), str(exc)) from None
-        for field_name in KEYED_FIELDS:  # a key reads one way only
-            part = (described or {}).get(field_name)
-            if isinstance(part, str):
-                try:
-                    check_key_text(field_name, part, shows_none=field_name != "engine")
-                except ValueError as exc:
-                    raise fail(("environments", key, "environment", field_name), str(exc)) from None
-        tests = env.setdefault("tests", {})
-        if not isinstance(tests, dict):
-            raise fail(("environments", key, "tests"), f"expected an object, found {_json_type(tests)}")
-        for test, raw in tests.items():
-            if not isinstance(raw, dict):
-                raise fail(("environments", key, "tests", test), f"expected an object, found {_json_type(raw)}")
-            spans = raw.setdefault("spans", {})
-            if not isinstance(spans, dict):
-                raise fail(
-                    ("environments", key, "tests", test, "spans"), f"expected an object, found {_json_type(spans)}"
-                )
-            if len(raw) > 1:
-                for test_key, value in raw.items():
-                    if test_key != "spans":
-                        check_unknown(("environments", key, "tests", test, test_key), value)
-            for name, span in spans.items():
-                if not isinstance(span, dict):
-                    raise fail(
-                        ("environments", key, "tests", test, "spans", name),
-                        f"expected an object, found {_json_type(span)}",
-                    )
-                ints = _SPAN_INT_KEYS.intersection(span)
-                if len(span) > len(ints) + ("breakdown" in span):
-                    for span_key, value in span.items():
-                        if span_key != "breakdown" and span_key not in ints:
-                            check_unknown(("environments", key, "tests", test, "spans", name, span_key), value)
-                for field_name in ints:
-                    value = span[field_name]
-                    if value is not None and type(value) is not int:
-                        raise fail(
-                            ("environments", key, "tests", test, "spans", name, field_name),
-                            f"expected an integer number of bytes or null, found {_json_type(value)}",
-                        )
-                for span_key, value in span.items():  # in range (figures a later release added too)
-                    if type(value) is int and not 0 <= value <= MAX_BYTES:
-                        problem = _out_of_range(value, signed=span_key not in _UNSIGNED_KEYS)
-                        if problem:
-                            raise fail(("environments", key, "tests", test, "spans", name, span_key), problem)
-                if "sites" in span:
-                    _check_sites(span["sites"], ("environments", key, "tests", test, "spans", name, "sites"), fail)
-                breakdown = span.get("breakdown")
-                if breakdown is not None and not (
-                    isinstance(breakdown, dict) and all(type(v) is int for v in breakdown.values())
-                ):
-                    raise fail(
-                        ("environments", key, "tests", test, "spans", name, "breakdown"),
-                        "expected an object of integer byte counts or null",
-                    )
-                for category, value in (breakdown or {}).items():
-                    if not 0 <= value <= MAX_BYTES:
-                        problem = _out_of_range(value, signed=False) or ""
-                        raise fail(("environments", key, "tests", test, "spans", name, "breakdown", category), problem)
+    _walk(FILE, tree, (), fail)
+
+
+_TYPES: Mapping[str, type] = {"object": dict, "integer": int, "string": str}
+
+
+def _walk(node: Node, value: Any, keys: tuple[str, ...], fail: Callable[..., BaselineFileError]) -> None:
+    """Check ``value`` (at ``keys``) against ``node``, and what it holds against theirs."""
+    if node.check is not None:
+        try:
+            node.check(keys[-1] if keys else "", value)
+        except ValueError as exc:
+            raise fail(keys, str(exc), getattr(exc, "advice", "")) from None
+    if value is None and node.nullable:
+        return
+    if node.type and (type(value) is not _TYPES[node.type] or isinstance(value, bool)):
+        raise fail(keys, f"expected {node.expected}, found {_json_type(value)}")
+    if node.signed is not None and type(value) is int:
+        problem = _out_of_range(value, signed=node.signed)
+        if problem:
+            raise fail(keys, problem)
+    if not node.type and isinstance(value, (dict, list)) and _too_deep(value):
+        raise fail(keys, f"a value nested too deeply (more than {MAX_DEPTH} levels)")
+    if node.type == "object":
+        for key in node.fill:
+            value.setdefault(key, {})
+        for key in [*(k for k in node.keys if k in value), *(k for k in value if k not in node.keys)]:
+            child = node.keys.get(key, node.each or Node())
+            _walk(child, value[key], (*keys, key), fail)
+
+
+def json_schema() -> dict[str, Any]:
+    """:data:`FILE` as a JSON Schema (draft 2020-12): ``pytest_gpumem/schema/baselines.schema.json``."""
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://github.com/pytest-gpumem/pytest-gpumem/blob/main/pytest_gpumem/schema/baselines.schema.json",
+        "title": "pytest-gpumem baseline file",
+        **_json_schema(FILE),
+    }
+
+
+def _json_schema(node: Node) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": node.description} if node.description else {}
+    if node.type:
+        out["type"] = [node.type, "null"] if node.nullable else node.type
+    if node.const is not None:
+        out["const"] = node.const
+    if node.signed is not None:
+        bounds = {"minimum": -MAX_BYTES if node.signed else 0, "maximum": MAX_BYTES}
+        out.update(bounds if node.type == "integer" else {"if": {"type": "integer"}, "then": bounds})
+    if node.keys:
+        out["properties"] = {key: _json_schema(child) for key, child in node.keys.items()}
+    if node.each is not None:
+        out["additionalProperties"] = _json_schema(node.each)
+    if node.required:
+        out["required"] = list(node.required)
+    return out
 
 
 def _out_of_range(value: Any, *, signed: bool) -> str | None:
@@ -205,17 +269,6 @@ def _out_of_range(value: Any, *, signed: bool) -> str | None:
     if value < 0 and not signed:
         return f"{value} is negative: this figure is never below 0"
     return None
-
-
-def _check_sites(sites: Any, where: tuple[str, ...], fail: Callable[..., BaselineFileError]) -> None:
-    """A span's ``sites``: an object of site key → ``"peak=<bytes> end=<bytes> n=<count> ..."``."""
-    if not isinstance(sites, dict):
-        raise fail(where, f"expected an object of site figures, found {_json_type(sites)}")
-    for site, value in sites.items():
-        try:
-            parse_stored_site(site, value)
-        except ValueError as exc:
-            raise fail((*where, site), str(exc)) from None
 
 
 def _too_deep(value: Any) -> bool:
@@ -232,17 +285,36 @@ def _too_deep(value: Any) -> bool:
     return False
 
 
-def _locate(text: str, keys: Iterable[str]) -> int | None:
-    """The line of the last of ``keys`` (a path of object keys), searching for each after the previous one."""
-    position = 0
-    found: int | None = None
-    for key in keys:
-        match = re.compile(re.escape(json.dumps(key, ensure_ascii=False)) + r"\s*:").search(text, position)
-        if match is None:
-            break
-        position = match.end()
-        found = match.start()
-    return None if found is None else text.count("\n", 0, found) + 1
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def position(text: str, keys: tuple[str, ...]) -> tuple[int | None, int | None]:
+    """The line and column (from 1) of the value at ``keys`` (object keys from the top) in the JSON
+    ``text``; of the deepest one found when the text does not hold them all; (None, None) for none."""
+    decoder = json.JSONDecoder()
+    at, found = _SPACE.match(text).end(), None  # type: ignore[union-attr]
+    try:
+        for key in keys:
+            if not text.startswith("{", at):
+                break
+            at, value_at = _SPACE.match(text, at + 1).end(), None  # type: ignore[union-attr]
+            while text.startswith('"', at):  # each member: the last of a repeated key is the one read
+                name, at = decoder.raw_decode(text, at)
+                at = _SPACE.match(text, _SPACE.match(text, at).end() + 1).end()  # type: ignore[union-attr]
+                if name == key:
+                    value_at = at
+                at = _SPACE.match(text, decoder.raw_decode(text, at)[1]).end()  # type: ignore[union-attr]
+                if text.startswith(",", at):
+                    at = _SPACE.match(text, at + 1).end()  # type: ignore[union-attr]
+            if value_at is None:
+                break
+            at = found = value_at
+    except ValueError:  # text that is not the tree's (it was read from it: only a stale text)
+        pass
+    if found is None:
+        return None, None
+    line_start = text.rfind("\n", 0, found) + 1
+    return text.count("\n", 0, found) + 1, found - line_start + 1
 
 
 def lower_first(text: str) -> str:

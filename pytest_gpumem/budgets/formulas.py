@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.budgets.optimizers import OptimizerState, optimizer_state, registered_optimizers
+from pytest_gpumem.codec import Coded, coded
 from pytest_gpumem.tables import table
 from pytest_gpumem.units import format_size
 
@@ -231,7 +232,7 @@ def _precision(precision: str | Precision) -> Precision:
 
 
 @dataclass(frozen=True)
-class Budget:
+class Budget(Coded):
     """A theoretical memory budget: bytes per item, in order.
 
     Attributes:
@@ -254,7 +255,8 @@ class Budget:
     optimizer: str | None = None
     zero_stage: int = 0
     world_size: int = 1
-    device: str = "cpu"
+    device: str = field(default="cpu", metadata=coded(then={"total": lambda b: b.total}))
+    _codec_order = ("precision", "optimizer", "psi", "zero_stage", "world_size", "device")
 
     @property
     def total(self) -> int:
@@ -265,19 +267,6 @@ class Budget:
     def bytes_per_psi(self) -> Fraction | None:
         """``total / Ψ`` exactly; None when Ψ is 0."""
         return Fraction(self.total, self.psi) if self.psi else None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (stable key order); sizes in bytes."""
-        return {
-            "precision": self.precision,
-            "optimizer": self.optimizer,
-            "psi": self.psi,
-            "zero_stage": self.zero_stage,
-            "world_size": self.world_size,
-            "device": self.device,
-            "items": dict(self.items),
-            "total": self.total,
-        }
 
     def __str__(self) -> str:
         per_rank = f", ZeRO-{self.zero_stage} over {self.world_size} ranks (per rank)" if self.zero_stage else ""

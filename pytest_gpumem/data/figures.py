@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pytest_gpumem.codec import Coded, coded, from_data
 from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, metric_info
 from pytest_gpumem.data.sites import SiteProfile
 
@@ -70,8 +71,14 @@ class OutputNotWritten(Warning):
     ``-W error::pytest_gpumem.data.figures.OutputNotWritten`` to fail the run instead."""
 
 
+def _categories(breakdown: Mapping[str, int] | None) -> dict[str, int] | None:
+    """The categories ``breakdown`` has, in report order (activations are absent where they were
+    not told apart from temporaries)."""
+    return None if breakdown is None else {c: int(breakdown[c]) for c in CATEGORIES if c in breakdown}
+
+
 @dataclass(frozen=True)
-class Phase:
+class Phase(Coded):
     """One phase of a training step inside a span (bytes, absolute).
 
     ``start`` is allocated when the phase was first entered, ``peak`` the highest
@@ -80,28 +87,15 @@ class Phase:
     measured step: its figures then cover both).
     """
 
-    name: str
+    name: str = field(metadata=coded(skip=True))  # the key it is written under
     start: int
     peak: int
     end: int
     count: int = 1
 
-    def to_dict(self) -> dict[str, int]:
-        return {"start": self.start, "peak": self.peak, "end": self.end, "count": self.count}
-
-    @classmethod
-    def from_dict(cls, name: str, data: Mapping[str, Any]) -> Phase:
-        return cls(
-            name=name,
-            start=int(data["start"]),
-            peak=int(data["peak"]),
-            end=int(data["end"]),
-            count=int(data.get("count", 1)),
-        )
-
 
 @dataclass(frozen=True)
-class Timeline:
+class Timeline(Coded):
     """Allocated bytes by category over a span, for plots.
 
     ``events`` are the indexes of allocation/free events (monotonic, starting at
@@ -114,7 +108,7 @@ class Timeline:
     """
 
     events: tuple[int, ...]
-    series: Mapping[str, tuple[int, ...]]
+    series: Mapping[str, tuple[int, ...]] = field(metadata=coded(write=lambda s: {c: list(s[c]) for c in CATEGORIES}))
     marks: tuple[tuple[int, str], ...] = ()
 
     def totals(self) -> tuple[int, ...]:
@@ -126,24 +120,13 @@ class Timeline:
     def to_dict(self, samples: int | None = None) -> dict[str, Any]:
         """JSON-ready data that :meth:`from_dict` reads back; with ``samples``, thinned to at most
         that many samples, each stretch of events keeping its highest total."""
-        keep = list(range(len(self.events)))
-        if samples is not None and len(keep) > samples:
-            totals = self.totals()
-            size = -(-len(keep) // samples)
-            keep = [max(range(i, min(i + size, len(keep))), key=totals.__getitem__) for i in range(0, len(keep), size)]
-        return {
-            "events": [self.events[i] for i in keep],
-            "series": {c: [self.series[c][i] for i in keep] for c in CATEGORIES},
-            "marks": [list(mark) for mark in self.marks],
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Timeline:
-        return cls(
-            events=tuple(int(e) for e in data["events"]),
-            series={c: tuple(int(v) for v in data["series"][c]) for c in CATEGORIES},
-            marks=tuple((int(event), str(label)) for event, label in data["marks"]),
-        )
+        if samples is None or len(self.events) <= samples:
+            return super().to_dict()
+        totals = self.totals()
+        size = -(-len(self.events) // samples)
+        keep = [max(range(i, min(i + size, len(totals))), key=totals.__getitem__) for i in range(0, len(totals), size)]
+        series = {c: tuple(self.series[c][i] for i in keep) for c in CATEGORIES}
+        return replace(self, events=tuple(self.events[i] for i in keep), series=series).to_dict()
 
     @classmethod
     def empty(cls) -> Timeline:
@@ -152,7 +135,7 @@ class Timeline:
 
 
 @dataclass(frozen=True)
-class Measurement:
+class Measurement(Coded):
     """What one span cost on its device. All sizes are bytes.
 
     Attributes:
@@ -220,15 +203,18 @@ class Measurement:
     num_ooms: int | None = None
     driver_used: int | None = None
     driver_process: int | None = None
-    breakdown: Mapping[str, int] | None = None
-    allocated_breakdown: Mapping[str, int] | None = None
-    phases: Mapping[str, Phase] = field(default_factory=dict)
+    breakdown: Mapping[str, int] | None = field(default=None, metadata=coded(write=_categories))
+    allocated_breakdown: Mapping[str, int] | None = field(default=None, metadata=coded(write=_categories))
+    phases: Mapping[str, Phase] = field(
+        default_factory=dict,
+        metadata=coded(read=lambda data: {str(k): from_data(Phase, {**v, "name": k}) for k, v in data.items()}),
+    )
     saved_activations: int | None = None
     psi: int | None = None
     cuda_rounding: bool = False
     max_microbatch: int | None = None
     notes: tuple[str, ...] = ()
-    sites: SiteProfile | None = None
+    sites: SiteProfile | None = field(default=None, metadata=coded(omit=True))
 
     def figure(self, metric: str) -> int | None:
         """The absolute figure named ``metric`` (one of :data:`METRICS` or :data:`COUNT_METRICS`)."""
@@ -250,58 +236,3 @@ class Measurement:
             return value
         start: int | None = getattr(self, start_field)
         return None if start is None else value - start
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (stable key order: the fields') that :meth:`from_dict` reads back."""
-        data: dict[str, Any] = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        data["breakdown"] = _categories(self.breakdown)
-        data["allocated_breakdown"] = _categories(self.allocated_breakdown)
-        data["phases"] = {name: phase.to_dict() for name, phase in self.phases.items()}
-        data["notes"] = list(self.notes)
-        sites = data.pop("sites")
-        if sites is not None:
-            data["sites"] = sites.to_dict()
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
-        """Rebuild a measurement written by :meth:`to_dict`; unknown keys are ignored, and a figure
-        that is not there is unknown (``None``)."""
-        values: dict[str, Any] = {  # every figure: bytes or a count, None when unknown
-            name: _opt_int(data.get(name)) for name in cls.__dataclass_fields__ if name not in _NOT_FIGURES
-        }
-        values.update(
-            name=str(data["name"]),
-            engine=str(data["engine"]),
-            device=str(data["device"]),
-            start=int(data["start"]),
-            peak=int(data["peak"]),
-            allocated=int(data["allocated"]),
-            breakdown=_read_categories(data.get("breakdown")),
-            allocated_breakdown=_read_categories(data.get("allocated_breakdown")),
-            phases={str(k): Phase.from_dict(str(k), v) for k, v in (data.get("phases") or {}).items()},
-            cuda_rounding=bool(data.get("cuda_rounding", False)),
-            notes=tuple(str(note) for note in data.get("notes") or ()),
-            sites=None if data.get("sites") is None else SiteProfile.from_dict(data["sites"]),
-        )
-        return cls(**values)
-
-
-#: The fields of a :class:`Measurement` that are not a figure (bytes or a count, ``None`` when unknown).
-_NOT_FIGURES = frozenset(
-    ("name", "engine", "device", "breakdown", "allocated_breakdown", "phases", "cuda_rounding", "notes", "sites")
-)
-
-
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def _categories(breakdown: Mapping[str, int] | None) -> dict[str, int] | None:
-    """The categories ``breakdown`` has, in report order (activations are absent where they were
-    not told apart from temporaries)."""
-    return None if breakdown is None else {c: int(breakdown[c]) for c in CATEGORIES if c in breakdown}
-
-
-def _read_categories(data: Any) -> dict[str, int] | None:
-    return None if data is None else {str(k): int(v) for k, v in data.items()}

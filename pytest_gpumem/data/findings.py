@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
 from functools import cached_property
-from typing import Any, Literal
+from typing import Literal
 
+from pytest_gpumem.codec import Coded, coded
 from pytest_gpumem.data.metrics import COST_METRICS, MetricInfo, metric_info
 from pytest_gpumem.units import MAX_BYTES, SizeError, format_delta, format_percent, parse_size, shown
 
@@ -43,7 +44,7 @@ _PERCENT_RE = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%$")
 
 
 @dataclass(frozen=True)
-class Tolerance:
+class Tolerance(Coded):
     """How far a cost may move from its baseline before it counts as changed.
 
     ``relative`` is a fraction of the baseline (``0.02`` for 2%), ``absolute``
@@ -87,15 +88,6 @@ class Tolerance:
         if self.absolute:
             return info.format(self.absolute)
         return "0 (exact)"
-
-    def to_dict(self) -> dict[str, float | int]:
-        """JSON-ready: ``{"relative": 0.02, "absolute": 1048576}``."""
-        return {"relative": self.relative, "absolute": self.absolute}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Tolerance:
-        """Read what :meth:`to_dict` wrote."""
-        return cls(float(data["relative"]), int(data["absolute"]))
 
     def __str__(self) -> str:
         return self.describe()
@@ -169,8 +161,20 @@ class Limit:
             raise ValueError(f"invalid limit kind {self.kind!r}: expected 'limit' or 'budget'")
 
 
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+#: The figures a finding's data carries after ``reference``, for the reports' readers (not read back).
+_DERIVED: dict[str, Callable[[Finding], object]] = {
+    "delta": lambda f: f.delta,
+    "delta_pct": lambda f: _rounded(f.delta_pct, 4),
+    "ratio": lambda f: _rounded(f.ratio, 6),
+}
+
+
 @dataclass(frozen=True)
-class Finding:
+class Finding(Coded):
     """The outcome of comparing one figure of one span with one reference.
 
     Attributes:
@@ -203,10 +207,13 @@ class Finding:
     span: str
     metric: str
     kind: Kind
-    status: Status
+    status: Status = field(metadata=coded(then={"failed": lambda f: f.failed}))
     measured: int | None = None
-    reference: int | None = None
-    tolerance: Tolerance | None = None
+    reference: int | None = field(default=None, metadata=coded(then=_DERIVED))
+    tolerance: Tolerance | None = field(
+        default=None,
+        metadata=coded(then={"tolerance_text": lambda f: None if f.tolerance is None else str(f.tolerance)}),
+    )
     changed: Mapping[str, int] = field(default_factory=dict, hash=False)
     detail: str = ""
     strict: bool = False
@@ -248,45 +255,6 @@ class Finding:
         if self.status in ("improved", "new", "other-environment", "stale"):
             return self.strict
         return False
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready data (sizes in bytes), with the derived figures for the reports' readers."""
-        return {
-            "test": self.test,
-            "span": self.span,
-            "metric": self.metric,
-            "kind": self.kind,
-            "status": self.status,
-            "failed": self.failed,
-            "measured": self.measured,
-            "reference": self.reference,
-            "delta": self.delta,
-            "delta_pct": None if self.delta_pct is None else round(self.delta_pct, 4),
-            "ratio": None if self.ratio is None else round(self.ratio, 6),
-            "tolerance": None if self.tolerance is None else self.tolerance.to_dict(),
-            "tolerance_text": None if self.tolerance is None else str(self.tolerance),
-            "changed": dict(self.changed),
-            "detail": self.detail,
-            "strict": self.strict,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Finding:
-        """Rebuild a finding written by :meth:`to_dict`."""
-        tolerance = data.get("tolerance")
-        return cls(
-            test=str(data["test"]),
-            span=str(data["span"]),
-            metric=str(data["metric"]),
-            kind=data["kind"],
-            status=data["status"],
-            measured=data.get("measured"),
-            reference=data.get("reference"),
-            tolerance=None if tolerance is None else Tolerance.from_dict(tolerance),
-            changed={str(k): int(v) for k, v in (data.get("changed") or {}).items()},
-            detail=str(data.get("detail", "")),
-            strict=bool(data.get("strict", False)),
-        )
 
 
 # --------------------------------------------------------------------------- messages

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pytest_gpumem.codec import Coded, coded, from_data
 from pytest_gpumem.data.metrics import CATEGORIES, PHASES
 
 __all__ = [
@@ -137,14 +138,25 @@ def split_row_key(key: str) -> tuple[str, str | None]:
     return key, None
 
 
+def _flat_site(site: Site) -> dict[str, Any]:
+    return {
+        "key": site.key,
+        "file": site.file,
+        "function": site.function,
+        "line": site.line,
+        "offset": site.offset,
+        "code": site.code,
+    }
+
+
 @dataclass(frozen=True)
-class SiteFigures:
+class SiteFigures(Coded):
     """What one site held in a span: ``peak`` bytes alive at the span's peak, ``end`` bytes
     alive at its end, ``count`` storages alive at the peak (at the end when none were at the
     peak), ``category`` and ``phase`` of most of those bytes (``""``: outside any phase), and
     ``examples``: one or two shapes and dtypes, ``"(8, 256, 1024) float32"``."""
 
-    site: Site
+    site: Site = field(metadata=coded(flat=True, write=_flat_site, read=lambda data: from_data(Site, data)))
     peak: int
     end: int
     count: int
@@ -159,44 +171,6 @@ class SiteFigures:
     def key(self) -> str:
         """The row's key: its site's and its category, ``tinygpt.py:Block.forward+3 activations``."""
         return f"{self.site.key} {self.category}"
-
-    def to_dict(self) -> dict[str, Any]:
-        site = self.site
-        return {
-            "key": site.key,
-            "file": site.file,
-            "function": site.function,
-            "line": site.line,
-            "offset": site.offset,
-            "code": site.code,
-            "peak": self.peak,
-            "end": self.end,
-            "count": self.count,
-            "category": self.category,
-            "phase": self.phase,
-            "examples": list(self.examples),
-            "holders": [[name, nbytes] for name, nbytes in self.holders],
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SiteFigures:
-        site = Site(
-            str(data.get("file", "")),
-            str(data["function"]),
-            int(data.get("offset", 0)),
-            int(data.get("line", 0)),
-            str(data.get("code", "")),
-        )
-        return cls(
-            site,
-            int(data["peak"]),
-            int(data["end"]),
-            int(data["count"]),
-            str(data.get("category", "other")),
-            str(data.get("phase", "")),
-            tuple(str(e) for e in data.get("examples") or ()),
-            tuple((str(name), int(nbytes)) for name, nbytes in data.get("holders") or ()),
-        )
 
     def stored(self) -> str:
         """The figures as the baseline file keeps them: ``peak=N end=N n=N category phase examples | code``."""
@@ -248,7 +222,7 @@ def parse_stored_site(key: str, value: object) -> SiteFigures:
 
 
 @dataclass(frozen=True)
-class SiteProfile:
+class SiteProfile(Coded):
     """The sites of one span, the largest first (by bytes at the peak, then at the end).
 
     ``rest_peak``, ``rest_end`` and ``rest_sites`` sum up the sites left out (a measurement
@@ -262,12 +236,12 @@ class SiteProfile:
     """
 
     sites: tuple[SiteFigures, ...] = ()
-    rest_peak: int = 0
-    rest_end: int = 0
-    rest_sites: int = 0
+    rest_peak: int = field(default=0, metadata=coded(key="rest.peak"))
+    rest_end: int = field(default=0, metadata=coded(key="rest.end"))
+    rest_sites: int = field(default=0, metadata=coded(key="rest.sites"))
     second_run: bool = False
     note: str = ""
-    by_category: bool = True
+    by_category: bool = field(default=True, metadata=coded(missing=False))  # False: stored before rows split
 
     @property
     def peak(self) -> int:
@@ -298,30 +272,6 @@ class SiteProfile:
             rest_peak=self.rest_peak + sum(s.peak for s in left),
             rest_end=self.rest_end + sum(s.end for s in left),
             rest_sites=self.rest_sites + len(left),
-        )
-
-    # -- the record's and reports' form ----------------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "sites": [s.to_dict() for s in self.sites],
-            "rest": {"peak": self.rest_peak, "end": self.rest_end, "sites": self.rest_sites},
-            "second_run": self.second_run,
-            "note": self.note,
-            "by_category": self.by_category,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SiteProfile:
-        rest = data.get("rest") or {}
-        return cls(
-            tuple(SiteFigures.from_dict(s) for s in data.get("sites") or ()),
-            int(rest.get("peak", 0)),
-            int(rest.get("end", 0)),
-            int(rest.get("sites", 0)),
-            bool(data.get("second_run", False)),
-            str(data.get("note", "")),
-            bool(data.get("by_category", False)),
         )
 
     # -- the baseline file's form ----------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem.codec import Coded
 from pytest_gpumem.diagnose.holders import frame_locals, module_level_objects, referrer_names
 from pytest_gpumem.measurement import collector, frozen, gcfunctions
 from pytest_gpumem.measurement.engines import Engine
@@ -71,7 +72,7 @@ _FRAMEWORK_PARTS = (f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}")
 
 
 @dataclass(frozen=True)
-class LiveTensor:
+class LiveTensor(Coded):
     """One live storage on the device, described through a tensor that uses it.
 
     Attributes:
@@ -98,17 +99,7 @@ class LiveTensor:
     held_by: str | None = None
     views: int = 1
     site: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "site": self.site,
-            "nbytes": self.nbytes,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "category": self.category,
-            "held_by": self.held_by,
-            "views": self.views,
-        }
+    _codec_order = ("site",)
 
 
 def _on_device(device: torch.device) -> Callable[[torch.Tensor], bool]:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from pytest_gpumem.codec import Coded, coded
 from pytest_gpumem.diagnose.census import (
     LiveTensor,
     describe,
@@ -91,7 +92,7 @@ def _settle(engine: Engine) -> None:
 
 
 @dataclass(frozen=True)
-class LeakCheck:
+class LeakCheck(Coded):
     """The verdict of :func:`confirm_leak`. All sizes are bytes.
 
     Attributes:
@@ -127,7 +128,7 @@ class LeakCheck:
     leaked: tuple[LiveTensor, ...] = ()
     leaked_count: int = 0
     leaked_bytes: int = 0
-    listed: bool = False
+    listed: bool = field(default=False, metadata=coded(skip=True))
 
     @property
     def suspected(self) -> bool:
@@ -164,22 +165,6 @@ class LeakCheck:
         elif not self.listed and self.suspected:
             text += "\n  (take a snapshot_storages() at the start to list the leaked tensors)"
         return text
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
-            "device": self.device,
-            "engine": self.engine,
-            "start": self.start,
-            "readings": list(self.readings),
-            "retained": self.retained,
-            "confirmed": self.confirmed,
-            "driver_retained": self.driver_retained,
-            "driver_confirmed": self.driver_confirmed,
-            "leaked": [t.to_dict() for t in self.leaked],
-            "leaked_count": self.leaked_count,
-            "leaked_bytes": self.leaked_bytes,
-        }
 
 
 def confirm_leak(

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pytest_gpumem.codec import Coded
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.diagnose.census import (
     TOP,
@@ -108,7 +109,7 @@ def requested_bytes(message: str) -> tuple[int, bool] | None:
 
 
 @dataclass(frozen=True)
-class OomReport:
+class OomReport(Coded):
     """What the device held when an allocation failed. All sizes are bytes.
 
     Attributes:
@@ -188,26 +189,6 @@ class OomReport:
             )
             text += f"\n\n{title}\n" + live_table(self.largest)
         return text
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
-            "device": self.device,
-            "engine": self.engine,
-            "message": self.message,
-            "when": self.when,
-            "requested": self.requested,
-            "requested_exact": self.requested_exact,
-            "allocated": self.allocated,
-            "reserved": self.reserved,
-            "limit": self.limit,
-            "phase": self.phase,
-            "breakdown": None if self.breakdown is None else dict(self.breakdown),
-            "largest": [t.to_dict() for t in self.largest],
-            "live_count": self.live_count,
-            "live_bytes": self.live_bytes,
-            "site": self.site,
-        }
 
 
 def _first_line(exc: BaseException | None) -> str:

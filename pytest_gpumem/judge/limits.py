@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpumem.budgets.expressions import BudgetError, BudgetExpr, parse_budget
+from pytest_gpumem.codec import Coded, coded
 from pytest_gpumem.data.findings import Limit, Tolerance, parse_tolerance
 from pytest_gpumem.data.metrics import SPAN_METRICS
 from pytest_gpumem.units import SizeError, parse_size, shown
@@ -41,25 +42,16 @@ class LimitExceeded(AssertionError):
 
 
 @dataclass(frozen=True)
-class LimitSpec:
+class LimitSpec(Coded):
     """A limit as written: a size in bytes, or a budget expression using Ψ."""
 
     metric: str
     text: str
-    expression: BudgetExpr
+    expression: BudgetExpr = field(metadata=coded(write=lambda e: e.text, read=parse_budget))
 
     @property
     def uses_psi(self) -> bool:
         return self.expression.uses_psi
-
-    def to_dict(self) -> dict[str, str]:
-        """JSON-ready: the metric, the limit as shown, and the expression it evaluates."""
-        return {"metric": self.metric, "text": self.text, "expression": self.expression.text}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, str]) -> LimitSpec:
-        """Read what :meth:`to_dict` wrote (the expression was validated where it was written)."""
-        return cls(data["metric"], data["text"], parse_budget(data["expression"]))
 
     def resolve(self, psi: int | None) -> Limit:
         """The limit in bytes, Ψ being the tracked trainable parameter count."""

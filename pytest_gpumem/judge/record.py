@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpumem.baselines import Environment
+from pytest_gpumem.codec import Coded, coded, from_data
 from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.judge.limits import LimitSpec
@@ -27,7 +28,7 @@ TIMELINE_SAMPLES = 512
 
 
 @dataclass
-class TestRecord:
+class TestRecord(Coded):
     """What the plugin learnt about one test call. Sizes are bytes.
 
     Attributes:
@@ -63,13 +64,14 @@ class TestRecord:
     """
 
     __test__ = False  # a name pytest would otherwise collect
+    _codec_order = ("nodeid", "measurements", "asked")
 
     nodeid: str
     measurements: list[Measurement] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     environment: dict[str, Any] | None = None
-    tolerances: dict[str, dict[str, float]] = field(default_factory=dict)
+    tolerances: dict[str, dict[str, float | int]] = field(default_factory=dict)
     passed: bool = True
     reports: list[str] = field(default_factory=list)
     timeline: dict[str, Any] | None = None
@@ -81,7 +83,7 @@ class TestRecord:
     min_microbatch: int | None = None
     ranks_measured: bool = False
     leak_report: str | None = None
-    site_changes: dict[str, SiteDiff] = field(default_factory=dict)
+    site_changes: dict[str, SiteDiff] = field(default_factory=dict, metadata=coded(omit=True))
 
     @property
     def failed(self) -> bool:
@@ -111,31 +113,6 @@ class TestRecord:
 
     # -- wire format ------------------------------------------------------------------
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready data: what travels from an xdist worker to the controller."""
-        data = {
-            "nodeid": self.nodeid,
-            "measurements": [m.to_dict() for m in self.measurements],
-            "asked": {span: [spec.to_dict() for spec in specs] for span, specs in self.asked.items()},
-            "findings": [f.to_dict() for f in self.findings],
-            "errors": list(self.errors),
-            "environment": self.environment,
-            "tolerances": dict(self.tolerances),
-            "passed": self.passed,
-            "reports": list(self.reports),
-            "timeline": self.timeline,
-            "snapshot": self.snapshot,
-            "device_limit": self.device_limit,
-            "workspaces": self.workspaces,
-            "leak_check": self.leak_check,
-            "min_microbatch": self.min_microbatch,
-            "ranks_measured": self.ranks_measured,
-            "leak_report": self.leak_report,
-        }
-        if self.site_changes:
-            data["site_changes"] = {span: diff.to_dict() for span, diff in self.site_changes.items()}
-        return data
-
     def to_json(self, *, timeline: bool = True) -> str:
         """:meth:`to_dict` as compact JSON text (without the call's timeline: ``timeline=False``)."""
         data = self.to_dict()
@@ -146,31 +123,7 @@ class TestRecord:
     @classmethod
     def from_json(cls, text: str) -> TestRecord:
         """Read what :meth:`to_json` wrote."""
-        return cls.from_dict(json.loads(text))
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TestRecord:
-        """Read what :meth:`to_dict` wrote."""
-        return cls(
-            nodeid=data["nodeid"],
-            measurements=[Measurement.from_dict(m) for m in data["measurements"]],
-            asked={span: [LimitSpec.from_dict(spec) for spec in specs] for span, specs in data["asked"].items()},
-            findings=[Finding.from_dict(f) for f in data["findings"]],
-            errors=list(data["errors"]),
-            environment=data["environment"],
-            tolerances=dict(data["tolerances"]),
-            passed=bool(data["passed"]),
-            reports=list(data.get("reports", ())),
-            timeline=data.get("timeline"),
-            snapshot=data.get("snapshot"),
-            device_limit=data.get("device_limit"),
-            workspaces=data.get("workspaces"),
-            leak_check=bool(data.get("leak_check", False)),
-            min_microbatch=data.get("min_microbatch"),
-            ranks_measured=bool(data.get("ranks_measured", False)),
-            leak_report=data.get("leak_report"),
-            site_changes={span: SiteDiff.from_dict(d) for span, d in (data.get("site_changes") or {}).items()},
-        )
+        return from_data(cls, json.loads(text))
 
 
 class RecordStore:

@@ -15,9 +15,10 @@ Pure: no I/O, no torch. Sizes are bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
+from pytest_gpumem.codec import Coded, coded
 from pytest_gpumem.data.sites import BEFORE, SiteFigures, SiteProfile
 
 __all__ = ["SiteChange", "SiteDiff", "diff_sites", "merge_categories"]
@@ -25,16 +26,24 @@ __all__ = ["SiteChange", "SiteDiff", "diff_sites", "merge_categories"]
 Status = Literal["changed", "new", "gone", "unlisted"]
 
 
+#: What a change's data carries after its baseline's bytes, for the reports' readers (not read back).
+_AFTER: dict[str, Callable[[SiteChange], object]] = {
+    "after": lambda c: {"peak": c.after_peak, "end": c.after_end},
+    "delta": lambda c: {"peak": c.delta("peak"), "end": c.delta("end")},
+}
+
+
 @dataclass(frozen=True)
-class SiteChange:
+class SiteChange(Coded):
     """One site whose bytes changed: ``figures`` (this run's; the baseline's for a site that is
     gone), the baseline's bytes at the peak and at the end (None for a site the baseline does not
     list), and ``status``: ``"changed"``, ``"new"`` (since the baseline), ``"gone"``, or
     ``"unlisted"`` (the baseline lists only its largest sites: this one may be among the others)."""
 
-    figures: SiteFigures
-    before_peak: int | None
-    before_end: int | None
+    _codec_order = ("site", "status")
+    figures: SiteFigures = field(metadata=coded(key="site"))
+    before_peak: int | None = field(metadata=coded(key="before.peak"))
+    before_end: int | None = field(metadata=coded(key="before.end", then=_AFTER))
     status: Status = "changed"
 
     @property
@@ -51,23 +60,9 @@ class SiteChange:
             return self.after_end - (self.before_end or 0)
         return self.after_peak - (self.before_peak or 0)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "site": self.figures.to_dict(),
-            "status": self.status,
-            "before": {"peak": self.before_peak, "end": self.before_end},
-            "after": {"peak": self.after_peak, "end": self.after_end},
-            "delta": {"peak": self.delta("peak"), "end": self.delta("end")},
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SiteChange:
-        before = data.get("before") or {}
-        return cls(SiteFigures.from_dict(data["site"]), before.get("peak"), before.get("end"), data["status"])
-
 
 @dataclass(frozen=True)
-class SiteDiff:
+class SiteDiff(Coded):
     """The sites of one span that changed against its baseline's profile; ``compared``: how many
     sites either side lists; ``second_run`` and ``note`` as the span's profile has them."""
 
@@ -85,25 +80,6 @@ class SiteDiff:
         grown.sort(key=lambda c: (-c.delta(moment), c.figures.site.key))
         shrunk.sort(key=lambda c: (c.delta(moment), c.figures.site.key))
         return grown + shrunk
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "span": self.span,
-            "changes": [c.to_dict() for c in self.changes],
-            "compared": self.compared,
-            "second_run": self.second_run,
-            "note": self.note,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SiteDiff:
-        return cls(
-            str(data["span"]),
-            tuple(SiteChange.from_dict(c) for c in data.get("changes") or ()),
-            int(data.get("compared", 0)),
-            bool(data.get("second_run", False)),
-            str(data.get("note", "")),
-        )
 
 
 def diff_sites(span: str, baseline: SiteProfile, current: SiteProfile) -> SiteDiff:

@@ -10,11 +10,13 @@ made on that GPU by ``python -m pytest_gpumem validate`` (the row's ``record``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import Any
 
+from pytest_gpumem.codec import Coded, coded, from_data
 from pytest_gpumem.targets.allocator import AllocatorRules, CachingAllocatorModel
 
 __all__ = [
@@ -34,7 +36,7 @@ class UnknownTarget(ValueError):
 
 
 @dataclass(frozen=True)
-class Workspace:
+class Workspace(Coded):
     """A library workspace a thread allocates at its first operator of a kind, and keeps.
 
     ``when``: ``"bias"`` limits it to ``addmm`` with a one-dimensional bias (the cuBLASLt
@@ -42,13 +44,17 @@ class Workspace:
     """
 
     library: str
-    nbytes: int
+    nbytes: int = field(metadata=coded(key="bytes"))
     operators: frozenset[str]
     when: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.when not in (None, "bias"):
+            raise ValueError(f"workspace {self.library}: when={self.when!r} (use 'bias' or none)")
+
 
 @dataclass(frozen=True)
-class AttentionBackend:
+class AttentionBackend(Coded):
     """When a fused scaled-dot-product-attention kernel runs on the target, and what it keeps.
 
     A call runs the first backend of :attr:`Target.attention_order` whose conditions hold
@@ -67,23 +73,7 @@ class AttentionBackend:
     gqa: bool = True
     logsumexp_row_multiple: int = 1
     rng_state: str = "always"
-
-    @classmethod
-    def from_dict(cls, name: str, data: dict[str, Any]) -> AttentionBackend:
-        """The backend ``name`` from its row of ``targets.json`` (keys named as the fields)."""
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__) - {"name"})
-        if unknown:
-            raise ValueError(f"attention backend {name}: unknown key(s) {', '.join(unknown)}")
-        return cls(
-            name=name,
-            dtypes=frozenset(data.get("dtypes", ())),
-            max_head_dim=data.get("max_head_dim"),
-            head_dim_multiple=int(data.get("head_dim_multiple", 1)),
-            mask=bool(data.get("mask", True)),
-            gqa=bool(data.get("gqa", True)),
-            logsumexp_row_multiple=int(data.get("logsumexp_row_multiple", 1)),
-            rng_state=str(data.get("rng_state", "always")),
-        )
+    _codec_strict = True
 
     def keeps_rng_state(self, dropout_p: float) -> bool:
         return self.rng_state == "always" or (self.rng_state == "dropout" and dropout_p > 0)
@@ -101,79 +91,58 @@ class AttentionBackend:
         )
 
 
+def _attention(data: dict[str, Any]) -> tuple[AttentionBackend, ...]:
+    """``{"order": [name, ...], "backends": {name: {...}}}``: the backends in their order."""
+    backends = data.get("backends", {})
+    return tuple(
+        from_data(AttentionBackend, {**backends.get(name, {}), "name": name}, f"attention backend {name}")
+        for name in data.get("order", ())
+    )
+
+
 @dataclass(frozen=True)
-class Target:
+class Target(Coded):
     """One GPU and PyTorch version whose figures a CPU run predicts (a row of ``targets.json``)."""
 
     name: str
-    aliases: tuple[str, ...]
+    aliases: tuple[str, ...] = field(metadata=coded(missing=()))
     device_name: str
     total_memory: int
     compute_capability: str
     torch_version: str
     cuda_version: str
-    allocator: AllocatorRules
-    workspaces: tuple[Workspace, ...]
+    allocator: AllocatorRules = field(metadata=coded(read=AllocatorRules.from_dict, missing=AllocatorRules()))
+    workspaces: tuple[Workspace, ...] = field(metadata=coded(missing=()))
     #: scaled-dot-product-attention backends, in the order the target's PyTorch tries them
-    attention_order: tuple[AttentionBackend, ...] = ()
+    attention_order: tuple[AttentionBackend, ...] = field(default=(), metadata=coded(key="attention", read=_attention))
     #: the dtype of the mask a training-mode dropout keeps for backward ("bool": the fused
     #: ``native_dropout`` kernel, as on CUDA); None: as the CPU run does
     dropout_mask: str | None = None
     #: functions the target's autocast runs in float32 (its fp32 list), by name
-    autocast_fp32: frozenset[str] = frozenset()
+    autocast_fp32: frozenset[str] = field(default=frozenset(), metadata=coded(key="autocast.fp32"))
     #: functions the target's autocast runs in its lower precision where the CPU's does not
-    autocast_lower: frozenset[str] = frozenset()
+    autocast_lower: frozenset[str] = field(default=frozenset(), metadata=coded(key="autocast.lower"))
     #: the folder of the record it is checked against, relative to the project
     record: str | None = None
 
+    def __post_init__(self) -> None:
+        order = self.attention_order
+        unknown = [b.name for b in order if b.name not in ("flash", "efficient", "math")]
+        if unknown:
+            raise ValueError(f"unknown attention backend(s) {', '.join(unknown)}")
+        bad_rng = [b.name for b in order if b.rng_state not in ("always", "dropout", "never")]
+        if bad_rng:
+            raise ValueError(f"rng_state of {', '.join(bad_rng)}: use 'always', 'dropout' or 'never'")
+        if order and order[-1].name != "math":
+            raise ValueError("the attention order must end with 'math' (it takes every call)")
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Target:
-        name = data.get("name", "?")
+    def from_dict(cls, data: Mapping[str, Any]) -> Target:
+        """The target of a row of ``targets.json``; ``ValueError`` naming the target and the problem."""
         try:
-            workspaces = tuple(
-                Workspace(
-                    library=str(item["library"]),
-                    nbytes=int(item["bytes"]),
-                    operators=frozenset(str(op) for op in item["operators"]),
-                    when=item.get("when"),
-                )
-                for item in data.get("workspaces", ())
-            )
-            for workspace in workspaces:
-                if workspace.when not in (None, "bias"):
-                    raise ValueError(f"workspace {workspace.library}: when={workspace.when!r} (use 'bias' or none)")
-            attention = data.get("attention", {})
-            backends = attention.get("backends", {})
-            order = tuple(
-                AttentionBackend.from_dict(str(name), backends.get(name, {})) for name in attention.get("order", ())
-            )
-            unknown = [b.name for b in order if b.name not in ("flash", "efficient", "math")]
-            if unknown:
-                raise ValueError(f"unknown attention backend(s) {', '.join(unknown)}")
-            bad_rng = [b.name for b in order if b.rng_state not in ("always", "dropout", "never")]
-            if bad_rng:
-                raise ValueError(f"rng_state of {', '.join(bad_rng)}: use 'always', 'dropout' or 'never'")
-            if order and order[-1].name != "math":
-                raise ValueError("the attention order must end with 'math' (it takes every call)")
-            return cls(
-                name=str(data["name"]),
-                aliases=tuple(str(alias) for alias in data.get("aliases", ())),
-                device_name=str(data["device_name"]),
-                total_memory=int(data["total_memory"]),
-                compute_capability=str(data["compute_capability"]),
-                torch_version=str(data["torch_version"]),
-                cuda_version=str(data["cuda_version"]),
-                allocator=AllocatorRules.from_dict(dict(data.get("allocator", {}))),
-                workspaces=workspaces,
-                attention_order=order,
-                dropout_mask=data.get("dropout_mask"),
-                autocast_fp32=frozenset(str(n) for n in data.get("autocast", {}).get("fp32", ())),
-                autocast_lower=frozenset(str(n) for n in data.get("autocast", {}).get("lower", ())),
-                record=data.get("record"),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise ValueError(f"prediction target {name!r} in targets.json: {detail}") from None
+            return from_data(cls, data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"prediction target {data.get('name', '?')!r} in targets.json: {exc}") from None
 
 
 @cache

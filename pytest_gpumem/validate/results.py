@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem.codec import Coded
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import METRIC_INFO
 
@@ -50,7 +51,7 @@ TRACED_STEP = "trace.zoo.mlp.fp32"
 
 
 @dataclass
-class Check:
+class Check(Coded):
     """One assertion, with the figures behind it.
 
     ``passed`` is None when the check does not apply here (a GPU figure on a CPU-only run).
@@ -67,27 +68,6 @@ class Check:
     @property
     def result(self) -> str:
         return "n/a" if self.passed is None else ("ok" if self.passed else "FAILED")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "group": self.group,
-            "name": self.name,
-            "passed": self.passed,
-            "measured": self.measured,
-            "expected": self.expected,
-            "detail": self.detail,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Check:
-        return cls(
-            group=str(data["group"]),
-            name=str(data["name"]),
-            passed=data.get("passed"),
-            measured=data.get("measured"),
-            expected=data.get("expected"),
-            detail=str(data.get("detail", "")),
-        )
 
 
 @dataclass
