@@ -17,6 +17,7 @@ import gc
 import importlib
 import importlib.util
 import itertools
+import json
 import operator
 import os
 import pkgutil
@@ -30,6 +31,7 @@ from pathlib import Path
 import hypothesis  # noqa: F401  (below: imported before any in-process run)
 import pytest
 import torch
+from filelock import FileLock
 
 import pytest_gpumem
 from pytest_gpumem.baselines import Environment
@@ -227,18 +229,37 @@ def recorded_h100() -> Path:
     return recorded_folder("h100")
 
 
-@pytest.fixture(scope="session")
-def cpu_only_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``python -m pytest_gpumem validate --cpu-only --size tiny --against <the H100 record>`` run
-    once, as a user would run it, from another folder: its output and record folder (the tests of
-    the validation read them; the tests of the replay read copies of the record)."""
-    out = tmp_path_factory.mktemp("record")
+def _validate_cpu_only(out: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``python -m pytest_gpumem validate --cpu-only --size tiny --against <the H100 record>`` run in
+    ``out`` as a user would run it: its result and the record folder it wrote."""
     command = [sys.executable, "-m", "pytest_gpumem", "validate", "--cpu-only", "--out", str(out), "--size", "tiny"]
     command += ["--against", str(recorded_folder("h100"))]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=out)
     folders = [path for path in out.iterdir() if path.is_dir()]
     assert len(folders) == 1, (done.stdout, done.stderr)
     return done, folders[0]
+
+
+@pytest.fixture(scope="session")
+def cpu_only_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``python -m pytest_gpumem validate --cpu-only --size tiny --against <the H100 record>`` run
+    once, as a user would run it, from another folder: its output and record folder (the tests of
+    the validation read them; the tests of the replay read copies of the record). Under
+    pytest-xdist it runs once for all the workers: the first that needs it runs it, under a file
+    lock in the run's shared temporary folder, and the others read its answer there."""
+    if not hasattr(request.config, "workerinput"):
+        return _validate_cpu_only(tmp_path_factory.mktemp("record"))
+    answer = tmp_path_factory.getbasetemp().parent / "cpu-only-run.json"
+    with FileLock(f"{answer}.lock"):
+        if not answer.is_file():
+            done, folder = _validate_cpu_only(tmp_path_factory.mktemp("record"))
+            kept = {"args": done.args, "returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+            answer.write_text(json.dumps({**kept, "folder": str(folder)}), encoding="utf-8")
+        kept = json.loads(answer.read_text(encoding="utf-8"))
+    folder = Path(kept.pop("folder"))
+    return subprocess.CompletedProcess(**kept), folder
 
 
 @pytest.fixture
