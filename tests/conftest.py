@@ -27,6 +27,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import hypothesis  # noqa: F401  (below: imported before any in-process run)
 import pytest
@@ -229,15 +230,18 @@ def recorded_h100() -> Path:
     return recorded_folder("h100")
 
 
-def _validate_cpu_only(out: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``python -m pytest_gpumem validate --cpu-only --size tiny --against <the H100 record>`` run in
-    ``out`` as a user would run it: its result and the record folder it wrote."""
-    command = [sys.executable, "-m", "pytest_gpumem", "validate", "--cpu-only", "--out", str(out), "--size", "tiny"]
-    command += ["--against", str(recorded_folder("h100"))]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=out)
-    folders = [path for path in out.iterdir() if path.is_dir()]
-    assert len(folders) == 1, (done.stdout, done.stderr)
-    return done, folders[0]
+def once_for_the_workers(request: pytest.FixtureRequest, name: str, make: Callable[[], Any]) -> Any:
+    """``make()``, whose answer is JSON, once a run: under pytest-xdist the first worker that asks
+    makes it, under a file lock in the run's shared temporary folder, and writes its answer there
+    for the other workers to read (a fixture of a wider scope is otherwise made in each worker)."""
+    if not hasattr(request.config, "workerinput"):
+        return make()
+    factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
+    answer = factory.getbasetemp().parent / f"{name}.json"
+    with FileLock(f"{answer}.lock"):
+        if not answer.is_file():
+            answer.write_text(json.dumps(make()), encoding="utf-8")
+        return json.loads(answer.read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="session")
@@ -246,20 +250,21 @@ def cpu_only_run(
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """``python -m pytest_gpumem validate --cpu-only --size tiny --against <the H100 record>`` run
     once, as a user would run it, from another folder: its output and record folder (the tests of
-    the validation read them; the tests of the replay read copies of the record). Under
-    pytest-xdist it runs once for all the workers: the first that needs it runs it, under a file
-    lock in the run's shared temporary folder, and the others read its answer there."""
-    if not hasattr(request.config, "workerinput"):
-        return _validate_cpu_only(tmp_path_factory.mktemp("record"))
-    answer = tmp_path_factory.getbasetemp().parent / "cpu-only-run.json"
-    with FileLock(f"{answer}.lock"):
-        if not answer.is_file():
-            done, folder = _validate_cpu_only(tmp_path_factory.mktemp("record"))
-            kept = {"args": done.args, "returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
-            answer.write_text(json.dumps({**kept, "folder": str(folder)}), encoding="utf-8")
-        kept = json.loads(answer.read_text(encoding="utf-8"))
-    folder = Path(kept.pop("folder"))
-    return subprocess.CompletedProcess(**kept), folder
+    the validation read them; the tests of the replay read copies of the record). Once for all
+    the workers of a run (:func:`once_for_the_workers`)."""
+
+    def run() -> dict[str, Any]:
+        out = tmp_path_factory.mktemp("record")
+        command = [sys.executable, "-m", "pytest_gpumem", "validate", "--cpu-only", "--out", str(out)]
+        command += ["--size", "tiny", "--against", str(recorded_folder("h100"))]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=out)
+        folders = [path for path in out.iterdir() if path.is_dir()]
+        assert len(folders) == 1, (done.stdout, done.stderr)
+        kept = {"args": done.args, "returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+        return {"done": kept, "folder": str(folders[0])}
+
+    answer = once_for_the_workers(request, "cpu-only-run", run)
+    return subprocess.CompletedProcess(**answer["done"]), Path(answer["folder"])
 
 
 @pytest.fixture
