@@ -30,6 +30,7 @@ import torch
 
 import pytest_gpumem
 from conftest import once_for_the_workers
+from tests._warm_sessions import runpytest_warm
 
 pytest_plugins = ["pytester"]
 
@@ -266,7 +267,7 @@ _TEST_FILES = [block for path in DOCUMENTS for block in python_blocks(path) if b
 def _run(pytester: pytest.Pytester, block: Block, *args: str) -> pytest.RunResult:
     assert block.marker is not None
     pytester.path.joinpath(block.marker[1]).write_text(block.text, encoding="utf-8")
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    return runpytest_warm(pytester, "-p", "no:cacheprovider", *args)  # a process of its own, forked warm
 
 
 def _output_after(block: Block) -> list[str]:
