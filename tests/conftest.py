@@ -12,9 +12,13 @@ dry run) runs no test, and skips both.
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import importlib
 import importlib.util
+import itertools
+import json
+import operator
 import os
 import pkgutil
 import shutil
@@ -23,13 +27,16 @@ import sys
 import tempfile
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import hypothesis  # noqa: F401  (below: imported before any in-process run)
 import pytest
 import torch
+from filelock import FileLock
 
 import pytest_gpumem
 from pytest_gpumem.baselines import Environment
+from pytest_gpumem.measurement import gcfunctions
 from pytest_gpumem.measurement.engines import Engine, make_engine
 
 
@@ -111,6 +118,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.option.collectonly:
         _warm_up_lazy_torch_imports()
         _import_every_plugin_module()
+        _patch_others_frozen()
     if config.getoption("--check-leftovers"):
         from tests._isolation import Leftovers
 
@@ -222,18 +230,41 @@ def recorded_h100() -> Path:
     return recorded_folder("h100")
 
 
+def once_for_the_workers(request: pytest.FixtureRequest, name: str, make: Callable[[], Any]) -> Any:
+    """``make()``, whose answer is JSON, once a run: under pytest-xdist the first worker that asks
+    makes it, under a file lock in the run's shared temporary folder, and writes its answer there
+    for the other workers to read (a fixture of a wider scope is otherwise made in each worker)."""
+    if not hasattr(request.config, "workerinput"):
+        return make()
+    factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
+    answer = factory.getbasetemp().parent / f"{name}.json"
+    with FileLock(f"{answer}.lock"):
+        if not answer.is_file():
+            answer.write_text(json.dumps(make()), encoding="utf-8")
+        return json.loads(answer.read_text(encoding="utf-8"))
+
+
 @pytest.fixture(scope="session")
-def cpu_only_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+def cpu_only_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], Path]:
     """``python -m pytest_gpumem validate --cpu-only --size tiny --against <the H100 record>`` run
     once, as a user would run it, from another folder: its output and record folder (the tests of
-    the validation read them; the tests of the replay read copies of the record)."""
-    out = tmp_path_factory.mktemp("record")
-    command = [sys.executable, "-m", "pytest_gpumem", "validate", "--cpu-only", "--out", str(out), "--size", "tiny"]
-    command += ["--against", str(recorded_folder("h100"))]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=out)
-    folders = [path for path in out.iterdir() if path.is_dir()]
-    assert len(folders) == 1, (done.stdout, done.stderr)
-    return done, folders[0]
+    the validation read them; the tests of the replay read copies of the record). Once for all
+    the workers of a run (:func:`once_for_the_workers`)."""
+
+    def run() -> dict[str, Any]:
+        out = tmp_path_factory.mktemp("record")
+        command = [sys.executable, "-m", "pytest_gpumem", "validate", "--cpu-only", "--out", str(out)]
+        command += ["--size", "tiny", "--against", str(recorded_folder("h100"))]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=out)
+        folders = [path for path in out.iterdir() if path.is_dir()]
+        assert len(folders) == 1, (done.stdout, done.stderr)
+        kept = {"args": done.args, "returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+        return {"done": kept, "folder": str(folders[0])}
+
+    answer = once_for_the_workers(request, "cpu-only-run", run)
+    return subprocess.CompletedProcess(**answer["done"]), Path(answer["folder"])
 
 
 @pytest.fixture
@@ -266,6 +297,36 @@ def cpu_engine() -> Engine:
     return engine
 
 
+class _Mark:
+    """An object that each :func:`refreeze` freezes with the rest: while it is frozen, objects are."""
+
+
+_MARK = _Mark()
+_marked = False  # a refreeze froze the mark (before that it may be in any generation)
+
+
+def _mark_frozen() -> bool:
+    """Whether the mark is frozen: it is in none of the generations that ``gc.get_objects()``
+    lists. Listing those costs ~25 ns an object, few while the suite's freeze holds; counting
+    the frozen ones (``gc.get_freeze_count()`` before Python 3.13) walks them all, 25 to 40 ms."""
+    return _marked and not any(map(operator.is_, gcfunctions.get_objects(), itertools.repeat(_MARK)))
+
+
+def _patch_others_frozen() -> None:
+    """The plugin asks :func:`~pytest_gpumem.measurement.collector.others_frozen` as each in-process
+    session starts its collector: with the mark frozen (and the interpreter holding nothing frozen
+    of its own) the answer is yes without counting the frozen objects; else the plugin's own."""
+    from pytest_gpumem.measurement import collector
+
+    counted = collector.others_frozen
+
+    @functools.wraps(counted)
+    def others_frozen() -> bool:
+        return (_mark_frozen() and collector.interpreter_frozen() == 0) or counted()
+
+    collector.others_frozen = others_frozen
+
+
 def refreeze() -> None:
     """Collect garbage, then freeze what is alive (``gc.freeze()``), as the plugin does before
     its first measured test: the full collections that the engines run in a test then walk only
@@ -278,8 +339,10 @@ def refreeze() -> None:
     What earlier tests left alive is frozen too: a reference cycle of theirs that dies later is
     not freed (memory only), and a tensor of theirs is out of ``gc.get_objects()``'s sight,
     which no test reads across tests."""
+    global _marked
     gc.collect()
     gc.freeze()
+    _marked = True
 
 
 class Refreeze:

@@ -4,12 +4,15 @@ measured by the benchmarks themselves, never by a test."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests._warm_sessions import run_session
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -27,29 +30,15 @@ def _run(script: str, *args: str, cwd: Path | None = None) -> subprocess.Complet
 def test_each_suite_has_sixty_marked_tests(tmp_path: Path, suite: str) -> None:
     """The written suite collects its 60 tests, each marked (the zoo: 10 optimizers, 2 dtypes, 3 settings)."""
     assert bench_opheavy.write_suite(tmp_path, suite) == 60
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--collect-only",
-            "-q",
-            "-p",
-            "no:gpumem",
-            "-p",
-            "no:randomly",
-            "-m",
-            "gpumem",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "60 tests collected" in done.stdout
+    # python -m pytest, in a process forked from one that has imported torch (tests/_warm_sessions.py)
+    args = ["--collect-only", "-q", "-p", "no:gpumem", "-p", "no:randomly", "-m", "gpumem"]
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    code = run_session(args, cwd=tmp_path, env=dict(os.environ), stdout=out, stderr=err)
+    stdout = out.read_text(encoding="utf-8")
+    assert code == 0, stdout + err.read_text(encoding="utf-8")
+    assert "60 tests collected" in stdout
     if suite == "optim":
-        names = {line.split("[")[1].split("-")[0] for line in done.stdout.splitlines() if "::test_optimizer[" in line}
+        names = {line.split("[")[1].split("-")[0] for line in stdout.splitlines() if "::test_optimizer[" in line}
         assert names == set(bench_opheavy.NAMES)
 
 

@@ -29,6 +29,8 @@ import pytest
 import torch
 
 import pytest_gpumem
+from conftest import once_for_the_workers
+from tests._warm_sessions import runpytest_warm
 
 pytest_plugins = ["pytester"]
 
@@ -222,9 +224,15 @@ def run_imports(statements: list[tuple[str, str, str]], folder: Path) -> dict[st
 
 
 @pytest.fixture(scope="module")
-def import_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[str]]]:
+def import_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list[list[str]]]:
+    """Every document's import statements, run once for all the workers of a run."""
     statements = [item for path in DOCUMENTS for block in python_blocks(path) for item in _imports(block)]
-    return run_imports(statements, tmp_path_factory.mktemp("imports"))
+    made: dict[str, list[list[str]]] = once_for_the_workers(
+        request, "doc-imports", lambda: run_imports(statements, tmp_path_factory.mktemp("imports"))
+    )
+    return made
 
 
 def test_the_import_check_sees_only_what_the_wheel_ships(tmp_path: Path) -> None:
@@ -259,7 +267,7 @@ _TEST_FILES = [block for path in DOCUMENTS for block in python_blocks(path) if b
 def _run(pytester: pytest.Pytester, block: Block, *args: str) -> pytest.RunResult:
     assert block.marker is not None
     pytester.path.joinpath(block.marker[1]).write_text(block.text, encoding="utf-8")
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    return runpytest_warm(pytester, "-p", "no:cacheprovider", *args)  # a process of its own, forked warm
 
 
 def _output_after(block: Block) -> list[str]:

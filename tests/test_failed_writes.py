@@ -13,12 +13,14 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from conftest import run
 from pytest_gpumem.report.artifacts import artifact_path
+from tests._warm_sessions import run_session
 
 pytest_plugins = ["pytester"]
 
@@ -177,14 +179,13 @@ def full_disk_session(folder: Path, *args: str, limit: int = 300) -> subprocess.
 @pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="RLIMIT_FSIZE is POSIX")
 def test_a_full_disk_fails_every_write_by_name_and_nothing_else(tmp_path: Path) -> None:
     (tmp_path / "test_p.py").write_text(PASSING)
-    recording = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpumem-device=cpu", "--gpumem-update-baselines"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTEST_ADDOPTS": "-p no:randomly"},
-    )
-    assert recording.returncode == 0, recording.stdout
+    # python -m pytest, forked from the session zygote (tests/_warm_sessions.py): the disk is not full yet
+    args = ["-p", "no:cacheprovider", "--gpumem-device=cpu", "--gpumem-update-baselines"]
+    env = {**os.environ, "PYTEST_ADDOPTS": "-p no:randomly"}
+    with tempfile.TemporaryDirectory(prefix="gpumem-output-") as output:  # not in the session's folder
+        out, err = Path(output) / "stdout", Path(output) / "stderr"
+        code = run_session(args, cwd=tmp_path, env=env, stdout=out, stderr=err)
+        assert code == 0, out.read_text(encoding="utf-8")
     path = tmp_path / "gpumem-baselines.json"
     (tmp_path / "test_p.py").write_text(PASSING.replace("torch.ones(200)", "torch.ones(300)"))
     (tmp_path / "summary.md").write_text("# an earlier step\n")
