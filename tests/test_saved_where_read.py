@@ -43,7 +43,7 @@ def _call(record: dict) -> dict:
 
 def test_a_limit_only_test_pushes_no_saved_tensor_hooks_and_its_totals_match(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
-        test_steps=STEP
+        test_activations_plan=STEP
         + """
 @pytest.mark.gpumem(peak="1GiB")
 def test_limit_only():
@@ -73,7 +73,7 @@ def test_breakdown():
 
 def test_a_failure_says_activations_are_among_temporaries(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
-        test_steps=STEP
+        test_activations_plan=STEP
         + """
 @pytest.mark.gpumem(peak="1KB")
 def test_too_big():
@@ -93,7 +93,7 @@ def test_too_big():
 
 def test_a_baseline_or_the_fixture_turns_the_accounting_on(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
-        test_steps=STEP
+        test_activations_plan=STEP
         + """
 @pytest.mark.gpumem(peak="1GiB")
 def test_baselined():
