@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.diagnose.census import stack_frames, take_census
+from pytest_gpumem.measurement import gcfunctions
 
 __all__ = ["holder_pattern", "kept_by_site", "state_key", "state_options"]
 
@@ -47,7 +48,7 @@ def kept_by_site(
     frame is looked for among its referrers when it is not on that stack (it has returned)."""
     frames = list(stack_frames(frame))
     if code is not None and all(f.f_code is not code for f in frames):
-        frames[:0] = [f for f in gc.get_referrers(code) if isinstance(f, FrameType) and f.f_code is code]
+        frames[:0] = _frames_of(code)
     census = take_census(engine.device, engine, list(tracked), frames, None, counted_only=engine.exact)
     del frames
     found: dict[tuple[str, str | None], dict[str, int]] = {}
@@ -57,6 +58,17 @@ def kept_by_site(
         holders = found.setdefault((tensor.site, tensor.category), {})
         name = holder_pattern(tensor.held_by)
         holders[name] = holders.get(name, 0) + tensor.nbytes
+    return found
+
+
+def _frames_of(code: CodeType) -> list[FrameType]:
+    """The frames of ``code`` kept alive: looked for among what the collector walks (the test's
+    own, made since the last freeze), else among everything, the frozen objects given back (a
+    full collection during the test froze what was alive then): giving them back costs the next
+    freeze a walk of every object, so it is paid only where needed."""
+    found = [f for f in gcfunctions.get_referrers(code) if isinstance(f, FrameType) and f.f_code is code]
+    if not found:
+        found = [f for f in gc.get_referrers(code) if isinstance(f, FrameType) and f.f_code is code]
     return found
 
 
