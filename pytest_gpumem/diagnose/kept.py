@@ -66,9 +66,11 @@ def _frames_of(code: CodeType) -> list[FrameType]:
     own, made since the last freeze), else among everything, the frozen objects given back (a
     full collection during the test froze what was alive then): giving them back costs the next
     freeze a walk of every object, so it is paid only where needed."""
-    found = [f for f in gcfunctions.get_referrers(code) if isinstance(f, FrameType) and f.f_code is code]
-    if not found:
-        found = [f for f in gc.get_referrers(code) if isinstance(f, FrameType) and f.f_code is code]
+    found: list[FrameType] = []
+    for referrers in (gcfunctions.get_referrers, gc.get_referrers):
+        found = [f for f in referrers(code) if isinstance(f, FrameType) and f.f_code is code]
+        if found:
+            break
     return found
 
 

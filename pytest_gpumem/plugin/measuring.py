@@ -56,7 +56,7 @@ class Measuring:
         #: the run's collector, started with the engines
         self.freezer: Freezer | None = None
         #: each engine's environment (what the pytest_gpumem_environment hook made of it), by engine
-        self._environments: dict[str, dict[str, Any]] = {}
+        self._environments: dict[str, tuple[dict[str, Any], str]] = {}
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
@@ -124,10 +124,11 @@ class Measuring:
         second = item.stash.get(SECOND_RUN_KEY, None)
         if second is not None and second.running:  # sites on; the leak and out-of-memory reports stay the first run's
             options = replace(options, sites=settings.site_config, snapshots=None, reports=False)
-        environment = self._environment(engine)
+        environment, environment_key = self._environment(engine)
         # activations told apart where the plan reads them: the breakdown asked for, the test's own
         # figures (the gpumem fixture), a baseline
-        reads_saved = breakdown or "gpumem" in getattr(item, "fixturenames", ()) or self._baselined(item, environment)
+        uses_fixture = "gpumem" in getattr(item, "fixturenames", ())
+        reads_saved = breakdown or uses_fixture or self._baselined(item, environment_key)
         item.stash[RUN_KEY] = TestRun(
             item.nodeid,
             spec,
@@ -138,7 +139,7 @@ class Measuring:
             saved_tensors=reads_saved,
         )
 
-    def _baselined(self, item: pytest.Item, environment: dict[str, Any]) -> bool:
+    def _baselined(self, item: pytest.Item, environment_key: str) -> bool:
         """Whether the test's figures meet a baseline: it has one in this environment, or the run
         writes baselines. Its activations are then told apart from temporaries (the saved-tensor
         accounting), as the baseline's breakdown keeps them; without a baseline they are only where
@@ -149,7 +150,7 @@ class Measuring:
             store = self.baselines.store
         except BaselineFileError:
             return True  # the judge reports the file; the figures stay those a baseline would compare
-        return bool(store.span_names(Environment.from_dict(environment).key, item.nodeid))
+        return bool(store.span_names(environment_key, item.nodeid))
 
     def _gpu_index(self) -> int | None:
         """Which GPU this process measures on when several are visible: the xdist worker's, else
@@ -172,7 +173,8 @@ class Measuring:
         needs_limit = spec.device_limit is not None or settings.device_limit is not None
         return choose_observe(spec.observe, default=settings.observe, predict=predict, limit=needs_limit)
 
-    def _environment(self, engine: Engine) -> dict[str, Any]:
+    def _environment(self, engine: Engine) -> tuple[dict[str, Any], str]:
+        """The engine's environment (``Environment.to_dict()``, as the hook adjusted it) and its key."""
         key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{engine.predicts}"
         if key not in self._environments:
             detected = Environment.detect(engine.name, engine.device, engine.cuda_rounding, predict=engine.predicts)
@@ -181,7 +183,8 @@ class Measuring:
                 adjusted = self.config.hook.pytest_gpumem_environment(config=self.config, environment=detected)
                 if adjusted is not None and not isinstance(adjusted, Environment):
                     raise TypeError(f"expected an Environment or None, got {type(adjusted).__name__}")
-                self._environments[key] = (adjusted or detected).to_dict()
+                environment = adjusted or detected
+                self._environments[key] = (environment.to_dict(), environment.key)
             except (TypeError, ValueError) as exc:
                 problem = f"pytest_gpumem_environment hook: {exc}"
             if problem is not None:

@@ -64,8 +64,7 @@ class Released(Held):
     __slots__ = ("release", "token")
 
     def __init__(self, tensor: torch.Tensor, release: Callable[[Any], None], token: Any) -> None:
-        self.tensor = tensor if tensor.is_leaf else detached(tensor)
-        self.version = tensor._version
+        super().__init__(tensor)
         self.release = release
         self.token = token
 

@@ -274,10 +274,10 @@ class StorageTracker(TrackedSites):
         samples.append(events)  # flat: no tuple per sample
         samples.append(self.current)
         samples.extend(self._by_category)
-        stride = self._timeline_stride
-        self._next_sample = events - events % stride + stride
         if len(samples) >= TIMELINE_LIMIT * _WIDTH:
             self._halve_timeline()
+        stride = self._timeline_stride
+        self._next_sample = events - events % stride + stride
 
     def _halve_timeline(self) -> None:
         """Keep the higher of each pair of samples (the first of a tie), and sample half as often."""
@@ -289,8 +289,7 @@ class StorageTracker(TrackedSites):
             for i in range(0, count, 2 * width)
         ]
         self._samples = [value for first in firsts for value in samples[first : first + width]]
-        self._timeline_stride = stride = self._timeline_stride * 2
-        self._next_sample = self.events - self.events % stride + stride
+        self._timeline_stride *= 2
 
     def _outputs(self, out: Any, fresh: bool) -> None:
         """Count the storages of an operator's outputs; ``fresh``: it creates them (see FRESH)."""
@@ -645,27 +644,21 @@ class StorageTracker(TrackedSites):
 
     def _save(self, entry: Entry) -> None:
         """Autograd holds ``entry`` for backward once more: counted once however often it is held."""
-        self._acquire()
-        try:
+        with self._lock:
             if entry.saves == 0:
-                self.saved = saved = self.saved + entry.nbytes
-                if saved > self._window.saved_peak:
-                    self._window.saved_peak = saved
+                self.saved += entry.nbytes
+                if self.saved > self._window.saved_peak:
+                    self._window.saved_peak = self.saved
                 if entry.category in (TEMPORARIES, OTHER):
                     entry.prior = entry.category
                     self._move(entry, ACTIVATIONS, discovered=False)
             entry.saves += 1
-        finally:
-            self._release()
 
     def _unsave(self, entry: Entry) -> None:
-        self._acquire()
-        try:
+        with self._lock:
             entry.saves -= 1
             if entry.saves == 0:
                 self.saved -= entry.nbytes
                 # The holder keeps the tensor alive, so the storage is still counted here.
                 if entry.category == ACTIVATIONS and entry() is not None:
                     self._move(entry, entry.prior, discovered=False)
-        finally:
-            self._release()
