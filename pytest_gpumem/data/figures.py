@@ -107,7 +107,7 @@ class Timeline(Coded):
     Long spans are downsampled; the samples of the highest event always stay.
     """
 
-    events: tuple[int, ...]
+    events: tuple[int, ...] = field(metadata=coded(write=list))
     series: Mapping[str, tuple[int, ...]] = field(metadata=coded(write=lambda s: {c: list(s[c]) for c in CATEGORIES}))
     marks: tuple[tuple[int, str], ...] = ()
 

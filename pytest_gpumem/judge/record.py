@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pytest_gpumem.baselines import Environment
@@ -74,7 +74,8 @@ class TestRecord(Coded):
     tolerances: dict[str, dict[str, float | int]] = field(default_factory=dict)
     passed: bool = True
     reports: list[str] = field(default_factory=list)
-    timeline: dict[str, Any] | None = None
+    #: already JSON-ready (``Timeline.to_dict``): written as it is, not walked value by value
+    timeline: dict[str, Any] | None = field(default=None, metadata=coded(write=lambda data: data))
     snapshot: str | None = None
     device_limit: int | None = None
     workspaces: int | None = None
@@ -115,9 +116,7 @@ class TestRecord(Coded):
 
     def to_json(self, *, timeline: bool = True) -> str:
         """:meth:`to_dict` as compact JSON text (without the call's timeline: ``timeline=False``)."""
-        data = self.to_dict()
-        if not timeline:
-            data["timeline"] = None
+        data = (self if timeline or self.timeline is None else replace(self, timeline=None)).to_dict()
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.measurement import gcfunctions
-from pytest_gpumem.measurement.engines.storages import Kinds, instances_among, tensors_among
+from pytest_gpumem.measurement.engines.storages import Kinds, instances_among
 
 __all__ = [
     "add",
@@ -39,6 +39,7 @@ _refs: list[weakref.ref[Any]] = []
 _known = False
 _theirs_given_back = False
 _MODULE_KINDS = Kinds(torch.nn.Module)
+_MODULE_OR_TENSOR_KINDS = Kinds((torch.nn.Module, torch.Tensor))
 
 
 def _held_by(module: torch.nn.Module) -> Iterator[torch.Tensor]:
@@ -71,10 +72,13 @@ def references(objects: list[Any]) -> list[weakref.ref[Any]]:
     sharded or fake parameters, ``torch.__future__.set_swap_module_params_on_conversion``), so
     a weak reference of ours would make the user's code fail where it runs without the plugin.
     """
-    modules = instances_among(objects, _MODULE_KINDS)
+    found = instances_among(objects, _MODULE_OR_TENSOR_KINDS)  # one pass over many objects, then a few
+    modules = [obj for obj in found if _MODULE_KINDS[type(obj)]]
     held = {id(tensor) for module in (*modules, *_modules()) for tensor in _held_by(module)}
     refs: list[weakref.ref[Any]] = [weakref.ref(module) for module in modules]
-    for tensor in tensors_among(objects):
+    for tensor in found:
+        if _MODULE_KINDS[type(tensor)]:
+            continue
         if id(tensor) in held:
             continue
         try:

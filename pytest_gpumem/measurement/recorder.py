@@ -427,17 +427,19 @@ class Recorder:
     def timeline_since(self, start_event: int) -> Timeline | None:
         """The tracker's samples from ``start_event`` on, as a :class:`Timeline`."""
         engine = self.engine
-        timeline = engine.timeline_samples()
+        columns = engine.timeline_samples(start_event)
         now = engine.breakdown()
-        if timeline is None or now is None:
+        if columns is None or now is None:
             return None
-        samples = [(event, parts) for event, parts in timeline if event >= start_event]
-        if not samples or samples[-1][0] != engine.events:
-            samples.append((engine.events, tuple(now.values())))
-        events = tuple(event - start_event for event, _ in samples)
-        series = {category: tuple(parts[i] for _, parts in samples) for i, category in enumerate(CATEGORIES)}
+        events, parts = columns
+        if not events or events[-1] != engine.events:
+            events.append(engine.events)
+            for column, value in zip(parts, now.values(), strict=True):
+                column.append(value)
+        events = [event - start_event for event in events]
+        series = {category: tuple(column) for category, column in zip(CATEGORIES, parts, strict=True)}
         marks = tuple((event - start_event, label) for event, label in self._marks if event >= start_event)
-        return Timeline(events=events, series=series, marks=marks)
+        return Timeline(events=tuple(events), series=series, marks=marks)
 
     def span(self, name: str, **limits: Any) -> Span:
         """A ``with`` block measured as a span named ``name``."""

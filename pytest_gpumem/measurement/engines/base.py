@@ -103,8 +103,9 @@ class Engine(Protocol):
     def breakdown(self) -> dict[str, int] | None:
         """Allocated bytes by category now; None without a tracker."""
 
-    def timeline_samples(self) -> Sequence[tuple[int, tuple[int, ...]]] | None:
-        """The tracker's (event, bytes by category) samples; None when it keeps none."""
+    def timeline_samples(self, start_event: int) -> tuple[list[int], list[list[int]]] | None:
+        """The tracker's samples from ``start_event`` on as columns (event indexes, then bytes by
+        category); None when it keeps none."""
 
     def reading(self) -> AbstractContextManager[None]:
         """Readings taken inside the block are of one moment (one read when observing allocations)."""
@@ -263,8 +264,8 @@ class TrackerMembers:
     def breakdown(self) -> dict[str, int] | None:
         return None if self.tracker is None else self.tracker.breakdown()
 
-    def timeline_samples(self) -> Sequence[tuple[int, tuple[int, ...]]] | None:
-        return None if self.tracker is None else self.tracker.timeline
+    def timeline_samples(self, start_event: int) -> tuple[list[int], list[list[int]]] | None:
+        return None if self.tracker is None else self.tracker.timeline_columns(start_event)
 
     def reading(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext() if self.tracker is None else self.tracker.reading()

@@ -146,7 +146,7 @@ class Kinds(dict):  # type: ignore[type-arg]
     """type → whether it is a subclass of ``base``, filled as types are met (``__missing__``):
     looked up by ``map``, in C, for every object the garbage collector lists."""
 
-    def __init__(self, base: type) -> None:
+    def __init__(self, base: type | tuple[type, ...]) -> None:
         super().__init__()
         self.base = base
 

@@ -30,6 +30,7 @@ finds what of it is still alive (see :func:`unseen_note`).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import sys
@@ -265,6 +266,18 @@ class StorageTracker(TrackedSites):
             return None
         width = _WIDTH
         return [(samples[i], tuple(samples[i + 2 : i + width])) for i in range(0, len(samples), width)]
+
+    def timeline_columns(self, start_event: int) -> tuple[list[int], list[list[int]]] | None:
+        """:attr:`timeline`'s samples from ``start_event`` on, as columns (sliced, not walked): their
+        event indexes, then their bytes in each category."""
+        samples = self._samples
+        if samples is None:
+            return None
+        width = _WIDTH
+        events = samples[0::width]
+        first = bisect.bisect_left(events, start_event)
+        kept = samples[first * width :]
+        return events[first:], [kept[i::width] for i in range(2, width)]
 
     def _sample(self) -> None:
         """Sample the count at this event (called once :attr:`events` reaches the next sampled event)."""
