@@ -71,11 +71,7 @@ def one_line(note: str) -> str:
 
 
 def other_environments(detail: str) -> str:
-    """A note on a finding's other environments: one paragraph per environment key.
-
-    The finding's detail reads "baselines only for: KEY; KEY"; a detail without
-    the prefix is taken as the keys alone.
-    """
+    """A note on a finding's other environments, one paragraph per key (from "baselines only for: KEY; KEY")."""
     prefix = "baselines only for: "
     keys = (detail[len(prefix) :] if detail.startswith(prefix) else detail).split("; ")
     return "\n".join(["no baseline in this environment; baselines only for:", *keys])
