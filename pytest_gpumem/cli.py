@@ -63,8 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, actions = _parser()
     try:
         args, _ = parser.parse_known_args(arguments)
-        # Again with the action's own parser, intermixed: argparse takes no positional after an option here (``diff OLD
-        # NEW --bytes TEST``).
+        # Again with the action's own parser, intermixed: argparse takes no positional after an option otherwise.
         start = arguments.index(args.command, arguments.index(args.group) + 1) + 1
         namespace = argparse.Namespace(group=args.group, command=args.command)
         args = actions[args.command].parse_intermixed_args(arguments[start:], namespace)

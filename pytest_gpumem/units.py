@@ -142,8 +142,7 @@ def format_delta(nbytes: int | None, precision: int = 2) -> str:
 
 
 def format_sizes(*counts: int | None) -> tuple[str, ...]:
-    """Format byte counts to be read side by side: counts that differ never read the same (more decimals, then
-    bytes)."""
+    """Format byte counts to read side by side: counts that differ never read the same (more decimals, then bytes)."""
     known = [count for count in counts if count is not None]
     distinct = len(set(known))
     for precision in (2, 4):

@@ -103,7 +103,7 @@ class BaselineEntry:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BaselineEntry:
         """Read a span object: integers and nulls are costs, ``start`` and ``breakdown`` themselves, the rest
-        :attr:`extra`."""
+        ``extra``."""
         costs: dict[str, int | None] = {}
         extra: dict[str, Any] = {}
         start: int | None = None
@@ -330,8 +330,7 @@ class BaselineStore:
         return sum(self.remove(entry.environment, entry.test) for entry in stale)
 
     def remove_environment(self, environment: str) -> int:
-        """Remove the environment keyed ``environment`` with everything in it; returns how many tests it had (0 if
-        none)."""
+        """Remove the environment keyed ``environment`` with everything in it; returns how many tests it had."""
         env = self._envs.pop(environment, None)
         if env is None:
             return 0
@@ -361,8 +360,8 @@ class BaselineStore:
         return tuple(self._changes)
 
     def apply_changes(self, onto: BaselineStore) -> None:
-        """Make this store's changes since loading (tests recorded, removed, pruned; environments removed) on
-        ``onto``."""
+        """Make on ``onto`` the changes this store made since loading (tests recorded, removed, pruned; environments
+        removed)."""
         for change in self._changes:
             change.apply(onto)
 
@@ -374,7 +373,7 @@ class BaselineStore:
         *,
         merged: BaselineStore | None = None,
     ) -> None:
-        """This store is now what the file at ``path`` holds; with ``merged`` (see :meth:`apply_changes`) it takes its
+        """This store is now what the file at ``path`` holds; with ``merged`` (:meth:`apply_changes`) it takes its
         baselines."""
         if merged is not None:
             self._top = merged._top
@@ -393,8 +392,7 @@ class BaselineStore:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> BaselineStore:
-        """A store holding a copy of ``data``; raises :class:`BaselineFileError` naming ``source`` for what load
-        refuses."""
+        """A store holding a copy of ``data``; :class:`BaselineFileError` naming ``source`` for what load refuses."""
         try:
             text = json.dumps(data, ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as exc:

@@ -57,8 +57,7 @@ class BaselineFileError(Exception):
 
 @dataclass(frozen=True)
 class Node:
-    """One value of a baseline file: its JSON type, its keys and the check beyond its type (:data:`FILE` is the
-    file)."""
+    """One value of a baseline file: its JSON type, its keys and the check beyond its type (:data:`FILE`: the file)."""
 
     type: str = ""  #: "object", "integer" or "string"; "": any JSON value (nested at most MAX_DEPTH levels)
     expected: str = ""  #: how an error names the type: "an object"
@@ -280,8 +279,7 @@ _SPACE = re.compile(r"[ \t\n\r]*")
 
 
 def position(text: str, keys: tuple[str, ...]) -> tuple[int | None, int | None]:
-    """The line and column (from 1) of the value at ``keys`` in the JSON ``text`` (the deepest found), or (None,
-    None)."""
+    """The line and column (from 1) of the value at ``keys`` in ``text`` (the deepest found), or (None, None)."""
     decoder = json.JSONDecoder()
     at, found = _SPACE.match(text).end(), None  # type: ignore[union-attr]
     try:

@@ -161,8 +161,7 @@ def count_parameters(*modules: torch.nn.Module | Sequence[torch.nn.Module]) -> P
 
 @dataclass(frozen=True)
 class Precision:
-    """A precision recipe: bytes per element of each model state (``master_bytes`` 0 when it keeps no fp32 master
-    copy)."""
+    """A precision recipe: bytes per element of each model state (``master_bytes`` 0 without an fp32 master copy)."""
 
     name: str
     param_bytes: int
@@ -392,8 +391,8 @@ def mlp_activations(
 
 
 def transformer_layer_activations(seq: int, batch: int, hidden: int, heads: int, *, recompute: str = "none") -> int:
-    """Bytes one transformer layer saves for backward (Korthikanti et al. 2022, no tensor parallelism, exact
-    integers)."""
+    """Bytes one transformer layer saves for backward (Korthikanti et al. 2022, no tensor parallelism): exact
+    integers."""
     _check_counts(seq=seq, batch=batch, hidden=hidden, heads=heads)
     sbh = seq * batch * hidden
     if recompute == "none":

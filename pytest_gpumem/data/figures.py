@@ -26,9 +26,8 @@ __all__ = [
 
 
 class CompiledCodeNotMeasured(Warning):
-    """A span's figures are the eager program's, not the ``torch.compile``'d code's: TorchDynamo runs compiled frames
-    eagerly while the tensor tracker watches operators. Not a ``UserWarning``, so suites silencing those still see
-    it."""
+    """A span's figures are the eager program's, not the ``torch.compile``'d code's (TorchDynamo runs compiled frames
+    eagerly while the tensor tracker watches); not a ``UserWarning``, so suites silencing those still see it."""
 
 
 class PartialFigures(Warning):
@@ -55,8 +54,7 @@ def notify(warning: Warning, stacklevel: int = 1) -> None:
 
 
 class OutputNotWritten(Warning):
-    """A report, artifact page or memory snapshot the run was asked for could not be written; the run goes on (``-W
-    error::pytest_gpumem.data.figures.OutputNotWritten`` fails it instead)."""
+    """A report, artifact page or memory snapshot the run was asked for could not be written; the run goes on."""
 
 
 def _categories(breakdown: Mapping[str, int] | None) -> dict[str, int] | None:
@@ -95,7 +93,7 @@ class Timeline(Coded):
         return tuple(sum(values) for values in zip(*(self.series[c] for c in CATEGORIES), strict=True))
 
     def to_dict(self, samples: int | None = None) -> dict[str, Any]:
-        """JSON-ready data that :meth:`from_dict` reads back, thinned to at most ``samples`` (each stretch keeps its
+        """JSON-ready data that :meth:`from_dict` reads back, thinned to ``samples`` (each stretch keeps its
         highest)."""
         if samples is None or len(self.events) <= samples:
             return super().to_dict()
@@ -156,8 +154,8 @@ class Measurement(Coded):
         return value
 
     def cost(self, metric: str) -> int | None:
-        """What the span itself added to ``metric``: the figure minus the start field the metric table names; ``None``
-        when either is unknown."""
+        """What the span itself added to ``metric``: the figure minus the metric's start field; ``None`` when
+        unknown."""
         value = self.figure(metric)
         start_field = metric_info(metric).cost
         if value is None or not start_field:

@@ -86,8 +86,8 @@ class Tolerance(Coded):
 
 
 def parse_tolerance(text: str) -> Tolerance:
-    """Read a tolerance: ``"2%"``, ``"1MiB"``, ``"2%,1MiB"`` (either order) or ``"0"``; ``ValueError`` naming the value
-    otherwise."""
+    """Read a tolerance: ``"2%"``, ``"1MiB"``, ``"2%,1MiB"`` (either order) or ``"0"``; else ``ValueError`` naming
+    it."""
     if not isinstance(text, str):
         raise ValueError(f"invalid tolerance {shown(text)}: expected a string like '2%', '1MiB' or '2%,1MiB'")
     if not text.strip():
@@ -200,7 +200,7 @@ class Finding(Coded):
 
     @property
     def failed(self) -> bool:
-        """True when this finding fails the test: exceeded, regressed, n/a on a limit or budget, the rest when
+        """True when this finding fails the test: exceeded, regressed, n/a on a limit or budget; the rest when
         strict."""
         if self.status in ("exceeded", "regressed"):
             return True

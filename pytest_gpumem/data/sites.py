@@ -309,8 +309,7 @@ def build_profile(
     *,
     limit: int = CARRIED_SITES,
 ) -> SiteProfile | None:
-    """A profile of what the engines found, one row per site and category, its ``limit`` largest listed; None for
-    None."""
+    """A profile of what the engines found, a row per site and category, its ``limit`` largest listed; None for None."""
     if found is None:
         return None
     rows: dict[tuple[str, int], _Row] = {}

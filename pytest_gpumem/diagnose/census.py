@@ -109,8 +109,7 @@ def see_every_tensor() -> None:
 
 
 def _counts_fakes(engine: Engine | None) -> bool:
-    """Whether fake tensors are memory a census counts: during and after a measurement on fake tensors, not
-    otherwise."""
+    """Whether fake tensors are memory a census counts: during and after a measurement on fake tensors only."""
     return fakes_counted() or bool(getattr(getattr(engine, "tracker", None), "counts_fakes", False))
 
 
@@ -219,8 +218,7 @@ def _frame_where(frame: FrameType) -> str:
 def _frame_names(
     frames: Iterable[FrameType], tracked: Iterable[Any]
 ) -> tuple[dict[int, tuple[str, str | None]], dict[int, str]]:
-    """Names from the local variables of user frames (innermost first): tensor names and tracked objects' labels, by
-    ``id()``."""
+    """Names from the locals of user frames (innermost first): tensor names and tracked objects' labels, by ``id()``."""
     tracked_ids = {id(obj) for obj in tracked}
     names: dict[int, tuple[str, str | None]] = {}
     labels: dict[int, str] = {}
@@ -370,8 +368,7 @@ def take_census(
         hints = holder_hints(unnamed, {}, thaw=False)
         rest = [i for i in range(len(unnamed)) if i not in hints]
         if rest and frozen.thaw():
-            # held by objects the plugin froze (what an earlier test left in a cache): given back until the next test,
-            # and searched
+            # held by objects the plugin froze (an earlier test's leftovers in a cache): given back until the next test
             found = holder_hints([unnamed[i] for i in rest], {}, thaw=False)
             hints.update({rest[j]: hint for j, hint in found.items()})
         for tensor, name in hints.values():

@@ -23,7 +23,7 @@ _STATE_KEY = re.compile(r"\.state\[…\]\['(?P<key>[^']+)'\]$")
 
 
 def holder_pattern(name: str) -> str:
-    """``name`` without indices and parameters (``Trainer.debug[3]`` is ``Trainer.debug[…]``), a local without its
+    """``name`` without indices and parameters (``Trainer.debug[3]``: ``Trainer.debug[…]``), a local without its
     place."""
     name = _LOCAL.sub(r"\g<name>", name)
     return _INDEX.sub("[…]", _STATE.sub(".state[…]", name))

@@ -36,8 +36,7 @@ TOP = 20
 
 @dataclass(frozen=True)
 class StorageSnapshot:
-    """The storages alive on a device at a test's start (weakly), the allocated bytes and the driver's used memory
-    then."""
+    """The storages alive on a device at a test's start (weakly), with the allocated and driver-used bytes then."""
 
     device: str
     allocated: int

@@ -189,8 +189,7 @@ def plan_for(global_batch: int, max_size: int) -> Plan:
 
 
 def plan_accumulation(global_batch: int, step: Callable[[int], Any], **kwargs: Any) -> Plan:
-    """Search the largest microbatch up to ``global_batch`` (``kwargs`` go to :func:`max_microbatch`) and plan the
-    accumulation."""
+    """Search the largest microbatch up to ``global_batch`` (``kwargs`` to :func:`max_microbatch`), then plan for it."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"plan_accumulation: global_batch must be an int >= 1, got {global_batch!r}")
     upper = kwargs.pop("upper", None)

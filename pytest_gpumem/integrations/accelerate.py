@@ -14,8 +14,7 @@ __all__ = ["track"]
 
 
 def track(gpumem: Any, *prepared: Any) -> None:
-    """``gpumem.track`` the modules and optimizers ``Accelerator.prepare`` returned (loaders and schedulers left
-    out)."""
+    """``gpumem.track`` the modules and optimizers ``Accelerator.prepare`` returned (not loaders nor schedulers)."""
     import torch
 
     objects = [unwrap(obj) for obj in prepared]

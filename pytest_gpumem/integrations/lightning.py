@@ -29,8 +29,7 @@ class GpumemCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.gpumem.track(unwrap(pl_module), *(unwrap(optimizer) for optimizer in trainer.optimizers))
 
-    # automatic optimization runs forward and backward inside ``optimizer.step(closure)``: Lightning's hooks mark the
-    # phases
+    # automatic optimization runs forward and backward in ``optimizer.step(closure)``: its hooks mark the phases
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.spans.begin()

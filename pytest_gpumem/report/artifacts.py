@@ -49,7 +49,8 @@ def artifact_stem(nodeid: str) -> str:
     and 10 hex digits of its SHA-1, which keep ids apart on case-insensitive file systems; ASCII, at most 121
     characters, never a leading dot or dash nor a Windows device name.
 
-    >>> artifact_stem("tests/test_train.py::test_step[cuda-bf16]") 'tests_test_train.py_test_step_cuda-bf16-0bd031a728'
+    >>> artifact_stem("tests/test_train.py::test_step[cuda-bf16]")
+    'tests_test_train.py_test_step_cuda-bf16-0bd031a728'
     """
     digest = hashlib.sha1(nodeid.encode("utf-8", "surrogatepass"), usedforsecurity=False).hexdigest()
     readable = _DOT_RUNS.sub(".", _UNSAFE.sub("_", nodeid)).strip("._-")
@@ -64,8 +65,7 @@ def artifact_stem(nodeid: str) -> str:
 
 
 def artifact_path(directory: Path, nodeid: str, suffix: str) -> Path:
-    """Where the artifact of test ``nodeid`` with ``suffix`` goes: one component directly inside ``directory``
-    (resolved).
+    """Where the artifact of test ``nodeid`` with ``suffix`` goes: one path component directly inside ``directory``.
 
     Nothing is created. Raises :class:`ValueError` for a suffix other than dot-separated ``[A-Za-z0-9_-]`` parts (at
     most 18 characters) and when the path would not lie directly inside ``directory`` (a symbolic link at its name).
@@ -212,8 +212,7 @@ def render_index(records: list[TestRecord], pages: dict[str, str], *, title: str
 
 
 def write_index(records: list[TestRecord], directory: Path, pages: dict[str, str]) -> str:
-    """Write :func:`render_index` to ``index.html`` in ``directory`` atomically; returns its path (``OSError`` naming
-    it)."""
+    """Write :func:`render_index` to ``index.html`` in ``directory`` atomically; its path (``OSError`` naming it)."""
     path = Path(directory).resolve() / INDEX_NAME
     try:
         write_html(path, render_index(records, pages))

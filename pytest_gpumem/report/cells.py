@@ -1,5 +1,4 @@
-"""What the report's tables share: the record they read, the legends, and how a cost, a
-note and an environment's key are written in a cell."""
+"""What the report's tables share: the record they read, the legends, and how a cell writes a cost, a note or a key."""
 
 from __future__ import annotations
 

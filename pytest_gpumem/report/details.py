@@ -65,8 +65,7 @@ def _categories(measurement: Measurement) -> list[str]:
 
 
 def breakdown_rows(measurements: Sequence[tuple[str, Measurement]], *, phases: bool = True) -> list[list[str]]:
-    """One row per (test, span) with a breakdown or phases, in ``BREAKDOWN_HEADERS`` order (``phases=False``: without
-    the phase columns)."""
+    """One row per (test, span) with a breakdown or phases, in ``BREAKDOWN_HEADERS`` order (phase columns optional)."""
     rows = []
     for test, measurement in measurements:
         if measurement.breakdown is None and not measurement.phases:

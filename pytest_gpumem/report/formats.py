@@ -119,8 +119,7 @@ def _append_summary(path: Path, markdown: str) -> None:
 
 
 def _append(path: Path, data: bytes) -> None:
-    """Append ``data`` to ``path`` whole or not at all: a failed write is cut back, so the summary never ends in
-    half."""
+    """Append ``data`` to ``path`` whole or not at all (a failed write is cut back): no half report in the summary."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0) | os.O_CLOEXEC, 0o666)
     try:
         size = os.fstat(fd).st_size

@@ -91,8 +91,8 @@ class _Notes:
         return f"[{number}]"
 
     def lines(self, width: int | None) -> list[str]:
-        """``[n] text``, wrapped under its number, a line per paragraph; " | " parts (environment keys) break only
-        between."""
+        """``[n] text``, wrapped under its number, a line per paragraph; environment keys break only between " | "
+        parts."""
         lines = []
         for number, text in enumerate(self.texts, 1):
             mark = f"[{number}] "

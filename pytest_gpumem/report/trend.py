@@ -227,8 +227,7 @@ def _label_value(text: str) -> str:
 
 
 def openmetrics(history: History, series: Sequence[Series], metrics: Sequence[str]) -> str:
-    """OpenMetrics text of the newest commit's figures (``gpumem_cost_bytes``, ``gpumem_cost``), ending with ``#
-    EOF``."""
+    """OpenMetrics text of the newest commit's figures (``gpumem_cost_bytes``, ``gpumem_cost``) ending in ``# EOF``."""
     latest = history.latest
     families: dict[str, list[str]] = {"gpumem_cost_bytes": [], "gpumem_cost": []}
     if latest is not None:
@@ -411,8 +410,7 @@ def _chart(history: History, key: Series, metrics: Sequence[str]) -> tuple[str, 
 
 
 def history_html(history: History, series: Sequence[Series], metrics: Sequence[str], *, title: str = "") -> str:
-    """One self-contained page: a chart per test and span of ``metrics`` over the commits, and a table of the
-    changes."""
+    """One self-contained page: a chart per test and span of ``metrics`` over the commits, and a table of changes."""
     heading = title or f"Memory trend of {history.file.name}"
     versions = history.versions
     parts = [

@@ -26,8 +26,7 @@ def load_record(folder: Path) -> dict[str, Any]:
 
 
 def differences(record: Mapping[str, Any], previous: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """The figures of the workloads (and the reported figures) both records hold, compared: counts and difference
-    lines."""
+    """The figures of the workloads (and the reported figures) both records hold, compared: counts and differences."""
     lines: list[str] = []
     same = 0
     ours, theirs = record["workloads"], previous["workloads"]

@@ -19,8 +19,7 @@ from pytest_gpumem.validate.zoo import PRECISIONS, ZooModel
 
 
 def zoo_step(model: ZooModel, precision: str, device: torch.device, engine: str, *, name: str | None = None) -> Outcome:
-    """One measured AdamW step of ``model`` after a warm-up step, on ``engine`` ``"cpu"``, ``"cuda"`` or
-    ``"cuda-tensors"``."""
+    """One measured AdamW step of ``model`` after a warm-up step, on ``engine`` "cpu", "cuda" or "cuda-tensors"."""
     if engine not in ("cpu", "cuda", "cuda-tensors"):
         raise ValueError(f"unknown engine {engine!r}")
     step = model.build(device, precision)

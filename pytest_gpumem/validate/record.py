@@ -146,8 +146,7 @@ def _junit_counts(path: Path) -> dict[str, int | None]:
 
 
 def take_snapshot(device: torch.device, entries: int) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
-    """The memory snapshot so far (pickled, cut to :data:`SNAPSHOT_LIMIT`), the ``memory_stats()`` after it, a
-    description."""
+    """The memory snapshot so far (pickled, cut to :data:`SNAPSHOT_LIMIT`), the ``memory_stats()`` after it, a note."""
     snapshot = scrub_paths(torch.cuda.memory._snapshot())
     stats = dict(torch.cuda.memory_stats(device))
     traces = snapshot.get("device_traces") or []

@@ -107,8 +107,8 @@ def reference_workspaces(run: Run, models: Sequence[ZooModel]) -> None:
 
 
 def reference_hand_counters(run: Run) -> None:
-    """``measure()`` of a warmed-up step equals ``max_memory_allocated() − memory_allocated()`` read by hand around
-    it."""
+    """``measure()`` of a warmed-up step equals ``max_memory_allocated() − memory_allocated()`` read around it by
+    hand."""
     if not run.cuda:
         return
     device = run.device

@@ -51,8 +51,7 @@ TRACED_STEP = "trace.zoo.mlp.fp32"
 
 @dataclass
 class Check(Coded):
-    """One assertion and its figures; ``passed`` is None when it does not apply here (a GPU figure on a CPU-only
-    run)."""
+    """One assertion and its figures; ``passed`` is None where it does not apply (a GPU figure on a CPU-only run)."""
 
     group: str
     name: str
