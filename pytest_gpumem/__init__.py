@@ -1,9 +1,7 @@
 """pytest-gpumem: guard the GPU memory of training steps in a test suite.
 
-Everything a user needs is importable from here (``from pytest_gpumem import measure``).
-The public names are listed once, in ``__init__.pyi`` (what type checkers read); each is
-loaded from the module the stub names on first use, so that pytest can load the plugin
-without importing torch when no test is measured.
+The public names are listed once, in ``__init__.pyi``; each loads on first use, so pytest can load the plugin without
+importing torch.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """The command line: ``python -m pytest_gpumem baselines show|diff|prune|history`` and ``validate``.
 
-``validate`` (GPU validation, :mod:`pytest_gpumem.validate`) has a command line of its own.
-
-Reads and edits a baseline file without running pytest: ``show`` prints its
-baselines, ``diff`` compares two versions of it (a path or a git ``REV:PATH``
-on each side), ``prune`` removes baselines of tests, of a whole environment, or
-of tests whose file is gone. Every size is bytes, shown as KiB / MiB / GiB
-(1024-based) unless ``--bytes`` asks for exact counts.
-
-Exit status: 0 on success; 1 when ``diff --fail-on-growth`` found a cost that
-grew beyond the tolerance; 2 for a usage error, a file that cannot be read, a
-filter that matches nothing, a ``prune`` pattern that matches every test
-without ``--all``, a failed write, or a failed ``git show``. Errors are one line on
-standard error (followed by a ``hint:`` line where the file error has advice),
-never a traceback.
-
-Imports neither torch nor pytest, so it starts in a fraction of a second.
+Reads and edits a baseline file without pytest or torch (docs/cli.md). Exit status 0, 1 when ``diff
+--fail-on-growth`` found growth, 2 for any error, which is one line on standard error, never a traceback.
 """
 
 from __future__ import annotations
@@ -77,8 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, actions = _parser()
     try:
         args, _ = parser.parse_known_args(arguments)
-        # Again with the action's own parser, intermixed: argparse alone takes no positional after an
-        # option once a command has several positionals (``diff OLD NEW --bytes TEST``).
+        # Again with the action's own parser, intermixed: argparse takes no positional after an option otherwise.
         start = arguments.index(args.command, arguments.index(args.group) + 1) + 1
         namespace = argparse.Namespace(group=args.group, command=args.command)
         args = actions[args.command].parse_intermixed_args(arguments[start:], namespace)
@@ -419,8 +404,7 @@ class _Change:
         return None if self.old is None or self.new is None else self.new - self.old
 
     def worse(self, tolerance: Tolerance) -> bool:
-        """Whether the cost got worse beyond ``tolerance`` (the figure's, :func:`tolerance_for`): the
-        judge's rule (:func:`~pytest_gpumem.judge.rule.baseline_status`) with the old cost as the baseline."""
+        """Whether the cost got worse beyond ``tolerance``: the judge's rule with the old cost as the baseline."""
         if self.old is None or self.new is None:
             return False
         return baseline_status(self.metric, self.new, self.old, tolerance) == "regressed"

@@ -1,10 +1,5 @@
-"""``python -m pytest_gpumem baselines history``: the baseline file's figures in each commit.
-
-Reads the file's git history (:mod:`pytest_gpumem.baselines.history`) and prints it as a table or
-sparklines, writes an HTML page with a chart per test and span, and exports the newest commit's
-figures for github-action-benchmark and GitLab's metrics report (:mod:`pytest_gpumem.report.trend`).
-Errors are :class:`~pytest_gpumem.cli.CommandError`: one line, exit status 2.
-"""
+"""``python -m pytest_gpumem baselines history``: the baseline file's figures in each commit, as tables, sparklines, an
+HTML page and CI exports."""
 
 from __future__ import annotations
 

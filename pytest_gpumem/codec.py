@@ -1,6 +1,7 @@
-"""One codec for the package's dataclasses: :func:`to_data` makes JSON-ready data of one, :func:`from_data`
-reads it back. Both follow the fields' type hints; :func:`coded` fields say where they differ (a renamed or
-nested key, a value left out when it is the default, a custom form, keys derived from the object)."""
+"""One codec for the package's dataclasses: :func:`to_data` and :func:`from_data`, following the type hints.
+
+:func:`coded` field metadata says where a field differs (a renamed or nested key, an omitted default, a custom form).
+"""
 
 from __future__ import annotations
 
@@ -88,8 +89,7 @@ _SCALARS = frozenset((int, float, str, bool, type(None)))
 
 
 def to_data(value: Any) -> Any:
-    """``value`` as JSON-ready data: a dataclass as an object of its fields in their order, a mapping as an
-    object, a tuple, list or set as an array (a set sorted), an enum as its value."""
+    """``value`` as JSON-ready data (dataclasses as objects in field order, sets sorted, enums as values)."""
     kind: Any = type(value)
     if kind in _SCALARS:
         return value
@@ -137,8 +137,8 @@ class _Bad(ValueError):
 
 
 def from_data(cls: type[T], data: Any, where: str = "") -> T:
-    """The ``cls`` dataclass that :func:`to_data` wrote as ``data``; keys it does not know are ignored.
-    Raises ``ValueError`` naming the key path (after ``where``) of a value of the wrong type or a missing one."""
+    """The ``cls`` dataclass :func:`to_data` wrote as ``data``, unknown keys ignored; ``ValueError`` naming the key path
+    of a missing or wrong value."""
     try:
         made: T = _from(cls, data)
         return made

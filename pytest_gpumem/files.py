@@ -1,12 +1,7 @@
-"""Writing the files the plugin makes (reports, artifacts, snapshots, the baseline file) without
-swapping anything in at the user's path.
+"""Writing the plugin's files without swapping anything in at the user's path.
 
-A regular file (or a new one) is replaced atomically: a temporary file in the same folder,
-renamed over it once complete, with the old file's permissions. A symbolic link is written
-through: its target is replaced and the link stays. Anything else at the path (``/dev/null``,
-a FIFO, a socket) is never renamed over: a character device is written into, a FIFO is written
-into when a reader holds it open and refused otherwise (pytest would wait on it forever), a
-socket is refused. A refusal is an :class:`OSError` that names the path and why.
+A regular or new file is replaced atomically (keeping its permissions), a symbolic link written through; a device is
+written into, a FIFO only when read, a socket refused, with an :class:`OSError` naming the path.
 """
 
 from __future__ import annotations
@@ -23,9 +18,10 @@ __all__ = ["move_file", "unwritable", "write_file"]
 
 
 def write_file(path: str | os.PathLike[str], data: bytes, *, durable: bool = False) -> Path:
-    """Write ``data`` to ``path`` as described in the module's docstring; returns the path written
-    (a symbolic link's target). ``durable``: fsync the file and its folder (the baseline file).
-    Missing parent folders are made."""
+    """Write ``data`` to ``path`` as the module says, making missing folders; returns the path written.
+
+    ``durable``: fsync the file and its folder (the baseline file).
+    """
     target, found = _target(path)
     if found is not None and not stat.S_ISREG(found.st_mode):
         _write_into(target, found.st_mode, data)
@@ -35,8 +31,7 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, durable: bool = Fal
 
 
 def _target(path: str | os.PathLike[str]) -> tuple[Path, os.stat_result | None]:
-    """The file ``path`` names (a symbolic link's target), and its status; None where nothing is
-    there yet (it is made when written: a file in a parent folder's place says so then)."""
+    """The file ``path`` names (through a symbolic link) and its status; None where nothing is there yet."""
     target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     try:
         return target, os.stat(target)
@@ -82,9 +77,7 @@ def _temporary(target: Path) -> tuple[int, Path]:
 
 
 def move_file(temporary: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
-    """Put the complete file ``temporary`` (written by someone else, beside ``path``) at ``path`` as
-    :func:`write_file` would: renamed over a regular file or a symbolic link's target, written into
-    a device or a FIFO (and removed)."""
+    """Put the complete file ``temporary`` (beside ``path``) at ``path`` as :func:`write_file` would."""
     target, found = _target(path)
     if found is None or stat.S_ISREG(found.st_mode):
         os.replace(temporary, target)
@@ -125,9 +118,7 @@ def _replace(target: Path, data: bytes, mode: int | None, *, durable: bool) -> N
 def unwritable(path: Path, *, folder: bool = False, written: bool = True) -> str | None:
     """Why ``path`` cannot be written as a file (``folder``: made as a folder), or None when it can.
 
-    A missing parent folder is fine (it is made when the file is written, as pytest's
-    ``--junitxml`` does) unless something in the way is a file or cannot be written.
-    ``written=False`` only checks that the path is of the right kind (a file that is read).
+    A missing parent folder is fine (made on writing, as ``--junitxml`` does); ``written=False`` checks only the kind.
     """
     if path.is_dir() and not folder:
         return f"{path} is a directory: give a file name"

@@ -1,10 +1,7 @@
-"""The one table engine: every table pytest-gpumem prints, fitted to a width in one place.
+"""The one table engine: every table pytest-gpumem prints, fitted to a width in one place (no torch).
 
-:class:`Table` renders rows (grouped under titles or not) in a terminal's width: columns
-narrowed and elided in their middle (a node id keeps its function name, a span its rank),
-optional columns left out, then one record per block when nothing else fits.
-:func:`table` is the plain form (a header, a rule, the rows) for the short tables of
-diagnoses and the command line. :func:`wrap` wraps prose to the same width. No torch.
+:class:`Table` narrows and elides columns, leaves optional ones out, then shows one record per block; :func:`table` is
+the plain form, :func:`wrap` wraps prose to the same width.
 """
 
 from __future__ import annotations
@@ -44,9 +41,8 @@ ELLIPSIS = "…"
 
 
 def file_of(nodeid: str) -> str:
-    """The file part of a node id: ``tests/test_a.py`` of ``tests/test_a.py::test_x[1]``, and
-    ``a::b/test_a.py`` of ``a::b/test_a.py::test_x`` (a folder's name may hold "::"; parameter ids
-    may hold "/" and "::": the file ends at the first "::" after the last "/" before any "[")."""
+    """The file part of a node id: the file ends at the first "::" after the last "/" before any "[" (folder names may
+    hold "::", parameter ids "/" and "::")."""
     slash = nodeid.split("[", 1)[0].rfind("/")
     cut = nodeid.find("::", slash + 1)
     return nodeid if cut < 0 else nodeid[:cut]
@@ -69,8 +65,8 @@ def elide_middle(text: str, width: int) -> str:
     return text[: keep - tail] + ELLIPSIS + (text[len(text) - tail :] if tail else "")
 
 
-#: The rank a span is measured on, at the end of its name: ``call@rank1-of-2`` (torchrun),
-#: ``rank1-of-2`` (``gpumem.distributed``), ``rank0-of-2@rank1-of-2`` (both).
+#: The rank a span is measured on, at the end of its name: ``call@rank1-of-2``, ``rank1-of-2``,
+#: ``rank0-of-2@rank1-of-2``.
 RANK_RE = re.compile(r"(?:@?rank\d+-of-\d+)+$")
 
 
@@ -83,8 +79,7 @@ def span_floor(name: str) -> int:
 
 
 def elide_span(name: str, width: int) -> str:
-    """A span name in at most ``width`` characters that keeps its rank: what comes before the
-    rank is elided (``f…@rank1-of-2``), never the rank (unless ``width`` is below :func:`span_floor`)."""
+    """A span name in at most ``width`` characters, eliding what comes before its rank, never the rank."""
     if len(name) <= width:
         return name
     match = RANK_RE.search(name)
@@ -96,9 +91,7 @@ def elide_span(name: str, width: int) -> str:
 def elide_id(nodeid: str, width: int) -> str:
     """A node id in at most ``width`` characters, keeping its function name and parametrize id.
 
-    The part before the name is elided first, in its middle
-    (``tests/mo…::TestLlama::test_step[fp32]``), then dropped (``…test_step[fp32]``);
-    when the name alone does not fit, the name is elided in its middle.
+    The part before the name is elided in its middle, then dropped; then the name itself is elided.
     """
     if len(nodeid) <= width:
         return nodeid
@@ -220,9 +213,8 @@ class Table:
         )
 
     def render(self, width: int | None) -> list[str]:
-        """The lines of the table in ``width``: one row per record, the test id in a column of its own if it fits,
-        else above its rows, with fewer columns if need be (named in a line below), then one space between
-        columns, else one record per block."""
+        """The lines of the table in ``width``: test ids in a column or above their rows, fewer columns (named below),
+        one space between columns, else one record per block."""
         rows = [row for _, group in self.groups for row in group]
         table = self._keep([i for i, col in enumerate(self.cols) if not col.optional or any(row[i] for row in rows)])
         if table.title is not None:
@@ -310,9 +302,8 @@ def wrap_items(items: Sequence[str], width: int | None, first: str, rest: str) -
 def table(
     headers: Sequence[str], rows: Sequence[Sequence[object]], *, right: Sequence[int] = (), width: int | None = None
 ) -> str:
-    """A plain table: the headers, a rule of dashes, then the rows (cells as ``str()``; columns at
-    ``right`` aligned right), two spaces between columns, fitted to ``width`` when given (the
-    widest columns elided in their middle first)."""
+    """A plain table: headers, a rule, the rows (``right`` columns right-aligned), fitted to ``width`` by eliding the
+    widest columns first."""
     cols = [Col(header, right=i in right, elastic=True) for i, header in enumerate(headers)]
     cells = [["" if cell is None else str(cell) for cell in row] for row in rows]
     if width is not None:
@@ -327,8 +318,7 @@ def table(
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, right: Sequence[int] = ()) -> str:
-    """A GitHub Markdown table of the same cells: padded columns, ``---:`` under those at ``right``;
-    a ``|`` in a cell is escaped and a line break becomes a space (either would end the cell)."""
+    """A GitHub Markdown table of the same cells; a ``|`` is escaped and a line break becomes a space."""
     cells = [[_markdown_cell(cell) for cell in row] for row in rows]
     sizes = [max([len(header), 3, *(len(row[i]) for row in cells)]) for i, header in enumerate(headers)]
 
@@ -350,32 +340,25 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def visible(text: str) -> str:
-    """``text`` with its control characters (a terminal's escape sequences, a bell) written as
-    their Python escapes (``\\x1b``), so that a test id or a span name read from a file reaches
-    a terminal or a report as the text it is. Line breaks and tabs stay (they lay notes out)."""
+    """``text`` with its control characters written as Python escapes (``\\x1b``), so names read from a file reach a
+    terminal as text; line breaks and tabs stay."""
     return _CONTROL.sub(lambda match: repr(match.group())[1:-1], text) if _CONTROL.search(text) else text
 
 
-#: What Markdown (GitHub's: CommonMark with tables, strikethrough and raw HTML) would read as
-#: something other than text in a cell or a list item: a backslash, a code span, an HTML tag or
-#: autolink, strikethrough, an entity, a cell's end; the ``](`` that would close a link or an
-#: image (a bracket alone is text: ``test_step[bf16]`` stays as it is, and no line of a table or
-#: a list item can start a link's definition); an underscore that is not inside a word, an
-#: asterisk that is not between spaces (``2 * 4Ψ`` stays as it is).
+#: What GitHub Markdown would read as markup in a cell or list item: a backslash, code span, HTML, strikethrough,
+#: entity, cell end, the ``](`` closing a link, an underscore outside a word, an asterisk not between spaces.
 _MARKDOWN = re.compile(r"[\\`<~&|]|(?<!\s)\*|\*(?!\s)|\](?=\()|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
 
 
 def markdown_text(text: str, *, cell: bool = True) -> str:
-    """``text`` (a test id, a span name, a note) as Markdown text in a table's cell or a list item:
-    on one line, its control characters :func:`visible`, every character Markdown would read as
-    markup backslash-escaped (``|`` only in a ``cell``: it would end it)."""
+    """``text`` as Markdown text in a cell or list item: one line, :func:`visible`, markup characters backslash-escaped
+    (``|`` only in a ``cell``)."""
     text = visible(text).replace("\r", " ").replace("\n", " ")
     return _MARKDOWN.sub(lambda m: m.group() if m.group() == "|" and not cell else "\\" + m.group(), text)
 
 
 def markdown_code(text: str) -> str:
-    """``text`` as a Markdown code span (shown as it is): on one line, fenced by more backticks than
-    it holds in a row."""
+    """``text`` as a Markdown code span on one line, fenced by more backticks than it holds in a row."""
     text = visible(text).replace("\r", " ").replace("\n", " ")
     fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
     pad = " " if text.startswith("`") or text.endswith("`") else ""

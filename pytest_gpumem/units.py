@@ -1,11 +1,7 @@
 """Parsing and formatting byte sizes.
 
-Sizes follow GPU spec sheets and pytest-memray: the multiples K, M, G and T are
-1024-based whether or not they are written with an ``i`` (``"4GB"`` and
-``"4GiB"`` are both 4 * 2**30 bytes). Units are case-insensitive and the
-trailing ``B`` is optional (``"512M"``). A plain number is a count of bytes and
-must be a whole number; a fractional count of a larger unit is rounded to the
-nearest byte (``"1.5KiB"`` is 1536 bytes, ``"0.1KB"`` is 102 bytes).
+K, M, G and T are 1024-based with or without ``i`` (as GPU spec sheets and pytest-memray); units are case-insensitive,
+the ``B`` optional; a plain number is whole bytes, a fraction of a unit rounds to the byte.
 """
 
 from __future__ import annotations
@@ -37,9 +33,7 @@ _SIZE_RE = re.compile(
 )
 
 
-#: The largest number of bytes a size, a limit, a tolerance or a baseline may hold: 2**63 - 1
-#: (8 EiB, the largest signed 64-bit count, as PyTorch's allocators count). A larger number is
-#: an error, never a figure: no device has that much memory.
+#: The largest number of bytes a size, limit, tolerance or baseline may hold: 2**63 - 1, as PyTorch's allocators count.
 MAX_BYTES = 2**63 - 1
 
 #: Digits (before a decimal point, leading zeros aside) beyond which a number is too large at once.
@@ -59,8 +53,7 @@ class SizeError(ValueError):
 
 
 def shown(value: object, limit: int = 40) -> str:
-    """``repr(value)`` for a message, its middle cut out when longer than ``limit`` characters (a
-    5000-digit number is named by its ends and its length, and never converted whole)."""
+    """``repr(value)`` for a message, its middle cut out beyond ``limit`` characters (never converted whole)."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 3 * limit:
         return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     text = repr(value)
@@ -75,13 +68,9 @@ def too_large(value: object) -> SizeError:
 
 
 def parse_size(value: object) -> int:
-    """Return the number of bytes that ``value`` stands for.
+    """Return the number of bytes ``value`` (an ``int`` ≥ 0 or a string such as ``"4GB"``, ``"1.5GiB"``) stands for.
 
-    ``value`` is a non-negative ``int`` (bytes) or a string such as ``"4GB"``,
-    ``"512 MiB"``, ``"1.5GiB"``, ``"300KB"`` or ``"0B"``. Raises
-    :class:`SizeError` for anything else: negative sizes, unknown units, trailing
-    garbage, empty strings, booleans and floats (a float number of bytes is
-    ambiguous: write ``"1.5KiB"`` or an ``int``).
+    Raises :class:`SizeError` for anything else, booleans and floats included (write ``"1.5KiB"`` or an ``int``).
     """
     if isinstance(value, bool):
         raise SizeError(f"{value!r} is not a size: use an int number of bytes or a string like '4GiB'")
@@ -129,11 +118,7 @@ def parse_size(value: object) -> int:
 
 
 def format_size(nbytes: int | None, precision: int = 2) -> str:
-    """Format a byte count for people: ``"512 B"``, ``"1.50 KiB"``, ``"2.00 GiB"``.
-
-    ``None`` (a figure the engine cannot know) formats as ``"n/a"``. Negative
-    counts keep their sign. The largest unit whose value is at least 1 is used.
-    """
+    """Format a byte count for people: ``"512 B"``, ``"1.50 KiB"``; ``None`` is ``"n/a"``, negatives keep their sign."""
     if nbytes is None:
         return "n/a"
     sign = "-" if nbytes < 0 else ""
@@ -157,12 +142,7 @@ def format_delta(nbytes: int | None, precision: int = 2) -> str:
 
 
 def format_sizes(*counts: int | None) -> tuple[str, ...]:
-    """Format byte counts to be read side by side: counts that differ never read the same.
-
-    :func:`format_size` first; where two different counts would print alike (``8.14 MiB`` and
-    ``8.14 MiB`` for 4 KiB apart), two more decimals, then exact bytes with thousands separators
-    (``7,266,560 B`` and ``7,266,328 B``).
-    """
+    """Format byte counts to read side by side: counts that differ never read the same (more decimals, then bytes)."""
     known = [count for count in counts if count is not None]
     distinct = len(set(known))
     for precision in (2, 4):
@@ -175,10 +155,7 @@ def format_sizes(*counts: int | None) -> tuple[str, ...]:
 def format_percent(numerator: int | None, denominator: int | None) -> str:
     """Format ``numerator / denominator`` as a signed percentage, ``"n/a"`` when unknown.
 
-    A change below 0.05% keeps two significant digits (``"+0.048%"``; ``"+<0.001%"`` below that),
-    never ``"+0.0%"`` for a change that is there; a growth of 1000% or more is the factor the
-    figure was multiplied by (``"×8,192"``), not a six-digit percentage. A negative denominator
-    (a cost below its span's start) counts by its size.
+    Small changes keep two significant digits (never ``"+0.0%"``), 1000% or more reads as a factor (``"×8,192"``).
     """
     if numerator is None or denominator is None:
         return "n/a"

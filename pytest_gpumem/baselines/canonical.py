@@ -1,11 +1,4 @@
-"""The file's canonical form: key order, and the JSON text it is written as.
-
-The same baselines always give the same bytes, whatever order they were
-recorded in (which is how parallel workers reproduce a serial run): objects
-this release knows have their keys in a fixed order, every other object has
-its keys sorted, and the text is ``json.dumps(indent=2, ensure_ascii=False)``
-with a newline at the end, in UTF-8 (see :func:`json_bytes` for names that are not).
-"""
+"""The file's canonical form: key order and JSON text, so the same baselines always give the same bytes."""
 
 from __future__ import annotations
 
@@ -19,27 +12,21 @@ from pytest_gpumem.data.metrics import CATEGORIES, METRICS
 
 __all__ = ["CALL_SPAN", "SCHEMA_VERSION", "STORED_CATEGORIES", "json_bytes", "stored_breakdown"]
 
-#: Version of the file layout this release writes and the only one it reads.
-#: Adding keys does not change it (older releases keep keys they do not know);
-#: changing the meaning or type of an existing key does.
+#: Version of the file layout this release writes and the only one it reads; adding keys does not change it.
 SCHEMA_VERSION = 1
 
 #: The span that covers a whole test call; other spans are ``gpumem.measure(name)`` blocks.
 CALL_SPAN = "call"
 
 
-#: The breakdown categories a baseline keeps: those the test's own code decides. ``other`` (what
-#: else was alive: what earlier tests left, a session's tensors) depends on which tests ran before
-#: in the run's order, and so does a span's absolute ``start``: a baseline keeps neither, so that a
-#: serial run, ``-n 4`` and a shuffled run write the same bytes. (Files of earlier releases may
-#: hold both: they are read, compared without them, and dropped when the test is recorded again.)
+#: The breakdown categories a baseline keeps: those the test's own code decides. ``other`` and a span's ``start`` depend
+#: on the tests that ran before, so a serial, ``-n 4`` and a shuffled run write the same bytes without them.
 STORED_CATEGORIES = tuple(category for category in CATEGORIES if category != "other")
 
 
 def stored_breakdown(breakdown: Mapping[str, int] | None) -> dict[str, int] | None:
-    """What a baseline keeps of a span's ``breakdown`` at the peak: every
-    :data:`STORED_CATEGORIES` (0 where absent), then any category this release does not know,
-    never ``other``; None for None."""
+    """What a baseline keeps of a span's peak ``breakdown``: :data:`STORED_CATEGORIES` (0 where absent) and unknown
+    categories, never ``other``; None for None."""
     if breakdown is None:
         return None
     kept = {category: int(breakdown.get(category, 0)) for category in STORED_CATEGORIES}
@@ -56,21 +43,15 @@ _ENVIRONMENT_ORDER = tuple(f.name for f in fields(Environment))
 
 
 def render(tree: Mapping[str, Any]) -> bytes:
-    """The bytes of a file whose canonical tree (see :func:`canonical_top`) is ``tree``.
-
-    Raises ``ValueError`` for a value JSON cannot hold exactly (NaN, infinity).
-    """
+    """The bytes of a file whose canonical tree is ``tree``; ``ValueError`` for NaN or infinity."""
     return json_bytes(json.dumps(tree, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
 
 
 def json_bytes(text: str) -> bytes:
-    """The UTF-8 bytes of a JSON ``text`` in which a string may hold a lone surrogate.
+    """The UTF-8 bytes of a JSON ``text`` whose strings may hold a lone surrogate (:pep:`383` file names).
 
-    Python names a byte of a file name that is not UTF-8 with a lone surrogate (``0xff`` is
-    ``"\\udcff"``, see :pep:`383`), which UTF-8 cannot encode; it is written as the JSON escape
-    ``\\udcff``, which ``json.loads`` reads back as the same surrogate, so a test in such a file
-    is stored and found again under the same node id. Surrogates occur only inside JSON
-    strings, where that escape is valid JSON.
+    A surrogate is written as its JSON escape (``\\udcff``), which ``json.loads`` reads back, so such a test is found
+    again under the same node id.
     """
     return text.encode("utf-8", "backslashreplace")
 

@@ -1,7 +1,4 @@
-"""What makes memory figures comparable: :class:`Environment` and its key.
-
-Never imports torch at module level: only :meth:`Environment.detect` does.
-"""
+"""What makes memory figures comparable: :class:`Environment` and its key (torch imported only in ``detect``)."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ __all__ = [
 #: Engines an :class:`Environment` can describe (see :class:`~pytest_gpumem.data.figures.Measurement`).
 ENGINES: tuple[str, ...] = ("cuda", "cpu", "predict")
 
-#: Environment variables that change what the caching allocator holds, in the
-#: order they appear in an environment key. Only the ones that are set are recorded.
+#: Environment variables that change what the caching allocator holds, in key order; only set ones are recorded.
 ALLOCATOR_VARIABLES: tuple[str, ...] = (
     "PYTORCH_CUDA_ALLOC_CONF",
     "PYTORCH_HIP_ALLOC_CONF",
@@ -48,48 +44,15 @@ _VERSION_RE = re.compile(r"^\s*(\d+)\.(\d+)")
 
 @dataclass(frozen=True)
 class Environment(Coded):
-    """What makes memory figures comparable between two runs.
+    """What makes memory figures comparable between two runs: runs with the same :attr:`key` compare their figures.
 
-    Two runs whose environments have the same :attr:`key` compare their figures
-    with each other; figures recorded under another key are kept side by side
-    and never compared. A value that could not be found out is ``None`` and
-    shows as ``unknown`` in the key.
+    ``engine`` is ``"cuda"`` (a caching allocator: CUDA, ROCm, XPU), ``"cpu"`` (the tensor-storage tracker) or
+    ``"predict"`` (the CPU engine predicting a GPU: the device fields are the target's). A value that could not be found
+    out is ``None`` (``unknown`` in the key). ``labels`` are user-chosen ``(name, value)`` pairs (a mapping is
+    accepted), checked by :func:`check_label`.
 
-    Attributes:
-        engine: ``"cuda"`` (a device's caching allocator: CUDA, ROCm, XPU),
-            ``"cpu"`` (the exact tensor-storage tracker) or ``"predict"`` (the CPU engine
-            predicting a GPU's figures: the device fields are the target's).
-        device_name: the device model, e.g. ``"NVIDIA H100 80GB HBM3"``;
-            ``None`` on the CPU engine.
-        total_memory: device memory in bytes as the runtime reports it;
-            ``None`` on the CPU engine.
-        compute_capability: ``"9.0"`` on CUDA, the ``gfx`` architecture on ROCm
-            (``"gfx90a"``); ``None`` elsewhere.
-        torch_version: PyTorch ``major.minor`` (``"2.13"``).
-        cuda_version: the CUDA version PyTorch was built with (``"12.8"``);
-            ``None`` on ROCm, XPU and the CPU engine.
-        hip_version: the HIP version of a ROCm build (``"6.2"``); else ``None``.
-        cudnn_version: cuDNN's (MIOpen's on ROCm) integer version as PyTorch
-            reports it (``"91002"``); ``None`` when unavailable or on the CPU engine.
-        allocator: ``(name, value)`` of each :data:`ALLOCATOR_VARIABLES` that is
-            set, in that order; ``()`` means all defaults; ``None`` on the CPU
-            engine, where the caching allocator plays no part.
-        cuda_rounding: CPU engine only: whether each storage was rounded up to
-            the CUDA caching allocator's 512-byte blocks. ``None`` on ``"cuda"``.
-        labels: ``(name, value)`` pairs the user chose to tell apart runs that
-            the fields above cannot (a container image, a cluster, a build
-            flag), sorted by name. Each becomes part of the key as
-            ``name=value``. Names and values are non-empty strings without
-            ``|``, line breaks or surrounding spaces (see :func:`check_label`);
-            anything else raises ``ValueError`` naming the label. A mapping
-            ``{name: value}`` is accepted too.
-
-    The CPU engine counts tensor-storage bytes: they depend on PyTorch (which
-    tensors autograd saves, how optimizers lay out their state) and on the
-    rounding option, but not on the CPU model, its memory or the CUDA build of
-    torch. Its key therefore holds only the engine, torch ``major.minor`` and
-    ``cuda_rounding`` (and the labels, if any), so that baselines recorded on a
-    laptop hold on any CI runner.
+    The CPU engine's key holds only the engine, torch ``major.minor``, ``cuda_rounding`` and labels: its storage bytes
+    do not depend on the CPU or the CUDA build, so baselines recorded on a laptop hold on any CI runner.
     """
 
     engine: str = field(metadata=coded(missing="unknown"))
@@ -131,12 +94,10 @@ class Environment(Coded):
         *,
         predict: str | None = None,
     ) -> Environment:
-        """Describe the environment of the running process for ``engine`` on ``device``.
+        """Describe the running process's environment for ``engine`` on ``device``, without labels.
 
-        ``cuda_rounding`` is the CPU engine's rounding option and is ignored
-        for ``"cuda"``. Properties that cannot be read are ``None``; this never
-        raises for a missing or broken device. Raises ``ValueError`` for an
-        unknown engine. The result has no labels.
+        Unreadable properties are ``None`` (never raises for a missing or broken device); ``ValueError`` for an unknown
+        engine.
         """
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
@@ -188,13 +149,10 @@ class Environment(Coded):
 
     @property
     def key(self) -> str:
-        """A stable, human-readable key: the parts that make figures comparable, joined by ``" | "``.
+        """A stable, human-readable key: the fields that make figures comparable, joined by ``" | "``.
 
-        Examples: ``"cpu | torch 2.13 | cuda_rounding off"`` and
-        ``"cuda | NVIDIA H100 80GB HBM3 | 79 GiB | cc 9.0 | torch 2.13 | CUDA 12.8 | cuDNN 91002 |
-        default allocator"``; labels come last (``"... | default allocator | image=cu128-2025.06"``).
-        The key is a function of the fields above, so it can be recomputed
-        from the ``environment`` object stored in the file.
+        For example ``"cpu | torch 2.13 | cuda_rounding off"``; labels come last. It is a function of the fields, so it
+        can be recomputed from the file's ``environment`` object.
         """
         labels = [f"{name}={value}" for name, value in self.labels]
         if self.engine == "cpu":
@@ -252,10 +210,11 @@ def _problem(text: str) -> str | None:
 
 
 def check_key_text(what: str, text: str, *, shows_none: bool = True) -> None:
-    """Raise ``ValueError`` naming ``what`` unless ``text`` can be a part of an environment key,
-    which must read one way only: no ``|`` (the parts' separator), line break or other control
-    character, no leading or trailing spaces, not empty, and (``shows_none``) not ``"unknown"``,
-    the key's word for a field that is None (use None to share baselines across its values)."""
+    """Raise ``ValueError`` naming ``what`` unless ``text`` can be a part of an environment key.
+
+    No ``|``, control character, surrounding spaces or empty text, and (``shows_none``) not ``"unknown"``, the key's
+    word for None.
+    """
     problem = _problem(text)
     if problem is None and (not text or text != text.strip()):
         problem = "is empty or has leading or trailing spaces"
@@ -268,10 +227,7 @@ def check_key_text(what: str, text: str, *, shows_none: bool = True) -> None:
 def check_label(name: object, value: object) -> None:
     """Raise ``ValueError`` naming the label unless ``name=value`` can be part of an environment key.
 
-    Both must be non-empty strings without ``|``, line breaks or leading or
-    trailing spaces (they would make keys ambiguous or unreadable); the name
-    must not contain ``=`` nor be one of :data:`ALLOCATOR_VARIABLES` (the key
-    shows those already, in the same ``name=value`` form).
+    The name must not contain ``=`` nor be one of :data:`ALLOCATOR_VARIABLES` (the key shows those already).
     """
     shown = repr(f"{name}={value}") if isinstance(name, str) and isinstance(value, str) else f"{name!r}={value!r}"
     for what, text in (("name", name), ("value", value)):

@@ -1,11 +1,7 @@
 """The baseline file's history in git: each commit's figures, per environment, test and span.
 
-:func:`read_history` runs ``git log --follow`` on the file (renames followed) and ``git show
-COMMIT:PATH`` for each commit, and reads every version with :func:`~pytest_gpumem.baselines.parse`.
-A version of another schema version is read leniently, when it has the same shape (environments,
-tests, spans, integer figures); a version that is no baseline file at all (a commit with conflict
-markers, a truncated file, the commit that deleted it) is skipped, and :attr:`History.skipped`
-says why. Unlike the rest of this package, this module runs ``git``.
+Versions of another schema are read leniently by shape; a version that is no baseline file (conflict markers, a
+truncated file) is skipped with why. Unlike the rest of this package, this module runs ``git``.
 """
 
 from __future__ import annotations
@@ -107,8 +103,7 @@ def figures_of(store: BaselineStore) -> Figures:
 
 
 def lenient_figures(tree: Any) -> Figures:
-    """The figures of a baseline file of another schema version, read by shape alone: raises
-    ``ValueError`` when the tree is not ``{"environments": {KEY: {"tests": {TEST: {"spans": {SPAN: {...}}}}}}}``."""
+    """The figures of a baseline file of another schema version, read by shape alone (``ValueError`` otherwise)."""
     if not isinstance(tree, Mapping) or not isinstance(tree.get("environments"), Mapping):
         raise ValueError('no "environments" object')
     figures: Figures = {}
@@ -132,9 +127,7 @@ def lenient_figures(tree: Any) -> Figures:
 
 
 def read_version(data: bytes, name: str) -> tuple[Figures, str | None]:
-    """The figures in the bytes of one version (``name`` names it in errors), and a note when it was
-    read leniently. Raises :class:`BaselineFileError` (a version of this schema that does not load)
-    or ``ValueError`` (one of another schema with another shape)."""
+    """The figures in the bytes of one version (``name`` names it in errors), and a note when read leniently."""
     try:
         return figures_of(parse(data, name)), None
     except BaselineFileError as exc:
@@ -163,9 +156,10 @@ def _git(file: Path, folder: Path, *args: str) -> bytes:
 
 
 def read_history(path: str | os.PathLike[str], *, max_count: int | None = None) -> History:
-    """The versions of the baseline file at ``path`` in its git history, oldest first (the newest
-    ``max_count`` commits when given). Raises :class:`HistoryError` naming the file when git cannot
-    run, the file is in no repository, or no commit has it."""
+    """The versions of the baseline file at ``path`` in git, oldest first (the newest ``max_count`` when given).
+
+    Raises :class:`HistoryError` naming the file when git cannot run, the file is in no repository or no commit has it.
+    """
     file = Path(path)
     folder = (file.parent if str(file.parent) else Path(".")).resolve()
     if not folder.is_dir():

@@ -27,14 +27,9 @@ _HINT_CONFLICT = (
 
 
 def load(path: str | os.PathLike[str]) -> BaselineStore:
-    """Read the baseline file at ``path``.
+    """Read the baseline file at ``path``; a missing file is an empty store.
 
-    A missing file is an empty store (it will be created by :func:`save`).
-    Raises :class:`BaselineFileError`, naming the file, the line and column
-    where known, and what to do, for a file that cannot be read, is not UTF-8,
-    holds git conflict markers, is not valid JSON (a truncated file), repeats a
-    key, has a schema version this release cannot read, or has values of the
-    wrong type.
+    Raises :class:`BaselineFileError` naming the file, the line and column where known, and what to do.
     """
     target = Path(path)
     try:
@@ -55,18 +50,14 @@ def load(path: str | os.PathLike[str]) -> BaselineStore:
 
 
 def read(path: Path) -> tuple[Fingerprint, bytes]:
-    """The bytes of the file at ``path`` and its :func:`fingerprint`, taken through the handle they are
-    read from (so that both are of the same file). Raises ``OSError``."""
+    """The bytes of the file at ``path`` and its :func:`fingerprint`, read through one handle (``OSError``)."""
     with open(path, "rb") as handle:
         info = os.fstat(handle.fileno())
         return fingerprint(info), handle.read()
 
 
 def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> BaselineStore:
-    """Build a store from the bytes of a baseline file; ``path`` only names it in errors.
-
-    Raises :class:`BaselineFileError` as :func:`load` does.
-    """
+    """Build a store from the bytes of a baseline file (``path`` names it in errors); raises as :func:`load` does."""
     restore = HINT_RESTORE.format(path=path)
     try:
         text = data.decode("utf-8-sig")
@@ -124,9 +115,7 @@ def _raise_for_conflict(text: str, path: str | os.PathLike[str]) -> None:
 
 
 def _find_conflict_marker(text: str) -> int | None:
-    """Offset of the first line that is a git conflict marker (``<<<<<<<``, ``=======``, ``>>>>>>>``,
-    ``|||||||`` alone or followed by a space and a label); ``None`` when there is none.
-    Each marker is looked for with ``str.find``, and each hit checked to start a line."""
+    """Offset of the first line that is a git conflict marker; ``None`` when there is none."""
     found: int | None = None
     for marker in _CONFLICT_MARKERS:
         start = 0
@@ -170,8 +159,8 @@ def _reject_constant(constant: str) -> Any:
 
 
 def _finite_float(literal: str) -> float:
-    """A JSON number with a fraction or exponent; one too large for a float (``1e999``) is refused, as
-    ``Infinity`` is: it could not be written back."""
+    """A JSON number with a fraction or exponent; one too large for a float is refused (it could not be written
+    back)."""
     value = float(literal)
     if math.isinf(value):
         raise _ConstantError(literal if len(literal) <= 40 else literal[:37] + "...")

@@ -1,7 +1,7 @@
-"""Where a project's baseline file is, found from any folder under its rootdir as pytest would
-find it: the first pytest configuration file up from the folder (its folder is the rootdir), its
-``gpumem_baselines`` setting (or ``--gpumem-baselines`` in its ``addopts``), else
-``gpumem-baselines.json`` at the rootdir. No pytest: the command line reads the files itself."""
+"""Where a project's baseline file is, found from any folder under its rootdir as pytest would find it.
+
+No pytest: the command line reads the configuration files itself.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ else:  # pytest brings tomli on Python 3.10
 
 __all__ = ["Located", "locate"]
 
-#: pytest's configuration files, in the order it looks for them in each folder; with the section
-#: each must hold to count (None: the file counts whatever it holds)
+#: pytest's configuration files in its search order, with the section each must hold (None: any content).
 _CONFIG_FILES: tuple[tuple[str, str | None], ...] = (
     ("pytest.toml", None),
     (".pytest.toml", None),
@@ -54,10 +53,8 @@ class Located:
 
 
 def locate(start: Path) -> Located:
-    """The baseline file for a command run in ``start``: the first folder up from ``start`` that
-    holds a pytest configuration file decides (its ``gpumem_baselines``, else the default file
-    there); a folder without one that holds ``gpumem-baselines.json`` is taken too. ``path`` is
-    None when no folder up to the filesystem's root has either."""
+    """The baseline file for a command run in ``start``: the first folder up with a pytest configuration file (or a
+    ``gpumem-baselines.json``) decides; ``path`` is None when none has either."""
     found = Located(None)
     for folder in (start, *start.parents):
         found.looked.append(folder)
@@ -119,8 +116,7 @@ def _ini(path: Path, section: str | None) -> dict[str, Any] | None:
 
 
 def _setting(values: dict[str, Any]) -> tuple[str, str] | None:
-    """``gpumem_baselines``, else ``--gpumem-baselines`` in ``addopts`` (the value, and where it was
-    set); None when neither is set. The command line's option wins over the ini setting in pytest."""
+    """``gpumem_baselines``, else ``--gpumem-baselines`` in ``addopts`` (the value, and where set), or None."""
     found = _in_addopts(values.get("addopts", ""))
     if found:
         return found, "--gpumem-baselines in addopts:"

@@ -36,31 +36,14 @@ ORPHAN_AGE_S = 24 * 3600
 def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, force: bool = False) -> bool:
     """Write ``store`` to ``path`` (default: the file it was loaded from) atomically; True when written.
 
-    The bytes go to a temporary file in the same folder, are flushed and
-    fsynced, then ``os.replace`` puts them in place, so a reader, a crash or a
-    kill at any moment sees either the old file or the new one, never a mix.
-    On any error the temporary file is removed and the old file is intact. A
-    kill (SIGKILL, power loss) between creating and renaming the temporary file
-    can leave it behind as ``.<name>.<pid>.<random>.tmp``; the next save
-    removes such orphans once their process is gone (or after a day).
+    A temporary file in the same folder is fsynced then ``os.replace``d, so readers and crashes see the old file or the
+    new one; a killed save's orphan temp file is removed by a later save. Saves of one file take turns on a lock
+    (:func:`lock_path`); when the file changed on disk since loading, this store's changes are applied onto it (see
+    :meth:`BaselineStore.apply_changes`) and the store holds the merge. A symbolic link is written through.
 
-    Saves of one file take turns: each holds its lock file (:func:`lock_path`:
-    in the user's cache folder, nothing beside the file) from reading the file
-    on disk to replacing it (see :data:`LOCK_TIMEOUT_S`). When the file changed on disk since the store was loaded
-    (another run saved it, or it was edited), the changes this store made
-    since (tests recorded, removed, pruned; environments removed) are applied
-    onto the file as it is now, so that neither run loses the other's
-    entries; the store then holds the merged baselines. A test both recorded
-    gets this store's figures. A symbolic link is written through: its target
-    is replaced, the link stays.
-
-    Nothing is written when the bytes would not change. Raises
-    :class:`BaselineFileError`, naming the file and leaving it as it was, when
-    it cannot be written (read-only, no such folder, the lock is held too
-    long), when the file on disk cannot be read for the merge, and, unless
-    ``force`` is true, instead of overwriting a file that this store was not
-    loaded from. ``force`` writes the store as it is, without merging. Creates
-    missing parent folders.
+    Nothing is written when the bytes would not change. Raises :class:`BaselineFileError`, leaving the file as it was,
+    when it cannot be written or read for the merge and, unless ``force``, instead of overwriting a file this store was
+    not loaded from (``force`` writes without merging).
     """
     if path is None and store.path is None:
         raise ValueError("save() needs a path for a store that was not loaded from a file")
@@ -122,12 +105,9 @@ def _merge(store: BaselineStore, target: Path, real: Path) -> tuple[BaselineStor
 def lock_path(path: str | os.PathLike[str]) -> Path:
     """The lock file that saves of the baseline file ``path`` take turns on.
 
-    It lies in the user's cache folder (``$XDG_CACHE_HOME``, else ``~/Library/Caches`` on macOS,
-    ``%LOCALAPPDATA%`` on Windows, ``~/.cache`` elsewhere), in ``pytest-gpumem/locks``, named by a
-    hash of the file's resolved path: every path that names one file on disk (through symbolic
-    links, relative or absolute) names one lock, and nothing is left beside the baseline file for a
-    ``git add -A`` to commit. The lock file stays after a save, as filelock advises: deleting it
-    would let two saves lock two different files.
+    It lies in the user's cache folder under ``pytest-gpumem/locks``, named by a hash of the resolved path, so nothing
+    beside the baseline file gets committed; it stays after a save (deleting it would let two saves lock two different
+    files).
     """
     real = os.path.realpath(path)
     digest = hashlib.sha256(os.fsencode(real)).hexdigest()[:32]
@@ -211,8 +191,7 @@ def _cannot_write(target: Path, exc: OSError) -> BaselineFileError:
 
 
 def _atomic_write(target: Path, data: bytes) -> None:
-    """Write the baseline file (see :func:`~pytest_gpumem.files.write_file`: replaced atomically and
-    durably when it is a regular file, never renamed over when it is a device or a FIFO)."""
+    """Write the baseline file with :func:`~pytest_gpumem.files.write_file`."""
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(target)
     write_file(target, data, durable=True)

@@ -1,8 +1,6 @@
 """Which tests of a baseline file a name selects (``python -m pytest_gpumem baselines prune``).
 
-A node id selects itself; a path prefix the tests under it; ``--env`` text the one environment
-whose key contains it. A pattern that selects every test in the file (an unset shell variable,
-``.``, ``/``, a glob, a folder holding every test) is refused unless every test is asked for.
+A pattern that selects every test (an unset shell variable, ``.``, a glob) is refused unless asked for.
 """
 
 from __future__ import annotations
@@ -41,9 +39,8 @@ def environment_named(store: BaselineStore, text: str) -> str:
 def tests_named(
     store: BaselineStore, keys: Sequence[str], names: Sequence[str], *, everything: bool = False
 ) -> dict[str, list[str]]:
-    """Tests of ``keys`` that ``names`` name (node ids or path prefixes); raises for a name that matches
-    none, and (unless ``everything``) for a pattern that matches every test in the file: an unset shell
-    variable, ``.``, a glob, a folder that holds every test. A whole node id is what it names."""
+    """Tests of ``keys`` that ``names`` (node ids or path prefixes) name; raises for a name that matches none and,
+    unless ``everything``, for a pattern that matches every test."""
     every = {(key, test) for key in store.environment_keys() for test in store.tests(key)}
     doomed: dict[str, list[str]] = {}
     for name in names:
@@ -72,10 +69,9 @@ def matches_anything(name: str) -> bool:
 
 
 def tests_missing(store: BaselineStore, keys: Sequence[str], rootdir: Path) -> dict[str, list[str]]:
-    """Tests of ``keys`` whose file (the node id up to ``::``) does not exist under ``rootdir``.
+    """Tests of ``keys`` whose file does not exist under ``rootdir``.
 
-    Refuses when no test file exists at all: ``rootdir`` is then most likely
-    not the folder node ids are relative to, and pruning would empty the file.
+    Refuses when no test file exists at all: ``rootdir`` is then likely wrong, and pruning would empty the file.
     """
     if not rootdir.is_dir():
         raise SelectionError(f"--rootdir {str(rootdir)!r}: no such folder")

@@ -1,13 +1,7 @@
 """Which baselines a run may call stale: :class:`Collection` (what the run saw) and :func:`find_stale`.
 
-A baseline is **stale** only when the run could have seen its test and did not: the test's
-file no longer exists, or the file was collected whole and the test is not in it. Everything
-else is kept, with the reason: a file outside the paths the run collected, a file collected in
-part (``--lf``, node ids on the command line), a module skipped or left out at collection, a
-file that failed to collect. ``-k``, ``-m`` and ``--deselect`` deselect tests after they are
-collected, so deselected tests are in :attr:`Collection.items` and never stale.
-
-No pytest: the plugin's collection book fills a :class:`Collection`.
+A baseline is stale only when the run could have seen its test and did not: its file is gone, or was collected whole
+without it. Deselected tests are collected, so never stale.
 """
 
 from __future__ import annotations
@@ -52,18 +46,11 @@ NO_FILE_EXISTS = "whose files are all missing under the rootdir (is it the one t
 
 @dataclass(frozen=True)
 class Collection:
-    """What a run collected, for :func:`find_stale`. Paths are node-id paths: relative to the
-    rootdir, ``/``-separated, as in ``tests/test_a.py::test_x``.
+    """What a run collected, for :func:`find_stale`, in node-id paths (relative to ``rootdir``, ``/``-separated).
 
-    Attributes:
-        items: node ids of every test the run collected, deselected ones included.
-        whole: files collected whole: every test they hold is in :attr:`items`.
-        rootdir: the folder node ids are relative to, to tell that a file no longer exists;
-            None: a missing file is not looked for.
-        partial: files and folders the run saw in part or not at all (a skipped module, an
-            ignored folder), each with why its baselines are kept; a folder applies to
-            everything below it.
-        everything: a reason that keeps every baseline whose file exists (``--lf``), or None.
+    ``items`` holds every collected node id, deselected ones included; ``whole`` the files collected whole; ``partial``
+    the files and folders seen in part or not at all, with why; ``everything`` a reason that keeps every baseline whose
+    file exists (``--lf``).
     """
 
     items: frozenset[str] = frozenset()
@@ -94,10 +81,10 @@ class Staleness:
 
 
 def find_stale(store: BaselineStore, collection: Collection, environment: str) -> Staleness:
-    """The stale baselines of ``environment`` in ``store``, and the tests kept because the run could
-    not judge them (by reason). Only one environment is searched: a test may exist only where it can
-    be collected (parametrized over the devices present, a module skipped where a library is
-    missing), so a run in one environment cannot tell that another environment's test is gone."""
+    """The stale baselines of ``environment`` in ``store``, and the tests kept because the run could not judge them.
+
+    Only one environment is searched: a test may exist only where it can be collected.
+    """
     tests = store.tests(environment)
     files = {file_of(test) for test in tests}
     missing = {path for path in files if path not in collection.whole and _missing(collection.rootdir, path)}
@@ -118,8 +105,7 @@ def find_stale(store: BaselineStore, collection: Collection, environment: str) -
 
 
 def _missing(rootdir: Path | None, path: str) -> bool:
-    """Whether the file ``path`` (a node-id path) is known to be gone: False when it cannot be told
-    (no rootdir, an absolute path or one that climbs out of the rootdir, an unreadable folder)."""
+    """Whether the file ``path`` (a node-id path) is known to be gone: False when it cannot be told."""
     if rootdir is None or not path:
         return False
     parts = PurePosixPath(path).parts

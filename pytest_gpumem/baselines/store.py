@@ -45,19 +45,9 @@ Fingerprint = tuple[int, int, int, int]
 class BaselineEntry:
     """The baseline of one span of one test in one environment.
 
-    Attributes:
-        costs: metric name → recorded cost (bytes for the figures of
-            :data:`~pytest_gpumem.data.figures.METRICS`; another unit for metrics a
-            later feature adds), ``None`` where the engine could not know it.
-        start: allocated bytes when the span began (absolute; for information,
-            never compared): files of earlier releases have it; it is not recorded, since it
-            depends on the tests that ran before (see
-            :data:`~pytest_gpumem.baselines.canonical.STORED_CATEGORIES`).
-        breakdown: bytes by category at the peak (absolute), of the categories the test's
-            own code decides (:func:`~pytest_gpumem.baselines.canonical.stored_breakdown`: no
-            ``other``); ``None`` when not measured.
-        extra: keys of the span this release does not know, kept verbatim; ``"sites"``, the
-            span's site profile as the file keeps it (:attr:`sites` reads it).
+    ``costs`` maps a metric to its recorded cost (``None`` where the engine could not know it); ``start`` is read from
+    older files, for information only; ``breakdown`` holds the categories the test's own code decides (no ``other``);
+    ``extra`` keeps keys this release does not know verbatim, ``"sites"`` among them.
     """
 
     costs: Mapping[str, int | None]
@@ -74,11 +64,9 @@ class BaselineEntry:
         extra_costs: Mapping[str, int | None] | None = None,
         sites_budget: int = SITES_BUDGET,
     ) -> BaselineEntry:
-        """The entry that records ``measurement``: ``measurement.cost(m)`` for each of ``metrics``.
+        """The entry that records ``measurement``'s cost of each of ``metrics``, plus ``extra_costs``.
 
-        ``extra_costs`` adds figures that a :class:`Measurement` does not carry
-        (for a later metric such as ``max_microbatch``). The measurement's site profile, when it
-        has one, is kept in at most ``sites_budget`` characters (:meth:`SiteProfile.to_stored`).
+        Its site profile, if any, is kept in at most ``sites_budget`` characters.
         """
         costs: dict[str, int | None] = {metric: measurement.cost(metric) for metric in metrics}
         if extra_costs:
@@ -88,8 +76,7 @@ class BaselineEntry:
 
     @property
     def sites(self) -> SiteProfile | None:
-        """The site profile recorded with this baseline; None for a baseline recorded without sites.
-        Raises ``ValueError`` naming the site for one the file holds wrong (loading checks them)."""
+        """The site profile recorded with this baseline, or None; ``ValueError`` for one the file holds wrong."""
         raw = self.extra.get("sites")
         return None if raw is None else SiteProfile.from_stored(raw)
 
@@ -115,8 +102,8 @@ class BaselineEntry:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BaselineEntry:
-        """Read a span object: integer or null values are costs, ``start`` and ``breakdown`` are
-        themselves, anything else goes to :attr:`extra`."""
+        """Read a span object: integers and nulls are costs, ``start`` and ``breakdown`` themselves, the rest
+        ``extra``."""
         costs: dict[str, int | None] = {}
         extra: dict[str, Any] = {}
         start: int | None = None
@@ -185,14 +172,8 @@ class StaleEntry:
 class BaselineStore:
     """All baselines of one file, in memory.
 
-    The store keeps the JSON tree it was loaded from, so keys this release does
-    not know survive a rewrite; lookups build :class:`BaselineEntry` objects on
-    demand. Get one with :func:`load` (a missing file gives an empty store)
-    or ``BaselineStore()`` for a file that does not exist yet; write it with
-    :func:`save`. The store knows the file as it last read or wrote it (:attr:`path`,
-    :attr:`fingerprint`, :attr:`digest`: set by :meth:`commit`) and journals what it changed
-    since (:attr:`changes`), so that a save can apply those changes onto the file as another
-    run left it.
+    It keeps the JSON tree it was loaded from, so unknown keys survive a rewrite, and journals its changes since it last
+    read or wrote the file (:attr:`changes`), so a save can apply them onto the file as another run left it.
     """
 
     def __init__(self) -> None:
@@ -245,10 +226,7 @@ class BaselineStore:
         return None if data is None else BaselineEntry.from_dict(data)
 
     def environments_with(self, test: str, *, exclude: str | None = None) -> tuple[str, ...]:
-        """Keys of the environments that have baselines for ``test`` (sorted), leaving out ``exclude``.
-
-        With ``exclude`` set to the current key this answers "baselines only for: ...".
-        """
+        """Keys of the environments that have baselines for ``test`` (sorted), leaving out ``exclude``."""
         return tuple(sorted(k for k, env in self._envs.items() if k != exclude and test in env.get("tests", {})))
 
     def _raw_test(self, environment: str, test: str) -> dict[str, Any] | None:
@@ -268,11 +246,8 @@ class BaselineStore:
     ) -> None:
         """Record the baselines of a test that ran: ``spans`` are its measurements (or entries by span name).
 
-        The test's span set is replaced: a span the test no longer measures (a
-        renamed ``measure()`` block) disappears. Everything else is left as it
-        was: other tests, other environments, and the keys this release does
-        not know at every level (including inside the spans recorded again).
-        Raises ``ValueError`` when two measurements share a span name.
+        The test's span set is replaced; other tests, environments and unknown keys are left as they were. Raises
+        ``ValueError`` when two measurements share a span name.
         """
         entries: dict[str, BaselineEntry] = {}
         if isinstance(spans, Mapping):
@@ -287,8 +262,7 @@ class BaselineStore:
         if env is None:
             env = self._envs[key] = {"environment": environment.to_dict(), "tests": {}}
         elif key not in self._described:
-            # values already there win: machines that share a key may differ in what the key
-            # rounds (total memory in whole GiB), and rewriting it on every update would churn
+            # values already there win: machines that share a key may differ in what it rounds (total memory in GiB).
             env["environment"] = {**environment.to_dict(), **(env.get("environment") or {})}
             env.setdefault("tests", {})
         self._described.add(key)
@@ -301,9 +275,7 @@ class BaselineStore:
             written = entry._raw()
             old = old_spans.get(name)
             if old:
-                # keep what this entry does not write (keys of a later release); drop a breakdown, sites
-                # or a figure it no longer has (the max_microbatch of a test that no longer searches),
-                # and the start an earlier release recorded
+                # keep unknown keys; drop a breakdown, sites, a figure it no longer has and an old release's start
                 dropped = ("breakdown", "sites", "start")
                 kept = {k: v for k, v in old.items() if k not in written and k not in dropped and k not in METRIC_INFO}
                 if kept:
@@ -315,8 +287,7 @@ class BaselineStore:
     def remove(self, environment: str, test: str) -> bool:
         """Remove every baseline of ``test`` in ``environment``; True when there was one.
 
-        An environment left without tests is removed too, unless it holds keys
-        this release does not know.
+        An environment left without tests goes too, unless it holds unknown keys.
         """
         env = self._envs.get(environment)
         if env is None or test not in env.get("tests", {}):
@@ -336,18 +307,9 @@ class BaselineStore:
     ) -> list[StaleEntry]:
         """Baselines whose test no longer exists, sorted by environment then node id.
 
-        ``collected`` are the node ids of every test pytest collected, deselected
-        ones included. ``environment`` limits the search to one environment key;
-        ``None`` searches all of them. ``roots`` are node-id prefixes (paths
-        such as ``"tests/unit"`` or ``"tests/test_a.py"``) naming what this run
-        collected; a baseline outside them is never stale. ``None`` means the
-        whole suite was collected. (What a run skipped as it collected, a module
-        skipped at import, :mod:`~pytest_gpumem.baselines.staleness` keeps.)
-
-        The plugin passes the current environment: a test may exist only where
-        it can be collected (parametrized over the available devices, or in a
-        module skipped at import on machines without a library), so a run in
-        one environment cannot tell that another environment's test is gone.
+        ``collected`` are every collected node id (deselected ones included); ``environment`` limits the search to one
+        key (None: all); a baseline outside the node-id prefixes ``roots`` is never stale (None: the whole suite). The
+        plugin passes the current environment: a test may exist only where it can be collected.
         """
         ids = collected if isinstance(collected, (set, frozenset)) else set(collected)
         prefixes = None if roots is None else [_normalize_root(root) for root in roots]
@@ -368,10 +330,7 @@ class BaselineStore:
         return sum(self.remove(entry.environment, entry.test) for entry in stale)
 
     def remove_environment(self, environment: str) -> int:
-        """Remove the environment keyed ``environment`` with everything in it; returns how many tests it had.
-
-        Returns 0 (and changes nothing) when there is no such environment.
-        """
+        """Remove the environment keyed ``environment`` with everything in it; returns how many tests it had."""
         env = self._envs.pop(environment, None)
         if env is None:
             return 0
@@ -401,9 +360,8 @@ class BaselineStore:
         return tuple(self._changes)
 
     def apply_changes(self, onto: BaselineStore) -> None:
-        """Make on ``onto`` (the file as it is on disk now) the changes this store made since it was
-        loaded: the tests it recorded (a test that both recorded gets this store's figures), removed
-        and pruned, and the environments it removed; everything else stays as ``onto`` has it."""
+        """Make on ``onto`` the changes this store made since loading (tests recorded, removed, pruned; environments
+        removed)."""
         for change in self._changes:
             change.apply(onto)
 
@@ -415,10 +373,8 @@ class BaselineStore:
         *,
         merged: BaselineStore | None = None,
     ) -> None:
-        """This store is now what the file at ``path`` holds (read by :func:`load`, written by
-        :func:`save`; ``fingerprint`` and ``digest``: None for a file that does not exist yet): no
-        change is pending. With ``merged`` (the file on disk with this store's changes applied,
-        :meth:`apply_changes`), the store holds ``merged``'s baselines from now on."""
+        """This store is now what the file at ``path`` holds; with ``merged`` (:meth:`apply_changes`) it takes its
+        baselines."""
         if merged is not None:
             self._top = merged._top
             self._envs = merged._envs
@@ -436,12 +392,7 @@ class BaselineStore:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> BaselineStore:
-        """A store holding a copy of ``data``, a tree as :meth:`to_dict` returns it or ``json.load`` reads it.
-
-        Checks ``data`` as :func:`~pytest_gpumem.baselines.load` checks a
-        file, and raises :class:`BaselineFileError` naming ``source`` for
-        anything it would refuse, or for values that are not JSON (NaN, sets).
-        """
+        """A store holding a copy of ``data``; :class:`BaselineFileError` naming ``source`` for what load refuses."""
         try:
             text = json.dumps(data, ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -453,10 +404,8 @@ class BaselineStore:
     def dumps(self) -> bytes:
         """The file's bytes: canonical JSON, UTF-8, 2-space indent, newline at the end.
 
-        The same baselines give the same bytes whatever order they were
-        recorded in, which is how parallel workers reproduce a serial run.
-        Raises ``ValueError`` for a NaN or infinity in a key this release does
-        not know (a file cannot hold one).
+        The same baselines give the same bytes whatever order they were recorded in (parallel workers reproduce a serial
+        run). Raises ``ValueError`` for a NaN or infinity in an unknown key.
         """
         return render(self.to_dict())
 

@@ -18,9 +18,7 @@ from pytest_gpumem.units import MAX_BYTES, shown
 
 __all__ = ["FILE", "MAX_DEPTH", "BaselineFileError", "Node", "json_schema", "position", "validate"]
 
-#: How deep a value under a key this release does not know may nest arrays and objects. The
-#: layout this release writes goes 8 levels deep; a file nested deeper than Python can parse or
-#: write back is refused like any other file that cannot be read.
+#: How deep a value under an unknown key may nest: the layout goes 8 levels; deeper files are refused.
 MAX_DEPTH = 32
 
 HINT_RESTORE = (
@@ -30,12 +28,7 @@ HINT_RESTORE = (
 
 
 class BaselineFileError(Exception):
-    """A baseline file that cannot be read or must not be written.
-
-    The message names the file, the line and column where the problem is known
-    (``path:line:column: problem``) and what to do about it. The parts are also
-    available as attributes.
-    """
+    """A baseline file that cannot be read or must not be written: ``path:line:column: problem`` and what to do."""
 
     def __init__(
         self,
@@ -64,8 +57,7 @@ class BaselineFileError(Exception):
 
 @dataclass(frozen=True)
 class Node:
-    """One value of a baseline file: its JSON type, the keys it knows (and what any other key holds),
-    and the check beyond its type; :data:`FILE` is the whole file, :func:`json_schema` publishes it."""
+    """One value of a baseline file: its JSON type, its keys and the check beyond its type (:data:`FILE`: the file)."""
 
     type: str = ""  #: "object", "integer" or "string"; "": any JSON value (nested at most MAX_DEPTH levels)
     expected: str = ""  #: how an error names the type: "an object"
@@ -183,9 +175,8 @@ FILE = _object(
 def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | None = None) -> None:
     """Check ``tree`` against :data:`FILE`; raise :class:`BaselineFileError` on the first problem.
 
-    ``text`` is the JSON ``tree`` was read from, to find the line and column of a problem
-    (``""``: none). ``hint`` replaces the default advice (restore the file from version control).
-    Adds the ``tests`` and ``spans`` objects that may be left out.
+    ``text`` (the JSON it was read from) locates the problem; ``hint`` replaces the default advice. Adds the ``tests``
+    and ``spans`` objects that may be left out.
     """
 
     def fail(keys: tuple[str, ...], problem: str, advice: str = "") -> BaselineFileError:
@@ -260,8 +251,7 @@ def _json_schema(node: Node) -> dict[str, Any]:
 
 
 def _out_of_range(value: Any, *, signed: bool) -> str | None:
-    """Why an integer figure no memory can have is refused (beyond 2**63 - 1 either way; below 0
-    unless ``signed``), or None: fine, or not an integer (checked elsewhere)."""
+    """Why an integer figure no memory can have is refused (beyond 2**63 - 1, or below 0 unless ``signed``), or None."""
     if type(value) is not int:
         return None
     if abs(value) > MAX_BYTES:
@@ -289,8 +279,7 @@ _SPACE = re.compile(r"[ \t\n\r]*")
 
 
 def position(text: str, keys: tuple[str, ...]) -> tuple[int | None, int | None]:
-    """The line and column (from 1) of the value at ``keys`` (object keys from the top) in the JSON
-    ``text``; of the deepest one found when the text does not hold them all; (None, None) for none."""
+    """The line and column (from 1) of the value at ``keys`` in ``text`` (the deepest found), or (None, None)."""
     decoder = json.JSONDecoder()
     at, found = _SPACE.match(text).end(), None  # type: ignore[union-attr]
     try:

@@ -1,27 +1,7 @@
-"""Budget expressions: byte limits written in Ψ, such as ``"16Ψ + 2GiB"``.
+"""Budget expressions: byte limits written in Ψ, such as ``"16Ψ + 2GiB"`` (grammar in docs/budgets.md).
 
-Grammar (whitespace is free between tokens)::
-
-    expression := term (("+" | "-") term)*
-    term       := unary (("*" | "/") unary)*
-    unary      := ("+" | "-") unary | atom
-    atom       := NUMBER | SIZE | PSI | NUMBER PSI | "(" expression ")"
-
-* ``NUMBER`` is a decimal: ``16``, ``0.5``, ``.5``. Alone it is a count of
-  bytes (``"1024"``) or a factor (``"18 * Ψ"``).
-* ``SIZE`` is a number and a unit exactly as :func:`pytest_gpumem.units.parse_size`
-  reads them — 1024-based, case-insensitive: ``2GiB``, ``512 MiB``, ``300KB``,
-  ``0B``, ``1.5G``.
-* ``PSI`` is Ψ, the number of trainable parameters: written ``Ψ`` (or ``ψ``),
-  ``P`` (capital only) or ``psi`` (any case).
-* ``NUMBER PSI`` is implicit multiplication: ``16Ψ``, ``16 Ψ``, ``16P``,
-  ``16psi``. It binds tighter than ``*`` and ``/``: ``1GiB / 2Ψ`` is
-  ``1GiB / (2 * Ψ)``. Only a number may precede Ψ this way; write ``*``
-  elsewhere (``(2 + 2 + 12) * Ψ``).
-
-Arithmetic is exact (:class:`fractions.Fraction`); the result is rounded to
-the nearest byte, halves up. Expressions are parsed by a tokenizer and a
-recursive-descent parser: nothing is ever passed to ``eval``.
+A tokenizer and a recursive-descent parser, never ``eval``; arithmetic is exact (:class:`fractions.Fraction`) and the
+result is rounded to the nearest byte, halves up.
 """
 
 from __future__ import annotations
@@ -383,12 +363,7 @@ def _uses_psi(node: Node) -> bool:
 
 @dataclass(frozen=True)
 class BudgetExpr:
-    """A parsed budget expression.
-
-    Attributes:
-        text: the expression as written.
-        root: its syntax tree.
-    """
+    """A parsed budget expression: its ``text`` as written and its syntax tree ``root``."""
 
     text: str
     root: Node
@@ -407,8 +382,7 @@ class BudgetExpr:
     def evaluate(self, psi: int | None = None) -> int:
         """The budget in bytes for ``psi`` trainable parameters, rounded to the nearest byte (halves up).
 
-        Raises :class:`BudgetError` when the expression uses Ψ and ``psi`` is
-        None, on division by zero, and when the value is negative.
+        Raises :class:`BudgetError` for a missing Ψ, a division by zero or a negative value.
         """
         value = self.exact(psi)
         if value < 0:
@@ -433,10 +407,9 @@ def negative(text: str | int, value: Fraction, psi: int | None = None) -> Budget
 
 
 def parse_budget(text: str | int) -> BudgetExpr:
-    """Parse a budget expression such as ``"16Ψ + 2GiB"`` (see the module docs for the grammar).
+    """Parse a budget expression such as ``"16Ψ + 2GiB"``; an ``int`` ≥ 0 is a number of bytes.
 
-    A non-negative ``int`` is accepted as a number of bytes. Raises
-    :class:`BudgetError` naming the text and the position of the problem.
+    Raises :class:`BudgetError` naming the text and the position of the problem.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
@@ -451,8 +424,7 @@ def parse_budget(text: str | int) -> BudgetExpr:
 
 @functools.lru_cache(maxsize=1024)
 def _parse_text(text: str) -> BudgetExpr:
-    """:func:`parse_budget` of a string, parsed once: an expression is immutable, and every
-    measured test's marker and record give the same few texts (a failure is not cached)."""
+    """:func:`parse_budget` of a string, cached: every test's marker and record give the same few texts."""
     if not text.strip():
         raise BudgetError(f"{text!r}: the budget expression is empty")
     root = _Parser(text).parse()
@@ -461,7 +433,7 @@ def _parse_text(text: str) -> BudgetExpr:
 
 
 def _check_divisors(node: Node, text: str) -> None:
-    """Refuse a division by a constant that is zero (``"16Ψ/0"``, ``"Ψ/(2-2)"``): wrong for every Ψ, so wrong now."""
+    """Refuse a division by a constant zero (``"16Ψ/0"``, ``"Ψ/(2-2)"``): wrong for every Ψ."""
     if isinstance(node, Unary):
         _check_divisors(node.operand, text)
     elif isinstance(node, Binary):

@@ -1,19 +1,6 @@
-"""Theoretical memory budgets of a training step.
+"""Theoretical memory budgets of a training step: parameter counts, model states and saved activations.
 
-Three kinds of figures, none of which touches tensor data (``meta`` models work):
-
-* :func:`count_parameters` counts parameters: trainable (Ψ), frozen, per dtype,
-  shared (tied) parameters once.
-* :func:`model_states` computes the bytes of the *model states* — parameters,
-  gradients, fp32 master weights and optimizer state — from Ψ, a precision
-  recipe (:data:`PRECISIONS`), the optimizer (its type and its actual
-  hyper-parameters, through a registry of state rules that
-  :func:`register_optimizer` extends) and ZeRO partitioning.
-* :func:`mlp_activations` and :func:`transformer_layer_activations` estimate the
-  bytes of activations saved for backward.
-
-Counts (parameters, elements, tensors) are plain numbers; every ``*_bytes``
-figure and every budget item is a count of bytes.
+Only shapes are read (``meta`` models work); every ``*_bytes`` figure and budget item is in bytes.
 """
 
 from __future__ import annotations
@@ -51,19 +38,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameter counts of one or more modules (numbers of elements, not bytes).
+    """Parameter counts of one or more modules, in elements; a shared or tied parameter counts once.
 
-    A parameter shared by several modules or tied inside one (an ``lm_head``
-    tied to the token embedding) is counted once. A parameter is *trainable*
-    when ``requires_grad`` is set, *frozen* otherwise.
-
-    Attributes:
-        trainable: elements of trainable parameters: Ψ.
-        frozen: elements of frozen parameters.
-        trainable_tensors: number of distinct trainable parameter tensors.
-        frozen_tensors: number of distinct frozen parameter tensors.
-        trainable_by_dtype: trainable elements per ``torch.dtype``.
-        frozen_by_dtype: frozen elements per ``torch.dtype``.
+    Trainable means ``requires_grad``; the ``*_by_dtype`` maps are elements per ``torch.dtype``.
     """
 
     trainable: int
@@ -154,13 +131,9 @@ def tracked_psi(objects: Sequence[Any]) -> int | None:
 
 
 def count_parameters(*modules: torch.nn.Module | Sequence[torch.nn.Module]) -> ParamCount:
-    """Count the parameters of ``modules`` (elements, not bytes).
+    """Count the parameters of ``modules`` (each a module or a sequence of modules), deduplicated by identity.
 
-    Each argument is a module or a sequence of modules. Parameters are
-    deduplicated by identity across all of them, so tied weights and modules
-    passed twice are counted once. Only shapes are read: models on the
-    ``meta`` device are fine. A ``DTensor`` parameter (FSDP2's sharded parameters, tensor
-    parallelism) counts the elements of this process's shard.
+    A ``DTensor`` parameter (FSDP2, tensor parallelism) counts this process's shard.
     """
     params = _unique_parameters(module for arg in modules for module in _as_modules(arg))
     trainable: dict[torch.dtype, int] = {}
@@ -188,17 +161,7 @@ def count_parameters(*modules: torch.nn.Module | Sequence[torch.nn.Module]) -> P
 
 @dataclass(frozen=True)
 class Precision:
-    """A precision recipe: bytes per element of each model state.
-
-    Attributes:
-        name: the recipe's name.
-        param_bytes: bytes per parameter element (trainable and frozen).
-        grad_bytes: bytes per gradient element.
-        master_bytes: bytes per element of the fp32 master copy of the
-            trainable parameters; 0 when the recipe keeps none.
-        state_bytes: bytes per element of the optimizer's per-element state
-            (``exp_avg``, ``momentum_buffer``...).
-    """
+    """A precision recipe: bytes per element of each model state (``master_bytes`` 0 without an fp32 master copy)."""
 
     name: str
     param_bytes: int
@@ -233,21 +196,7 @@ def _precision(precision: str | Precision) -> Precision:
 
 @dataclass(frozen=True)
 class Budget(Coded):
-    """A theoretical memory budget: bytes per item, in order.
-
-    Attributes:
-        items: item name → bytes, in report order (``"parameters"``,
-            ``"frozen parameters"``, ``"gradients"``, ``"master weights"``,
-            then each optimizer state by torch's name, then ``"step counters"``).
-            With ZeRO, the bytes one rank holds.
-        psi: Ψ, the trainable parameter count (elements).
-        precision: the precision recipe's name.
-        optimizer: the optimizer's class name, or None.
-        zero_stage: ZeRO stage, 0 to 3.
-        world_size: number of data-parallel ranks ZeRO partitions over.
-        device: the device budgeted (decides whether CPU-hosted step counters
-            count), as a string.
-    """
+    """A theoretical memory budget: item name → bytes, in report order (per rank under ZeRO)."""
 
     items: Mapping[str, int]
     psi: int
@@ -313,33 +262,12 @@ def model_states(
     optimizer_options: Mapping[str, Any] | None = None,
     device: torch.device | str | None = None,
 ) -> Budget:
-    """The bytes of the model states of training ``modules`` (a theoretical budget).
+    """The bytes of the model states of training ``modules`` (see docs/budgets.md).
 
-    Args:
-        modules: a module or a sequence of modules; their distinct parameters
-            are the model (Ψ counts the trainable ones). Only shapes are read.
-        optimizer: None (no optimizer state), a ``torch.optim.Optimizer``
-            (read through its type and each parameter group's actual
-            hyper-parameters and tensors), or a registered name such as
-            ``"adamw"``, ``"adam"``, ``"sgd"`` (see :func:`registered_optimizers`):
-            that optimizer over the trainable parameters with its default
-            hyper-parameters, updated by ``optimizer_options``.
-        precision: a name in :data:`PRECISIONS` (``"fp32"``, ``"mixed"``,
-            ``"mixed-fp32-grads"``, ``"bf16"``) or a :class:`Precision`. The
-            recipe's widths apply whatever the tensors' dtypes are.
-        zero_stage: 0 (none), 1 (partition master weights and optimizer state),
-            2 (also gradients), 3 (also parameters, frozen ones included).
-        world_size: number of data-parallel ranks. A partitioned item of E
-            elements costs ``ceil(E / world_size)`` elements per rank.
-        optimizer_options: hyper-parameters for an optimizer named by a string
-            (``{"momentum": 0.9}``).
-        device: the device being budgeted; default: the device of the first
-            parameter. Step counters (and NAdam's ``mu_product``) count only
-            when they live there: when it is the CPU, or when the optimizer is
-            ``fused``/``capturable`` (then torch keeps them with the parameters).
-
-    Returns:
-        A :class:`Budget` whose items are bytes (per rank under ZeRO).
+    ``optimizer`` is None, a ``torch.optim.Optimizer`` (its type and actual hyper-parameters are read) or a registered
+    name (``"adamw"``, with ``optimizer_options``); ``precision`` a name in :data:`PRECISIONS` or a :class:`Precision`.
+    ZeRO ``zero_stage`` 1 partitions master weights and optimizer state over ``world_size`` ranks, 2 also gradients, 3
+    also parameters. Step counters count only when they live on ``device`` (default: the first parameter's).
     """
     recipe = _precision(precision)
     if zero_stage not in (0, 1, 2, 3):
@@ -417,9 +345,8 @@ def _add_states(
 
 # --------------------------------------------------------------------------- activations
 
-#: Activation functions :func:`mlp_activations` knows → True when backward
-#: needs the function's input (saved separately), False when it needs its
-#: output (which the next Linear saves anyway: one storage).
+#: Activation functions → True when backward needs the input, False when it reads the output (which the next Linear
+#: saves anyway).
 ACTIVATIONS: Mapping[str, bool] = MappingProxyType(
     {"gelu": True, "silu": True, "relu": False, "tanh": False, "sigmoid": False}
 )
@@ -447,20 +374,9 @@ def mlp_activations(
 ) -> int:
     """Bytes a transformer MLP (``Linear(d, f)`` → activation → ``Linear(f, d)``) saves for backward.
 
-    ``f`` is ``ffn_hidden``, by default ``4 * hidden``. The first Linear saves
-    its input (b·s·d elements); GELU and SiLU save their input (the first
-    Linear's output, b·s·f) and the second Linear saves their output (b·s·f):
-    ``e·b·s·(d + 2f)`` bytes, 18·b·s·d in 16-bit with f = 4d. ReLU, Tanh and
-    Sigmoid backward reads their output, the same storage the second Linear
-    saves: ``e·b·s·(d + f)``, 10·b·s·d in 16-bit. ``dropout`` adds the mask of a
-    dropout after the second Linear: b·s·d elements of ``mask_bytes`` each.
-    ``e`` is ``dtype_bytes``. Weights are parameters, not activations: not
-    counted.
-
-    The default ``mask_bytes=1`` is the bool mask of ``torch.native_dropout``,
-    which ``F.dropout`` uses on CUDA, XPU and other accelerators. On the CPU,
-    eager ``F.dropout`` keeps its mask in the activation's dtype instead: pass
-    ``mask_bytes=dtype_bytes`` to budget a CPU run.
+    ``e·b·s·(d + 2f)`` when the activation saves its input (GELU, SiLU), ``e·b·s·(d + f)`` when it reads its output
+    (ReLU, Tanh, Sigmoid); ``dropout`` adds a b·s·d mask of ``mask_bytes`` (bool on accelerators; pass
+    ``mask_bytes=dtype_bytes`` for eager CPU dropout).
     """
     _check_counts(batch=batch, seq=seq, hidden=hidden, dtype_bytes=dtype_bytes, mask_bytes=mask_bytes)
     f = 4 * hidden if ffn_hidden is None else ffn_hidden
@@ -475,14 +391,8 @@ def mlp_activations(
 
 
 def transformer_layer_activations(seq: int, batch: int, hidden: int, heads: int, *, recompute: str = "none") -> int:
-    """Bytes one transformer layer saves for backward (Korthikanti et al. 2022, no tensor parallelism).
-
-    16-bit activations, 1-byte dropout masks, sequence ``s``, batch ``b``,
-    hidden ``h``, ``a`` attention heads: ``s·b·h·(34 + 5·a·s/h)`` without
-    recomputation, ``34·s·b·h`` with selective recomputation (the attention
-    scores are recomputed), ``2·s·b·h`` with full recomputation (only the
-    layer's input is kept). Exact integers.
-    """
+    """Bytes one transformer layer saves for backward (Korthikanti et al. 2022, no tensor parallelism): exact
+    integers."""
     _check_counts(seq=seq, batch=batch, hidden=hidden, heads=heads)
     sbh = seq * batch * hidden
     if recompute == "none":

@@ -1,5 +1,4 @@
-"""Optimizer state by rule: the bytes each optimizer keeps per parameter (Adam's two moments,
-SGD's momentum, Adafactor's factored rows and columns), and :func:`register_optimizer` for more."""
+"""Optimizer state by rule: the bytes each optimizer keeps per parameter, and :func:`register_optimizer` for more."""
 
 from __future__ import annotations
 
@@ -21,19 +20,9 @@ __all__ = ["OptimizerRule", "OptimizerState", "optimizer_state", "register_optim
 class OptimizerState:
     """The state an optimizer keeps for one parameter group.
 
-    Attributes:
-        elements: per-element state, name → number of elements (not bytes);
-            stored at the precision recipe's ``state_bytes`` per element.
-            Use torch's own state names (``"exp_avg"``).
-        nbytes: state whose width does not follow the recipe (a quantized
-            state, say), name → bytes.
-        scalars: scalar state tensors, name → number of tensors (``"step"`` →
-            one per parameter tensor); each is one element of
-            ``scalar_dtype``.
-        scalars_on_device: True when the scalar tensors live on the
-            parameters' device (``fused`` or ``capturable`` optimizers); False
-            when torch keeps them on the CPU.
-        scalar_dtype: dtype of the scalar tensors.
+    ``elements`` are per-element states by torch's name (in elements, stored at the recipe's ``state_bytes``);
+    ``nbytes`` states whose width does not follow the recipe; ``scalars`` the number of scalar tensors by name, on the
+    parameters' device when ``scalars_on_device`` (``fused``/``capturable``), else on the CPU.
     """
 
     elements: Mapping[str, int] = field(default_factory=dict)
@@ -43,13 +32,10 @@ class OptimizerState:
     scalar_dtype: torch.dtype = torch.float32
 
 
-#: A state rule: ``fn(group, params) -> OptimizerState``. ``group`` is the
-#: parameter group's hyper-parameters (``optimizer.param_groups[i]``, or the
-#: optimizer's defaults when it is named by a string); ``params`` are all the
-#: tensors of that group (possibly on ``meta``: read shapes, never data).
+#: A state rule: ``fn(group, params) -> OptimizerState``, from a group's hyper-parameters and tensors (maybe on
+#: ``meta``: read shapes, never data).
 OptimizerRule = Callable[[Mapping[str, Any], Sequence[torch.Tensor]], OptimizerState]
 
-# The optimizer registry: the only module-level mutable state.
 _RULES: dict[type[torch.optim.Optimizer], OptimizerRule] = {}
 _NAMES: dict[str, type[torch.optim.Optimizer]] = {}
 
@@ -57,12 +43,10 @@ _NAMES: dict[str, type[torch.optim.Optimizer]] = {}
 def register_optimizer(
     optimizer_class: type[torch.optim.Optimizer], fn: OptimizerRule, *, name: str | None = None
 ) -> None:
-    """Register ``fn`` as the state rule of ``optimizer_class`` (and its subclasses).
+    """Register ``fn(group, params) -> OptimizerState`` as the state rule of ``optimizer_class`` and its subclasses.
 
-    ``fn(group, params)`` receives one parameter group's hyper-parameters and
-    tensors and returns an :class:`OptimizerState`. ``name`` (default: the class
-    name in lower case) lets :func:`model_states` accept the optimizer as a
-    string. Registering a class again replaces its rule.
+    ``name`` (default: the class name in lower case) lets :func:`model_states` take the optimizer as a string;
+    registering a class again replaces its rule.
     """
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"{optimizer_class!r} is not a torch.optim.Optimizer subclass")
@@ -102,13 +86,7 @@ def optimizer_state(
     params: Sequence[torch.Tensor] = (),
     options: Mapping[str, Any] | None = None,
 ) -> list[OptimizerState]:
-    """The state rule's answer for each parameter group of ``optimizer``.
-
-    An optimizer object is read as it is (its ``param_groups``; ``params`` and
-    ``options`` must be left out). A name (``"adamw"``, see
-    :func:`registered_optimizers`) stands for that optimizer over ``params``
-    with its default hyper-parameters, updated by ``options``.
-    """
+    """The state rule's answer for each parameter group of ``optimizer`` (an object, or a name over ``params``)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         if options or params:
             raise ValueError("params and optimizer options apply only to an optimizer named by a string")
@@ -209,9 +187,7 @@ def _capturable_rule(*names: str, scalars: tuple[str, ...] = ("step",)) -> Optim
 
 
 def _adafactor(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
-    # torch/optim/_adafactor.py: a tensor of 2 or more dims keeps a row factor
-    # (its shape with the last dim set to 1) and a column factor (its shape with
-    # the next-to-last dim set to 1); other tensors keep a full "variance".
+    # torch/optim/_adafactor.py: a tensor of 2+ dims keeps a row and a column factor; others a full "variance".
     live = _with_grad(params)
     row = col = variance = 0
     for p in live:

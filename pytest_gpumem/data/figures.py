@@ -1,10 +1,7 @@
 """The figures of one measured span: the :class:`Measurement` dataclass.
 
-Every figure is a count of bytes on the measured device. Figures are absolute:
-they include ``start``, the bytes already allocated when the span began. What the
-span itself added is its *cost*: a figure minus ``start`` (see
-:meth:`Measurement.cost`). A figure the engine cannot know is ``None`` (shown as
-"n/a"), never 0.
+Figures are absolute bytes on the measured device, ``start`` included; a span's *cost* is a figure minus its start. A
+figure the engine cannot know is ``None`` ("n/a"), never 0.
 """
 
 from __future__ import annotations
@@ -29,25 +26,17 @@ __all__ = [
 
 
 class CompiledCodeNotMeasured(Warning):
-    """A span's figures are those of the eager program, not of the ``torch.compile``'d code
-    that would run without the measurement: TorchDynamo runs compiled frames eagerly while
-    the tensor tracker (the CPU engine, or ``--gpumem-breakdown`` on CUDA) watches operators.
-    Make it an error with ``-W error::pytest_gpumem.CompiledCodeNotMeasured``. It is not a
-    ``UserWarning``: suites that silence torch's user warnings still see it."""
+    """A span's figures are the eager program's, not the ``torch.compile``'d code's (TorchDynamo runs compiled frames
+    eagerly while the tensor tracker watches); not a ``UserWarning``, so suites silencing those still see it."""
 
 
 class PartialFigures(Warning):
-    """A span's figures miss memory the engine could not see (work on a thread it could not
-    watch, storages made outside PyTorch's operators); the notes of its :class:`Measurement`
-    say what. Make it an error with ``-W error::pytest_gpumem.data.figures.PartialFigures``."""
+    """A span's figures miss memory the engine could not see; its :class:`Measurement`'s notes say what."""
 
 
 def notify(warning: Warning, stacklevel: int = 1) -> None:
-    """Warn about figures (:class:`PartialFigures`, :class:`CompiledCodeNotMeasured`, ...) so that a
-    filter naming the warning's class applies as given (``-W error::pytest_gpumem.PartialFigures``
-    fails the test), while a blanket one (``-W error``, ``filterwarnings = error``) does not turn it
-    into the test's failure: the warning is then shown in pytest's summary, and the reports say the
-    same. A blanket ``ignore`` silences it."""
+    """Warn about figures so that a filter naming the warning's class applies as given, while a blanket ``-W error``
+    does not fail the test (the warning shows in pytest's summary; a blanket ``ignore`` silences it)."""
     kind = type(warning)
     text = str(warning)
     for action, message, category, _module, _line in warnings.filters:
@@ -65,27 +54,18 @@ def notify(warning: Warning, stacklevel: int = 1) -> None:
 
 
 class OutputNotWritten(Warning):
-    """A report, an artifact page or a memory snapshot the run was asked for could not be written
-    (the message names the path and the reason: a folder at its name, a full disk, permissions).
-    The run goes on and its exit status is what its tests say; make it an error with
-    ``-W error::pytest_gpumem.data.figures.OutputNotWritten`` to fail the run instead."""
+    """A report, artifact page or memory snapshot the run was asked for could not be written; the run goes on."""
 
 
 def _categories(breakdown: Mapping[str, int] | None) -> dict[str, int] | None:
-    """The categories ``breakdown`` has, in report order (activations are absent where they were
-    not told apart from temporaries)."""
+    """The categories ``breakdown`` has, in report order."""
     return None if breakdown is None else {c: int(breakdown[c]) for c in CATEGORIES if c in breakdown}
 
 
 @dataclass(frozen=True)
 class Phase(Coded):
-    """One phase of a training step inside a span (bytes, absolute).
-
-    ``start`` is allocated when the phase was first entered, ``peak`` the highest
-    allocated while in it, ``end`` allocated when it was last left; ``count`` is
-    how many times the span entered it (2 for a span holding a warm-up step and a
-    measured step: its figures then cover both).
-    """
+    """One phase of a training step inside a span: allocated bytes at first entry, highest while in it, at last exit,
+    and how many times the span entered it."""
 
     name: str = field(metadata=coded(skip=True))  # the key it is written under
     start: int
@@ -98,13 +78,8 @@ class Phase(Coded):
 class Timeline(Coded):
     """Allocated bytes by category over a span, for plots.
 
-    ``events`` are the indexes of allocation/free events (monotonic, starting at
-    0 at the span's start) at which a sample was kept; ``series`` maps each of
-    :data:`CATEGORIES` to the bytes of that category at each kept event (same
-    length as ``events``); summed over categories a sample is the allocated bytes
-    at that event. ``marks`` are ``(event, label)`` pairs for phase boundaries
-    (``"forward"``, ``"backward"``, ``"optimizer"``: the phase that begins there).
-    Long spans are downsampled; the samples of the highest event always stay.
+    ``events`` are the kept events' indexes from the span's start, ``series`` each category's bytes at them and
+    ``marks`` the ``(event, phase)`` boundaries; downsampling always keeps the highest event's samples.
     """
 
     events: tuple[int, ...] = field(metadata=coded(write=list))
@@ -118,8 +93,8 @@ class Timeline(Coded):
         return tuple(sum(values) for values in zip(*(self.series[c] for c in CATEGORIES), strict=True))
 
     def to_dict(self, samples: int | None = None) -> dict[str, Any]:
-        """JSON-ready data that :meth:`from_dict` reads back; with ``samples``, thinned to at most
-        that many samples, each stretch of events keeping its highest total."""
+        """JSON-ready data that :meth:`from_dict` reads back, thinned to ``samples`` (each stretch keeps its
+        highest)."""
         if samples is None or len(self.events) <= samples:
             return super().to_dict()
         totals = self.totals()
@@ -136,57 +111,12 @@ class Timeline(Coded):
 
 @dataclass(frozen=True)
 class Measurement(Coded):
-    """What one span cost on its device. All sizes are bytes.
+    """What one span cost on its device, in bytes (the fields are described in docs/figures.md).
 
-    Attributes:
-        name: ``"call"`` for a whole test call, else the span's name.
-        engine: where bytes were read: ``"cuda"`` (the device's caching
-            allocator: CUDA, ROCm, XPU through ``torch.accelerator``) or ``"cpu"``
-            (the exact tensor-storage tracker).
-        device: the measured ``torch.device`` as a string, e.g. ``"cuda:0"``.
-        start: allocated bytes when the span began.
-        peak: highest allocated bytes during the span (everything alive on the
-            device, not only what the span created).
-        allocated: allocated bytes when the span ended.
-        reserved: highest bytes the caching allocator held from the driver
-            during the span; ``None`` on the CPU engine.
-        start_reserved: reserved bytes when the span began; ``None`` on CPU.
-        retained: allocated at the end of the test minus at its start, after
-            garbage collection (a leak indicator); only for the ``"call"`` span.
-        requested_peak: highest bytes the code asked for (before the allocator
-            rounded them); CUDA only.
-        num_alloc_retries: cudaMalloc retries after freeing cached blocks
-            during the span; CUDA only.
-        num_ooms: out-of-memory errors the allocator raised during the span.
-        driver_used: device memory in use according to the driver (NVML) at the
-            end of the span, all processes; ``None`` when unknown.
-        driver_process: device memory NVML attributes to this process at the
-            end of the span; ``None`` when NVML cannot attribute it (containers).
-        breakdown: bytes by category (:data:`CATEGORIES`) at the moment of the
-            peak; they sum to ``peak``. ``None`` when not measured.
-        allocated_breakdown: bytes by category when ``allocated`` was read; they
-            sum to ``allocated`` (CPU engine; on CUDA what the tracker cannot see
-            is "other"). ``None`` when not measured.
-        phases: forward / backward / optimizer figures, in the order they ran;
-            empty when the span ran no tracked module or optimizer.
-        saved_activations: the most bytes that autograd held for backward at
-            one time during the span (distinct storages, parameters and their
-            views excluded; what was held when the span began counts, as in
-            ``peak``); ``None`` when not measured.
-        psi: trainable parameter count of the objects tracked when the span
-            ended (shared parameters once); ``None`` when nothing was tracked.
-        cuda_rounding: True when the CPU engine rounded each storage up to the
-            CUDA caching allocator's 512-byte blocks.
-        max_microbatch: the largest microbatch size whose step fits the device
-            (or the emulated device limit), when the test searched for it with
-            ``gpumem.max_microbatch()``; a count, not bytes.
-        notes: what the figures miss, one sentence each (work on threads the engine could
-            not watch, storages found alive later that it did not see made); empty when they
-            are complete.
-        sites: where the bytes alive at the peak and at the end were made
-            (:class:`~pytest_gpumem.data.sites.SiteProfile`); ``None`` when sites were not
-            recorded (they are only on a baseline update, a failing test's second run, or
-            ``--gpumem-sites=always``).
+    ``engine`` is ``"cuda"`` (a caching allocator) or ``"cpu"`` (the storage tracker); CUDA-only figures are ``None`` on
+    the CPU engine. ``breakdown`` sums to ``peak`` and ``allocated_breakdown`` to ``allocated``; ``retained`` exists
+    only for the ``"call"`` span; ``max_microbatch`` is a count; ``notes`` say what the figures miss; ``sites`` is
+    ``None`` unless sites were recorded.
     """
 
     name: str
@@ -224,12 +154,8 @@ class Measurement(Coded):
         return value
 
     def cost(self, metric: str) -> int | None:
-        """What the span itself added to ``metric``: the figure minus its value when the span began,
-        the field the metric table names (:attr:`MetricInfo.cost <pytest_gpumem.data.metrics.MetricInfo.cost>`):
-        ``peak`` and ``allocated`` subtract ``start``, ``reserved`` subtracts ``start_reserved``;
-        ``retained`` is already a difference and ``max_microbatch`` a count. ``None`` when the
-        figure, or its start, is unknown.
-        """
+        """What the span itself added to ``metric``: the figure minus the metric's start field; ``None`` when
+        unknown."""
         value = self.figure(metric)
         start_field = metric_info(metric).cost
         if value is None or not start_field:

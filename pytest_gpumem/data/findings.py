@@ -1,9 +1,6 @@
 """Findings: a figure compared with a limit, a budget or a baseline, and the words for it.
 
-A :class:`Finding` is plain data, with its JSON form (:meth:`Finding.to_dict`) and its
-one-line message (:func:`failure_message`); a :class:`Tolerance` says how far a cost may
-move from its baseline. The judge (:mod:`pytest_gpumem.judge`) makes findings; the reports
-(:mod:`pytest_gpumem.report`) show them. Every size is bytes unless a metric says otherwise.
+The judge makes :class:`Finding` objects; the reports show them. Sizes are bytes unless a metric says otherwise.
 """
 
 from __future__ import annotations
@@ -45,12 +42,7 @@ _PERCENT_RE = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%$")
 
 @dataclass(frozen=True)
 class Tolerance(Coded):
-    """How far a cost may move from its baseline before it counts as changed.
-
-    ``relative`` is a fraction of the baseline (``0.02`` for 2%), ``absolute``
-    a floor in the metric's unit (bytes). The allowed change is the larger of
-    the two: :meth:`allowed`. ``Tolerance()`` demands exact equality.
-    """
+    """How far a cost may move from its baseline: the larger of ``relative`` × baseline and ``absolute``."""
 
     relative: float = 0.0
     absolute: int = 0
@@ -94,13 +86,8 @@ class Tolerance(Coded):
 
 
 def parse_tolerance(text: str) -> Tolerance:
-    """Read a tolerance: ``"2%"``, ``"1MiB"``, ``"2%,1MiB"`` (either order, spaces allowed) or ``"0"``.
-
-    Sizes follow :func:`~pytest_gpumem.units.parse_size` (``"1MB"`` is 2**20
-    bytes). Raises ``ValueError`` naming the value for anything else: an
-    empty part, a negative or non-finite number, a percentage above
-    :data:`MAX_PERCENT` or a size above 8 EiB, two percentages or two sizes.
-    """
+    """Read a tolerance: ``"2%"``, ``"1MiB"``, ``"2%,1MiB"`` (either order) or ``"0"``; else ``ValueError`` naming
+    it."""
     if not isinstance(text, str):
         raise ValueError(f"invalid tolerance {shown(text)}: expected a string like '2%', '1MiB' or '2%,1MiB'")
     if not text.strip():
@@ -139,17 +126,8 @@ def parse_tolerance(text: str) -> Tolerance:
 
 @dataclass(frozen=True)
 class Limit:
-    """A stated bound on one figure of a span.
-
-    Attributes:
-        metric: the figure it bounds: one of :data:`~pytest_gpumem.data.figures.METRICS`
-            or a later metric name.
-        value: the bound in the metric's unit (bytes for figures).
-        source: the bound as the user wrote it (``"4GB"``, ``"16Ψ + 2GiB"``).
-        kind: ``"limit"`` (a size the user stated) or ``"budget"`` (a bound
-            computed from theory, e.g. bytes per parameter); anything else
-            raises ``ValueError``.
-    """
+    """A stated bound on one figure of a span: ``value`` in the metric's unit, ``source`` as written, ``kind``
+    ``"limit"`` or ``"budget"``."""
 
     metric: str
     value: int
@@ -177,30 +155,10 @@ _DERIVED: dict[str, Callable[[Finding], object]] = {
 class Finding(Coded):
     """The outcome of comparing one figure of one span with one reference.
 
-    Attributes:
-        test: the pytest node id.
-        span: ``"call"`` or a ``gpumem.measure(name)`` name (``"*"`` for a
-            stale baseline: all its spans).
-        metric: the compared figure (``"*"`` for a stale baseline).
-        kind: ``"limit"``, ``"budget"`` or ``"baseline"``.
-        status: ``"ok"``; ``"exceeded"`` (a limit or budget broken);
-            ``"regressed"`` / ``"improved"`` (beyond the tolerance of the
-            baseline); ``"new"`` (no baseline yet); ``"other-environment"``
-            (baselines exist only for other environments, named in
-            ``detail``); ``"stale"`` (a baseline whose test is gone); ``"n/a"``
-            (the figure or its reference is unknown).
-        measured: the compared figure: its cost (:meth:`Measurement.cost`) for
-            byte figures, ``retained`` and counts as they are; ``None`` when unknown.
-        reference: the limit, budget or baseline value; ``None`` when none.
-        tolerance: the tolerance a baseline comparison used.
-        changed: for a ``peak`` regression where both sides have a breakdown at the
-            peak: category → bytes it changed by, every category that changed
-            (grown largest first, then shrunk), so they add up to the change of
-            the peak (:func:`changed_categories`).
-        detail: free text: the limit as written, the budget expression, the
-            other environments' keys, why a figure is n/a.
-        strict: whether ``improved``, ``new``, ``other-environment`` and
-            ``stale`` fail (they only inform otherwise).
+    ``status`` is ``"ok"``, ``"exceeded"``, ``"regressed"``, ``"improved"``, ``"new"``, ``"other-environment"``,
+    ``"stale"`` (span and metric ``"*"`` for a whole test) or ``"n/a"``; ``measured`` is the figure's cost; ``changed``
+    holds the breakdown categories a peak regression changed by, adding up to its change; ``strict`` makes the
+    informative statuses fail.
     """
 
     test: str
@@ -242,12 +200,8 @@ class Finding(Coded):
 
     @property
     def failed(self) -> bool:
-        """True when this finding fails the test.
-
-        ``exceeded`` and ``regressed`` always fail, and so does ``n/a`` on a
-        limit or budget; ``improved``, ``new``, ``other-environment`` and
-        ``stale`` fail only when :attr:`strict`.
-        """
+        """True when this finding fails the test: exceeded, regressed, n/a on a limit or budget; the rest when
+        strict."""
         if self.status in ("exceeded", "regressed"):
             return True
         if self.status == "n/a":
@@ -266,12 +220,7 @@ def _compared(metric: str) -> str:
 
 
 def failure_message(findings: Iterable[Finding]) -> str:
-    """The text attached to a failing test: one line per failed finding, in order ("" when none failed).
-
-    Each line names the span (when not the whole call), the metric, the
-    measured figure, the limit / budget / baseline, the excess in bytes and
-    percent, the tolerance, and the breakdown categories that grew.
-    """
+    """The text attached to a failing test: one line per failed finding, in order ("" when none failed)."""
     return "\n".join(_line(finding) for finding in findings if finding.failed)
 
 

@@ -1,13 +1,7 @@
 """The metric table: every figure pytest-gpumem measures, limits, compares and shows, once.
 
-Each :class:`MetricInfo` row says what a figure means, its unit, which way is better,
-whether limits and baselines compare its *cost* (the figure minus its value at its span's
-start), how a report writes it, whether only a caching allocator knows it, where it can be
-limited (the marker, a span), whether the baseline file keeps it, and the tolerance it is
-compared with. Every module reads what it needs from here (the tuples below are views of
-the table): adding a figure is a row here, a field of
-:class:`~pytest_gpumem.data.figures.Measurement`, and its reading in the engines and the
-recorder (see docs/architecture.md).
+Every module reads what it needs from here; adding a figure is a row here, a
+:class:`~pytest_gpumem.data.figures.Measurement` field and its reading in the engines (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -39,14 +33,8 @@ __all__ = [
 class MetricInfo:
     """One figure: what it means, how it is compared and how it is shown.
 
-    ``higher_is_better`` flips every comparison: a limit becomes a minimum and
-    a regression is the value dropping (e.g. the largest microbatch that fits).
-    ``unit`` is ``"bytes"`` (shown with :func:`~pytest_gpumem.units.format_size`)
-    or ``"count"`` (shown as a plain integer). A tolerance a user sets
-    (``"2%,1MiB"``) has its absolute part in bytes: it bounds byte figures only,
-    a count is compared with its relative part; :attr:`tolerance` and
-    :attr:`tolerance_floor` are in the figure's own unit
-    (:func:`~pytest_gpumem.judge.rule.tolerance_for` applies them).
+    ``higher_is_better`` flips every comparison. A user's tolerance's absolute part is bytes, so a count is compared
+    with its relative part; :attr:`tolerance` and :attr:`tolerance_floor` are in the figure's own unit.
     """
 
     name: str
@@ -56,23 +44,19 @@ class MetricInfo:
     meaning: str = ""
     #: what the figure is, in a few words (the HTML page's table of figures)
     about: str = ""
-    #: the :class:`~pytest_gpumem.data.figures.Measurement` field holding the figure's value when
-    #: its span began: limits and baselines compare the figure minus it, its *cost*; "" for a
-    #: figure compared as it is (already a difference, or a count)
+    #: the Measurement field with the figure's value when its span began (cost = figure minus it); "" when compared as
+    #: it is
     cost: str = ""
-    #: its cost is a net change, which can be negative (a span that frees what was alive at its
-    #: start): shown with its sign; a baseline file holding a negative value for any other figure
-    #: is refused
+    #: its cost is a net change, possibly negative (shown signed); a file's negative value for any other figure is
+    #: refused
     signed: bool = False
-    #: the whole test's net change (allocated after it minus before it): there is no absolute
-    #: figure, only its cost, and only the ``call`` span has it
+    #: the whole test's net change: no absolute figure, only the ``call`` span has it
     whole_call: bool = False
     #: only a caching allocator knows it: ``n/a`` on the CPU engine
     allocator: bool = False
     #: ``measure(name, <metric>=...)`` can limit it on a span (True: the marker can too)
     span_limit: bool = False
-    #: which spans the baseline file keeps it for: ``"always"`` (``null`` where the engine cannot
-    #: know it), ``"measured"`` (only a span that measured it), ``""`` never
+    #: which spans the baseline file keeps it for: ``"always"``, ``"measured"`` (a span that measured it) or ``""``
     baseline: Literal["always", "measured", ""] = ""
     #: drawn as a line across the HTML timeline when a limit, budget or baseline bounds it
     drawn: bool = False
@@ -88,8 +72,7 @@ class MetricInfo:
         return format_size(value) if self.unit == "bytes" else str(value)
 
     def format_pair(self, first: int | None, second: int | None) -> tuple[str, str]:
-        """Two values read side by side (a figure and its limit or baseline): values that differ never
-        read the same (:func:`~pytest_gpumem.units.format_sizes`)."""
+        """Two values read side by side: values that differ never read the same."""
         if self.unit != "bytes":
             return self.format(first), self.format(second)
         shown = format_sizes(first, second)
@@ -106,12 +89,8 @@ class MetricInfo:
         return self.format_delta(value) if self.signed else self.format(value)
 
 
-#: Every figure, in report order. ``peak`` and ``allocated`` are exact on every engine, so their
-#: baselines are compared to the byte by default: any change is a change in what the code
-#: allocates. ``reserved`` depends on the cache's history: it keeps "2% or 1 MiB", and is never
-#: compared closer than one of the caching allocator's 20 MiB segments (the segment size of
-#: requests between 1 and 10 MiB), since the same step twice in one process can reserve a
-#: segment more or less. Why, with the figures behind it: docs/baselines.md, "Tolerance".
+#: Every figure, in report order. ``peak`` and ``allocated`` are exact, so compared to the byte; ``reserved`` depends on
+#: the cache's history: "2% or 1 MiB", never closer than one 20 MiB segment (docs/baselines.md, "Tolerance").
 METRIC_TABLE: tuple[MetricInfo, ...] = (
     MetricInfo(
         "peak",

@@ -1,21 +1,7 @@
-"""Where the bytes of a span were made: :class:`Site`, :class:`SiteFigures` and :class:`SiteProfile`.
+"""Where the bytes of a span were made: :class:`Site`, :class:`SiteFigures` and :class:`SiteProfile` (no torch).
 
-A *site* is the line of code that made a storage: the innermost frame of the allocating
-stack that is the user's code (files under pytest's rootdir, or a package the user named;
-never torch, the plugin, or a framework's internals unless named). The engines record it
-only when asked (a baseline update, a failing test's second run, ``--gpumem-sites=always``),
-and a :class:`~pytest_gpumem.data.figures.Measurement` carries the profile: per site, the
-bytes alive at the span's peak and at its end, how many storages, their category and the
-phase that made them, and one or two example shapes.
-
-A site is named by its file, its function and the line's *offset* from the function's
-``def`` (``tinygpt.py:Block.forward+3``): an edit elsewhere in the file moves line numbers
-but not offsets, so a profile stored with a baseline stays put under unrelated edits
-(``docs/sites.md`` has the measurement). The absolute line is kept for display.
-
-In the baseline file a profile is one line per site, ``"key": "figures"`` (see
-:meth:`SiteProfile.to_stored`), so a reviewer sees a site's change as a one-line diff.
-No torch. Sizes are bytes.
+A site is the innermost user-code frame of an allocating stack, named by file, function and the line's offset from the
+``def`` so stored profiles survive unrelated edits; the baseline file keeps one line per site.
 """
 
 from __future__ import annotations
@@ -46,11 +32,9 @@ __all__ = [
     "split_row_key",
 ]
 
-#: The key of the bytes alive before sites were recorded (made in a fixture, an earlier test,
-#: at import): the engine did not see them made.
+#: The key of the bytes alive before sites were recorded (a fixture, an earlier test, import).
 BEFORE = "(before)"
-#: The key of bytes made where no frame of the stack was the user's code (another thread,
-#: a framework's internals that were not included).
+#: The key of bytes made where no frame of the stack was the user's code.
 ELSEWHERE = "(elsewhere)"
 #: The stored key of the sites a stored profile leaves out (its ``n`` counts sites, not storages).
 OTHER_SITES = "(other sites)"
@@ -63,8 +47,8 @@ CARRIED_SITES = 64
 #: Most bytes of text a test's stored profiles take in the baseline file, all spans together.
 SITES_BUDGET = 3072
 
-#: When sites are recorded: "rerun" (on a baseline update, and a test that fails on memory runs
-#: once more with sites on: the default), "always" (in every measured test's run), "off" (never).
+#: When sites are recorded: "rerun" (on a baseline update and a memory failure's second run; the default), "always",
+#: "off".
 SITES_MODES = ("rerun", "always", "off")
 
 _PSEUDO = {BEFORE: "alive before sites were recorded", ELSEWHERE: "made outside the user's code"}
@@ -72,9 +56,7 @@ _PSEUDO = {BEFORE: "alive before sites were recorded", ELSEWHERE: "made outside 
 
 @dataclass(frozen=True)
 class SiteConfig:
-    """How sites are chosen: frames whose file lies under ``root`` (pytest's rootdir; absolute)
-    are the user's code, and so are those of the packages named in ``include``
-    (``"transformers"``; see :class:`~pytest_gpumem.measurement.engines.sites.SiteFilter`)."""
+    """How sites are chosen: frames under ``root`` (pytest's rootdir) or in the packages named in ``include``."""
 
     root: str
     include: tuple[str, ...] = ()
@@ -82,11 +64,8 @@ class SiteConfig:
 
 @dataclass(frozen=True)
 class Site:
-    """A place in the code: ``file`` (relative to the rootdir, ``/``-separated; for a named
-    package relative to the folder holding it), ``function`` (its qualified name), ``offset``
-    (the line's distance from the function's first line) and ``line`` (absolute, for display;
-    0 when unknown: a stored site), ``code`` (the source line, stripped and shortened).
-    A pseudo-site (:data:`BEFORE`, :data:`ELSEWHERE`) has only a ``function``: its key."""
+    """A place in the code: ``file``, ``function``, ``offset`` from the function's first line, the absolute ``line`` (0
+    when unknown) and its ``code``; a pseudo-site (:data:`BEFORE`, :data:`ELSEWHERE`) has only a ``function``."""
 
     file: str
     function: str
@@ -125,9 +104,7 @@ _ROW_RE = re.compile(r"^(?P<site>.*) (?P<category>[a-z_]+)$")
 
 
 def split_row_key(key: str) -> tuple[str, str | None]:
-    """A stored row's key read as (the site's key, the row's category): ``"t.py:f+3 gradients"`` is
-    ``("t.py:f+3", "gradients")``; a key of a baseline stored before rows were split by category
-    (one row a site) has no category: ``("t.py:f+3", None)``."""
+    """A stored row's key as (site key, category): ``"t.py:f+3 gradients"``; an older one-row-a-site key has None."""
     match = _ROW_RE.match(key)
     if (
         match is not None
@@ -151,10 +128,8 @@ def _flat_site(site: Site) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class SiteFigures(Coded):
-    """What one site held in a span: ``peak`` bytes alive at the span's peak, ``end`` bytes
-    alive at its end, ``count`` storages alive at the peak (at the end when none were at the
-    peak), ``category`` and ``phase`` of most of those bytes (``""``: outside any phase), and
-    ``examples``: one or two shapes and dtypes, ``"(8, 256, 1024) float32"``."""
+    """One site's bytes of one category in a span: alive at the peak and at the end, the storages, the phase that made
+    most of them, and one or two example shapes."""
 
     site: Site = field(metadata=coded(flat=True, write=_flat_site, read=lambda data: from_data(Site, data)))
     peak: int
@@ -163,8 +138,8 @@ class SiteFigures(Coded):
     category: str = "other"
     phase: str = ""
     examples: tuple[str, ...] = ()
-    #: what holds the row's storages alive at the end, (name, bytes) largest first: found for a
-    #: failing test's second run only (``Trainer.debug[…]``, ``opt.state[…]['exp_avg']``); never stored
+    #: what holds the row's storages alive at the end, (name, bytes), largest first: a failing test's second run only;
+    #: never stored
     holders: tuple[tuple[str, int], ...] = ()
 
     @property
@@ -190,9 +165,7 @@ _STORED_RE = re.compile(
 
 
 def parse_stored_site(key: str, value: object) -> SiteFigures:
-    """One stored site's row (``key``: ``value``) read back; ``ValueError`` saying what is wrong otherwise.
-    ``key`` is the site's key, followed by the row's category (a baseline stored before rows were
-    split by category has none)."""
+    """One stored site's row (``key``: ``value``) read back; ``ValueError`` saying what is wrong otherwise."""
     if not isinstance(value, str):
         raise ValueError(f"site {key!r}: expected a string such as 'peak=1024 end=0 n=1 activations forward'")
     match = _STORED_RE.match(value)
@@ -223,16 +196,11 @@ def parse_stored_site(key: str, value: object) -> SiteFigures:
 
 @dataclass(frozen=True)
 class SiteProfile(Coded):
-    """The sites of one span, the largest first (by bytes at the peak, then at the end).
+    """The sites of one span, one row per site and category, the largest first.
 
-    ``rest_peak``, ``rest_end`` and ``rest_sites`` sum up the sites left out (a measurement
-    carries :data:`CARRIED_SITES`, a baseline what fits :data:`SITES_BUDGET`); with them the
-    sites add up to the span's peak and end (exactly on the CPU engine). ``second_run``: the
-    sites come from running the test once more with sites on (the first run had none);
-    ``note``: what to know about them (the second run's figures differed from the first's).
-    Each row is one site's bytes of one category (a site that made gradients and temporaries
-    has two), so that the rows add up, category by category, to the span's breakdown;
-    ``by_category`` is False for a profile stored before (one row a site, of all its bytes).
+    With the ``rest_*`` sums of the sites left out, the rows add up to the span's peak, end and breakdown (exactly on
+    the CPU engine). ``second_run``: they come from running the test again; ``by_category`` False for an older stored
+    profile.
     """
 
     sites: tuple[SiteFigures, ...] = ()
@@ -277,9 +245,8 @@ class SiteProfile(Coded):
     # -- the baseline file's form ----------------------------------------------------------
 
     def to_stored(self, budget: int = SITES_BUDGET) -> dict[str, str]:
-        """The profile as the baseline file keeps it: row key (:attr:`SiteFigures.key`) →
-        :meth:`SiteFigures.stored`, the largest rows first until their text reaches ``budget``
-        characters, the others summed under :data:`OTHER_SITES` (its ``n``: how many sites). The file sorts the keys."""
+        """The profile as the baseline file keeps it: row key → :meth:`SiteFigures.stored`, the largest rows first up to
+        ``budget`` characters, the rest under :data:`OTHER_SITES`."""
         stored: dict[str, str] = {}
         used = 0
         left = [s for s in self.sites if s.site.key != BEFORE]  # the span's start, not a site of it
@@ -342,10 +309,7 @@ def build_profile(
     *,
     limit: int = CARRIED_SITES,
 ) -> SiteProfile | None:
-    """A profile of what the engines found: ``(site, phase, at the peak, at the end, examples)``
-    for each site and phase that made storages; one row per site and category (so the rows
-    add up to the breakdown, category by category), the phase of a row that of most of its
-    bytes, its ``limit`` largest rows listed. None for None (sites were not recorded)."""
+    """A profile of what the engines found, a row per site and category, its ``limit`` largest listed; None for None."""
     if found is None:
         return None
     rows: dict[tuple[str, int], _Row] = {}

@@ -1,10 +1,6 @@
-"""The live-tensor census: which tensors are alive on a device, how big their storages are,
-and what holds each one (a tracked module's parameter, an optimizer state, a local variable).
+"""The live-tensor census: which tensors are alive on a device, their storages' bytes and what holds each one.
 
-Out-of-memory reports (:mod:`pytest_gpumem.diagnose.oom`) and leak checks
-(:mod:`pytest_gpumem.diagnose.leaks`) describe the device with it. Walking the garbage
-collector's objects costs tens of milliseconds in a large process: call these on
-failures, not on every test. Sizes are bytes.
+It walks the collector's objects (tens of milliseconds in a large process): for failures, not every test.
 """
 
 from __future__ import annotations
@@ -49,9 +45,7 @@ TOP = 10
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: Frames whose locals never name a tensor in a report: this package's machinery (the tracker's
-#: dispatch, the reports themselves). Frames of the training-step driver (:data:`_STEPS`) and of
-#: user code do.
+#: Frames whose locals never name a tensor in a report: this package's machinery (not the step driver, not user code).
 _INTERNAL = (
     os.path.join(_PACKAGE_DIR, "measurement") + os.sep,
     *(
@@ -75,21 +69,8 @@ _FRAMEWORK_PARTS = (f"{os.sep}_pytest{os.sep}", f"{os.sep}pluggy{os.sep}")
 class LiveTensor(Coded):
     """One live storage on the device, described through a tensor that uses it.
 
-    Attributes:
-        nbytes: the storage's bytes, counted once however many tensors view it
-            (rounded up to 512-byte blocks on CUDA-like devices and on the CPU
-            engine with ``cuda_rounding``, as the allocator counts them).
-        shape: the shape of the tensor chosen to describe it (a named one, else
-            the largest view).
-        dtype: its dtype without the ``torch.`` prefix, e.g. ``"float32"``.
-        category: the breakdown category of the storage (:data:`CATEGORIES`),
-            from the storage tracker or else from the name; None when unknown.
-        held_by: where the tensor is held: a tracked module's parameter or
-            buffer (``"Sequential.0.weight"``), its gradient, an optimizer state,
-            a local variable of a frame, a module-level name; None when unknown.
-        views: how many live tensors share the storage.
-        site: the line that made the storage (``"model.py:58 Block.forward"``), when sites
-            were recorded as it was made (:mod:`pytest_gpumem.data.sites`); None otherwise.
+    ``nbytes`` counts the storage once (rounded to 512-byte blocks where the allocator does); ``category``, ``held_by``
+    and ``site`` are None when unknown.
     """
 
     nbytes: int
@@ -121,29 +102,21 @@ class StorageGroup:
 
 
 def see_every_tensor() -> None:
-    """Make every tensor visible to ``gc.get_objects()``, before a census or before the start
-    whose storages a leak check compares the end with: frozen objects are invisible to it. The
-    plugin's own (frozen before the first test) are remembered (:func:`frozen.tensors`); objects
-    someone else froze (a conftest's ``gc.freeze()``) go back to the collector, for good
-    (:func:`frozen.give_back_theirs`)."""
+    """Make every tensor visible to ``gc.get_objects()`` (frozen objects are not) before a census or a leak check's
+    start: the plugin's frozen tensors are remembered, others' frozen objects given back to the collector."""
     if not frozen.known() and collector.others_frozen():
         frozen.give_back_theirs()
 
 
 def _counts_fakes(engine: Engine | None) -> bool:
-    """Whether fake tensors are the memory a census counts: during a measurement on fake tensors,
-    and after it, for its leak check (its tracker counted them). Elsewhere a fake tensor (one
-    TorchDynamo keeps from compiling a function) is a shape, not memory on any device."""
+    """Whether fake tensors are memory a census counts: during and after a measurement on fake tensors only."""
     return fakes_counted() or bool(getattr(getattr(engine, "tracker", None), "counts_fakes", False))
 
 
 def storage_groups(
     device: torch.device, engine: Engine | None = None, *, counted_only: bool = False
 ) -> dict[int, StorageGroup]:
-    """Every Python-reachable tensor on ``device``, grouped by storage (the storage's C pointer).
-
-    ``counted_only``: keep only storages that ``engine``'s tracker counts.
-    """
+    """Every Python-reachable tensor on ``device``, grouped by storage; ``counted_only``: those ``engine`` counts."""
     on_device = _on_device(device)
     rounding = device.type != "cpu" or (engine is not None and engine.cuda_rounding)
     groups: dict[int, StorageGroup] = {}
@@ -195,13 +168,9 @@ def _label(module: Any, labels: Mapping[int, str]) -> str:
 
 
 def tensor_names(objects: Iterable[Any], labels: Mapping[int, str] | None = None) -> dict[int, tuple[str, str | None]]:
-    """Names of the tensors that tracked modules and optimizers hold, by ``id()`` of the tensor.
+    """Names of the tensors that tracked modules and optimizers hold, by ``id()``: ``(name, category)``.
 
-    Each value is ``(name, category)``, named as the code reads them:
-    ``("model.0.weight", "parameters")``, ``("model.0.weight.grad", "gradients")``,
-    ``("model.bn.running_mean", None)`` for a buffer, ``("optimizer.state[model.0.weight]['exp_avg']",
-    "optimizer_state")``. A module or optimizer is named by ``labels[id(obj)]`` when given
-    (the variable that holds it), else by its class name (``Sequential.0.weight``).
+    Named as code reads them (``model.0.weight.grad``), a holder by ``labels[id(obj)]`` else by its class name.
     """
     labels = labels or {}
     names: dict[int, tuple[str, str | None]] = {}
@@ -249,12 +218,7 @@ def _frame_where(frame: FrameType) -> str:
 def _frame_names(
     frames: Iterable[FrameType], tracked: Iterable[Any]
 ) -> tuple[dict[int, tuple[str, str | None]], dict[int, str]]:
-    """Names from the local variables of user frames (innermost first).
-
-    Returns (tensor names by ``id()``, labels of tracked objects by ``id()``): a
-    tensor held by a local ``h`` is ``"local 'h' in forward (model.py:12)"``; a
-    tracked module held by a local ``model`` is labelled ``"model"``.
-    """
+    """Names from the locals of user frames (innermost first): tensor names and tracked objects' labels, by ``id()``."""
     tracked_ids = {id(obj) for obj in tracked}
     names: dict[int, tuple[str, str | None]] = {}
     labels: dict[int, str] = {}
@@ -327,13 +291,10 @@ def module_level_names() -> dict[int, str]:
 def holder_hints(
     groups: list[StorageGroup], known: Mapping[int, str], *, thaw: bool = True
 ) -> dict[int, tuple[torch.Tensor, str]]:
-    """For each group (by index) with a nameable holder: the tensor so held and the name.
+    """For each group (by index) with a nameable holder: the tensor so held and its name.
 
-    A tensor named in ``known`` keeps that name (a module's or optimizer's, as the code reads
-    it: ``model.weight.grad``); the others are named by what refers to them
-    (:func:`~pytest_gpumem.diagnose.holders.referrer_names`, two collector passes for all groups). A
-    view often outlives the tensor it was cut from only in C++ (its ``_base``): that base has
-    no Python holder, so the largest *named* view is used.
+    Names in ``known`` are kept, others come from referrers; a view's C++-only base has no holder, so the largest named
+    view is used.
     """
     hints: dict[int, tuple[torch.Tensor, str]] = {}
     for i, group in enumerate(groups):
@@ -372,15 +333,10 @@ def live_tensors(
     frames: Iterable[FrameType] = (),
     top: int | None = TOP,
 ) -> tuple[tuple[LiveTensor, ...], int, int]:
-    """The largest live tensors on ``device``, by storage, largest first.
+    """The ``top`` largest live tensors on ``device``, by storage, and how many storages there are and their bytes.
 
-    Walks the garbage collector's objects (costly: call it on failures, not on
-    every test). Returns ``(tensors, storages, bytes)``: the ``top`` largest (all
-    when None), how many distinct storages were found and their total bytes.
-    Tensors that only C++ holds (saved for backward without the storage tracker,
-    kernel workspaces) are not found. Names come from ``objects`` (tracked
-    modules and optimizers, see :func:`tensor_names`) and from the local
-    variables of ``frames``.
+    Tensors only C++ holds (saved for backward without the tracker, workspaces) are not found; names come from
+    ``objects`` and the locals of ``frames``.
     """
     live = take_census(torch.device(device), engine, objects, frames, top)
     return live.tensors, live.count, live.nbytes
@@ -412,9 +368,7 @@ def take_census(
         hints = holder_hints(unnamed, {}, thaw=False)
         rest = [i for i in range(len(unnamed)) if i not in hints]
         if rest and frozen.thaw():
-            # held by objects the plugin froze (what an earlier test left in a cache): they are
-            # given back to the collector until the next test, and searched too; a report that
-            # comes again in this test finds them given back already
+            # held by objects the plugin froze (an earlier test's leftovers in a cache): given back until the next test
             found = holder_hints([unnamed[i] for i in rest], {}, thaw=False)
             hints.update({rest[j]: hint for j, hint in found.items()})
         for tensor, name in hints.values():
@@ -425,8 +379,7 @@ def take_census(
 
 
 def live_table(tensors: Iterable[LiveTensor]) -> str:
-    """A table of ``tensors``: bytes, shape, dtype, category, held by, and where each was made
-    when sites were recorded (``made at``)."""
+    """A table of ``tensors``: bytes, shape, dtype, category, held by, and where each was made (with sites)."""
     tensors = list(tensors)
     sites = any(t.site for t in tensors)
     rows = [

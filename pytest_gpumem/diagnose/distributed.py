@@ -1,28 +1,8 @@
 """A distributed training step inside one test: ``world_size`` ranks, each measured on its own.
 
-:func:`run_ranks` starts the ranks as PyTorch's own multi-process tests do: processes as made
-with ``torch.multiprocessing``'s ``spawn`` start method (on Linux, CPU and fake ranks are forked
-from a server that has imported what every rank imports: :mod:`pytest_gpumem.diagnose.warm_ranks`),
-each initialising the default process group (``gloo`` on the CPU, ``nccl`` on CUDA) over a TCP
-store on this machine.
-Each rank runs ``fn(rank, ctx)`` inside :func:`pytest_gpumem.measure` on its device and sends
-its :class:`~pytest_gpumem.data.figures.Measurement` back. A rank that raises, dies or is still
-running at the timeout fails the whole run with that rank's report, and no rank process is
-left behind.
-
-With ``predict=`` each rank's figures are a GPU's, predicted on the CPU engine. With
-``fake=True`` as well no rank process is started: one process runs the ranks one after another,
-each on fake tensors (:mod:`pytest_gpumem.measurement.engines.fake`) and over PyTorch's fake
-process group (the ``"fake"`` backend: collectives that move no data, whose outputs the step
-allocates as it does on real ranks), so a sharded step of any size is predicted per rank, for
-any world size, without its memory or its ranks. DistributedDataParallel runs there too
-(:mod:`pytest_gpumem.diagnose.fake_ddp`): its gradients' all-reduce is in place, as on real
-ranks, and the checks and bookkeeping it does on values are kept out of the fake tensors.
-
-No process outlives the run: each rank runs in a process group of its own, with the processes
-it starts, and the whole group is stopped, whether the run ends, fails or times out. A rank
-also ends its group as soon as the process that started it is gone (pytest killed from
-outside), and a SIGTERM sent to pytest while the ranks run stops them before pytest ends.
+:func:`run_ranks` starts rank processes as PyTorch's multi-process tests do (CPU and fake ranks forked from a warm
+server on Linux), or with ``fake=True`` runs the ranks one after another in this process on fake tensors over PyTorch's
+fake process group. A failing rank fails the run with its report, and no process outlives it.
 """
 
 from __future__ import annotations
@@ -55,18 +35,15 @@ DEFAULT_TIMEOUT = 300.0
 #: The longest a run may be given (seconds): a week.
 MAX_TIMEOUT = 7 * 24 * 3600
 
-#: The environment variable that chooses how CPU and fake rank processes start: ``warm`` (the
-#: default, on Linux: forked from a server that has imported what a rank imports) or ``spawn``.
+#: The environment variable that chooses how CPU and fake rank processes start: ``warm`` (Linux default) or ``spawn``.
 RANK_START = "PYTEST_GPUMEM_RANK_START"
 
-#: The environment variable that is empty in CPU and fake rank processes: they see no GPU, as on
-#: the machine without one where their figures are the same (see ``_without_gpus``).
+#: The environment variable that is empty in CPU and fake rank processes, so they see no GPU (see ``_without_gpus``).
 HIDE_GPUS = "CUDA_VISIBLE_DEVICES"
 
 
 class DistributedError(RuntimeError):
-    """One or more ranks failed, died or timed out; ``reports`` maps each such rank to what happened
-    (a rank whose peer failed often fails too, in a collective, after it)."""
+    """One or more ranks failed, died or timed out; ``reports`` maps each such rank to what happened."""
 
     def __init__(self, message: str, reports: dict[int, str]) -> None:
         super().__init__(message)
@@ -79,14 +56,7 @@ class DistributedError(RuntimeError):
 
 @dataclass
 class RankContext:
-    """What ``fn(rank, ctx)`` gets in each rank.
-
-    Attributes:
-        rank: this process's rank.
-        world_size: the number of ranks.
-        device: the ``torch.device`` this rank measures (put its model and batch there).
-        backend: the process group's backend (``"gloo"``, ``"nccl"``; ``"fake"`` with ``fake=True``).
-    """
+    """What ``fn(rank, ctx)`` gets in each rank: its rank, the world size, its ``torch.device`` and the backend."""
 
     rank: int
     world_size: int
@@ -100,8 +70,7 @@ class RankContext:
         return self.backend == "fake"
 
     def track(self, *objects: Any) -> None:
-        """Register this rank's modules and optimizers for the breakdown, the phases and Ψ
-        (the rank's own, sharded, trainable parameters)."""
+        """Register this rank's modules and optimizers for the breakdown, the phases and Ψ."""
         if self._recorder is None:
             raise RuntimeError("RankContext.track() works only while the rank function runs")
         self._recorder.track(*objects)
@@ -191,11 +160,8 @@ def _rank_main(
 def _forget_earlier_ranks() -> None:
     """Clear the caches in which DTensor keeps what an earlier rank of this process computed.
 
-    Its sharding propagation (the Python cache and the C++ fast path's), redistribution plans and
-    mesh topologies are cached by value, and device meshes of equal shape compare equal across
-    ranks: a later rank would be handed results that hold the earlier rank's meshes instead of
-    computing its own, as its own process would. Every rank starts as if it were the first
-    (``tests/test_fake_ranks.py`` checks a rank run alone against the same rank run after others).
+    They are keyed by value and equal-shaped meshes compare equal across ranks, so a later rank would get results
+    holding the earlier rank's meshes (``tests/test_fake_ranks.py`` checks it).
     """
     import importlib
 
@@ -285,27 +251,15 @@ def run_ranks(
     ranks: Iterable[int] | None = None,
     sites: SiteConfig | None = None,
 ) -> list[Measurement]:
-    """Run ``fn(rank, ctx)`` in ``world_size`` rank processes; one :class:`Measurement` per rank, in rank order.
+    """Run ``fn(rank, ctx)`` in ``world_size`` ranks; one :class:`Measurement` per rank, in rank order.
 
-    Args:
-        fn: a module-level function (it is pickled and sent to each rank process).
-        world_size: the number of ranks (at least 1).
-        backend: the process group's backend; None: ``"nccl"`` on CUDA, else ``"gloo"``.
-        device: ``"cpu"`` (every rank on the CPU engine) or ``"cuda"`` (rank ``r`` on ``cuda:r``:
-            the machine needs ``world_size`` GPUs).
-        timeout: seconds for the whole run; ranks still running then are stopped.
-        predict: a GPU (``"h100"``): each rank's figures are that GPU's, predicted on the CPU
-            engine (``device`` must be ``"cpu"``).
-        fake: with ``predict``, run the ranks on fake tensors over the fake process group, one
-            after another in one process (see the module's docstring); ``backend`` must be None.
-        ranks: with ``fake``, the ranks to run (default: all); the result follows this order.
-        sites: record where each rank's bytes are made (:mod:`pytest_gpumem.data.sites`); None: not.
+    ``fn`` is a module-level function (pickled to each rank). ``device`` is ``"cpu"`` or ``"cuda"`` (rank ``r`` on
+    ``cuda:r``); ``backend`` defaults to ``"nccl"`` on CUDA, else ``"gloo"``; ``timeout`` is seconds for the whole run.
+    ``predict`` (a GPU name) predicts each rank's figures on the CPU engine; with it, ``fake`` runs the ``ranks``
+    (default: all) in this process over the fake process group. ``sites`` records where bytes are made.
 
-    Raises:
-        ValueError: a bad ``world_size``, ``device``, ``backend``, ``timeout``, ``predict``,
-            ``fake`` or ``ranks``, or more ranks than CUDA devices.
-        TypeError: ``fn`` cannot be sent to a rank process.
-        DistributedError: a rank raised, ran out of memory, died, or did not finish in time.
+    Raises ``ValueError`` for a bad argument, ``TypeError`` when ``fn`` cannot be sent, :class:`DistributedError` when a
+    rank raised, ran out of memory, died or timed out.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -439,13 +393,8 @@ def run_ranks(
 
 
 def _starts_warm(kind: str) -> bool:
-    """Whether rank processes of ``kind`` (a backend on the CPU, or ``"cuda"``) start from a warm
-    server (:mod:`pytest_gpumem.diagnose.warm_ranks`): gloo and fake ranks on Linux, unless
-    :data:`RANK_START` says ``spawn``.
-
-    Raises:
-        ValueError: :data:`RANK_START` holds something other than ``warm`` or ``spawn``.
-    """
+    """Whether rank processes of ``kind`` start from a warm server: gloo and fake ranks on Linux unless
+    :data:`RANK_START` says ``spawn`` (``ValueError`` for another value)."""
     chosen = os.environ.get(RANK_START, "warm")
     if chosen not in ("warm", "spawn"):
         raise ValueError(f"the environment variable {RANK_START} must be 'warm' or 'spawn', got {chosen!r}")
@@ -457,11 +406,8 @@ def _starts_warm(kind: str) -> bool:
 
 
 def _without_gpus() -> None:
-    """In a CPU or fake rank process: check that it sees no GPU (:data:`HIDE_GPUS` is empty in its
-    environment), so that it runs as on a machine without one, where its figures were made to be
-    the same: code that picks the accelerator by itself (FSDP2's default device mesh, a
-    ``DeviceMesh``, ``torch.accelerator``) picks the CPU. A GPU still seen means torch read the
-    device count before the rank took its environment: an error, not a silent run on the GPU."""
+    """In a CPU or fake rank process: check that it sees no GPU, so code that picks the accelerator itself picks the
+    CPU; a GPU still seen is an error, not a silent run on the GPU."""
     if torch.cuda.is_available():
         raise RuntimeError(
             f"a CPU rank process sees {torch.cuda.device_count()} CUDA device(s) although {HIDE_GPUS} is empty "
@@ -471,8 +417,7 @@ def _without_gpus() -> None:
 
 
 def _adopt_environment(environment: dict[str, str] | None) -> None:
-    """In a rank process: take the environment variables the run was started with (a warm rank
-    was forked from a server started earlier, and inherited the server's)."""
+    """In a rank process: take the run's environment variables (a warm rank inherited its server's)."""
     if environment is not None and environment != dict(os.environ):
         os.environ.clear()
         os.environ.update(environment)

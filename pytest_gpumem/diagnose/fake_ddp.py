@@ -1,11 +1,4 @@
-"""DistributedDataParallel over PyTorch's fake process group (fake ranks: one process runs
-every rank on fake tensors, see :mod:`pytest_gpumem.diagnose.distributed`).
-
-DDP does three things on tensor values that the fake process group cannot serve; each is kept
-out of the fake tensors where it happens (:func:`ddp_on_fake_ranks`), so that the rest of DDP
-(its buckets, its in-place all-reduce, its copies into the gradients) runs and is counted as on
-real ranks. Only the process that runs fake ranks applies this.
-"""
+"""DistributedDataParallel over PyTorch's fake process group, for the process that runs fake ranks."""
 
 from __future__ import annotations
 
@@ -32,8 +25,7 @@ _COMM_HOOK_ON_FAKE_RANKS = (
 
 
 def _in_place_all_reduce(state: object, bucket: Any) -> Any:
-    """DDP's all-reduce over the fake process group: the bucket itself, as a done future. A real
-    all-reduce works in place on the bucket and its future yields it; the fake group's yields nothing."""
+    """DDP's all-reduce over the fake process group: the bucket itself, as a done future (as a real one yields)."""
     future: Any = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
@@ -46,15 +38,8 @@ _in_place_all_reduce.__annotations__ = {}
 def ddp_on_fake_ranks() -> None:
     """Let DistributedDataParallel run in this process, which runs fake ranks only.
 
-    Three things stop it otherwise, and each is handled where it happens: when it is built, DDP
-    checks that every rank's parameters have the same shapes by exchanging their values (the
-    fake group exchanges none: the check is left out; its few bytes of metadata are gone when the
-    step starts); the reducer's all-reduce yields the fake group's empty result (an in-place
-    all-reduce hook yields the bucket, as a real one does); and the first iteration's bucket
-    rebuild writes and broadcasts bucket indices through integer CPU tensors read in C++ (it runs
-    with that bookkeeping on real tensors, :func:`~pytest_gpumem.measurement.engines.fake.real_bookkeeping`,
-    which allocates what the real rebuild allocates). A communication hook of the user's own is
-    refused with :class:`FakeModeError`.
+    The parameter-shape check across ranks is left out, the all-reduce yields the bucket in place, and the first bucket
+    rebuild runs its bookkeeping on real tensors; a user's communication hook raises :class:`FakeModeError`.
     """
     import torch.nn.parallel.distributed as ddp
     from torch._C._distributed_c10d import Reducer

@@ -1,12 +1,7 @@
 """What holds an object: the names a report gives to live tensors.
 
-Two ways, cheapest first: the modules and optimizers that user code holds at module level
-(:func:`module_level_objects`), whose tensors read as the code reads them
-(``model.weight.grad``); and, for anything else, the garbage collector's referrers, two
-levels up (:func:`referrer_names`: ``tests.test_x.CACHE[3]``, a frame's local, an
-attribute). Leak reports (:mod:`pytest_gpumem.diagnose.leaks`) and live-tensor reports
-(:mod:`pytest_gpumem.diagnose.census`, out-of-memory reports) name tensors with them. Walking the
-referrers costs tens of milliseconds in a large process: on failures only.
+User code's module-level modules and optimizers name their tensors as the code reads them (``model.weight.grad``);
+anything else is named through the collector's referrers, on failures only.
 """
 
 from __future__ import annotations
@@ -37,21 +32,14 @@ _THIS_FILES = tuple(
 
 
 def library_dirs() -> tuple[str, ...]:
-    """The folders of code that is not the user's: the standard library, installed packages
-    (site-packages), torch and this package (each ending in a separator)."""
+    """The folders of code that is not the user's: the standard library, site-packages, torch and this package."""
     paths = sysconfig.get_paths()
     found = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
     return (*(os.path.abspath(path) + os.sep for path in sorted(found)), _TORCH_DIR, _PACKAGE_DIR + os.sep)
 
 
 def module_level_objects() -> dict[int, tuple[str, Any]]:
-    """The modules and optimizers that user code holds in module-level names, by ``id()``:
-    ``(name, object)``, e.g. a test module's ``model = nn.Linear(...)`` is ``("model", model)``.
-
-    User code is every imported module outside the standard library, the installed packages
-    (site-packages), torch and this package: test modules, conftests, the project's own code.
-    They name the tensors of such objects as the code reads them (``model.weight.grad``).
-    """
+    """The modules and optimizers that user code holds in module-level names, by ``id()``: ``(name, object)``."""
     libraries = library_dirs()
     found: dict[int, tuple[str, Any]] = {}
     for module in list(sys.modules.values()):
@@ -72,9 +60,7 @@ _HOLDS = (torch.nn.Module, torch.optim.Optimizer)
 
 
 def _one_level(name: str, value: Any) -> Iterator[tuple[str, Any]]:
-    """``value`` if it is a module or optimizer, else those it holds directly: a dict's values
-    (``MODELS['gpt']``), a list's or tuple's items (``MODELS[0]``), an object's attributes
-    (``TRAINER.model``)."""
+    """``value`` if it is a module or optimizer, else those it holds directly (dict values, items, attributes)."""
     kind = type(value)  # type(): isinstance would ask a proxy for its __class__
     if issubclass(kind, _HOLDS):
         yield name, value
@@ -106,12 +92,8 @@ _FANOUT = 64
 def frame_locals(frame: FrameType) -> dict[str, Any]:
     """A copy of ``frame``'s local variables that leaves no reference behind.
 
-    On Python < 3.13, reading ``frame.f_locals`` of a function frame stores a
-    snapshot dict on the frame that keeps every local's value alive until the
-    frame ends, even after the function deletes the variable: a report built
-    mid-test would then hold the test's tensors. The snapshot is emptied after
-    copying (the frame's real locals are untouched; only function frames, whose
-    ``f_locals`` is a snapshot, never a module's namespace).
+    Before Python 3.13, ``frame.f_locals`` stores a snapshot on the frame that keeps every local alive; it is emptied
+    after copying.
     """
     try:
         snapshot = frame.f_locals
@@ -154,12 +136,7 @@ def _attribute_of(holder: object, target: object) -> str | None:
 
 
 def _links(holder: object, target: object, module_dicts: Mapping[int, str]) -> list[tuple[str, bool]]:
-    """How ``holder`` refers to ``target``: ``(text, final)`` pairs.
-
-    ``final`` texts are complete names (a module-level name, a frame's local);
-    the others are accessors (``"[3]"``, ``".attr"``, ``"['key']"``) to append to
-    the name of whatever holds ``holder``.
-    """
+    """How ``holder`` refers to ``target``: ``(text, final)`` pairs, final texts complete names, others accessors."""
     found: list[tuple[str, bool]] = []
     if isinstance(holder, dict):
         module = module_dicts.get(id(holder))
@@ -196,17 +173,9 @@ def _container_name(container: object) -> str:
 def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = (), thaw: bool = True) -> dict[int, str]:
     """A name for what holds each of ``objects``, by ``id()``; objects nothing names are left out.
 
-    Looks two levels up with two ``gc.get_referrers`` passes in all, so the cost
-    does not grow with the number of objects: a module-level name
-    (``"tests.test_x.CACHE"``), an element of a module-level list or dict
-    (``"tests.test_x.CACHE[3]"``), an attribute (``"Holder.cache"`` then
-    ``"tests.test_x.HOLDER.cache"``), a local variable of a live frame. Objects
-    in ``ignore`` (the caller's own lists) and this module's frames are skipped.
-    Only the first name found for each object is kept. ``thaw`` gives the objects the
-    plugin froze before the first test back to the collector for good, so that their
-    references are seen too (a leak report); without it, those frozen holders are found
-    only as module-level names (an out-of-memory report, which may come many times in a
-    test that searches the largest microbatch).
+    Two ``gc.get_referrers`` passes in all look two levels up (``tests.test_x.CACHE[3]``, an attribute, a frame's
+    local), skipping ``ignore``. ``thaw`` gives the plugin's frozen objects back to the collector for good, so their
+    references are seen too; without it they are found only as module-level names.
     """
     targets = list(objects)
     if not targets:
@@ -238,8 +207,7 @@ def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = (), 
     del referrers
     if not containers or len(names) == len(targets):
         return names
-    # an object whose attribute holds a target: through its materialised __dict__, the owner
-    # is one level further up; named by a module-level name if it has one (below)
+    # an object whose attribute holds a target is one level further up, through its materialised __dict__
     owners: list[object] = []
     weak: list[tuple[int, str]] = []  # names through an anonymous container: kept if nothing better
     referrers = gcfunctions.get_referrers(*containers)
@@ -264,8 +232,7 @@ def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = (), 
                 for target_id, accessor in pending[id(container)]:
                     weak.append((target_id, _join(prefix, accessor)))
     del referrers
-    # a module-level name (frozen globals included) names a holder better than an anonymous
-    # dict or list that also refers to it (a frame's materialised locals, a cache)
+    # a module-level name names a holder better than an anonymous dict or list that also refers to it
     _name_by_module_globals([*containers, *owners], pending, names)
     for target_id, text in weak:
         names.setdefault(target_id, text)
@@ -278,12 +245,7 @@ def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = (), 
 def _name_by_module_globals(
     containers: list[object], pending: dict[int, list[tuple[int, str]]], names: dict[int, str]
 ) -> None:
-    """Name what a module-level name holds directly, for containers the collector did not name.
-
-    ``gc.get_referrers`` sees only objects in the collector's generations: a module's
-    globals frozen out of them (the plugin freezes what exists between measured tests)
-    are not found that way, so such holders are looked up in the modules themselves.
-    """
+    """Name what a module-level name holds directly, for containers the collector did not name (frozen globals)."""
     unnamed = {
         id(container): container
         for container in containers

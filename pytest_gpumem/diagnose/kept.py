@@ -1,13 +1,4 @@
-"""What keeps a site's tensors alive: the holders a failing test's sites name.
-
-At the return of a test's call in the second run (the test failed on memory, so the search is
-paid for failures only), the live tensors are found and named as a leak report names them
-(:func:`~pytest_gpumem.diagnose.census.take_census`: a tracked optimizer's state
-``opt.state[model.weight]['exp_avg']``, an attribute ``Trainer.debug[3]``, a local variable),
-then grouped by site and by the name with its indices left out (``Trainer.debug[…]``). An
-optimizer state key that an option of the optimizer adds (``max_exp_avg_sq`` with
-``amsgrad=True``) is named with that option (:func:`state_options`).
-"""
+"""What keeps a site's tensors alive: the holders a failing test's sites name (found in the second run only)."""
 
 from __future__ import annotations
 
@@ -32,9 +23,8 @@ _STATE_KEY = re.compile(r"\.state\[…\]\['(?P<key>[^']+)'\]$")
 
 
 def holder_pattern(name: str) -> str:
-    """``name`` with its indices and parameters left out: ``opt.state[model.0.weight]['exp_avg']``
-    is ``opt.state[…]['exp_avg']``, ``Trainer.debug[3]`` is ``Trainer.debug[…]``; a local variable
-    without its frame's place (``local 'kept'``)."""
+    """``name`` without indices and parameters (``Trainer.debug[3]``: ``Trainer.debug[…]``), a local without its
+    place."""
     name = _LOCAL.sub(r"\g<name>", name)
     return _INDEX.sub("[…]", _STATE.sub(".state[…]", name))
 
@@ -42,10 +32,11 @@ def holder_pattern(name: str) -> str:
 def kept_by_site(
     engine: Any, tracked: Iterable[Any], frame: FrameType | None, code: CodeType | None = None
 ) -> dict[tuple[str, str | None], dict[str, int]]:
-    """By site (``"model.py:58 Block.forward"``) and category, the bytes of its live storages by what holds
-    them (:func:`holder_pattern` of the name); storages nothing names are left out. ``frame``:
-    the stack whose locals name tensors and tracked objects; ``code``: the test function's, whose
-    frame is looked for among its referrers when it is not on that stack (it has returned)."""
+    """By site and category, the bytes of its live storages by :func:`holder_pattern` of what holds them.
+
+    ``frame`` is the stack whose locals name tensors; ``code`` the test function's, looked for among referrers once it
+    has returned.
+    """
     frames = list(stack_frames(frame))
     if code is not None and all(f.f_code is not code for f in frames):
         frames[:0] = _frames_of(code)
@@ -62,10 +53,8 @@ def kept_by_site(
 
 
 def _frames_of(code: CodeType) -> list[FrameType]:
-    """The frames of ``code`` kept alive: looked for among what the collector walks (the test's
-    own, made since the last freeze), else among everything, the frozen objects given back (a
-    full collection during the test froze what was alive then): giving them back costs the next
-    freeze a walk of every object, so it is paid only where needed."""
+    """The frames of ``code`` kept alive: among what the collector walks, else among everything, the frozen objects
+    given back (costly for the next freeze, so only where needed)."""
     found: list[FrameType] = []
     for referrers in (gcfunctions.get_referrers, gc.get_referrers):
         found = [f for f in referrers(code) if isinstance(f, FrameType) and f.f_code is code]
@@ -75,10 +64,8 @@ def _frames_of(code: CodeType) -> list[FrameType]:
 
 
 def state_options(optimizers: Iterable[Any]) -> dict[str, str]:
-    """By state key, the options of ``optimizers`` (set away from their defaults) that add it:
-    ``{"max_exp_avg_sq": "amsgrad=True"}``. Each optimizer class is stepped once on a one-element
-    parameter with its defaults and with each such option; a class that cannot be built so
-    (arguments without defaults) gives nothing."""
+    """By state key, the non-default options of ``optimizers`` that add it (``{"max_exp_avg_sq": "amsgrad=True"}``),
+    found by stepping each class once on a one-element parameter."""
     found: dict[str, str] = {}
     for optimizer in optimizers:
         if not isinstance(optimizer, torch.optim.Optimizer):

@@ -1,16 +1,7 @@
-"""Leak confirmation: is memory that a test left behind really leaked, and by what?
+"""Leak confirmation: is memory a test left behind really leaked, and by which tensors?
 
-``retained`` (allocated at test end minus at its start, after ``gc.collect()``)
-is a leak indicator; this module confirms it the way PyTorch's own
-``CudaMemoryLeakCheck`` does (``torch/testing/_internal/common_utils.py``):
-collect garbage, on CUDA synchronize, free cuBLAS workspaces and empty the
-cache, then re-read allocated memory up to ``tries`` times; on CUDA a leak is
-confirmed only when the driver (``mem_get_info``) sees the growth too. It then
-names the culprits: the live tensors whose storages did not exist at the start
-(found with :func:`snapshot_storages` taken at the start), with the name that
-holds each one (``"tests.test_x.CACHE[3]"``).
-
-Sizes are bytes throughout.
+It follows PyTorch's ``CudaMemoryLeakCheck`` (collect, free workspaces, empty the cache, read again), and on CUDA
+confirms a leak only when the driver sees it too.
 """
 
 from __future__ import annotations
@@ -45,14 +36,7 @@ TOP = 20
 
 @dataclass(frozen=True)
 class StorageSnapshot:
-    """The storages alive on a device at a moment (a test's start), and the readings then.
-
-    Attributes:
-        device: the device, e.g. ``"cpu"``.
-        allocated: the engine's allocated bytes when the snapshot was taken.
-        driver_used: device memory in use per the driver (``total - free`` from
-            ``mem_get_info``, all processes) on CUDA-like devices; None on CPU.
-    """
+    """The storages alive on a device at a test's start (weakly), with the allocated and driver-used bytes then."""
 
     device: str
     allocated: int
@@ -69,12 +53,7 @@ class StorageSnapshot:
 
 
 def snapshot_storages(engine: Engine) -> StorageSnapshot:
-    """Remember the storages alive on ``engine``'s device now (weak references only).
-
-    Call it at the test's start, after the engine's clean-state protocol, and only
-    when a leak check is enabled: it walks the garbage collector's objects (tens
-    of milliseconds in a large process). The snapshot keeps no storage alive.
-    """
+    """Remember the storages alive on ``engine``'s device now (weak references only), only when a leak check is on."""
     engine.synchronize()
     groups = storage_groups(engine.device, engine)
     refs = {key: weakref.ref(group.storage) for key, group in groups.items()}
@@ -93,28 +72,11 @@ def _settle(engine: Engine) -> None:
 
 @dataclass(frozen=True)
 class LeakCheck(Coded):
-    """The verdict of :func:`confirm_leak`. All sizes are bytes.
+    """The verdict of :func:`confirm_leak`, in bytes.
 
-    Attributes:
-        device: the device, e.g. ``"cuda:0"``.
-        engine: ``"cpu"`` or ``"cuda"``.
-        start: allocated bytes at the start, without the library workspaces the
-            engine keeps (they are freed before each reading, as PyTorch's leak
-            check does).
-        readings: allocated bytes at each try (after garbage collection, the
-            workspaces freed).
-        retained: the last reading minus ``start``; may be negative.
-        confirmed: a leak: allocated stayed above ``start`` at every try and, on
-            CUDA, the driver saw device memory grow too.
-        driver_retained: CUDA: driver-reported used memory now minus at the
-            start (all processes: other processes move it); None on CPU or unknown.
-        driver_confirmed: CUDA: ``driver_retained > 0``; None on CPU or unknown.
-        leaked: the largest live tensors whose storages did not exist at the
-            start, largest first; ``held_by`` names what holds each one.
-        leaked_count: how many such storages there are.
-        leaked_bytes: their total bytes. Less than ``retained`` when some
-            retained bytes are held where Python cannot see them.
-        listed: False when no snapshot was given, so tensors could not be listed.
+    ``start`` and ``readings`` leave out the library workspaces; ``confirmed`` means allocated stayed above the start at
+    every try and, on CUDA, the driver saw growth; ``leaked`` lists the largest new storages, named by holder
+    (``listed`` False without a snapshot).
     """
 
     device: str
@@ -177,22 +139,9 @@ def confirm_leak(
 ) -> LeakCheck:
     """Confirm (or dismiss) a leak: is allocated memory still above ``start_allocated``?
 
-    ``start_allocated`` was read after the engine's clean-state protocol, so it
-    holds the library workspaces the engine keeps (:attr:`Engine.workspaces`).
-    As PyTorch's ``CudaMemoryLeakCheck`` does, each of up to ``tries`` readings
-    follows ``gc.collect()``, and on CUDA-like devices ``synchronize``, freeing the
-    cuBLAS workspaces and ``empty_cache``; so the readings are compared with the
-    start without its workspaces (:attr:`LeakCheck.start`). A reading at or below
-    it ends the check: no leak. The workspaces are made again afterwards. On CUDA
-    the driver's used memory (``mem_get_info``) is then compared with
-    ``snapshot.driver_used``: the leak is confirmed only when the driver sees
-    growth too (a small leak inside an already reserved segment is only
-    ``suspected``). Without a snapshot on CUDA, the allocator alone decides.
-
-    With a ``snapshot`` (from :func:`snapshot_storages` at the start) and a
-    suspected leak, the live tensors whose storages are new are listed (the
-    ``top`` largest), each named by what holds it (see :func:`referrer_names`).
-    Costs a few garbage collections; walks the objects only when a leak is suspected.
+    Up to ``tries`` readings follow PyTorch's leak-check protocol and are compared with the start without its
+    workspaces; on CUDA the driver's used memory must grow too (else only ``suspected``). With a ``snapshot`` the
+    ``top`` largest new storages are listed, each named by what holds it.
     """
     if tries < 1:
         raise ValueError(f"confirm_leak: tries must be >= 1, got {tries}")

@@ -1,15 +1,7 @@
 """Automatic microbatch search: the largest microbatch a training step fits in, and an accumulation plan.
 
-:func:`max_microbatch` doubles the microbatch size from ``start`` while the step
-fits, then bisects between the last size that fit and the first that ran out of
-memory (as Lightning's BatchSizeFinder does). Each try runs the user's
-``step(size)``; an out-of-memory error (:func:`~pytest_gpumem.diagnose.oom.is_oom`) means
-"does not fit", any other error propagates. Between tries the failed step's
-frames are released and garbage is collected (:func:`~pytest_gpumem.diagnose.oom.release_oom`),
-so one try's leftovers do not shrink the next one's room.
-
-:func:`plan_accumulation` turns the result into microbatch size × accumulation
-steps for a global batch.
+:func:`max_microbatch` doubles the size while the step fits, then bisects (as Lightning's BatchSizeFinder does); an
+out-of-memory error means "does not fit", and the failed try is released before the next.
 """
 
 from __future__ import annotations
@@ -30,14 +22,12 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_DOUBLINGS", "MicrobatchError", "Plan", "max_microbatch", "plan_accumulation", "plan_for"]
 
-#: Without ``upper``, how many times the search doubles the size before it concludes that the step's
-#: memory does not grow with it (a size 2**30 times ``start``: no microbatch is a billion samples).
+#: Without ``upper``, how often the size doubles before the search concludes the step's memory does not grow with it.
 MAX_DOUBLINGS = 30
 
 
 class MicrobatchError(RuntimeError):
-    """No microbatch size fits (not even the smallest one tried), or every size does (the step's
-    memory does not grow with its size)."""
+    """No microbatch size fits, or every size does (the step's memory does not grow with its size)."""
 
 
 def _check_size(name: str, value: int | None, minimum: int) -> None:
@@ -68,48 +58,14 @@ def max_microbatch(
     predict: str | None = None,
     fake: bool = False,
 ) -> int:
-    """The largest microbatch size in ``[start, upper]`` that ``step`` runs without running out of memory.
+    """The largest microbatch size in ``[start, upper]`` that ``step(size)`` runs without running out of memory.
 
-    Args:
-        step: ``step(size)`` runs one training step on a microbatch of ``size``
-            samples (build the batch inside; return nothing the search should keep).
-        start: the first size tried (>= 1).
-        limit: an emulated device limit for each try (bytes or a size string such
-            as ``"8GB"``), through :func:`~pytest_gpumem.measurement.devicelimit.device_limit`; needs
-            ``engine``. None: the device's real memory. On the CPU engine the
-            tracker is started for the search when it is not running.
-        upper: the largest size worth trying (say the global batch). Without it
-            the size doubles until a try runs out of memory, at most
-            :data:`MAX_DOUBLINGS` times (then :class:`MicrobatchError` says the step's
-            memory does not grow with its size); on the CPU engine without a limit
-            it is required.
-        engine: the engine of the device the step runs on, or its name
-            (``"cpu"``, ``"cuda:0"``; see :func:`~pytest_gpumem.measurement.active.engine_for`):
-            needed for ``limit``, and on CUDA-like devices it lets the search
-            empty the allocator's cache between tries.
-        cleanup: called after every try, successful or not, before garbage
-            collection: reset what the step leaves on your objects, typically
-            ``optimizer.zero_grad(set_to_none=True)`` so that a partial
-            backward's gradients do not count against the next try. Dropping the
-            failed try's frames, ``gc.collect()`` (when allocated memory did not
-            come back to where it was before the try, or without ``engine``) and
-            ``empty_cache()`` (CUDA) are done here.
-        predict: search on the CPU engine as this GPU would (``"h100"``; see
-            docs/prediction.md): the search runs in a measurement of its own, or joins the
-            running one; instead of ``engine``.
-        fake: with ``predict``, every try runs on fake tensors (shapes, no data): build the
-            model, optimizer and batch inside ``step``; a model larger than this machine is
-            searched in seconds.
+    ``limit`` emulates a device size for each try (needs ``engine``, an engine or its name); without ``upper`` the size
+    doubles at most :data:`MAX_DOUBLINGS` times (required on the CPU engine without a limit). ``cleanup`` runs after
+    every try (``optimizer.zero_grad(set_to_none=True)``, say). ``predict`` searches on the CPU engine as that GPU
+    would, ``fake`` on fake tensors. Returns 0 when not even ``start`` fits.
 
-    Returns:
-        The largest size that fits, or 0 when not even ``start`` fits (a
-        measured outcome, not an error; :func:`plan_accumulation` raises on it).
-
-    Sizes are assumed monotonic: a size that fits means every smaller one fits.
-    The doubling phase tries ``start, 2·start, 4·start, …`` (capped at ``upper``),
-    the bisection ``O(log)`` more sizes; memory left behind by a try that fit
-    (optimizer state created at the first step) stays for the next tries, so
-    warm the step up first when steady state is what matters.
+    Sizes are assumed monotonic, and memory a try that fit leaves behind stays for the next: warm the step up first.
     """
     if predict is not None or fake:
         if predict is None:
@@ -140,8 +96,7 @@ def max_microbatch(
     def fits(size: int) -> bool:
         guard = searched.limit_memory(nbytes) if searched is not None and nbytes is not None else nullcontext()
         before = searched.allocated() if searched is not None else None
-        # the search catches every out-of-memory error of a try: no report is built at its
-        # refused allocation (a census of every live tensor, each named by what holds it)
+        # the search catches every OOM of a try: no report (a census of every live tensor) at its refused allocation
         watch = searched.swap_oom_callback(None) if searched is not None else None
         fitted = True
         try:
@@ -157,7 +112,6 @@ def max_microbatch(
                 searched.swap_oom_callback(watch)
             if cleanup is not None:
                 cleanup()
-            # A full collection costs ~0.1 s in a large process: skip it when memory came back anyway.
             if before is None or searched is None or searched.allocated() > before:
                 collector.collect()
             if searched is not None:
@@ -199,10 +153,8 @@ def max_microbatch(
 class Plan:
     """How to run a global batch: ``accumulation_steps`` microbatches of ``microbatch`` samples.
 
-    ``microbatch * accumulation_steps == global_batch`` always holds: the
-    microbatch is the largest divisor of the global batch that fits, so every
-    microbatch has the same size and gradients average without weighting.
-    ``max_microbatch`` is the largest size that fit, which may be larger.
+    The microbatch is the largest fitting divisor of the global batch, so all microbatches are equal; ``max_microbatch``
+    is the largest size that fit.
     """
 
     microbatch: int
@@ -212,12 +164,9 @@ class Plan:
 
 
 def plan_for(global_batch: int, max_size: int) -> Plan:
-    """The accumulation plan for ``global_batch`` when microbatches up to ``max_size`` fit.
+    """The accumulation plan for ``global_batch`` with microbatches up to ``max_size`` (96 with 40 fitting: 3 × 32).
 
-    The microbatch is the largest divisor of ``global_batch`` that is at most
-    ``max_size`` (1 always divides, so a plan exists whenever ``max_size >= 1``):
-    a global batch of 96 with at most 40 fitting runs as 3 × 32. Raises
-    :class:`MicrobatchError` when ``max_size`` is 0 (nothing fits).
+    Raises :class:`MicrobatchError` when ``max_size`` is 0.
     """
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"plan_for: global_batch must be an int >= 1, got {global_batch!r}")
@@ -240,13 +189,7 @@ def plan_for(global_batch: int, max_size: int) -> Plan:
 
 
 def plan_accumulation(global_batch: int, step: Callable[[int], Any], **kwargs: Any) -> Plan:
-    """Search the largest microbatch (:func:`max_microbatch`, ``upper`` capped at ``global_batch``)
-    and plan the accumulation (:func:`plan_for`).
-
-    ``kwargs`` go to :func:`max_microbatch` (``start``, ``limit``, ``engine``,
-    ``cleanup``, ``upper``). Raises :class:`MicrobatchError` when not even
-    ``start`` fits.
-    """
+    """Search the largest microbatch up to ``global_batch`` (``kwargs`` to :func:`max_microbatch`), then plan for it."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"plan_accumulation: global_batch must be an int >= 1, got {global_batch!r}")
     upper = kwargs.pop("upper", None)

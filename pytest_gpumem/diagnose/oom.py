@@ -1,16 +1,4 @@
-"""Out of memory as a test outcome: recognising the error, describing it, letting go of it.
-
-* :func:`is_oom` recognises an out-of-memory error (and :func:`requested_bytes`
-  reads the failed request's size from its message).
-* :class:`OomWatch` / :func:`oom_report` describe it: what was requested, what
-  was allocated, the breakdown and phase, and the largest live tensors with
-  where they are held (:mod:`pytest_gpumem.diagnose.census`).
-* :func:`release_oom` lets go of what a failed step still holds through the
-  exception's traceback, so that the next step (or test) starts clean.
-
-Emulated device sizes, which make a step run out of memory on purpose, are
-:func:`pytest_gpumem.measurement.devicelimit.device_limit`. Sizes are bytes throughout.
-"""
+"""Out of memory as a test outcome: recognising the error, describing it (:class:`OomReport`), letting go of it."""
 
 from __future__ import annotations
 
@@ -53,9 +41,8 @@ __all__ = [
     "requested_bytes",
 ]
 
-#: Lower-case fragments of error messages that mean "out of memory" in exceptions
-#: that are not :class:`torch.OutOfMemoryError` (old wrappers, the CPU allocator,
-#: cuBLAS failing to allocate its workspace).
+#: Lower-case fragments of messages that mean "out of memory" in exceptions that are not
+#: :class:`torch.OutOfMemoryError`.
 OOM_MESSAGES: tuple[str, ...] = ("out of memory", "can't allocate memory", "cublas_status_alloc_failed")
 
 _REQUEST_RE = re.compile(
@@ -67,14 +54,7 @@ _GENERATOR_FLAGS = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC
 
 
 def is_oom(exc: BaseException) -> bool:
-    """True when ``exc`` is an out-of-memory error.
-
-    That is a :class:`torch.OutOfMemoryError` (``torch.cuda.OutOfMemoryError`` is
-    the same class), or a :class:`RuntimeError` whose message contains one of
-    :data:`OOM_MESSAGES` (old wrappers, the CPU allocator's "can't allocate
-    memory"). An exception raised ``from`` such an error (its ``__cause__``)
-    counts too; one merely raised while handling it (``__context__``) does not.
-    """
+    """True when ``exc`` is an out-of-memory error, or was raised ``from`` one (``__cause__``, not ``__context__``)."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -90,12 +70,7 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def requested_bytes(message: str) -> tuple[int, bool] | None:
-    """The request size in an OOM message, and whether it is exact.
-
-    Reads ``"Tried to allocate 20.00 MiB"`` (CUDA: rounded to 2 decimals, so not
-    exact), ``"Tried to allocate 65536 bytes"`` (the CPU tracker: exact) and the
-    CPU allocator's ``"you tried to allocate 100 bytes"``. None when absent.
-    """
+    """The request size in an OOM message and whether it is exact (CUDA rounds to 2 decimals); None when absent."""
     match = _REQUEST_RE.search(message)
     if match is None:
         return None
@@ -110,33 +85,10 @@ def requested_bytes(message: str) -> tuple[int, bool] | None:
 
 @dataclass(frozen=True)
 class OomReport(Coded):
-    """What the device held when an allocation failed. All sizes are bytes.
+    """What the device held when an allocation failed, in bytes.
 
-    Attributes:
-        device: the device, e.g. ``"cuda:0"``.
-        engine: ``"cpu"`` (the storage tracker) or ``"cuda"`` (the caching allocator).
-        message: the first line of the error message.
-        when: ``"at the failed allocation"`` (the CPU tracker reports the moment
-            itself) or ``"when the error was caught"`` (CUDA: tensors that the
-            failing frames held are still alive then, temporaries of the failing
-            operator are not).
-        requested: bytes the failed allocation asked for; None when unknown.
-        requested_exact: False when ``requested`` was parsed from a message that
-            rounds it (CUDA prints "20.00 MiB").
-        allocated: allocated bytes at that moment (without the failed request).
-        reserved: reserved bytes at that moment (CUDA); None on CPU.
-        limit: the emulated device limit in force (see :func:`device_limit`);
-            None when there is none.
-        phase: "forward", "backward" or "optimizer" when the failure happened in
-            a phase of a tracked model, else None.
-        breakdown: allocated bytes by category at that moment (needs a tracker).
-        largest: the largest live tensors, largest first.
-        live_count: distinct live storages found from Python.
-        live_bytes: their total bytes; ``allocated - live_bytes`` is held where
-            Python cannot see it (autograd's saved tensors without the tracker,
-            workspaces, allocator rounding).
-        site: the line whose allocation failed, when sites were recorded (the CPU engine's
-            tracker refuses it there); None otherwise.
+    ``when`` says whether it was seen at the failed allocation (the CPU tracker) or when the error was caught (CUDA: the
+    failing operator's temporaries are gone); ``live_bytes`` is what Python can see of ``allocated``.
     """
 
     device: str
@@ -210,11 +162,8 @@ def oom_report(
 ) -> OomReport:
     """Describe the device now, as an out-of-memory report.
 
-    Call it while the failed step's tensors are still alive: before
-    :func:`release_oom`, and before ``recorder.end()`` (which forgets the phase and
-    the tracked objects). ``requested`` overrides the size parsed from ``exc``'s
-    message. ``frames`` (innermost first) name tensors held by local variables;
-    by default they are ``exc``'s traceback frames.
+    Call it while the failed step's tensors are alive: before :func:`release_oom` and ``recorder.end()``. ``frames``
+    (innermost first, default ``exc``'s traceback) name tensors held by local variables.
     """
     exact = requested is not None
     if requested is None and exc is not None:
@@ -248,25 +197,10 @@ def oom_report(
 
 
 class OomWatch:
-    """Catch the moment of an out-of-memory error and describe it.
+    """Catch the moment of an out-of-memory error and describe it (:meth:`report_for`).
 
-    On an engine with a storage tracker (the CPU engine) the watch installs
-    itself as ``tracker.on_oom`` while entered, so the report is built *at* the
-    refused allocation: the exact request, the breakdown and phase then, and the
-    tensors the failing frames hold. Elsewhere (CUDA) nothing can be seen at that
-    moment, so :meth:`report_for` builds the report when called: do it before
-    the traceback is released. A previous ``on_oom`` callback is kept and called.
-
-    Example::
-
-        with OomWatch(engine, recorder) as watch:
-            try:
-                step()
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
-                report = watch.report_for(exc)
-                release_oom(exc, engine)
+    With a storage tracker (the CPU engine) the report is built at the refused allocation, through ``on_oom`` (a
+    previous callback is kept and called); elsewhere :meth:`report_for` builds it, before the traceback is released.
     """
 
     def __init__(self, engine: Engine, recorder: Recorder | None = None, *, top: int = TOP) -> None:
@@ -313,8 +247,7 @@ class OomWatch:
             frames = []
 
     def report_for(self, exc: BaseException) -> OomReport:
-        """The report for ``exc``: the one built at its refused allocation when it is the
-        tracker's error, else one built now (call it before :func:`release_oom`)."""
+        """The report for ``exc``: the one built at its refused allocation, else one built now."""
         report = self.report
         if report is not None and report.requested is not None:
             marker = f"Tried to allocate {report.requested} bytes with {report.allocated} bytes allocated"
@@ -333,12 +266,8 @@ def _fields(report: OomReport) -> dict[str, Any]:
 def _user_traceback(exc: BaseException) -> TracebackType | None:
     """``exc``'s traceback from its first to its last frame of user code; None when it has none.
 
-    User code is what is not the standard library, an installed package, torch or this
-    package. On a GPU the allocator raises from C++ and the traceback ends in torch's
-    Python frames, or at the user's line; the CPU engine refuses an emulated
-    ``device_limit`` from its dispatch mode, below torch's. Cut at the user's last frame,
-    both read alike (pytest shows the test's line and its helpers'), and the library frames
-    below, whose closures can hold the step's tensors after their frames are cleared, go.
+    Cut at the user's last frame, GPU and CPU engine errors read alike, and the library frames below (whose closures can
+    hold the step's tensors) go.
     """
     libraries = library_dirs()
     first_user: TracebackType | None = None
@@ -352,16 +281,14 @@ def _user_traceback(exc: BaseException) -> TracebackType | None:
     if first_user is None or last_user is None:
         return None
     last_user.tb_next = None
-    # from the first frame of user code on: the frames above it (a test runner's) are still
-    # running, so their locals cannot be cleared, and the traceback would keep them afterwards
+    # from the first user frame on: the frames above (a test runner's) still run, so their locals cannot be cleared
     return first_user
 
 
 def _clear_traceback(tb: TracebackType | None) -> None:
     while tb is not None:
         frame = tb.tb_frame
-        # A generator's frame in a traceback is one that caught the error and is
-        # suspended or running (pluggy's wrappers): clearing it would close it.
+        # A generator's frame in a traceback caught the error and is suspended or running: clearing it would close it.
         if not frame.f_code.co_flags & _GENERATOR_FLAGS:
             with contextlib.suppress(RuntimeError):  # still executing: the frame that caught the error
                 frame.clear()
@@ -369,26 +296,11 @@ def _clear_traceback(tb: TracebackType | None) -> None:
 
 
 def release_oom(exc: BaseException, engine: Engine | None = None, *, collect: bool = True) -> None:
-    """Let go of what a failed step holds through ``exc``, then collect garbage.
+    """Let go of what a failed step holds through ``exc``, then collect garbage (unless ``collect=False``).
 
-    Clears the local variables of every finished frame in the tracebacks of
-    ``exc`` and of its ``__cause__`` / ``__context__`` chain (``frame.clear()``,
-    as :func:`traceback.clear_frames` does, but sparing generator frames, which
-    clearing would close), runs ``gc.collect()`` and, on a CUDA-like engine,
-    synchronizes and empties the caching allocator's cache. The exception stays
-    usable: its message, its type, and its traceback from the first to the last
-    frame of user code (the frames of libraries below go: a closure of theirs can
-    hold the step's tensors after its frame is cleared; those of a test runner
-    above go: they are still running, so their locals stay), whose frames still name their
-    files, functions and lines (pytest shows the user's line that allocated),
-    only without their local variables. A traceback with no user frame goes
-    whole. Frames that are still executing keep their locals.
-    ``collect=False`` skips ``gc.collect()`` (a full collection costs ~0.1 s in a
-    large process; clearing the frames already frees what only they held).
-
-    The caller's own references are its business: drop the failed step's
-    outputs, and ``optimizer.zero_grad(set_to_none=True)`` if gradients of a
-    partial backward should not count against the next step.
+    Clears the locals of the finished frames in ``exc``'s traceback chain (cut to its user frames, sparing generator
+    frames) and, on a CUDA-like engine, empties the caching allocator's cache. The exception keeps its message and user
+    frames; the caller drops its own references (outputs, gradients).
     """
     seen: set[int] = set()
     pending: list[BaseException] = [exc]

@@ -1,7 +1,4 @@
-"""The rank processes of :func:`~pytest_gpumem.diagnose.distributed.run_ranks`: how they are kept
-from outliving a run. Each rank leads a process group of its own (with the processes it starts),
-ends it when the process that started it is gone, and the parent stops every group when the run
-ends, fails, times out or is sent SIGTERM."""
+"""The rank processes of :func:`~pytest_gpumem.diagnose.distributed.run_ranks`, kept from outliving a run."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
 
 
 def own_group() -> int | None:
-    """Make this process the leader of a process group of its own (its children join it);
-    the group's id, None where there are no process groups."""
+    """Make this process the leader of a process group of its own; its id, None where there are none."""
     if not hasattr(os, "setpgid"):
         return None
     try:
@@ -38,8 +34,7 @@ def end_group(group: int | None) -> None:
 
 
 def die_with_parent(group: int | None) -> None:
-    """End this rank and its group when the process that started it is gone, however it ended
-    (a thread that waits on the parent's sentinel: it runs while the rank waits in a collective)."""
+    """End this rank and its group when the process that started it is gone (a thread waits on its sentinel)."""
     import multiprocessing
     from multiprocessing.connection import wait
 
@@ -81,9 +76,7 @@ def signal_group(process: Any, group: int | None, signum: int) -> None:
 
 @contextlib.contextmanager
 def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> Iterator[None]:
-    """While the ranks run: a SIGTERM to this process kills them and their groups first, then
-    goes to the handler that was in place (by default, it ends this process). Only in the main
-    thread (where handlers are set), and not where SIGTERM is ignored."""
+    """While the ranks run, a SIGTERM kills them first, then goes to the previous handler (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -112,8 +105,7 @@ def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> 
 
 @contextlib.contextmanager
 def rank_processes(groups: dict[int, int | None]) -> Iterator[list[Any]]:
-    """The rank processes; on leaving, any still alive is terminated, then killed, each with its
-    process group (``groups``: the process's index → the group it made), so that nothing it started is left."""
+    """The rank processes; on leaving, each still alive is terminated, then killed, with its process group."""
     processes: list[Any] = []
     try:
         with _stopped_on_sigterm(processes, groups):

@@ -1,26 +1,8 @@
 """Rank processes started warm: forked from a server that has imported what every rank imports.
 
-With ``spawn`` each rank process is a new interpreter that imports torch, and on fake ranks
-TorchDynamo (which ``FakeTensorMode`` imports), before the rank's function runs: about 1.2
-CPU-seconds a process on gloo ranks and 2.3 on fake ranks, in every run. On Linux,
-:func:`~pytest_gpumem.diagnose.distributed.run_ranks` starts CPU ranks (gloo) and fake ranks
-from a fork server instead, multiprocessing's ``forkserver`` kind, private to pytest-gpumem (a
-``forkserver`` the user's own code starts is not touched): it imports, once, the modules such
-a rank process imports before the rank's function runs (:data:`PRELOAD`, no other), and then
-forks a rank process per request, which starts in a fraction of a second.
-
-The rank runs as it would in a spawned process: the same modules imported when its function
-starts, its function and arguments sent the same way, ``sys.path`` and the working folder the
-caller's (multiprocessing's own preparation), and the caller's environment variables as they are
-when the run starts (it takes them first). A server is started for the environment it
-was asked in and kept for later runs of the process that started it; a run asked with other
-values of the variables that the interpreter and torch read while they start (:func:`import_key`)
-starts a new server. The server ends when that process ends.
-
-CUDA ranks are still spawned: forking is unsafe in a process that may have initialised CUDA, and
-a rank on a GPU pays CUDA's start-up anyway. ``PYTEST_GPUMEM_RANK_START=spawn`` spawns every rank.
-This module imports only on platforms with a fork server: ``run_ranks`` imports it where it starts
-ranks warm.
+On Linux, CPU and fake ranks come from a fork server private to this package (imports :data:`PRELOAD` once), one per
+:func:`import_key`, kept until its process ends; CUDA ranks are still spawned (forking after CUDA is unsafe). Only
+imported on platforms with a fork server.
 """
 
 from __future__ import annotations
@@ -38,8 +20,7 @@ from typing import Any
 
 __all__ = ["PRELOAD", "WarmProcess", "import_key", "server_pid", "stop_servers"]
 
-#: What a rank process of each kind imports before the rank's function runs, imported by its server once.
-#: ``tests/test_warm_ranks.py`` checks that a warm rank process has no module a spawned one lacks.
+#: What a rank process of each kind imports before the rank's function runs (``tests/test_warm_ranks.py`` checks it).
 PRELOAD: dict[str, tuple[str, ...]] = {
     "gloo": ("pytest_gpumem.diagnose.distributed", "torch.distributed", "pytest_gpumem.measurement.active"),
     "fake": (
@@ -53,15 +34,12 @@ PRELOAD: dict[str, tuple[str, ...]] = {
     ),
 }
 
-#: The prefixes of the environment variables that the interpreter, torch and its libraries read
-#: while they import and start their thread pools (``PYTHONPATH``, ``TORCH_*``, ``OMP_NUM_THREADS``...).
+#: Prefixes of the environment variables read while the interpreter and torch import and start their threads.
 IMPORT_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_", "LD_")
 
 
 def import_key(environment: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """What a process started in ``environment`` imports differently by: the interpreter and the
-    variables of :data:`IMPORT_PREFIXES`. A server is reused while it is the same: the rest of the
-    environment (which pytest and its tests change at every test) a rank takes from its run."""
+    """What a process started in ``environment`` imports differently by: a server is reused while it is the same."""
     chosen = sorted((name, value) for name, value in environment.items() if name.startswith(IMPORT_PREFIXES))
     return (("<interpreter>", sys.executable), *chosen)
 
@@ -84,8 +62,7 @@ _stopped_at_exit = False
 def _server(kind: str) -> Any:
     """The running fork server for ``kind`` in this process and environment, started when there is none.
 
-    A process forked from one that started servers (a data loader worker) starts its own: the
-    servers it inherited the names of are its parent's children, not its own.
+    A forked process (a data loader worker) starts its own: the servers it inherited are its parent's children.
     """
     global _stopped_at_exit
     key = import_key(os.environ)

@@ -1,14 +1,7 @@
-"""Adapters for the training frameworks a test already uses: each tracks the model and the
-optimizer the framework builds (for Ψ, the breakdown and the forward / backward / optimizer
-phases) and measures each training step as a span of the test.
+"""Adapters for the training frameworks a test already uses (transformers, Lightning, accelerate).
 
-* :mod:`pytest_gpumem.integrations.transformers`: a ``TrainerCallback`` for Hugging Face's
-  ``Trainer``;
-* :mod:`pytest_gpumem.integrations.lightning`: a ``Callback`` for PyTorch Lightning;
-* :mod:`pytest_gpumem.integrations.accelerate`: tracking what ``Accelerator.prepare``
-  returns.
-
-Each imports its framework only when imported itself: the frameworks stay optional.
+Each tracks the model and optimizer the framework builds and measures each training step as a span; each imports its
+framework only when imported itself, so the frameworks stay optional.
 """
 
 from __future__ import annotations
@@ -19,9 +12,7 @@ __all__ = ["unwrap"]
 
 
 def unwrap(obj: Any) -> Any:
-    """The torch object inside a framework's wrapper: accelerate's ``AcceleratedOptimizer``
-    (``.optimizer``), Lightning's ``LightningOptimizer`` (``._optimizer``), a
-    ``DistributedDataParallel`` or compiled module (``.module``, ``._orig_mod``)."""
+    """The torch object inside a framework's wrapper (accelerate's or Lightning's optimizer, DDP, a compiled module)."""
     for _ in range(8):  # wrappers of wrappers, never a cycle
         inner = None
         if type(obj).__name__ in ("AcceleratedOptimizer", "LightningOptimizer"):
@@ -37,16 +28,14 @@ def unwrap(obj: Any) -> Any:
 
 
 def run_of(gpumem: Any) -> Any:
-    """What ``gpumem`` records into now: its recorder (None unmeasured). A test that failed on
-    memory runs once more with sites on, reusing its fixtures' values: a callback made in a
-    fixture then sees another recorder, a new run of the test."""
+    """What ``gpumem`` records into now (None unmeasured): a memory failure's second run reuses the fixtures' values, so
+    a callback made in a fixture sees another recorder."""
     return getattr(gpumem, "recorder", None)
 
 
 class StepSpans:
-    """Opens a span when a training step begins and closes it when it ends, named
-    ``step1``, ``step2``, ... (``prefix`` and the step's number), counted from 1 in each run
-    of the test (:func:`run_of`): a second run's steps have the first run's names."""
+    """Opens a span ``step1``, ``step2``, ... (``prefix`` and the step's number) per training step, counted from 1 in
+    each run of the test."""
 
     def __init__(self, gpumem: Any, prefix: str = "step") -> None:
         self.gpumem = gpumem

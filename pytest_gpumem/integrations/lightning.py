@@ -1,19 +1,7 @@
-"""PyTorch Lightning's ``Trainer`` under the ``gpumem`` marker (``lightning`` or the older
-``pytorch_lightning``, whichever is installed).
+"""PyTorch Lightning's ``Trainer`` under the ``gpumem`` marker (``lightning`` or ``pytorch_lightning``).
 
-::
-
-    from pytest_gpumem.integrations.lightning import GpumemCallback
-
-    @pytest.mark.gpumem(peak="64MiB", allocated="12Ψ + 64KiB")
-    def test_fit(gpumem, tmp_path):
-        trainer = L.Trainer(max_steps=3, callbacks=[GpumemCallback(gpumem)], default_root_dir=tmp_path, ...)
-        trainer.fit(module, loader)
-
-The callback tracks the ``LightningModule`` and its optimizers when training starts (for Ψ
-and the breakdown by category), marks the forward / backward / optimizer phases with
-Lightning's own hooks (automatic optimization runs the forward and backward passes inside
-``optimizer.step(closure)``), and measures each training batch as a span ``step1``, ``step2``, ...
+:class:`GpumemCallback` tracks the module and its optimizers, marks the phases with Lightning's hooks and measures each
+training batch as a span ``step1``, ``step2``, ... (docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -31,12 +19,8 @@ __all__ = ["GpumemCallback"]
 
 
 class GpumemCallback(Callback):
-    """Tracks the module and its optimizers in ``gpumem`` and measures each training batch as a span.
-
-    Args:
-        gpumem: the test's ``gpumem`` fixture.
-        prefix: the spans' names are ``prefix`` and the batch's number (``step1``, ...).
-    """
+    """Tracks the module and its optimizers in the ``gpumem`` fixture and measures each training batch as a span
+    ``prefix`` + its number."""
 
     def __init__(self, gpumem: Any, prefix: str = "step") -> None:
         self.gpumem = gpumem
@@ -45,8 +29,7 @@ class GpumemCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.gpumem.track(unwrap(pl_module), *(unwrap(optimizer) for optimizer in trainer.optimizers))
 
-    # Lightning's automatic optimization runs the forward and backward passes inside
-    # ``optimizer.step(closure)``: its own hooks mark the phases, not the optimizer's.
+    # automatic optimization runs forward and backward in ``optimizer.step(closure)``: its hooks mark the phases
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.spans.begin()

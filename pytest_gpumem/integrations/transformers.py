@@ -1,20 +1,7 @@
 """Hugging Face ``transformers.Trainer`` under the ``gpumem`` marker.
 
-::
-
-    from pytest_gpumem.integrations.transformers import GpumemCallback
-
-    @pytest.mark.gpumem(peak="64MiB", allocated="12Ψ + 64KiB")
-    def test_trainer(gpumem, tmp_path):
-        trainer = Trainer(model, TrainingArguments(tmp_path, max_steps=3, ...), train_dataset=data,
-                          callbacks=[GpumemCallback(gpumem)])
-        trainer.train()
-
-The callback tracks the model and the optimizer the trainer builds (the optimizer is created
-inside ``train()``, unwrapped from accelerate's ``AcceleratedOptimizer``), so the test gets
-Ψ, the breakdown by category and the forward / backward / optimizer phases, and measures
-each optimizer step (all its gradient-accumulation micro-batches) as a span ``step1``,
-``step2``, ... Evaluation and logging run outside the spans, inside the test's ``call``.
+:class:`GpumemCallback` tracks the model and the optimizer the trainer builds and measures each optimizer step (all its
+accumulation micro-batches) as a span ``step1``, ``step2``, ... (docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -29,12 +16,8 @@ __all__ = ["GpumemCallback"]
 
 
 class GpumemCallback(TrainerCallback):
-    """Tracks the ``Trainer``'s model and optimizer in ``gpumem`` and measures each step as a span.
-
-    Args:
-        gpumem: the test's ``gpumem`` fixture.
-        prefix: the spans' names are ``prefix`` and the step's number (``step1``, ...).
-    """
+    """Tracks the ``Trainer``'s model and optimizer in the ``gpumem`` fixture and measures each step as a span
+    ``prefix`` + its number."""
 
     def __init__(self, gpumem: Any, prefix: str = "step") -> None:
         self.gpumem = gpumem

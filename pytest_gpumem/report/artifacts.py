@@ -1,13 +1,4 @@
-"""Artifacts of a measured test: safe file names, written atomically.
-
-:func:`artifact_path` turns a pytest node id into a file name that stays inside
-the artifact folder whatever the node id holds (parametrize ids with ``/``,
-``..``, control characters, unicode, thousands of characters) and never
-collides for two node ids. The page itself is drawn by :func:`~pytest_gpumem.report.html.render_html`;
-:func:`write_html` writes it atomically.
-
-All sizes are bytes.
-"""
+"""Artifacts of a measured test: safe file names, pages written atomically, and the run's index page."""
 
 from __future__ import annotations
 
@@ -34,13 +25,10 @@ __all__ = [
     "write_index",
 ]
 
-# ---------------------------------------------------------------------------
-# File names
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- file names
 
-#: Upper bound on the length of a file name made by :func:`artifact_path`
-#: (stem and suffix). Well under the 255 bytes most file systems allow, so a
-#: temporary name or a tool's own suffix still fits.
+#: Upper bound on the length of a file name made by :func:`artifact_path`: well under 255 bytes, so a tool's suffix
+#: still fits.
 MAX_NAME_LENGTH = 150
 
 _HASH_LENGTH = 10
@@ -55,16 +43,11 @@ _WINDOWS_RESERVED = frozenset(
 
 
 def artifact_stem(nodeid: str) -> str:
-    """A file-name stem for the test ``nodeid``: readable, safe and unique.
+    """A file-name stem for the test ``nodeid``: readable, safe and unique, the same on every run and machine.
 
-    The stem is the node id with every run of characters outside
-    ``[A-Za-z0-9._-]`` replaced by ``_`` (runs of dots by one dot, leading and
-    trailing ``._-`` dropped, the middle of a very long id cut out), then ``-``
-    and the first 10 hex digits of the SHA-1 of the full node id (UTF-8). The
-    hash keeps distinct node ids apart, also on case-insensitive file systems;
-    the stem is the same on every run and machine. It is ASCII, never starts
-    with a dot or a dash, is never a Windows device name (``CON``, ``NUL``...),
-    and is at most 121 characters long.
+    The node id with runs of characters outside ``[A-Za-z0-9._-]`` replaced by ``_`` (a long middle cut out), then ``-``
+    and 10 hex digits of its SHA-1, which keep ids apart on case-insensitive file systems; ASCII, at most 121
+    characters, never a leading dot or dash nor a Windows device name.
 
     >>> artifact_stem("tests/test_train.py::test_step[cuda-bf16]")
     'tests_test_train.py_test_step_cuda-bf16-0bd031a728'
@@ -82,17 +65,10 @@ def artifact_stem(nodeid: str) -> str:
 
 
 def artifact_path(directory: Path, nodeid: str, suffix: str) -> Path:
-    """Where the artifact of test ``nodeid`` with ``suffix`` (e.g. ``".html"``) goes.
+    """Where the artifact of test ``nodeid`` with ``suffix`` goes: one path component directly inside ``directory``.
 
-    The result is ``directory`` (resolved to an absolute path) joined with
-    :func:`artifact_stem` and ``suffix``: one path component directly inside
-    ``directory``, at most :data:`MAX_NAME_LENGTH` characters long. Nothing is
-    created. ``suffix`` is empty or dot-separated parts of ``[A-Za-z0-9_-]``
-    (``".html"``, ``".snapshot.pickle"``) of at most 18 characters.
-
-    Raises :class:`ValueError` for any other suffix, and when the path would
-    not lie directly inside ``directory`` once resolved (for instance a
-    symbolic link already sitting at that name and pointing elsewhere).
+    Nothing is created. Raises :class:`ValueError` for a suffix other than dot-separated ``[A-Za-z0-9_-]`` parts (at
+    most 18 characters) and when the path would not lie directly inside ``directory`` (a symbolic link at its name).
     """
     if len(suffix) > _MAX_SUFFIX_LENGTH or not _SUFFIX.fullmatch(suffix):
         raise ValueError(
@@ -106,26 +82,19 @@ def artifact_path(directory: Path, nodeid: str, suffix: str) -> Path:
     return path
 
 
-# ---------------------------------------------------------------------------
-# Writing
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- writing
 
 
 def write_html(path: Path, html: str) -> None:
-    """Write ``html`` to ``path`` as UTF-8 (:func:`~pytest_gpumem.files.write_file`: atomically, a
-    symbolic link written through, a device or FIFO never renamed over)."""
+    """Write ``html`` to ``path`` as UTF-8 with :func:`~pytest_gpumem.files.write_file`."""
     write_file(path, html.encode("utf-8"))
 
 
 def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
     """Write the HTML memory timeline of ``record``'s call; returns the artifact paths (with its snapshot).
 
-    Lines drawn across the chart (absolute, as the chart is): the emulated device
-    limit, and the call's limits, budgets and baselines on ``peak`` and ``allocated``
-    (they bound costs: drawn at the call's start plus the bound).
-
-    Raises ``OSError`` whose message names the page and why it could not be written (a folder,
-    or a symbolic link pointing elsewhere, at its name; a full disk; permissions).
+    The call's limits, budgets and baselines on ``peak`` and ``allocated`` are drawn at its start plus the bound. Raises
+    ``OSError`` naming the page and why it could not be written.
     """
     call = record.measurements[0]
     lines: dict[str, int] = {} if record.device_limit is None else {"device limit": record.device_limit}
@@ -161,9 +130,7 @@ def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
     return [str(path)] + ([record.snapshot] if record.snapshot else [])
 
 
-# ---------------------------------------------------------------------------
-# The run's index
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- the run's index
 
 #: The file name of the run-level page in the artifact folder.
 INDEX_NAME = "index.html"
@@ -190,8 +157,7 @@ td.why { color: #5b6474; font-size: 12px; }
 
 
 def index_figures(record: TestRecord) -> dict[str, int | None]:
-    """The call span's costs shown for ``record`` (bytes; None where n/a): each figure of
-    :data:`~pytest_gpumem.data.metrics.METRICS`."""
+    """The call span's costs shown for ``record``, each figure of :data:`~pytest_gpumem.data.metrics.METRICS`."""
     if not record.measurements:
         return dict.fromkeys(METRICS)
     call = record.measurements[0]
@@ -199,10 +165,8 @@ def index_figures(record: TestRecord) -> dict[str, int | None]:
 
 
 def render_index(records: list[TestRecord], pages: dict[str, str], *, title: str = "pytest-gpumem run") -> str:
-    """One self-contained page listing every measured test of ``records``: its status (failed on
-    memory or by its own code, or passed), the call span's costs, the first line of its failure, and a
-    link to its page where ``pages`` (node id → path of the page) has one. Links are relative to the
-    artifact folder, so the folder can be moved or uploaded whole."""
+    """One self-contained page listing every measured test of ``records``: status, costs, failure line, and a link to
+    its page (relative, so the folder can be moved whole)."""
     failed = sum(1 for record in records if record.failed or not record.passed)
     rows = []
     for record in sorted(records, key=lambda r: (r.passed and not r.failed, r.nodeid)):
@@ -248,8 +212,7 @@ def render_index(records: list[TestRecord], pages: dict[str, str], *, title: str
 
 
 def write_index(records: list[TestRecord], directory: Path, pages: dict[str, str]) -> str:
-    """Write :func:`render_index` to ``index.html`` in ``directory``, atomically; returns its path.
-    Raises ``OSError`` naming the page and why it could not be written."""
+    """Write :func:`render_index` to ``index.html`` in ``directory`` atomically; its path (``OSError`` naming it)."""
     path = Path(directory).resolve() / INDEX_NAME
     try:
         write_html(path, render_index(records, pages))

@@ -1,5 +1,4 @@
-"""What the report's tables share: the record they read, the legends, and how a cost, a
-note and an environment's key are written in a cell."""
+"""What the report's tables share: the record they read, the legends, and how a cell writes a cost, a note or a key."""
 
 from __future__ import annotations
 
@@ -71,11 +70,7 @@ def one_line(note: str) -> str:
 
 
 def other_environments(detail: str) -> str:
-    """A note on a finding's other environments: one paragraph per environment key.
-
-    The finding's detail reads "baselines only for: KEY; KEY"; a detail without
-    the prefix is taken as the keys alone.
-    """
+    """A note on a finding's other environments, one paragraph per key (from "baselines only for: KEY; KEY")."""
     prefix = "baselines only for: "
     keys = (detail[len(prefix) :] if detail.startswith(prefix) else detail).split("; ")
     return "\n".join(["no baseline in this environment; baselines only for:", *keys])

@@ -1,6 +1,5 @@
-"""The judgement where CI reads it: a test's JUnit properties (each span's and metric's measured
-figure, cost, limit, budget, baseline and status, and the failure's first line), GitHub Actions'
-``::error`` annotations at the line that grew, and the step summary's size cap. No pytest."""
+"""The judgement where CI reads it: JUnit properties, GitHub Actions ``::error`` annotations at the line that grew, and
+the step summary's size cap. No pytest."""
 
 from __future__ import annotations
 
@@ -55,11 +54,8 @@ def _status(findings: Sequence[Finding]) -> str:
 
 
 def junit_properties(record: RecordLike) -> list[tuple[str, str | int]]:
-    """The judged figures as JUnit properties: for each span and metric ``PREFIX.METRIC.measured``,
-    ``.cost``, ``.limit``, ``.budget``, ``.baseline`` (bytes, or a count; each only when known)
-    and ``.status`` (the worst of the figure's checks: ``ok``, ``exceeded``, ``regressed``, ``new``,
-    ...; ``unchecked`` when nothing checked it), ``max_microbatch`` too where a test searched for it;
-    ``gpumem.failure``, the failure's first line."""
+    """The judged figures as JUnit properties: ``PREFIX.METRIC.`` ``measured``, ``cost``, ``limit``, ``budget``,
+    ``baseline`` (each when known) and ``status`` (the worst check, ``unchecked`` when none), and ``gpumem.failure``."""
     properties: list[tuple[str, str | int]] = []
     for measurement in record.measurements:
         prefix = property_prefix(measurement.name)
@@ -114,8 +110,7 @@ def _property(text: str) -> str:
 
 
 def _in_workspace(path: Path, workspace: Path | None) -> str:
-    """``path`` relative to the workspace (GitHub's checkout; else the current folder) when it lies
-    in it, else as it is."""
+    """``path`` relative to the workspace when it lies in it, else as it is."""
     try:
         return path.resolve().relative_to((workspace or Path.cwd()).resolve()).as_posix()
     except ValueError:
@@ -123,9 +118,8 @@ def _in_workspace(path: Path, workspace: Path | None) -> str:
 
 
 def _site_line(record: RecordLike, rootdir: Path) -> tuple[str, int, str] | None:
-    """The line of the rootdir's code that grew most against the baseline (a regression's sites),
-    else the largest site at the peak of a span that broke a limit; None when no site names a file
-    of the rootdir with its line."""
+    """The rootdir's line that grew most against the baseline, else the largest peak site of a span that broke a limit;
+    None when no site names a rootdir file with its line."""
     broken = [f for f in record.findings if f.failed]
     candidates = []
     for finding in broken:
@@ -146,9 +140,8 @@ def _site_line(record: RecordLike, rootdir: Path) -> tuple[str, int, str] | None
 def failure_annotations(
     record: RecordLike, location: tuple[str, int] | None, rootdir: Path, workspace: Path | None
 ) -> list[Annotation]:
-    """The ``::error`` annotation of a test that failed on memory: at the line of the rootdir's code
-    whose bytes grew (the sites), else at the test (``location``: its file, relative to the
-    rootdir, and line); none when the record did not fail."""
+    """The ``::error`` annotation of a test that failed on memory: at the line that grew, else at the test's
+    ``location``; none when it did not fail."""
     if not record.failed:
         return []
     message = "\n".join(f"gpumem: {error}" for error in record.errors)
@@ -166,8 +159,7 @@ def failure_annotations(
 
 
 def run_annotation(message: str, file: Path | None, workspace: Path | None) -> Annotation:
-    """The annotation of a run that fails where no test does (stale baselines in strict mode), at
-    ``file`` (the baseline file) when there is one."""
+    """The annotation of a run that fails where no test does (strict stale baselines), at the baseline ``file``."""
     return Annotation("" if file is None else _in_workspace(file, workspace), 0, "gpumem: the run fails", message)
 
 
@@ -181,9 +173,8 @@ def workspace() -> Path | None:
 
 
 def capped_summary(markdown: str, room: int) -> tuple[bytes, bool]:
-    """The Markdown to append to a step summary that has ``room`` bytes left under GitHub's limit:
-    whole, or cut at a line with a note saying so (and any ``<details>`` it opened closed); the
-    second value says whether it was cut. Empty when not even the note fits."""
+    """The Markdown to append to a step summary with ``room`` bytes left: whole, or cut at a line with a note (open
+    ``<details>`` closed), and whether it was cut; empty when not even the note fits."""
     data = markdown.encode("utf-8", "backslashreplace")
     if len(data) <= room:
         return data, False

@@ -1,5 +1,4 @@
-"""One test's figures as tables: the breakdown by category and the phases (``-v``), and the
-text of a test that failed on memory (its broken checks, then its figures)."""
+"""One test's figures as tables: the breakdown and phases (``-v``), and the text of a test that failed on memory."""
 
 from __future__ import annotations
 
@@ -66,12 +65,7 @@ def _categories(measurement: Measurement) -> list[str]:
 
 
 def breakdown_rows(measurements: Sequence[tuple[str, Measurement]], *, phases: bool = True) -> list[list[str]]:
-    """One row per (test, span) with a breakdown or phases, in ``BREAKDOWN_HEADERS`` order.
-
-    Bytes by category at the peak, each phase's peak (``"19.05 MiB ×2"`` when the
-    phase ran twice in the span), saved for backward, Ψ. ``phases=False`` leaves
-    the phase columns out (``BREAKDOWN_HEADERS`` without them).
-    """
+    """One row per (test, span) with a breakdown or phases, in ``BREAKDOWN_HEADERS`` order (phase columns optional)."""
     rows = []
     for test, measurement in measurements:
         if measurement.breakdown is None and not measurement.phases:
@@ -191,14 +185,8 @@ def _figure_rows(measurement: Measurement) -> list[list[str]]:
 
 
 def measurement_table(measurements: Sequence[Measurement], *, width: int | None = None) -> str:
-    """The figures of one test's spans, for its failure message.
-
-    One row per span and figure: ``start`` (what the span began with),
-    ``measured`` (absolute) and ``cost`` (their difference, signed for
-    ``allocated`` and ``retained``); then the breakdown at the peak with saved
-    for backward and Ψ, and the phases (``forward ×2``: entered twice in the
-    span). Every line fits in ``width`` (``None``: no limit).
-    """
+    """The figures of one test's spans for its failure message: start, measured and cost per figure, then the breakdown
+    and the phases; every line fits in ``width``."""
     engines = sorted({f"{m.device} ({m.engine} engine)" for m in measurements})
     lines = wrap(f"figures on {', '.join(engines)}", width) if engines else []
     lines += Table(_FIGURE_COLS, [("", [row for m in measurements for row in _figure_rows(m)])], lead=2).render(width)
@@ -230,9 +218,8 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
 def failure_text(
     record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None, verbosity: int = 0
 ) -> str:
-    """The text of a test that failed on memory: its errors, the broken checks with the sites
-    that grew (:mod:`~pytest_gpumem.report.sites`; ``verbosity`` as pytest's), ``reports`` (the
-    out-of-memory report, the leaked tensors), then its figures."""
+    """The text of a test that failed on memory: its errors, the broken checks with the sites that grew, ``reports``,
+    then its figures."""
     parts = [f"gpumem: {error}" for error in record.errors]
     broken = [finding for finding in record.findings if finding.failed]
     if broken:
@@ -247,9 +234,8 @@ def failure_text(
 def error_section(
     record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None, verbosity: int = 0
 ) -> str:
-    """What a test that failed for a reason of its own (an out-of-memory error) adds to pytest's
-    report: ``reports`` (the out-of-memory report), then the sites that held its memory at the
-    peak (a second run's, often: see report/sites.py)."""
+    """What a test that failed for its own reason (an OOM) adds to pytest's report: ``reports``, then its peak's
+    sites."""
     sites = "\n".join(site_lines(record, width=width, verbosity=verbosity, error=True))
     return "\n\n".join(part for part in (*reports, sites) if part)
 
@@ -272,9 +258,8 @@ def _category_name(name: str, categories: Mapping[str, int]) -> str:
 
 
 def _beyond_model_states(record: RecordLike, broken: Sequence[Finding]) -> list[str]:
-    """For each broken limit or budget on ``peak`` or ``allocated`` of a span whose engine knows the
-    categories: the bytes it held beyond the model states (activations, temporaries, other), which
-    are what most often goes over a budget of model states."""
+    """For each broken limit or budget on ``peak`` or ``allocated``: the bytes held beyond the model states
+    (activations, temporaries, other), what most often goes over a budget."""
     lines: list[str] = []
     spans = {measurement.name: measurement for measurement in record.measurements}
     for finding in broken:

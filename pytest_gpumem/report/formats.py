@@ -1,5 +1,4 @@
-"""The run's reports as files: the JSON report (every measurement, every finding) and the
-atomic writer that the JSON and Markdown reports share."""
+"""The run's reports as files: the JSON report and the atomic writer it shares with the Markdown report."""
 
 from __future__ import annotations
 
@@ -33,12 +32,8 @@ def json_report(
     extra_findings: Sequence[Finding] = (),
     generator: str = "",
 ) -> dict[str, object]:
-    """The JSON report: environments, every measurement, every verdict.
-
-    ``environments`` are the environments' ``to_dict()`` with their ``key``;
-    ``extra_findings`` are findings that belong to no test that ran (stale
-    baselines).
-    """
+    """The JSON report: environments (with their ``key``), every measurement, every verdict, and ``extra_findings`` that
+    belong to no test that ran (stale baselines)."""
     tests = []
     counts = dict.fromkeys(("tests", "failed", "exceeded", "regressed", "improved", "new", "n/a"), 0)
     for record in records:
@@ -83,14 +78,11 @@ def write_reports(
     step_summary: str | None,
     generator: str = "",
 ) -> list[str]:
-    """Write the run's reports: the JSON report at ``json_path``, the Markdown report at
-    ``markdown_path`` (each atomically, when given) and the Markdown appended to the GitHub
-    step summary file ``step_summary`` (there the passing tests' rows folded into ``<details>``, and
-    cut with a note where the file would pass GitHub's 1 MiB). Nothing when there is nothing to report.
+    """Write the JSON report, the Markdown report and the GitHub step summary (passing rows folded, capped under 1 MiB).
 
-    One that cannot be written does not stop the others: returns one line per report that could
-    not be written, naming it, its path and the reason (empty when all were written). A failed
-    write leaves the previous report (or none), and the step summary as it was."""
+    One that cannot be written does not stop the others; returns a line per failed report naming it, its path and the
+    reason, and a failed write leaves the previous file as it was.
+    """
     if not records and not stale:
         return []
     problems: list[str] = []
@@ -127,8 +119,7 @@ def _append_summary(path: Path, markdown: str) -> None:
 
 
 def _append(path: Path, data: bytes) -> None:
-    """Append ``data`` to ``path`` whole or not at all: a write that fails midway (a full disk) is
-    cut back to the file's size before it, so that the summary never ends in half a report."""
+    """Append ``data`` to ``path`` whole or not at all (a failed write is cut back): no half report in the summary."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0) | os.O_CLOEXEC, 0o666)
     try:
         size = os.fstat(fd).st_size
@@ -157,11 +148,6 @@ def _report(kind: str, path: Path, data: bytes) -> list[str]:
 
 
 def _replace(path: Path, data: bytes) -> None:
-    """Write a report (:func:`~pytest_gpumem.files.write_file`): a regular file is replaced once the
-    new one is complete, so a failure leaves the previous report (or none); a symbolic link is
-    written through; a device or FIFO is written into, never renamed over.
-
-    Node ids from file names that are not UTF-8 hold lone surrogates: the reports write them
-    escaped (``\\udcff``), as the baseline file does (see :func:`~pytest_gpumem.baselines.canonical.json_bytes`).
-    """
+    """Write a report with :func:`~pytest_gpumem.files.write_file`; lone surrogates in node ids are escaped as in the
+    baseline file."""
     write_file(path, data)

@@ -1,9 +1,4 @@
-"""A measured test as one self-contained HTML page: :func:`render_html` draws a
-:class:`~pytest_gpumem.data.figures.Measurement` and its
-:class:`~pytest_gpumem.data.figures.Timeline` with an inline SVG chart: no scripts, no
-network, no files beside it, so it can be uploaded as a CI artifact and opened anywhere.
-All sizes are bytes.
-"""
+"""A measured test as one self-contained HTML page (inline SVG, no scripts, no network), fit for a CI artifact."""
 
 from __future__ import annotations
 
@@ -21,9 +16,7 @@ from pytest_gpumem.units import UNITS, format_delta, format_size
 
 __all__ = ["html_text", "page_head", "render_html"]
 
-# ---------------------------------------------------------------------------
-# HTML page
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- HTML page
 
 #: Fill colour of each category (colour-blind-friendly Tableau 10 hues).
 _COLOURS: Mapping[str, str] = MappingProxyType(
@@ -109,20 +102,10 @@ def render_html(
 ) -> str:
     """One self-contained HTML page showing ``measurement`` and ``timeline``.
 
-    The page holds an inline SVG chart of allocated bytes over the span: one
-    stacked area per category of :data:`CATEGORIES` (``<path data-category>``,
-    x = event index, each sample held until the next event), phase boundaries
-    from ``timeline.marks`` as labelled vertical lines (``data-phase``), one
-    labelled horizontal line per entry of ``lines`` (``data-line``; e.g.
-    ``{"limit peak": 4 << 30}``), and the highest sample marked (``data-peak``).
-    Long timelines are drawn with at most 350 columns, each showing its highest
-    sample, so the page stays small. Below the chart: ``details`` (e.g. failure
-    messages) in a ``<pre>``, the figures of ``measurement`` with their costs
-    (unknown figures read "n/a"), its breakdown at the peak and its phases.
-
-    Every user-controlled string is HTML-escaped (control characters become
-    U+FFFD). The page loads nothing: no scripts, no external style sheets,
-    fonts or images; a Content-Security-Policy forbids fetching anything.
+    The SVG chart stacks allocated bytes by category over events (at most 350 columns, each its highest sample), with
+    phase boundaries, one horizontal line per entry of ``lines`` and the peak marked; below it come ``details``, the
+    figures, the breakdown and the phases. Every user string is escaped, and a Content-Security-Policy forbids fetching
+    anything.
     """
     samples = _samples(timeline)
     peak_sample = max(samples, key=lambda s: s.total) if samples else None
@@ -422,9 +405,7 @@ class _Chart:
         ]
 
 
-# ---------------------------------------------------------------------------
-# Tables and helpers
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- tables and helpers
 
 
 def _meta_line(m: Measurement) -> str:
@@ -518,8 +499,7 @@ def _phases_table(m: Measurement) -> str:
 
 
 def page_head(title: str, css: str) -> list[str]:
-    """The opening lines of a self-contained page, to ``<main>``: UTF-8, a Content-Security-Policy
-    that forbids fetching anything, ``title`` (escaped) and the inline ``css``."""
+    """The opening lines of a self-contained page, to ``<main>``: UTF-8, a fetch-nothing CSP, ``title`` and ``css``."""
     return [
         "<!DOCTYPE html>",
         '<html lang="en">',

@@ -1,10 +1,7 @@
-"""Sites in the reports: which lines made the bytes that grew, as the terminal, the Markdown
-report and the HTML artifact show them.
+"""Sites in the reports: which lines made the bytes that grew, in the terminal, the Markdown report and the HTML.
 
-For a span that failed against its baseline, the sites whose bytes changed (by growth, "new
-since the baseline", "gone"); for one that broke a limit or a budget, the largest sites. At
-the peak for ``peak`` (and ``reserved``), at the end for ``allocated`` and ``retained``.
-Every table comes from :func:`site_rows`, so the three forms show the same rows.
+A baseline failure shows the sites whose bytes changed, a limit or budget failure the largest sites; every table comes
+from :func:`site_rows`, so the three forms agree.
 """
 
 from __future__ import annotations
@@ -101,10 +98,8 @@ _OPTION = re.compile(r" \(\w+=[^()]*\)$")
 
 
 def held_by(figures: SiteFigures, delta: int) -> str:
-    """``"held by Trainer.debug[…]"``: what keeps the row's growth of ``delta`` bytes alive, when a
-    second run found it (:attr:`SiteFigures.holders`). The holders whose bytes are the growth
-    exactly, when one set of them is (the one an optimizer's option adds, among equal ones);
-    else the largest two."""
+    """``"held by Trainer.debug[…]"``: what keeps the row's growth of ``delta`` bytes alive, when a second run found it
+    (the holders whose bytes are the growth exactly, else the largest two)."""
     holders = list(figures.holders)
     if not holders or delta <= 0:
         return ""
@@ -156,8 +151,7 @@ def _second_run(profile: SiteProfile | SiteDiff) -> str:
 
 
 def site_tables(record: RecordLike, *, error: bool = False) -> list[SiteTable]:
-    """The tables of sites for what failed in ``record``: per span and moment (peak, end);
-    ``error``: the test raised (out of memory), its call's sites at the peak."""
+    """The tables of sites for what failed in ``record``, per span and moment; ``error``: its call's peak sites."""
     moments: dict[str, list[str]] = {"call": ["peak"]} if error else {}
     for finding in record.findings:
         moment = _MOMENT.get(finding.metric)
@@ -202,10 +196,8 @@ def _table(
 
 
 def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0, error: bool = False) -> list[str]:
-    """The failure text's sites (see the module): ``verbosity`` 0 shows :data:`SHOWN` rows a table,
-    more shows every row, less the first line only (the largest change); ``error`` as
-    :func:`site_tables`. Control characters (in a file name, a baseline file's stored site) are
-    shown as escapes (:func:`~pytest_gpumem.tables.visible`)."""
+    """The failure text's sites: :data:`SHOWN` rows a table at ``verbosity`` 0, every row above, the first line below;
+    control characters shown as escapes."""
     return [visible(line) for line in _site_lines(record, width=width, verbosity=verbosity, error=error)]
 
 
@@ -253,8 +245,7 @@ def _bar(nbytes: int, scale: int, colour: str) -> str:
 
 
 def site_section_html(record: RecordLike) -> str:
-    """The HTML artifact's card: for each table, the baseline's bytes beside this run's, site by site,
-    as two bars (no scripts); "" when the record has no sites to show."""
+    """The HTML artifact's card: the baseline's bytes beside this run's as two bars per site; "" when no sites."""
     cards = []
     for table in site_tables(record):
         pairs = [(row, before, after) for row, (before, after) in zip(table.rows, table.sizes, strict=True)]

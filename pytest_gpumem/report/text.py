@@ -1,25 +1,8 @@
 """Findings and measurements → text: the terminal summary, the tables in failure messages, the reports.
 
-Every table gives its columns one meaning:
-
-- **measured**: the figure as the engine read it, absolute (everything alive on
-  the device, including what was there when the span began);
-- **cost**: the figure minus the span's start, what the span itself added. Limits
-  and baselines compare costs. ``allocated`` and ``retained`` costs are net
-  changes and signed (``+2.50 MiB``; ``-1.00 MiB`` when the span freed more than
-  it allocated); ``retained`` has no absolute figure, only a cost;
-- **limit**: the limit or budget the cost is compared with; **baseline**: the
-  recorded cost; **Δ**: cost − baseline.
-
-Terminal tables fit a given width (``width=None``: no limit). A table that is too
-wide first elides long span names in the middle, then puts each test's id on a
-line of its own above its rows (elided in the middle if it is wider than the
-terminal, keeping its function name and parametrize id), then leaves out the
-baseline and Δ% columns (saying so below it), then narrows the space between
-columns, and at last shows one record per block. Long details (budget
-expressions, the other environments, errors, why a figure is n/a) are numbered
-notes below the table; a legend line explains what a table shows only when it
-shows it.
+Columns: **measured** the absolute figure, **cost** the figure minus the span's start (what limits and baselines
+compare; signed for net changes), **limit**, **baseline** (the recorded cost), **Δ**. A table too wide for the terminal
+elides names, moves test ids above their rows, drops columns, then narrows; long details become numbered notes.
 """
 
 from __future__ import annotations
@@ -108,8 +91,8 @@ class _Notes:
         return f"[{number}]"
 
     def lines(self, width: int | None) -> list[str]:
-        """``[n] text``, wrapped under its number; a line of its own per paragraph ("\\n"), whose " | " parts
-        (environment keys) break only between parts."""
+        """``[n] text``, wrapped under its number, a line per paragraph; environment keys break only between " | "
+        parts."""
         lines = []
         for number, text in enumerate(self.texts, 1):
             mark = f"[{number}] "
@@ -253,17 +236,9 @@ def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int)
 def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False, verbosity: int = 0) -> list[list[str]]:
     """The summary's rows as text, one per test, span and metric, in :data:`SUMMARY_HEADERS` order.
 
-    Cells: ``measured`` (absolute figure; empty for ``retained``, which is
-    already a difference), ``cost`` (figure − the span's start; signed for
-    ``allocated`` and ``retained``), ``limit``, ``baseline`` (the recorded cost),
-    ``Δ``, ``Δ%``, ``status`` (``unchecked`` when nothing compared the figure).
-    What the summary table puts in notes (a budget's expression, the other
-    environments, an error's text) follows its cell in parentheses here.
-
-    Tests with a problem come first, and in each test its failing rows; a zero
-    ``retained`` that nothing checked is left out unless ``verbosity`` > 0,
-    which also gives full node ids (else without the file's folders).
-    ``only_problems`` (or ``verbosity`` < 0) keeps only failing rows and errors.
+    What the summary table puts in notes follows its cell in parentheses. Tests with a problem come first; a zero
+    ``retained`` nothing checked shows only when ``verbosity`` > 0 (full node ids too); ``only_problems`` (or
+    ``verbosity`` < 0) keeps failing rows and errors.
     """
     table = []
     for row in _rows(records, only_problems=only_problems, verbosity=verbosity):
@@ -326,15 +301,10 @@ def summary_table(
     verbosity: int = 0,
     environments: Sequence[str] = (),
 ) -> str:
-    """The terminal summary: one row per test, span and metric, notes and a legend below.
+    """The terminal summary: one row per test, span and metric, notes and a legend below; "" when nothing to show.
 
-    ``width`` is the terminal's width (pytest's ``terminalreporter._tw.fullwidth``):
-    every line fits in it (``None``: no limit). ``verbosity`` is pytest's
-    (``config.get_verbosity()``): below 0 only failing rows and errors (as
-    ``only_problems``); 0 the compact table; above 0 full node ids, every
-    ``retained`` row, then the breakdown at the peak and the phases of each span.
-    ``environments`` (their keys) head the summary, each key broken only between
-    its " | " parts. "" when there is nothing to show.
+    Every line fits in ``width`` (``None``: no limit). ``verbosity`` is pytest's: below 0 only problems, above 0 full
+    node ids, every ``retained`` row and the breakdown and phases of each span.
     """
     records = list(records)
     lines = _environment_lines(environments, width)
@@ -373,11 +343,8 @@ def terminal_summary(
 ) -> str | None:
     """The gpumem section at the end of a run; None when there is nothing to say.
 
-    ``environments`` maps each key to the bytes of library workspaces its device kept
-    (None where there are none); ``baselines`` is ``(path, written)`` when the run
-    recorded baselines; ``pruning`` whether it removes stale ones; ``kept`` how many tests' baselines
-    the run could not judge stale, by why (shown when it prunes, or verbose). Below verbosity 0
-    only problems are shown, and nothing when there is none.
+    ``environments`` maps each key to its device's library workspace bytes; ``baselines`` is ``(path, written)``;
+    ``kept`` counts tests whose baselines the run could not judge, by why.
     """
     quiet = verbosity < 0
     problems = any(record.failed for record in records) or any(f.failed for f in stale)
@@ -426,11 +393,9 @@ def markdown_report(
     extra_findings: Sequence[Finding] = (),
     fold_passing: bool = False,
 ) -> str:
-    """A GitHub-flavoured Markdown report: a heading, the environment, the summary as one table.
+    """A GitHub-flavoured Markdown report: the environment and the summary as one table (the terminal's columns).
 
-    The columns, notes and legend are the terminal summary's (full node ids, no
-    width limit). ``fold_passing`` (the step summary) moves the rows of the tests that pass
-    into a second table in a ``<details>`` block, closed until clicked.
+    ``fold_passing`` moves the passing tests' rows into a closed ``<details>`` block.
     """
     records = list(records)
     rows = _rows(records, only_problems=False, verbosity=0)

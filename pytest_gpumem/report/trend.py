@@ -1,18 +1,7 @@
-"""The memory trend across commits: the baseline file's history as a table, sparklines, an HTML
-page with a chart per test and span, and exports for CI dashboards.
+"""The memory trend across commits: the baseline file's history as tables, sparklines, an HTML page and CI exports.
 
-Every function takes a :class:`~pytest_gpumem.baselines.history.History` (read from git by
-:func:`~pytest_gpumem.baselines.history.read_history`) and the series to show. Figures are the
-baselines' costs, in bytes for byte metrics.
-
-* :func:`history_table`: one table per environment, a row per commit and span.
-* :func:`sparklines`: one line per test, span and metric: ``▁▂▂▅█``, first and last value.
-* :func:`history_html`: one self-contained page (inline SVG and CSS, no script, a
-  Content-Security-Policy that fetches nothing) with a chart per test and span; each change is a
-  labelled point, named by its commit.
-* :func:`github_benchmark`: github-action-benchmark's ``customSmallerIsBetter`` JSON (a list of
-  ``{"name", "unit", "value", "extra"}``) for the newest commit.
-* :func:`openmetrics`: OpenMetrics text for GitLab's metrics report (``artifacts:reports:metrics``).
+Every function takes a :class:`~pytest_gpumem.baselines.history.History` and the series to show; figures are the
+baselines' costs.
 """
 
 from __future__ import annotations
@@ -49,8 +38,7 @@ _OTHER_COLOURS = ("#6a3d9a", "#e15759", "#4e79a7", "#59a14f")
 
 
 def select(history: History, tests: Sequence[str] = (), environment: str | None = None) -> list[Series]:
-    """The series of ``history`` whose node id contains one of ``tests`` (all when empty) and whose
-    environment key contains ``environment`` (case-insensitive; all when None)."""
+    """The series of ``history`` whose node id contains one of ``tests`` and whose key contains ``environment``."""
     chosen = []
     for series in history.series():
         env, test, _ = series
@@ -157,8 +145,8 @@ def sparkline(values: Sequence[int | None]) -> str:
 def sparklines(
     history: History, series: Sequence[Series], metrics: Sequence[str], *, exact: bool = False, markdown: bool = False
 ) -> str:
-    """One row per test, span and metric: its sparkline over the commits that hold it (oldest on the
-    left), its first and last value and the change between them; one table per environment."""
+    """One row per test, span and metric: its sparkline over the commits (oldest left), first and last value and change;
+    one table per environment."""
     blocks = []
     for environment in dict.fromkeys(env for env, _, _ in series):
         rows = []
@@ -194,11 +182,11 @@ def sparklines(
 
 
 def github_benchmark(history: History, series: Sequence[Series], metrics: Sequence[str]) -> list[dict[str, object]]:
-    """github-action-benchmark's ``customSmallerIsBetter`` entries for the newest commit: one per test,
-    span and metric (``name`` ``"TEST [SPAN] METRIC"``, ``unit`` ``"bytes"``, ``value`` the cost,
-    ``extra`` the commit and the environment). Figures that are n/a are left out; ``max_microbatch``
-    (bigger is better) is too. Raises ``ValueError`` when the series span several environments
-    (the names would collide): choose one with ``--env``."""
+    """github-action-benchmark's ``customSmallerIsBetter`` entries for the newest commit, one per test, span and metric.
+
+    n/a figures and ``max_microbatch`` are left out. Raises ``ValueError`` when the series span several environments
+    (the names would collide): choose one with ``--env``.
+    """
     environments = sorted({env for env, _, _ in series})
     if len(environments) > 1:
         raise ValueError(
@@ -239,9 +227,7 @@ def _label_value(text: str) -> str:
 
 
 def openmetrics(history: History, series: Sequence[Series], metrics: Sequence[str]) -> str:
-    """OpenMetrics text of the newest commit's figures: a gauge family ``gpumem_cost_bytes`` (byte
-    figures) and ``gpumem_cost`` (counts), a sample per test, span and metric labelled ``test``,
-    ``span``, ``metric`` and ``environment``; n/a figures left out; ending with ``# EOF``."""
+    """OpenMetrics text of the newest commit's figures (``gpumem_cost_bytes``, ``gpumem_cost``) ending in ``# EOF``."""
     latest = history.latest
     families: dict[str, list[str]] = {"gpumem_cost_bytes": [], "gpumem_cost": []}
     if latest is not None:
@@ -424,8 +410,7 @@ def _chart(history: History, key: Series, metrics: Sequence[str]) -> tuple[str, 
 
 
 def history_html(history: History, series: Sequence[Series], metrics: Sequence[str], *, title: str = "") -> str:
-    """One self-contained page: a chart per test and span of the ``metrics`` over the commits, each
-    change marked with its commit, and a table of the changes below it."""
+    """One self-contained page: a chart per test and span of ``metrics`` over the commits, and a table of changes."""
     heading = title or f"Memory trend of {history.file.name}"
     versions = history.versions
     parts = [

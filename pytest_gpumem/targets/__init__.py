@@ -1,10 +1,7 @@
 """Prediction of a GPU's figures on a CPU-only machine: target profiles as data.
 
-A *target* is one GPU family with one PyTorch version, described by a row of
-``targets.json``: the device it stands for, the caching allocator's constants
-(:class:`~pytest_gpumem.targets.allocator.AllocatorRules`), and the library workspaces its
-threads allocate. A new GPU or PyTorch version is a new row, checked against a new record
-made on that GPU by ``python -m pytest_gpumem validate`` (the row's ``record``).
+A target (one GPU family with one PyTorch version) is a row of ``targets.json``: its device, allocator constants and
+library workspaces, checked against the ``record`` a GPU validation run made.
 """
 
 from __future__ import annotations
@@ -37,11 +34,8 @@ class UnknownTarget(ValueError):
 
 @dataclass(frozen=True)
 class Workspace(Coded):
-    """A library workspace a thread allocates at its first operator of a kind, and keeps.
-
-    ``when``: ``"bias"`` limits it to ``addmm`` with a one-dimensional bias (the cuBLASLt
-    path of ``Linear`` with a bias); None: every listed operator.
-    """
+    """A library workspace a thread allocates at its first operator of a kind and keeps (``when="bias"``: only ``addmm``
+    with a 1-d bias)."""
 
     library: str
     nbytes: int = field(metadata=coded(key="bytes"))
@@ -55,14 +49,11 @@ class Workspace(Coded):
 
 @dataclass(frozen=True)
 class AttentionBackend(Coded):
-    """When a fused scaled-dot-product-attention kernel runs on the target, and what it keeps.
+    """When a fused scaled-dot-product-attention kernel runs on the target, and what it keeps for backward.
 
-    A call runs the first backend of :attr:`Target.attention_order` whose conditions hold
-    (PyTorch's ``sdp_utils`` checks: dtype, head size, an explicit mask, grouped-query
-    attention); ``math`` (the composite of matrix products, softmax and dropout) takes the rest.
-    A fused kernel keeps its output and a float32 log-sum-exp per query row (the rows padded to
-    ``logsumexp_row_multiple``) for backward, and two int64 random-state tensors on the device
-    ``"always"`` or only with dropout (``rng_state="dropout"``).
+    The first backend of :attr:`Target.attention_order` whose conditions hold runs (``math`` takes the rest); a fused
+    kernel keeps its output, a float32 log-sum-exp per query row and, ``"always"`` or with dropout, two int64
+    random-state tensors.
     """
 
     name: str
@@ -115,8 +106,7 @@ class Target(Coded):
     workspaces: tuple[Workspace, ...] = field(metadata=coded(missing=()))
     #: scaled-dot-product-attention backends, in the order the target's PyTorch tries them
     attention_order: tuple[AttentionBackend, ...] = field(default=(), metadata=coded(key="attention", read=_attention))
-    #: the dtype of the mask a training-mode dropout keeps for backward ("bool": the fused
-    #: ``native_dropout`` kernel, as on CUDA); None: as the CPU run does
+    #: the dtype of the mask a training-mode dropout keeps ("bool": the fused kernel, as on CUDA); None: as on the CPU
     dropout_mask: str | None = None
     #: functions the target's autocast runs in float32 (its fp32 list), by name
     autocast_fp32: frozenset[str] = field(default=frozenset(), metadata=coded(key="autocast.fp32"))

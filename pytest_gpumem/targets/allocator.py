@@ -1,24 +1,8 @@
-"""A model of PyTorch's CUDA caching allocator, fed by the allocations a CPU run makes.
+"""A model of PyTorch's CUDA caching allocator (default settings, one stream), fed by a CPU run's allocations.
 
-It follows ``c10/cuda/CUDACachingAllocator.cpp`` with its default settings (no
-``max_split_size_mb``, no ``roundup_power2_divisions``, no expandable segments, one
-stream):
-
-* a request is rounded up to a multiple of 512 bytes (``round_size``);
-* requests of at most 1 MiB come from the *small* pool, larger ones from the *large* pool;
-* a request is served by the smallest free cached block of its pool that fits (ties: the
-  lowest address); with none, a new segment is reserved: 2 MiB for a small request,
-  20 MiB for a request under 10 MiB, else the request rounded up to 2 MiB
-  (``get_allocation_size``);
-* the block is split when what remains is at least 512 bytes (small pool) or more than
-  1 MiB (large pool, ``should_split``); otherwise the whole block is allocated, and
-  ``allocated`` counts all of it;
-* a freed block merges with free neighbours of its segment; ``empty_cache`` releases the
-  segments that are wholly free.
-
-``allocated`` and ``reserved`` are what ``torch.cuda.memory_allocated()`` and
-``memory_reserved()`` would say, and ``peak_allocated`` / ``peak_reserved`` their
-highest values since :meth:`reset_peaks`.
+It follows ``c10/cuda/CUDACachingAllocator.cpp``: requests round up to 512 bytes; up to 1 MiB from the small pool;
+best-fit among cached blocks, else a new segment (2 MiB, 20 MiB under 10 MiB, else rounded to 2 MiB); split when the
+rest is ≥ 512 B (small) or > 1 MiB (large); freed blocks merge; ``empty_cache`` releases free segments.
 """
 
 from __future__ import annotations

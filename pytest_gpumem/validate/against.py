@@ -9,11 +9,8 @@ from typing import Any
 
 from pytest_gpumem.validate.results import RECORD_FILE
 
-#: The figures of a workload's measurement compared between records, as costs (the figure minus
-#: its span's start, as limits and baselines compare them), so that what the device held before
-#: a workload (the library workspaces the clean-state protocol keeps, earlier workloads' tensors)
-#: does not show as a difference of every figure. The driver's figures (NVML) are left out: they
-#: hold the CUDA context, which depends on the driver and on what else the process loaded.
+#: The figures compared between records, as costs, so what the device held before a workload does not show as a
+#: difference; NVML's figures hold the CUDA context and are left out.
 COSTS = ("peak", "allocated", "requested_peak")
 #: Figures compared as they are.
 ABSOLUTE = ("retained", "saved_activations", "psi")
@@ -29,12 +26,7 @@ def load_record(folder: Path) -> dict[str, Any]:
 
 
 def differences(record: Mapping[str, Any], previous: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """The figures of the workloads (and the reported figures) both records hold, compared.
-
-    Returns ``{"record": name, "environment": its key, "same": n, "differences": [lines],
-    "only_here": [...], "only_there": [...]}``; a line names the workload, the figure, both
-    values and the difference.
-    """
+    """The figures of the workloads (and the reported figures) both records hold, compared: counts and differences."""
     lines: list[str] = []
     same = 0
     ours, theirs = record["workloads"], previous["workloads"]
@@ -66,8 +58,7 @@ def differences(record: Mapping[str, Any], previous: Mapping[str, Any], name: st
 
 
 def _figures(workload: Mapping[str, Any]) -> dict[str, Any]:
-    """A workload's comparable figures: costs above its start, the reserved cost above the reserved
-    start, PyTorch's counters likewise, and the figures that are no readings of the device."""
+    """A workload's comparable figures: costs above its start and the figures that are no readings of the device."""
     m = workload.get("measurement") or {}
     start, start_reserved = m.get("start"), m.get("start_reserved")
     figures: dict[str, Any] = {}

@@ -19,12 +19,7 @@ from pytest_gpumem.validate.zoo import PRECISIONS, ZooModel
 
 
 def zoo_step(model: ZooModel, precision: str, device: torch.device, engine: str, *, name: str | None = None) -> Outcome:
-    """One measured AdamW training step of ``model`` after one warm-up step (AdamW creates its state there).
-
-    ``engine``: ``"cpu"`` (the CPU engine with CUDA rounding, model and optimizer tracked),
-    ``"cuda"`` (the caching allocator, nothing tracked so PyTorch's counters compare) or
-    ``"cuda-tensors"`` (the storage tracker alone on the GPU, tracked).
-    """
+    """One measured AdamW step of ``model`` after a warm-up step, on ``engine`` "cpu", "cuda" or "cuda-tensors"."""
     if engine not in ("cpu", "cuda", "cuda-tensors"):
         raise ValueError(f"unknown engine {engine!r}")
     step = model.build(device, precision)
@@ -49,12 +44,7 @@ def _breakdown(m: Measurement, metric: str) -> Mapping[str, int] | None:
 
 
 def gap_parts(cpu: Measurement, gpu: Measurement, tensors: Measurement | None, metric: str) -> dict[str, Any]:
-    """The GPU-minus-CPU gap of ``metric`` ("allocated" or "peak"), split where the tensor run allows.
-
-    ``outside_tensors`` is what the allocator holds beyond tensor storages (workspaces,
-    blocks it did not split); ``tensors`` is how the GPU's tensors differ from the CPU
-    engine's, and ``by_category`` splits that by breakdown category. All bytes.
-    """
+    """The GPU-minus-CPU gap of ``metric``, split into bytes ``outside_tensors`` and ``tensors`` (``by_category``)."""
     cpu_value, gpu_value = cpu.figure(metric), gpu.figure(metric)
     assert cpu_value is not None and gpu_value is not None
     parts: dict[str, Any] = {

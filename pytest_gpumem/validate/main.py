@@ -161,9 +161,8 @@ def run(options: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _history(run: Run, gpu: torch.device | None, record: bool, entries: int) -> Iterator[list[Any]]:
-    """Record the allocation history of the block's workloads (when ``record`` and on a GPU);
-    the list it yields holds the snapshot, its statistics and its description once the block ends
-    (empty when the snapshot failed: a failed check of the run says why)."""
+    """Record the allocation history of the block's workloads; the list yielded holds the snapshot, its statistics and
+    description once the block ends (empty when it failed)."""
     taken: list[Any] = []
     if gpu is None or not record:
         yield taken

@@ -1,5 +1,4 @@
-"""The command line of ``python -m pytest_gpumem validate``, and the names it offers: parsed
-without importing torch, so that ``--help`` and a bad option answer at once."""
+"""The command line of ``python -m pytest_gpumem validate``, parsed without importing torch."""
 
 from __future__ import annotations
 

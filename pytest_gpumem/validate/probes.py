@@ -18,12 +18,8 @@ from pytest_gpumem.validate.results import Outcome
 
 
 class TensorEngine(CpuEngine):
-    """The storage tracker alone on any device: bytes of tensor storages, rounded to 512-byte blocks.
-
-    On CUDA it sees what the caching allocator holds for tensors, not what it holds
-    outside them (cuBLAS, cuDNN and attention workspaces, unsplit blocks): the
-    difference to the allocator's figures is those bytes.
-    """
+    """The storage tracker alone on any device: tensor storage bytes, rounded to 512-byte blocks (on CUDA, the
+    allocator's figures minus its bytes outside tensors)."""
 
     name = "cuda-tensors"
 
@@ -66,13 +62,10 @@ def probe(
     track: Sequence[Any] = (),
     tensors_only: bool = False,
 ) -> Iterator[Probe]:
-    """Measure the block with ``measure()`` and, on CUDA, read PyTorch's counters around it.
+    """Measure the block with ``measure()`` and, on CUDA, read PyTorch's counters at its end in the same span.
 
-    On CUDA, peaks are reset at the start of the block and PyTorch's counters and the raw
-    ``memory_stats()`` are read at its end, inside the same span: with nothing tracked (no
-    phase windows) the plugin's peak, allocated and reserved must equal them to the byte.
-    ``tensors_only`` measures with :class:`TensorEngine` instead (no counters). The CPU
-    engine rounds storages to CUDA's 512-byte blocks.
+    With nothing tracked the plugin's figures must equal them to the byte; ``tensors_only`` measures with
+    :class:`TensorEngine` instead.
     """
     made = Probe(name, device)
     cuda = device.type == "cuda" and not tensors_only

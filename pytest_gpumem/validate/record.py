@@ -52,10 +52,8 @@ def plugin_installed() -> bool:
 
 
 def suite_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment for the suite: the checkout first on ``PYTHONPATH`` (absolute, so pytester's
-    subprocesses in other folders import it too) and, when the plugin is not installed, the plugin
-    named in ``PYTEST_PLUGINS`` (which pytest reads in every process; ``-p`` would reach only the
-    first, and either would clash with an installed entry point)."""
+    """The suite's environment: the checkout first on ``PYTHONPATH`` and, when the plugin is not installed, named in
+    ``PYTEST_PLUGINS`` (which reaches every process)."""
     env = dict(environ)
     assert CHECKOUT is not None, "the CUDA suite runs from a checkout"
     env["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), *filter(None, [environ.get("PYTHONPATH")])])
@@ -111,8 +109,7 @@ def run_suite(extra: Sequence[str], timeout: float) -> tuple[dict[str, Any], str
 
 
 def suite_from(junit: Path, log: Path | None) -> tuple[dict[str, Any], str | None]:
-    """The result of a CUDA suite that already ran (``pytest tests -m cuda --junitxml=FILE``, as
-    ``scripts/gpu-check`` runs it), read from its JUnit XML file, and its output when given."""
+    """The result of a CUDA suite that already ran, read from its JUnit XML file, and its output when given."""
     counts = _junit_counts(junit)
     root = ElementTree.parse(junit).getroot() if counts["tests"] is not None else None
     suites = [] if root is None else [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
@@ -149,8 +146,7 @@ def _junit_counts(path: Path) -> dict[str, int | None]:
 
 
 def take_snapshot(device: torch.device, entries: int) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
-    """The memory snapshot of the history recorded so far (pickled, cut to :data:`SNAPSHOT_LIMIT`),
-    the ``memory_stats()`` read right after it, and a description for the record."""
+    """The memory snapshot so far (pickled, cut to :data:`SNAPSHOT_LIMIT`), the ``memory_stats()`` after it, a note."""
     snapshot = scrub_paths(torch.cuda.memory._snapshot())
     stats = dict(torch.cuda.memory_stats(device))
     traces = snapshot.get("device_traces") or []
@@ -288,9 +284,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def machine_paths() -> dict[str, str]:
-    """This machine's folders that a record must not name, each with its placeholder: the
-    checkout, the installed packages, the standard library, the interpreter's prefix, the
-    temporary folder and the home folder (longest first when applied)."""
+    """This machine's folders that a record must not name, each with its placeholder (longest first when applied)."""
     found: dict[str, str] = {}
     paths = sysconfig.get_paths()
     for key in ("purelib", "platlib"):
@@ -308,8 +302,8 @@ def machine_paths() -> dict[str, str]:
     return {os.path.realpath(path): name for path, name in found.items() if path and path != os.sep}
 
 
-#: Folders that name a machine whatever its layout: an environment's installed packages and a
-#: Python's standard library (read before the machine's own prefixes, which may hold them) ...
+#: Folders that name a machine whatever its layout: installed packages and the standard library (before this machine's
+#: prefixes) ...
 _LAYOUTS = (
     (re.compile(r"(?:/[^/\s\"']+)+/site-packages(?=/)"), "<site-packages>"),
     (re.compile(r"(?:/[^/\s\"']+)*/lib/python3\.\d+(?=/)"), "<python>"),
@@ -319,10 +313,8 @@ _OTHER_TMP = re.compile(r"/tmp/[^/\s\"']+")
 
 
 def scrub_paths(value: Any, paths: Mapping[str, str] | None = None) -> Any:
-    """``value`` (a string, or dicts, lists and tuples of them) with every folder of this machine
-    (:func:`machine_paths`, and ``paths``: folder → placeholder) and every installed-packages,
-    standard-library and temporary folder made a placeholder, so that a record is shared
-    without naming the machine that made it (``<checkout>/tests/test_cuda.py``)."""
+    """``value`` (a string, or containers of them) with this machine's folders, ``paths`` and any installed-packages,
+    standard-library and temporary folder made placeholders, so a record does not name its machine."""
     prefixes = sorted({**machine_paths(), **(paths or {})}.items(), key=lambda item: -len(item[0]))
 
     cleaned: dict[str, str] = {}  # one object per text: a pickle stores a repeated frame's file once

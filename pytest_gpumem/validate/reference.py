@@ -26,11 +26,8 @@ from pytest_gpumem.validate.zoo import PRECISIONS, ZooModel
 def reference_linear(run: Run) -> None:
     """fp32 ``nn.Linear(256, 250)``: its bytes after rounding; its first forward costs its output alone, no leak.
 
-    The clean-state protocol creates the library workspaces before the start reading
-    (on CUDA: cuBLAS/cuBLASLt, per thread), so the forward's cost is its output and
-    nothing stays behind. Figures: ``run.figures["cublas_workspace"]`` (the bytes the
-    protocol keeps: 0 on the CPU engine), ``linear_raw_retained`` (allocated after the
-    forward, outputs freed, minus the start) and ``linear_retained`` (after the leak check).
+    The clean-state protocol makes the cuBLAS workspaces before the start; ``linear_raw_retained`` and
+    ``linear_retained`` are the bytes left before and after the leak check.
     """
     device = run.device
     with run.guard("reference", "Linear(256, 250) weights and bias"):
@@ -85,9 +82,7 @@ def reference_linear(run: Run) -> None:
 
 
 def reference_workspaces(run: Run, models: Sequence[ZooModel]) -> None:
-    """The workspaces the clean-state protocol makes are all that training steps use: after
-    steps of the zoo's models (fp32 and bf16, forward, backward, AdamW) the workspaces the
-    device holds are the bytes the protocol measured, none more."""
+    """After steps of the zoo's models the device holds no workspace beyond those the clean-state protocol made."""
     if not run.cuda:
         return
     device = run.device
@@ -112,8 +107,8 @@ def reference_workspaces(run: Run, models: Sequence[ZooModel]) -> None:
 
 
 def reference_hand_counters(run: Run) -> None:
-    """``measure()`` of a warmed-up step equals ``max_memory_allocated() − memory_allocated()`` read
-    by hand around the same step: the clean-state protocol adds nothing a user would not see."""
+    """``measure()`` of a warmed-up step equals ``max_memory_allocated() − memory_allocated()`` read around it by
+    hand."""
     if not run.cuda:
         return
     device = run.device
@@ -179,10 +174,7 @@ def reference_adam(run: Run) -> None:
 def reference_mlp(run: Run) -> None:
     """bf16 MLP forward: bytes saved for backward are 18·b·s·d with GELU, 10·b·s·d with ReLU.
 
-    Measured twice: by the saved-tensor accounting (``saved_activations``) and by the
-    allocated bytes after the forward minus before it (after a warm-up forward inside the
-    span, so workspaces are already there). The second equals the first: the input ``x``
-    (2·b·s·d) was allocated before, the output (2·b·s·d) is new.
+    Measured by the saved-tensor accounting and by allocated bytes after minus before a warmed-up forward; they agree.
     """
     device = run.device
     b, s, d = MLP_REFERENCE[run.size]
@@ -219,8 +211,7 @@ def reference_mlp(run: Run) -> None:
 
 
 def reference_determinism(run: Run, model: ZooModel) -> None:
-    """The same training step twice in one process: identical figures; ``reserved``'s cost within
-    one allocator segment (what the cache holds depends on the process's allocation history)."""
+    """The same training step twice in one process: identical figures, ``reserved``'s cost within one segment."""
     engine = "cuda" if run.cuda else "cpu"
     with run.guard("determinism", f"{model.name} fp32 step twice"):
         first = run.add(zoo_step(model, "fp32", run.device, engine, name="determinism.run-1")).measurement

@@ -199,11 +199,8 @@ def replay_snapshot(loaded: Loaded) -> list[Check]:
     ]
 
 
-#: The clean-state protocol a record was made with. 1 freed the library workspaces before
-#: every start reading, so a span's first matmul counted its cuBLAS workspace as a cost, and
-#: determinism compared ``reserved`` to the byte. 2 makes the workspaces before the start and
-#: keeps them (part of every start, never a cost), and compares ``reserved``'s cost within one
-#: allocator segment. Records without the key are protocol 1.
+#: The clean-state protocol a record was made with: 1 freed the library workspaces before every start reading, 2 makes
+#: and keeps them and compares ``reserved``'s cost within a segment. No key: protocol 1.
 
 _SUITE_ASSERT = re.compile(r"^E\s+AssertionError: assert (\d+) == (.+)$")
 
@@ -235,11 +232,8 @@ def _arithmetic(text: str) -> int:
 def rejudge(loaded: Loaded) -> list[Check]:
     """The record's own checks, judged by this release's protocol where the recorded data allows.
 
-    For a protocol 1 record, two kinds of failure are judged again from what was recorded:
-    the determinism check (``reserved``'s cost within :func:`reserved_slack`,
-    ``start_reserved`` not compared), and CUDA suite failures whose only excess over the
-    expected bytes is the recorded cuBLAS workspace (a span's first matmul made it; protocol 2
-    makes it before the start). Every other check stands as recorded.
+    For a protocol 1 record the determinism check and CUDA suite failures whose only excess is the recorded cuBLAS
+    workspace are judged again; every other check stands as recorded.
     """
     record = loaded.record
     checks = [Check.from_dict(c) for c in record["checks"]]

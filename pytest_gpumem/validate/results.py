@@ -17,8 +17,7 @@ from pytest_gpumem.codec import Coded
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import METRIC_INFO
 
-#: The source checkout this package runs from (it holds ``tests/`` and ``fixtures/recorded/``); None
-#: when pytest-gpumem is installed: the CUDA test suite runs only from a checkout.
+#: The source checkout this package runs from (holding ``tests/``); None when installed.
 _TOP = Path(__file__).resolve().parents[2]
 CHECKOUT: Path | None = _TOP if (_TOP / "tests").is_dir() and (_TOP / "pyproject.toml").is_file() else None
 
@@ -52,11 +51,7 @@ TRACED_STEP = "trace.zoo.mlp.fp32"
 
 @dataclass
 class Check(Coded):
-    """One assertion, with the figures behind it.
-
-    ``passed`` is None when the check does not apply here (a GPU figure on a CPU-only run).
-    ``measured`` and ``expected`` are bytes where the check compares sizes.
-    """
+    """One assertion and its figures; ``passed`` is None where it does not apply (a GPU figure on a CPU-only run)."""
 
     group: str
     name: str
@@ -72,12 +67,8 @@ class Check(Coded):
 
 @dataclass
 class Outcome:
-    """A measured workload: the plugin's figures and, on CUDA, PyTorch's own read at the same moment.
-
-    ``counters`` holds ``max_memory_allocated``, ``memory_allocated`` and
-    ``max_memory_reserved`` read at the end of the span (peaks were reset at its start);
-    ``stats`` the raw ``memory_stats()`` read right with them. Both are None off CUDA.
-    """
+    """A measured workload: the plugin's figures and, on CUDA, PyTorch's counters and ``memory_stats()`` read at the end
+    of the same span (None off CUDA)."""
 
     name: str
     measurement: Measurement
@@ -147,17 +138,14 @@ def release(device: torch.device) -> None:
 
 
 def cached_free(m: Measurement) -> int:
-    """Bytes the caching allocator held free at the span's start (reserved minus allocated): a step
-    may take them instead of new segments, so ``reserved``'s cost moves by up to this much with
-    the process's history."""
+    """Bytes the caching allocator held free at the span's start: ``reserved``'s cost moves by up to this much."""
     if m.start_reserved is None or m.start is None:
         return 0
     return max(0, m.start_reserved - m.start)
 
 
 def reserved_slack(*runs: Measurement) -> int:
-    """How far ``reserved``'s cost may move between runs of the same step in one process: one
-    allocator segment, or the bytes any of the runs found cached free at its start."""
+    """How far ``reserved``'s cost may move between runs of one step in one process: a segment, or the cached free."""
     return max(METRIC_INFO["reserved"].tolerance_floor, *(cached_free(m) for m in runs))
 
 
