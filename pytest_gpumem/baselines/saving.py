@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from filelock import FileLock, Timeout
 
 from pytest_gpumem.baselines.loading import digest, fingerprint, parse, read
 from pytest_gpumem.baselines.store import BaselineStore, Fingerprint
@@ -146,6 +145,8 @@ def _locked(target: Path, real: Path) -> Iterator[None]:
             f"{exc.strerror or exc}",
             hint=_HINT_WRITE + " Set XDG_CACHE_HOME to a folder you can write.",
         ) from None
+    from filelock import FileLock, Timeout  # here: only a run that writes baselines pays its import
+
     lock = FileLock(str(lock_file), timeout=LOCK_TIMEOUT_S)
     try:
         lock.acquire()
