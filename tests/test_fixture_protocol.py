@@ -14,7 +14,7 @@ import torch
 from pytest_gpumem import GpuMem
 from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.measurement.recorder import Recorder
-from pytest_gpumem.plugin.unmeasured import Unrecorded
+from pytest_gpumem.plugin.fixture import Unrecorded
 
 
 def _public(obj: object) -> set[str]:

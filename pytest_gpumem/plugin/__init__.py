@@ -75,8 +75,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def gpumem(request: pytest.FixtureRequest) -> GpuMem:
     """Measure memory in a test: ``gpumem.device``, ``gpumem.measure(name)``, ``gpumem.track(...)``,
     ``gpumem.train_step(...)``, ``gpumem.budget()``. See pytest-gpumem's README."""
-    from pytest_gpumem.plugin.fixture import GpuMem
-    from pytest_gpumem.plugin.unmeasured import Unrecorded
+    from pytest_gpumem.plugin.fixture import GpuMem, Unrecorded
 
     disabled = request.node.stash.get(DISABLED_KEY, None)
     if disabled is not None:

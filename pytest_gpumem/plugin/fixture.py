@@ -1,38 +1,36 @@
 """The ``gpumem`` fixture: :class:`GpuMem`, over the test's
-:class:`~pytest_gpumem.measurement.recorder.Recorder` where the plugin measures, over an
-:class:`~pytest_gpumem.plugin.unmeasured.Unrecorded` where it is disabled (``--gpumem-disable``)."""
+:class:`~pytest_gpumem.measurement.recorder.Recorder` where the plugin measures, over
+:class:`Unrecorded`, which measures nothing, where it is disabled (``--gpumem-disable``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import pytest
 import torch
 
-from pytest_gpumem.budgets.formulas import Budget, model_states
+from pytest_gpumem.budgets.formulas import Budget, model_states, tracked_psi
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import SPAN_METRICS
 from pytest_gpumem.diagnose.distributed import DEFAULT_TIMEOUT, DistributedError, RankContext, run_ranks
 from pytest_gpumem.diagnose.microbatch import Plan, plan_for
 from pytest_gpumem.diagnose.microbatch import max_microbatch as search_microbatch
-from pytest_gpumem.judge.limits import LimitSpec, check_span_name
+from pytest_gpumem.judge.limits import LimitSpec, check_span_name, parse_span_limits
 from pytest_gpumem.measurement.recorder import Recorder, Span
 from pytest_gpumem.measurement.steps import train_step_span
-from pytest_gpumem.plugin.unmeasured import Unmeasured, Unrecorded
 from pytest_gpumem.units import parse_size
 
-__all__ = ["GpuMem"]
+__all__ = ["GpuMem", "NullEngine", "Unmeasured", "Unrecorded"]
 
 
 class GpuMem:
     """Measure memory inside a test. Given by the ``gpumem`` fixture.
 
-    With ``--gpumem-disable`` the test runs on the same device with nothing measured: ``track()``,
-    ``measure()`` blocks, ``train_step()`` and ``distributed()`` run the code, Ψ and ``budget()``
-    are computed (theory, not measurement); reading a figure skips the test there, as
-    ``max_microbatch()`` and ``plan_accumulation()``, which search by measuring, do.
+    With ``--gpumem-disable`` the test's code runs as with the plugin on, and Ψ and ``budget()``
+    are computed; reading a figure (an :class:`Unmeasured`), ``max_microbatch()`` and
+    ``plan_accumulation()`` skip the test there, saying why: the off switch fails no passing test.
 
     Attributes:
         device: the ``torch.device`` under test (put the model and batch there).
@@ -57,12 +55,8 @@ class GpuMem:
         self.recorder.track(*objects)
 
     def measure(self, name: str, **limits: Any) -> Span:
-        """A ``with`` block measured as the span ``name``.
-
-        Keyword limits (``peak``, ``allocated``, ``reserved`` as sizes or budget
-        expressions, and ``tolerance``) apply to this span; a broken one fails the
-        test at its end. After the block the returned span holds the figures.
-        """
+        """A ``with`` block measured as the span ``name``, with its own limits (``peak``, ``allocated``,
+        ``reserved``, ``tolerance``); after the block the span holds the figures."""
         span = self.recorder.span(check_span_name(name), **limits)  # validates the limits, once
         if name in self.recorder.span_names:
             raise ValueError(f"{self.nodeid}: span name {name!r} is used twice in this test; give each span its own")
@@ -85,29 +79,15 @@ class GpuMem:
         fake: bool | None = None,
         ranks: Sequence[int] | None = None,
     ) -> list[Measurement]:
-        """Run ``fn(rank, ctx)`` in ``world_size`` rank processes, each measured; returns their
-        :class:`Measurement` in rank order (see :mod:`pytest_gpumem.diagnose.distributed`).
-
-        Each rank is the span ``"rank{r}-of-{world_size}"`` of this test: the marker's ``peak``,
-        ``allocated`` and ``reserved`` limits and budgets apply to every rank (Ψ is the rank's
-        own tracked trainable parameters: ``ctx.track(model, optimizer)`` in ``fn``), and
-        baselines are kept per rank and world size. ``device``: ``"cpu"`` or ``"cuda"`` (rank
-        ``r`` on ``cuda:r``); default: the test's device type. ``predict`` and ``fake`` default
-        to the test's (its marker's ``predict=`` and ``fake=``, ``--gpumem-predict``,
-        ``--gpumem-fake``); with ``fake`` the ranks run one after another in one process over
-        the fake process group, and ``ranks`` chooses which (default: all). A rank that fails,
-        runs out of memory or does not finish in ``timeout`` seconds fails the test with its report.
-        """
+        """Run ``fn(rank, ctx)`` in ``world_size`` rank processes, each the measured span
+        ``rank{r}-of-{world_size}`` of this test; their figures in rank order (docs/distributed.md)."""
         __tracebackhide__ = True
         recorder = self.recorder
-        if isinstance(recorder, Unrecorded):
-            if predict is not None or fake:
-                self._measuring("gpumem.distributed(predict=...) predicts by measuring")
-            ranks = None  # real ranks all run
-        if predict is None:
-            predict = recorder.engine.predicts
-        if fake is None:
-            fake = recorder.fake
+        if predict is not None or fake:
+            self._measuring("gpumem.distributed(predict=...) predicts by measuring")
+        predict = recorder.engine.predicts if predict is None else predict
+        fake = recorder.fake if fake is None else fake
+        ranks = ranks if isinstance(recorder, Recorder) else None  # disabled: real ranks all run
         where = device or ("cuda" if self.device.type == "cuda" and predict is None else "cpu")
         try:
             measurements = run_ranks(
@@ -140,9 +120,8 @@ class GpuMem:
         return named
 
     def mark_phase(self, phase: str | None) -> None:
-        """Mark the phase running now (``"forward"``, ``"backward"``, ``"optimizer"``, None for
-        none) for a framework whose own hooks know it better than the tracked objects' hooks:
-        from the first call on, only these marks set the phase (see the Lightning adapter)."""
+        """Mark the phase running now (``"forward"``, ``"backward"``, ``"optimizer"``, None), for a
+        framework whose hooks know it better (the Lightning adapter): from then on only marks set it."""
         if phase not in (None, "forward", "backward", "optimizer"):
             expected = "expected 'forward', 'backward', 'optimizer' or None"
             raise ValueError(f"{self.nodeid}: mark_phase({phase!r}): {expected}")
@@ -161,12 +140,8 @@ class GpuMem:
         zero_stage: int = 0,
         world_size: int = 1,
     ) -> Budget:
-        """The theoretical model-state budget of the tracked objects (bytes; see ``budgets.model_states``).
-
-        The tracked modules are the model. The optimizer is ``optimizer`` when
-        given (an object or a registered name such as ``"adamw"``), else the one
-        tracked optimizer; with several tracked, pass one.
-        """
+        """The model-state budget of the tracked modules (bytes; ``budgets.model_states``), with
+        ``optimizer`` (an object or a name such as ``"adamw"``), else the one tracked optimizer."""
         tracked = self.recorder.tracked
         modules = [obj for obj in tracked if isinstance(obj, torch.nn.Module)]
         optimizers = [obj for obj in tracked if isinstance(obj, torch.optim.Optimizer)]
@@ -190,22 +165,9 @@ class GpuMem:
         upper: int | None = None,
         cleanup: Callable[[], Any] | None = None,
     ) -> int:
-        """The largest microbatch size whose training step fits the device.
-
-        ``step(size)`` runs one training step at that microbatch size. The search
-        doubles from ``start`` while the step fits, then bisects between the last
-        size that fit and the first that ran out of memory; each out-of-memory
-        error is caught and cleaned up (frames dropped, garbage collected, cache
-        emptied on CUDA), ``cleanup()`` runs after every try (zero the gradients
-        there). ``limit`` (bytes or a size) emulates a smaller device; the default
-        is the test's ``device_limit``. ``upper`` caps the search; on the CPU
-        engine, one of ``limit``/``upper`` is needed for the search to end, and
-        without ``upper`` a step whose memory does not grow with its size raises
-        :class:`~pytest_gpumem.diagnose.microbatch.MicrobatchError` after 30 doublings.
-        Returns 0 when not even ``start`` fits. The largest size any search of
-        the test found is its ``max_microbatch`` figure (``min_microbatch=``
-        bounds it; baselines keep it).
-        """
+        """The largest microbatch size at which ``step(size)`` fits the device, or ``limit``: found by
+        doubling from ``start``, then bisecting, ``cleanup()`` after each try; the test's
+        ``max_microbatch`` figure is the largest found (docs/oom-and-leaks.md)."""
         recorder = self._measuring("gpumem.max_microbatch() searches by measuring")
         bound = recorder.device_limit if limit is None else parse_size(limit)
         found = search_microbatch(step, start=start, limit=bound, upper=upper, engine=recorder.engine, cleanup=cleanup)
@@ -214,12 +176,8 @@ class GpuMem:
         return found
 
     def plan_accumulation(self, global_batch: int, step: Callable[[int], Any], **kwargs: Any) -> Plan:
-        """Microbatch size and gradient-accumulation steps for ``global_batch``.
-
-        Searches with :meth:`max_microbatch` (capped at ``global_batch``; keyword
-        arguments pass through), then takes the largest size that divides
-        ``global_batch`` and fits.
-        """
+        """Microbatch size and gradient-accumulation steps for ``global_batch``, searched with
+        :meth:`max_microbatch` (the same keywords), the size dividing ``global_batch``."""
         self._measuring("gpumem.plan_accumulation() searches by measuring")
         kwargs.setdefault("upper", global_batch)
         return plan_for(global_batch, self.max_microbatch(step, **kwargs))
@@ -241,26 +199,90 @@ class GpuMem:
         name: str = "step",
     ) -> Measurement:
         """Run ``warmup`` unmeasured training steps, then one measured step; return its figures.
-
-        A step is: ``optimizer.zero_grad(set_to_none=True)``, forward, loss,
-        backward, ``optimizer.step()``. The model and optimizer are tracked; the
-        forward / backward / optimizer phases are marked by hooks. Warm-up steps
-        matter: optimizers create their state lazily at the first step.
-
-        ``batch``: a tensor (``model(batch)``), a tuple or list
-        (``model(*batch)``) or a mapping (``model(**batch)``). With ``loss_fn``
-        and an ``(inputs, target)`` pair the loss is
-        ``loss_fn(model(inputs), target)`` (``inputs`` unpacked as above); with
-        ``loss_fn`` and a tensor or a mapping (an unsupervised loss) it is
-        ``loss_fn(model(batch))``. Without ``loss_fn`` the model's output must
-        be the loss: a scalar tensor, or an object with a ``loss`` attribute or
-        key (Hugging Face outputs).
-
-        ``amp``: None (as the model is), ``"bf16"`` (autocast to bfloat16) or
-        ``"fp16"`` (autocast to float16 with a gradient scaler).
-        """
+        ``batch``, ``loss_fn`` and ``amp`` as the README's fixture section says."""
         __tracebackhide__ = True
         span: Span = train_step_span(self, model, optimizer, batch, loss_fn, amp=amp, warmup=warmup, name=name)
         if isinstance(self.recorder, Unrecorded):
             return cast(Measurement, Unmeasured(f"gpumem.train_step(name={name!r})", name))
         return span.measurement
+
+
+class Unmeasured:
+    """Stands for the figures of a span in a run where nothing is measured: reading one skips the
+    test with a reason that says so (never a 0 that a test could compare)."""
+
+    def __init__(self, what: str, name: str | None = None) -> None:
+        self._what = what
+        #: the span's name (``gpumem.spans`` lists the spans a test opened, unmeasured)
+        self.name = name
+
+    def __getattr__(self, name: str) -> Any:
+        __tracebackhide__ = True
+        if name.startswith("__"):  # copy, pickle and inspection probe for these: they are not figures
+            raise AttributeError(name)
+        pytest.skip(
+            f"{self._what}.{name}: nothing is measured while pytest-gpumem is disabled "
+            "(--gpumem-disable or PYTEST_GPUMEM_DISABLE): a test that reads figures is skipped there"
+        )
+
+    def __repr__(self) -> str:
+        return f"<{self._what}: not measured (pytest-gpumem is disabled)>"
+
+
+class _UnmeasuredSpan(Unmeasured):
+    """A ``with gpumem.measure(name)`` block that measures nothing."""
+
+    def __enter__(self) -> _UnmeasuredSpan:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    @property
+    def measurement(self) -> Unmeasured:
+        return Unmeasured(self._what, self.name)
+
+
+@dataclass(frozen=True)
+class NullEngine:
+    """The engine of a test that nothing measures: its device, and no GPU predicted."""
+
+    device: torch.device
+    predicts: str | None = None
+
+
+class Unrecorded:
+    """The null :class:`~pytest_gpumem.measurement.recorder.Recorder`: it tracks objects (for Ψ and
+    budgets) and keeps the spans a test opens as :class:`Unmeasured` stand-ins, names unchecked."""
+
+    active = True  # measure() blocks run anywhere
+    fake = False
+    sites = None
+    span_names: tuple[str, ...] = ()
+
+    def __init__(self, device: torch.device) -> None:
+        self.engine = NullEngine(device)
+        self.tracked: list[Any] = []
+        self.spans: list[Span] = []  # stand-ins, read as the recorder's spans are
+
+    def track(self, *objects: Any) -> None:
+        for obj in objects:
+            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                raise TypeError(
+                    f"gpumem.track() takes torch.nn.Module and torch.optim.Optimizer objects, got {type(obj).__name__}"
+                )
+            if all(obj is not seen for seen in self.tracked):
+                self.tracked.append(obj)
+
+    @property
+    def psi(self) -> int | None:
+        return tracked_psi(self.tracked)
+
+    def mark_phase(self, phase: str | None) -> None:
+        pass
+
+    def span(self, name: str, **limits: Any) -> Span:
+        parse_span_limits(name, limits)  # bad limits are still errors
+        span = cast(Span, _UnmeasuredSpan(f"gpumem.measure({name!r})", name))
+        self.spans.append(span)
+        return span
