@@ -69,10 +69,16 @@ def test_both_modes_refuse_a_bad_call_alike(cpu_engine: Engine, call: Callable[[
 
 def test_both_modes_track_and_budget_alike(cpu_engine: Engine) -> None:
     model = torch.nn.Linear(8, 4)
-    figures = []
-    for fixture in _both(cpu_engine):
-        fixture.track(model, model)  # twice: harmless
-        figures.append((fixture.psi, fixture.budget("fp32", optimizer="adamw").items))
+    recorder = Recorder(cpu_engine)
+    recorder.begin()  # as the plugin records a test's call
+    try:
+        figures = []
+        for fixture in (GpuMem(recorder, "t.py::test_a"), GpuMem(Unrecorded(torch.device("cpu")), "t.py::test_a")):
+            fixture.track(model, model)  # twice: harmless
+            figures.append((fixture.psi, fixture.budget("fp32", optimizer="adamw").items))
+    finally:
+        recorder.end()  # its hooks removed
+    assert not torch.nn.modules.module._global_forward_pre_hooks  # the null recorder installs none
     four = 4 * 36  # bytes of 36 fp32 values
     items = {"parameters": four, "gradients": four, "exp_avg": four, "exp_avg_sq": four, "step counters": 8}
     assert figures == [(36, items)] * 2
