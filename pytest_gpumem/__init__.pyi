@@ -131,7 +131,7 @@ from .measurement.engines.fake import (
 from .measurement.recorder import (
     Span as Span,
 )
-from .plugin.measured import (
+from .plugin.fixture import (
     GpuMem as GpuMem,
 )
 from .units import (

@@ -142,3 +142,36 @@ def test_the_quick_start_passes_or_skips_while_disabled(pytester: pytest.Pyteste
     result = run(pytester, "--gpumem-disable", "-rs")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*gpumem.train_step(name='step').phases: nothing is measured*"])
+
+
+@pytest.mark.slow
+def test_distributed_runs_its_ranks_unmeasured_while_disabled(pytester: pytest.Pytester) -> None:
+    """``gpumem.distributed`` runs the real ranks (``ranks=`` is not checked: real ranks all run)
+    and returns a stand-in per rank; a prediction, which measures, skips the test."""
+    pytester.makepyfile(
+        test_ranks="""
+import torch
+
+def step(rank, ctx):
+    torch.ones(4)
+
+def test_runs_the_ranks(gpumem):
+    figures = gpumem.distributed(step, world_size=2, ranks=[0])
+    assert [repr(m) for m in figures] == [
+        f"<gpumem.distributed(...)[{rank}]: not measured (pytest-gpumem is disabled)>" for rank in (0, 1)
+    ]
+    assert gpumem.spans == []
+    figures[1].peak
+
+def test_predicts(gpumem):
+    gpumem.distributed(step, world_size=2, predict="h100")
+"""
+    )
+    result = run(pytester, "--gpumem-disable", "-p", "no:randomly", "-rs")
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(
+        [
+            "SKIPPED ?1? test_ranks.py:12: gpumem.distributed(...)?1?.peak: nothing is measured*",
+            "SKIPPED ?1? test_ranks.py:15: gpumem.distributed(predict=...) predicts by measuring: skipped*disabled",
+        ]
+    )

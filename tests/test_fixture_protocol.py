@@ -1,11 +1,11 @@
-"""The ``gpumem`` fixture is one protocol (:class:`GpumemFixture`) with two implementations: the
-measured :class:`GpuMem` and :class:`UnmeasuredGpuMem` (``--gpumem-disable``). A test written
-against one runs against the other, so every public member agrees: its kind (method, property,
-attribute) and each parameter's name, kind, default and annotation."""
+"""The ``gpumem`` fixture is one class, :class:`GpuMem`, over the test's :class:`Recorder` where
+the plugin measures and over an :class:`Unrecorded` where it is disabled (``--gpumem-disable``).
+A test written against one mode runs against the other: both offer the same members, and bad
+arguments are the same errors."""
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,27 +14,20 @@ import torch
 from pytest_gpumem import GpuMem
 from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.measurement.recorder import Recorder
-from pytest_gpumem.plugin.fixture import GpumemFixture
-from pytest_gpumem.plugin.unmeasured import UnmeasuredGpuMem
-
-#: Members of the measured fixture only: the recording a measured test reads spans from.
-MEASURED_ONLY = {"recorder"}
+from pytest_gpumem.plugin.fixture import Unrecorded
 
 
 def _public(obj: object) -> set[str]:
     return {name for name in dir(obj) if not name.startswith("_")}
 
 
-def _members() -> list[str]:
-    return sorted(_public(GpumemFixture) | set(GpumemFixture.__annotations__))
+def _both(engine: Engine) -> tuple[GpuMem, GpuMem]:
+    return GpuMem(Recorder(engine), "t.py::test_a"), GpuMem(Unrecorded(torch.device("cpu")), "t.py::test_a")
 
 
-def _parameters(function: Any) -> list[tuple[str, Any, Any, Any]]:
-    return [(p.name, p.kind, p.default, p.annotation) for p in inspect.signature(function).parameters.values()]
-
-
-def test_the_protocol_lists_what_a_test_reaches() -> None:
-    assert _members() == [
+def test_the_fixture_lists_what_a_test_reaches(cpu_engine: Engine) -> None:
+    measured, unmeasured = _both(cpu_engine)
+    assert sorted(_public(measured)) == [
         "budget",
         "device",
         "distributed",
@@ -44,34 +37,48 @@ def test_the_protocol_lists_what_a_test_reaches() -> None:
         "nodeid",
         "plan_accumulation",
         "psi",
+        "recorder",
         "spans",
         "track",
         "train_step",
     ]
-
-
-@pytest.mark.parametrize("name", _members())
-def test_both_fixtures_implement_each_member_alike(name: str) -> None:
-    expected = inspect.getattr_static(GpumemFixture, name, None)
-    for implementation in (GpuMem, UnmeasuredGpuMem):
-        assert GpumemFixture in implementation.__mro__  # it says it implements the protocol
-        found = inspect.getattr_static(implementation, name, None)
-        if expected is None:  # an attribute each instance sets
-            assert found is None or not callable(found), (implementation, name)
-            continue
-        assert found is not expected, f"{implementation.__name__}.{name} is the protocol's own stub"
-        assert type(found) is type(expected), (implementation, name)
-        if isinstance(expected, property):
-            expected_function, found_function = expected.fget, found.fget
-        else:
-            expected_function, found_function = expected, found
-        assert _parameters(found_function) == _parameters(expected_function), f"{implementation.__name__}.{name}"
-
-
-def test_each_instance_has_every_member_and_no_other(cpu_engine: Engine) -> None:
-    measured = GpuMem(Recorder(cpu_engine), "t.py::test_a")
-    unmeasured = UnmeasuredGpuMem(torch.device("cpu"), "t.py::test_a")
-    assert _public(measured) - MEASURED_ONLY == set(_members())
-    assert _public(unmeasured) == set(_members())
+    assert _public(unmeasured) == _public(measured)
     for fixture in (measured, unmeasured):
         assert (fixture.nodeid, fixture.device) == ("t.py::test_a", torch.device("cpu"))
+
+
+BAD_CALLS: dict[str, Callable[[GpuMem], Any]] = {
+    "track": lambda gpumem: gpumem.track(1),
+    "budget": lambda gpumem: gpumem.budget(),
+    "mark_phase": lambda gpumem: gpumem.mark_phase("sideways"),
+    "measure": lambda gpumem: gpumem.measure("x", peak="4XB"),
+    "measure name": lambda gpumem: gpumem.measure(""),
+    "train_step": lambda gpumem: gpumem.train_step(torch.nn.Linear(2, 2), "sgd", torch.ones(1, 2)),
+}
+
+
+@pytest.mark.parametrize("call", BAD_CALLS.values(), ids=BAD_CALLS.keys())
+def test_both_modes_refuse_a_bad_call_alike(cpu_engine: Engine, call: Callable[[GpuMem], Any]) -> None:
+    errors = []
+    for fixture in _both(cpu_engine):
+        with pytest.raises((ValueError, TypeError)) as caught:
+            call(fixture)
+        errors.append((caught.type, str(caught.value)))
+    assert errors[0] == errors[1]
+
+
+def test_both_modes_track_and_budget_alike(cpu_engine: Engine) -> None:
+    model = torch.nn.Linear(8, 4)
+    recorder = Recorder(cpu_engine)
+    recorder.begin()  # as the plugin records a test's call
+    try:
+        figures = []
+        for fixture in (GpuMem(recorder, "t.py::test_a"), GpuMem(Unrecorded(torch.device("cpu")), "t.py::test_a")):
+            fixture.track(model, model)  # twice: harmless
+            figures.append((fixture.psi, fixture.budget("fp32", optimizer="adamw").items))
+    finally:
+        recorder.end()  # its hooks removed
+    assert not torch.nn.modules.module._global_forward_pre_hooks  # the null recorder installs none
+    four = 4 * 36  # bytes of 36 fp32 values
+    items = {"parameters": four, "gradients": four, "exp_avg": four, "exp_avg_sq": four, "step counters": 8}
+    assert figures == [(36, items)] * 2

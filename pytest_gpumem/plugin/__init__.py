@@ -28,7 +28,7 @@ from pytest_gpumem.plugin.marker import marker_help
 from pytest_gpumem.plugin.options import OPTIONS, OptionError, Settings
 
 if TYPE_CHECKING:
-    from pytest_gpumem.plugin.fixture import GpumemFixture
+    from pytest_gpumem.plugin.fixture import GpuMem
 
 
 # -- options, marker, fixture, hooks --------------------------------------------------
@@ -72,17 +72,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture
-def gpumem(request: pytest.FixtureRequest) -> GpumemFixture:
+def gpumem(request: pytest.FixtureRequest) -> GpuMem:
     """Measure memory in a test: ``gpumem.device``, ``gpumem.measure(name)``, ``gpumem.track(...)``,
     ``gpumem.train_step(...)``, ``gpumem.budget()``. See pytest-gpumem's README."""
+    from pytest_gpumem.plugin.fixture import GpuMem, Unrecorded
+
     disabled = request.node.stash.get(DISABLED_KEY, None)
     if disabled is not None:
-        from pytest_gpumem.plugin.unmeasured import UnmeasuredGpuMem
-
-        return UnmeasuredGpuMem(disabled, request.node.nodeid)
+        return GpuMem(Unrecorded(disabled), request.node.nodeid)
     run = request.node.stash.get(RUN_KEY, None)
     if run is None:
         raise pytest.UsageError(f"{request.node.nodeid}: the gpumem fixture works only in test functions")
-    from pytest_gpumem.plugin.measured import GpuMem
-
     return GpuMem(run.recorder, request.node.nodeid, run.spec.limits)
