@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-
 from pytest_gpumem.baselines.loading import digest, fingerprint, parse, read
 from pytest_gpumem.baselines.store import BaselineStore, Fingerprint
 from pytest_gpumem.baselines.validation import BaselineFileError
