@@ -158,9 +158,11 @@ class GpumemManager:
                     judged.passed = False
             return
         data = getattr(report, "gpumem", None)
-        handoff, self._handoff = self._handoff, None
         if data is None or report.when != "call":
             return
+        # the record itself where it was made in this process (a test's reports may be logged after
+        # all of its phases ran: the handoff is the call report's)
+        handoff, self._handoff = self._handoff, None
         record = handoff[1] if handoff is not None and handoff[0] is data else TestRecord.from_json(data)
         xfail = getattr(report, "gpumem_xfail", None)
         # an xfail test whose code passed and whose memory fails is an expected failure (judged on a copy)
