@@ -251,7 +251,7 @@ def test_compaction_waits_for_many_objects_and_thaw_gives_them_back() -> None:
         assert not collector.compact() and not _is_frozen(small)
         large = [[] for _ in range(30_000)]
         assert collector.compact() and _is_frozen(small) and _is_frozen(large)
-        frozen.thaw()  # a report naming what holds a tensor needs the referrers: given back
+        collector_module.thaw()  # a report naming what holds a tensor needs the referrers: given back
         assert not collector.frozen and not _is_frozen(large)
         assert give_back() is False  # nothing frozen now
         assert collector.compact() and collector.frozen  # frozen again between tests

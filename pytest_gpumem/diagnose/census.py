@@ -367,7 +367,7 @@ def take_census(
     if unnamed:  # what else holds them: a cache, a compiler's graph, a global container
         hints = holder_hints(unnamed, {}, thaw=False)
         rest = [i for i in range(len(unnamed)) if i not in hints]
-        if rest and frozen.thaw():
+        if rest and collector.thaw():
             # held by objects the plugin froze (an earlier test's leftovers in a cache): given back until the next test
             found = holder_hints([unnamed[i] for i in rest], {}, thaw=False)
             hints.update({rest[j]: hint for j, hint in found.items()})

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pytest_gpumem.measurement import frozen, gcfunctions
+from pytest_gpumem.measurement import collector, gcfunctions
 
 __all__ = ["frame_locals", "library_dirs", "module_level_objects", "referrer_names"]
 
@@ -181,7 +181,7 @@ def referrer_names(objects: Iterable[object], *, ignore: Iterable[object] = (), 
     if not targets:
         return {}
     if thaw:  # the referrers of a test's tensors may be among the objects frozen before the first test
-        frozen.thaw()
+        collector.thaw()
     ignore = [objects, *ignore]
     module_dicts = _module_dicts()
     names: dict[int, str] = {}

@@ -29,6 +29,7 @@ __all__ = [
     "interpreter_frozen",
     "others_frozen",
     "running",
+    "thaw",
 ]
 
 #: Objects left to the collector (not frozen) between tests above which :meth:`Collector.compact`
@@ -99,6 +100,22 @@ def give_back() -> bool:
         return False
     _running.give_back()
     return True
+
+
+def thaw() -> bool:
+    """Give the plugin's frozen objects back to the collector, so that ``gc.get_referrers``
+    sees them (naming what holds a leaked tensor); only failures' reports need it. The
+    running collector freezes again between tests (its :meth:`compact`); without one (objects
+    remembered by hand), they are given back for good. Returns whether any were frozen."""
+    if _running is not None:
+        was_frozen = _running.frozen
+        _running.give_back()
+        return was_frozen
+    was_frozen = frozen.known()
+    if was_frozen:
+        gcfunctions.unfreeze()
+    frozen.forget()
+    return was_frozen
 
 
 class Collector:

@@ -8,7 +8,7 @@ since, and freezes again between tests what the session imported or built since.
 tensors alive at each freeze are remembered here (weakly, a module's own through the module:
 :func:`references`), so that a tracker made later and a census of live tensors still find
 them without unfreezing. Naming what holds
-a tensor needs the frozen objects themselves (:func:`thaw`).
+a tensor needs the frozen objects themselves (:func:`~pytest_gpumem.measurement.collector.thaw`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ __all__ = [
     "references",
     "remember",
     "tensors",
-    "thaw",
     "theirs_given_back",
 ]
 
@@ -134,25 +133,6 @@ def tensors() -> Iterator[torch.Tensor]:
             yield from _held_by(obj)
         else:
             yield obj
-
-
-def thaw() -> bool:
-    """Give the plugin's frozen objects back to the collector, so that ``gc.get_referrers``
-    sees them (naming what holds a leaked tensor); only failures' reports need it. The
-    running collector freezes again between tests (its :meth:`compact`); without one (objects
-    remembered by hand), they are given back for good. Returns whether any were frozen."""
-    from pytest_gpumem.measurement.collector import running
-
-    collector = running()
-    if collector is not None:
-        was_frozen = collector.frozen
-        collector.give_back()
-        return was_frozen
-    was_frozen = known()
-    if was_frozen:
-        gcfunctions.unfreeze()
-    forget()
-    return was_frozen
 
 
 def give_back_theirs() -> None:
