@@ -1,11 +1,7 @@
-"""``gc``'s functions as the plugin calls them, and what a user's code calls while a run's
-collector has objects frozen.
+"""``gc``'s functions as the plugin calls them, and what a user's code calls while a run's collector has objects frozen.
 
-While the run's :class:`~pytest_gpumem.measurement.collector.Collector` holds objects frozen,
-``gc.get_objects``, ``gc.get_referrers``, ``gc.get_freeze_count``, ``gc.freeze`` and
-``gc.unfreeze`` are wrappers that give the frozen objects back before they call ``gc``'s own
-function: a user's code sees every object and referrer, and its own freeze, as it does
-without the plugin. The plugin calls the functions kept here, which give nothing back.
+While objects are frozen, ``gc``'s object, referrer and freeze functions are wrappers that give them back first, so a
+user's code sees ``gc`` as without the plugin; the plugin calls the functions kept here.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The plugin's saved-tensor hooks, which step aside where torch refuses such hooks.
+"""The plugin's saved-tensor hooks, which step aside where torch refuses such hooks (``torch.func``).
 
-``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian`` and a user's
-``torch.autograd.graph.disable_saved_tensors_hooks(...)`` raise while any saved-tensor hooks
-are pushed. While a :class:`SavedTensorHooks` is pushed, torch's switch
-(``torch._C._autograd._saved_tensors_hooks_disable`` and ``..._enable``) is wrapped: turning
-hooks off pops the plugin's hooks first (when they are the top of the thread's stack), and
-turning them on again pushes them back. What autograd saves in between is not counted as
-saved for backward: :attr:`SavedTensorHooks.stepped_aside` says how often that happened.
+Torch's switch is wrapped while they are pushed: turning hooks off pops them, turning hooks on pushes them back; what
+autograd saves in between counts as temporaries.
 """
 
 from __future__ import annotations
@@ -67,8 +62,7 @@ def _disabled() -> bool:
 
 
 class SavedTensorHooks:
-    """``pack`` and ``unpack`` as the calling thread's saved-tensor hooks between :meth:`push`
-    and :meth:`pop`, out of the way wherever torch turns such hooks off."""
+    """``pack`` and ``unpack`` as the calling thread's saved-tensor hooks, aside where torch turns hooks off."""
 
     def __init__(
         self,
