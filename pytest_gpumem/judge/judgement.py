@@ -1,7 +1,4 @@
-"""The judge: :func:`judge` checks a measured test's limits and budgets, then compares its figures with baselines.
-
-Pure: no I/O, no torch, no pytest.
-"""
+"""The judge: a measured test's limits and budgets checked, its figures compared with baselines (pure)."""
 
 from __future__ import annotations
 
@@ -28,23 +25,18 @@ LEAK_CHECK = LimitSpec("retained", "0B (gpumem_leak_check)", parse_budget("0"))
 
 @dataclass(frozen=True)
 class JudgeOptions:
-    """What the run asks of every judgement (see the plugin's ``--gpumem-*`` options)."""
+    """What the run asks of every judgement: ``--gpumem-tolerance`` (None: each metric's default), ``--gpumem-strict``
+    and ``--gpumem-update-baselines`` (then no baseline is compared)."""
 
-    #: the run's baseline tolerance (``--gpumem-tolerance``); None: each metric's default
     tolerance: Tolerance | None = None
-    #: ``--gpumem-strict``: new, improved and other-environment baselines fail too
     strict: bool = False
-    #: ``--gpumem-update-baselines``: baselines are being recorded, none is compared
     update: bool = False
 
 
 def judge(
     record: TestRecord, baselines: BaselineStore | None = None, options: JudgeOptions | None = None
 ) -> list[Finding]:
-    """Decide ``record``: its findings (also set on it, with any error) in span order, limits first.
-
-    A test whose own code failed is not judged; a span's tolerance is its own, else the marker's, else the run's.
-    """
+    """Decide ``record``: its findings (also set on it) in span order, limits first; none where its code failed."""
     options = options or JudgeOptions()
     findings: list[Finding] = []
     if record.passed:
@@ -61,8 +53,7 @@ def judge(
 
 
 def limits_of(record: TestRecord, span: str) -> list[LimitSpec]:
-    """The limits and budgets ``span`` of ``record`` asked for, in order; the call's also gets the leak check's
-    ``retained`` of 0 and ``min_microbatch``."""
+    """The limits ``span`` of ``record`` asked for, in order, with the call's leak check and ``min_microbatch``."""
     limits = list(record.asked.get(span, ()))
     if not record.measurements or span != record.measurements[0].name:
         return limits
@@ -129,9 +120,7 @@ def _compare(record: TestRecord, store: BaselineStore, options: JudgeOptions) ->
 
 
 def _unmeasured(record: TestRecord, recorded: Mapping[str, BaselineEntry], strict: bool) -> list[Finding]:
-    """A ``stale`` finding for each recorded span or figure of the test that the run did not produce.
-
-    Under ``torchrun`` each rank judges its own spans (``…@rankR-of-N``) only."""
+    """A ``stale`` finding for each recorded span or figure (of this rank) that the run did not produce."""
     measured = {measurement.name: measurement for measurement in record.measurements}
     own = _rank_suffix(record.measurements[0].name) if record.measurements else ""
     findings: list[Finding] = []

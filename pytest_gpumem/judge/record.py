@@ -1,7 +1,4 @@
-"""What the plugin learnt about one test: the :class:`TestRecord`, its wire format, and when it fails on memory.
-
-A record travels from where the test ran (an xdist worker) to the controller in ``report.gpumem``. No torch, no pytest.
-"""
+"""What the plugin learnt about one test (:class:`TestRecord`), its wire format, and when it fails on memory."""
 
 from __future__ import annotations
 
@@ -96,11 +93,8 @@ class TestRecord(Coded):
 
 
 class RecordStore:
-    """A run's judged records by node id, each kept as JSON text (without the call's timeline).
-
-    A string is never traversed by the garbage collector, where a record's objects would be at every collection; so
-    the store hands out copies, and a change is kept by :meth:`put` or an :meth:`edit` block.
-    """
+    """A run's judged records by node id, each kept as JSON text that the garbage collector never traverses; it hands
+    out copies, and a change is kept by :meth:`put` or an :meth:`edit` block."""
 
     def __init__(self, records: Iterable[TestRecord] = ()) -> None:
         self._texts: dict[str, str] = {}

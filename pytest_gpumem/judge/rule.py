@@ -1,7 +1,4 @@
-"""The one rule that decides a figure against a reference: a limit, or a baseline within a tolerance.
-
-What differs per figure (direction, unit, default tolerance, floor) is a field of the metric table. Pure.
-"""
+"""The one rule that decides a figure against a reference: a limit, or a baseline within a tolerance."""
 
 from __future__ import annotations
 
@@ -36,10 +33,7 @@ def exceeds(metric: str, measured: int, bound: int) -> bool:
 
 
 def tolerance_for(metric: str, given: Tolerance | None) -> Tolerance:
-    """The tolerance a baseline of ``metric`` is compared with when ``given`` is what the user set (None: its default).
-
-    The absolute part is bytes (a count keeps only the relative part) and at least the metric's floor.
-    """
+    """The tolerance of ``metric`` when ``given`` is set (None: its default): absolute part in bytes, floored."""
     if given is None:
         return _DEFAULTS.get(metric) or _EXACT
     info = metric_info(metric)
@@ -61,8 +55,7 @@ _DEFAULTS: Mapping[str, Tolerance] = MappingProxyType(
 
 
 def baseline_status(metric: str, measured: int, reference: int, tolerance: Tolerance) -> BaselineStatus:
-    """``measured`` against its baseline ``reference``: ``"regressed"``, ``"improved"`` or ``"ok"`` within
-    ``tolerance``."""
+    """``measured`` against its baseline ``reference``: ``"regressed"``, ``"improved"`` or ``"ok"`` (within)."""
     worse = worse_by(metric, measured, reference)
     allowed = tolerance.allowed(reference)
     return "regressed" if worse > allowed else "improved" if -worse > allowed else "ok"

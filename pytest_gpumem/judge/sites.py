@@ -1,8 +1,4 @@
-"""The sites that changed: a span's site profile against the one stored with its baseline.
-
-Modelled on ``tracemalloc.Snapshot.compare_to``, with rows matched so that moved code does not show as "new" and
-"gone" (see :func:`diff_sites`). Pure: no I/O, no torch. Sizes are bytes.
-"""
+"""The sites that changed: a span's site profile against its baseline's, as ``tracemalloc`` compares."""
 
 from __future__ import annotations
 
@@ -27,9 +23,7 @@ _AFTER: dict[str, Callable[[SiteChange], object]] = {
 
 @dataclass(frozen=True)
 class SiteChange(Coded):
-    """One site whose bytes changed, with the baseline's bytes (None where it does not list the site).
-
-    ``"unlisted"``: the baseline lists only its largest sites, and this one may be among the others."""
+    """One site whose bytes changed, with the baseline's (None, or ``"unlisted"``, where it lists the largest only)."""
 
     _codec_order = ("site", "status")
     figures: SiteFigures = field(metadata=coded(key="site"))
@@ -72,11 +66,7 @@ class SiteDiff(Coded):
 
 
 def diff_sites(span: str, baseline: SiteProfile, current: SiteProfile) -> SiteDiff:
-    """The rows of ``current`` (this run) that changed against ``baseline`` (the stored profile).
-
-    A row is paired by its code (the nearest offset among repeated lines), then by place (an edited line), then by
-    function and code (a moved function), so code moved around a site gives no row.
-    """
+    """The rows of ``current`` changed against ``baseline``, paired so that code moved around a site gives no row."""
     if not baseline.by_category and current.by_category:
         current = merge_categories(current)
     before = [s for s in baseline.sites if s.site.key != BEFORE]  # the start: not what the span made

@@ -1,8 +1,5 @@
-"""The rules of a verdict: a measurement's costs against limits, budgets and baselines, as findings.
-
-Pure. A limit on a figure the engine cannot know gives an ``"n/a"`` finding that fails (a guard that cannot be checked
-must not pass silently); an unknown baseline figure is ``"n/a"`` without failing.
-"""
+"""The rules of a verdict: a measurement's costs against limits, budgets and baselines, as findings (pure); a limit
+on a figure the engine cannot know is an ``"n/a"`` that fails: a guard that cannot be checked must not pass."""
 
 from __future__ import annotations
 
@@ -96,12 +93,8 @@ def compare_baseline(
     strict: bool = False,
     metrics: Iterable[str] = BASELINE_METRICS,
 ) -> list[Finding]:
-    """Compare the costs of ``measurement`` with its baseline ``entry``, one finding per metric.
-
-    Without an entry a cost is ``new``, or ``other-environment`` when ``other_environments`` have baselines for the
-    test; ``tolerance`` is one for all or one per metric (exact where missing). A peak's regression carries the
-    categories that changed.
-    """
+    """Compare the costs of ``measurement`` with its baseline ``entry``, one finding per metric; ``tolerance`` is one
+    for all or one per metric (exact where missing)."""
     costs = {metric: measurement.cost(metric) for metric in metrics}
     return compare_values(
         test,
@@ -159,10 +152,7 @@ def compare_values(
 
 
 def changed_categories(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
-    """Categories whose bytes changed from ``before`` to ``after``, grown first then shrunk, largest first.
-
-    Every change is there, so they add up to the total's; ties keep the order of ``CATEGORIES``.
-    """
+    """Categories whose bytes changed from ``before`` to ``after``, grown then shrunk, largest first."""
     names = [c for c in CATEGORIES if c in before or c in after]
     names += sorted(set(before).union(after).difference(CATEGORIES))
     change = [(name, after.get(name, 0) - before.get(name, 0)) for name in names]
