@@ -1,5 +1,4 @@
-"""The recording that ``measure()`` blocks join: :func:`measure` (inside or outside pytest),
-:func:`activate` (the plugin's test call) and :func:`engine_for` (the engine measuring a device now)."""
+"""The recording ``measure()`` blocks join: :func:`measure`, :func:`activate` (the plugin's) and :func:`engine_for`."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ _ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pytes
 
 
 def engine_for(target: Engine | str | torch.device | None) -> Engine:
-    """The engine for ``target``: itself when it is an engine; for a device name the engine measuring that device
-    now, else a new one."""
+    """The engine for ``target``: itself, the engine measuring that device now, else a new one."""
     if target is not None and not isinstance(target, (str, torch.device)):
         return target
     device = resolve_device(target)
@@ -62,12 +60,6 @@ def measure(
     that GPU would show; ``fake=True``: run on fake tensors (build the model inside the block); ``sites``: record where
     bytes are made. Limits (``peak="4GiB"``) are checked at the end; outside pytest a broken one raises
     :class:`pytest_gpumem.LimitExceeded`.
-
-    Example::
-
-        with measure("step", track=(model, opt)) as m:
-            train_step()
-        print(m.peak, m.breakdown)
     """
     active = _ACTIVE.get()
     joined = active if active is not None and active.active else None

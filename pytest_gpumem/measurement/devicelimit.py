@@ -18,9 +18,8 @@ __all__ = ["device_limit"]
 def device_limit(target: Engine | StorageTracker | str | torch.device, limit: int | str) -> Iterator[int]:
     """Run a block as if the device had only ``limit`` bytes (or a size such as ``"8GB"``); yields the limit in bytes.
 
-    ``target`` is an engine, a device name (the engine measuring it now) or a ``StorageTracker``. On the CPU engine an
-    allocation over the limit raises :class:`torch.OutOfMemoryError` while the tracker runs; on CUDA the allocator's
-    reserved memory is capped. The previous limit is restored on exit.
+    ``target`` is an engine, a device name (the engine measuring it now) or a ``StorageTracker``; on CUDA the
+    allocator's reserved memory is capped (see docs/oom-and-leaks.md).
     """
     nbytes = parse_size(limit)
     if isinstance(target, StorageTracker):

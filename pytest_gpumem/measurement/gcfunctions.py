@@ -1,8 +1,4 @@
-"""``gc``'s functions as the plugin calls them, and what a user's code calls while a run's collector has objects frozen.
-
-While objects are frozen, ``gc``'s object, referrer and freeze functions are wrappers that give them back first, so a
-user's code sees ``gc`` as without the plugin; the plugin calls the functions kept here.
-"""
+"""``gc``'s functions as the plugin calls them, and wrappers that give frozen objects back before a user's call."""
 
 from __future__ import annotations
 
@@ -43,8 +39,7 @@ def _wrapper(
 
 
 def install(give_back: Callable[[], None], froze: Callable[[], None]) -> None:
-    """Put wrappers in ``gc``'s place that call ``give_back()`` first, and ``froze()`` after a
-    user's ``gc.freeze()``."""
+    """Put wrappers in ``gc``'s place that call ``give_back()`` first, and ``froze()`` after a ``gc.freeze()``."""
     for name, real in _WRAPPED.items():
         if getattr(gc, name) is real:
             setattr(gc, name, _wrapper(real, give_back, froze if name == "freeze" else None))

@@ -1,5 +1,4 @@
-"""How the CPU engine observes memory: the names, validated without torch, and the one rule that ties them to
-predictions and emulated device limits."""
+"""How the CPU engine observes memory: the names, validated without torch, and their conflicts with other settings."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ def parse_observe(value: object) -> str:
 
 
 def observe_conflict(observe: str | None, *, predict: str | None = None, limit: str | None = None) -> str | None:
-    """Why ``observe`` cannot run with the prediction ``predict`` or under the device limit written ``limit``; None
-    when it can."""
+    """Why ``observe`` cannot run with the prediction ``predict`` or under the device limit ``limit``."""
     if observe != "allocations":
         return None
     if predict is not None:
@@ -33,8 +31,7 @@ def observe_conflict(observe: str | None, *, predict: str | None = None, limit: 
 
 
 def choose_observe(observe: str | None, *, default: str, predict: str | None = None, limit: bool = False) -> str:
-    """How a test is observed: ``observe`` when it says, else ``"operators"`` where a prediction or a device limit
-    needs it, else ``default``."""
+    """How a test is observed: ``observe``, else what a prediction or a device limit needs, else ``default``."""
     if observe is not None:
         return observe
     return "operators" if predict is not None or limit else default

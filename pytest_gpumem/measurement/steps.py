@@ -1,5 +1,4 @@
-"""The training-step driver: one step of a model and its optimizer on a batch, for ``gpumem.train_step`` and the
-validation's workloads."""
+"""The training-step driver: one step of a model and its optimizer on a batch (``gpumem.train_step``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The modules and optimizers a recording tracks: their tensors' categories, Ψ, and the hooks
-that tell the recorder where a training step's phases begin.
-
-The hooks are torch's global ones, filtered by id, so nothing is stored on a user's module or optimizer (copies and
-pickles are as without the plugin); torch's warning about global hooks at a compiled module's call is ignored meanwhile.
-"""
+"""The modules and optimizers a recording tracks: categories, Ψ, and phase hooks (torch's global ones, filtered by
+id, so nothing is stored on a user's module or optimizer)."""
 
 from __future__ import annotations
 
@@ -40,7 +36,6 @@ class Tracked:
     def __init__(self, engine: Engine, phases: PhaseHooks) -> None:
         self.engine = engine
         self.phases = phases
-        #: the tracked objects, in the order they were tracked
         self.objects: list[Any] = []
         self._ids: set[int] = set()
         self._modules: set[int] = set()
@@ -50,8 +45,7 @@ class Tracked:
         self._quiet: tuple[Any, ...] | None = None
 
     def quiet(self) -> None:
-        """Ignore torch's warning about global module hooks while they are installed (pytest restores filters after
-        each phase, so again at a span's start)."""
+        """Ignore torch's warning about global module hooks while they are installed (again at each span)."""
         if not self._modules:
             return
         if self._quiet is not None and self._quiet in warnings.filters:

@@ -1,7 +1,4 @@
-"""Where bytes are read: the engines, and the factory that picks one for a device.
-
-Everything that differs between engines is a member of the ``Engine`` protocol.
-"""
+"""Where bytes are read: the engines (what differs is a member of the ``Engine`` protocol), and their factory."""
 
 from __future__ import annotations
 
@@ -36,8 +33,7 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """The device a name stands for: ``"auto"`` (or None) is the current CUDA device when one is available, else the
-    CPU; ``ValueError`` naming the value for anything else than :data:`DEVICE_HELP` says."""
+    """The device a name stands for (``"auto"``: CUDA when available, else the CPU); ``ValueError`` otherwise."""
     if device is None or device == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
     if isinstance(device, torch.device):

@@ -1,9 +1,6 @@
 """Allocations observed where they happen: the CPU allocator's own reports to PyTorch's profiler (see docs/figures.md).
 
-:class:`AllocationTracker` keeps the storage tracker's accounting but takes allocations and frees from the profiler's
-memory events, so compiled code runs as compiled. Every reading flushes: the session is restarted and its events
-replayed; Python-side events (a category, a save) are queued with a 1-byte mark allocation, so the replay puts each at
-its exact place among the allocations.
+Each reading replays the session's events; a Python-side event is queued with a 1-byte mark allocation that places it.
 """
 
 from __future__ import annotations
@@ -85,7 +82,6 @@ class AllocationTracker(StorageTracker):
         self._config = template.config
         self._activities = template.kineto_activities
         self._allocation_tag = _EventType.Allocation
-        #: what the sessions record: memory events, and operator events only with every scope
         self._scopes = {RecordScope.USER_SCOPE} if self.user_scopes_only else set()
         self._queue: list[tuple[Any, ...]] = []
         self._marks: list[torch.UntypedStorage] = []  # one a queued event, alive until the replay
@@ -139,8 +135,7 @@ class AllocationTracker(StorageTracker):
             self._adopt_survivors()
 
     def _adopt_survivors(self) -> None:
-        """Give the blocks still alive a weak reference to their storage: once the profiler stops, their frees are
-        no longer reported (a block only C++ holds stays as it is)."""
+        """Give the blocks still alive weak references: once the profiler stops, their frees are not reported."""
         tensor_type = torch.Tensor
         for obj in itertools.chain(
             gcfunctions.get_objects(), frozen.tensors()
@@ -176,11 +171,7 @@ class AllocationTracker(StorageTracker):
                 self.notes.append(THREADS_NOT_SEEN)
 
     def flush(self) -> None:
-        """Bring the ledger up to now: replay what the profiler saw since the last flush.
-
-        Not inside backward: its nodes run under the profiler session captured when it began, so a new one would miss
-        the rest.
-        """
+        """Bring the ledger up to now; not inside backward, whose nodes run under the session captured as it began."""
         if self._profiling and not self._holding and self._graph_task() == -1:
             self._flush(restart=True)
 
@@ -360,8 +351,7 @@ class AllocationTracker(StorageTracker):
     # -- readings flush first ---------------------------------------------------------
 
     def take_window(self, *, defer: bool = False) -> Window:
-        """The window since the last one; with ``defer``, and always inside backward, a pending one to
-        :meth:`resolve` after the next flush."""
+        """The window since the last one; with ``defer``, or in backward, a pending one to :meth:`resolve`."""
         if self._profiling and (defer or self._graph_task() != -1):
             token = next(self._tokens)
             self._record((_WINDOW, token))

@@ -1,7 +1,4 @@
-"""A test's categories are its own: what an earlier test made, saved or tracked is "other" to the next.
-
-Otherwise each test's breakdown would depend on the tests before it (the tracker is the run's).
-"""
+"""A test's categories are its own: what an earlier test made, saved or tracked is "other" to the next."""
 
 from __future__ import annotations
 

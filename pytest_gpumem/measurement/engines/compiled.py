@@ -20,8 +20,7 @@ TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.se
 
 
 def skipped_frame() -> tuple[Any, bool, str] | None:
-    """The frame TorchDynamo is about to run eagerly: (code, whether a library's, ``qualname (file:line)``); None for
-    the plugin's frames."""
+    """The frame TorchDynamo runs eagerly: (code, whether a library's, its name); None for the plugin's."""
     caller: Any = sys._getframe(2)
     for _ in range(4):
         if caller is None:

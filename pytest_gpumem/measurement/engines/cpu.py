@@ -22,10 +22,7 @@ __all__ = ["CpuEngine"]
 
 
 class CpuEngine(TrackerMembers):
-    """Counts tensor storages on the CPU; ``cuda_rounding`` rounds each up to the CUDA allocator's 512-byte blocks.
-
-    There is no caching allocator, so ``reserved`` is None.
-    """
+    """Counts tensor storages on the CPU (``reserved`` is None); ``cuda_rounding``: in 512-byte blocks."""
 
     name = "cpu"
     exact = True

@@ -1,8 +1,5 @@
-"""The CUDA engine: the device's caching allocator (CUDA, ROCm, XPU) and the driver (NVML).
-
-Peaks are read through windows closed by ``reset_peak_memory_stats``, so while a test is measured
-``torch.cuda.max_memory_allocated()`` reads the peak since the plugin's last boundary.
-"""
+"""The CUDA engine: the device's caching allocator (CUDA, ROCm, XPU) and the driver (NVML); it resets the peaks at
+each window, so during a test ``torch.cuda.max_memory_allocated()`` reads a window's peak."""
 
 from __future__ import annotations
 
@@ -96,8 +93,7 @@ def _workspace_kernels(device: torch.device) -> None:
 
 
 def workspaces_may_be_freed() -> bool:
-    """Whether code in this process may have freed the cuBLAS workspaces since the last warm-up (Inductor's CUDA
-    graph trees do)."""
+    """Whether code here may have freed the cuBLAS workspaces (Inductor's CUDA graph trees do)."""
     return "torch._inductor.cudagraph_trees" in sys.modules
 
 
@@ -145,11 +141,7 @@ class CudaEngine(TrackerMembers):
     # -- actions --------------------------------------------------------------------
 
     def clean(self, *, empty_cache: bool = True) -> None:
-        """Bring the device to its steady state before a start reading: settled, workspaces made, peaks reset.
-
-        The workspaces are made once per thread, so a test's figures never include one an earlier test did or did not
-        create.
-        """
+        """Bring the device to its steady state: settled, workspaces made (so no test pays for them), peaks reset."""
         with self._backend.device(self.device):
             self.settle()
             threads = self._threads
@@ -283,10 +275,8 @@ class CudaEngine(TrackerMembers):
 
     @contextmanager
     def record_history(self, path: str) -> Iterator[str | None]:
-        """Record allocation history and dump a snapshot pickle to ``path`` at the end, whole or not at all.
-
-        A history the user records already is left as it is (torch does not tell its settings); a pickle that cannot
-        be written is an :class:`OutputNotWritten` warning."""
+        """Record allocation history (a user's own is left as it is) and dump a snapshot pickle to ``path`` at the
+        end, whole or not at all (else an :class:`OutputNotWritten` warning)."""
         memory = torch.cuda.memory
         enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
         users = bool(enabled()) if enabled is not None else False
@@ -376,8 +366,7 @@ class CudaEngine(TrackerMembers):
 
 
 class _TraceSites:
-    """The allocator's history while sites are recorded, its events stamped with a window's number and replayed
-    when a span's sites are read."""
+    """The allocator's history while sites are recorded, stamped with window numbers."""
 
     recordings = itertools.count(1)
 
@@ -439,10 +428,7 @@ class _TraceSites:
 def reading_from_stats(
     stats: dict[str, Any], tracker: StorageTracker | None = None, *, saved_peak: int | None = None
 ) -> Reading:
-    """A window's :class:`Reading` from a ``memory_stats()`` dict read at its end.
-
-    A tracker's breakdown is used, what the allocator's peak holds beyond it counted as "other".
-    """
+    """A window's :class:`Reading` from a ``memory_stats()`` dict read at its end."""
     peak = int(stats.get("allocated_bytes.all.peak", 0))
     breakdown: tuple[int, ...] | None = None
     if tracker is not None:
@@ -464,10 +450,7 @@ _nvml_state: dict[str, Any] = {}
 
 
 def nvml_memory(device: torch.device) -> tuple[int | None, int | None]:
-    """Device memory used (all processes) and used by this process, per NVML; None where unknown.
-
-    NVML ignores ``CUDA_VISIBLE_DEVICES``, so the device is found by its UUID.
-    """
+    """Device memory used (all processes) and by this process, per NVML; None where unknown."""
     try:
         import pynvml
 

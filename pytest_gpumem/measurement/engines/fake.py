@@ -1,9 +1,5 @@
-"""Fake mode: a prediction with no tensor data (see docs/will-it-fit.md).
-
-The prediction engine's tracker sees the fake outputs of ``FakeTensorMode`` as real ones. :class:`FakeKernels` gives
-reduced losses the unreduced loss's storage, as their kernels keep it, and lets small CPU integer ranges keep their
-values (a device mesh reads its rank map); :func:`real_bookkeeping` runs DDP's integer CPU bookkeeping on real tensors.
-"""
+"""Fake mode: a prediction with no tensor data (see docs/will-it-fit.md); :class:`FakeKernels` gives reduced losses
+the storage their kernels keep, and small CPU integer ranges their values (a device mesh reads its rank map)."""
 
 from __future__ import annotations
 
@@ -86,8 +82,7 @@ TRACING_PATHS = {
 
 
 def warn_tracing_paths(objects: Any, name: str) -> None:
-    """Warn (:class:`FakeTensorsDiffer`) when a tracked module of ``objects`` comes from a library of
-    :data:`TRACING_PATHS`."""
+    """Warn when a tracked module of ``objects`` comes from a library of :data:`TRACING_PATHS`."""
     for library, why in TRACING_PATHS.items():
         kinds = sorted(
             {

@@ -63,8 +63,7 @@ _original_submit: Any = None
 
 
 def follow_threads(tracker: Follower, *, follow: bool) -> None:
-    """While ``tracker`` watches, threads started and callables submitted to thread pools run under it too (torch's
-    dispatch modes and saved-tensor hooks are per thread)."""
+    """While ``tracker`` watches, new threads and thread pools' tasks run under it too (modes are per thread)."""
     global _original_start, _original_submit
     if follow:
         if tracker not in FOLLOWERS:

@@ -1,8 +1,4 @@
-"""The prediction engine: a CPU run, counted as a target GPU's caching allocator would count it.
-
-Every storage the tracker sees goes through a model of the caching allocator with the target's constants, with the
-library workspaces and the kernels where the target's memory differs from the CPU's (see docs/prediction.md).
-"""
+"""The prediction engine: a CPU run counted as a target GPU's caching allocator would (see docs/prediction.md)."""
 
 from __future__ import annotations
 
@@ -72,8 +68,7 @@ class _TargetTracker(StorageTracker):
 
 
 class Prediction:
-    """A model of the target's caching allocator that follows its own storage :attr:`tracker`, with the library
-    workspaces the target's kernels create."""
+    """A model of the target's caching allocator that follows its own :attr:`tracker`, and its workspaces."""
 
     def __init__(self, target: Target) -> None:
         from pytest_gpumem.targets import CachingAllocatorModel
@@ -227,8 +222,7 @@ def _made_by_an_optimizer() -> bool:
 
 
 def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
-    """``loss.backward(...)`` or ``torch.autograd.backward(...)`` as a call that starts the autograd engine directly
-    (calling either again would give the modes their turn again); None where it cannot."""
+    """``loss.backward(...)`` as a call that starts the autograd engine directly (not the modes again); None if not."""
     import inspect
 
     try:
@@ -270,8 +264,7 @@ def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 class _DeviceKernels(TorchFunctionMode):
-    """Runs, in a predicted span, the target's kernels where their memory differs from the CPU's (attention,
-    dropout, autocast)."""
+    """Runs the target's kernels where their memory differs from the CPU's (attention, dropout, autocast)."""
 
     def __init__(self, tracker: Prediction) -> None:
         super().__init__()

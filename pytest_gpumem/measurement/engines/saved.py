@@ -1,7 +1,4 @@
-"""What autograd holds for backward, counted through ``saved_tensors_hooks`` alone (an engine without a tracker).
-
-Each storage counts once; parameters and their views are never counted.
-"""
+"""What autograd holds for backward, counted by ``saved_tensors_hooks`` alone (an engine without a tracker)."""
 
 from __future__ import annotations
 
@@ -33,11 +30,8 @@ def detached(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Held:
-    """What autograd keeps instead of a saved tensor under the plugin's hooks: the tensor and its version.
-
-    A non-leaf is detached, so a node saving its own output holds no cycle through C++ the collector cannot break; the
-    version is kept because a hook hides the tensor from autograd's in-place check (:func:`unpack` makes it).
-    """
+    """What autograd keeps instead of a saved tensor under the plugin's hooks: the tensor (a non-leaf detached, or a
+    node saving its own output makes a cycle the collector cannot break) and its version, for :func:`unpack`'s check."""
 
     __slots__ = ("tensor", "version")
 
@@ -84,7 +78,6 @@ class SavedTensors:
         self._on_device = lambda t: t.device.type == dev_type and (dev_type == "cpu" or t.get_device() == index)
         #: storage key → [tensors holding it, counted bytes]
         self._held: dict[int, list[int]] = {}
-        #: bytes held for backward now
         self.current = 0
         self._peak = 0
         self._hooks: Any = None

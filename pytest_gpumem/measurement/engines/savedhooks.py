@@ -1,8 +1,4 @@
-"""The plugin's saved-tensor hooks, which step aside where torch refuses such hooks (``torch.func``).
-
-Torch's switch is wrapped while they are pushed: turning hooks off pops them, turning hooks on pushes them back; what
-autograd saves in between counts as temporaries.
-"""
+"""The plugin's saved-tensor hooks, which step aside where torch turns such hooks off (``torch.func``)."""
 
 from __future__ import annotations
 
@@ -77,7 +73,6 @@ class SavedTensorHooks:
         self._notes = notes
         self._pushed = False
         self._thread: int | None = None
-        #: regions in which the hooks stepped aside
         self.stepped_aside = 0
 
     def push(self) -> None:

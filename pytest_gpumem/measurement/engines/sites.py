@@ -1,9 +1,4 @@
-"""Where storages are made: the frames that are the user's code (:class:`SiteFilter`), and the
-storage tracker's record of each storage's site while sites are recorded (:class:`SiteRecorder`).
-
-Each storage's bytes count under the innermost user line and the phase running; the tracker copies the counts at a
-window's peak, as it copies the breakdown.
-"""
+"""Where storages are made: the user's frames (:class:`SiteFilter`), the bytes by line (:class:`SiteRecorder`)."""
 
 from __future__ import annotations
 
@@ -45,10 +40,7 @@ def _package_dirs(name: str) -> list[str]:
 
 
 class SiteFilter:
-    """Decides which frames are the user's code, and names their files.
-
-    The user's: under the rootdir outside ``site-packages``, or in an ``include``'d package (named from the package).
-    """
+    """Decides which frames are the user's code (rootdir, ``include``'d packages), and names their files."""
 
     def __init__(self, config: SiteConfig) -> None:
         self.config = config

@@ -1,8 +1,5 @@
-"""An emulated device limit refuses an allocation before the host pays for it.
-
-The bytes an operator's outputs will take come from its meta kernel, cached by argument signature. Operators without
-one, data-dependent sizes, tensor subclasses and storages grown in place are refused only after the kernel ran.
-"""
+"""An emulated device limit refuses an allocation before the host pays for it, sized by the operator's meta kernel
+(without one, or for data-dependent sizes, it is refused only after the kernel ran)."""
 
 from __future__ import annotations
 
@@ -24,7 +21,6 @@ _UNKNOWN = object()
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 #: (id of the operator, its arguments' signatures) → the bytes of each storage it makes (torch's operators live on)
 _cache: dict[Any, tuple[int, ...] | None] = {}
-#: id of an operator → whether it returns tensors
 _returns_tensors: dict[int, bool] = {}
 
 
@@ -54,8 +50,7 @@ def refuse_early(tracker: Limited, func: Any, args: tuple[Any, ...], kwargs: dic
 def output_storages(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> tuple[int, ...] | None:
-    """The bytes of each storage ``func(*args, **kwargs)`` will make on ``device``, from its meta kernel; None if
-    unknown."""
+    """The bytes of each storage ``func(*args, **kwargs)`` will make on ``device``, per its meta kernel."""
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
         return None  # fake tensors: the host allocates nothing
     if not _makes_tensors(func):
@@ -81,10 +76,7 @@ class _Unsized(Exception):
 
 
 def _signature(values: Any, scalars: bool = True) -> tuple[Any, ...]:
-    """What of an operator's arguments ``values`` decides the sizes of its outputs, hashable.
-
-    A float beside tensors (``scalars`` False) is an operand that changes at every step, never a size.
-    """
+    """What of an operator's arguments decides its outputs' sizes, hashable (a float by tensors is no size)."""
     parts: list[Any] = []
     for value in values:
         kind = type(value)

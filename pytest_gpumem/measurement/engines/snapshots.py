@@ -1,9 +1,5 @@
-"""Memory snapshots from the storage tracker: the pickle PyTorch's memory_viz opens, without a GPU.
-
-The dict is ``torch.cuda.memory._snapshot()``'s form and holds only builtins, so it unpickles without this package. On
-the CPU engine each storage is a segment of its own at a counter's address; on the prediction engine the addresses and
-segments are the predicted allocator's.
-"""
+"""Memory snapshots from the storage tracker: the pickle PyTorch's memory_viz opens, without a GPU (only builtins, so
+it unpickles without this package)."""
 
 from __future__ import annotations
 
@@ -44,9 +40,7 @@ _UNSEEN: Any = object()
 
 
 def python_frames(cache: dict[tuple[Any, int], Any]) -> Frames:
-    """The Python stack of the caller, innermost first, as memory_viz's frames, without this package's own.
-
-    ``cache`` keeps one dict per code location, shared by every stack, so the snapshot pickles each once."""
+    """The caller's Python stack as memory_viz's frames, without this package's, one dict per location."""
     frames: Frames = []
     append = frames.append
     frame: Any = sys._getframe(1)
@@ -69,10 +63,7 @@ def python_frames(cache: dict[tuple[Any, int], Any]) -> Frames:
 
 
 class SnapshotRecorder:
-    """Records a ``tracker``'s allocations and frees as a memory snapshot's trace, as the observer in front of its own.
-
-    ``model``: the predicted allocator, whose blocks give the addresses (None on the CPU engine).
-    """
+    """Records a ``tracker``'s allocations and frees as a snapshot's trace (``model``: the predicted allocator)."""
 
     def __init__(
         self,
@@ -238,8 +229,7 @@ def _segment(address: int, total: int, blocks: list[dict[str, Any]], kind: str =
 
 
 def write_snapshot(path: str, snapshot: dict[str, Any]) -> str | None:
-    """Pickle ``snapshot`` to ``path``, whole or not at all; ``path``, or None after an :class:`OutputNotWritten`
-    warning."""
+    """Pickle ``snapshot`` to ``path``, whole or not at all (else an :class:`OutputNotWritten` warning)."""
     temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -1,5 +1,4 @@
-"""What the storage tracker keeps per storage and per window (entries, blocks, windows),
-and the words for what it missed."""
+"""What the storage tracker keeps per storage and per window, and the words for what it missed."""
 
 from __future__ import annotations
 
@@ -65,11 +64,8 @@ def operator_of(func: Any) -> tuple[Callable[..., Any], int]:
 
 
 class Entry(weakref.ref):  # type: ignore[type-arg]
-    """One tracked storage: a weak reference to it (one object per allocation), with its counted bytes and category.
-
-    ``moved``: the event index since which it has had its category; ``saves``: how many autograd graphs hold it;
-    ``prior``: its category before it was saved for backward.
-    """
+    """One tracked storage: a weak reference to it (one object per allocation), with its counted bytes and category;
+    ``prior`` is its category before it was saved for backward."""
 
     __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "site")
     key: int
@@ -81,8 +77,7 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
 
 
 class Block:
-    """A tracked allocation that is no storage the tracker can watch (a profiler event, a predicted workspace),
-    alive until the tracker is told it is freed."""
+    """A tracked allocation no storage stands for (a profiler event, a predicted workspace), alive until freed."""
 
     __slots__ = Entry.__slots__  # set by StorageTracker._insert, as for the tracker's entries
     key: int
@@ -136,10 +131,7 @@ _TENSOR_KINDS = Kinds(torch.Tensor)
 
 
 def instances_among(objects: list[Any], kinds: Kinds) -> list[Any]:
-    """The instances of ``kinds.base`` (or of a subclass) among ``objects``, in order, by a loop in C.
-
-    By type, never ``isinstance``: that reads ``__class__``, which some objects warn about.
-    """
+    """The instances of ``kinds.base`` among ``objects`` in order, by type in C (``isinstance`` reads ``__class__``)."""
     return list(itertools.compress(objects, map(kinds.__getitem__, map(type, objects))))
 
 
@@ -149,10 +141,7 @@ def tensors_among(objects: list[Any]) -> list[Any]:
 
 
 def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
-    """The tensors a wrapper subclass (a ``DTensor``) holds, flattened; None for a tensor that holds its own storage.
-
-    A wrapper's own storage is a placeholder of its global size: the bytes are its local tensors'.
-    """
+    """The tensors a wrapper subclass (a ``DTensor``) holds, which hold its bytes; None for a plain one."""
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
     if flatten is None:
         return None
@@ -168,18 +157,14 @@ def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
 
 
 def inner_tensors(tensor: torch.Tensor, counts_fakes: bool) -> list[torch.Tensor] | None:
-    """What holds the bytes of a tensor that is not a plain one: nothing for an uncounted fake, a wrapper's local
-    tensors, None for a tensor that holds its own storage."""
+    """What holds the bytes of a tensor that is not plain (nothing for an uncounted fake); None for a plain one."""
     if not counts_fakes and is_fake(tensor):
         return []
     return local_tensors(tensor)
 
 
 def sort_scanned(tensors: Iterable[Any]) -> tuple[list[Any], list[Any], list[Any]]:
-    """The parameters, their gradients and the other tensors among ``tensors`` (a scan's finds).
-
-    A fake tensor's real ``constant`` copy is torch's bookkeeping, not the modelled run's memory: left out.
-    """
+    """The parameters, their gradients and the other tensors among ``tensors`` (not fakes' constants)."""
     params: list[Any] = []
     grads: list[Any] = []
     others: list[Any] = []

@@ -1,8 +1,4 @@
-"""Sites on CUDA: the caching allocator's own history (with Python stacks), replayed to find the blocks alive at a
-window's peak and at an end, each with the innermost frame of the user's code that allocated it.
-
-Windows are told apart by the metadata torch stamps on each event (``_set_memory_metadata``). Pure: no torch here.
-"""
+"""Sites on CUDA: the caching allocator's history (Python stacks, events stamped by window), replayed. Pure."""
 
 from __future__ import annotations
 
@@ -80,10 +76,7 @@ def replay_trace(
     prefix: str = "",
     phases: Mapping[int, str] | None = None,
 ) -> tuple[dict[int, list[Found]], dict[int, list[Found]]]:
-    """Replay ``events`` (one device's trace) from ``start`` bytes allocated before the first.
-
-    Returns the sites at the peak of each of ``windows`` and just before each of ``ends``, by window number.
-    """
+    """Replay ``events`` from ``start`` bytes: the sites at each of ``windows'`` peaks and before each of ``ends``."""
     numbers = window_numbers(events, prefix)
     wanted = set(windows)
     peaks: dict[int, tuple[int, int]] = {}  # number → (peak bytes, index of the event after which it was)
