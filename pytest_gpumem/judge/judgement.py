@@ -1,14 +1,4 @@
-"""The judge: one entry, :func:`judge`, that decides a measured test.
-
-From what was measured (a :class:`~pytest_gpumem.judge.record.TestRecord`: its spans'
-figures and what each span asked for), the baseline file (a
-:class:`~pytest_gpumem.baselines.BaselineStore`) and the run's options, it makes the
-findings: each limit and budget resolved with the span's Ψ and checked, then each figure
-compared with its baseline. The outcome is :attr:`TestRecord.failed
-<pytest_gpumem.judge.record.TestRecord.failed>`. The pytest plugin, :func:`pytest_gpumem.measure`,
-``gpumem.distributed`` (each rank a span) and runs under ``torchrun`` (each rank's spans
-renamed before they arrive) all call it. Pure: no I/O, no torch, no pytest.
-"""
+"""The judge: a measured test's limits and budgets checked, its figures compared with baselines (pure)."""
 
 from __future__ import annotations
 
@@ -35,29 +25,18 @@ LEAK_CHECK = LimitSpec("retained", "0B (gpumem_leak_check)", parse_budget("0"))
 
 @dataclass(frozen=True)
 class JudgeOptions:
-    """What the run asks of every judgement (see the plugin's ``--gpumem-*`` options)."""
+    """What the run asks of every judgement: ``--gpumem-tolerance`` (None: each metric's default), ``--gpumem-strict``
+    and ``--gpumem-update-baselines`` (then no baseline is compared)."""
 
-    #: the run's baseline tolerance (``--gpumem-tolerance``); None: each metric's default
     tolerance: Tolerance | None = None
-    #: ``--gpumem-strict``: new, improved and other-environment baselines fail too
     strict: bool = False
-    #: ``--gpumem-update-baselines``: baselines are being recorded, none is compared
     update: bool = False
 
 
 def judge(
     record: TestRecord, baselines: BaselineStore | None = None, options: JudgeOptions | None = None
 ) -> list[Finding]:
-    """Decide ``record``: its findings (also set on it, with any error) in span order, limits first.
-
-    Nothing is judged for a test whose own code failed. Each span's limits and budgets
-    (:func:`limits_of`) are resolved with its Ψ (a budget in Ψ with nothing tracked is an error on
-    the record) and checked; then, when ``baselines`` are given, the test measured, and baselines
-    are not being updated, each figure is compared with its baseline in the record's environment.
-    Each span's tolerance is its own, else the marker's, else the run's (per metric:
-    :func:`metric_tolerances`). When the leak check's ``retained`` finding fails, the record's
-    leak report (the leaked tensors) joins its reports.
-    """
+    """Decide ``record``: its findings (also set on it) in span order, limits first; none where its code failed."""
     options = options or JudgeOptions()
     findings: list[Finding] = []
     if record.passed:
@@ -74,11 +53,7 @@ def judge(
 
 
 def limits_of(record: TestRecord, span: str) -> list[LimitSpec]:
-    """The limits and budgets that apply to ``span`` of ``record``, as written, in order: what the
-    span asked for. For the test's call (its first span): the marker's, less those that a span
-    can bound when the test measured ranks (each rank's span asked for them); a ``retained`` of 0
-    when the run checks every test for leaks (:attr:`TestRecord.leak_check`) and the marker
-    bounds no ``retained``; the marker's ``min_microbatch`` as a minimum on ``max_microbatch``."""
+    """The limits ``span`` of ``record`` asked for, in order, with the call's leak check and ``min_microbatch``."""
     limits = list(record.asked.get(span, ()))
     if not record.measurements or span != record.measurements[0].name:
         return limits
@@ -93,8 +68,7 @@ def limits_of(record: TestRecord, span: str) -> list[LimitSpec]:
 
 
 def site_changes(record: TestRecord, store: BaselineStore) -> dict[str, SiteDiff]:
-    """By span, the sites that changed against the profile stored with the span's baseline (spans
-    whose figures carry sites and whose baseline has them)."""
+    """By span, the sites that changed against the profile stored with the span's baseline."""
     assert record.environment is not None
     key = Environment.from_dict(record.environment).key
     found: dict[str, SiteDiff] = {}
@@ -146,10 +120,7 @@ def _compare(record: TestRecord, store: BaselineStore, options: JudgeOptions) ->
 
 
 def _unmeasured(record: TestRecord, recorded: Mapping[str, BaselineEntry], strict: bool) -> list[Finding]:
-    """A ``stale`` finding for each baseline of the test that the run did not produce: a recorded
-    span none of its measurements has (a ``measure()`` block renamed or removed), a recorded
-    figure its span did not measure this time (``max_microbatch`` of a test that no longer
-    searches). Under ``torchrun`` each rank judges its own spans (``…@rankR-of-N``) only."""
+    """A ``stale`` finding for each recorded span or figure (of this rank) that the run did not produce."""
     measured = {measurement.name: measurement for measurement in record.measurements}
     own = _rank_suffix(record.measurements[0].name) if record.measurements else ""
     findings: list[Finding] = []
@@ -177,13 +148,11 @@ def _rank_suffix(span: str) -> str:
 
 
 def metric_tolerances(metrics: Iterable[str], tolerance: Tolerance | None) -> dict[str, Tolerance]:
-    """The tolerance of each metric's baseline comparison when ``tolerance`` is the one set (None:
-    nothing set one): :func:`~pytest_gpumem.judge.rule.tolerance_for` of each."""
+    """The tolerance of each metric's baseline comparison when ``tolerance`` (or None) is the one set."""
     return {metric: tolerance_for(metric, tolerance) for metric in metrics}
 
 
 def baseline_metrics(measurement: Measurement) -> tuple[str, ...]:
-    """The figures a baseline keeps for ``measurement``: those it always keeps, and those it keeps
-    when measured (the largest microbatch, when the test searched it)."""
+    """The figures a baseline keeps for ``measurement``: those it always keeps, and those it keeps when measured."""
     measured = tuple(m for m in MEASURED_BASELINE_METRICS if measurement.figure(m) is not None)
     return BASELINE_METRICS + measured

@@ -1,9 +1,4 @@
-"""What a span asks for: its limits and budgets, and its tolerance, validated once.
-
-A limit is parsed where it is written (the marker at collection, ``measure(name, peak=...)``
-when the span is made) into a :class:`LimitSpec`; the judge (:mod:`pytest_gpumem.judge.judgement`)
-resolves it with the span's Ψ and compares. A bad value is an error naming the span and the value.
-"""
+"""What a span asks for: its limits, budgets and tolerance, validated where they are written."""
 
 from __future__ import annotations
 
@@ -87,9 +82,7 @@ def parse_tolerance_keyword(value: object) -> Tolerance:
 
 
 def check_span_name(name: object) -> str:
-    """``name`` if it can name a span inside a measured test: a non-empty string other than ``"call"``,
-    of plain text (a control character, a line break or a terminal's escape sequence, would reach
-    the terminal and the reports as something else)."""
+    """``name`` if it can name a span in a measured test: a non-empty string of plain text but ``"call"``."""
     if not isinstance(name, str) or not name or name == "call":
         raise SpecError(f"span name {name!r} must be a non-empty string other than 'call' (the whole test)")
     _plain_text(name)

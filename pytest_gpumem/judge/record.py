@@ -1,10 +1,4 @@
-"""What the plugin learnt about one test: the :class:`TestRecord`, its wire format, and the
-one rule for "this test failed on memory".
-
-A record is made where the test ran (an xdist worker, or the only process) and
-travels to the process that judges it (the controller) as JSON-ready data in
-the test report (``report.gpumem``). No torch, no pytest.
-"""
+"""What the plugin learnt about one test (:class:`TestRecord`), its wire format, and when it fails on memory."""
 
 from __future__ import annotations
 
@@ -29,38 +23,11 @@ TIMELINE_SAMPLES = 512
 
 @dataclass
 class TestRecord(Coded):
-    """What the plugin learnt about one test call. Sizes are bytes.
+    """What the plugin learnt about one test call; sizes are bytes, spans are keyed by name (``"call"`` the marker's).
 
-    Attributes:
-        nodeid: the test's pytest node id.
-        measurements: the ``call`` span first, then each named span in the order they closed.
-        findings: limits, budgets and baselines, checked by the judge.
-        errors: problems that fail the test by themselves (a budget using Ψ with nothing
-            tracked, an unreadable baseline file).
-        environment: :meth:`Environment.to_dict` of where it ran; None when it did not measure.
-        tolerances: baseline tolerance by span name (``"call"`` for the marker's) as
-            ``{"relative", "absolute"}``; absent: the run's default.
-        passed: whether the test's own code passed (before any memory verdict).
-        reports: texts to add to a failure: the out-of-memory report, the leaked tensors.
-        timeline: the call span's timeline (thinned) for the HTML artifact.
-        snapshot: the path of a CUDA memory snapshot written for this test.
-        device_limit: the emulated device size the test ran under.
-        workspaces: bytes of the library workspaces the device held in every reading of
-            the test (created by the clean-state protocol; in ``start``, never in a cost);
-            None where there are none (the CPU engine).
-        asked: the limits and budgets of each span by span name (``"call"`` for the marker's),
-            as written; the judge (:func:`~pytest_gpumem.judge.judgement.judge`) decides which
-            apply (:func:`~pytest_gpumem.judge.judgement.limits_of`), resolves and checks them.
-        leak_check: the run checks every test for leaks (``--gpumem-leak-check``): the call's
-            ``retained`` must be 0 unless the marker bounds it.
-        min_microbatch: the marker's lower bound on the largest microbatch that fits.
-        ranks_measured: the test measured ranks (``gpumem.distributed``): each rank's span asked
-            for the marker's span limits (``peak``, ``allocated``, ``reserved``) instead of the call.
-        leak_report: the confirmed leak check's report (the leaked tensors), for the judge to
-            add to :attr:`reports` when the ``retained`` check fails; None when no leak was checked.
-        site_changes: by span name, the sites whose bytes changed against the site profile
-            stored with the span's baseline (:func:`~pytest_gpumem.judge.sites.diff_sites`);
-            only for spans whose figures carry sites and whose baseline has them.
+    ``measurements`` holds the ``call`` span first; ``errors`` fail the test by themselves; ``environment`` is None when
+    it did not measure; ``workspaces`` are library workspaces held in every reading (never in a cost); ``asked`` holds
+    the limits as written, which the judge resolves; ``leak_report`` joins ``reports`` when ``retained`` fails.
     """
 
     __test__ = False  # a name pytest would otherwise collect
@@ -126,20 +93,12 @@ class TestRecord(Coded):
 
 
 class RecordStore:
-    """A run's judged records by node id, each kept as the JSON text of :meth:`TestRecord.to_dict`.
-
-    A string holds no references: the garbage collector never traverses it, where a record's
-    dozens of lists, dicts and objects would be traversed by every full collection for the rest
-    of the run (the plugin collects twice a test). So the store hands out copies, and says so:
-    :meth:`decoded` and :meth:`decoded_all` decode one, a change is kept by :meth:`put` (a whole
-    record) or made in an :meth:`edit` block. The call's timeline is not kept: it is drawn only
-    in a test's own artifact, written before the run ends, and nothing after reads it.
-    """
+    """A run's judged records by node id, each kept as JSON text that the garbage collector never traverses; it hands
+    out copies, and a change is kept by :meth:`put` or an :meth:`edit` block."""
 
     def __init__(self, records: Iterable[TestRecord] = ()) -> None:
         self._texts: dict[str, str] = {}
-        #: each record's environment key and workspace bytes (strings and ints: nothing to traverse),
-        #: so that the run's environments are known without decoding every record
+        #: each record's environment key and workspace bytes, known without decoding every record
         self._environments: dict[str, tuple[str | None, int | None]] = {}
         for record in records:
             self.put(record)
@@ -150,8 +109,7 @@ class RecordStore:
         self._environments[record.nodeid] = (record.environment_key, record.workspaces)
 
     def decoded(self, nodeid: str) -> TestRecord:
-        """A new copy of the record of ``nodeid`` (raises ``KeyError`` where there is none): a change
-        to it is not kept unless it is :meth:`put` again (or made in an :meth:`edit` block)."""
+        """A new copy of the record of ``nodeid`` (``KeyError`` where there is none)."""
         return TestRecord.from_json(self._texts[nodeid])
 
     def decoded_all(self) -> list[TestRecord]:
@@ -160,8 +118,7 @@ class RecordStore:
 
     @contextlib.contextmanager
     def edit(self, nodeid: str) -> Iterator[TestRecord]:
-        """The record of ``nodeid``, decoded, for the ``with`` block to change; kept again as the block
-        ends without an error. Raises ``KeyError`` where there is none."""
+        """The record of ``nodeid`` for the ``with`` block to change; kept again as the block ends without an error."""
         record = self.decoded(nodeid)
         yield record
         self.put(record)
@@ -174,8 +131,7 @@ class RecordStore:
         return list(self._texts)
 
     def environments(self) -> dict[str, int | None]:
-        """The environment keys of the records, sorted, each with the workspace bytes its device
-        held (the first record's that knows them)."""
+        """The records' environment keys, sorted, each with the workspace bytes its device held."""
         found: dict[str, int | None] = {}
         for key, workspaces in self._environments.values():
             if key is not None and found.get(key) is None:

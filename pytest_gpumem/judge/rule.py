@@ -1,12 +1,4 @@
-"""The one rule that decides a figure against a reference: a limit, or a baseline within a tolerance.
-
-Everything that decides whether a figure got worse calls it: the judge (limits, budgets and
-baselines of the plugin, :func:`pytest_gpumem.measure`, ``gpumem.distributed``'s ranks and
-runs under ``torchrun``) and ``python -m pytest_gpumem baselines diff --fail-on-growth``.
-What differs per figure is a field of the metric table
-(:data:`~pytest_gpumem.data.metrics.METRIC_TABLE`): which way is better, its unit, its default
-tolerance and its tolerance floor. Pure: no I/O, no torch, no pytest.
-"""
+"""The one rule that decides a figure against a reference: a limit, or a baseline within a tolerance."""
 
 from __future__ import annotations
 
@@ -31,24 +23,17 @@ BaselineStatus = Literal["regressed", "improved", "ok"]
 
 
 def worse_by(metric: str, measured: int, reference: int) -> int:
-    """How much worse ``measured`` is than ``reference``, in the metric's unit: ``measured - reference``,
-    or ``reference - measured`` for a figure where higher is better; negative when it is better."""
+    """How much worse ``measured`` is than ``reference``, in the metric's unit; negative when it is better."""
     return reference - measured if metric_info(metric).higher_is_better else measured - reference
 
 
 def exceeds(metric: str, measured: int, bound: int) -> bool:
-    """Whether ``measured`` breaks the limit ``bound``: above it, or below it for a figure where
-    higher is better (a limit on such a figure is a minimum)."""
+    """Whether ``measured`` breaks the limit ``bound`` (a minimum where higher is better)."""
     return worse_by(metric, measured, bound) > 0
 
 
 def tolerance_for(metric: str, given: Tolerance | None) -> Tolerance:
-    """The tolerance a baseline of ``metric`` is compared with, when ``given`` is what the user set
-    (a span's, the marker's or the run's ``tolerance``; None: nothing, the metric's own default).
-
-    A given tolerance's absolute part is bytes: a figure in another unit (a count) keeps only
-    its relative part. Then the absolute part is at least the metric's tolerance floor.
-    """
+    """The tolerance of ``metric`` when ``given`` is set (None: its default): absolute part in bytes, floored."""
     if given is None:
         return _DEFAULTS.get(metric) or _EXACT
     info = metric_info(metric)
@@ -63,26 +48,21 @@ def _floored(info: MetricInfo, tolerance: Tolerance) -> Tolerance:
 
 
 _EXACT = Tolerance()
-#: Each figure's tolerance when none is set (its default, at least its floor); made once, so that
-#: each keeps the exact ratio :meth:`Tolerance.allowed` computes on first use.
+#: Each figure's tolerance when none is set; made once, so each keeps the ratio :meth:`Tolerance.allowed` caches.
 _DEFAULTS: Mapping[str, Tolerance] = MappingProxyType(
     {info.name: _floored(info, Tolerance(*info.tolerance)) for info in METRIC_TABLE}
 )
 
 
 def baseline_status(metric: str, measured: int, reference: int, tolerance: Tolerance) -> BaselineStatus:
-    """``measured`` against its baseline ``reference`` within ``tolerance`` (the one
-    :func:`tolerance_for` gives): ``"regressed"`` when it is worse by more than the tolerance
-    allows (:meth:`Tolerance.allowed`), ``"improved"`` when better by more, ``"ok"`` within."""
+    """``measured`` against its baseline ``reference``: ``"regressed"``, ``"improved"`` or ``"ok"`` (within)."""
     worse = worse_by(metric, measured, reference)
     allowed = tolerance.allowed(reference)
     return "regressed" if worse > allowed else "improved" if -worse > allowed else "ok"
 
 
 def describe_default_tolerances() -> str:
-    """What every figure a baseline keeps is compared with when no tolerance is set, and the floors
-    that hold whatever is set, in words (for the options' help): ``"exact for peak, allocated and
-    max_microbatch; 2% or 1.00 MiB for reserved; reserved never closer than 20.00 MiB"``."""
+    """The default tolerances and floors of the baseline figures, in words, for the options' help."""
     groups: dict[str, list[str]] = {}
     floors: list[str] = []
     for info in METRIC_TABLE:

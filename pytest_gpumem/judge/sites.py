@@ -1,16 +1,4 @@
-"""The sites that changed: a span's site profile against the one stored with its baseline.
-
-Modelled on ``tracemalloc.Snapshot.compare_to``: each site of either side is matched with
-the other side's, and what changed is listed by growth (the grown first, largest first, then
-the shrunk), a site only in this run "new since the baseline", one only in the baseline
-"gone". A row is one site's bytes of one category. Rows are matched by file, function,
-category and source line first (the nearest offset among repeated lines), then by place (a
-line whose text changed), then by function and source line (a function moved to another
-file), so that code moved without changing memory does not show as a pair of "new" and
-"gone" (see :func:`diff_sites`).
-
-Pure: no I/O, no torch. Sizes are bytes.
-"""
+"""The sites that changed: a span's site profile against its baseline's, as ``tracemalloc`` compares."""
 
 from __future__ import annotations
 
@@ -35,10 +23,7 @@ _AFTER: dict[str, Callable[[SiteChange], object]] = {
 
 @dataclass(frozen=True)
 class SiteChange(Coded):
-    """One site whose bytes changed: ``figures`` (this run's; the baseline's for a site that is
-    gone), the baseline's bytes at the peak and at the end (None for a site the baseline does not
-    list), and ``status``: ``"changed"``, ``"new"`` (since the baseline), ``"gone"``, or
-    ``"unlisted"`` (the baseline lists only its largest sites: this one may be among the others)."""
+    """One site whose bytes changed, with the baseline's (None, or ``"unlisted"``, where it lists the largest only)."""
 
     _codec_order = ("site", "status")
     figures: SiteFigures = field(metadata=coded(key="site"))
@@ -63,8 +48,7 @@ class SiteChange(Coded):
 
 @dataclass(frozen=True)
 class SiteDiff(Coded):
-    """The sites of one span that changed against its baseline's profile; ``compared``: how many
-    sites either side lists; ``second_run`` and ``note`` as the span's profile has them."""
+    """The sites of one span that changed against its baseline's profile; ``compared``: how many either side lists."""
 
     span: str
     changes: tuple[SiteChange, ...]
@@ -73,8 +57,7 @@ class SiteDiff(Coded):
     note: str = ""
 
     def at(self, moment: str = "peak") -> list[SiteChange]:
-        """The changes of bytes at the ``"peak"`` (or ``"end"``): the grown first, largest first, then
-        the shrunk, largest shrink first (ties by site)."""
+        """The changes at the ``"peak"`` (or ``"end"``): the grown, largest first, then the shrunk."""
         grown = [c for c in self.changes if c.delta(moment) > 0]
         shrunk = [c for c in self.changes if c.delta(moment) < 0]
         grown.sort(key=lambda c: (-c.delta(moment), c.figures.site.key))
@@ -83,15 +66,7 @@ class SiteDiff(Coded):
 
 
 def diff_sites(span: str, baseline: SiteProfile, current: SiteProfile) -> SiteDiff:
-    """The rows of ``current`` (this run) that changed against ``baseline`` (the stored profile).
-
-    A row (a site's bytes of one category) is paired with the baseline's by its file, function,
-    category and code first, the nearest offset among lines of the same text (after the shift of
-    the function's other lines); then by its place (file, function and offset: a line whose
-    text was edited); then by function and code (a function moved to another file). So lines
-    inserted, deleted or moved around a site give no row. A baseline stored before rows were
-    split by category (one row a site) is compared with this run's rows summed by site.
-    """
+    """The rows of ``current`` changed against ``baseline``, paired so that code moved around a site gives no row."""
     if not baseline.by_category and current.by_category:
         current = merge_categories(current)
     before = [s for s in baseline.sites if s.site.key != BEFORE]  # the start: not what the span made
@@ -132,8 +107,7 @@ def diff_sites(span: str, baseline: SiteProfile, current: SiteProfile) -> SiteDi
 
 
 def merge_categories(profile: SiteProfile) -> SiteProfile:
-    """``profile`` with one row a site (its categories summed; the category and phase of its
-    largest row), as profiles were stored before rows were split by category."""
+    """``profile`` with one row a site (categories summed), as profiles were stored before the split by category."""
     merged: dict[str, list[SiteFigures]] = {}
     for row in profile.sites:
         merged.setdefault(row.site.key, []).append(row)
@@ -148,9 +122,7 @@ def merge_categories(profile: SiteProfile) -> SiteProfile:
 
 
 def _pair_by_code(before: list[SiteFigures], after: list[SiteFigures]) -> list[tuple[SiteFigures, SiteFigures]]:
-    """Rows paired by file, function, category and code; among rows of the same text, in order of
-    offset, those nearest after the shift of the function's lines paired by unique text. Removes
-    them from both lists."""
+    """Rows paired by file, function, category and code (repeated lines by nearest offset); removed from both lists."""
 
     def text(row: SiteFigures) -> Hashable:
         site = row.site
@@ -203,8 +175,7 @@ def _offset(row: SiteFigures) -> int:
 
 
 def _align(olds: list[SiteFigures], news: list[SiteFigures], shift: int) -> list[tuple[SiteFigures, SiteFigures]]:
-    """The pairs of ``olds`` and ``news`` (each sorted by offset) in order that pair as many as can
-    be, with the least distance between an old offset moved by ``shift`` and the new offset."""
+    """The most in-order pairs of ``olds`` and ``news`` (sorted by offset), nearest after ``shift``."""
     n, m = len(olds), len(news)
     # best[i][j]: (pairs, -distance) of olds[i:] with news[j:]
     best = [[(0, 0)] * (m + 1) for _ in range(n + 1)]
@@ -235,8 +206,7 @@ def _pair(
     match: Callable[[SiteFigures], Hashable],
     old_match: Callable[[SiteFigures], Hashable] | None = None,
 ) -> list[tuple[SiteFigures, SiteFigures]]:
-    """Pairs of ``before`` and ``after`` that ``match`` (``old_match`` for ``before``, when given)
-    gives the same, unique, key; removes them from both."""
+    """Pairs that ``match`` (``old_match`` for ``before``) gives the same unique key; removed from both."""
     olds = _unique(before, old_match or match)
     news = _unique(after, match)
     found = [(olds[key], news[key]) for key in olds.keys() & news.keys()]

@@ -1,20 +1,5 @@
-"""The rules of a verdict: a measurement against limits, budgets and baselines, as
-:class:`~pytest_gpumem.data.findings.Finding` objects. The judge
-(:func:`~pytest_gpumem.judge.judgement.judge`) applies them.
-
-Pure functions, no I/O. Every size is bytes unless a metric says otherwise
-(:class:`~pytest_gpumem.data.metrics.MetricInfo`). Limits, budgets and baselines all compare *costs*: a
-figure minus its span's start (:meth:`Measurement.cost`), what the test or span
-itself added, so test order, shared fixtures, the CUDA context and library
-workspaces do not move them. Whether the whole process fits a device of a given
-size is what an emulated device limit answers (``device_limit=``).
-
-A limit or budget on a figure the engine cannot know (``reserved`` on the CPU
-engine, ``retained`` on a named span) gives an ``"n/a"`` finding that FAILS:
-a guard that cannot be checked must not pass silently. Remove the limit for
-that engine, or run where the figure exists. A baseline figure that is unknown
-on one side is ``"n/a"`` too but does not fail (nothing was promised).
-"""
+"""The rules of a verdict: a measurement's costs against limits, budgets and baselines, as findings (pure); a limit
+on a figure the engine cannot know is an ``"n/a"`` that fails: a guard that cannot be checked must not pass."""
 
 from __future__ import annotations
 
@@ -47,26 +32,17 @@ __all__ = [
 
 _EXACT = Tolerance()
 
-#: The tolerance of each baseline figure when no ``tolerance=`` (span, marker) and no
-#: ``--gpumem-tolerance`` sets one: the metric table's (:data:`~pytest_gpumem.data.metrics.METRIC_TABLE`,
-#: which says why ``peak`` and ``allocated`` are exact), with its floor
-#: (:func:`~pytest_gpumem.judge.rule.tolerance_for`). A figure not named there is exact.
+#: The tolerance of each baseline figure when nothing sets one: the metric table's, with its floor.
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {info.name: tolerance_for(info.name, None) for info in METRIC_TABLE}
 
 
 def default_tolerance(metric: str) -> Tolerance:
-    """The tolerance ``metric`` is compared with when nothing sets one: :data:`DEFAULT_TOLERANCES`."""
+    """The tolerance ``metric`` is compared with when nothing sets one (exact where the table has none)."""
     return DEFAULT_TOLERANCES.get(metric, _EXACT)
 
 
 def check_limits(test: str, measurement: Measurement, limits: Iterable[Limit]) -> list[Finding]:
-    """Compare the costs of ``measurement`` with each limit or budget, in order.
-
-    ``exceeded`` when the cost is above the limit (below it for a metric where
-    higher is better, such as ``max_microbatch``), ``ok`` otherwise; ``n/a``
-    (which fails) when the figure is unknown. Apply ``retained`` limits to the
-    ``"call"`` span only.
-    """
+    """Compare the costs of ``measurement`` with each limit or budget, in order: ``exceeded``, ``ok`` or ``n/a``."""
     figures = {metric: measurement.cost(metric) for metric in METRICS + COUNT_METRICS}
     return check_values(test, measurement.name, figures, limits, engine=measurement.engine)
 
@@ -79,10 +55,7 @@ def check_values(
     *,
     engine: str | None = None,
 ) -> list[Finding]:
-    """:func:`check_limits` for figures given by name (for metrics a :class:`Measurement` does not carry).
-
-    ``engine`` only words the explanation of an ``n/a``.
-    """
+    """:func:`check_limits` for figures given by name; ``engine`` only words the explanation of an ``n/a``."""
     findings: list[Finding] = []
     for limit in limits:
         kind: Kind = "budget" if limit.kind == "budget" else "limit"
@@ -120,17 +93,8 @@ def compare_baseline(
     strict: bool = False,
     metrics: Iterable[str] = BASELINE_METRICS,
 ) -> list[Finding]:
-    """Compare the costs of ``measurement`` with its baseline ``entry``, one finding per metric.
-
-    ``regressed`` when a cost is above ``baseline + allowed`` (below
-    ``baseline - allowed`` for a metric where higher is better), ``improved``
-    beyond the other side, ``ok`` within. Without an entry every known cost is
-    ``new``, or ``other-environment`` when ``other_environments`` (their keys)
-    have baselines for this test. A metric unknown on both sides gives no
-    finding. ``tolerance`` is one :class:`Tolerance` for every metric or one
-    per metric name (exact for a metric not in the mapping). Regressions carry
-    the breakdown categories that grew when both sides have a breakdown.
-    """
+    """Compare the costs of ``measurement`` with its baseline ``entry``, one finding per metric; ``tolerance`` is one
+    for all or one per metric (exact where missing)."""
     costs = {metric: measurement.cost(metric) for metric in metrics}
     return compare_values(
         test,
@@ -155,7 +119,7 @@ def compare_values(
     other_environments: Iterable[str] = (),
     strict: bool = False,
 ) -> list[Finding]:
-    """:func:`compare_baseline` for costs given by name (for metrics a :class:`Measurement` does not carry)."""
+    """:func:`compare_baseline` for costs given by name."""
     others = tuple(other_environments)
     single = tolerance if isinstance(tolerance, Tolerance) else None
     findings: list[Finding] = []
@@ -188,12 +152,7 @@ def compare_values(
 
 
 def changed_categories(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
-    """Categories whose bytes changed from ``before`` to ``after``: category → change.
-
-    The grown first, largest first, then the shrunk, largest shrink first; every category that
-    changed is there, so the changes add up to the change of the total. Ties keep the order of
-    :data:`~pytest_gpumem.data.figures.CATEGORIES` (unknown categories after, by name).
-    """
+    """Categories whose bytes changed from ``before`` to ``after``, grown then shrunk, largest first."""
     names = [c for c in CATEGORIES if c in before or c in after]
     names += sorted(set(before).union(after).difference(CATEGORIES))
     change = [(name, after.get(name, 0) - before.get(name, 0)) for name in names]
@@ -203,10 +162,7 @@ def changed_categories(before: Mapping[str, int], after: Mapping[str, int]) -> d
 
 
 def stale_findings(stale: Iterable[StaleEntry], *, strict: bool = False) -> list[Finding]:
-    """One ``"stale"`` finding per baseline whose test no longer exists (span and metric ``"*"``).
-
-    ``detail`` names the environment key and the recorded spans.
-    """
+    """One ``"stale"`` finding per baseline whose test no longer exists (span and metric ``"*"``)."""
     return [
         Finding(
             entry.test,

@@ -1,5 +1,4 @@
-"""The recording that ``measure()`` blocks join: :func:`measure` (inside or outside pytest),
-:func:`activate` (the plugin's test call) and :func:`engine_for` (the engine measuring a device now)."""
+"""The recording ``measure()`` blocks join: :func:`measure`, :func:`activate` (the plugin's) and :func:`engine_for`."""
 
 from __future__ import annotations
 
@@ -27,11 +26,7 @@ _ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pytes
 
 
 def engine_for(target: Engine | str | torch.device | None) -> Engine:
-    """The engine for ``target``: ``target`` itself when it is an engine; for a device name
-    (``"cpu"``, ``"cuda:0"``, ``"auto"``) the engine measuring that device now (inside a
-    measured test or a :func:`measure` block), else a new one from
-    :func:`~pytest_gpumem.measurement.engines.make_engine`.
-    """
+    """The engine for ``target``: itself, the engine measuring that device now, else a new one."""
     if target is not None and not isinstance(target, (str, torch.device)):
         return target
     device = resolve_device(target)
@@ -57,31 +52,14 @@ def measure(
     sites: SiteConfig | None = None,
     **limits: Any,
 ) -> Iterator[Span]:
-    """Measure the memory a block of code costs, inside or outside pytest.
+    """Measure the memory a block of code costs, inside or outside pytest (see docs/library.md).
 
-    Inside a test that the plugin measures (or inside another ``measure``
-    block on the same device), the span joins that recording. Otherwise it
-    starts its own on ``device`` (``"cpu"``, ``"cuda:0"``; default: CUDA when
-    available, else CPU), after the clean-state protocol. ``device_limit``
-    (bytes or a size such as ``"24GiB"``) runs the block as if the device had
-    that much memory (see :func:`pytest_gpumem.device_limit`). ``observe="allocations"``
-    has the CPU engine read the CPU allocator's reports instead of watching operators, so
-    that ``torch.compile``'d code runs as compiled (no emulated device limit then).
-    ``predict="h100"`` runs the block on the CPU engine and reports what that GPU would
-    show (see :mod:`pytest_gpumem.measurement.engines.predict`; ``device`` must then be the CPU);
-    with ``fake=True`` the block runs on fake tensors (shapes and dtypes, no data: see
-    :mod:`pytest_gpumem.measurement.engines.fake`), so the model, optimizer and batch it makes
-    need no memory: build them inside the block. ``sites`` (a
-    :class:`~pytest_gpumem.data.sites.SiteConfig`) records where the bytes are made: the span's
-    figures then carry its sites (a block that joins a recording has that recording's). Limits
-    (``peak="4GiB"``, ``allocated=...``) are checked when the block ends:
-    outside pytest a broken limit raises :class:`pytest_gpumem.LimitExceeded`.
-
-    Example::
-
-        with measure("step", track=(model, opt)) as m:
-            train_step()
-        print(m.peak, m.breakdown)
+    Inside a measured test or another ``measure`` block on the same device, the span joins that recording; otherwise it
+    starts its own on ``device`` (default: CUDA when available, else CPU). ``device_limit``: run as if the device had
+    that much memory; ``observe="allocations"``: compiled code runs as compiled (CPU); ``predict="h100"``: report what
+    that GPU would show; ``fake=True``: run on fake tensors (build the model inside the block); ``sites``: record where
+    bytes are made. Limits (``peak="4GiB"``) are checked at the end; outside pytest a broken one raises
+    :class:`pytest_gpumem.LimitExceeded`.
     """
     active = _ACTIVE.get()
     joined = active if active is not None and active.active else None

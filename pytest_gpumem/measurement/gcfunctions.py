@@ -1,12 +1,4 @@
-"""``gc``'s functions as the plugin calls them, and what a user's code calls while a run's
-collector has objects frozen.
-
-While the run's :class:`~pytest_gpumem.measurement.collector.Collector` holds objects frozen,
-``gc.get_objects``, ``gc.get_referrers``, ``gc.get_freeze_count``, ``gc.freeze`` and
-``gc.unfreeze`` are wrappers that give the frozen objects back before they call ``gc``'s own
-function: a user's code sees every object and referrer, and its own freeze, as it does
-without the plugin. The plugin calls the functions kept here, which give nothing back.
-"""
+"""``gc``'s functions as the plugin calls them, and wrappers that give frozen objects back before a user's call."""
 
 from __future__ import annotations
 
@@ -47,8 +39,7 @@ def _wrapper(
 
 
 def install(give_back: Callable[[], None], froze: Callable[[], None]) -> None:
-    """Put wrappers in ``gc``'s place that call ``give_back()`` first, and ``froze()`` after a
-    user's ``gc.freeze()``."""
+    """Put wrappers in ``gc``'s place that call ``give_back()`` first, and ``froze()`` after a ``gc.freeze()``."""
     for name, real in _WRAPPED.items():
         if getattr(gc, name) is real:
             setattr(gc, name, _wrapper(real, give_back, froze if name == "freeze" else None))

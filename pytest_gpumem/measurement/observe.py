@@ -1,14 +1,10 @@
-"""How the CPU engine observes memory: the names, validated without torch, and the one rule
-that ties them to predictions and emulated device limits (:func:`observe_conflict`,
-:func:`choose_observe`), which the marker, the plugin and :func:`~pytest_gpumem.make_engine` follow."""
+"""How the CPU engine observes memory: the names, validated without torch, and their conflicts with other settings."""
 
 from __future__ import annotations
 
 __all__ = ["OBSERVE", "ObserveError", "choose_observe", "observe_conflict", "parse_observe"]
 
-#: How the CPU engine observes memory: ``operators`` (the storage tracker's dispatch mode) or
-#: ``allocations`` (the CPU allocator's reports to PyTorch's profiler: ``torch.compile``'d code
-#: runs as compiled). See :mod:`pytest_gpumem.measurement.engines.allocations`.
+#: How the CPU engine observes memory: a dispatch mode over operators, or the CPU allocator's reports to the profiler.
 OBSERVE: tuple[str, ...] = ("operators", "allocations")
 
 
@@ -24,10 +20,7 @@ def parse_observe(value: object) -> str:
 
 
 def observe_conflict(observe: str | None, *, predict: str | None = None, limit: str | None = None) -> str | None:
-    """Why ``observe`` cannot run with the prediction ``predict`` or under the emulated device
-    limit written ``limit`` (``"device_limit='24GiB'"``, ``"--gpumem-device-limit=N"``); None
-    when it can. Only the operator tracker can: an allocation replayed from the profiler
-    afterwards cannot be refused, and a prediction follows the operators."""
+    """Why ``observe`` cannot run with the prediction ``predict`` or under the device limit ``limit``."""
     if observe != "allocations":
         return None
     if predict is not None:
@@ -38,9 +31,7 @@ def observe_conflict(observe: str | None, *, predict: str | None = None, limit: 
 
 
 def choose_observe(observe: str | None, *, default: str, predict: str | None = None, limit: bool = False) -> str:
-    """How a test is observed: ``observe`` when it says (see :func:`observe_conflict`), else
-    ``"operators"`` where a prediction or an emulated device limit needs it, else ``default``
-    (the run's ``--gpumem-observe``)."""
+    """How a test is observed: ``observe``, else what a prediction or a device limit needs, else ``default``."""
     if observe is not None:
         return observe
     return "operators" if predict is not None or limit else default

@@ -1,7 +1,4 @@
-"""The training-step driver: one step of a model and its optimizer on a batch, as
-``gpumem.train_step`` runs it (its warm-up steps, then one step in a span) and as the
-validation's workloads run it. A step's frames are the user's in an out-of-memory report
-(:mod:`pytest_gpumem.diagnose.census` names what they hold)."""
+"""The training-step driver: one step of a model and its optimizer on a batch (``gpumem.train_step``)."""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ def train_step_span(
     warmup: int,
     name: str,
 ) -> Any:
-    """``gpumem.train_step``: checks its arguments, tracks the model and optimizer, runs
-    ``warmup`` steps, then one step in the span ``name``, which it returns."""
+    """``gpumem.train_step``: ``warmup`` steps, then one step in the span ``name``, which it returns."""
     __tracebackhide__ = True
     nodeid = gpumem.nodeid
     if amp not in AMP_MODES:
@@ -75,10 +71,7 @@ def run_step(
     scaler: torch.amp.GradScaler | None = None,
     device: torch.device | None = None,
 ) -> None:
-    """One training step: ``optimizer.zero_grad(set_to_none=True)``, forward, loss, backward,
-    ``optimizer.step()``; under autocast with ``amp`` (``"bf16"``, ``"fp16"``) on ``device``'s type
-    (default: the model's), through ``scaler`` where given. ``batch`` and ``loss_fn`` as
-    :meth:`~pytest_gpumem.plugin.fixture.GpuMem.train_step` takes them."""
+    """One training step (zero_grad, forward, loss, backward, step), under autocast with ``amp``, through ``scaler``."""
     __tracebackhide__ = True
     optimizer.zero_grad(set_to_none=True)
     device_type = (device or next(model.parameters()).device).type
@@ -130,8 +123,7 @@ def _loss(model: torch.nn.Module, batch: Any, loss_fn: Callable[..., torch.Tenso
 
 
 def describe(value: Any) -> str:
-    """``value`` for an error message, without dumping tensors: ``"a float32 tensor of shape (4, 32)"``,
-    ``"a tuple of 3: (a float32 tensor of shape (4, 32), 1, None)"``."""
+    """``value`` for an error message, without dumping tensors: ``"a float32 tensor of shape (4, 32)"``."""
     if isinstance(value, torch.Tensor):
         dtype = str(value.dtype).removeprefix("torch.")
         where = "" if value.device.type == "cpu" else f" on {value.device}"

@@ -1,17 +1,5 @@
-"""The modules and optimizers a recording tracks: their tensors' categories, Ψ, and the hooks
-that tell the recorder where a training step's phases begin.
-
-The module and optimizer hooks are torch's global ones (``register_module_forward_pre_hook``,
-``register_optimizer_step_pre_hook``, ...), filtered by the tracked objects' ids: nothing is
-stored on a user's module or optimizer, so ``copy.deepcopy``, ``pickle`` and ``torch.save``
-treat them as they do without the plugin. A parameter's post-accumulate-grad hook lives in
-the tensor's ``_post_accumulate_grad_hooks``, which copies and pickles leave out.
-
-torch warns at every call of a ``torch.compile``'d module while any global module hook exists
-(the hook would fire for the compiled wrapper too; these hooks ignore it, not being tracked):
-that warning, which the plugin's hooks alone would cause, is ignored while they are installed,
-so that a suite with ``filterwarnings = error`` runs its compiled modules as without the plugin.
-"""
+"""The modules and optimizers a recording tracks: categories, Ψ, and phase hooks (torch's global ones, filtered by
+id, so nothing is stored on a user's module or optimizer)."""
 
 from __future__ import annotations
 
@@ -48,7 +36,6 @@ class Tracked:
     def __init__(self, engine: Engine, phases: PhaseHooks) -> None:
         self.engine = engine
         self.phases = phases
-        #: the tracked objects, in the order they were tracked
         self.objects: list[Any] = []
         self._ids: set[int] = set()
         self._modules: set[int] = set()
@@ -58,8 +45,7 @@ class Tracked:
         self._quiet: tuple[Any, ...] | None = None
 
     def quiet(self) -> None:
-        """Ignore torch's warning about global module hooks while the module hooks are installed
-        (again at a span's start: pytest restores the filters at each phase's end)."""
+        """Ignore torch's warning about global module hooks while they are installed (again at each span)."""
         if not self._modules:
             return
         if self._quiet is not None and self._quiet in warnings.filters:
@@ -138,8 +124,7 @@ class Tracked:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         engine.classify(params, "parameters")
         engine.classify([p.grad for p in params if p.grad is not None], "gradients")
-        # a wrapper that shards the optimizer (ZeroRedundancyOptimizer) keeps the rank's state in
-        # the optimizer it wraps, ``.optim``
+        # a sharding wrapper (ZeroRedundancyOptimizer) keeps the rank's state in the optimizer it wraps, ``.optim``
         inner = getattr(optimizer, "optim", None)
         holders = [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
         engine.classify(

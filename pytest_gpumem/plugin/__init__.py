@@ -1,19 +1,5 @@
-"""The pytest layer: options, the ``gpumem`` marker and fixture, and hooks that wire the
-library together. Past the ones here, the hooks live on the run's
-:class:`~pytest_gpumem.plugin.manager.GpumemManager` and its parts (its module names them),
-each a few lines over an object that works without pytest:
-
-* :class:`~pytest_gpumem.plugin.runner.TestRun` measures one test where it runs and returns
-  its :class:`~pytest_gpumem.judge.record.TestRecord`, attached to the call report
-  (``report.gpumem``, as JSON text, so that it travels to the xdist controller);
-* :class:`~pytest_gpumem.plugin.session.BaselineSession`, in the process that owns the run, compares
-  each record with the baseline file, and at the end records and writes it once,
-  with the reports;
-* :mod:`pytest_gpumem.report.text` renders the terminal summary.
-
-Importing this module does not import torch, and a run without a measured test
-never imports it nor reads the baseline file.
-"""
+"""The pytest layer: options, the ``gpumem`` marker and fixture (the other hooks live on the run's
+``GpumemManager``); it imports no torch, and a run without a measured test reads no baseline file."""
 
 from __future__ import annotations
 

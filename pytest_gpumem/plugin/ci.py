@@ -1,5 +1,4 @@
-"""What CI reads beyond pytest's own output, on pytest's side: the run's own failure as a JUnit
-test case, and a test's figures and page among pytest-html's extras (pytest-html stays optional)."""
+"""What CI reads beyond pytest's own output: the run's failure as a JUnit test case, and pytest-html extras."""
 
 from __future__ import annotations
 
@@ -17,9 +16,7 @@ __all__ = ["add_html_extras", "junit_failure"]
 
 
 def junit_failure(config: pytest.Config, message: str, near: Path) -> None:
-    """Write ``message`` into pytest's JUnit XML file (``--junitxml``) as the failed test case
-    ``gpumem::run``, so that a CI test panel shows why the run failed; ``near`` (the baseline file)
-    is its file. Nothing without ``--junitxml``."""
+    """Write ``message`` into pytest's JUnit XML file as the failed test case ``gpumem::run``, in the file ``near``."""
     try:
         from _pytest.junitxml import xml_key
     except ImportError:  # pragma: no cover - a pytest without it writes no JUnit file we know
@@ -45,9 +42,7 @@ def junit_failure(config: pytest.Config, message: str, near: Path) -> None:
 
 
 def add_html_extras(report: pytest.TestReport, record: TestRecord, page: str | None, html_report: str | None) -> None:
-    """Add the call's figures and a link to the test's page to ``report``'s pytest-html extras
-    (``report.extras``). ``html_report`` is pytest-html's ``--html`` path: the link is relative to
-    its folder, so the two can be uploaded together."""
+    """Add the call's figures and a link to its page (relative to ``html_report``) to pytest-html's extras."""
     extras = importlib.import_module("pytest_html.extras")  # optional: only when pytest-html runs
 
     from pytest_gpumem.data.metrics import metric_info

@@ -1,5 +1,4 @@
-"""The end of a run: the baseline file recorded and written once, the reports, the terminal
-summary, and under ``torchrun`` every rank's records gathered to rank 0."""
+"""The end of a run: the baseline file written once, the reports, the terminal summary; ranks gathered to rank 0."""
 
 from __future__ import annotations
 
@@ -42,9 +41,7 @@ def append_section(report: pytest.TestReport, title: str, text: str) -> None:
 
 
 class RunEnd:
-    """The end of the run: the baseline file written, the reports, the artifact pages, and what could
-    not be written. A part of :class:`~pytest_gpumem.plugin.manager.GpumemManager`, registered as a
-    plugin of its own; it writes what the manager's ``baselines`` session holds."""
+    """The end of the run: the baseline file, the reports, the artifact pages, and what could not be written."""
 
     def __init__(
         self,
@@ -62,12 +59,11 @@ class RunEnd:
         self.book = book
         self.worker = worker
         self.launch = launch
-        #: what keeps the baseline file from being written (it could not be read under xdist, the
-        #: ranks could not be gathered, it could not be written): shown in red at the end
+        #: what keeps the baseline file from being written: shown in red at the end
         self.error: str | None = None
-        #: outputs that could not be written (reports, pages, snapshots): warnings, shown in the summary
+        #: outputs that could not be written: warnings, shown in the summary
         self.problems: list[str] = []
-        #: an :class:`OutputNotWritten` warning was made an error (``-W error``): the run fails
+        #: an :class:`OutputNotWritten` warning was made an error: the run fails
         self.escalated = False
         #: each judged test's JUnit properties, by node id, until its teardown report takes them
         self.properties: dict[str, list[tuple[str, str | int]]] = {}
@@ -75,12 +71,10 @@ class RunEnd:
         self.annotations: list[Annotation] = []
         #: why the run fails where no test does (stale baselines in strict mode, a file not written)
         self.failures: list[str] = []
-        #: the measured tests' pages (node id → path), for the run's index
         self.pages: dict[str, str] = {}
 
     def judged(self, report: pytest.TestReport, record: TestRecord) -> None:
-        """A judged test: its JUnit properties for its teardown report, and on GitHub Actions the
-        annotation of a failure at the line that grew (else at the test)."""
+        """A judged test: its JUnit properties, and on GitHub Actions a failure's annotation."""
         self.properties[report.nodeid] = junit_properties(record)
         # a failed report only: one whose memory failure was expected (xfail) is not annotated
         if record.failed and report.failed and os.environ.get("GITHUB_ACTIONS") == "true":
@@ -101,7 +95,6 @@ class RunEnd:
             try:
                 self.baselines.finish(self.book.collection())
             except (BaselineFileError, OSError) as exc:
-                # asked to record baselines and could not: the run fails, the file is as it was
                 if session.exitstatus == pytest.ExitCode.OK:
                     session.exitstatus = pytest.ExitCode.TESTS_FAILED
                 self.error = f"gpumem: could not write the baseline file: {exc}"
@@ -118,8 +111,7 @@ class RunEnd:
         self._run_failures()
 
     def _run_failures(self) -> None:
-        """Why the run fails where no test does, one line each, also as a failed test case
-        ``gpumem::run`` in the JUnit XML file (``--junitxml``), which CI's test panels show."""
+        """Why the run fails where no test does, also as a failed test case ``gpumem::run`` in the JUnit XML."""
         stale = [f for f in self.baselines.stale if f.failed]
         if stale and not self.settings.baselines.update and self.error is None:
             tests = sorted({f.test for f in stale})
@@ -138,8 +130,7 @@ class RunEnd:
             junit_failure(self.config, "\n".join(self.failures), self.settings.baselines.path)
 
     def artifacts(self, report: pytest.TestReport, record: TestRecord) -> None:
-        """The test's artifact page (a failed test's, or every test's with ``--gpumem-artifacts-all``),
-        named in its failure report; a page that cannot be written is a warning, never the run's end."""
+        """The test's artifact page (a failed test's, or every test's with ``--gpumem-artifacts-all``)."""
         page: str | None = None
         if report.failed or self.settings.artifacts_all:
             try:
@@ -158,8 +149,7 @@ class RunEnd:
             add_html_extras(report, record, page, self.config.getoption("htmlpath", None))
 
     def write_index(self) -> None:
-        """The run's ``index.html`` in the artifact folder, once a page was written: every measured
-        test with its status and figures, linking its page."""
+        """The run's ``index.html`` in the artifact folder, once a page was written."""
         if not self.pages:
             return
         try:
@@ -168,8 +158,7 @@ class RunEnd:
             self._not_written(exc.strerror or str(exc))
 
     def _not_written(self, problem: str) -> None:
-        """A report, page or snapshot that could not be written: an :class:`OutputNotWritten` warning
-        (and a line of the gpumem section); the run goes on. A warning made an error fails the run."""
+        """An output that could not be written: an :class:`OutputNotWritten` warning; the run goes on."""
         self.problems.append(problem)
         try:
             warnings.warn(OutputNotWritten(problem), stacklevel=1)
@@ -230,11 +219,10 @@ class RunEnd:
             terminalreporter.write_sep("=", "gpumem")
         if text is not None:
             # a node id from a file name that is not UTF-8 holds lone surrogates: escape them
-            # (``\udcff``), as the baseline file does, or pytest prints the whole summary on one line
             terminalreporter.write_line(text.encode("utf-8", "backslashreplace").decode("utf-8"))
         for problem in self.problems:
             terminalreporter.write_line(f"gpumem: {problem}", yellow=True)
-        # the run's failures; the error alone where the run ended before they were gathered (the ranks' gather)
+        # the error alone where the run ended before the failures were gathered
         failures = self.failures or ([self.error] if self.error else [])
         if failures and text is None and not self.problems:
             terminalreporter.write_sep("=", "gpumem")

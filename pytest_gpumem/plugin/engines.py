@@ -1,7 +1,4 @@
-"""The run's engines: the device a test measures on (:func:`choose_device`), one engine per kind for
-the whole run (:class:`Engines`), and the run's collector wired into pytest (:class:`Freezer`):
-what the session imported or built is frozen, so that each test's garbage collections cover only
-what it made (:class:`~pytest_gpumem.measurement.collector.Collector`)."""
+"""The run's engines: a test's device, one engine per kind for the run, and the run's collector."""
 
 from __future__ import annotations
 
@@ -26,13 +23,7 @@ class DeviceUnavailable(Exception):
 
 
 def choose_device(wanted: str, *, require_gpu: bool = False, worker: int | None = None) -> torch.device:
-    """The device a test measures on: ``wanted`` is ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-
-    ``"auto"`` is CUDA when available, else the CPU (with ``require_gpu``:
-    :class:`DeviceUnavailable`). Under pytest-xdist, ``worker`` *i* measures on GPU
-    *i mod N* for ``"auto"`` and ``"cuda"`` when several GPUs are visible. A CUDA
-    device that is not there raises :class:`DeviceUnavailable`.
-    """
+    """The device a test measures on (xdist's ``worker`` *i* on GPU *i mod N*), or :class:`DeviceUnavailable`."""
     has_cuda = cuda_available()
     if wanted in ("auto", "cuda") and has_cuda:
         count = torch.cuda.device_count()
@@ -57,12 +48,7 @@ def choose_device(wanted: str, *, require_gpu: bool = False, worker: int | None 
 
 
 class Engines:
-    """One engine per (device, breakdown, observe) for the whole run, so trackers and caches are reused.
-
-    An engine with a storage tracker made while objects are frozen (see
-    :class:`Freezer`) registers the tensors among the frozen objects first: its
-    later scans cannot see them.
-    """
+    """One engine per (device, breakdown, observe) for the run; a new one registers the frozen tensors."""
 
     def __init__(self, *, cuda_rounding: bool = False, freezer: Freezer | None = None) -> None:
         self.cuda_rounding = cuda_rounding
@@ -72,10 +58,7 @@ class Engines:
     def get(
         self, device: torch.device, *, breakdown: bool = False, observe: str = "operators", predict: str | None = None
     ) -> Engine:
-        """The engine for ``device``; the CPU engine always has its tracker (``breakdown`` is moot)
-        and ``observe`` chooses how it sees memory; on CUDA ``observe`` is moot (the caching
-        allocator's figures are those of the code that runs, compiled or not), and so is
-        ``predict`` (the GPU whose figures the CPU engine predicts: a real one is measured)."""
+        """The engine for ``device``; on CUDA ``observe`` and ``predict`` are moot, on the CPU ``breakdown`` is."""
         breakdown = breakdown or device.type == "cpu"
         if device.type != "cpu":
             observe, predict = "operators", None
@@ -95,15 +78,7 @@ class Engines:
 
 
 class Freezer:
-    """Wires the run's :class:`~pytest_gpumem.measurement.collector.Collector` (what the plugin does to
-    the garbage collector, and its rule) into pytest: started before the first measured test,
-    compacted once each test's teardown is done (registered as a plugin for that), stopped when
-    the run ends.
-
-    Where someone else had frozen objects as the run started, the collector froze nothing; once a
-    census of live tensors (an out-of-memory or leak report) has given their objects back for
-    good, nothing is frozen any more, and the collector starts after that test as it would have
-    at the run's start: the later tests' collections walk what they made, not the whole process."""
+    """Wires the run's collector into pytest: started, compacted after each test, stopped."""
 
     def __init__(self, config: pytest.Config | None = None) -> None:
         self.collector = Collector()
@@ -125,8 +100,7 @@ class Freezer:
         self.refreeze()
 
     def refreeze(self) -> None:
-        """Between tests, and before a failing test's second run: freeze what the session built
-        since, if a lot (or start, where a census gave back what someone else froze)."""
+        """Between tests, and before a failing test's second run: freeze what the session built since, if a lot."""
         if self.collector.active:
             self.collector.compact()
         elif frozen.theirs_given_back():

@@ -14,11 +14,7 @@ if TYPE_CHECKING:
 def pytest_gpumem_environment(config: pytest.Config, environment: Environment) -> Environment | None:
     """Adjust the environment that keys a test's baselines; return the one to use, or None to keep it.
 
-    Called once per engine and device in each process that measures. Baselines
-    recorded under one environment key are compared only with figures measured
-    under the same key, so this decides which runs compare with each other: add
-    a label (``dataclasses.replace(environment, labels=(("runner", "a100-pool"),))``)
-    to keep separate baselines per runner pool, or set a field to None to share
-    baselines across values of it (it then reads "unknown" in the key).
-    The first implementation that returns an environment wins.
+    Called once per engine and device in each process that measures; it decides which runs compare with each other
+    (see docs/baselines.md): add a label to keep baselines apart, or set a field to None to share them across its
+    values. The first implementation that returns an environment wins.
     """

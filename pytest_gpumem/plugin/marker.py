@@ -1,8 +1,4 @@
-"""The ``gpumem`` marker: its keywords, their help, and :func:`parse_marker`, which validates them.
-
-It runs at collection time, before torch is imported, so a bad value is a collection
-error naming the test and the value before anything runs.
-"""
+"""The ``gpumem`` marker: its keywords, their help, and :func:`parse_marker`, which validates them without torch."""
 
 from __future__ import annotations
 
@@ -45,12 +41,9 @@ MARKER_KEYWORD_HELP: dict[str, str] = {
     "sites": "'rerun', 'always' or 'off': when this test records where its bytes were made (overrides "
     "--gpumem-sites; 'off' for a test whose state a second run of its call would find changed)",
 }
-#: Keywords the ``gpumem`` marker accepts.
 MARKER_KEYWORDS: tuple[str, ...] = tuple(MARKER_KEYWORD_HELP)
 assert MARKER_KEYWORDS[: len(METRICS)] == METRICS, "the limits come first, in METRICS order"
-#: The keywords that choose how a test is measured (its device and engine): read when its run is
-#: set up, before its fixtures. The others (limits, ``tolerance``, ``min_microbatch``) are judged
-#: after the call, and a marker added until then applies them.
+#: The keywords that choose how a test is measured, read before its fixtures (the others are judged after the call).
 SETUP_KEYWORDS: tuple[str, ...] = ("device", "breakdown", "observe", "predict", "fake", "device_limit")
 
 
@@ -71,34 +64,24 @@ class GpumemSpec:
     limits: tuple[LimitSpec, ...] = ()
     device: str | None = None
     breakdown: bool | None = None
-    #: how the CPU engine observes memory (:data:`OBSERVE`); None: the run's option
     observe: str | None = None
-    #: the GPU whose figures the CPU engine predicts (a target of :mod:`pytest_gpumem.targets`); None: the run's option
     predict: str | None = None
-    #: run on fake tensors (a prediction without data); None: the run's option
     fake: bool | None = None
     tolerance: Tolerance | None = None
-    #: emulated device size in bytes: the test runs as if the device had this much memory
     device_limit: int | None = None
-    #: lower bound on the largest microbatch that fits (``gpumem.max_microbatch()``)
     min_microbatch: int | None = None
-    #: when sites are recorded (:data:`~pytest_gpumem.data.sites.SITES_MODES`); None: the run's option
     sites: str | None = None
 
 
 T = TypeVar("T")
 
-#: torch keeps a device index in 8 bits: ``torch.device("cuda:128")`` is ``cuda:-128``, and it
-#: refuses leading zeros (``cuda:00``)
+#: torch keeps a device index in 8 bits (``cuda:128`` is ``cuda:-128``) and refuses leading zeros
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(?::(?:0|[1-9][0-9]{0,2}))?)$")
 _MAX_DEVICE_INDEX = 127
 
 
 def parse_device(value: object) -> str:
-    """Validate a device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or such a ``torch.device``.
-
-    Needs no torch (the marker is validated at collection, before torch is imported).
-    """
+    """Validate a device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or such a ``torch.device``, without torch."""
     if type(value).__name__ == "device" and type(value).__module__ == "torch":
         value = str(value)
     text = value.strip() if isinstance(value, str) else None
@@ -148,11 +131,7 @@ def marker_help() -> str:
 
 
 def closest_first(marks: Sequence[T], parameter_marks: Sequence[object]) -> list[T]:
-    """``marks`` (as ``item.iter_markers`` yields them: the test's own, then its class's, module's)
-    with the marks of the test's parameters (``pytest.param(..., marks=...)``) first: they are
-    the closest, written for this one case. (pytest's ``get_closest_marker`` would return the
-    function's own marker there: the test's own markers list the function's before its
-    parameters'.)"""
+    """``marks`` with the test's parameters' marks first: the closest, though pytest lists them after the function's."""
     first = [mark for mark in marks if any(mark is other for other in parameter_marks)]
     return first + [mark for mark in marks if not any(mark is other for other in parameter_marks)]
 
@@ -163,10 +142,7 @@ def late_marker_problems(
     before: GpumemSpec,
     now: GpumemSpec,
 ) -> list[str]:
-    """What is wrong with markers added after the test was set up (``late``, one flag per marker in
-    ``markers``, closest first): a keyword they set that a closer marker sets to another value (it
-    would be dropped), and a :data:`SETUP_KEYWORDS` keyword that changes the spec ``before``
-    (the test is measured already)."""
+    """What is wrong with markers added late: a keyword a closer one overrides, a setup keyword changed."""
     problems = []
     for (_, kwargs), is_late in zip(markers, late, strict=True):
         if not is_late:
@@ -190,12 +166,7 @@ def late_marker_problems(
 
 
 def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> GpumemSpec:
-    """Merge and validate ``gpumem`` markers, closest first (:func:`closest_first`).
-
-    A keyword on a closer marker (a parameter's, the function's) wins over the same
-    keyword on a farther one (the function's, the class's, the module's). Raises
-    :class:`SpecError` naming the bad keyword or value.
-    """
+    """Merge and validate ``gpumem`` markers, closest first (its keywords win); :class:`SpecError` names a bad one."""
     merged: dict[str, Any] = {}
     for args, kwargs in markers:
         if args:

@@ -1,7 +1,4 @@
-"""The run's options: the table of ``--gpumem-*`` options (each with an ini setting it falls
-back to), and :class:`Settings`, the validated values. No pytest: the plugin registers the
-table and hands over a reader of the command line and ini file.
-"""
+"""The run's options: the ``--gpumem-*`` options (each with an ini setting) and their :class:`Settings`."""
 
 from __future__ import annotations
 
@@ -31,10 +28,7 @@ DISABLE_ENV = "PYTEST_GPUMEM_DISABLE"
 
 @dataclass(frozen=True)
 class Option:
-    """One ``--gpumem-NAME`` option and its ini setting ``gpumem_NAME``.
-
-    ``flag`` options take no value (``store_true``); the others a value shown as ``metavar``.
-    """
+    """One ``--gpumem-NAME`` option and its ini setting ``gpumem_NAME``; a ``flag`` takes no value."""
 
     name: str
     help: str
@@ -158,7 +152,6 @@ class Settings:
     """The run's options, each from the command line or else its ini value."""
 
     device: str
-    #: nothing is measured, judged or written (``--gpumem-disable``, ``PYTEST_GPUMEM_DISABLE``)
     disable: bool
     require_gpu: bool
     breakdown: bool
@@ -172,20 +165,13 @@ class Settings:
     artifacts_all: bool
     snapshot: bool
     baselines: BaselineOptions
-    #: when sites are recorded (:data:`~pytest_gpumem.data.sites.SITES_MODES`)
     sites: str = "rerun"
-    #: how sites are chosen (the rootdir, the included packages)
     site_config: SiteConfig | None = None
-    #: the longest first call (seconds) after which a test is not run again for its sites
     rerun_limit: float = 10.0
 
     @classmethod
     def read(cls, value: Callable[[str], Any], rootpath: Path, cache_dir: Callable[[], Path] | None = None) -> Settings:
-        """The settings from ``value(dest)``: the command line's value, else the ini file's.
-
-        Relative paths are from ``rootpath``; artifacts go to ``cache_dir()`` (the pytest
-        cache) unless ``--gpumem-artifacts`` names a folder. Raises :class:`OptionError`.
-        """
+        """The settings: each the command line's value, else the ini file's; paths relative to ``rootpath``."""
 
         def text(name: str) -> str:
             got = value(name)
@@ -218,8 +204,7 @@ class Settings:
             )
 
         def output(name: str, *, folder: bool = False, written: bool = True) -> Path | None:
-            """``path(name)`` checked now, before any test runs, so that a report is not lost at the end
-            (not when the plugin is disabled: then nothing is written)."""
+            """``path(name)`` checked before any test runs, so that a report is not lost at the end."""
             where = path(name)
             problem = None if where is None or disable else unwritable(where, folder=folder, written=written)
             if problem is not None:

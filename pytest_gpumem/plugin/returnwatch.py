@@ -1,23 +1,5 @@
-"""Run a callback when a function returns, while its frame (and locals) are still alive.
-
-The plugin reads a test's ``allocated`` figure this way: as the test function
-returns, so that what a training step leaves allocated is measured before the
-test's locals are freed. It does so under any tracer (coverage, a debugger), on
-every Python the package supports, or raises :class:`ReturnWatchError`: it never
-reads after the locals are gone in silence.
-
-Python 3.12+ uses ``sys.monitoring`` with a tool id of its own (3 or 4, the ids no
-tool claims by convention, else any free one) and a ``PY_RETURN`` event on the test's
-code object only: nothing else is slowed down, and another tool's monitoring
-(coverage's, a debugger's, a profiler's) is left as it is. Before 3.12, the watch traces
-one call with ``sys.settrace``, the test function's, keeps its frame (and so its locals)
-alive past the return, and runs the callback when the watch ends, just after the call.
-When another trace function is installed there (coverage, a debugger), the watch
-chains to it: every event reaches it as before, the local tracer it returns for a frame
-is that frame's, and it is back in place once the test function has been called.
-A test function's return value is pytest's to drop (it warns about one that is not
-None): before 3.12 it is gone when the watch reads, on 3.12+ it is still alive.
-"""
+"""Run a callback when a function returns, while its frame (and locals) are still alive: how a test's ``allocated``
+is read, under any tracer, or :class:`ReturnWatchError` (never after the locals are gone in silence)."""
 
 from __future__ import annotations
 
@@ -31,15 +13,12 @@ from typing import Any
 __all__ = ["ReturnWatchError", "code_of", "watch_return"]
 
 _TOOL_NAME = "pytest-gpumem"
-#: ``sys.monitoring`` tool ids, in the order the watch tries them: 3 and 4 are no
-#: tool's by convention (0 is the debuggers', 1 coverage's, 2 the profilers', 5 the
-#: optimizers')
+#: ``sys.monitoring`` tool ids, in the order the watch tries them: 3 and 4 are no tool's by convention
 _TOOL_IDS = (3, 4, 2, 5, 0, 1)
 
 
 class ReturnWatchError(RuntimeError):
-    """The figure cannot be read as the function returns (every ``sys.monitoring`` tool id
-    taken, a trace function that cannot be called)."""
+    """The figure cannot be read as the function returns (every tool id taken, a trace function not callable)."""
 
 
 def code_of(function: Any) -> CodeType | None:
@@ -55,12 +34,7 @@ def code_of(function: Any) -> CodeType | None:
 
 @contextmanager
 def watch_return(code: CodeType | None, callback: Callable[[], None]) -> Iterator[bool]:
-    """While the block runs, call ``callback()`` when ``code`` returns, its locals still alive
-    (before Python 3.12: just after its first call returns, when the block ends).
-
-    Yields whether the watch is installed (False: no code object). Raises
-    :class:`ReturnWatchError` when it cannot be installed.
-    """
+    """While the block runs, call ``callback()`` as ``code`` returns, its locals alive; yields whether it watches."""
     if code is None:
         yield False
         return
@@ -102,16 +76,7 @@ def _monitor(monitoring: Any, code: CodeType, callback: Callable[[], None]) -> I
 
 @contextmanager
 def _trace(code: CodeType, callback: Callable[[], None]) -> Iterator[bool]:
-    """Before Python 3.12: ``sys.settrace`` until the test function's call event; the watch keeps a
-    reference to its frame, so its locals outlive the return until the block ends, where
-    ``callback()`` runs and the reference goes (the locals with it, unless a traceback of the
-    test's failure holds the frame: then they go with the traceback, as they always would).
-
-    A trace function installed before (coverage, a debugger) is chained: each call event goes to
-    it first and what it returns (its local tracer for the frame) is returned, so it sees every
-    line it would have seen; once the test function is called it is the trace function again.
-    Coverage's C tracer puts itself back at each call event it is given from Python: the watch
-    then puts itself back in front of it until the test function's call: nothing else is traced."""
+    """Before 3.12: ``sys.settrace`` holds the test function's frame until the block ends, chained to any tracer."""
     previous = sys.gettrace()
     if previous is not None and not callable(previous):
         raise ReturnWatchError(

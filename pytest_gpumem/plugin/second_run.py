@@ -1,11 +1,4 @@
-"""The second run of a test that failed on memory, with sites on, through pytest's own protocol.
-
-As pytest-rerunfailures runs a test again: the first run's teardown tears down its
-function-scoped fixtures (fixtures of wider scope stay), the second run sets up fresh ones, and
-the first run's reports are logged once the sites are attached to them. The second run's
-reports, warnings and outcome (a skip, a failure, ``pytest.exit``) are dropped and noted with
-the sites. Which tests get one is decided in :mod:`pytest_gpumem.plugin.sites`.
-"""
+"""The second run, with sites on, of a test that failed on memory, through pytest's own protocol."""
 
 from __future__ import annotations
 
@@ -35,9 +28,7 @@ class SecondRun:
 
 
 class _NextItem:
-    """What the first run's teardown is told comes next: when a second run for sites follows, the
-    test itself again without its own node (its function-scoped fixtures are torn down, those of
-    wider scope kept for the second run); else pytest's next item."""
+    """What the first run's teardown is told comes next: the test's parents before a second run."""
 
     def __init__(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         self._item = item
@@ -53,10 +44,7 @@ class _NextItem:
 
 
 def run_test(item: pytest.Item, nextitem: pytest.Item | None, freezer: Freezer | None) -> bool:
-    """Run a measured test that may want its sites through pytest's own protocol, its reports held
-    back: when it failed on memory, it runs once more with sites on (fresh function-scoped
-    fixtures), and its first run's reports are logged with the sites attached. ``freezer``: the
-    run's collector, which compacts between the two runs."""
+    """Run a measured test, its reports held back until a second run (if any) has attached its sites."""
     from _pytest.runner import runtestprotocol
 
     ihook = item.ihook
@@ -81,8 +69,7 @@ def run_test(item: pytest.Item, nextitem: pytest.Item | None, freezer: Freezer |
 def _second_run(
     item: pytest.Item, nextitem: pytest.Item | None, second: SecondRun, freezer: Freezer | None
 ) -> str | None:
-    """Run the test again with sites on through pytest's protocol, its reports and warnings
-    dropped; returns what it did when it did not pass (None when it passed)."""
+    """Run the test again with sites on, its reports and warnings dropped; what it did when it did not pass."""
     import warnings
 
     from _pytest.outcomes import Exit

@@ -1,13 +1,4 @@
-"""The run's baseline session: the baseline file through a run, the records judged with it, and
-the run's reports.
-
-This runs in the process that owns the run (the only one without xdist, the
-controller with it). A :class:`BaselineSession` loads the baseline file the first time it is
-needed, has each arriving :class:`~pytest_gpumem.judge.record.TestRecord` judged with it
-(:func:`~pytest_gpumem.judge.judgement.judge`), and at the end finds stale baselines, records what passed (with
-``--gpumem-update-baselines``), writes the file once, and writes the JSON and
-Markdown reports. No pytest, no torch.
-"""
+"""The run's baseline session: the baseline file, the records judged with it, the reports. No pytest."""
 
 from __future__ import annotations
 
@@ -38,9 +29,8 @@ __all__ = ["BaselineOptions", "BaselineSession"]
 class BaselineOptions:
     """The run's baseline and report options (see the plugin's ``--gpumem-*`` options)."""
 
-    #: the baseline file (``--gpumem-baselines``)
     path: Path
-    #: the run's tolerance (``--gpumem-tolerance``); None: each metric's default
+    #: None: each metric's default
     tolerance: Tolerance | None
     update: bool = False
     strict: bool = False
@@ -52,18 +42,16 @@ class BaselineOptions:
 
 
 class BaselineSession:
-    """The run's baseline-and-report session: judges each record against the baseline file, keeps
-    the judged records, and at the end records and writes the file once, with the reports."""
+    """Judges each record against the baseline file, keeps the judged records, and at the end writes the file once."""
 
     def __init__(self, options: BaselineOptions) -> None:
         self.options = options
-        #: the judged records, by node id (kept as text, handed out as copies: see :class:`RecordStore`)
+        #: the judged records, by node id (handed out as copies)
         self.records = RecordStore()
         self.stale: list[Finding] = []
-        #: the baselines the run could not judge stale, by why: tests kept (see :func:`find_stale`)
+        #: the baselines the run could not judge stale, by why
         self.kept: dict[str, int] = {}
         self._store: BaselineStore | None = None
-        #: whether :meth:`finish` wrote the baseline file
         self.written = False
 
     @property
@@ -78,12 +66,7 @@ class BaselineSession:
         return self._store is not None
 
     def judge(self, record: TestRecord) -> list[Finding]:
-        """Judge ``record`` (:func:`~pytest_gpumem.judge.judgement.judge`) with the baseline file;
-        keeps it for the end of the run (:meth:`RecordStore.put`) and returns its findings.
-
-        The file is read only when a comparison needs it; when it cannot be read, the record's
-        limits are still judged and :class:`BaselineFileError` is raised after.
-        """
+        """Judge ``record`` with the baseline file and keep it; a file it cannot read raises after the limits."""
         options = self.options
         store: BaselineStore | None = None
         problem: BaselineFileError | None = None
@@ -99,11 +82,7 @@ class BaselineSession:
         return findings
 
     def finish(self, collection: Collection | None) -> None:
-        """End of the run: stale baselines (``collection``: what the run collected, None to look for
-        none), pruning, recording, saving.
-
-        Raises :class:`BaselineFileError` or ``OSError`` when the file cannot be written.
-        """
+        """End of the run: stale baselines (none looked for without ``collection``), pruning, recording, saving."""
         if not self.records and not self.loaded:
             return  # nothing was measured: the file is neither read nor written
         store = self.store
@@ -142,8 +121,7 @@ class BaselineSession:
         return self.records.environments()
 
     def write_reports(self) -> list[str]:
-        """The JSON report, the Markdown report, and the GitHub step summary, as the options ask; one
-        line per report that could not be written (naming its path and the reason)."""
+        """The reports the options ask for; one line per report that could not be written."""
         options = self.options
         step_summary = os.environ.get("GITHUB_STEP_SUMMARY") if options.step_summary else None
         if options.json_path is None and options.markdown_path is None and not step_summary:

@@ -1,13 +1,4 @@
-"""pytest launched by ``torchrun``: every rank runs the suite; rank 0 gathers and writes.
-
-Under ``torchrun --nproc-per-node=N -m pytest`` each rank is a whole pytest session
-(``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set). Each measures on ``cuda:LOCAL_RANK``
-(or the CPU), names its spans ``call@rank{r}-of-{N}`` so that every rank's figures are its
-own baselines (a 2-rank run never compares with a 4-rank one), and judges them against the
-file. At the end, rank 0 gathers every rank's records through ``torch.distributed`` (a
-``gloo`` group of its own) and alone writes the baseline file and the reports. If the
-gather fails (a rank died, a rank did not reach the end in time), nothing is written.
-"""
+"""``torchrun -m pytest``: every rank runs the suite; rank 0 gathers the records and writes (docs/distributed.md)."""
 
 from __future__ import annotations
 
@@ -40,8 +31,7 @@ class Launch:
 
 
 def launch(environ: dict[str, str] | None = None) -> Launch | None:
-    """The ``torchrun`` launch this process is part of (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
-    set, more than one rank); None otherwise. Raises ``ValueError`` for values that are no ranks."""
+    """The ``torchrun`` launch (of more than one rank) this process is part of; None otherwise."""
     env = os.environ if environ is None else environ
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
     if not all(name in env for name in names):
@@ -63,12 +53,7 @@ def rank_span(name: str, rank: int, world_size: int) -> str:
 
 
 def rename(record: TestRecord, where: Launch) -> None:
-    """Give ``record``'s spans, what they asked, the findings about them and their tolerances this
-    rank's names, in place.
-
-    The marker's tolerance keeps its key ``"call"`` too: it stays the tolerance of every span
-    that has none of its own.
-    """
+    """Give ``record``'s spans (and what refers to them) this rank's names, in place."""
     rank, size = where.rank, where.world_size
     record.measurements = [replace(m, name=rank_span(m.name, rank, size)) for m in record.measurements]
     record.asked = {rank_span(k, rank, size): v for k, v in record.asked.items()}
@@ -80,9 +65,7 @@ def rename(record: TestRecord, where: Launch) -> None:
 
 
 def _interruptible(call: Callable[[], None]) -> None:
-    """``call()`` in a thread of its own, waited for here: a collective waits in C++, where
-    Ctrl-C does not reach it until every rank has arrived; this wait ends at the first
-    (``KeyboardInterrupt``), leaving the abandoned collective to the end of the process."""
+    """``call()`` in a thread of its own, so that Ctrl-C ends the wait for a collective blocked in C++."""
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -100,13 +83,7 @@ def _interruptible(call: Callable[[], None]) -> None:
 
 
 def gather_records(records: list[dict[str, Any]], where: Launch, timeout: float = GATHER_TIMEOUT) -> list[Any] | None:
-    """Every rank's ``records`` on rank 0 (a list, rank by rank); None on the other ranks.
-
-    Uses the default process group when the suite made one (a ``gloo`` group beside it when
-    its backend is another), else makes one from torchrun's environment and tears it down.
-    Raises :class:`GatherError` when a rank cannot be reached, ``KeyboardInterrupt`` at once
-    on Ctrl-C (the wait for the other ranks runs in a thread).
-    """
+    """Every rank's ``records`` on rank 0, over a ``gloo`` group; None on the other ranks."""
     import torch.distributed as dist
 
     gathered: list[Any] | None = [None] * where.world_size if where.rank == 0 else None
@@ -139,9 +116,7 @@ def gather_records(records: list[dict[str, Any]], where: Launch, timeout: float 
 
 
 def merge(per_rank: list[list[dict[str, Any]]]) -> dict[str, TestRecord]:
-    """One record per test from every rank's: their spans side by side (each rank's are named
-    for it). A test is recordable only if it is on every rank and every rank's record is: a
-    baseline is never replaced by part of the ranks' figures."""
+    """One record per test from every rank's, spans side by side; recordable only if every rank's is."""
     by_test: dict[str, list[TestRecord]] = {}
     for sent in per_rank:
         for data in sent:

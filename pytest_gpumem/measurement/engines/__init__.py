@@ -1,14 +1,4 @@
-"""Where bytes are read: the engines, and the factory that picks one for a device.
-
-* :class:`~pytest_gpumem.measurement.engines.cuda.CudaEngine`: a CUDA-like device's caching
-  allocator (CUDA, ROCm), with the storage tracker for breakdowns when asked.
-* :class:`~pytest_gpumem.measurement.engines.cpu.CpuEngine`: the exact tensor-storage tracker
-  on the CPU, for machines without a GPU.
-
-Everything that differs between engines is a member of the
-:class:`~pytest_gpumem.measurement.engines.base.Engine` protocol; nothing outside this
-package asks which engine it has.
-"""
+"""Where bytes are read: the engines (what differs is a member of the ``Engine`` protocol), and their factory."""
 
 from __future__ import annotations
 
@@ -43,12 +33,7 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """The device a name stands for: ``"auto"`` (or None) is the current CUDA device when one
-    is available, else the CPU; ``"cuda"`` without an index is the current CUDA device.
-
-    Raises ``ValueError`` naming the value for anything but ``"auto"``, ``"cpu"``,
-    ``"cuda"``, ``"cuda:N"`` or such a ``torch.device``.
-    """
+    """The device a name stands for (``"auto"``: CUDA when available, else the CPU); ``ValueError`` otherwise."""
     if device is None or device == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
     if isinstance(device, torch.device):
@@ -75,14 +60,9 @@ def make_engine(
 ) -> Engine:
     """An engine reading ``device`` (a name such as ``"cpu"``, ``"cuda:0"``, ``"auto"``, or a ``torch.device``).
 
-    On CPU the storage tracker is the engine (``cuda_rounding`` counts each storage
-    as the CUDA allocator's 512-byte blocks); ``observe="allocations"`` feeds it the CPU
-    allocator's own reports instead of operators (see
-    :mod:`pytest_gpumem.measurement.engines.allocations`). On a CUDA device the caching allocator
-    is read, and the storage tracker runs beside it only when ``breakdown`` is True
-    (it costs a Python call per operator). ``predict`` (a GPU such as ``"h100"``, CPU only)
-    makes the CPU engine report what that GPU's caching allocator would show (see
-    :mod:`pytest_gpumem.measurement.engines.predict`).
+    ``breakdown``: run the storage tracker beside a CUDA allocator (a Python call per operator); ``cuda_rounding``:
+    count CPU storages as 512-byte blocks; ``observe``: ``"operators"`` or ``"allocations"`` (CPU only); ``predict``: a
+    GPU (``"h100"``) whose allocator the CPU engine's figures predict.
     """
     from pytest_gpumem.measurement.engines.cpu import CpuEngine
     from pytest_gpumem.measurement.engines.cuda import CudaEngine

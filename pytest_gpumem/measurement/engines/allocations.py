@@ -1,36 +1,6 @@
-"""Allocations observed where they happen: the CPU allocator's own reports to PyTorch's profiler.
+"""Allocations observed where they happen: the CPU allocator's own reports to PyTorch's profiler (see docs/figures.md).
 
-The storage tracker (:mod:`pytest_gpumem.measurement.engines.tracker`) watches operators through a
-dispatch mode, and TorchDynamo runs ``torch.compile``'d code eagerly while one is active:
-under it a compiled model is measured as the eager one. :class:`AllocationTracker` keeps
-the tracker's accounting (categories, windows, saved activations, timeline) but takes its
-allocations and frees from the events c10's CPU allocator reports to PyTorch's profiler
-(``profile_memory``), which see every allocation, Inductor's buffers and kernels' internal
-temporaries included. No dispatch mode is active, so compiled code runs as compiled.
-
-How the two streams meet:
-
-- The profiler's events are read when the figures are: every reading (``allocated``, a
-  window, the breakdown) *flushes*: the profiler session is stopped, a new one started,
-  and the stopped session's events replayed into the ledger in time order.
-- The profiler records memory events only: its sessions are limited to user scopes
-  (``RecordScope.USER_SCOPE``), where no operator runs, so it keeps no operator events,
-  which cost as much to record and to read back as the allocations themselves.
-- What the plugin learns in Python (a storage is a gradient, optimizer state, saved for
-  backward, released by autograd; a storage that existed before the span died) happens
-  between allocations. Each such event is queued and leaves a mark in the profiler's own
-  stream, an allocation of its own (a 1-byte storage, kept until the replay so that its
-  address is its name), so the replay puts the event at its exact place among the
-  allocations: the breakdown at the peak is that of the moment of the peak.
-- Blocks alive before the span are known from the tracker's scan of live tensors; the
-  profiler does not report frees of blocks it did not see allocated, so their frees come
-  from weak references to their storages, as in the storage tracker.
-
-Limits: no emulated device limit (an allocation cannot be refused from a replay), the
-profiler cannot run twice: a test that runs ``torch.profiler`` itself cannot be measured
-this way, and the profiler reports only the allocations of the thread its session was
-started on: work on other threads is not seen, and a span that ran some says so in a note.
-Each flush costs a profiler stop and start.
+Each reading replays the session's events; a Python-side event is queued with a 1-byte mark allocation that places it.
 """
 
 from __future__ import annotations
@@ -92,16 +62,10 @@ def _quiet_stderr() -> Iterator[None]:
 
 
 class AllocationTracker(StorageTracker):
-    """The storage tracker's accounting over the allocator's events (see the module's docstring).
-
-    Args:
-        device: the CPU (the allocator whose reports are read).
-        cuda_rounding: count each allocation as the CUDA caching allocator would.
-    """
+    """The storage tracker's accounting over the CPU allocator's events (see the module's docstring)."""
 
     observes = "allocations"
-    #: Profile user scopes only: memory events and no operator events (False: every scope, as
-    #: ``torch.profiler`` does; the figures are the same, the recording slower).
+    #: Profile user scopes only: memory events and no operator events (False: every scope, slower, same figures).
     user_scopes_only = True
 
     def __init__(self, device: torch.device, *, cuda_rounding: bool = False) -> None:
@@ -118,7 +82,6 @@ class AllocationTracker(StorageTracker):
         self._config = template.config
         self._activities = template.kineto_activities
         self._allocation_tag = _EventType.Allocation
-        #: what the sessions record: memory events, and operator events only with every scope
         self._scopes = {RecordScope.USER_SCOPE} if self.user_scopes_only else set()
         self._queue: list[tuple[Any, ...]] = []
         self._marks: list[torch.UntypedStorage] = []  # one a queued event, alive until the replay
@@ -128,8 +91,7 @@ class AllocationTracker(StorageTracker):
         self._graph_task = torch._C._current_graph_task_id
         self._profiling = False
         self._holding = False  # inside reading(): one flush serves every reading
-        # TorchDynamo must never trace the hook (it runs while compiled code runs): the mark it
-        # makes is not traceable, and the hook is the plugin's bookkeeping, not the model
+        # TorchDynamo must never trace the hook: the mark it makes is not traceable
         self._pack_hook = torch.compiler.disable(self._pack)
 
     # -- the profiler session ---------------------------------------------------------
@@ -173,12 +135,7 @@ class AllocationTracker(StorageTracker):
             self._adopt_survivors()
 
     def _adopt_survivors(self) -> None:
-        """Give the blocks still alive a weak reference to their storage, as the blocks alive
-        before the span have: once the profiler stops, their frees are no longer reported.
-
-        A block that no Python object reaches (held by C++ alone, an autograd graph kept
-        alive) stays as it is: its free is seen only if it happens while a later span runs.
-        """
+        """Give the blocks still alive weak references: once the profiler stops, their frees are not reported."""
         tensor_type = torch.Tensor
         for obj in itertools.chain(
             gcfunctions.get_objects(), frozen.tensors()
@@ -208,27 +165,19 @@ class AllocationTracker(StorageTracker):
         return self._profiling
 
     def _follow(self, stack: contextlib.ExitStack) -> None:
-        """A thread runs work while the span is measured: the profiler's session cannot see it
-        (its reports are per thread), so the figures say so."""
+        """A thread runs work while the span is measured: the profiler cannot see it, so the figures say so."""
         with self._lock:
             if THREADS_NOT_SEEN not in self.notes:
                 self.notes.append(THREADS_NOT_SEEN)
 
     def flush(self) -> None:
-        """Bring the ledger up to now: replay what the profiler saw since the last flush.
-
-        Not inside autograd's backward: its engine runs each node under the thread-local
-        state captured when ``backward()`` was called, which holds the profiler session of
-        that moment, so a session started inside backward would miss the rest of it. There
-        the ledger stays as it was at the last flush; windows are read later (:meth:`take_window`).
-        """
+        """Bring the ledger up to now; not inside backward, whose nodes run under the session captured as it began."""
         if self._profiling and not self._holding and self._graph_task() == -1:
             self._flush(restart=True)
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
-        """Readings taken together (a span's start or end figures): one flush for all of them,
-        instead of a profiler restart for each."""
+        """Readings taken together (a span's start or end figures): one flush for all of them."""
         if self._holding:
             yield
             return
@@ -402,10 +351,7 @@ class AllocationTracker(StorageTracker):
     # -- readings flush first ---------------------------------------------------------
 
     def take_window(self, *, defer: bool = False) -> Window:
-        """The window since the last one. With ``defer`` (a phase boundary), and always inside
-        autograd's backward (where the profiler cannot be read, see :meth:`flush`), a pending
-        one: closed at its place in the stream, read with :meth:`resolve` after the next flush.
-        Deferring saves a profiler restart per phase."""
+        """The window since the last one; with ``defer``, or in backward, a pending one to :meth:`resolve`."""
         if self._profiling and (defer or self._graph_task() != -1):
             token = next(self._tokens)
             self._record((_WINDOW, token))

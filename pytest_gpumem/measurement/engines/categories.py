@@ -1,10 +1,4 @@
-"""A test's categories are its own: what an earlier test made, saved or tracked is "other" to the next.
-
-The storage tracker keeps each storage's category while it lives, across the tests of a run (its
-engine is the run's). A tensor that one test made (a temporary) and left alive in a module-level
-cache would count as the next test's temporaries, and the parameters of a model one test tracked
-as the next one's parameters: each test's breakdown would depend on the tests before it.
-"""
+"""A test's categories are its own: what an earlier test made, saved or tracked is "other" to the next."""
 
 from __future__ import annotations
 
@@ -14,9 +8,7 @@ __all__ = ["forget_categories"]
 
 
 def forget_categories(tracker: StorageTracker) -> None:
-    """Count every storage ``tracker`` counts as "other". The engines call it as they clean the
-    device before a test, before the tracker's scan, which finds the parameters and gradients
-    among them again; the test's own tracking, operators and saved tensors do the rest."""
+    """Count every storage ``tracker`` counts as "other", before the scan that finds parameters and gradients again."""
     tracker.flush()
     with tracker._lock:
         for entry in tracker._entries.values():

@@ -14,16 +14,13 @@ except ImportError:  # pragma: no cover - torch moved it
     OpOverload = None  # type: ignore[assignment,misc]
 
 
-#: The plugin's own frames are never the user's compiled code: while a compiled function runs
-#: eagerly, TorchDynamo is asked about every Python frame it calls, the plugin's hooks too.
+#: The plugin's own frames are never the user's compiled code (TorchDynamo is asked about the plugin's hooks too).
 PLUGIN_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep
 
 
 def skipped_frame() -> tuple[Any, bool, str] | None:
-    """The frame TorchDynamo is about to run eagerly, from its caller's ``frame`` argument:
-    (its code object, whether it is a library's code, ``qualname (file:line)``); None for the
-    plugin's frames."""
+    """The frame TorchDynamo runs eagerly: (code, whether a library's, its name); None for the plugin's."""
     caller: Any = sys._getframe(2)
     for _ in range(4):
         if caller is None:
@@ -48,9 +45,7 @@ def describe_compiled(frames: list[tuple[bool, str]]) -> str:
 
 
 def forget_skips(codes: set[Any]) -> None:
-    """Undo what a dispatch mode made TorchDynamo remember: it skips a code it ran eagerly
-    under a dispatch mode on every later call too. Its state is reset, so the next call
-    compiles it again (from Inductor's caches where they hold it) and runs it compiled."""
+    """Undo what a dispatch mode made TorchDynamo remember (a code it ran eagerly is skipped ever after)."""
     reset_code = getattr(sys.modules.get("torch._dynamo"), "reset_code", None)
     if reset_code is None:
         return

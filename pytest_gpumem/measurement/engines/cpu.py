@@ -22,14 +22,7 @@ __all__ = ["CpuEngine"]
 
 
 class CpuEngine(TrackerMembers):
-    """Counts tensor storages on the CPU (see :mod:`pytest_gpumem.measurement.engines.tracker`).
-
-    ``cuda_rounding`` rounds every storage up to the CUDA caching allocator's
-    512-byte blocks, so that figures compare with CUDA's allocated bytes.
-    There is no caching allocator, so ``reserved`` is None (n/a). The device
-    runs out of memory only at an emulated limit (:meth:`limit_memory`), and the
-    tracker sees allocations only while it runs.
-    """
+    """Counts tensor storages on the CPU (``reserved`` is None); ``cuda_rounding``: in 512-byte blocks."""
 
     name = "cpu"
     exact = True
@@ -131,8 +124,7 @@ class CpuEngine(TrackerMembers):
 
     @contextmanager
     def limit_memory(self, nbytes: int) -> Iterator[int]:
-        """Refuse allocations that would take the tracker's allocated bytes over ``nbytes``
-        (only while the tracker runs: it sees allocations only then; existing bytes never raise)."""
+        """Refuse allocations, while the tracker runs, that would take its allocated bytes over ``nbytes``."""
         if self.observe != "operators":
             raise ValueError(
                 "an emulated device limit needs observe='operators' on the CPU engine: allocations read "
@@ -159,10 +151,7 @@ class CpuEngine(TrackerMembers):
 
     @contextmanager
     def record_history(self, path: str) -> Iterator[str | None]:
-        """Record the tracker's allocations and frees (with Python stacks) during the block and write
-        a memory snapshot that PyTorch's memory_viz opens to ``path`` at its end
-        (:mod:`~pytest_gpumem.measurement.engines.snapshots`); a snapshot that cannot be written is
-        an :class:`~pytest_gpumem.data.figures.OutputNotWritten` warning. Yields ``path``."""
+        """Record the tracker's allocations and frees during the block and write a memory_viz snapshot to ``path``."""
         recorder = SnapshotRecorder(self.tracker, self._snapshot_model())
         recorder.start()
         try:

@@ -1,12 +1,5 @@
-"""The CUDA engine: the device's caching allocator (CUDA, ROCm, XPU) and the driver (NVML).
-
-Readings come from ``torch.accelerator.memory_*`` where torch has it, else from
-``torch.cuda``. Peaks are read through windows: ``reset_peak_memory_stats`` sets
-every peak to its current value, so each window's peak is the stat's peak since
-the previous reset. While a test is measured, ``torch.cuda.max_memory_allocated()``
-therefore reads the peak since the plugin's last span or phase boundary: read a
-span's figures (``span.peak``) instead.
-"""
+"""The CUDA engine: the device's caching allocator (CUDA, ROCm, XPU) and the driver (NVML); it resets the peaks at
+each window, so during a test ``torch.cuda.max_memory_allocated()`` reads a window's peak."""
 
 from __future__ import annotations
 
@@ -37,15 +30,12 @@ from pytest_gpumem.measurement.engines.tracker import StorageTracker
 __all__ = ["CudaEngine", "cuda_available", "cuda_device_count", "nvml_memory"]
 
 
-#: ``torch.cuda.is_available`` as last called, and its answer: torch asks the driver at every call
-#: (``cudaGetDeviceCount``), and the plugin asks for every measured test.
+#: ``torch.cuda.is_available`` as last called, and its answer: torch asks the driver at every call.
 _available: list[Any] = [None, False]
 
 
 def cuda_available() -> bool:
-    """True when torch sees a CUDA (or ROCm) device: the driver is asked once a process (the
-    runtime reads ``CUDA_VISIBLE_DEVICES`` once, at its first call), again only where
-    ``torch.cuda.is_available`` itself was replaced since."""
+    """True when torch sees a CUDA (or ROCm) device; asked once a process, unless the function was replaced since."""
     function = torch.cuda.is_available
     if _available[0] is not function:
         try:
@@ -60,8 +50,7 @@ _counted: list[Any] = [None, 0]
 
 
 def cuda_device_count() -> int:
-    """The number of CUDA devices torch sees (0 where none): asked once a process, as
-    :func:`cuda_available` (torch caches it only once CUDA is initialized)."""
+    """The number of CUDA devices torch sees (0 where none), asked once a process as :func:`cuda_available`."""
     function = torch.cuda.device_count
     if _counted[0] is not function:
         try:
@@ -72,8 +61,7 @@ def cuda_device_count() -> int:
     return int(_counted[1])
 
 
-#: Entries of allocation history kept while sites are recorded: the trace is a ring that drops its
-#: oldest entries, and a span's sites need its beginning (about 300 bytes an entry with stacks).
+#: Entries of allocation history kept while sites are recorded: the ring drops its oldest, which a span's sites need.
 SITE_ENTRIES = 2_000_000
 
 
@@ -92,8 +80,7 @@ def _initialize(device: torch.device) -> None:
 
 
 def _workspace_kernels(device: torch.device) -> None:
-    """The kernels of :meth:`CudaEngine.warm_workspaces`: a matmul and a ``Linear`` with bias in
-    float32 and bfloat16 on this thread, and a backward through them on autograd's device thread."""
+    """The kernels of :meth:`CudaEngine.warm_workspaces`, forward on this thread and backward on autograd's."""
     with torch.enable_grad():
         weight = torch.ones(16, 16, device=device, requires_grad=True)
         bias = torch.ones(16, device=device, requires_grad=True)
@@ -106,10 +93,7 @@ def _workspace_kernels(device: torch.device) -> None:
 
 
 def workspaces_may_be_freed() -> bool:
-    """Whether code in this process may have freed the cuBLAS workspaces since the last warm-up:
-    Inductor's CUDA graph trees (``torch.compile(mode="reduce-overhead")``) free them before and
-    after each warm-up and recording. Where their module was never imported, nothing of
-    PyTorch's frees them outside a leak check, which makes them again itself."""
+    """Whether code here may have freed the cuBLAS workspaces (Inductor's CUDA graph trees do)."""
     return "torch._inductor.cudagraph_trees" in sys.modules
 
 
@@ -122,14 +106,7 @@ def _memory_api() -> Any:
 
 
 class CudaEngine(TrackerMembers):
-    """Reads one CUDA-like device's caching allocator.
-
-    Args:
-        device: the device, e.g. ``torch.device("cuda", 0)``.
-        tracker: an optional storage tracker on the same device; when given, the
-            window's breakdown comes from it (the allocator's peak stays the peak,
-            and bytes the tracker cannot see, such as workspaces, count as "other").
-    """
+    """Reads one CUDA-like device's caching allocator; an optional storage ``tracker`` gives the breakdown."""
 
     name = "cuda"
     exact = False
@@ -158,26 +135,13 @@ class CudaEngine(TrackerMembers):
 
     @property
     def workspaces(self) -> int | None:
-        """Bytes of the cuBLAS/cuBLASLt workspaces the clean-state protocol keeps (measured at the
-        first :meth:`clean`; docs/figures.md says what they hold)."""
+        """Bytes of the cuBLAS/cuBLASLt workspaces the clean-state protocol keeps (see docs/figures.md)."""
         return self._workspaces
 
     # -- actions --------------------------------------------------------------------
 
     def clean(self, *, empty_cache: bool = True) -> None:
-        """Bring the device to its steady state before a start reading.
-
-        Synchronize and collect garbage (only the objects made since the collector
-        last froze its older ones, under the plugin), make sure the context, RNG and
-        BLAS handle exist and create the library workspaces that a training step's threads
-        get (:meth:`warm_workspaces`), once per thread (the first time measured), return the
-        allocator's cached blocks to the driver (only with ``empty_cache``: a reserved figure
-        from an empty cache, or a device limit, needs it), and reset the peaks. A test's
-        figures then never include a workspace an earlier test did or did not create. The
-        warm-up runs again before every test once Inductor's CUDA graph trees are in the
-        process: they free the workspaces (:func:`workspaces_may_be_freed`). PyTorch's leak
-        check frees the workspaces instead: :func:`pytest_gpumem.diagnose.leaks.confirm_leak` does that.
-        """
+        """Bring the device to its steady state: settled, workspaces made (so no test pays for them), peaks reset."""
         with self._backend.device(self.device):
             self.settle()
             threads = self._threads
@@ -200,10 +164,7 @@ class CudaEngine(TrackerMembers):
             self.tracker.take_window()
 
     def warm_workspaces(self) -> None:
-        """Create the workspaces cuBLAS and cuBLASLt keep per thread: this thread's (a matmul and
-        a ``Linear`` with bias, in float32 and bfloat16) and the autograd engine's device thread's
-        (a backward through them). Each thread's workspace is made once (32 MiB on Hopper); when
-        they exist this costs a few tiny kernels."""
+        """Create the workspaces cuBLAS and cuBLASLt keep per thread: this thread's and autograd's device thread's."""
         _workspace_kernels(self.device)
         self.synchronize()
 
@@ -269,11 +230,7 @@ class CudaEngine(TrackerMembers):
         self.synchronize()
 
     def release_workspaces(self) -> None:
-        """Free the cuBLAS workspaces of every thread (PyTorch's leak-check protocol does).
-
-        A thread's first matmul creates one (8.5 MiB by default, 32 MiB on Hopper);
-        it outlives the operator. Torch versions without the function keep them.
-        """
+        """Free the cuBLAS workspaces of every thread, as PyTorch's leak-check protocol does."""
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None and self.device.type == "cuda":
             with self._backend.device(self.device):
@@ -302,16 +259,7 @@ class CudaEngine(TrackerMembers):
 
     @contextmanager
     def limit_memory(self, nbytes: int) -> Iterator[int]:
-        """Cap the caching allocator with ``set_per_process_memory_fraction(nbytes / total)``.
-
-        The fraction caps the allocator's *reserved* memory (segments from the
-        driver, so rounding and fragmentation count against it; memory outside
-        PyTorch, such as the CUDA context, does not). Under pressure the
-        allocator frees its cached blocks before it raises. A limit above the
-        card's memory is clamped to the whole card. The previous fraction is
-        restored on exit (read with ``get_per_process_memory_fraction`` on torch
-        2.8 and later; assumed 1.0, no cap, before).
-        """
+        """Cap the caching allocator's reserved memory with ``set_per_process_memory_fraction``, restored on exit."""
         fraction = min(1.0, nbytes / self._total_memory())
         previous = self._memory_fraction()
         self._backend.set_per_process_memory_fraction(fraction, self.device)
@@ -327,16 +275,8 @@ class CudaEngine(TrackerMembers):
 
     @contextmanager
     def record_history(self, path: str) -> Iterator[str | None]:
-        """Record allocation history (Python stacks) and dump a snapshot pickle to ``path`` at the end.
-
-        The pickle is written whole or not at all (a temporary file renamed into place); one that
-        cannot be written (a full disk, a folder at its name) is an :class:`OutputNotWritten`
-        warning naming the path and the reason.
-
-        A history the user records already (``torch._C._cuda_isHistoryEnabled()``) is left as it is,
-        with its own settings, and the snapshot is of it; otherwise the history is switched on here and
-        off at the end. torch tells whether history is recorded, not with which settings, so these are
-        never changed."""
+        """Record allocation history (a user's own is left as it is) and dump a snapshot pickle to ``path`` at the
+        end, whole or not at all (else an :class:`OutputNotWritten` warning)."""
         memory = torch.cuda.memory
         enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
         users = bool(enabled()) if enabled is not None else False
@@ -372,8 +312,7 @@ class CudaEngine(TrackerMembers):
 
     @contextmanager
     def reading(self) -> Iterator[None]:
-        """Readings taken at one moment: one ``memory_stats()`` serves the window, allocated and
-        reserved bytes and the counters (a peak reset changes only the peaks)."""
+        """Readings taken at one moment, served by one ``memory_stats()``."""
         if self._in_reading:
             yield
             return
@@ -427,9 +366,7 @@ class CudaEngine(TrackerMembers):
 
 
 class _TraceSites:
-    """The allocator's history while sites are recorded: events stamped with a window's number
-    (``_set_memory_metadata``, where torch has it: else one window), each window's phase, replayed
-    when a span's sites are read (:func:`~pytest_gpumem.measurement.engines.traces.replay_trace`)."""
+    """The allocator's history while sites are recorded, stamped with window numbers."""
 
     recordings = itertools.count(1)
 
@@ -491,12 +428,7 @@ class _TraceSites:
 def reading_from_stats(
     stats: dict[str, Any], tracker: StorageTracker | None = None, *, saved_peak: int | None = None
 ) -> Reading:
-    """A window's :class:`Reading` from a ``memory_stats()`` dict read at its end.
-
-    With a tracker, its breakdown at its own peak is used and whatever the
-    allocator's peak holds beyond it (workspaces, rounding) is added to "other";
-    ``saved_peak`` (bytes held for backward) comes from the tracker, else as given.
-    """
+    """A window's :class:`Reading` from a ``memory_stats()`` dict read at its end."""
     peak = int(stats.get("allocated_bytes.all.peak", 0))
     breakdown: tuple[int, ...] | None = None
     if tracker is not None:
@@ -518,13 +450,7 @@ _nvml_state: dict[str, Any] = {}
 
 
 def nvml_memory(device: torch.device) -> tuple[int | None, int | None]:
-    """Device memory used (all processes) and used by this process, per NVML.
-
-    NVML indexes devices without regard to ``CUDA_VISIBLE_DEVICES``, so the
-    device is found by its UUID. Inside containers NVML often lists host PIDs
-    or no per-process figure at all: then the second value is None. Any NVML
-    failure gives (None, None).
-    """
+    """Device memory used (all processes) and by this process, per NVML; None where unknown."""
     try:
         import pynvml
 

@@ -1,34 +1,5 @@
-"""Fake mode: a prediction with no tensor data.
-
-Under PyTorch's ``FakeTensorMode`` every tensor made (modules, optimizer state, the batch, every
-intermediate) is a ``FakeTensor``: shapes, dtypes and a storage size, no data. The prediction
-engine's tracker sits above it on the dispatch-mode stack and sees each operator's fake outputs
-as it sees real ones, so the allocator model, the workspaces and the attention backend get the
-same requests. A model far larger than the machine runs in seconds and a few MiB.
-
-Where fake outputs differ from what the kernels allocate, :class:`FakeKernels` corrects them:
-
-* Reduced losses whose kernels keep the unreduced loss's storage: ``mse_loss``,
-  ``smooth_l1_loss`` and ``soft_margin_loss`` (TensorIterator's full-size output, resized to a
-  0-dim tensor, which never shrinks a storage) and ``binary_cross_entropy`` (``empty_like(input)``,
-  resized the same way). The meta kernels make a 4-byte output; the CPU and CUDA kernels leave the
-  0-dim loss in a storage the size of the unreduced loss, alive as long as the loss is. Fake mode
-  gives the output's storage that size (``tests/test_fake.py`` checks each against the CPU kernel).
-
-Integer ranges made on the CPU by ``torch.arange`` (at most :data:`CONSTANT_RANGE` elements) keep
-their values, as ``torch.tensor(...)`` does under ``FakeTensorMode``, and so do the integer and boolean CPU
-tensors computed from such values alone: a device mesh reads its rank map (``init_device_mesh``,
-FSDP2's ``fully_shard``), and fake mode could not build one otherwise. They are still counted as
-the allocations they are.
-
-Inside :func:`real_bookkeeping` (DistributedDataParallel's bucket rebuild on fake ranks: C++ that
-writes and reads small integer tensors through accessors and broadcasts them), integer CPU tensors
-are made real, and an operator whose tensors are all real runs on them: those are the allocations
-the real run makes, and the tracker counts them as such.
-
-A step that needs a tensor's value (``.item()``, ``nonzero()``, a shape that depends on data) or
-that mixes in a real tensor cannot run on fake tensors: :class:`FakeModeError` names the line.
-"""
+"""Fake mode: a prediction with no tensor data (see docs/will-it-fit.md); :class:`FakeKernels` gives reduced losses
+the storage their kernels keep, and small CPU integer ranges their values (a device mesh reads its rank map)."""
 
 from __future__ import annotations
 
@@ -55,8 +26,7 @@ __all__ = ["FakeKernels", "FakeModeError", "FakeTensorsDiffer", "fake_mode", "re
 
 _aten = torch.ops.aten
 
-#: operator → index of its ``reduction`` argument: kernels whose reduced output keeps the
-#: storage of the unreduced loss (see the module's docstring)
+#: operator → index of its ``reduction`` argument: kernels whose reduced output keeps the unreduced loss's storage
 REDUCED_IN_PLACE: dict[Any, int] = {
     _aten.mse_loss.default: 2,
     _aten.smooth_l1_loss.default: 2,
@@ -88,8 +58,7 @@ def real_bookkeeping() -> Iterator[None]:
 
 
 def _real_bookkeeping(func: Any, args: Any, kwargs: Any) -> bool:
-    """Whether ``func`` runs on real tensors inside :func:`real_bookkeeping`: an empty integer CPU
-    tensor, or an operator whose tensors are all real."""
+    """Whether ``func`` runs on real tensors inside :func:`real_bookkeeping`."""
     if func is _aten.empty.memory_format:
         device = (kwargs or {}).get("device")
         return (kwargs or {}).get("dtype") in _INTEGERS and (device is None or torch.device(device).type == "cpu")
@@ -102,8 +71,7 @@ class FakeModeError(RuntimeError):
 
 
 class FakeTensorsDiffer(Warning):
-    """Code measured on fake tensors may have run another path than it runs on real ones (a
-    library that checks for fake tensors): the figures are those of that path."""
+    """Code measured on fake tensors may have run another path than on real ones (a library that checks for them)."""
 
 
 #: libraries that check for fake tensors and run another path on them, and what changes
@@ -114,8 +82,7 @@ TRACING_PATHS = {
 
 
 def warn_tracing_paths(objects: Any, name: str) -> None:
-    """Warn (:class:`FakeTensorsDiffer`) when a tracked module of ``objects`` comes from a library
-    of :data:`TRACING_PATHS`; ``name`` is the test or span."""
+    """Warn when a tracked module of ``objects`` comes from a library of :data:`TRACING_PATHS`."""
     for library, why in TRACING_PATHS.items():
         kinds = sorted(
             {
@@ -146,8 +113,7 @@ def user_line() -> str:
 
 
 class FakeKernels(FakeTensorMode):
-    """``FakeTensorMode`` with the storage sizes of the kernels it stands for, and errors that
-    name the user's line."""
+    """``FakeTensorMode`` with the storage sizes of the kernels it stands for, and errors that name the user's line."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if _bookkeeping and _real_bookkeeping(func, args, kwargs):
@@ -180,8 +146,7 @@ class FakeKernels(FakeTensorMode):
         return out
 
     def may_turn_const(self, t: torch.Tensor) -> bool:
-        """Besides ``FakeTensorMode``'s one-element constants, integer and boolean CPU tensors of up to
-        :data:`CONSTANT_RANGE` elements computed from constants keep their values."""
+        """Besides one-element constants, small integer and boolean CPU tensors computed from constants keep values."""
         if super().may_turn_const(t):
             return True
         return (

@@ -34,8 +34,7 @@ _original_resize: Any = None
 
 
 def watch_resizes(tracker: Follower, *, watch: bool) -> None:
-    """Tell ``tracker`` of storages resized in place while it watches (``UntypedStorage.resize_``
-    runs under no operator); the method is restored when no tracker watches."""
+    """Tell ``tracker`` of storages resized in place while it watches (``UntypedStorage.resize_`` is no operator)."""
     global _original_resize
     if watch:
         if tracker not in RESIZE_WATCHERS:
@@ -64,10 +63,7 @@ _original_submit: Any = None
 
 
 def follow_threads(tracker: Follower, *, follow: bool) -> None:
-    """While ``tracker`` watches, threads started (``threading.Thread.start``) and callables
-    submitted to thread pools (``ThreadPoolExecutor.submit``) run under it as well: torch's
-    dispatch modes and saved-tensor hooks are per thread. The methods are restored when no
-    tracker watches."""
+    """While ``tracker`` watches, new threads and thread pools' tasks run under it too (modes are per thread)."""
     global _original_start, _original_submit
     if follow:
         if tracker not in FOLLOWERS:
@@ -103,8 +99,7 @@ def _start(thread: threading.Thread) -> None:
 
 
 def _submit(executor: ThreadPoolExecutor, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """``ThreadPoolExecutor.submit`` while trackers watch: ``fn`` runs under them on the pool's
-    thread, whenever that thread was started."""
+    """``ThreadPoolExecutor.submit`` while trackers watch: ``fn`` runs under them on the pool's thread."""
     trackers = [tracker for tracker in FOLLOWERS if tracker.active]
     submit: Any = _original_submit or ThreadPoolExecutor.submit
     if not trackers:

@@ -1,14 +1,4 @@
-"""The prediction engine: a CPU run, counted as a target GPU's caching allocator would count it.
-
-The storage tracker watches the run's operators as on the CPU engine; every storage it
-sees allocated or freed is also requested from, or returned to, a model of the CUDA
-caching allocator (:class:`~pytest_gpumem.targets.allocator.CachingAllocatorModel`) with
-the target's constants, and the library workspaces the target's threads allocate at their
-first matrix product (cuBLAS, cuBLASLt) are allocated there too. The figures are the model's:
-``allocated`` counts whole blocks (512-byte rounding, blocks it did not split), ``reserved``
-its segments. Like the CUDA engine, the engine creates the workspaces before a test's start
-reading, so a test's cost never includes a workspace an earlier test did or did not create.
-"""
+"""The prediction engine: a CPU run counted as a target GPU's caching allocator would (see docs/prediction.md)."""
 
 from __future__ import annotations
 
@@ -36,24 +26,20 @@ from pytest_gpumem.targets.allocator import CachingAllocatorModel
 
 __all__ = ["PredictEngine", "Prediction"]
 
-#: The thread a workspace belongs to: the caller's, or the autograd engine's device thread,
-#: which runs a CUDA backward (on the CPU, backward runs on the caller's thread).
+#: The thread a workspace belongs to: the caller's, or the autograd engine's device thread (a CUDA backward's).
 _MAIN, _BACKWARD = "main", "backward"
 
 
 class _TargetTracker(StorageTracker):
-    """The prediction's storage tracker: what the target keeps on its host is not counted, by
-    operators or scans (the optimizers' host scalars, found at every scan)."""
+    """The prediction's storage tracker: what the target keeps on its host is not counted."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: key of a storage on the target's host → a weak reference to a tensor that holds it
-        #: (once that is gone the key may be another storage's, and is forgotten)
+        #: key of a storage on the target's host → a weak reference to a tensor that holds it (dead: forgotten)
         self._host: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def on_host(self, tensor: torch.Tensor) -> None:
-        """``tensor``'s storage is on the target's host: not counted while ``tensor`` lives;
-        counted out if it was."""
+        """``tensor``'s storage is on the target's host: not counted while ``tensor`` lives."""
         with self._lock:
             key = int(tensor.untyped_storage()._cdata)
             self._host[key] = weakref.ref(tensor)
@@ -82,10 +68,7 @@ class _TargetTracker(StorageTracker):
 
 
 class Prediction:
-    """A model of the target's caching allocator that follows the storage tracker's count (the
-    tracker's :class:`~pytest_gpumem.measurement.engines.tracker.StorageObserver`), the library
-    workspaces the target's kernels create, and the target's kernels where their memory differs
-    from the CPU's. It composes a tracker of its own: :attr:`tracker`."""
+    """A model of the target's caching allocator that follows its own :attr:`tracker`, and its workspaces."""
 
     def __init__(self, target: Target) -> None:
         from pytest_gpumem.targets import CachingAllocatorModel
@@ -143,8 +126,7 @@ class Prediction:
         self._workspaces[(workspace.library, thread)] = self.tracker.add_block(key, workspace.nbytes)
 
     def warm_workspaces(self) -> None:
-        """Create every workspace a training step's threads get: the caller's thread all of
-        them, the backward thread those of a plain matrix product."""
+        """Create every workspace a training step's threads get (the backward thread a plain matrix product's)."""
         for workspace in self.target.workspaces:
             if (workspace.library, _MAIN) not in self._workspaces:
                 self._create(workspace, _MAIN)
@@ -165,9 +147,7 @@ class Prediction:
 
 @contextmanager
 def _set_aside() -> Iterator[None]:
-    """Run CPU code the target would not run, unseen: no dispatch mode (the tracker's), not the
-    target's kernels (:class:`_DeviceKernels`, on the stack in backward: the CPU's run here) and
-    no saved-tensor hooks (autograd graphs made inside save what the CPU's kernels need)."""
+    """Run CPU code the target would not run, unseen: no dispatch mode, target kernels or saved-tensor hooks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -209,8 +189,7 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
 
 _TENSOR_BACKWARD = torch.Tensor.backward
 
-#: the optimizers' scalar states that live on the host unless the optimizer is fused or
-#: capturable (the names the budgets' optimizer rules give them)
+#: the optimizers' scalar states that live on the host unless the optimizer is fused or capturable
 HOST_SCALARS = ("step", "mu_product")
 
 
@@ -218,9 +197,7 @@ _OPTIMIZER_KINDS = Kinds(torch.optim.Optimizer)
 
 
 def optimizer_host_state(objects: list[Any]) -> Iterator[torch.Tensor]:
-    """The scalar states that a GPU run keeps on its host, of the optimizers among ``objects``
-    (a scan's): AdamW's step counters and the like, made by a step run before the prediction
-    started (a warm-up)."""
+    """The scalar states a GPU run keeps on its host (step counters) of the optimizers among ``objects``."""
     for obj in instances_among(objects, _OPTIMIZER_KINDS):
         for group in obj.param_groups:
             if group.get("fused") or group.get("capturable"):
@@ -236,9 +213,7 @@ def optimizer_host_state(objects: list[Any]) -> Iterator[torch.Tensor]:
 
 
 def _made_by_an_optimizer() -> bool:
-    """Whether the code calling the torch function handled now is one of ``torch.optim``'s
-    optimizers, with the CPU as the default device (so that a tensor it makes without a device
-    is on the host when it trains on a GPU)."""
+    """Whether a ``torch.optim`` optimizer calls the torch function handled now, with the CPU as default device."""
     if torch.get_default_device().type != "cpu":
         return False
     frame: Any = sys._getframe(2)  # past __torch_function__ and this function
@@ -247,11 +222,7 @@ def _made_by_an_optimizer() -> bool:
 
 
 def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], None] | None:
-    """``loss.backward(...)`` or ``torch.autograd.backward(...)`` as a call that starts PyTorch's
-    autograd engine directly, as ``torch.autograd.backward`` does once the torch-function modes
-    have had their turn (calling either again would give the modes their turn again); None where
-    this PyTorch lacks the helpers or the arguments are of a kind not followed here (the call then
-    runs as before)."""
+    """``loss.backward(...)`` as a call that starts the autograd engine directly (not the modes again); None if not."""
     import inspect
 
     try:
@@ -293,9 +264,7 @@ def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 class _DeviceKernels(TorchFunctionMode):
-    """Runs, in a predicted span, the memory behaviour of the target's kernels where they differ
-    from the CPU's: scaled-dot-product attention (the backend the target would choose) and
-    training-mode dropout (the fused kernel, which keeps a bool mask)."""
+    """Runs the target's kernels where their memory differs from the CPU's (attention, dropout, autocast)."""
 
     def __init__(self, tracker: Prediction) -> None:
         super().__init__()
@@ -309,16 +278,11 @@ class _DeviceKernels(TorchFunctionMode):
         if func is _TENSOR_BACKWARD or func is torch.autograd.backward:
             run = _backward_call(func, args, kwargs)
             if run is not None:
-                # a mode is off while its handler runs, and backward keeps the modes it starts
-                # with: it starts with this one back on, so that what it runs of the forward again
-                # (activation checkpointing's recomputation) runs the target's kernels, as the
-                # forward did, and saves the same tensors
+                # with this mode back on, so a checkpoint's recomputed forward runs the target's kernels as before
                 with self:
                     return run()
         if func is torch.tensor and kwargs.get("device") in (None, "cpu") and _made_by_an_optimizer():
-            # an optimizer's scalar state made on the host (AdamW's step counters, unless fused
-            # or capturable: ``device="cpu"`` written as such, or no device with the CPU as the
-            # default one; ``device=p.device`` is a torch.device, and on the target the GPU's)
+            # an optimizer's scalar state made on the host (AdamW's step counters, unless fused or capturable)
             with _set_aside():
                 out = func(*args, **kwargs)
             self.tracker.on_host(out)
@@ -395,8 +359,7 @@ def _attention(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     if torch.is_autocast_enabled("cpu"):
-        # autocast casts the arguments to its lower precision below this function (on the CPU as on
-        # CUDA): cast them here, as the target's autocast would, before its backend is chosen
+        # cast here, as the target's autocast would, before its backend is chosen
         query, key, value, attn_mask = _cast((query, key, value, attn_mask), torch.get_autocast_dtype("cpu"))
     backend = choose_backend(tracker.target, query, key, value, attn_mask, enable_gqa)
     if backend.name == "math":  # the composite CUDA runs too: its operators are the target's
@@ -416,9 +379,7 @@ def _attention(
 
 
 class _FusedAttention(torch.autograd.Function):
-    """A fused attention kernel's memory: its output, and for backward the inputs, the output, a
-    float32 log-sum-exp per query row and the random state; the values are the CPU's (its own
-    kernel, run set aside, and again with the same random numbers in backward)."""
+    """A fused attention kernel's memory (output, log-sum-exp, random state) with the CPU kernel's values."""
 
     @staticmethod
     def forward(
@@ -470,11 +431,7 @@ def _has_vector_bias(args: tuple[Any, ...]) -> bool:
 
 
 class PredictEngine(CpuEngine):
-    """A CPU run whose figures are those the target GPU's caching allocator would show.
-
-    Args:
-        target: the GPU and PyTorch version to predict (:func:`pytest_gpumem.targets.target`).
-    """
+    """A CPU run whose figures are those the ``target`` GPU's caching allocator would show."""
 
     name = "predict"
     exact = True
@@ -518,9 +475,7 @@ class PredictEngine(CpuEngine):
         )
 
     def clean(self, *, empty_cache: bool = True) -> None:
-        """As the CUDA engine: collect garbage, register what is alive, create the workspaces,
-        return cached blocks, and start a new window. The predicted cache is emptied whether
-        ``empty_cache`` or not: a model of the device's cache has no cost to save."""
+        """As the CUDA engine's; the model's cache is always emptied (it has no cost to save)."""
         self.settle()
         forget_categories(self.tracker)
         self.tracker.scan()

@@ -1,12 +1,4 @@
-"""What autograd holds for backward, counted through ``saved_tensors_hooks`` alone.
-
-The storage tracker counts saved tensors too (with categories); this counter is for
-an engine without it (the CUDA engine without ``breakdown``): a Python call per
-*saved tensor*, not per operator, so it is cheap enough to leave on. Each storage
-counts once however many tensors saved for backward view it; parameters and views
-of parameters (``Linear`` saves ``weight.t()``) are never counted. Bytes are the
-allocator's blocks (rounded up to 512 bytes) on CUDA-like devices.
-"""
+"""What autograd holds for backward, counted by ``saved_tensors_hooks`` alone (an engine without a tracker)."""
 
 from __future__ import annotations
 
@@ -30,8 +22,7 @@ _NO_DISPATCH = torch._C._DisableTorchDispatch
 
 
 def detached(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor.detach()``; for plain tensors without a round trip through a dispatch mode
-    (the storage tracker's, or the user's: this detach is pytest-gpumem's own doing)."""
+    """``tensor.detach()``, for plain tensors unseen by any dispatch mode (it is the plugin's own doing)."""
     if type(tensor) in _PLAIN_TENSORS:
         with _NO_DISPATCH():
             return tensor.detach()
@@ -39,16 +30,8 @@ def detached(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Held:
-    """What autograd keeps instead of a saved tensor under pytest-gpumem's hooks: the tensor (a
-    detached alias of it where it has a ``grad_fn``) and its version.
-
-    Detached, so that a node saving its own output (ReLU, Tanh, exp) holds no Python object
-    that holds the node: a cycle through C++ the collector cannot break. A leaf has no node to
-    hold, so it is kept as it is (autograd saves it as it is too). Holding the tensor through a
-    hook hides it from autograd's check that a saved tensor was not modified in place
-    afterwards; the version counter, shared by the detached alias, is recorded here and
-    checked by :func:`unpack`.
-    """
+    """What autograd keeps instead of a saved tensor under the plugin's hooks: the tensor (a non-leaf detached, or a
+    node saving its own output makes a cycle the collector cannot break) and its version, for :func:`unpack`'s check."""
 
     __slots__ = ("tensor", "version")
 
@@ -58,8 +41,7 @@ class Held:
 
 
 class Released(Held):
-    """A saved tensor someone counts: ``release(token)`` is called when autograd lets go of it
-    (the storage tracker's, the allocation tracker's and the saved-tensor counter's holders)."""
+    """A saved tensor someone counts: ``release(token)`` is called when autograd lets go of it."""
 
     __slots__ = ("release", "token")
 
@@ -86,11 +68,7 @@ def unpack(held: Held) -> torch.Tensor:
 
 
 class SavedTensors:
-    """Bytes of the distinct storages autograd holds for backward on ``device``, and their peak.
-
-    Use :meth:`start` / :meth:`stop` around the code to watch; :meth:`take_peak` returns
-    the highest count since the previous call (a window, as engines read peaks).
-    """
+    """Bytes of the distinct storages autograd holds for backward on ``device``, and their peak per window."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -100,7 +78,6 @@ class SavedTensors:
         self._on_device = lambda t: t.device.type == dev_type and (dev_type == "cpu" or t.get_device() == index)
         #: storage key → [tensors holding it, counted bytes]
         self._held: dict[int, list[int]] = {}
-        #: bytes held for backward now
         self.current = 0
         self._peak = 0
         self._hooks: Any = None

@@ -1,13 +1,4 @@
-"""The plugin's saved-tensor hooks, which step aside where torch refuses such hooks.
-
-``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian`` and a user's
-``torch.autograd.graph.disable_saved_tensors_hooks(...)`` raise while any saved-tensor hooks
-are pushed. While a :class:`SavedTensorHooks` is pushed, torch's switch
-(``torch._C._autograd._saved_tensors_hooks_disable`` and ``..._enable``) is wrapped: turning
-hooks off pops the plugin's hooks first (when they are the top of the thread's stack), and
-turning them on again pushes them back. What autograd saves in between is not counted as
-saved for backward: :attr:`SavedTensorHooks.stepped_aside` says how often that happened.
-"""
+"""The plugin's saved-tensor hooks, which step aside where torch turns such hooks off (``torch.func``)."""
 
 from __future__ import annotations
 
@@ -67,8 +58,7 @@ def _disabled() -> bool:
 
 
 class SavedTensorHooks:
-    """``pack`` and ``unpack`` as the calling thread's saved-tensor hooks between :meth:`push`
-    and :meth:`pop`, out of the way wherever torch turns such hooks off."""
+    """``pack`` and ``unpack`` as the calling thread's saved-tensor hooks, aside where torch turns hooks off."""
 
     def __init__(
         self,
@@ -83,7 +73,6 @@ class SavedTensorHooks:
         self._notes = notes
         self._pushed = False
         self._thread: int | None = None
-        #: regions in which the hooks stepped aside
         self.stepped_aside = 0
 
     def push(self) -> None:

@@ -1,14 +1,4 @@
-"""Where storages are made: the frames that are the user's code (:class:`SiteFilter`), and the
-storage tracker's record of each storage's site while sites are recorded (:class:`SiteRecorder`).
-
-The storage tracker asks :meth:`SiteRecorder.made` for each storage an operator creates; it
-walks the stack from there to the innermost frame whose code is the user's (a dictionary
-lookup per frame, cached per code object) and counts the storage's bytes under that line
-and the phase running. Frees, resizes and category changes move the counts, and the tracker
-copies them when its count is at a window's peak (:meth:`SiteRecorder.snapshot`), as it
-copies the breakdown. Nothing here runs unless sites are asked for: the tracker's only cost
-without them is one ``is None`` test per allocation and free.
-"""
+"""Where storages are made: the user's frames (:class:`SiteFilter`), the bytes by line (:class:`SiteRecorder`)."""
 
 from __future__ import annotations
 
@@ -35,8 +25,7 @@ _NEVER = ("torch", "pytest_gpumem", "_pytest", "pytest", "pluggy", "functorch", 
 
 
 def _package_dirs(name: str) -> list[str]:
-    """The folders of the package ``name`` (a top-level or dotted name), without importing it
-    (a dotted name imports its parents); empty when it is not installed."""
+    """The folders of the package ``name`` without importing it (a dotted name imports its parents); empty if absent."""
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
@@ -51,13 +40,7 @@ def _package_dirs(name: str) -> list[str]:
 
 
 class SiteFilter:
-    """Decides which frames are the user's code, and names their files.
-
-    A frame is the user's when its file lies under ``root`` (pytest's rootdir) outside any
-    ``site-packages`` or ``dist-packages`` folder, or inside a package of ``include``
-    (``"transformers"``: its file is then named from the package, ``transformers/models/...``);
-    PyTorch, the plugin, pytest and pluggy are never the user's unless included.
-    """
+    """Decides which frames are the user's code (rootdir, ``include``'d packages), and names their files."""
 
     def __init__(self, config: SiteConfig) -> None:
         self.config = config
@@ -226,8 +209,7 @@ class SiteRecorder:
                 state.counts.tensors[entry.category] -= 1
 
     def moved(self, entry: Any, old: int, new: int, window: SiteSnapshot | None) -> None:
-        """``entry`` changes category from ``old`` to ``new``; ``window``: the window's peak
-        snapshot to correct too (the entry was there, and is found to be of ``new``)."""
+        """``entry`` changes category from ``old`` to ``new``, in the window's peak snapshot ``window`` too."""
         state: _State | None = getattr(entry, "site", None)
         mine = state is not None and state.owner is self
         if state is not None and mine:
@@ -243,8 +225,7 @@ class SiteRecorder:
             state.counts.nbytes[entry.category] += delta
 
     def snapshot(self, by_category: Sequence[int], storages: int) -> SiteSnapshot:
-        """The counts now, by state; what no state holds (made before sites were recorded) under
-        :data:`BEFORE`. ``by_category``: the tracker's bytes by category, ``storages``: its count."""
+        """The counts now, by state; what no state holds (made before sites were recorded) under :data:`BEFORE`."""
         found: SiteSnapshot = {}
         before = list(by_category)
         left = storages
@@ -270,8 +251,7 @@ def _move(counts: SiteCounts, nbytes: int, old: int, new: int) -> None:
 
 
 class TrackedSites:
-    """The storage tracker's members for sites (mixed into
-    :class:`~pytest_gpumem.measurement.engines.tracker.StorageTracker`, whose fields these are)."""
+    """The storage tracker's members for sites, mixed into ``StorageTracker``, whose fields these are."""
 
     sites: SiteRecorder | None
     current: int
@@ -299,9 +279,7 @@ class TrackedSites:
         return Window(self.current, tuple(self._by_category), self.events, self.saved, sites=self.site_snapshot())
 
     def record_sites(self, sites: SiteRecorder | None) -> None:
-        """Record the site of every storage made from now on (None: stop); the open window's
-        peak starts from the counts now (what exists is :data:`~pytest_gpumem.data.sites.BEFORE`).
-        Storages made meanwhile are freed through :meth:`_freed_at_site`."""
+        """Record the site of every storage made from now on (None: stop); the open window's peak starts now."""
         with self._lock:
             if self._pending:
                 self._settle()

@@ -1,23 +1,5 @@
-"""An emulated device limit refuses an allocation before the host pays for it.
-
-Under a limit (:func:`~pytest_gpumem.measurement.devicelimit.device_limit`) the storage tracker's
-dispatch mode asks :func:`refuse_early` before an operator that makes new storages runs: the
-bytes its outputs will take come from the operator's meta kernel, run on meta copies of its
-arguments (shapes, strides and dtypes, no data), and an operator whose outputs would take the
-count over the limit raises the emulated out-of-memory error before its kernel allocates
-anything. ``torch.zeros(2**29)`` under ``device_limit="100MiB"`` is refused without the host
-growing by 2 GiB, ``torch.empty(2**40)`` is the emulated error rather than the host
-allocator's.
-
-The sizes are cached by the operator and its arguments' shapes, strides, dtypes and other
-values: a training step's operators repeat, so the meta kernels run once per shape (a few
-tens to hundreds of µs each), and the check costs a lookup afterwards.
-
-What is still counted after the kernel ran (the refusal then comes once the host allocated):
-operators without a meta kernel, those whose output size depends on the data (``nonzero``,
-``unique``, boolean indexing), tensor subclasses, and operators that grow a storage they were
-given (``out=``, ``resize_``).
-"""
+"""An emulated device limit refuses an allocation before the host pays for it, sized by the operator's meta kernel
+(without one, or for data-dependent sizes, it is refused only after the kernel ran)."""
 
 from __future__ import annotations
 
@@ -37,10 +19,8 @@ CACHE_LIMIT = 8192
 
 _UNKNOWN = object()
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
-#: (id of the operator, its arguments' signatures) → the bytes of each storage it makes; the
-#: operators are torch's, alive as long as the process
+#: (id of the operator, its arguments' signatures) → the bytes of each storage it makes (torch's operators live on)
 _cache: dict[Any, tuple[int, ...] | None] = {}
-#: id of an operator → whether it returns tensors
 _returns_tensors: dict[int, bool] = {}
 
 
@@ -57,9 +37,7 @@ class Limited(Protocol):
 
 
 def refuse_early(tracker: Limited, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
-    """Raise the tracker's out-of-memory error when ``func(*args, **kwargs)``'s outputs on the
-    tracker's device would take its count over its limit; nothing when they fit or their size is
-    not known before the kernel runs."""
+    """Raise the tracker's out-of-memory error when ``func(*args, **kwargs)``'s outputs would take it over its limit."""
     sizes = output_storages(func, args, kwargs or {}, tracker.device)
     if not sizes:
         return
@@ -72,8 +50,7 @@ def refuse_early(tracker: Limited, func: Any, args: tuple[Any, ...], kwargs: dic
 def output_storages(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> tuple[int, ...] | None:
-    """The bytes of each storage ``func(*args, **kwargs)`` will make on ``device`` (strided tensors),
-    from its meta kernel; None when they are not known before the kernel runs."""
+    """The bytes of each storage ``func(*args, **kwargs)`` will make on ``device``, per its meta kernel."""
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
         return None  # fake tensors: the host allocates nothing
     if not _makes_tensors(func):
@@ -99,12 +76,7 @@ class _Unsized(Exception):
 
 
 def _signature(values: Any, scalars: bool = True) -> tuple[Any, ...]:
-    """What of an operator's arguments ``values`` decides the sizes of its outputs, hashable: a
-    tensor's dtype, shape, strides and device; anything else itself, but a float where
-    ``scalars`` is False (an operator of tensors: a float beside them is a scalar operand, as
-    the optimizers' bias corrections that change at every step, never a size). Raises
-    ``TypeError`` for a value that cannot be hashed, :class:`_Unsized` for a tensor subclass,
-    ``RuntimeError`` for a tensor without strides (sparse)."""
+    """What of an operator's arguments decides its outputs' sizes, hashable (a float by tensors is no size)."""
     parts: list[Any] = []
     for value in values:
         kind = type(value)

@@ -1,21 +1,5 @@
-"""Memory snapshots from the storage tracker: the pickle PyTorch's memory_viz opens, without a GPU.
-
-:class:`SnapshotRecorder` follows a tracker's count (it is the tracker's
-:class:`~pytest_gpumem.measurement.engines.storages.StorageObserver`, in front of the one it had)
-only while a snapshot is asked for, and :meth:`SnapshotRecorder.snapshot` returns the dict that
-``torch.cuda.memory._snapshot()`` returns: ``segments`` (what is allocated at the end, with the
-Python stack that made each block) and ``device_traces`` (one list of ``alloc`` /
-``free_requested`` / ``free_completed`` entries, and ``segment_alloc`` where the predicted
-allocator reserves a segment; the last :data:`SNAPSHOT_ENTRIES` kept). The dict holds only
-lists, tuples, dicts, strings and integers, so it unpickles without this package.
-
-Addresses: on the CPU engine every storage gets an address of its own from a counter that never
-goes back (storages have no device addresses to show, and a storage's key may be reused once it
-is freed), and is one segment of its size: there is no caching allocator. On the prediction
-engine the addresses and segments are the predicted allocator's
-(:class:`~pytest_gpumem.targets.allocator.CachingAllocatorModel`): its blocks, their splits and
-the free space it caches.
-"""
+"""Memory snapshots from the storage tracker: the pickle PyTorch's memory_viz opens, without a GPU (only builtins, so
+it unpickles without this package)."""
 
 from __future__ import annotations
 
@@ -56,10 +40,7 @@ _UNSEEN: Any = object()
 
 
 def python_frames(cache: dict[tuple[Any, int], Any]) -> Frames:
-    """The Python stack of the caller, innermost first, as memory_viz's frames (``filename``,
-    ``line``, ``name``), without this package's own frames. ``cache`` keeps one dict per code
-    location (None: one of this package's), shared by every stack that passes there: the
-    snapshot pickles each once."""
+    """The caller's Python stack as memory_viz's frames, without this package's, one dict per location."""
     frames: Frames = []
     append = frames.append
     frame: Any = sys._getframe(1)
@@ -82,15 +63,7 @@ def python_frames(cache: dict[tuple[Any, int], Any]) -> Frames:
 
 
 class SnapshotRecorder:
-    """Records a tracker's allocations and frees as a memory snapshot's trace (see the module's docstring).
-
-    Args:
-        tracker: the tracker to follow; :meth:`start` puts the recorder in front of its observer,
-            :meth:`stop` puts that observer back.
-        model: the predicted allocator (the prediction engine), whose blocks give the addresses and
-            segments; None on the CPU engine.
-        max_entries: most trace entries kept (the latest).
-    """
+    """Records a ``tracker``'s allocations and frees as a snapshot's trace (``model``: the predicted allocator)."""
 
     def __init__(
         self,
@@ -256,8 +229,7 @@ def _segment(address: int, total: int, blocks: list[dict[str, Any]], kind: str =
 
 
 def write_snapshot(path: str, snapshot: dict[str, Any]) -> str | None:
-    """Pickle ``snapshot`` to ``path``, whole or not at all (a temporary file renamed into place);
-    returns ``path``, or None after an :class:`OutputNotWritten` warning naming it and the reason."""
+    """Pickle ``snapshot`` to ``path``, whole or not at all (else an :class:`OutputNotWritten` warning)."""
     temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

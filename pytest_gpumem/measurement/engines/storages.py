@@ -1,5 +1,4 @@
-"""What the storage tracker keeps per storage and per window (entries, blocks, windows),
-and the words for what it missed."""
+"""What the storage tracker keeps per storage and per window, and the words for what it missed."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ from pytest_gpumem.units import format_size
 
 @dataclass
 class Window:
-    """Highest allocated bytes since the window opened, the breakdown then, and its event index;
-    ``saved_peak``: the highest bytes held for backward at one time in the window."""
+    """Highest allocated bytes since the window opened, the breakdown then, its event index and the saved peak."""
 
     peak: int
     breakdown: tuple[int, ...]
@@ -35,12 +33,8 @@ class Window:
     sites: Any = None
 
 
-#: How the tracker treats an operator's outputs (cached per operator, from its schema).
-#: SKIP: every output is a view of an input, or the operator writes in place without
-#: resizing (``add_``, ``t``, ``detach``): no storage can appear or change size.
-#: FRESH: no output aliases an input: a storage not yet counted is an allocation.
-#: ALIAS: outputs that may alias and resize an input (``resize_``, ``set_``, ``out=``,
-#: mixed schemas): a known storage is re-measured, an unknown one is not counted.
+#: How the tracker treats an operator's outputs, from its schema. SKIP: views and in-place writes, no storage can
+#: appear or change size; FRESH: no output aliases an input; ALIAS: an output may alias and resize an input.
 SKIP, FRESH, ALIAS = 0, 1, 2
 
 
@@ -53,22 +47,16 @@ def output_kind(func: Any) -> int:
         name = schema.name
     except AttributeError:
         return FRESH
-    # lift_fresh aliases a tensor that torch.tensor(data) built outside the dispatcher:
-    # its output is a new storage as far as anything here can see
+    # lift_fresh aliases a tensor that torch.tensor(data) built outside the dispatcher: a new storage here
     if all(info is None for info in infos) or name == "aten::lift_fresh":
         return FRESH
     if any(info is None for info in infos) or has_out or "resize" in name or "set_" in name:
         return ALIAS
-    # views (alias, no write) and in-place operators that keep their storage's size
     return SKIP
 
 
 def operator_of(func: Any) -> tuple[Callable[..., Any], int]:
-    """How the mode calls ``func``, and its output kind.
-
-    A plain ``OpOverload`` is called through its C++ handle ``_op``, as its
-    ``__call__`` does: one Python frame less per operator.
-    """
+    """How the mode calls ``func`` (a plain ``OpOverload`` through its C++ handle), and its output kind."""
     call = func
     if OpOverload is not None and type(func).__call__ is OpOverload.__call__:
         call = getattr(func, "_op", func)
@@ -76,18 +64,8 @@ def operator_of(func: Any) -> tuple[Callable[..., Any], int]:
 
 
 class Entry(weakref.ref):  # type: ignore[type-arg]
-    """One tracked storage: a weak reference to it, with its counted bytes and category.
-
-    Being the weak reference itself (rather than holding one and a callback closure)
-    makes registering a storage one object instead of three, and it has no Python
-    ``__init__``: :meth:`StorageTracker._add` sets the fields. That runs once per
-    allocation while tracking.
-
-    Fields: ``key`` (the storage's ``_cdata``), ``nbytes`` (counted bytes),
-    ``category``, ``moved`` (event index since
-    which it has had its category), ``saves`` (how many autograd graphs hold it
-    now), ``prior`` (its category before it was saved for backward).
-    """
+    """One tracked storage: a weak reference to it (one object per allocation), with its counted bytes and category;
+    ``prior`` is its category before it was saved for backward."""
 
     __slots__ = ("category", "key", "moved", "nbytes", "prior", "saves", "site")
     key: int
@@ -99,9 +77,7 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
 
 
 class Block:
-    """A tracked allocation that is no storage the tracker can watch (one seen in the
-    profiler's stream, a library workspace of a predicted device): the fields of the tracker's
-    entries, and alive (calling it returns itself) until the tracker is told it is freed."""
+    """A tracked allocation no storage stands for (a profiler event, a predicted workspace), alive until freed."""
 
     __slots__ = Entry.__slots__  # set by StorageTracker._insert, as for the tracker's entries
     key: int
@@ -129,22 +105,18 @@ _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def is_fake(tensor: Any) -> bool:
-    """Whether ``tensor`` is a fake tensor (``FakeTensor``: a shape and a dtype, no memory on any
-    device), without importing their module: where it is not imported, there is none."""
+    """Whether ``tensor`` is a fake tensor, without importing their module."""
     module = sys.modules.get("torch._subclasses.fake_tensor")
     return module is not None and isinstance(tensor, module.FakeTensor)
 
 
 def fakes_counted() -> bool:
-    """Whether fake tensors are the memory counted now: a fake-tensor mode is active (a
-    measurement with ``fake=True`` runs in one). Outside it a fake tensor is a shape: a compiled
-    function's graph keeps many (TorchDynamo traces with them), and none holds a byte."""
+    """Whether fake tensors are the memory counted now: a fake-tensor mode is active (outside, one is a shape)."""
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 class Kinds(dict):  # type: ignore[type-arg]
-    """type → whether it is a subclass of ``base``, filled as types are met (``__missing__``):
-    looked up by ``map``, in C, for every object the garbage collector lists."""
+    """type → whether it is a subclass of ``base``, filled as types are met; looked up by ``map``, in C."""
 
     def __init__(self, base: type | tuple[type, ...]) -> None:
         super().__init__()
@@ -159,13 +131,7 @@ _TENSOR_KINDS = Kinds(torch.Tensor)
 
 
 def instances_among(objects: list[Any], kinds: Kinds) -> list[Any]:
-    """The instances of ``kinds.base`` (or of a subclass) among ``objects``, in order.
-
-    The loop runs in C (``map`` and ``itertools.compress`` over a type cache): per test the
-    plugin looks through every object the collector tracks twice, a few thousand to a few
-    hundred thousand of them; a Python loop asking ``issubclass`` of each took twice as long.
-    By type, never ``isinstance``: that reads ``__class__``, which some objects warn about.
-    """
+    """The instances of ``kinds.base`` among ``objects`` in order, by type in C (``isinstance`` reads ``__class__``)."""
     return list(itertools.compress(objects, map(kinds.__getitem__, map(type, objects))))
 
 
@@ -175,11 +141,7 @@ def tensors_among(objects: list[Any]) -> list[Any]:
 
 
 def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
-    """The tensors a wrapper subclass holds (a ``DTensor``: its local shard; FSDP2's sharded
-    parameters are such), flattened; None for a tensor that holds its own storage.
-
-    A wrapper's own storage is a placeholder of its global size: the bytes are its local tensors'.
-    """
+    """The tensors a wrapper subclass (a ``DTensor``) holds, which hold its bytes; None for a plain one."""
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
     if flatten is None:
         return None
@@ -195,20 +157,14 @@ def local_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
 
 
 def inner_tensors(tensor: torch.Tensor, counts_fakes: bool) -> list[torch.Tensor] | None:
-    """What holds the bytes of a tensor that is not a plain one: nothing for a fake tensor unless
-    fake tensors are what is counted (:func:`fakes_counted`), the local tensors of a wrapper
-    subclass (:func:`local_tensors`), None for a tensor that holds its own storage."""
+    """What holds the bytes of a tensor that is not plain (nothing for an uncounted fake); None for a plain one."""
     if not counts_fakes and is_fake(tensor):
         return []
     return local_tensors(tensor)
 
 
 def sort_scanned(tensors: Iterable[Any]) -> tuple[list[Any], list[Any], list[Any]]:
-    """The parameters, their gradients and the other tensors among ``tensors`` (a scan's finds).
-
-    A fake tensor made from a small value keeps a real copy of it (``constant``, for ``.item()``):
-    torch's bookkeeping under fake mode, not memory of the modelled run, so it is left out.
-    """
+    """The parameters, their gradients and the other tensors among ``tensors`` (not fakes' constants)."""
     params: list[Any] = []
     grads: list[Any] = []
     others: list[Any] = []

@@ -1,16 +1,4 @@
-"""Sites on CUDA: the caching allocator's own history (``torch.cuda.memory._record_memory_history``
-with Python stacks), replayed to find the blocks alive at a window's peak and at an end, each
-with the innermost frame of the user's code that allocated it.
-
-A memory snapshot's ``device_traces`` list every ``alloc`` and free (``free_requested``: the
-moment ``memory_allocated`` drops; ``free_completed`` when its stream work is done) with the
-block's address, its size (the block's: what ``memory_allocated`` counts) and, for
-allocations, the Python frames. Replaying them from the bytes allocated when recording
-started gives ``memory_allocated`` after every event; the peak of a window is its highest
-value, and the blocks alive then are its sites. Windows are told apart by the metadata torch
-stamps on each event (``_set_memory_metadata``): the engine sets a new stamp at each window
-boundary. Pure: plain data in (a snapshot is dicts and lists), no torch here.
-"""
+"""Sites on CUDA: the caching allocator's history (Python stacks, events stamped by window), replayed. Pure."""
 
 from __future__ import annotations
 
@@ -41,8 +29,7 @@ class TraceMoment:
 
 
 def functions_in(text: str) -> tuple[tuple[int, int, str], ...]:
-    """(first line with decorators, last line, qualified name) of every function in the source
-    ``text``, outer before inner; () when it does not parse."""
+    """(first line with decorators, last line, qualified name) of every function in ``text``, outer before inner."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -71,8 +58,7 @@ def _functions(filename: str) -> tuple[tuple[int, int, str], ...]:
 
 
 def frame_site(filename: str, name: str, line: int, file: str) -> Site:
-    """The site of a recorded frame: its function's qualified name and first line from the source
-    (as a code object has them), the absolute line when the source cannot be read."""
+    """The site of a recorded frame, its function's qualified name and first line read from the source."""
     inner = [f for f in _functions(filename) if f[2].rsplit(".", 1)[-1] == name and f[0] <= line <= f[1]]
     if not inner:
         return Site(file, name, line, line, source_line(filename, line))
@@ -90,14 +76,7 @@ def replay_trace(
     prefix: str = "",
     phases: Mapping[int, str] | None = None,
 ) -> tuple[dict[int, list[Found]], dict[int, list[Found]]]:
-    """Replay ``events`` (one device's trace) from ``start`` bytes allocated before the first.
-
-    The engine stamps events with ``prefix`` and a window's number (:func:`window_numbers`).
-    ``windows``: numbers whose peak is wanted; ``ends``: numbers whose beginning marks a moment
-    wanted (the end of a span: the blocks alive just before it). Returns the sites at each
-    window's peak and at each end, by number. ``name_of`` names a frame's file when it is the
-    user's code (None otherwise); ``phases`` gives each window's phase.
-    """
+    """Replay ``events`` from ``start`` bytes: the sites at each of ``windows'`` peaks and before each of ``ends``."""
     numbers = window_numbers(events, prefix)
     wanted = set(windows)
     peaks: dict[int, tuple[int, int]] = {}  # number → (peak bytes, index of the event after which it was)
@@ -123,9 +102,7 @@ def replay_trace(
 
 
 def window_numbers(events: Sequence[Mapping[str, Any]], prefix: str) -> list[int]:
-    """The window of each event: the number of the last stamp ``prefix<number>`` seen up to it (0
-    before the first). An event that carries no stamp of ours (a free, where torch stamps only
-    allocations) belongs to the window it falls in."""
+    """The window of each event: the number of the last stamp ``prefix<number>`` seen up to it (0 before the first)."""
     current = 0
     numbers = []
     for event in events:
@@ -137,8 +114,7 @@ def window_numbers(events: Sequence[Mapping[str, Any]], prefix: str) -> list[int
 
 
 def _freed_size(event: Mapping[str, Any], index: int, events: Sequence[Mapping[str, Any]]) -> int:
-    """The bytes a free event takes off ``memory_allocated``: a ``free_completed`` that follows its
-    ``free_requested`` takes nothing (the allocated count dropped at the request)."""
+    """The bytes a free event takes off ``memory_allocated`` (none for a ``free_completed`` after its request)."""
     if event.get("action") != "free_completed":
         return _block(event)
     addr = event.get("addr")
@@ -149,17 +125,14 @@ def _freed_size(event: Mapping[str, Any], index: int, events: Sequence[Mapping[s
 
 
 def _block(event: Mapping[str, Any]) -> int:
-    """The bytes ``memory_allocated`` counts for an event's block: the trace holds the size the
-    code asked for (4 B for a float scalar), the allocator's block is rounded up to 512 B. A large
-    block the allocator did not split holds up to 1 MiB more than that, which no trace event says."""
+    """The bytes ``memory_allocated`` counts for an event's block: the requested size rounded up to 512 B."""
     return cuda_rounded(int(event["size"]))
 
 
 def replay_moments(
     events: Sequence[Mapping[str, Any]], start: int, moments: Mapping[Any, int]
 ) -> dict[Any, TraceMoment]:
-    """The moment after the event at each index of ``moments`` (-1: before the first event): the
-    blocks alive and the bytes of blocks from before the trace."""
+    """The moment after the event at each index of ``moments`` (-1: before the first event)."""
     result: dict[Any, TraceMoment] = {}
     by_index: dict[int, list[Any]] = {}
     for name, index in moments.items():
