@@ -1,5 +1,4 @@
-"""What the plugin does to Python's garbage collector, in one place: :class:`Collector` (see docs/figures.md,
-"Garbage collection between tests")."""
+"""What the plugin does to Python's garbage collector, in one place: :class:`Collector` (docs/figures.md)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ __all__ = [
     "thaw",
 ]
 
-#: Objects left to the collector between tests above which :meth:`Collector.compact` freezes them.
-COMPACT_ABOVE = 5_000
+COMPACT_ABOVE = 5_000  #: objects not frozen between tests above which :meth:`Collector.compact` freezes them
 
 _running: Collector | None = None
 
@@ -37,8 +35,7 @@ def running() -> Collector | None:
 
 @functools.cache
 def interpreter_frozen() -> int:
-    """Objects the interpreter holds frozen from its start (Python 3.12's deep-frozen code), asked of a bare child
-    interpreter once; 0 when it cannot run."""
+    """Objects a bare interpreter holds frozen from its start (Python 3.12's deep-frozen code); 0 when unknown."""
     if not sys.executable:
         return 0
     try:
@@ -85,8 +82,7 @@ def give_back() -> bool:
 
 
 def thaw() -> bool:
-    """Give the plugin's frozen objects back, so that ``gc.get_referrers`` sees them (a leak's holder); returns
-    whether any were frozen."""
+    """Give the plugin's frozen objects back, for ``gc.get_referrers``; returns whether any were frozen."""
     if _running is not None:
         was_frozen = _running.frozen
         _running.give_back()
@@ -99,11 +95,7 @@ def thaw() -> bool:
 
 
 class Collector:
-    """Owns what the plugin does to ``gc``: the freeze, its own collections, giving frozen objects back.
-
-    It freezes only what a collection just found alive, gives everything back before a full collection it did not
-    ask for and before the user's ``gc`` calls, and leaves alone objects someone else froze (see docs/figures.md).
-    """
+    """Owns what the plugin does to ``gc``: freezing what a collection found alive, giving it back when others ask."""
 
     def __init__(self, *, compact_above: int = COMPACT_ABOVE) -> None:
         self.compact_above = compact_above
@@ -157,8 +149,7 @@ class Collector:
             self._collecting = False
 
     def compact(self) -> bool:
-        """Between tests: when over :attr:`compact_above` objects are not frozen, collect them and freeze what survives;
-        returns whether it froze."""
+        """Between tests: when over :attr:`compact_above` objects are not frozen, collect and freeze what survives."""
         if not self.active or not gc.isenabled():
             return False
         if len(gcfunctions.get_objects()) <= self.compact_above:
@@ -211,8 +202,7 @@ class Collector:
             _running = None
 
     def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
-        """``gc.callbacks`` hook: a full collection not the plugin's is given everything, and what survives is frozen
-        again as it ends."""
+        """``gc.callbacks`` hook: a full collection not the plugin's is given everything; what survives is refrozen."""
         if info["generation"] != 2 or self._collecting:
             return
         if phase == "start":

@@ -1,5 +1,4 @@
-"""The tensors among the garbage collector's frozen objects, remembered weakly so that a tracker and a census of
-live tensors find them without unfreezing (see docs/figures.md, "Garbage collection between tests")."""
+"""The tensors among the garbage collector's frozen objects, remembered weakly for the trackers (docs/figures.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ __all__ = [
     "theirs_given_back",
 ]
 
-#: weak references to the frozen modules and to the frozen tensors no module holds
-_refs: list[weakref.ref[Any]] = []
+_refs: list[weakref.ref[Any]] = []  #: weak references to the frozen modules and to the tensors no module holds
 _known = False
 _theirs_given_back = False
 _MODULE_KINDS = Kinds(torch.nn.Module)
@@ -51,10 +49,7 @@ def _modules() -> Iterator[torch.nn.Module]:
 
 
 def references(objects: list[Any]) -> list[weakref.ref[Any]]:
-    """Weak references to the modules among ``objects`` and to the tensors among them that no module holds.
-
-    A module's tensors are reached through it: ``torch.utils.swap_tensors`` refuses a tensor with a weak reference.
-    """
+    """Weak references to the modules among ``objects`` and to the tensors no module holds (never a module's own)."""
     found = instances_among(objects, _MODULE_OR_TENSOR_KINDS)
     modules = [obj for obj in found if _MODULE_KINDS[type(obj)]]
     held = {id(tensor) for module in (*modules, *_modules()) for tensor in _held_by(module)}

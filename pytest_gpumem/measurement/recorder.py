@@ -1,8 +1,4 @@
-"""Spans, phases and breakdowns: turning engine readings into :class:`Measurement` objects.
-
-At every span or phase boundary the engine's window since the last one is folded into every open span, so nested
-spans each get their exact peak; phases are found by hooks on the tracked modules and optimizers.
-"""
+"""Spans, phases and breakdowns: turning engine readings into :class:`Measurement` objects."""
 
 from __future__ import annotations
 
@@ -69,11 +65,7 @@ class _SpanState:
 
 
 class Recorder:
-    """Measures spans on one engine. Not thread-safe; one per test.
-
-    ``saved_tensors``: tell activations apart from temporaries; ``fake``: run on fake tensors; ``label``: what the
-    warnings name; ``sites``: record where storages are made.
-    """
+    """Measures spans on one engine; one per test. ``saved_tensors``: tell activations apart from temporaries."""
 
     def __init__(
         self,
@@ -94,24 +86,20 @@ class Recorder:
         self._handles: list[Any] = []
         self._phase: str | None = None
         self._depth = 0
-        #: phases are marked by a framework adapter (:meth:`mark_phase`)
-        self.external_phases = False
+        self.external_phases = False  #: phases are marked by a framework adapter (:meth:`mark_phase`)
         self._marks: list[tuple[int, str]] = []
         #: windows and phase changes the engine reads later: (kind, token, phase, new phase)
         self._deferred: list[tuple[str, int, str | None, str | None]] = []
         self.active = False
         self.spans: list[Span] = []  #: the spans closed so far, in order
-        #: rank processes were measured: the marker's limits apply to every rank's span
-        self.ranks_measured = False
+        self.ranks_measured = False  #: the marker's limits apply to every rank's span
         self.device_limit: int | None = None  #: the emulated device size in bytes, if any
-        #: a limit or budget needs ``reserved`` from an empty cache
-        self.reserved = False
+        self.reserved = False  #: a limit or budget needs ``reserved`` from an empty cache
         self.driver = False  #: read the driver's figures (NVML) at a span's end
         self.max_microbatch: int | None = None  #: found by ``gpumem.max_microbatch()``
         self.fake = fake
         self.label = label
-        #: the fake tensors' mode, below the tracker's dispatch mode
-        self._faked = contextlib.ExitStack()
+        self._faked = contextlib.ExitStack()  # the fake tensors' mode, below the tracker's dispatch mode
 
     # -- life cycle ------------------------------------------------------------
 
@@ -222,7 +210,6 @@ class Recorder:
         self._transition(old, phase, self.engine.allocated(), self.engine.events)
 
     def _transition(self, old: str | None, new: str | None, now: int, events: int) -> None:
-        """Phases change with ``now`` bytes allocated, after ``events`` events."""
         if old is not None:
             for span in self._open:
                 if old in span.phases:
@@ -267,7 +254,6 @@ class Recorder:
             return self._open_state(name)
 
     def _reading(self) -> contextlib.AbstractContextManager[None]:
-        """Readings taken together, at one moment."""
         return self.engine.reading()
 
     def _open_state(self, name: str) -> _SpanState:
@@ -361,7 +347,6 @@ class Recorder:
         )
 
     def _warn_compiled(self, state: _SpanState) -> None:
-        """Warn when TorchDynamo ran compiled frames eagerly under the tracker."""
         frames = self.engine.compiled_frames
         if len(frames) <= state.compiled_from:
             return
@@ -423,10 +408,7 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 class Span:
-    """A measured ``with`` block: after it, ``span.measurement`` and its shortcuts (``peak``, ``breakdown``...).
-
-    Limits (``peak="1GiB"``) are validated here and judged at the end of the test, or of the block outside pytest.
-    """
+    """A measured ``with`` block: after it, ``span.measurement`` and its shortcuts; its limits are judged later."""
 
     def __init__(self, recorder: Recorder, name: str, limits: Mapping[str, Any]) -> None:
         self.recorder = recorder

@@ -1,5 +1,4 @@
-"""Collection: the ``gpumem`` markers validated as their modules are collected, the plugin
-switched off (``--gpumem-disable``), and the book of what the run collected (for stale baselines)."""
+"""Collection: markers validated as collected, the plugin switched off, and the book of what the run collected."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ __all__ = [
 
 SPEC_KEY = pytest.StashKey[GpumemSpec]()
 SPEC_ERROR_KEY = pytest.StashKey[str]()
-#: the device of a test run while the plugin is disabled (``--gpumem-disable``)
-DISABLED_KEY: pytest.StashKey[torch.device] = pytest.StashKey()
+DISABLED_KEY: pytest.StashKey[torch.device] = pytest.StashKey()  #: a test's device while the plugin is disabled
 
 
 def is_worker(config: pytest.Config) -> bool:
@@ -144,8 +142,7 @@ class DisabledManager:
 
 
 class CollectionBook:
-    """What the run collected, for stale baselines: every node id, the files collected whole, and why the others were
-    not; with xdist, the workers' books."""
+    """What the run collected, for stale baselines: every node id, the files collected whole, why others were not."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config

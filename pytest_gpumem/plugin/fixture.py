@@ -1,5 +1,4 @@
-"""The ``gpumem`` fixture: :class:`GpuMem`, over the test's recorder, or over :class:`Unrecorded` where the plugin is
-disabled."""
+"""The ``gpumem`` fixture: :class:`GpuMem`, over the test's recorder, or :class:`Unrecorded` where it is disabled."""
 
 from __future__ import annotations
 
@@ -26,9 +25,7 @@ __all__ = ["GpuMem", "NullEngine", "Unmeasured", "Unrecorded"]
 
 class GpuMem:
     """Measure memory inside a test. Given by the ``gpumem`` fixture; ``device`` is the ``torch.device`` under test.
-
-    With ``--gpumem-disable`` the code runs as with the plugin on; reading a figure skips the test, saying why.
-    """
+    With ``--gpumem-disable`` the code runs as with the plugin on; reading a figure skips the test, saying why."""
 
     def __init__(self, recorder: Recorder | Unrecorded, nodeid: str, marker_limits: Sequence[LimitSpec] = ()) -> None:
         self.recorder = recorder

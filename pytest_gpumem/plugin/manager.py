@@ -1,6 +1,4 @@
-"""The run's manager: the one object that owns the run, made of named parts (``markers``, ``book``, ``measuring``,
-``baselines``, ``ending``), each registered as a plugin of its own; its own hooks take a test's record from its report
-to the judge, the one place a test's outcome changes."""
+"""The run's manager: owns the run's parts, and takes a test's record from its report to the judge."""
 
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ __all__ = ["RECORD_KEY", "RUN_KEY", "GpumemManager"]
 
 
 def _terminal_width(config: pytest.Config) -> int:
-    """pytest's terminal width; the environment's where there is none (xdist workers)."""
     writer = getattr(config.pluginmanager.get_plugin("terminalreporter"), "_tw", None)
     return int(writer.fullwidth) if writer is not None else shutil.get_terminal_size().columns
 
@@ -43,11 +40,9 @@ class GpumemManager:
     def __init__(self, config: pytest.Config, settings: Settings) -> None:
         self.config = config
         self.settings = settings
-        #: an xdist worker: it measures, and its controller judges and writes
-        self.worker = is_worker(config)
+        self.worker = is_worker(config)  #: an xdist worker: it measures, its controller judges and writes
         try:
-            #: pytest started by torchrun: this process is one rank
-            self.launch = launch()
+            self.launch = launch()  #: pytest started by torchrun: this process is one rank
         except ValueError as exc:
             raise pytest.UsageError(f"gpumem: {exc}") from None
         self.markers = MarkerCheck()
@@ -55,8 +50,7 @@ class GpumemManager:
         self.baselines = BaselineSession(settings.baselines)
         self.measuring = Measuring(config, settings, self.baselines, self.launch)
         self.ending = RunEnd(config, settings, self.baselines, self.book, worker=self.worker, launch=self.launch)
-        #: the record a report carries, handed to the judge undecoded; held from the report's making to its logging
-        self._handoff: tuple[str, TestRecord] | None = None
+        self._handoff: tuple[str, TestRecord] | None = None  # the call report's record, until it is logged
 
     def register(self, pluginmanager: pytest.PytestPluginManager) -> None:
         """Register this manager and each of its parts with pytest."""
@@ -85,8 +79,7 @@ class GpumemManager:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        """Under pytest-xdist the controller collects nothing: it reads an existing baseline file now, so that a bad one
-        stops the run before any test."""
+        """The xdist controller collects nothing: it reads an existing baseline file now, so a bad one stops the run."""
         if self.worker or self.config.pluginmanager.getplugin("dsession") is None:
             return
         if self.settings.baselines.path.exists():

@@ -1,5 +1,4 @@
-"""Where a test runs: each test's measured run set up before its fixtures, started as the test function is called,
-finished as it returns; a marker added after collection applied where it still can be."""
+"""Where a test runs: its measured run set up before its fixtures, started at the call, finished as it returns."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ __all__ = ["MARKS_KEY", "RECORD_KEY", "RUN_KEY", "Measuring"]
 
 RUN_KEY: pytest.StashKey[TestRun] = pytest.StashKey()
 RECORD_KEY = pytest.StashKey[TestRecord]()
-#: the test's ``gpumem`` marks when its collection ended: any other is a marker added later
-MARKS_KEY = pytest.StashKey[list[pytest.Mark]]()
+MARKS_KEY = pytest.StashKey[list[pytest.Mark]]()  #: the test's ``gpumem`` marks when its collection ended
 
 
 class Measuring:
@@ -47,8 +45,7 @@ class Measuring:
         self.launch = launch
         self.engines: Engines | None = None  #: made when the run loop starts with a measured test
         self.freezer: Freezer | None = None  #: the run's collector, started with the engines
-        #: each engine's environment, as the pytest_gpumem_environment hook made it
-        self._environments: dict[str, tuple[dict[str, Any], str]] = {}
+        self._environments: dict[str, tuple[dict[str, Any], str]] = {}  # by engine, as the environment hook made them
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
@@ -158,7 +155,6 @@ class Measuring:
         return choose_observe(spec.observe, default=settings.observe, predict=predict, limit=needs_limit)
 
     def _environment(self, engine: Engine) -> tuple[dict[str, Any], str]:
-        """The engine's environment (as the hook adjusted it) and its key."""
         key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{engine.predicts}"
         if key not in self._environments:
             detected = Environment.detect(engine.name, engine.device, engine.cuda_rounding, predict=engine.predicts)
@@ -242,8 +238,7 @@ def _spec_now(item: pytest.Item) -> GpumemSpec | None:
 
 
 def _finish(item: pytest.Item, run: TestRun, exc: BaseException | None) -> TestRecord:
-    """``run.finish(exc)`` with the markers as they are now: a late marker's limits are judged, what it can no longer
-    change is an error."""
+    """``run.finish(exc)`` with the markers as they are now: what a late marker can no longer change is an error."""
     collected = item.stash.get(MARKS_KEY, None)
     marks = gpumem_marks(item)
     late = [collected is not None and not any(mark is other for other in collected) for mark in marks]

@@ -40,8 +40,7 @@ class RunOptions:
     snapshots: Path | None = None  #: folder for CUDA memory snapshots (``--gpumem-snapshot``)
     device_limit: int | None = None  #: the emulated device size (bytes) of tests whose marker names none
     sites: SiteConfig | None = None  #: record where storages are made, so chosen
-    #: build the leak and out-of-memory reports (False: a second run, whose reports stay the first run's)
-    reports: bool = True
+    reports: bool = True  #: the leak and out-of-memory reports (False: a second run's stay the first run's)
 
 
 def _forget_last_failure() -> None:
@@ -80,11 +79,9 @@ class TestRun:
             label=nodeid,
             sites=self.options.sites,
         )
-        #: the objects the test tracked, once it has finished (weakly)
-        self.tracked: list[weakref.ref[Any]] = []
+        self.tracked: list[weakref.ref[Any]] = []  #: the objects the test tracked, once it has finished
         self.recorder.device_limit = spec.device_limit if spec.device_limit is not None else self.options.device_limit
-        #: a limit on reserved: the cache is emptied before the start reading
-        self.recorder.reserved = any(limit.metric == "reserved" for limit in spec.limits)
+        self.recorder.reserved = any(limit.metric == "reserved" for limit in spec.limits)  # the cache emptied first
         self._stack = contextlib.ExitStack()  # the recorder's activation
         self._watches = contextlib.ExitStack()  # left just before the call span closes
         self._returned: list[tuple[int, dict[str, int] | None]] = []

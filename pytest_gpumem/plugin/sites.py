@@ -1,5 +1,4 @@
-"""Sites in a run: which test runs record where their bytes were made, and whether a test that failed on memory runs
-a second time with sites on (see docs/sites.md). No torch at import."""
+"""Sites in a run: which runs record them, and the second run of a test that failed on memory (docs/sites.md)."""
 
 from __future__ import annotations
 
@@ -99,7 +98,7 @@ def wants_sites(
     return fails_on_memory(session, record)
 
 
-#: how launchers (torchrun, mpirun, srun) tell a process how many ranks run: ranks run a test together
+#: how launchers (torchrun, mpirun, srun) tell a process how many ranks run a test together
 _WORLD_SIZES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 
 
@@ -140,7 +139,6 @@ def no_second_run(item: pytest.Item, record: TestRecord, seconds: float, setting
 
 
 def _timeout(item: pytest.Item) -> str | None:
-    """The per-test timeout pytest-timeout applies to ``item``, as text, or None."""
     config = item.config
     if not config.pluginmanager.hasplugin("timeout"):
         return None

@@ -1,7 +1,4 @@
-"""What every engine offers: readings of one device's memory, and the few actions on it the package needs.
-
-Nothing outside the engines asks which engine it has, nor reaches its storage tracker.
-"""
+"""What every engine offers: readings of one device's memory, and the few actions on it the package needs."""
 
 from __future__ import annotations
 
@@ -22,11 +19,7 @@ __all__ = ["Engine", "Reading", "TrackerMembers"]
 
 @dataclass
 class Reading:
-    """Figures of a window of time, all in bytes; None where the engine cannot know.
-
-    ``breakdown``: by category at the peak; ``pending``: a token for :meth:`Engine.resolve` when the window could not
-    be read as it closed.
-    """
+    """Figures of a window of time, in bytes (None: unknown); ``pending``: a token for :meth:`Engine.resolve`."""
 
     peak: int
     breakdown: tuple[int, ...] | None = None
@@ -38,8 +31,7 @@ class Reading:
 
 
 class Engine(Protocol):
-    """Reads the memory of one device, and acts on it where the rest of the package must; peaks are read by windows
-    (:meth:`take_window`)."""
+    """Reads the memory of one device, and acts on it where the package must; peaks are read by windows."""
 
     name: str  #: "cuda" (a caching allocator) or "cpu" (the storage tracker)
     device: torch.device

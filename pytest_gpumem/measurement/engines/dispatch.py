@@ -61,13 +61,11 @@ class TrackerMode(TorchDispatchMode):
         # bound once: this runs once per operator
         self.acquire, self.release = tracker._lock.acquire, tracker._lock.release
         self.output, self.outputs, self.fresh = tracker._output, tracker._outputs, tracker._fresh
-        #: on the stack: only TorchDynamo asks :meth:`ignore_compile_internals` from then on
-        self.armed = False
+        self.armed = False  #: on the stack: from then on only TorchDynamo asks :meth:`ignore_compile_internals`
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        """False: :meth:`__torch_dispatch__` turns TorchDynamo's frame hook off itself, with one C call, rather than
-        through torch's wrapper (which imports TorchDynamo)."""
+        """False: :meth:`__torch_dispatch__` turns TorchDynamo's frame hook off itself, without importing it."""
         return set_eval_frame is None
 
     def ignore_compile_internals(self) -> bool:  # type: ignore[override]

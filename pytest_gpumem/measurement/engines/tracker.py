@@ -1,8 +1,4 @@
-"""An exact tensor-storage tracker at the dispatcher level (see docs/figures.md).
-
-A dispatch mode sees every operator's outputs, a weak reference reports each storage's death, and a scan of the
-collector's objects finds what existed before; each storage is counted once, in a category.
-"""
+"""An exact tensor-storage tracker at the dispatcher level: every operator's outputs, each storage's death."""
 
 from __future__ import annotations
 
@@ -47,22 +43,15 @@ __all__ = ["CUDA_BLOCK", "StorageObserver", "StorageTracker", "Window", "cuda_ro
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
 
-#: Most samples a timeline keeps; longer timelines are halved (keeping maxima).
-TIMELINE_LIMIT = 512
+TIMELINE_LIMIT = 512  #: most samples a timeline keeps; longer timelines are halved (keeping maxima)
 _WIDTH = 2 + len(CATEGORIES)  # a sample's ints: its event's index, its total, its bytes by category
 _NEVER = sys.maxsize  # the next sampled event while no timeline is kept
 
 
 class StorageTracker(TrackedSites):
-    """Counts the bytes of tensor storages on one device, by category: :meth:`scan`, then :meth:`start` /
-    :meth:`stop` around the code to watch (frees are seen even while stopped).
+    """Counts the bytes of tensor storages on a device, by category: :meth:`scan`, then :meth:`start`, :meth:`stop`."""
 
-    ``observer`` follows every block (a model of another allocator); ``operator_hooks`` run before an operator
-    (``"mm"``) and ``thread_contexts`` on every watched thread (the prediction's workspaces and kernels).
-    """
-
-    #: how it sees allocations: "operators" (its dispatch mode); "allocations" (the allocator's reports)
-    observes = "operators"
+    observes = "operators"  #: how it sees allocations: "operators" (its dispatch mode) or "allocations"
 
     def __init__(
         self,
@@ -83,29 +72,22 @@ class StorageTracker(TrackedSites):
         self._by_category = [0] * len(CATEGORIES)
         self.current = 0
         self._window = Window(0, tuple(self._by_category), 0)
-        # the window's peak breakdown is not copied yet: a rising count costs no copy per allocation
-        self._pending = False
+        self._pending = False  # the peak's breakdown is not copied yet: a rising count costs no copy
         #: id(operator) → how the dispatch mode calls it, its output kind, its hook, the operator
         self._operators: dict[int, tuple[Callable[..., Any], int, Callable[[tuple[Any, ...]], None] | None, Any]] = {}
-        #: reentrant: a garbage collection inside a change frees storages on the same thread
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # reentrant: a collection inside a change frees storages on this thread
         self._acquire, self._release = self._lock.acquire, self._lock.release
-        #: what the figures miss since :meth:`start` (threads it could not follow)
-        self.notes: list[str] = []
+        self.notes: list[str] = []  #: what the figures miss since :meth:`start`
         self.counts_fakes = False  #: fake tensors are memory (fake=True)
         self._freed = self._on_freed  # one bound method for every weak reference
         self._mode: TrackerMode | None = None
         self._saved_hooks: Any = None
         self._param_keys: set[int] = set()
-        #: bytes of the distinct storages autograd holds for backward now (parameters excluded)
-        self.saved = 0
+        self.saved = 0  #: bytes of the distinct storages autograd holds for backward (parameters excluded)
         self.events = 0
-        #: ``torch.compile``'d frames that TorchDynamo ran eagerly under the dispatch mode
-        self.compiled_frames: list[tuple[bool, str]] = []
-        #: their code objects, whose skip mark :meth:`stop` clears
-        self.skipped_codes: set[Any] = set()
-        #: flat: an event's index, then its bytes by category (:attr:`timeline`)
-        self._samples: list[int] | None = None
+        self.compiled_frames: list[tuple[bool, str]] = []  #: frames TorchDynamo ran eagerly under the mode
+        self.skipped_codes: set[Any] = set()  #: their code objects, whose skip mark :meth:`stop` clears
+        self._samples: list[int] | None = None  # flat: an event's index, then its bytes by category
         self._timeline_stride = 1
         self._next_sample = _NEVER  # the event the timeline samples next
         self.sites = None  # where storages are made, only when asked (TrackedSites)
@@ -135,7 +117,6 @@ class StorageTracker(TrackedSites):
         self._insert(Entry(storage, self._freed), key, nbytes, category)
 
     def _insert(self, entry: Any, key: int, nbytes: int, category: int) -> None:
-        """Count ``entry`` (a new allocation of ``nbytes`` under ``key``) in ``category``."""
         self.events = events = self.events + 1
         entry.key = key
         entry.nbytes = nbytes
@@ -341,7 +322,6 @@ class StorageTracker(TrackedSites):
             self._resize_entry(entry, nbytes)
 
     def _resize_entry(self, entry: Any, nbytes: int) -> None:
-        """``entry``'s storage holds ``nbytes`` now."""
         delta = nbytes - entry.nbytes
         if delta > 0 and self.limit is not None and self.current + delta > self.limit:
             self._refuse(delta)
@@ -407,12 +387,10 @@ class StorageTracker(TrackedSites):
                 self._param_keys.add(key)
 
     def _key(self, storage: torch.UntypedStorage) -> int | None:
-        """The key ``storage`` is counted under (None: not counted)."""
         return int(storage._cdata)
 
     def _move(self, entry: Entry, index: int, *, discovered: bool = True) -> None:
-        """Give ``entry`` the category ``index``; ``discovered``: it always was one (a gradient), so the window's peak
-        breakdown is corrected too."""
+        """Give ``entry`` the category ``index``; ``discovered``: it always was one, the window's peak is corrected."""
         if self._pending:
             self._settle()
         window = self._window
@@ -557,7 +535,6 @@ class StorageTracker(TrackedSites):
         base = tensor._base
         parameter_type = torch.nn.Parameter
         if isinstance(tensor, parameter_type) or isinstance(base, parameter_type):
-            # a parameter or a view of one (Linear saves weight.t()): never an activation
             param = tensor if base is None else base
             try:
                 known = self._entries.get(param.untyped_storage()._cdata)
