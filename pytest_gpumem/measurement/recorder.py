@@ -13,7 +13,7 @@ import torch
 from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline, notify
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.data.sites import SiteConfig, build_profile
+from pytest_gpumem.data.site_figures import SiteConfig, build_profile
 from pytest_gpumem.judge.limits import LimitSpec, parse_span_limits
 from pytest_gpumem.measurement.engines import describe_compiled
 from pytest_gpumem.measurement.engines.base import Engine, Reading

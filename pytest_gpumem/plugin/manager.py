@@ -22,7 +22,7 @@ from pytest_gpumem.plugin.ending import RunEnd, append_section
 from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measuring
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.session import BaselineSession
-from pytest_gpumem.plugin.sites import fails_on_memory, xfail_of
+from pytest_gpumem.plugin.site_runs import fails_on_memory, xfail_of
 from pytest_gpumem.plugin.torchrun import launch, rename
 from pytest_gpumem.report.details import error_section, failure_text
 

@@ -14,7 +14,7 @@ from types import CodeType
 from typing import Any
 
 from pytest_gpumem.data.figures import Measurement, OutputNotWritten, PartialFigures, notify
-from pytest_gpumem.data.sites import SiteConfig
+from pytest_gpumem.data.site_figures import SiteConfig
 from pytest_gpumem.diagnose.census import see_every_tensor
 from pytest_gpumem.diagnose.kept import kept_by_site, state_key, state_options
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages

@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 import torch
 
-from pytest_gpumem.data.sites import Site, SiteConfig
-from pytest_gpumem.measurement.engines.sites import Found, SiteRecorder, found_sites
+from pytest_gpumem.data.site_figures import Site, SiteConfig
+from pytest_gpumem.measurement.engines.site_tracking import Found, SiteRecorder, found_sites
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
 __all__ = ["Engine", "Reading", "TrackerMembers"]

@@ -24,7 +24,7 @@ from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
-from pytest_gpumem.measurement.engines.sites import TrackedSites
+from pytest_gpumem.measurement.engines.site_tracking import TrackedSites
 from pytest_gpumem.measurement.engines.storages import (
     _PLAIN,
     Block,
