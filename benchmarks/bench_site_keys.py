@@ -9,7 +9,7 @@ in a stored profile's diff. Counted per naming scheme:
 - ``offset``: ``file:function+offset``, the offset from the function's first line (its first
   decorator, as Python's ``co_firstlineno``);
 - ``offset, then code``: ``offset``, and a site whose offset moved found again by its function and
-  source line, as ``judge/sites.py`` matches them (a line that is not unique in its function is
+  source line, as ``judge/site_changes.py`` matches them (a line that is not unique in its function is
   not found that way).
 
     python benchmarks/bench_site_keys.py REPO FILE [FILE ...]

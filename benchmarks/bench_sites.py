@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_overhead import timed_run, write_suite
 
-from pytest_gpumem.data.sites import SiteConfig
+from pytest_gpumem.data.site_figures import SiteConfig
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.recorder import Recorder
 

@@ -29,8 +29,8 @@ from pytest_gpumem.baselines.selection import SelectionError, environment_named,
 from pytest_gpumem.data.findings import Tolerance, parse_tolerance
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
 from pytest_gpumem.judge.rule import baseline_status, describe_default_tolerances, tolerance_for
-from pytest_gpumem.judge.sites import diff_sites
-from pytest_gpumem.report.sites import PROFILE_HEADERS, profile_rows, site_diff_rows
+from pytest_gpumem.judge.site_changes import diff_sites
+from pytest_gpumem.report.site_tables import PROFILE_HEADERS, profile_rows, site_diff_rows
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_percent
 
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["validate"]:  # GPU validation: its own command line, parsed before torch is imported
-        from pytest_gpumem.validate.options import build_parser
+        from pytest_gpumem.validate.command_line import build_parser
 
         options = build_parser().parse_args(arguments[1:])
         from pytest_gpumem.validate.main import run as validate

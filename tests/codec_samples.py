@@ -9,13 +9,13 @@ from pytest_gpumem.budgets.formulas import Budget
 from pytest_gpumem.data.figures import Measurement, Phase, Timeline
 from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.data.sites import Site, SiteFigures, SiteProfile
+from pytest_gpumem.data.site_figures import Site, SiteFigures, SiteProfile
 from pytest_gpumem.diagnose.census import LiveTensor
 from pytest_gpumem.diagnose.leaks import LeakCheck
 from pytest_gpumem.diagnose.oom import OomReport
 from pytest_gpumem.judge.limits import parse_limit
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.sites import SiteChange, SiteDiff
+from pytest_gpumem.judge.site_changes import SiteChange, SiteDiff
 from pytest_gpumem.validate.results import Check
 
 ROW = SiteFigures(

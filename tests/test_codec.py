@@ -16,9 +16,9 @@ from pytest_gpumem.baselines import Environment
 from pytest_gpumem.codec import from_data, to_data
 from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.findings import Finding
-from pytest_gpumem.data.sites import SiteProfile
+from pytest_gpumem.data.site_figures import SiteProfile
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.judge.sites import SiteDiff
+from pytest_gpumem.judge.site_changes import SiteDiff
 from pytest_gpumem.targets import Target, target
 from pytest_gpumem.validate.results import Check
 from tests import codec_samples as samples

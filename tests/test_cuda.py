@@ -294,8 +294,8 @@ def test_sites_on_cuda_name_the_line_that_grew_with_its_blocks_to_the_byte() -> 
     import inspect
     from pathlib import Path
 
-    from pytest_gpumem.data.sites import SiteConfig
-    from pytest_gpumem.judge.sites import diff_sites
+    from pytest_gpumem.data.site_figures import SiteConfig
+    from pytest_gpumem.judge.site_changes import diff_sites
     from pytest_gpumem.measurement.recorder import Recorder
 
     dev = device()

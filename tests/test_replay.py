@@ -31,7 +31,6 @@ from typing import Any
 import pytest
 
 import pytest_gpumem
-from pytest_gpumem.validate.record import load_snapshot, recorded_folders, scrub_paths
 from pytest_gpumem.validate.replay import (
     Loaded,
     load_record,
@@ -44,6 +43,7 @@ from pytest_gpumem.validate.replay import (
     replay_zoo,
 )
 from pytest_gpumem.validate.results import PROTOCOL, RECORD_FILE, STATS_FILE, SUITE_LOG, Check
+from pytest_gpumem.validate.suite_record import load_snapshot, recorded_folders, scrub_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = recorded_folders(ROOT / "fixtures" / "recorded")

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import recorded_folder, run
 from pytest_gpumem.baselines import load
-from pytest_gpumem.data.sites import OTHER_SITES, SITES_BUDGET, SiteProfile
+from pytest_gpumem.data.site_figures import OTHER_SITES, SITES_BUDGET, SiteProfile
 
 pytest_plugins = ["pytester"]
 
@@ -318,7 +318,7 @@ def test_a_recorded_h100_trace_replays_to_the_allocators_counter_and_names_its_p
     with it, the blocks it leaves alive are the snapshot's active blocks (address and size), and the
     sites at its peak add up to that peak, named from the frames of the validation package's reference workloads."""
     from pytest_gpumem.measurement.engines.traces import replay_moments, replay_trace
-    from pytest_gpumem.validate.record import load_snapshot
+    from pytest_gpumem.validate.suite_record import load_snapshot
 
     snapshot = load_snapshot(RECORDED / "snapshot.pickle")
     stats = json.loads((RECORDED / "memory_stats.json").read_text())["snapshot"]
@@ -625,7 +625,7 @@ def rank_step(rank: int, ctx: Any) -> None:
 @pytest.mark.slow
 def test_each_rank_records_its_own_sites() -> None:
     from pytest_gpumem import run_ranks
-    from pytest_gpumem.data.sites import SiteConfig
+    from pytest_gpumem.data.site_figures import SiteConfig
 
     config = SiteConfig(str(Path(__file__).resolve().parent))
     line = _line(Path(__file__).read_text(), "# the line each" + " rank's sites name")

@@ -13,8 +13,8 @@ from test_sites import MODEL, TEST
 
 from conftest import run
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.data.sites import Site, SiteFigures, SiteProfile
-from pytest_gpumem.judge.sites import diff_sites
+from pytest_gpumem.data.site_figures import Site, SiteFigures, SiteProfile
+from pytest_gpumem.judge.site_changes import diff_sites
 
 pytest_plugins = ["pytester"]
 

@@ -24,7 +24,6 @@ from pytest_gpumem.units import format_size
 from pytest_gpumem.validate.against import differences, load_record
 from pytest_gpumem.validate.compare import explain_gap, gap_parts, zoo_figures
 from pytest_gpumem.validate.main import main
-from pytest_gpumem.validate.record import plugin_installed, record_name, run_suite, suite_environment, suite_from
 from pytest_gpumem.validate.reference import reference_adam, reference_determinism, reference_linear, reference_mlp
 from pytest_gpumem.validate.render import zoo_table_rows
 from pytest_gpumem.validate.results import (
@@ -37,6 +36,7 @@ from pytest_gpumem.validate.results import (
     Run,
     suite_check,
 )
+from pytest_gpumem.validate.suite_record import plugin_installed, record_name, run_suite, suite_environment, suite_from
 from pytest_gpumem.validate.zoo import PRECISIONS, zoo
 
 ROOT = Path(__file__).resolve().parents[1]

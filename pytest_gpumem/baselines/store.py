@@ -23,7 +23,7 @@ from pytest_gpumem.baselines.environment import Environment
 from pytest_gpumem.baselines.validation import BaselineFileError, validate
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRIC_INFO
-from pytest_gpumem.data.sites import SITES_BUDGET, SiteProfile
+from pytest_gpumem.data.site_figures import SITES_BUDGET, SiteProfile
 
 __all__ = [
     "BaselineEntry",

@@ -13,7 +13,7 @@ from typing import Any
 from pytest_gpumem.baselines.canonical import SCHEMA_VERSION
 from pytest_gpumem.baselines.environment import KEYED_FIELDS, check_key_text, check_label
 from pytest_gpumem.data.metrics import COUNT_METRICS, METRIC_INFO, METRICS
-from pytest_gpumem.data.sites import parse_stored_site
+from pytest_gpumem.data.site_figures import parse_stored_site
 from pytest_gpumem.units import MAX_BYTES, shown
 
 __all__ = ["FILE", "MAX_DEPTH", "BaselineFileError", "Node", "json_schema", "position", "validate"]

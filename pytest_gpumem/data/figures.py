@@ -13,7 +13,7 @@ from typing import Any
 
 from pytest_gpumem.codec import Coded, coded, from_data
 from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, metric_info
-from pytest_gpumem.data.sites import SiteProfile
+from pytest_gpumem.data.site_figures import SiteProfile
 
 __all__ = [
     "CompiledCodeNotMeasured",

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.data.sites import SiteConfig
+from pytest_gpumem.data.site_figures import SiteConfig
 from pytest_gpumem.diagnose.rank_processes import die_with_parent, ended, own_group, rank_processes
 
 __all__ = ["DistributedError", "RankContext", "run_ranks"]

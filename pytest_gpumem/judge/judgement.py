@@ -14,7 +14,7 @@ from pytest_gpumem.data.metrics import BASELINE_METRICS, MEASURED_BASELINE_METRI
 from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.judge.rule import tolerance_for
-from pytest_gpumem.judge.sites import SiteDiff, diff_sites
+from pytest_gpumem.judge.site_changes import SiteDiff, diff_sites
 from pytest_gpumem.judge.verdict import check_limits, compare_baseline
 
 __all__ = ["JudgeOptions", "baseline_metrics", "judge", "limits_of", "metric_tolerances"]

@@ -13,7 +13,7 @@ from pytest_gpumem.codec import Coded, coded, from_data
 from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.judge.limits import LimitSpec
-from pytest_gpumem.judge.sites import SiteDiff
+from pytest_gpumem.judge.site_changes import SiteDiff
 
 __all__ = ["TIMELINE_SAMPLES", "RecordStore", "TestRecord"]
 

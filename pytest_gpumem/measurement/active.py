@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.findings import failure_message
-from pytest_gpumem.data.sites import SiteConfig
+from pytest_gpumem.data.site_figures import SiteConfig
 from pytest_gpumem.judge.judgement import judge
 from pytest_gpumem.judge.limits import LimitExceeded, check_span_name
 from pytest_gpumem.judge.record import TestRecord

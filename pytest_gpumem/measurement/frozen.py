@@ -1,15 +1,4 @@
-"""The tensors among the garbage collector's frozen objects.
-
-``gc.freeze()`` moves every object alive into a generation that collections and
-``gc.get_objects()`` skip. The plugin's collector
-(:class:`pytest_gpumem.measurement.collector.Collector`) freezes what exists before the
-first measured test, so that each test's collections and scans cover only objects made
-since, and freezes again between tests what the session imported or built since. The
-tensors alive at each freeze are remembered here (weakly, a module's own through the module:
-:func:`references`), so that a tracker made later and a census of live tensors still find
-them without unfreezing. Naming what holds
-a tensor needs the frozen objects themselves (:func:`~pytest_gpumem.measurement.collector.thaw`).
-"""
+"""The tensors among the garbage collector's frozen objects, remembered weakly for the trackers (docs/figures.md)."""
 
 from __future__ import annotations
 
@@ -33,8 +22,7 @@ __all__ = [
     "theirs_given_back",
 ]
 
-#: weak references to the frozen modules and to the frozen tensors no module holds
-_refs: list[weakref.ref[Any]] = []
+_refs: list[weakref.ref[Any]] = []  #: weak references to the frozen modules and to the tensors no module holds
 _known = False
 _theirs_given_back = False
 _MODULE_KINDS = Kinds(torch.nn.Module)
@@ -61,17 +49,8 @@ def _modules() -> Iterator[torch.nn.Module]:
 
 
 def references(objects: list[Any]) -> list[weakref.ref[Any]]:
-    """Weak references to the modules among ``objects`` and to the tensors among them that no
-    module holds (neither these nor one remembered), but for a tensor subclass without weak
-    references.
-
-    A module's parameters, their gradients and its buffers are reached through the module, never
-    referenced weakly themselves: ``torch.utils.swap_tensors`` refuses a tensor with a weak
-    reference, and torch swaps exactly those (``Module.to_empty`` and ``.to()`` of FSDP2's
-    sharded or fake parameters, ``torch.__future__.set_swap_module_params_on_conversion``), so
-    a weak reference of ours would make the user's code fail where it runs without the plugin.
-    """
-    found = instances_among(objects, _MODULE_OR_TENSOR_KINDS)  # one pass over many objects, then a few
+    """Weak references to the modules among ``objects`` and to the tensors no module holds (never a module's own)."""
+    found = instances_among(objects, _MODULE_OR_TENSOR_KINDS)
     modules = [obj for obj in found if _MODULE_KINDS[type(obj)]]
     held = {id(tensor) for module in (*modules, *_modules()) for tensor in _held_by(module)}
     refs: list[weakref.ref[Any]] = [weakref.ref(module) for module in modules]
@@ -88,16 +67,15 @@ def references(objects: list[Any]) -> list[weakref.ref[Any]]:
 
 
 def remember() -> None:
-    """Remember every module and tensor the collector sees now (call just before ``gc.freeze()``)."""
+    """Remember every module and tensor the collector sees now (just before ``gc.freeze()``)."""
     global _known
-    _refs.clear()  # references() counts the tensors of the remembered modules as held: none yet
+    _refs.clear()
     _refs.extend(references(gcfunctions.get_objects()))
     _known = True
 
 
 def add(found: Iterable[Any]) -> None:
-    """Remember the modules and tensors among ``found`` not remembered yet (call just before a
-    later ``gc.freeze()``)."""
+    """Remember the modules and tensors among ``found`` not remembered yet (just before a later ``gc.freeze()``)."""
     _refs[:] = [ref for ref in _refs if ref() is not None]
     known_ids = {id(ref()) for ref in _refs}
     _refs.extend(references([obj for obj in found if id(obj) not in known_ids]))
@@ -111,20 +89,12 @@ def forget() -> None:
 
 
 def known() -> bool:
-    """Whether the plugin froze objects and remembered their tensors, which :func:`tensors` yields
-    (they may have been given back since: then the collector lists them too).
-
-    Taken from the plugin's own flag, not ``gc.get_freeze_count()``: before Python 3.13 that
-    walks every frozen object (about 25 ms with torch imported). If someone else unfreezes
-    meanwhile, a scan lists those tensors twice (the collector's and these), which the
-    tracker and the census count once.
-    """
+    """Whether the plugin froze objects and remembered their tensors (a flag: ``gc.get_freeze_count()`` walks them)."""
     return _known
 
 
 def tensors() -> Iterator[torch.Tensor]:
-    """The frozen tensors still alive (``gc.get_objects()`` does not list them): those remembered,
-    and those the remembered modules hold now. A tensor may come more than once."""
+    """The frozen tensors still alive, those the remembered modules hold included (a tensor may come twice)."""
     for ref in _refs:
         obj = ref()
         if obj is None:
@@ -136,17 +106,14 @@ def tensors() -> Iterator[torch.Tensor]:
 
 
 def give_back_theirs() -> None:
-    """Give back the objects someone else froze (a conftest's ``gc.freeze()``, an enclosing
-    session's), for a census that must see every tensor: for good, since they cannot be told
-    from what was made since. Noted, so that the run's collector may take over
-    (:func:`theirs_given_back`)."""
+    """Give back, for good, the objects someone else froze, for a census that must see every tensor."""
     global _theirs_given_back
     gcfunctions.unfreeze()
     _theirs_given_back = True
 
 
 def theirs_given_back() -> bool:
-    """Whether :func:`give_back_theirs` gave objects back since the last call (and forget it)."""
+    """Whether :func:`give_back_theirs` gave objects back since the last call."""
     global _theirs_given_back
     given, _theirs_given_back = _theirs_given_back, False
     return given

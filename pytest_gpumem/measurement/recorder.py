@@ -1,18 +1,4 @@
-"""Spans, phases and breakdowns: turning engine readings into :class:`Measurement` objects.
-
-A :class:`Recorder` owns one engine for a stretch of time (a test, or a
-``with measure():`` block outside pytest). Inside it, spans can nest: the whole
-test call and any number of ``with recorder.span(name)`` blocks. Peaks are read
-through engine *windows*: at every span or phase boundary the window since the
-previous boundary is folded into every open span (and the running phase), so
-each span gets its own exact peak however they nest.
-
-Phases (forward, backward, optimizer) are found through hooks, not by the user:
-a forward pre-hook for the tracked modules starts "forward", a pre-hook on the
-autograd node of the module's outputs starts "backward" when backward reaches
-it, and step pre/post hooks for the tracked optimizers bracket "optimizer"
-(:mod:`~pytest_gpumem.measurement.tracked`: nothing is stored on a user's objects).
-"""
+"""Spans, phases and breakdowns: turning engine readings into :class:`Measurement` objects."""
 
 from __future__ import annotations
 
@@ -27,7 +13,7 @@ import torch
 from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline, notify
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.data.sites import SiteConfig, build_profile
+from pytest_gpumem.data.site_figures import SiteConfig, build_profile
 from pytest_gpumem.judge.limits import LimitSpec, parse_span_limits
 from pytest_gpumem.measurement.engines import describe_compiled
 from pytest_gpumem.measurement.engines.base import Engine, Reading
@@ -79,19 +65,7 @@ class _SpanState:
 
 
 class Recorder:
-    """Measures spans on one engine. Not thread-safe; one per test.
-
-    Args:
-        engine: where bytes are read.
-        timeline: keep allocated-by-category samples for plots (needs a tracker).
-        saved_tensors: count the bytes autograd holds for backward (``saved_tensors_hooks``) and tell
-            activations apart from temporaries; without it the figures have no ``activations`` category
-            and ``saved_activations`` is None.
-        fake: run between :meth:`begin` and :meth:`end` on fake tensors (shapes, no data; see
-            :mod:`pytest_gpumem.measurement.engines.fake`).
-        label: what the recording is of, in its warnings (the test's node id, a span's name).
-        sites: record where storages are made, so chosen: each span's figures then carry their sites.
-    """
+    """Measures spans on one engine; one per test. ``saved_tensors``: tell activations apart from temporaries."""
 
     def __init__(
         self,
@@ -104,7 +78,7 @@ class Recorder:
         sites: SiteConfig | None = None,
     ) -> None:
         self.engine = engine
-        self.sites, self._end_sites = sites, engine.sites_now()  # then: bytes by site as allocated is read
+        self.sites, self._end_sites = sites, engine.sites_now()
         self.timeline = timeline and engine.categorizes
         self.saved_tensors = saved_tensors
         self._tracked = Tracked(engine, self)
@@ -112,37 +86,25 @@ class Recorder:
         self._handles: list[Any] = []
         self._phase: str | None = None
         self._depth = 0
-        #: phases are marked by a framework adapter (:meth:`mark_phase`), not by the tracked objects' hooks
-        self.external_phases = False
+        self.external_phases = False  #: phases are marked by a framework adapter (:meth:`mark_phase`)
         self._marks: list[tuple[int, str]] = []
-        #: windows and phase changes the engine reads later, in order: (kind, token, phase, new phase)
+        #: windows and phase changes the engine reads later: (kind, token, phase, new phase)
         self._deferred: list[tuple[str, int, str | None, str | None]] = []
         self.active = False
-        #: the spans closed so far, in order (the fixture reports them).
-        self.spans: list[Span] = []
-        #: set when rank processes were measured (``gpumem.distributed``): the marker's limits
-        #: then apply to every rank's span, not to this process's call
-        self.ranks_measured = False
-        #: the emulated device size in bytes the test runs under, if any.
-        self.device_limit: int | None = None
-        #: the plan needs the ``reserved`` figure from an empty cache (a limit or budget on it):
-        #: the cache is emptied before the start only then, or under a device limit
-        self.reserved = False
-        #: the plan shows the driver's figures (NVML): read at a span's end only then
-        self.driver = False
-        #: the largest microbatch size found by ``gpumem.max_microbatch()``, if it ran.
-        self.max_microbatch: int | None = None
-        #: the recording runs on fake tensors (``fake=True``: shapes, no data)
+        self.spans: list[Span] = []  #: the spans closed so far, in order
+        self.ranks_measured = False  #: the marker's limits apply to every rank's span
+        self.device_limit: int | None = None  #: the emulated device size in bytes, if any
+        self.reserved = False  #: a limit or budget needs ``reserved`` from an empty cache
+        self.driver = False  #: read the driver's figures (NVML) at a span's end
+        self.max_microbatch: int | None = None  #: found by ``gpumem.max_microbatch()``
         self.fake = fake
         self.label = label
-        #: the fake tensors' mode while recording: entered before the engine starts and left after
-        #: it stops, below the tracker's dispatch mode, which sees each operator's fake outputs
-        self._faked = contextlib.ExitStack()
+        self._faked = contextlib.ExitStack()  # the fake tensors' mode, below the tracker's dispatch mode
 
     # -- life cycle ------------------------------------------------------------
 
     def begin(self) -> None:
-        """Clean the device and start watching (the engine's tracker or saved-tensor counter, hooks)."""
+        """Clean the device and start watching."""
         if self.fake:
             from pytest_gpumem.measurement.engines.fake import fake_mode
 
@@ -159,9 +121,9 @@ class Recorder:
         self.active = True
 
     def end(self) -> None:
-        """Stop watching; remove every hook this recorder installed and let go of tracked objects."""
+        """Stop watching; remove this recorder's hooks and let go of tracked objects."""
         self.active = False
-        self.engine.stop()  # and recording sites
+        self.engine.stop()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -178,29 +140,21 @@ class Recorder:
 
     @property
     def tracked(self) -> list[Any]:
-        """The tracked modules and optimizers (see :mod:`~pytest_gpumem.measurement.tracked`)."""
         return self._tracked.objects
 
     def track(self, *objects: Any) -> None:
-        """Register modules and optimizers for the breakdown, phases and Ψ.
-
-        Modules' parameters count as "parameters" and their ``.grad`` as
-        "gradients"; optimizers' state tensors as "optimizer_state". Tracking the
-        same object twice is harmless.
-        """
+        """Register modules and optimizers for the breakdown, phases and Ψ (twice is harmless)."""
         self._tracked.add(*objects)
         if self.active:
             self._tracked.classify()
 
     def reclassify(self) -> None:
-        """Give the tracked objects' tensors their categories now (an out-of-memory report does
-        this: an optimizer's state made in the step that failed is known as such only from its
-        ``state``)."""
+        """Give the tracked objects' tensors their categories now (an out-of-memory report)."""
         self._tracked.classify()
 
     @property
     def psi(self) -> int | None:
-        """Trainable parameter count of the tracked objects; None when nothing is tracked."""
+        """Trainable parameter count of the tracked objects (None: nothing tracked)."""
         return self._tracked.psi
 
     # -- phases, from the tracked objects' hooks ----------------------------------
@@ -220,7 +174,6 @@ class Recorder:
     def _backward_reached(self, grad_outputs: Any) -> None:
         if self._phase != "optimizer" and not self.external_phases:
             self.set_phase("backward")
-            # leave the phase when this backward pass ends (autograd runs queued callbacks then)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
@@ -236,15 +189,12 @@ class Recorder:
             self.set_phase(None)
 
     def mark_phase(self, phase: str | None) -> None:
-        """Enter ``phase`` as a framework's own hooks tell it, and from now on let only them tell
-        it: with Lightning's automatic optimization the forward and backward passes run inside
-        ``optimizer.step(closure)``, where the tracked objects' hooks would call them "optimizer"."""
+        """Enter ``phase`` as a framework's hooks tell it, and from now on only they do (Lightning's closures)."""
         self.external_phases = True
         self.set_phase(phase)
 
     @property
     def phase(self) -> str | None:
-        """The phase running now ("forward", "backward", "optimizer"), or None."""
         return self._phase
 
     def set_phase(self, phase: str | None) -> None:
@@ -260,7 +210,6 @@ class Recorder:
         self._transition(old, phase, self.engine.allocated(), self.engine.events)
 
     def _transition(self, old: str | None, new: str | None, now: int, events: int) -> None:
-        """Phases change with ``now`` bytes allocated, after ``events`` tracker events."""
         if old is not None:
             for span in self._open:
                 if old in span.phases:
@@ -279,9 +228,7 @@ class Recorder:
     # -- spans -----------------------------------------------------------------
 
     def _fold(self, *, defer: bool = False) -> int | None:
-        """Close the engine's window and give it to the open spans; returns its token when the
-        engine reads it later (the CPU engine observing allocations: at phase boundaries, which
-        pass ``defer``, and inside backward)."""
+        """Close the engine's window and give it to the open spans; returns its token when the engine reads it later."""
         reading = self.engine.take_window(defer=defer)
         if reading.pending is not None:
             self._deferred.append(("fold", reading.pending, self._phase, None))
@@ -307,7 +254,6 @@ class Recorder:
             return self._open_state(name)
 
     def _reading(self) -> contextlib.AbstractContextManager[None]:
-        """Readings taken together, at one moment (one profiler read when observing allocations)."""
         return self.engine.reading()
 
     def _open_state(self, name: str) -> _SpanState:
@@ -334,7 +280,7 @@ class Recorder:
         return state
 
     def allocated_now(self) -> tuple[int, dict[str, int] | None]:
-        """Allocated bytes now and, with a tracker, their breakdown by category."""
+        """Allocated bytes now and, with a tracker, their breakdown."""
         with self._reading():
             return self._allocated_now()
 
@@ -348,8 +294,7 @@ class Recorder:
         return now, self.categories(parts)
 
     def categories(self, parts: dict[str, int] | None) -> dict[str, int] | None:
-        """``parts`` (bytes by category) as a figure shows them: without ``activations`` when the
-        recording does not tell them apart (``saved_tensors`` False: they are among temporaries)."""
+        """``parts`` as a figure shows them: without ``activations`` when ``saved_tensors`` is False."""
         if parts is not None and not self.saved_tensors:
             parts.pop("activations", None)
         return parts
@@ -360,12 +305,7 @@ class Recorder:
         *,
         allocated: tuple[int, dict[str, int] | None] | None = None,
     ) -> Measurement:
-        """Close a span opened by :meth:`open` and return its figures.
-
-        ``allocated`` overrides the end reading with an earlier
-        :meth:`allocated_now` (the plugin reads it as the test function returns,
-        while its locals are alive).
-        """
+        """Close a span opened by :meth:`open` and return its figures; ``allocated``: an earlier end reading."""
         with self._reading():
             self._fold()
             now = self.engine.allocated()
@@ -407,8 +347,6 @@ class Recorder:
         )
 
     def _warn_compiled(self, state: _SpanState) -> None:
-        """Say loudly when TorchDynamo ran compiled frames eagerly under the tracker (see
-        :class:`CompiledCodeNotMeasured`): the span's figures are then the eager program's."""
         frames = self.engine.compiled_frames
         if len(frames) <= state.compiled_from:
             return
@@ -447,7 +385,7 @@ class Recorder:
 
     @property
     def span_names(self) -> list[str]:
-        """Names of the spans opened so far (closed and still open), in order."""
+        """Names of the spans opened so far, in order."""
         return [span.name for span in self.spans] + [state.name for state in self._open]
 
 
@@ -470,15 +408,7 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 class Span:
-    """A measured ``with`` block. After the block, its figures are available.
-
-    ``span.measurement`` is the :class:`Measurement`; ``peak``, ``allocated``,
-    ``start``, ``reserved``, ``breakdown``, ``allocated_breakdown``, ``phases``,
-    ``saved_activations`` and ``psi`` are shortcuts to it, and ``span.cost("peak")`` is what the span added.
-    Limits given as keyword arguments (``peak="1GiB"``) are validated here, once, into
-    ``span.limits`` (and ``span.tolerance``), and judged by the pytest plugin at the end of the
-    test, or on leaving the block outside pytest.
-    """
+    """A measured ``with`` block: after it, ``span.measurement`` and its shortcuts; its limits are judged later."""
 
     def __init__(self, recorder: Recorder, name: str, limits: Mapping[str, Any]) -> None:
         self.recorder = recorder
@@ -508,7 +438,7 @@ class Span:
 
     @classmethod
     def finished(cls, recorder: Recorder, name: str, measurement: Measurement, limits: Iterable[LimitSpec]) -> Span:
-        """A span measured elsewhere (a rank process), with its figures and the limits that apply."""
+        """A span measured elsewhere (a rank process)."""
         span = cls(recorder, name, {})
         span.limits = tuple(limits)
         span._measurement = measurement

@@ -1,5 +1,4 @@
-"""Collection: the ``gpumem`` markers validated as their modules are collected, the plugin
-switched off (``--gpumem-disable``), and the book of what the run collected (for stale baselines)."""
+"""Collection: markers validated as collected, the plugin switched off, and the book of what the run collected."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ __all__ = [
 
 SPEC_KEY = pytest.StashKey[GpumemSpec]()
 SPEC_ERROR_KEY = pytest.StashKey[str]()
-#: the device of a test run while the plugin is disabled (``--gpumem-disable``)
-DISABLED_KEY: pytest.StashKey[torch.device] = pytest.StashKey()
+DISABLED_KEY: pytest.StashKey[torch.device] = pytest.StashKey()  #: a test's device while the plugin is disabled
 
 
 def is_worker(config: pytest.Config) -> bool:
@@ -47,13 +45,12 @@ def worker_index() -> int | None:
 
 
 def gpumem_marks(item: pytest.Item) -> list[pytest.Mark]:
-    """The item's ``gpumem`` marks, closest first (:func:`~pytest_gpumem.plugin.marker.closest_first`)."""
+    """The item's ``gpumem`` marks, closest first."""
     return closest_first(list(item.iter_markers("gpumem")), getattr(getattr(item, "callspec", None), "marks", ()))
 
 
 def marker_spec(item: pytest.Item, marks: list[pytest.Mark] | None = None) -> GpumemSpec | None:
-    """The item's validated marker (None when it is not measured); raises :class:`SpecError`.
-    ``marks``: the item's :func:`gpumem_marks`, where the caller has them already."""
+    """The item's validated marker (None when it is not measured); raises :class:`SpecError`."""
     markers = [(mark.args, mark.kwargs) for mark in (gpumem_marks(item) if marks is None else marks)]
     if not markers and "gpumem" not in getattr(item, "fixturenames", ()):
         return None
@@ -61,9 +58,7 @@ def marker_spec(item: pytest.Item, marks: list[pytest.Mark] | None = None) -> Gp
 
 
 def settle_spec(item: pytest.Item, marks: list[pytest.Mark] | None = None) -> None:
-    """The item's marker as the collection leaves it (``marks``: its :func:`gpumem_marks`, where
-    the caller has them): its spec in ``item.stash[SPEC_KEY]`` (none when it is not measured), a
-    bad one's error in ``item.stash[SPEC_ERROR_KEY]``."""
+    """The item's marker as the collection leaves it, in ``item.stash[SPEC_KEY]`` (or its error)."""
     try:
         spec = marker_spec(item, marks)
     except SpecError as exc:
@@ -76,8 +71,7 @@ def settle_spec(item: pytest.Item, marks: list[pytest.Mark] | None = None) -> No
 
 
 def _validate_markers(report: pytest.CollectReport) -> None:
-    """Validate the markers of the items a collector made: a bad one is a collection error
-    naming the test and the value, as pytest's own markers give (also under xdist)."""
+    """Validate the markers of the items a collector made: a bad one is a collection error."""
     if not report.passed:
         return
     errors = []
@@ -98,8 +92,7 @@ def _validate_markers(report: pytest.CollectReport) -> None:
 
 
 class MarkerCheck:
-    """Validates the markers of every collected item, enabled or not: a bad one is an error.
-    A part of both managers, registered as a plugin of its own."""
+    """Validates the markers of every collected item, enabled or not: a bad one is an error."""
 
     @pytest.hookimpl(wrapper=True)
     def pytest_make_collect_report(
@@ -111,16 +104,13 @@ class MarkerCheck:
 
 
 class DisabledManager:
-    """The plugin switched off (``--gpumem-disable``): markers are still validated (a bad one
-    is still an error) and the fixture still works, but nothing is measured, judged or written."""
+    """The plugin switched off (``--gpumem-disable``): markers are validated, nothing is measured, judged or written."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        #: its one part: the markers validated as collected
         self.markers = MarkerCheck()
 
     def register(self, pluginmanager: pytest.PytestPluginManager) -> None:
-        """Register this manager and its part with pytest."""
         pluginmanager.register(self, "gpumem-manager")
         pluginmanager.register(self.markers, "gpumem-markers")
 
@@ -143,7 +133,7 @@ class DisabledManager:
         from pytest_gpumem.plugin.engines import DeviceUnavailable, choose_device
 
         unavailable: DeviceUnavailable | None = None
-        try:  # the test still runs on the device it asks for, and is skipped where there is none
+        try:  # the test still runs on its device, and is skipped where there is none
             item.stash[DISABLED_KEY] = choose_device(spec.device or self.settings.device, worker=worker_index())
         except DeviceUnavailable as exc:
             unavailable = exc
@@ -152,15 +142,12 @@ class DisabledManager:
 
 
 class CollectionBook:
-    """What the run collected, for stale baselines (:class:`~pytest_gpumem.baselines.staleness.Collection`):
-    every node id, the files collected whole, and why the others were not (skipped, ignored, failed,
-    collected in part); with xdist, the workers' books. A part of
-    :class:`~pytest_gpumem.plugin.manager.GpumemManager`, registered as a plugin of its own."""
+    """What the run collected, for stale baselines: every node id, the files collected whole, why others were not."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self._collected: set[str] = set()
-        self._whole: set[str] = set()  # files whose collection passed: every test they hold is collected
+        self._whole: set[str] = set()  # files whose every test is collected
         self._partial: dict[str, str] = {}  # files and folders seen in part or not at all: why
         self._workers_whole: list[set[str]] = []  # with xdist: each worker's whole files
         self._xdist = False  # a controller that heard from xdist workers
@@ -171,8 +158,7 @@ class CollectionBook:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_ignore_collect(self, collection_path: Path) -> Generator[None, bool | None, bool | None]:
-        """A path left out of the collection (``--ignore``, a conftest's ``collect_ignore``, where a
-        library is missing) still exists: its tests are never stale, as a skipped module's are."""
+        """A path left out of the collection (``--ignore``) still exists: its tests are never stale."""
         ignored = yield
         if ignored:
             try:
@@ -193,7 +179,7 @@ class CollectionBook:
         else:
             self._collected.update(node.nodeid for node in report.result if isinstance(node, pytest.Item))
             if report.nodeid == path and path not in self._partial and (self.config.rootpath / path).is_file():
-                self._whole.add(path)  # a file collector: its report lists every test (or class) it holds
+                self._whole.add(path)  # a file collector: its report lists every test it holds
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
@@ -228,7 +214,7 @@ class CollectionBook:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session: pytest.Session) -> None:
-        """``--lf`` with failures on record collects only what failed (and skips other files)."""
+        """``--lf`` with failures on record collects only what failed."""
         cache = getattr(self.config, "cache", None)
         self._last_failed = bool(
             self.config.getoption("lf", False) and cache is not None and cache.get("cache/lastfailed", {})
@@ -244,8 +230,7 @@ class CollectionBook:
 
 
 def _narrowed_files(config: pytest.Config) -> list[str | None]:
-    """The files that node ids on the command line (``tests/test_a.py::test_x``) collect in part, as
-    node-id paths; None for one whose file cannot be told (a module name under ``--pyargs``)."""
+    """The files that node ids on the command line collect in part; None where the file cannot be told (--pyargs)."""
     found: list[str | None] = []
     for arg in config.args:
         path = file_of(str(arg))

@@ -12,8 +12,8 @@ import pytest
 from pytest_gpumem.baselines import BaselineFileError
 from pytest_gpumem.data.figures import OutputNotWritten
 from pytest_gpumem.judge.record import RecordStore, TestRecord
-from pytest_gpumem.plugin.ci import add_html_extras, junit_failure
 from pytest_gpumem.plugin.collection import CollectionBook
+from pytest_gpumem.plugin.junit_html import add_html_extras, junit_failure
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.session import BaselineSession
 from pytest_gpumem.plugin.torchrun import Launch

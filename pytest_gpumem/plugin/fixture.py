@@ -1,6 +1,4 @@
-"""The ``gpumem`` fixture: :class:`GpuMem`, over the test's
-:class:`~pytest_gpumem.measurement.recorder.Recorder` where the plugin measures, over
-:class:`Unrecorded`, which measures nothing, where it is disabled (``--gpumem-disable``)."""
+"""The ``gpumem`` fixture: :class:`GpuMem`, over the test's recorder, or :class:`Unrecorded` where it is disabled."""
 
 from __future__ import annotations
 
@@ -26,16 +24,8 @@ __all__ = ["GpuMem", "NullEngine", "Unmeasured", "Unrecorded"]
 
 
 class GpuMem:
-    """Measure memory inside a test. Given by the ``gpumem`` fixture.
-
-    With ``--gpumem-disable`` the test's code runs as with the plugin on, and Ψ and ``budget()``
-    are computed; reading a figure (an :class:`Unmeasured`), ``max_microbatch()`` and
-    ``plan_accumulation()`` skip the test there, saying why: the off switch fails no passing test.
-
-    Attributes:
-        device: the ``torch.device`` under test (put the model and batch there).
-        recorder: the recording of the test call (figures of every closed span).
-    """
+    """Measure memory inside a test. Given by the ``gpumem`` fixture; ``device`` is the ``torch.device`` under test.
+    With ``--gpumem-disable`` the code runs as with the plugin on; reading a figure skips the test, saying why."""
 
     def __init__(self, recorder: Recorder | Unrecorded, nodeid: str, marker_limits: Sequence[LimitSpec] = ()) -> None:
         self.recorder = recorder
@@ -44,7 +34,7 @@ class GpuMem:
         self._marker_limits = tuple(marker_limits)
 
     def _measuring(self, what: str) -> Recorder:
-        """The recorder, for ``what`` measures; where nothing is measured the test is skipped."""
+        """The recorder, for ``what`` measures; the test is skipped where nothing is measured."""
         __tracebackhide__ = True
         if isinstance(self.recorder, Unrecorded):
             pytest.skip(f"{what}: skipped while pytest-gpumem is disabled")
@@ -55,9 +45,8 @@ class GpuMem:
         self.recorder.track(*objects)
 
     def measure(self, name: str, **limits: Any) -> Span:
-        """A ``with`` block measured as the span ``name``, with its own limits (``peak``, ``allocated``,
-        ``reserved``, ``tolerance``); after the block the span holds the figures."""
-        span = self.recorder.span(check_span_name(name), **limits)  # validates the limits, once
+        """A ``with`` block measured as the span ``name``, with its own limits (``peak="1GiB"``, ``tolerance``)."""
+        span = self.recorder.span(check_span_name(name), **limits)
         if name in self.recorder.span_names:
             raise ValueError(f"{self.nodeid}: span name {name!r} is used twice in this test; give each span its own")
         if not self.recorder.active:
@@ -79,8 +68,7 @@ class GpuMem:
         fake: bool | None = None,
         ranks: Sequence[int] | None = None,
     ) -> list[Measurement]:
-        """Run ``fn(rank, ctx)`` in ``world_size`` rank processes, each the measured span
-        ``rank{r}-of-{world_size}`` of this test; their figures in rank order (docs/distributed.md)."""
+        """Run ``fn(rank, ctx)`` in ``world_size`` rank processes, each a measured span (docs/distributed.md)."""
         __tracebackhide__ = True
         recorder = self.recorder
         if predict is not None or fake:
@@ -111,7 +99,7 @@ class GpuMem:
         recorder.ranks_measured = True
         named = []
         for measurement in measurements:
-            name = f"{measurement.name}-of-{world_size}"  # run_ranks names each rank's span rank{r}
+            name = f"{measurement.name}-of-{world_size}"
             if name in recorder.span_names:
                 raise ValueError(f"{self.nodeid}: span name {name!r} is used twice in this test")
             measurement = replace(measurement, name=name)
@@ -120,8 +108,7 @@ class GpuMem:
         return named
 
     def mark_phase(self, phase: str | None) -> None:
-        """Mark the phase running now (``"forward"``, ``"backward"``, ``"optimizer"``, None), for a
-        framework whose hooks know it better (the Lightning adapter): from then on only marks set it."""
+        """Mark the phase running now, for a framework whose hooks know it better: from then on only marks set it."""
         if phase not in (None, "forward", "backward", "optimizer"):
             expected = "expected 'forward', 'backward', 'optimizer' or None"
             raise ValueError(f"{self.nodeid}: mark_phase({phase!r}): {expected}")
@@ -140,8 +127,7 @@ class GpuMem:
         zero_stage: int = 0,
         world_size: int = 1,
     ) -> Budget:
-        """The model-state budget of the tracked modules (bytes; ``budgets.model_states``), with
-        ``optimizer`` (an object or a name such as ``"adamw"``), else the one tracked optimizer."""
+        """The model-state budget of the tracked modules, with ``optimizer`` (or ``"adamw"``), else the tracked one."""
         tracked = self.recorder.tracked
         modules = [obj for obj in tracked if isinstance(obj, torch.nn.Module)]
         optimizers = [obj for obj in tracked if isinstance(obj, torch.optim.Optimizer)]
@@ -165,9 +151,7 @@ class GpuMem:
         upper: int | None = None,
         cleanup: Callable[[], Any] | None = None,
     ) -> int:
-        """The largest microbatch size at which ``step(size)`` fits the device, or ``limit``: found by
-        doubling from ``start``, then bisecting, ``cleanup()`` after each try; the test's
-        ``max_microbatch`` figure is the largest found (docs/oom-and-leaks.md)."""
+        """The largest microbatch size at which ``step(size)`` fits the device, or ``limit`` (docs/oom-and-leaks.md)."""
         recorder = self._measuring("gpumem.max_microbatch() searches by measuring")
         bound = recorder.device_limit if limit is None else parse_size(limit)
         found = search_microbatch(step, start=start, limit=bound, upper=upper, engine=recorder.engine, cleanup=cleanup)
@@ -176,8 +160,7 @@ class GpuMem:
         return found
 
     def plan_accumulation(self, global_batch: int, step: Callable[[int], Any], **kwargs: Any) -> Plan:
-        """Microbatch size and gradient-accumulation steps for ``global_batch``, searched with
-        :meth:`max_microbatch` (the same keywords), the size dividing ``global_batch``."""
+        """Microbatch size and gradient-accumulation steps for ``global_batch``, searched by :meth:`max_microbatch`."""
         self._measuring("gpumem.plan_accumulation() searches by measuring")
         kwargs.setdefault("upper", global_batch)
         return plan_for(global_batch, self.max_microbatch(step, **kwargs))
@@ -198,8 +181,7 @@ class GpuMem:
         warmup: int = 1,
         name: str = "step",
     ) -> Measurement:
-        """Run ``warmup`` unmeasured training steps, then one measured step; return its figures.
-        ``batch``, ``loss_fn`` and ``amp`` as the README's fixture section says."""
+        """Run ``warmup`` unmeasured training steps, then one measured step; return its figures (see the README)."""
         __tracebackhide__ = True
         span: Span = train_step_span(self, model, optimizer, batch, loss_fn, amp=amp, warmup=warmup, name=name)
         if isinstance(self.recorder, Unrecorded):
@@ -208,17 +190,15 @@ class GpuMem:
 
 
 class Unmeasured:
-    """Stands for the figures of a span in a run where nothing is measured: reading one skips the
-    test with a reason that says so (never a 0 that a test could compare)."""
+    """Stands for a span's figures where nothing is measured: reading one skips the test (never a 0 to compare)."""
 
     def __init__(self, what: str, name: str | None = None) -> None:
         self._what = what
-        #: the span's name (``gpumem.spans`` lists the spans a test opened, unmeasured)
         self.name = name
 
     def __getattr__(self, name: str) -> Any:
         __tracebackhide__ = True
-        if name.startswith("__"):  # copy, pickle and inspection probe for these: they are not figures
+        if name.startswith("__"):  # copy, pickle and inspection probe for these
             raise AttributeError(name)
         pytest.skip(
             f"{self._what}.{name}: nothing is measured while pytest-gpumem is disabled "
@@ -252,8 +232,7 @@ class NullEngine:
 
 
 class Unrecorded:
-    """The null :class:`~pytest_gpumem.measurement.recorder.Recorder`: it tracks objects (for Ψ and
-    budgets) and keeps the spans a test opens as :class:`Unmeasured` stand-ins, names unchecked."""
+    """The null recorder: it tracks objects (for Ψ and budgets) and keeps the spans as :class:`Unmeasured` stand-ins."""
 
     active = True  # measure() blocks run anywhere
     fake = False

@@ -1,16 +1,4 @@
-"""The run's manager: the one object that owns the run, made of parts a reader can find by name:
-
-* ``markers`` (:class:`~pytest_gpumem.plugin.collection.MarkerCheck`): the markers validated as
-  their modules are collected;
-* ``book`` (:class:`~pytest_gpumem.plugin.collection.CollectionBook`): what the run collected;
-* ``measuring`` (:class:`~pytest_gpumem.plugin.measuring.Measuring`): where a test runs;
-* ``baselines`` (:class:`~pytest_gpumem.plugin.session.BaselineSession`): the baseline file, the
-  judged records and the reports, in the process that owns the run;
-* ``ending`` (:class:`~pytest_gpumem.plugin.ending.RunEnd`): the end of the run.
-
-Each part holds its own state and is registered as a plugin of its own (:meth:`GpumemManager.register`).
-The manager's own hooks take a test's record from the report that carries it to the judge: the
-one place a test's outcome changes."""
+"""The run's manager: owns the run's parts, and takes a test's record from its report to the judge."""
 
 from __future__ import annotations
 
@@ -34,7 +22,7 @@ from pytest_gpumem.plugin.ending import RunEnd, append_section
 from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measuring
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.session import BaselineSession
-from pytest_gpumem.plugin.sites import fails_on_memory, xfail_of
+from pytest_gpumem.plugin.site_runs import fails_on_memory, xfail_of
 from pytest_gpumem.plugin.torchrun import launch, rename
 from pytest_gpumem.report.details import error_section, failure_text
 
@@ -42,23 +30,19 @@ __all__ = ["RECORD_KEY", "RUN_KEY", "GpumemManager"]
 
 
 def _terminal_width(config: pytest.Config) -> int:
-    """pytest's terminal width; the environment's (``COLUMNS``, else 80) where there is none (xdist workers)."""
     writer = getattr(config.pluginmanager.get_plugin("terminalreporter"), "_tw", None)
     return int(writer.fullwidth) if writer is not None else shutil.get_terminal_size().columns
 
 
 class GpumemManager:
-    """Owns the run: its settings, its parts (see the module's docstring), and the record on its
-    way from the report that carries it to the judge."""
+    """Owns the run: its settings, its parts, and the record on its way from its report to the judge."""
 
     def __init__(self, config: pytest.Config, settings: Settings) -> None:
         self.config = config
         self.settings = settings
-        #: an xdist worker: it measures, and its controller judges and writes
-        self.worker = is_worker(config)
+        self.worker = is_worker(config)  #: an xdist worker: it measures, its controller judges and writes
         try:
-            #: pytest started by torchrun: this process is one rank
-            self.launch = launch()
+            self.launch = launch()  #: pytest started by torchrun: this process is one rank
         except ValueError as exc:
             raise pytest.UsageError(f"gpumem: {exc}") from None
         self.markers = MarkerCheck()
@@ -66,13 +50,10 @@ class GpumemManager:
         self.baselines = BaselineSession(settings.baselines)
         self.measuring = Measuring(config, settings, self.baselines, self.launch)
         self.ending = RunEnd(config, settings, self.baselines, self.book, worker=self.worker, launch=self.launch)
-        #: the record a report carries, handed to the judge in this process as the object it
-        #: was made from (the report's JSON text, decoded, is the same record): held from the
-        #: report's making to its logging, never longer
-        self._handoff: tuple[str, TestRecord] | None = None
+        self._handoff: tuple[str, TestRecord] | None = None  # the call report's record, until it is logged
 
     def register(self, pluginmanager: pytest.PytestPluginManager) -> None:
-        """Register this manager and each of its parts that implement hooks with pytest."""
+        """Register this manager and each of its parts with pytest."""
         pluginmanager.register(self, "gpumem-manager")
         for name, part in (
             ("markers", self.markers),
@@ -86,22 +67,19 @@ class GpumemManager:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        """The final word on which tests are measured: markers a conftest added after collection are
-        validated here (a bad one errors its test), and a test whose markers were removed is not measured."""
-        for item in items:  # the markers as they are now: a conftest may have added or removed some
+        """The final word on which tests are measured: the markers as they are after every conftest's changes."""
+        for item in items:
             item.stash[MARKS_KEY] = marks = gpumem_marks(item)
             settle_spec(item, marks)
         if not self.worker and any(SPEC_KEY in item.stash for item in items):
             try:
-                self.baselines.store  # noqa: B018 - read the baseline file now: a bad one stops the run before it starts
+                self.baselines.store  # noqa: B018 - a bad baseline file stops the run before it starts
             except BaselineFileError as exc:
                 raise pytest.UsageError(f"gpumem baselines: {exc}") from None
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        """Under pytest-xdist the controller collects nothing, so it cannot tell, as a serial run
-        does, whether a test is measured before the workers start: it reads an existing
-        baseline file now, so that one it cannot read stops the run before any test, as serially."""
+        """The xdist controller collects nothing: it reads an existing baseline file now, so a bad one stops the run."""
         if self.worker or self.config.pluginmanager.getplugin("dsession") is None:
             return
         if self.settings.baselines.path.exists():
@@ -117,7 +95,7 @@ class GpumemManager:
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
-        if report.when == "teardown":  # done with this test: what it kept would cost every later collection
+        if report.when == "teardown":  # what the test kept would cost every later collection
             if RUN_KEY in item.stash:
                 del item.stash[RUN_KEY]
             if RECORD_KEY in item.stash:
@@ -137,8 +115,7 @@ class GpumemManager:
         reason = _xfail_reason(item) if call.excinfo is None else None
         if reason is not None:  # a memory failure of this test is an expected failure
             report.gpumem_xfail = reason  # type: ignore[attr-defined]
-        # travels to the xdist controller; as JSON text, which the garbage collector never traverses
-        # (the reports stay alive to the end of the run)
+        # as JSON text, which the garbage collector never traverses (reports live to the end of the run)
         report.gpumem = text = record.to_json()  # type: ignore[attr-defined]
         if not self.worker:
             self._handoff = (text, record)
@@ -150,7 +127,7 @@ class GpumemManager:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if self.worker:
             return
-        if report.when == "teardown":  # the judged figures, where pytest's JUnit XML reads a test's properties
+        if report.when == "teardown":  # the judged figures, for pytest's JUnit XML
             report.user_properties.extend(self.ending.properties.pop(report.nodeid, ()))
         if report.when == "teardown" and report.failed:  # a test that failed in any phase records no baseline
             if report.nodeid in self.baselines.records:
@@ -160,22 +137,21 @@ class GpumemManager:
         data = getattr(report, "gpumem", None)
         if data is None or report.when != "call":
             return
-        # the record itself where it was made in this process (a test's reports may be logged after
-        # all of its phases ran: the handoff is the call report's)
+        # the record itself where it was made in this process
         handoff, self._handoff = self._handoff, None
         record = handoff[1] if handoff is not None and handoff[0] is data else TestRecord.from_json(data)
         xfail = getattr(report, "gpumem_xfail", None)
-        # an xfail test whose code passed and whose memory fails is an expected failure (judged on a copy)
+        # an xfail test whose code passed and whose memory fails is an expected failure
         expected = xfail is not None and record.passed and fails_on_memory(self.baselines, record)
         if report.failed and record.passed:
-            record.passed = False  # failed for a reason of pytest's (XPASS(strict)) or another plugin's
+            record.passed = False  # failed for pytest's reason (XPASS(strict)) or another plugin's
         try:
             self.baselines.judge(record)
         except BaselineFileError as exc:  # under xdist the controller reads the file at the first record
             self.ending.error = f"gpumem baselines: {exc}"
             record.errors.append(self.ending.error)
             self.baselines.records.put(record)  # with the error
-        if expected:  # reported as pytest reports an expected failure (not XPASS, nor XPASS(strict))
+        if expected:  # reported as pytest reports an expected failure
             report.outcome = "skipped"
             report.wasxfail = str(xfail)
             width, verbosity = _terminal_width(self.config), int(self.config.option.verbose)
@@ -193,7 +169,6 @@ class GpumemManager:
 
 
 def _xfail_reason(item: pytest.Item) -> str | None:
-    """The reason of the ``xfail`` mark that applies to ``item`` without ``raises`` (a memory
-    failure raises nothing), or None."""
+    """The reason of the ``xfail`` mark that applies to ``item`` without ``raises``, or None."""
     xfailed = xfail_of(item)
     return None if xfailed is None or xfailed.raises is not None else str(xfailed.reason)

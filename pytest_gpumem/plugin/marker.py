@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import METRIC_TABLE, METRICS
-from pytest_gpumem.data.sites import parse_sites_mode
+from pytest_gpumem.data.site_figures import parse_sites_mode
 from pytest_gpumem.judge.limits import LimitSpec, SpecError, parse_limit, parse_tolerance_keyword
 from pytest_gpumem.measurement.observe import ObserveError, observe_conflict, parse_observe
 from pytest_gpumem.units import MAX_BYTES, SizeError, parse_size, shown

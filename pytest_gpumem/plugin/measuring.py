@@ -1,8 +1,4 @@
-"""Where a test runs: the run's engines and its collector's freezes, each test's measured run set
-up before its fixtures, started as the test function is called, finished as it returns; a
-``gpumem`` marker added once the test was collected (by a fixture's ``request.applymarker``, by
-the test's ``request.node.add_marker``) applied where it still can be, else an error that says
-why it cannot."""
+"""Where a test runs: its measured run set up before its fixtures, started at the call, finished as it returns."""
 
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ from pytest_gpumem.plugin.collection import SPEC_ERROR_KEY, SPEC_KEY, gpumem_mar
 from pytest_gpumem.plugin.marker import GpumemSpec, late_marker_problems, parse_marker
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.second_run import SECOND_RUN_KEY, SecondRun, run_test
-from pytest_gpumem.plugin.sites import no_second_run, no_sites_note, run_options, wants_sites
+from pytest_gpumem.plugin.site_runs import no_second_run, no_sites_note, run_options, wants_sites
 from pytest_gpumem.plugin.torchrun import Launch
 
 if TYPE_CHECKING:
@@ -34,15 +30,11 @@ __all__ = ["MARKS_KEY", "RECORD_KEY", "RUN_KEY", "Measuring"]
 
 RUN_KEY: pytest.StashKey[TestRun] = pytest.StashKey()
 RECORD_KEY = pytest.StashKey[TestRecord]()
-#: the test's ``gpumem`` marks when its collection ended: any other is a marker added later
-MARKS_KEY = pytest.StashKey[list[pytest.Mark]]()
+MARKS_KEY = pytest.StashKey[list[pytest.Mark]]()  #: the test's ``gpumem`` marks when its collection ended
 
 
 class Measuring:
-    """The measuring hooks, in the process that runs the tests. A part of
-    :class:`~pytest_gpumem.plugin.manager.GpumemManager`, registered as a plugin of its own; it
-    judges a failing test's record on a copy with the manager's ``baselines`` session (to know
-    whether to run it again with sites)."""
+    """The measuring hooks, in the process that runs the tests (a part of the manager, registered on its own)."""
 
     def __init__(
         self, config: pytest.Config, settings: Settings, baselines: BaselineSession, launch: Launch | None
@@ -51,12 +43,9 @@ class Measuring:
         self.settings = settings
         self.baselines = baselines
         self.launch = launch
-        #: the run's engines, made when the run loop starts with a measured test
-        self.engines: Engines | None = None
-        #: the run's collector, started with the engines
-        self.freezer: Freezer | None = None
-        #: each engine's environment (what the pytest_gpumem_environment hook made of it), by engine
-        self._environments: dict[str, tuple[dict[str, Any], str]] = {}
+        self.engines: Engines | None = None  #: made when the run loop starts with a measured test
+        self.freezer: Freezer | None = None  #: the run's collector, started with the engines
+        self._environments: dict[str, tuple[dict[str, Any], str]] = {}  # by engine, as the environment hook made them
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
@@ -74,7 +63,7 @@ class Measuring:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        """A measured test that may want its sites runs through :func:`~pytest_gpumem.plugin.second_run.run_test`."""
+        """A measured test that may want its sites runs through :func:`run_test`."""
         spec = item.stash.get(SPEC_KEY, None)
         if spec is None or (spec.sites or self.settings.sites) != "rerun" or self.settings.site_config is None:
             return None
@@ -90,8 +79,7 @@ class Measuring:
             self._prepare(item, spec)
 
     def _prepare(self, item: pytest.Item, spec: GpumemSpec) -> None:
-        """The test's run (``item.stash[RUN_KEY]``): its device, engine and options; skips or fails
-        the test where its device is not there."""
+        """The test's run (``item.stash[RUN_KEY]``); skips or fails the test where its device is not there."""
         from pytest_gpumem.plugin.engines import DeviceUnavailable, Engines, choose_device
         from pytest_gpumem.plugin.runner import TestRun
 
@@ -102,18 +90,18 @@ class Measuring:
                 spec.device or settings.device, require_gpu=settings.require_gpu, worker=self._gpu_index()
             )
         except DeviceUnavailable as exc:
-            unavailable = exc  # failed or skipped outside the handler: pytest would print it twice (chained)
+            unavailable = exc  # raised outside the handler: pytest would print it twice
         if unavailable is not None:
             if unavailable.required:
                 pytest.fail(f"{item.nodeid}: {unavailable.reason}", pytrace=False)
             pytest.skip(unavailable.reason)
-        if self.engines is None:  # the test runs outside the run loop (pytester's inline runs)
+        if self.engines is None:  # outside the run loop (pytester's inline runs)
             self.engines = Engines(cuda_rounding=settings.cuda_rounding)
         breakdown = spec.breakdown if spec.breakdown is not None else settings.breakdown
         predict = spec.predict or settings.predict
         observe = self._observe(item, spec, predict)
         engine = self.engines.get(device, breakdown=breakdown, observe=observe, predict=predict)
-        # the run's --gpumem-fake applies to the predicted tests; a marker's fake=True needs a prediction
+        # --gpumem-fake applies to the predicted tests; a marker's fake=True needs a prediction
         fake = (spec.fake if spec.fake is not None else settings.fake and predict is not None) and device.type == "cpu"
         if fake and predict is None:
             pytest.fail(
@@ -122,11 +110,10 @@ class Measuring:
             )
         options = run_options(settings, spec, fake=fake)
         second = item.stash.get(SECOND_RUN_KEY, None)
-        if second is not None and second.running:  # sites on; the leak and out-of-memory reports stay the first run's
+        if second is not None and second.running:  # the reports stay the first run's
             options = replace(options, sites=settings.site_config, snapshots=None, reports=False)
         environment, environment_key = self._environment(engine)
-        # activations told apart where the plan reads them: the breakdown asked for, the test's own
-        # figures (the gpumem fixture), a baseline
+        # activations told apart where they are read: the breakdown, the fixture, a baseline
         uses_fixture = "gpumem" in getattr(item, "fixturenames", ())
         reads_saved = breakdown or uses_fixture or self._baselined(item, environment_key)
         item.stash[RUN_KEY] = TestRun(
@@ -140,33 +127,27 @@ class Measuring:
         )
 
     def _baselined(self, item: pytest.Item, environment_key: str) -> bool:
-        """Whether the test's figures meet a baseline: it has one in this environment, or the run
-        writes baselines. Its activations are then told apart from temporaries (the saved-tensor
-        accounting), as the baseline's breakdown keeps them; without a baseline they are only where
-        the test asks for the breakdown (docs/figures.md, "Activations")."""
+        """Whether the test's figures meet a baseline (then its activations are told apart, docs/figures.md)."""
         if self.baselines.options.update:
             return True
         try:
             store = self.baselines.store
         except BaselineFileError:
-            return True  # the judge reports the file; the figures stay those a baseline would compare
+            return True  # the judge reports the file
         return bool(store.span_names(environment_key, item.nodeid))
 
     def _gpu_index(self) -> int | None:
-        """Which GPU this process measures on when several are visible: the xdist worker's, else
-        torchrun's local rank."""
+        """Which GPU this process measures on: the xdist worker's, else torchrun's local rank."""
         worker = worker_index()
         if worker is None and self.launch is not None:
             return self.launch.local_rank
         return worker
 
     def _observe(self, item: pytest.Item, spec: GpumemSpec, predict: str | None) -> str:
-        """How the CPU engine observes this test (:func:`~pytest_gpumem.measurement.observe.choose_observe`):
-        the run's ``--gpumem-observe=allocations`` yields to a prediction or an emulated device
-        limit; the test's own ``observe="allocations"`` under one of them is an error."""
+        """How the CPU engine observes this test; a conflict with a prediction or a device limit fails it."""
         settings = self.settings
         run_limit = None if settings.device_limit is None else f"--gpumem-device-limit={settings.device_limit}"
-        limit = None if spec.device_limit is not None else run_limit  # the marker's own was checked at collection
+        limit = None if spec.device_limit is not None else run_limit  # the marker's own: checked at collection
         conflict = observe_conflict(spec.observe, predict=predict, limit=limit)
         if conflict is not None:
             pytest.fail(f"{item.nodeid}: {conflict}", pytrace=False)
@@ -174,7 +155,6 @@ class Measuring:
         return choose_observe(spec.observe, default=settings.observe, predict=predict, limit=needs_limit)
 
     def _environment(self, engine: Engine) -> tuple[dict[str, Any], str]:
-        """The engine's environment (``Environment.to_dict()``, as the hook adjusted it) and its key."""
         key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{engine.predicts}"
         if key not in self._environments:
             detected = Environment.detect(engine.name, engine.device, engine.cuda_rounding, predict=engine.predicts)
@@ -195,7 +175,7 @@ class Measuring:
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
         run = item.stash.get(RUN_KEY, None)
         if run is None:
-            spec = _spec_now(item)  # a fixture may have marked the test: it is measured from here
+            spec = _spec_now(item)  # a fixture may have marked the test
             if spec is None:
                 result = yield
                 if _spec_now(item) is not None:
@@ -228,8 +208,7 @@ class Measuring:
     def _keep(
         self, item: pytest.Item, run: TestRun, record: TestRecord, exc: BaseException | None, seconds: float
     ) -> None:
-        """Keep the call's record for its report; a second run's for the first run's sites. A first run
-        that failed on memory without sites asks for a second run, or says why it gets none."""
+        """Keep the call's record for its report; a first run that failed on memory may ask for a second run."""
         second = item.stash.get(SECOND_RUN_KEY, None)
         if second is not None and second.running:
             second.record = record
@@ -259,10 +238,7 @@ def _spec_now(item: pytest.Item) -> GpumemSpec | None:
 
 
 def _finish(item: pytest.Item, run: TestRun, exc: BaseException | None) -> TestRecord:
-    """``run.finish(exc)`` with the markers as they are now: the limits, ``tolerance`` and
-    ``min_microbatch`` of a marker added since the test was collected are judged; what it cannot
-    change any more (:data:`~pytest_gpumem.plugin.marker.SETUP_KEYWORDS`), or a keyword of its that
-    a closer marker overrides, is an error of the test's record."""
+    """``run.finish(exc)`` with the markers as they are now: what a late marker can no longer change is an error."""
     collected = item.stash.get(MARKS_KEY, None)
     marks = gpumem_marks(item)
     late = [collected is not None and not any(mark is other for other in collected) for mark in marks]

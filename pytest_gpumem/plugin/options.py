@@ -11,7 +11,7 @@ from typing import Any
 from pytest_gpumem import __version__
 from pytest_gpumem.baselines import DEFAULT_FILENAME
 from pytest_gpumem.data.findings import parse_tolerance
-from pytest_gpumem.data.sites import SiteConfig, parse_sites_mode
+from pytest_gpumem.data.site_figures import SiteConfig, parse_sites_mode
 from pytest_gpumem.files import unwritable
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.rule import describe_default_tolerances

@@ -1,16 +1,4 @@
-"""One measured test, from its clean start to its record.
-
-:class:`TestRun` is what the plugin does around a test call, as a plain object
-that runs without pytest: the clean-state protocol, the ``call`` span, the
-out-of-memory watch, the emulated device limit, CUDA allocation history, the
-allocated figure read as the test function returns, then the leak check and
-what each span asked for. :meth:`TestRun.finish` returns the test's
-:class:`~pytest_gpumem.judge.record.TestRecord`, for the judge
-(:func:`~pytest_gpumem.judge.judgement.judge`) to decide.
-
-The device it runs on, its engine and the run's collector are chosen and made in
-:mod:`pytest_gpumem.plugin.engines`.
-"""
+"""One measured test, from its clean start to its record: :class:`TestRun`, a plain object that runs without pytest."""
 
 from __future__ import annotations
 
@@ -26,7 +14,7 @@ from types import CodeType
 from typing import Any
 
 from pytest_gpumem.data.figures import Measurement, OutputNotWritten, PartialFigures, notify
-from pytest_gpumem.data.sites import SiteConfig
+from pytest_gpumem.data.site_figures import SiteConfig
 from pytest_gpumem.diagnose.census import see_every_tensor
 from pytest_gpumem.diagnose.kept import kept_by_site, state_key, state_options
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
@@ -48,38 +36,22 @@ __all__ = ["RunOptions", "TestRun"]
 class RunOptions:
     """What the run asks of every measured test."""
 
-    #: check every test for leaks (as ``retained="0B"`` does)
-    leak_check: bool = False
-    #: folder for CUDA memory snapshots (``--gpumem-snapshot``); None: none are written
-    snapshots: Path | None = None
-    #: the emulated device size (bytes) of tests whose marker names none
-    device_limit: int | None = None
-    #: record where storages are made, chosen so (None: not in this run; see plugin/sites.py)
-    sites: SiteConfig | None = None
-    #: build the leak report (a snapshot of the storages at the start, the leak confirmed at the end)
-    #: and the out-of-memory report (a census at the refused allocation); False for a second run with
-    #: sites, whose reports stay the first run's
-    reports: bool = True
+    leak_check: bool = False  #: check every test for leaks (as ``retained="0B"`` does)
+    snapshots: Path | None = None  #: folder for CUDA memory snapshots (``--gpumem-snapshot``)
+    device_limit: int | None = None  #: the emulated device size (bytes) of tests whose marker names none
+    sites: SiteConfig | None = None  #: record where storages are made, so chosen
+    reports: bool = True  #: the leak and out-of-memory reports (False: a second run's stay the first run's)
 
 
 def _forget_last_failure() -> None:
-    """Drop pytest's record of the last failure (``sys.last_*``): its frames hold the failed test's tensors."""
+    """Drop pytest's ``sys.last_*``: its frames hold the failed test's tensors."""
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             delattr(sys, name)
 
 
 class TestRun:
-    """One measured test call: :meth:`start` just before the test function runs, :meth:`finish` after.
-
-    Args:
-        nodeid: the test's node id (named in messages).
-        spec: its validated marker.
-        engine: where bytes are read.
-        environment: ``Environment.to_dict()`` of the engine, for the record.
-        options: what the run asks of every test.
-        saved_tensors: tell activations apart (the saved-tensor accounting): the test's plan reads them.
-    """
+    """One measured test call: :meth:`start` just before the test function runs, :meth:`finish` after."""
 
     __test__ = False  # a name pytest would otherwise collect
 
@@ -107,19 +79,17 @@ class TestRun:
             label=nodeid,
             sites=self.options.sites,
         )
-        #: the objects the test tracked, once it has finished (weakly: a second run tracks them again)
-        self.tracked: list[weakref.ref[Any]] = []
+        self.tracked: list[weakref.ref[Any]] = []  #: the objects the test tracked, once it has finished
         self.recorder.device_limit = spec.device_limit if spec.device_limit is not None else self.options.device_limit
-        #: the marker limits reserved: the cache is emptied before the start reading (docs/figures.md)
-        self.recorder.reserved = any(limit.metric == "reserved" for limit in spec.limits)
-        self._stack = contextlib.ExitStack()  # what lives as long as the call: the recorder's activation
-        self._watches = contextlib.ExitStack()  # what is left just before the call span closes
+        self.recorder.reserved = any(limit.metric == "reserved" for limit in spec.limits)  # the cache emptied first
+        self._stack = contextlib.ExitStack()  # the recorder's activation
+        self._watches = contextlib.ExitStack()  # left just before the call span closes
         self._returned: list[tuple[int, dict[str, int] | None]] = []
         self._snapshot: StorageSnapshot | None = None
         self._watch: OomWatch | None = None
         self._history: str | None = None
         self._started = False
-        #: by site, what holds its live tensors at the return (a second run only; :meth:`_at_return`)
+        #: by site, what holds its live tensors at the return (a second run only)
         self._kept: dict[tuple[str, str | None], dict[str, int]] | None = None
         self._code: CodeType | None = None
 
@@ -130,27 +100,17 @@ class TestRun:
         return checked and self.options.reports
 
     def start(self, code: CodeType | None = None) -> None:
-        """Clean the device, read the start, and begin the ``call`` span.
-
-        ``code`` is the test function's code object: ``allocated`` is read as it
-        returns, while its locals are alive (None: read at :meth:`finish`).
-        """
+        """Clean the device, read the start, and begin the ``call`` span; ``allocated`` is read as ``code`` returns."""
         if self._started:
             raise RuntimeError(f"{self.nodeid}: the test run has started already")
         self._started = True
         _forget_last_failure()
         recorder = self.recorder
         if recorder.device_limit is not None:
-            # the emulated device holds all that is alive: a collection given the frozen objects
-            # first, so a cycle among them that a test dropped is freed; what survives is frozen
-            # again, so the clean state's collection and the test's walk what it makes
-            collector.collect_everything()
+            collector.collect_everything()  # the emulated device holds all that is alive
         if self.leak_check:
-            # the storages at the start must be all there are: objects someone else froze (a
-            # conftest's gc.freeze()) go back before the engine registers what is alive, or the
-            # snapshot's census would bring them into sight afterwards, as if made by the test
-            see_every_tensor()
-        recorder.begin()  # collects garbage and registers what is alive
+            see_every_tensor()  # or someone else's frozen tensors would show as the test's
+        recorder.begin()
         try:
             self._snapshot = snapshot_storages(self.engine) if self.leak_check else None
             self._stack.enter_context(activate(recorder))
@@ -171,16 +131,14 @@ class TestRun:
             raise
 
     def _at_return(self) -> None:
-        """The test function returns: read ``allocated`` while its locals are alive; in a second run
-        with sites (the test failed on memory), find what holds each site's live tensors too."""
+        """The test function returns: read ``allocated`` while its locals are alive (a second run: their holders)."""
         recorder = self.recorder
         self._returned.append(recorder.allocated_now())
         if self.options.sites is not None and not self.options.reports:
             self._kept = kept_by_site(self.engine, recorder.tracked, sys._getframe(1), self._code)
 
     def _with_holders(self, call: Measurement, tracked: list[Any]) -> Measurement:
-        """``call`` whose site rows name what holds their storages (:attr:`_kept`), an optimizer
-        state key with the option that adds it (``max_exp_avg_sq (amsgrad=True)``)."""
+        """``call`` whose site rows name what holds their storages (``max_exp_avg_sq (amsgrad=True)``)."""
         kept, self._kept = self._kept, None
         if not kept or call.sites is None:
             return call
@@ -196,8 +154,7 @@ class TestRun:
         return replace(call, sites=replace(call.sites, sites=tuple(rows)))
 
     def _record_history(self, watches: contextlib.ExitStack, folder: Path) -> str | None:
-        """Record the allocation history for this test's memory snapshot; a path that cannot hold it
-        (a symbolic link pointing elsewhere at its name) is a warning and no snapshot."""
+        """Record the allocation history for this test's memory snapshot; a bad path is a warning."""
         try:
             path = artifact_path(folder, self.nodeid, ".snapshot.pickle")
         except ValueError as exc:
@@ -214,13 +171,12 @@ class TestRun:
             returned = function()
         except Exception as exc:
             return self.finish(exc)
-        self._watches.close()  # allocated is read with what the function returned alive, as at its return
+        self._watches.close()  # allocated is read with what the function returned alive
         del returned
         return self.finish(None)
 
     def finish(self, exc: BaseException | None) -> TestRecord:
-        """Close the ``call`` span, confirm leaks, and gather what each span asked for; ``exc`` is what
-        the test raised (None: it passed)."""
+        """Close the ``call`` span, confirm leaks, gather what each span asked for; ``exc``: what the test raised."""
         recorder, engine = self.recorder, self.engine
         oom: OomReport | None = None
         try:
@@ -230,7 +186,7 @@ class TestRun:
             finally:
                 self._watches.close()
             if self._history is not None and not os.path.exists(self._history):
-                self._history = None  # it could not be written: an OutputNotWritten warning said why
+                self._history = None  # a warning said why
             call = recorder.close(self._state, allocated=self._returned[-1] if self._returned else None)
             timeline = recorder.timeline_since(self._state.start_event)
         finally:
@@ -238,11 +194,11 @@ class TestRun:
             tracked = list(recorder.tracked) if self._kept else []
             self._stack.close()
             recorder.end()
-        call = self._with_holders(call, tracked)  # the span is closed: probing an optimizer counts nowhere
+        call = self._with_holders(call, tracked)  # the span is closed: probing counts nowhere
         del tracked
         if exc is not None and is_oom(exc):
-            release_oom(exc, engine)  # what the failed test held goes; the traceback ends at the user's line
-        engine.settle()  # library workspaces stay: they were there at the start reading too
+            release_oom(exc, engine)
+        engine.settle()  # library workspaces stay: they were there at the start reading
         notes = call.notes
         if engine.exact:  # the tracker is the engine: what did it miss?
             unseen = engine.scan()
@@ -265,10 +221,10 @@ class TestRun:
             record.reports.append(oom.format())
         spec = self.spec
         if self._snapshot is not None and record.passed and call.retained and call.retained > 0:
-            collector.give_back()  # a cycle among frozen objects may hold what the test dropped: collect all
+            collector.give_back()  # a cycle among frozen objects may hold what the test dropped
             leak = confirm_leak(engine, call.start, snapshot=self._snapshot)
             call = replace(call, retained=leak.retained)
-            if leak.retained > 0:  # the judge adds it to the failure when the retained check fails
+            if leak.retained > 0:
                 record.leak_report = leak.format()
         self._snapshot = None
         record.leak_check = self.options.leak_check

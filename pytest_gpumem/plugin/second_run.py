@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.plugin.sites import with_sites
+from pytest_gpumem.plugin.site_runs import with_sites
 
 if TYPE_CHECKING:
     from pytest_gpumem.plugin.engines import Freezer

@@ -16,7 +16,7 @@ from pytest_gpumem.baselines import (
 )
 from pytest_gpumem.baselines.staleness import Collection, find_stale
 from pytest_gpumem.data.findings import Finding, Tolerance
-from pytest_gpumem.data.sites import SITES_BUDGET
+from pytest_gpumem.data.site_figures import SITES_BUDGET
 from pytest_gpumem.judge.judgement import JudgeOptions, baseline_metrics, judge
 from pytest_gpumem.judge.record import RecordStore, TestRecord
 from pytest_gpumem.judge.verdict import stale_findings

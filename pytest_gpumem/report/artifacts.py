@@ -12,7 +12,7 @@ from pytest_gpumem.data.metrics import DRAWN_METRICS, METRICS, metric_info
 from pytest_gpumem.files import write_file
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.report.html import html_text, page_head, render_html
-from pytest_gpumem.report.sites import site_section_html
+from pytest_gpumem.report.site_tables import site_section_html
 
 __all__ = [
     "INDEX_NAME",

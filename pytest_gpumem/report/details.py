@@ -19,7 +19,7 @@ from pytest_gpumem.report.cells import (
     one_line,
     other_environments,
 )
-from pytest_gpumem.report.sites import site_lines
+from pytest_gpumem.report.site_tables import site_lines
 from pytest_gpumem.tables import (
     Col,
     Table,

@@ -130,7 +130,7 @@ def render_html(
         f"<figcaption>{html_text(chart.caption(len(samples), timeline))}</figcaption>",
         "</figure>",
         "</section>",
-        *sections,  # HTML of its own: the sites, the baseline run's beside this run's (report/sites.py)
+        *sections,  # HTML of its own: the sites, the baseline run's beside this run's (report/site_tables.py)
         _figures_table(measurement),
         '<div class="grid">',
         _breakdown_table(measurement, peak_sample),

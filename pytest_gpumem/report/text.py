@@ -27,7 +27,7 @@ from pytest_gpumem.report.cells import (
     other_environments,
 )
 from pytest_gpumem.report.details import detail_tables, test_id
-from pytest_gpumem.report.sites import site_markdown
+from pytest_gpumem.report.site_tables import site_markdown
 from pytest_gpumem.tables import (
     Col,
     Table,

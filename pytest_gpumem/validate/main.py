@@ -13,9 +13,8 @@ import torch
 
 from pytest_gpumem.baselines import Environment
 from pytest_gpumem.validate.against import differences, load_record
+from pytest_gpumem.validate.command_line import build_parser
 from pytest_gpumem.validate.compare import zoo_comparison, zoo_step
-from pytest_gpumem.validate.options import build_parser
-from pytest_gpumem.validate.record import build_record, record_name, run_suite, suite_from, take_snapshot, write_record
 from pytest_gpumem.validate.reference import (
     counter_checks,
     reference_adam,
@@ -28,6 +27,14 @@ from pytest_gpumem.validate.reference import (
 from pytest_gpumem.validate.render import render_terminal
 from pytest_gpumem.validate.replay import replay
 from pytest_gpumem.validate.results import CHECKOUT, TRACED_STEP, Check, Run, log, suite_check
+from pytest_gpumem.validate.suite_record import (
+    build_record,
+    record_name,
+    run_suite,
+    suite_from,
+    take_snapshot,
+    write_record,
+)
 from pytest_gpumem.validate.zoo import zoo
 
 
@@ -45,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(options: argparse.Namespace) -> int:
-    """Run the validation the parsed ``options`` ask for (:func:`~pytest_gpumem.validate.options.build_parser`)."""
+    """Run the validation the parsed ``options`` ask for (:func:`~pytest_gpumem.validate.command_line.build_parser`)."""
     recorded = None if CHECKOUT is None else CHECKOUT / "fixtures" / "recorded"
     if options.cpu_only:
         if options.out is None:

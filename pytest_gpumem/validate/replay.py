@@ -17,7 +17,6 @@ from pytest_gpumem.report.details import measurement_table
 from pytest_gpumem.report.text import markdown_report, summary_rows
 from pytest_gpumem.units import format_size
 from pytest_gpumem.validate.compare import zoo_figures
-from pytest_gpumem.validate.record import load_snapshot
 from pytest_gpumem.validate.results import (
     PROTOCOL,
     RECORD_FILE,
@@ -28,6 +27,7 @@ from pytest_gpumem.validate.results import (
     Check,
     reserved_slack,
 )
+from pytest_gpumem.validate.suite_record import load_snapshot
 
 # --------------------------------------------------------------------------- replay
 

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 
 from pytest_gpumem.data.figures import OutputNotWritten
-from pytest_gpumem.data.sites import Site, SiteConfig
+from pytest_gpumem.data.site_figures import Site, SiteConfig
 from pytest_gpumem.files import move_file
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
 from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.saved import SavedTensors
-from pytest_gpumem.measurement.engines.sites import Found, SiteFilter
+from pytest_gpumem.measurement.engines.site_tracking import Found, SiteFilter
 from pytest_gpumem.measurement.engines.snapshots import SNAPSHOT_ENTRIES
 from pytest_gpumem.measurement.engines.traces import merge_found, replay_trace
 from pytest_gpumem.measurement.engines.tracker import StorageTracker

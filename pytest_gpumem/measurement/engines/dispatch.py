@@ -51,41 +51,26 @@ _TENSOR = torch.Tensor
 
 
 class TrackerMode(TorchDispatchMode):
-    """Sees each operator's outputs and reports new storages to the tracker.
-
-    This runs once per operator: views and in-place operators (a third of a
-    training step's operators) return at the first dictionary lookup.
-    """
+    """Sees each operator's outputs and reports new storages to the tracker (once per operator)."""
 
     def __init__(self, tracker: Dispatched) -> None:
         super().__init__()
         self.tracker = tracker
         self.operators = tracker._operators
         self.hooks = tracker.operator_hooks
-        # bound once (the lock's methods too: cheaper than a with-statement): this runs once per operator
+        # bound once: this runs once per operator
         self.acquire, self.release = tracker._lock.acquire, tracker._lock.release
         self.output, self.outputs, self.fresh = tracker._output, tracker._outputs, tracker._fresh
-        #: set once the mode is on the stack: from then on only TorchDynamo asks
-        #: :meth:`ignore_compile_internals` (the mode's own ``__enter__`` asks it first)
-        self.armed = False
+        self.armed = False  #: on the stack: from then on only TorchDynamo asks :meth:`ignore_compile_internals`
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        """False: torch would wrap ``__torch_dispatch__`` in ``torch._dynamo.disable``, so that
-        TorchDynamo never compiles the mode's own frames. The wrapper imports TorchDynamo at the
-        first operator (which a suite that never compiles does not pay otherwise) and adds three
-        Python frames per operator; :meth:`__torch_dispatch__` does what it does, turning
-        TorchDynamo's frame hook off while it runs, with one C call (benchmarks/README.md)."""
+        """False: :meth:`__torch_dispatch__` turns TorchDynamo's frame hook off itself, without importing it."""
         return set_eval_frame is None
 
     def ignore_compile_internals(self) -> bool:  # type: ignore[override]
-        """TorchDynamo asks every dispatch mode on the stack this before it compiles or runs a
-        ``torch.compile``'d frame; False makes it run the frame eagerly, operator by operator,
-        which is what the tracker sees. True would let compiled code run unseen (Inductor's
-        kernels allocate their buffers outside the dispatcher), so the answer stays False and
-        the skipped frame is reported instead: figures of the eager program must never pass
-        for figures of the compiled one in silence."""
-        if self.armed:  # TorchDynamo asks (the mode's own __enter__ asked first): it is imported
+        """False: TorchDynamo runs a compiled frame eagerly, which the tracker sees, and the frame is reported."""
+        if self.armed:  # TorchDynamo asks: it is imported
             _never_traced()
             frame = skipped_frame()
             if frame is not None:
@@ -102,19 +87,16 @@ class TrackerMode(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        # TorchDynamo's frame hook, set while a torch.compile'd function runs, must not compile the
-        # mode's own frames (nor an operator's Python kernel): off while it works, as the wrapper
-        # torch puts around other modes does (see _should_skip_dynamo)
+        # TorchDynamo's frame hook must not compile the mode's own frames (see _should_skip_dynamo)
         prior = set_eval_frame(None) if set_eval_frame is not None else None
         try:
-            # by identity: an operator's own __hash__ is a Python method; the entry holds the
-            # operator, so its identity is not reused while the table has it
+            # by identity (an operator's __hash__ is Python); the entry holds the operator, so its id is not reused
             operator = self.operators.get(id(func))
             if operator is None:
                 hook = self.hooks.get(func._overloadpacket.__name__)
                 operator = self.operators[id(func)] = (*operator_of(func), hook, func)
             call, kind, hook, _ = operator
-            if kind == FRESH and self.tracker.limit is not None:  # refused before the host allocates
+            if kind == FRESH and self.tracker.limit is not None:
                 refuse_early(self.tracker, func, args, kwargs)
             if hook is not None:
                 self.acquire()
@@ -124,11 +106,11 @@ class TrackerMode(TorchDispatchMode):
                     self.release()
             out = call(*args, **kwargs) if kwargs else call(*args)
             if kind:
-                self.acquire()  # one count for every thread the tracker watches
+                self.acquire()
                 try:
                     if type(out) is _TENSOR:
                         if kind == FRESH:
-                            self.fresh(out)  # the common case: one call
+                            self.fresh(out)
                         else:
                             self.output(out, False)
                     elif isinstance(out, _TENSOR):
@@ -147,10 +129,7 @@ _untraced = False
 
 
 def _never_traced() -> None:
-    """Put the package among the folders TorchDynamo never traces into (once, as it starts to
-    compile: it is imported by then). Tracing a compiled frame under the tracker would otherwise
-    inline this mode's ``__torch_dispatch__`` and warn that it cannot trace its frame-hook call: a
-    ``UserWarning`` that a suite with ``filterwarnings = error`` would see as a failure."""
+    """Put the package among the folders TorchDynamo never traces into (its warning would fail a strict suite)."""
     global _untraced
     if not _untraced:
         _untraced = True

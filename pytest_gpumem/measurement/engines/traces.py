@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from pytest_gpumem.data.sites import BEFORE, ELSEWHERE, Site, SiteCounts
-from pytest_gpumem.measurement.engines.sites import Found, source_line
+from pytest_gpumem.data.site_figures import BEFORE, ELSEWHERE, Site, SiteCounts
+from pytest_gpumem.measurement.engines.site_tracking import Found, source_line
 from pytest_gpumem.units import cuda_rounded
 
 __all__ = ["TraceMoment", "functions_in", "merge_found", "replay_moments", "replay_trace", "window_numbers"]

@@ -1,32 +1,4 @@
-"""An exact tensor-storage tracker at the dispatcher level.
-
-The tracker counts the bytes of tensor *storages* on one device. Every storage is
-counted once however many tensors and views point to it. While the tracker is
-active a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every
-operator's outputs; a storage that an operator creates is an allocation, and a
-weak reference on the storage's Python object reports its death (the moment its
-bytes are freed). Storages that exist before tracking starts are found by a scan
-of the garbage collector's objects (:meth:`StorageTracker.scan`), so figures
-include everything alive on the device, as the CUDA caching allocator's do.
-
-Each storage also carries a category (see :data:`pytest_gpumem.data.figures.CATEGORIES`):
-parameters, gradients and optimizer state are recognised from the objects the
-user tracks, activations are storages saved for backward (seen through
-``saved_tensors_hooks``), everything else created while tracking is a temporary
-and everything else that existed before is "other".
-
-Threads: torch's dispatch modes and saved-tensor hooks are per thread. While a tracker
-watches, threads started with ``threading.Thread.start`` and callables submitted to a
-``concurrent.futures.ThreadPoolExecutor`` (whenever its threads were started) run under
-the tracker too (:func:`follow_threads`); one count, under a lock, serves every thread, so
-the peak of threads running at once is the peak of their sum.
-
-What it does not see: memory that kernels allocate internally without creating
-a tensor (workspaces), storages that no Python-reachable tensor referenced at
-scan time and that no tracked operator created, and what threads that were running
-before the tracker started (and are no pool's) allocate: a later :meth:`StorageTracker.scan`
-finds what of it is still alive (see :func:`unseen_note`).
-"""
+"""An exact tensor-storage tracker at the dispatcher level: every operator's outputs, each storage's death."""
 
 from __future__ import annotations
 
@@ -52,7 +24,7 @@ from pytest_gpumem.measurement.engines.dispatch import TrackerMode
 from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
-from pytest_gpumem.measurement.engines.sites import TrackedSites
+from pytest_gpumem.measurement.engines.site_tracking import TrackedSites
 from pytest_gpumem.measurement.engines.storages import (
     _PLAIN,
     Block,
@@ -71,33 +43,15 @@ __all__ = ["CUDA_BLOCK", "StorageObserver", "StorageTracker", "Window", "cuda_ro
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
 
-#: Most samples a timeline keeps (as many as a test's record keeps); longer timelines are halved
-#: (keeping maxima).
-TIMELINE_LIMIT = 512
+TIMELINE_LIMIT = 512  #: most samples a timeline keeps; longer timelines are halved (keeping maxima)
 _WIDTH = 2 + len(CATEGORIES)  # a sample's ints: its event's index, its total, its bytes by category
 _NEVER = sys.maxsize  # the next sampled event while no timeline is kept
 
 
 class StorageTracker(TrackedSites):
-    """Counts the bytes of tensor storages on one device, by category.
+    """Counts the bytes of tensor storages on a device, by category: :meth:`scan`, then :meth:`start`, :meth:`stop`."""
 
-    Use :meth:`scan` to register what already exists, then :meth:`start` /
-    :meth:`stop` around the code to watch. Frees are seen at any time, even while
-    stopped, so the count stays right across stop/start.
-
-    Args:
-        device: the device whose storages are counted (``cpu``, ``cuda:0``...).
-        cuda_rounding: count each storage as the CUDA caching allocator would:
-            rounded up to 512-byte blocks.
-        observer: told of every block counted, freed and resized (:class:`StorageObserver`),
-            under the tracker's lock: a model of another allocator follows the count this way.
-        operator_hooks: operator name (``"mm"``) → called with the operator's arguments just
-            before it runs, under the lock (the prediction's library workspaces).
-        thread_contexts: entered on every thread it watches, after its dispatch mode (the prediction's kernels).
-    """
-
-    #: how it sees allocations: "operators" (its dispatch mode); "allocations" (the allocator's reports)
-    observes = "operators"
+    observes = "operators"  #: how it sees allocations: "operators" (its dispatch mode) or "allocations"
 
     def __init__(
         self,
@@ -118,42 +72,27 @@ class StorageTracker(TrackedSites):
         self._by_category = [0] * len(CATEGORIES)
         self.current = 0
         self._window = Window(0, tuple(self._by_category), 0)
-        # True while the count sits at the window's peak and the window's breakdown
-        # has not been copied yet: a rising count (a forward pass) then costs no copy
-        # per allocation; the copy is made before anything lowers or moves a count.
-        self._pending = False
+        self._pending = False  # the peak's breakdown is not copied yet: a rising count costs no copy
         #: id(operator) → how the dispatch mode calls it, its output kind, its hook, the operator
         self._operators: dict[int, tuple[Callable[..., Any], int, Callable[[tuple[Any, ...]], None] | None, Any]] = {}
-        #: held while the counts change: threads the tracker follows change them too (reentrant:
-        #: a storage freed by a garbage collection inside a change is counted out on the same thread)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # reentrant: a collection inside a change frees storages on this thread
         self._acquire, self._release = self._lock.acquire, self._lock.release
-        #: notes on what the figures miss since :meth:`start` (threads it could not follow)
-        self.notes: list[str] = []
-        self.counts_fakes = False  #: fake tensors are memory (set as a measurement starts: fake=True)
+        self.notes: list[str] = []  #: what the figures miss since :meth:`start`
+        self.counts_fakes = False  #: fake tensors are memory (fake=True)
         self._freed = self._on_freed  # one bound method for every weak reference
         self._mode: TrackerMode | None = None
         self._saved_hooks: Any = None
         self._param_keys: set[int] = set()
-        #: bytes of the distinct storages autograd holds for backward now (parameters excluded).
-        self.saved = 0
-        #: number of allocation/free events seen so far.
+        self.saved = 0  #: bytes of the distinct storages autograd holds for backward (parameters excluded)
         self.events = 0
-        #: ``torch.compile``'d frames that TorchDynamo ran eagerly because the tracker's
-        #: dispatch mode was active (see :meth:`TrackerMode.ignore_compile_internals`).
-        self.compiled_frames: list[tuple[bool, str]] = []
-        #: their code objects: TorchDynamo marks a code it skips to be skipped from then on;
-        #: :meth:`stop` clears that mark, so the code is compiled again once the span is over.
-        self.skipped_codes: set[Any] = set()
-        #: the timeline's samples, flat: an event's index, then its bytes by category (:attr:`timeline`)
-        self._samples: list[int] | None = None
+        self.compiled_frames: list[tuple[bool, str]] = []  #: frames TorchDynamo ran eagerly under the mode
+        self.skipped_codes: set[Any] = set()  #: their code objects, whose skip mark :meth:`stop` clears
+        self._samples: list[int] | None = None  # flat: an event's index, then its bytes by category
         self._timeline_stride = 1
         self._next_sample = _NEVER  # the event the timeline samples next
         self.sites = None  # where storages are made, only when asked (TrackedSites)
-        #: emulated device limit in bytes; exceeding it raises torch.OutOfMemoryError.
-        self.limit: int | None = None
-        #: called with the request size (bytes) just before a limit OOM is raised.
-        self.on_oom: Callable[[int], None] | None = None
+        self.limit: int | None = None  #: emulated device limit in bytes
+        self.on_oom: Callable[[int], None] | None = None  #: called with the request size before the limit raises
         strided = self._strided = torch.strided
         self._cpu = self.device.type == "cpu"
         if self._cpu:
@@ -178,7 +117,6 @@ class StorageTracker(TrackedSites):
         self._insert(Entry(storage, self._freed), key, nbytes, category)
 
     def _insert(self, entry: Any, key: int, nbytes: int, category: int) -> None:
-        """Count ``entry`` (a new allocation of ``nbytes`` under ``key``) in ``category``."""
         self.events = events = self.events + 1
         entry.key = key
         entry.nbytes = nbytes
@@ -199,15 +137,13 @@ class StorageTracker(TrackedSites):
             self._sample()
 
     def add_block(self, key: int, nbytes: int, category: str = "other") -> Block:
-        """Count ``nbytes`` that no storage holds (a library's workspace) under ``key`` (never a
-        storage's: negative); returns the block, for :meth:`remove_block`."""
+        """Count ``nbytes`` that no storage holds (a library's workspace) under a negative ``key``."""
         block = Block()
         with self._lock:
             self._insert(block, key, nbytes, CATEGORIES.index(category))
         return block
 
     def remove_block(self, block: Block) -> None:
-        """Count out a block made by :meth:`add_block`."""
         self._on_freed(block)
 
     def _refuse(self, nbytes: int) -> None:
@@ -219,7 +155,7 @@ class StorageTracker(TrackedSites):
         )
 
     def _on_freed(self, entry: Entry | Block) -> None:
-        """Weak-reference callback: the storage of ``entry`` is being freed (on any thread)."""
+        """Weak-reference callback: ``entry``'s storage is being freed (on any thread)."""
         key = entry.key
         self._acquire()
         try:
@@ -240,7 +176,7 @@ class StorageTracker(TrackedSites):
             self._release()
 
     def _settle(self) -> None:
-        """Copy the breakdown into the window: the count is at its peak and is about to change."""
+        """Copy the breakdown into the window before the count leaves its peak."""
         self._window.breakdown = tuple(self._by_category)
         self._pending = False
         if self.sites is not None:  # without sites, the window has none
@@ -259,8 +195,7 @@ class StorageTracker(TrackedSites):
 
     @property
     def timeline(self) -> list[tuple[int, tuple[int, ...]]] | None:
-        """The samples kept since :meth:`start` with ``timeline``: (event index, bytes by category),
-        at most ``TIMELINE_LIMIT``, each the higher of the two it replaced when they were halved."""
+        """The samples kept since :meth:`start` with ``timeline``: (event index, bytes by category)."""
         samples = self._samples
         if samples is None:
             return None
@@ -268,8 +203,7 @@ class StorageTracker(TrackedSites):
         return [(samples[i], tuple(samples[i + 2 : i + width])) for i in range(0, len(samples), width)]
 
     def timeline_columns(self, start_event: int) -> tuple[list[int], list[list[int]]] | None:
-        """:attr:`timeline`'s samples from ``start_event`` on, as columns (sliced, not walked): their
-        event indexes, then their bytes in each category."""
+        """:attr:`timeline`'s samples from ``start_event`` on, as columns: event indexes, then bytes by category."""
         samples = self._samples
         if samples is None:
             return None
@@ -280,7 +214,6 @@ class StorageTracker(TrackedSites):
         return events[first:], [kept[i::width] for i in range(2, width)]
 
     def _sample(self) -> None:
-        """Sample the count at this event (called once :attr:`events` reaches the next sampled event)."""
         samples = self._samples
         assert samples is not None
         events = self.events
@@ -305,7 +238,7 @@ class StorageTracker(TrackedSites):
         self._timeline_stride *= 2
 
     def _outputs(self, out: Any, fresh: bool) -> None:
-        """Count the storages of an operator's outputs; ``fresh``: it creates them (see FRESH)."""
+        """Count the storages of an operator's outputs; ``fresh``: it creates them."""
         tensor_type = torch.Tensor
         if isinstance(out, tensor_type):
             self._output(out, fresh)
@@ -321,8 +254,7 @@ class StorageTracker(TrackedSites):
                             self._output(inner, fresh)
 
     def _fresh(self, tensor: torch.Tensor) -> None:
-        """:meth:`_output` of a plain tensor that an operator made (a FRESH output): the common case
-        of a CPU count, inline; the rest goes to :meth:`_output`."""
+        """:meth:`_output` for a plain fresh CPU tensor, inlined (the common case)."""
         if (
             not self._cpu
             or self.limit is not None
@@ -390,7 +322,6 @@ class StorageTracker(TrackedSites):
             self._resize_entry(entry, nbytes)
 
     def _resize_entry(self, entry: Any, nbytes: int) -> None:
-        """``entry``'s storage holds ``nbytes`` now (an operator resized it, or its storage was resized)."""
         delta = nbytes - entry.nbytes
         if delta > 0 and self.limit is not None and self.current + delta > self.limit:
             self._refuse(delta)
@@ -406,8 +337,7 @@ class StorageTracker(TrackedSites):
         self._event()
 
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
-        """A storage was resized in place (``untyped_storage().resize_()``: FSDP2 frees and
-        re-allocates its unsharded parameters that way, under no operator)."""
+        """A storage was resized in place, under no operator (FSDP2's unsharded parameters)."""
         with self._lock:
             entry = self._entries.get(storage._cdata)
             if entry is None:
@@ -421,11 +351,7 @@ class StorageTracker(TrackedSites):
     # -- registering what exists ----------------------------------------------
 
     def register(self, tensors: Iterable[torch.Tensor], category: str | None = None) -> None:
-        """Count the storages of ``tensors`` (if not yet counted) and set their category.
-
-        ``category`` None keeps the category of known storages and counts unknown
-        ones as "other". Tensors on other devices are ignored.
-        """
+        """Count the storages of ``tensors`` and set their category (None: keep it, or "other" when new)."""
         with self._lock:
             self._register(tensors, category)
 
@@ -461,24 +387,14 @@ class StorageTracker(TrackedSites):
                 self._param_keys.add(key)
 
     def _key(self, storage: torch.UntypedStorage) -> int | None:
-        """The key ``storage`` is counted under: the identity of its C++ object (None: not counted)."""
         return int(storage._cdata)
 
     def _move(self, entry: Entry, index: int, *, discovered: bool = True) -> None:
-        """Give ``entry`` the category ``index``.
-
-        ``discovered``: the storage is found to *be* of that category (a gradient
-        becomes ``.grad`` only after AccumulateGrad, optimizer state is seen after
-        ``step()``), so the current window's peak breakdown is corrected too. False
-        for changes that happen now (saved for backward, released by autograd).
-        """
+        """Give ``entry`` the category ``index``; ``discovered``: it always was one, the window's peak is corrected."""
         if self._pending:
             self._settle()
         window = self._window
         if discovered and entry.moved <= window.event:
-            # Alive at the window's peak with the same category since: it was part of
-            # that peak, and it is what it turns out to be now (a gradient is known as
-            # one only after AccumulateGrad, an optimizer state after step()).
             parts = list(window.breakdown)
             parts[entry.category] -= entry.nbytes
             parts[index] += entry.nbytes
@@ -491,24 +407,16 @@ class StorageTracker(TrackedSites):
         entry.moved = self.events
 
     def scan(self, extra: Iterable[object] = ()) -> int:
-        """Register every tensor the garbage collector can see on this device, and those of
-        ``extra`` (tensors among frozen objects, which it cannot see); returns the bytes of
-        the storages it found that were not counted yet.
-
-        Parameters count as "parameters", their ``.grad`` as "gradients", the rest
-        as "other" (known storages keep their category).
-        """
+        """Register every tensor on this device that the collector sees, and ``extra``'s; returns the new bytes."""
         with self._lock:
             before = self.current
             self._scan(extra)
             return self.current - before
 
     def _scan(self, extra: Iterable[object] = ()) -> None:
-        # with the tensors among the collector's frozen objects, which gc.get_objects() does not list
         self._register_scanned(gcfunctions.get_objects(), itertools.chain(extra, frozen.tensors()))
 
     def _register_scanned(self, objects: list[Any], extra: Iterable[object]) -> None:
-        """Register the tensors among ``objects`` (the collector's) and ``extra``."""
         params, grads, others = sort_scanned(itertools.chain(tensors_among(objects), tensors_among(list(extra))))
         self.register(others)
         self.register(params, "parameters")
@@ -538,8 +446,7 @@ class StorageTracker(TrackedSites):
     # -- windows ---------------------------------------------------------------
 
     def take_window(self, *, defer: bool = False) -> Window:
-        """The window since the last call (or creation); opens a new one at the current count.
-        ``defer`` is moot: this tracker's counts are always current."""
+        """The window since the last call; opens a new one (``defer`` is moot here)."""
         with self._lock:
             if self._pending:
                 self._settle()
@@ -573,14 +480,12 @@ class StorageTracker(TrackedSites):
                 self._contexts.enter_context(make())
 
     def _follow(self, stack: contextlib.ExitStack) -> None:
-        """Watch the calling thread (one this tracker did not start on) until ``stack`` closes:
-        a dispatch mode of its own, and the saved-tensor hooks where :meth:`start` entered them."""
+        """Watch the calling thread (not the one that started the tracker) until ``stack`` closes."""
         if any(getattr(mode, "tracker", None) is self for mode in _get_current_dispatch_mode_stack()):
             return  # watched already (a pool's thread started while watching, given work)
         mode = self._make_mode()
         mode.armed = True
-        # pushed without the mode's __enter__: that sets process-wide flags, which the mode of the
-        # thread that started the tracker has set already, and which threads would undo out of order
+        # without __enter__: its process-wide flags are set already, and threads would undo them out of order
         _push_mode(mode)
         stack.callback(_pop_mode)
         if self._saved_hooks is not None:
@@ -590,11 +495,10 @@ class StorageTracker(TrackedSites):
                 stack.enter_context(make())
 
     def _make_mode(self) -> TrackerMode:
-        """The dispatch mode that reports operators' outputs to this tracker."""
         return TrackerMode(self)
 
     def _begin_count(self, timeline: bool) -> None:
-        """Events count from here: a new window at the current count, the timeline (if kept) restarted."""
+        """Events count from here: a new window, the timeline restarted."""
         self._samples = [0, self.current, *self._by_category] if timeline else None
         self._timeline_stride = 1
         self._next_sample = 1 if timeline else _NEVER
@@ -631,7 +535,6 @@ class StorageTracker(TrackedSites):
         base = tensor._base
         parameter_type = torch.nn.Parameter
         if isinstance(tensor, parameter_type) or isinstance(base, parameter_type):
-            # a parameter or a view of one (Linear saves weight.t()): never an activation
             param = tensor if base is None else base
             try:
                 known = self._entries.get(param.untyped_storage()._cdata)
@@ -643,7 +546,7 @@ class StorageTracker(TrackedSites):
         return self._held_as(tensor, tensor)
 
     def _held_as(self, tensor: torch.Tensor, local: torch.Tensor) -> Held:
-        """Hold ``tensor`` for backward, saved as ``local``'s storage (itself, or a DTensor's shard)."""
+        """Hold ``tensor`` for backward, saved as ``local``'s storage (a DTensor's shard)."""
         try:
             storage = local.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -672,6 +575,5 @@ class StorageTracker(TrackedSites):
             entry.saves -= 1
             if entry.saves == 0:
                 self.saved -= entry.nbytes
-                # The holder keeps the tensor alive, so the storage is still counted here.
                 if entry.category == ACTIVATIONS and entry() is not None:
                     self._move(entry, entry.prior, discovered=False)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding
-from pytest_gpumem.data.sites import BEFORE, SiteFigures, SiteProfile
-from pytest_gpumem.judge.sites import SiteDiff
+from pytest_gpumem.data.site_figures import BEFORE, SiteFigures, SiteProfile
+from pytest_gpumem.judge.site_changes import SiteDiff
 from pytest_gpumem.report.cells import RecordLike
 from pytest_gpumem.report.html import html_text as _esc
 from pytest_gpumem.tables import Col, Table, markdown_table, markdown_text, visible, wrap

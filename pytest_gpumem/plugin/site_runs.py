@@ -1,17 +1,4 @@
-"""Sites in a run: which test runs record where their bytes were made, and the second run of a
-test that failed on memory.
-
-Recording a site costs a walk up the stack at every allocation, so a passing test on real
-tensors never pays it: sites are recorded on a baseline update (they are stored with the
-figures), in every run with ``--gpumem-sites=always``, in every run of a test on fake tensors,
-and otherwise (``rerun``, the default) by running a test that failed on memory once more with
-sites on, through pytest's own protocol, as pytest-rerunfailures does: the first run's
-function-scoped fixtures are torn down, the second run sets up fresh ones, and the first run's
-reports are logged once the sites are attached to them. The second run's outcome is never
-reported: what it raised (a skip, a failure, an exit, a timeout) is noted with the sites. No
-second run where one cannot be done safely (:func:`no_second_run`): the failure says why and
-how to get the sites. No torch at import.
-"""
+"""Sites in a run: which runs record them, and the second run of a test that failed on memory (docs/sites.md)."""
 
 from __future__ import annotations
 
@@ -40,9 +27,7 @@ def _mode(settings: Settings, spec: GpumemSpec) -> str:
 
 
 def run_options(settings: Settings, spec: GpumemSpec, *, fake: bool) -> RunOptions:
-    """What the run asks of this test's first run: sites on a baseline update, with ``always``,
-    and on fake tensors (``fake``), where recording them costs a few percent of a step that a
-    second run would run again whole."""
+    """What the run asks of this test's first run: sites on a baseline update, with ``always``, and on fake tensors."""
     from pytest_gpumem.plugin.runner import RunOptions
 
     mode = _mode(settings, spec)
@@ -56,20 +41,19 @@ def run_options(settings: Settings, spec: GpumemSpec, *, fake: bool) -> RunOptio
 
 
 def fails_on_memory(session: BaselineSession, record: TestRecord) -> bool:
-    """Whether the judge fails ``record`` (judged on a copy: the process that owns the run judges it again)."""
+    """Whether the judge fails ``record`` (judged on a copy)."""
     copy = TestRecord.from_json(record.to_json(timeline=False))
     options = session.options
     store = None
     if copy.environment is not None and not options.update:
-        with contextlib.suppress(BaselineFileError):  # the owner of the run reports the file
+        with contextlib.suppress(BaselineFileError):  # the run's owner reports the file
             store = session.store
     judge(copy, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
     return copy.failed
 
 
 def xfail_of(item: pytest.Item) -> Any:
-    """The ``xfail`` mark that applies to ``item`` as pytest's skipping plugin reads it (its
-    condition true, ``--runxfail`` not given), or None; None too where that cannot be read."""
+    """The ``xfail`` mark that applies to ``item`` as pytest's skipping plugin reads it, or None."""
     if getattr(item.config.option, "runxfail", False):
         return None
     try:
@@ -81,8 +65,7 @@ def xfail_of(item: pytest.Item) -> Any:
 
 
 def _expected(item: pytest.Item, exc: BaseException) -> bool:
-    """Whether pytest reports ``exc`` as an expected failure (:func:`xfail_of`, its ``raises``
-    matching): its report shows no sites, so the second run that would name them is not run."""
+    """Whether pytest reports ``exc`` as an expected failure (whose report shows no sites)."""
     xfailed = xfail_of(item)
     if xfailed is None:
         return False
@@ -103,21 +86,19 @@ def wants_sites(
     settings: Settings,
     session: BaselineSession,
 ) -> bool:
-    """Whether the test's first run failed on memory (or ran out of memory, unless that is the
-    failure its ``xfail`` mark expects) without recording sites: its sites need a second run."""
+    """Whether the test's first run failed on memory without recording sites: its sites need a second run."""
     from pytest_gpumem.diagnose.oom import is_oom
 
     if _mode(settings, run.spec) != "rerun" or run.options.sites is not None or settings.site_config is None:
         return False
-    if not run.engine.records_sites:  # the CPU engine observing allocations: no second run for nothing
+    if not run.engine.records_sites:
         return False
     if exc is not None:
         return is_oom(exc) and not _expected(item, exc)
     return fails_on_memory(session, record)
 
 
-#: how launchers (torchrun, mpirun, srun) tell a process how many ranks run: ranks run a test
-#: together, and a rank that ran it again alone would pair its collectives with the other ranks' next test
+#: how launchers (torchrun, mpirun, srun) tell a process how many ranks run a test together
 _WORLD_SIZES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 
 
@@ -135,9 +116,7 @@ def _ranks() -> int:
 
 
 def no_second_run(item: pytest.Item, record: TestRecord, seconds: float, settings: Settings) -> str | None:
-    """Why the test that wants sites cannot run again safely, or None when it can: ranks (torchrun,
-    other launchers, ``gpumem.distributed``), a first call longer than ``--gpumem-sites-rerun-limit``,
-    a per-test timeout, a debugger, another plugin that runs tests again, a session that stops."""
+    """Why the test that wants sites cannot run again safely, or None when it can."""
     config = item.config
     ranks = _ranks()
     if ranks > 1:
@@ -160,7 +139,6 @@ def no_second_run(item: pytest.Item, record: TestRecord, seconds: float, setting
 
 
 def _timeout(item: pytest.Item) -> str | None:
-    """The per-test timeout pytest-timeout applies to ``item``, as text, or None."""
     config = item.config
     if not config.pluginmanager.hasplugin("timeout"):
         return None
@@ -190,9 +168,7 @@ def no_sites_note(reason: str) -> str:
 
 
 def with_sites(first: TestRecord, second: TestRecord | None, outcome: str | None) -> TestRecord:
-    """``first`` with the sites of ``second`` (the same test run again with sites on), span by span,
-    each marked as from a second run and saying where that run's figures differ; ``outcome``: what
-    the second run did if it did not pass ("failed: ...", "skipped: ..."), noted and never reported."""
+    """``first`` with the sites of ``second``, span by span; ``outcome``: what the second run did if it did not pass."""
     seconds = {m.name: m for m in second.measurements} if second is not None else {}
     measurements = []
     for measurement in first.measurements:
@@ -207,10 +183,7 @@ def with_sites(first: TestRecord, second: TestRecord | None, outcome: str | None
     first.measurements = measurements
     if second is None or not any(m.sites is not None for m in second.measurements):
         first.reports.append(f"sites: the second run recorded none ({outcome or 'it measured nothing'})")
-    # The leak and out-of-memory reports stay the first run's: they name what held the memory
-    # when the test failed. The sites above name the lines; --gpumem-sites=always puts them into
-    # the reports too.
-    return first
+    return first  # the leak and out-of-memory reports stay the first run's
 
 
 def _differs(first: Measurement, second: Measurement) -> str:

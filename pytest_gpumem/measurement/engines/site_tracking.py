@@ -12,7 +12,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.data.sites import BEFORE, CODE_CHARS, ELSEWHERE, EXAMPLE_CHARS, Site, SiteConfig, SiteCounts
+from pytest_gpumem.data.site_figures import BEFORE, CODE_CHARS, ELSEWHERE, EXAMPLE_CHARS, Site, SiteConfig, SiteCounts
 from pytest_gpumem.measurement.engines.storages import Window
 
 __all__ = ["Found", "SiteFilter", "SiteRecorder", "SiteSnapshot", "TrackedSites"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pytest_gpumem.codec import Coded, coded
-from pytest_gpumem.data.sites import BEFORE, SiteFigures, SiteProfile
+from pytest_gpumem.data.site_figures import BEFORE, SiteFigures, SiteProfile
 
 __all__ = ["SiteChange", "SiteDiff", "diff_sites", "merge_categories"]
 
