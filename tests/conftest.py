@@ -119,6 +119,7 @@ def pytest_configure(config: pytest.Config) -> None:
         _warm_up_lazy_torch_imports()
         _import_every_plugin_module()
         _patch_others_frozen()
+        _patch_give_back_theirs()
     if config.getoption("--check-leftovers"):
         from tests._isolation import Leftovers
 
@@ -327,6 +328,110 @@ def _patch_others_frozen() -> None:
     collector.others_frozen = others_frozen
 
 
+class _After:
+    """An object made after each :func:`refreeze`, never frozen by it: frozen, someone froze since."""
+
+
+#: What the suite froze, for a census: weak references to the modules and tensors among the frozen
+#: objects (as the plugin's collector remembers its own, :func:`frozen.references`); whether they
+#: are all of them (nothing else froze objects since everything was last given back); the object
+#: made after the last refreeze; whether the plugin holds the references as its own.
+_suite_refs: list[Any] = []
+_complete = False
+_after = _After()
+_lent = False
+_lending = True  # off for a test that asks for :func:`census_gives_back_the_suites_freeze`
+
+
+def _frozen_by_the_suite_alone() -> bool:
+    """Whether the suite's freeze holds (the mark frozen) and nobody froze since (the object made
+    after it not frozen): one pass over what is not frozen."""
+    mark = after = False
+    for obj in gcfunctions.get_objects():
+        if obj is _MARK:
+            mark = True
+        elif obj is _after:
+            after = True
+    return _marked and not mark and after
+
+
+def _patch_give_back_theirs() -> None:
+    """A census in one of the suite's in-process sessions (a failing test's, a leak check's) must see
+    every tensor, and gives back what someone else froze, for good
+    (:func:`~pytest_gpumem.measurement.frozen.give_back_theirs`): every collection after it walks the
+    whole process (0.3 to 0.4 s each; three in such a test and the next refreeze). When what is
+    frozen is the suite's freeze alone, the suite lends the plugin the modules and tensors it
+    remembered as it froze them instead, as the plugin's own collector remembers what it freezes
+    (:func:`~pytest_gpumem.measurement.frozen.known`): the census finds the same tensors, and the
+    objects stay frozen. Else the plugin's own."""
+    from pytest_gpumem.measurement import frozen
+
+    given_back = frozen.give_back_theirs
+
+    @functools.wraps(given_back)
+    def give_back_theirs() -> None:
+        global _lent
+        if _lending and _complete and not frozen.known() and _frozen_by_the_suite_alone():
+            frozen._refs[:] = [ref for ref in _suite_refs if ref() is not None]
+            frozen._known = True
+            _lent = True
+        else:
+            given_back()
+
+    frozen.give_back_theirs = give_back_theirs
+
+
+def _end_the_loan() -> None:
+    """The plugin forgets the references the suite lent it (a session that thawed forgot them already)."""
+    global _lent
+    if _lent:
+        from pytest_gpumem.measurement import frozen
+
+        frozen.forget()
+        _lent = False
+
+
+def _remember_then_freeze() -> None:
+    """``gc.freeze()``, the modules and tensors among what it freezes remembered first (all alive, as
+    after a collection: :func:`_patch_give_back_theirs`)."""
+    global _complete, _after
+    from pytest_gpumem.measurement import frozen
+
+    _end_the_loan()
+    objects = gc.get_objects()
+    if not any(map(operator.is_, objects, itertools.repeat(_MARK))):  # the suite's freeze holds
+        if _complete and not any(map(operator.is_, objects, itertools.repeat(_after))):
+            _complete = False  # someone froze objects since: they are not remembered
+    else:  # everything was given back (or this is the first freeze): remember it all
+        _suite_refs.clear()
+        _complete = True
+    if _complete:
+        # the plugin's own function, whose parameters held by a remembered module get no weak reference
+        theirs, frozen._refs[:] = frozen._refs[:], [ref for ref in _suite_refs if ref() is not None]
+        if frozen._refs:  # what is remembered is frozen: out of ``objects``, but in an earlier ``references``
+            known = {id(ref()) for ref in frozen._refs}
+            objects = [obj for obj in objects if id(obj) not in known]
+            del known
+        try:
+            _suite_refs[:] = [*frozen._refs, *frozen.references(objects)]
+        finally:
+            frozen._refs[:] = theirs
+        del theirs
+    del objects
+    gc.freeze()
+    _after = _After()
+
+
+@pytest.fixture
+def census_gives_back_the_suites_freeze() -> Iterator[None]:
+    """A census in this test gives back what the suite froze, as it gives back what a user's conftest
+    froze (the suite's references are not lent: :func:`_patch_give_back_theirs`)."""
+    global _lending
+    _lending = False
+    yield
+    _lending = True
+
+
 def refreeze() -> None:
     """Collect garbage, then freeze what is alive (``gc.freeze()``), as the plugin does before
     its first measured test: the full collections that the engines run in a test then walk only
@@ -338,10 +443,12 @@ def refreeze() -> None:
     every later collection walks the whole process (0.3 s for a measured test that takes 0.02 s alone).
     What earlier tests left alive is frozen too: a reference cycle of theirs that dies later is
     not freed (memory only), and a tensor of theirs is out of ``gc.get_objects()``'s sight,
-    which no test reads across tests."""
+    which no test reads across tests. The modules and tensors among what it freezes are remembered,
+    for a census in the test to find without giving the frozen objects back
+    (:func:`_patch_give_back_theirs`)."""
     global _marked
     gc.collect()
-    gc.freeze()
+    _remember_then_freeze()
     _marked = True
 
 
@@ -355,9 +462,13 @@ class Refreeze:
     def pytest_runtest_protocol(
         self, item: pytest.Item, nextitem: pytest.Item | None
     ) -> Generator[None, object, object]:
+        _end_the_loan()
         if "nothing_frozen" not in getattr(item, "fixturenames", ()):
             refreeze()
-        return (yield)
+        try:
+            return (yield)
+        finally:
+            _end_the_loan()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

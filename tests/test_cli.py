@@ -498,6 +498,7 @@ def test_a_failed_write_is_reported_and_keeps_the_file(here: Path) -> None:
     code = textwrap.dedent(
         f"""
         import resource, signal, sys, types
+        sys.dont_write_bytecode = True  # a module imported under the limit would leave its .pyc cut short
         package = types.ModuleType("pytest_gpumem")
         package.__path__ = [{str(PACKAGE)!r}]
         sys.modules["pytest_gpumem"] = package

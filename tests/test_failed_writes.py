@@ -158,7 +158,10 @@ def _full_disk(limit: int) -> None:
 
 
 def full_disk_session(folder: Path, *args: str, limit: int = 300) -> subprocess.CompletedProcess[str]:
+    """``python -m pytest`` on a full disk; the interpreter writes no ``.pyc`` (one written under the
+    limit is cut short, and every later import of that module fails on it)."""
     env = {**os.environ, "GITHUB_STEP_SUMMARY": str(folder / "summary.md"), "PYTEST_ADDOPTS": "-p no:randomly"}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.pop("CI", None)
     command = [
         sys.executable,

@@ -52,7 +52,9 @@ def cyclic_step() -> None:
 
 
 @pytest.fixture
-def engine(cpu_engine: Engine) -> Iterator[Engine]:
+def engine(cpu_engine: Engine, census_gives_back_the_suites_freeze: None) -> Iterator[Engine]:
+    """The CPU engine, tracking; its census gives back what the suite froze (the module-level
+    holders among it), as a census gives back what a user's conftest froze."""
     assert cpu_engine.tracker is not None
     cpu_engine.tracker.start()
     yield cpu_engine
