@@ -372,8 +372,7 @@ def _patch_give_back_theirs() -> None:
     def give_back_theirs() -> None:
         global _lent
         if _lending and _complete and not frozen.known() and _frozen_by_the_suite_alone():
-            frozen._refs[:] = [ref for ref in _suite_refs if ref() is not None]
-            frozen._known = True
+            frozen.adopt(_suite_refs)
             _lent = True
         else:
             given_back()
@@ -407,16 +406,13 @@ def _remember_then_freeze() -> None:
         _complete = True
     if _complete:
         # the plugin's own function, whose parameters held by a remembered module get no weak reference
-        theirs, frozen._refs[:] = frozen._refs[:], [ref for ref in _suite_refs if ref() is not None]
-        if frozen._refs:  # what is remembered is frozen: out of ``objects``, but in an earlier ``references``
-            known = {id(ref()) for ref in frozen._refs}
+        remembered = [ref for ref in _suite_refs if ref() is not None]
+        if remembered:  # what is remembered is frozen: out of ``objects``, but in an earlier ``references``
+            known = {id(ref()) for ref in remembered}
             objects = [obj for obj in objects if id(obj) not in known]
             del known
-        try:
-            _suite_refs[:] = [*frozen._refs, *frozen.references(objects)]
-        finally:
-            frozen._refs[:] = theirs
-        del theirs
+        _suite_refs[:] = [*remembered, *frozen.references(objects, remembered)]
+        del remembered
     del objects
     gc.freeze()
     _after = _After()

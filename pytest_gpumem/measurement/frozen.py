@@ -13,6 +13,7 @@ from pytest_gpumem.measurement.engines.storages import Kinds, instances_among
 
 __all__ = [
     "add",
+    "adopt",
     "forget",
     "give_back_theirs",
     "known",
@@ -41,18 +42,19 @@ def _held_by(module: torch.nn.Module) -> Iterator[torch.Tensor]:
             yield buffer
 
 
-def _modules() -> Iterator[torch.nn.Module]:
-    for ref in _refs:
+def _modules(refs: Iterable[weakref.ref[Any]] | None = None) -> Iterator[torch.nn.Module]:
+    for ref in _refs if refs is None else refs:
         obj = ref()
         if obj is not None and _MODULE_KINDS[type(obj)]:
             yield obj
 
 
-def references(objects: list[Any]) -> list[weakref.ref[Any]]:
-    """Weak references to the modules among ``objects`` and to the tensors no module holds (never a module's own)."""
+def references(objects: list[Any], remembered: list[weakref.ref[Any]] | None = None) -> list[weakref.ref[Any]]:
+    """Weak references to the modules among ``objects`` and to the tensors no module holds (never a module's own),
+    the modules of ``remembered`` (default: the plugin's) among the holders."""
     found = instances_among(objects, _MODULE_OR_TENSOR_KINDS)
     modules = [obj for obj in found if _MODULE_KINDS[type(obj)]]
-    held = {id(tensor) for module in (*modules, *_modules()) for tensor in _held_by(module)}
+    held = {id(tensor) for module in (*modules, *_modules(remembered)) for tensor in _held_by(module)}
     refs: list[weakref.ref[Any]] = [weakref.ref(module) for module in modules]
     for tensor in found:
         if _MODULE_KINDS[type(tensor)]:
@@ -79,6 +81,14 @@ def add(found: Iterable[Any]) -> None:
     _refs[:] = [ref for ref in _refs if ref() is not None]
     known_ids = {id(ref()) for ref in _refs}
     _refs.extend(references([obj for obj in found if id(obj) not in known_ids]))
+
+
+def adopt(refs: Iterable[weakref.ref[Any]]) -> None:
+    """Remember ``refs`` (made by :func:`references` as someone else froze their objects) as the frozen
+    modules and tensors, so that a census finds them without giving every frozen object back."""
+    global _known
+    _refs[:] = [ref for ref in refs if ref() is not None]
+    _known = True
 
 
 def forget() -> None:
