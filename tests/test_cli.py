@@ -189,6 +189,21 @@ def test_usage_errors_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(action in out for action in ("show", "diff", "prune"))
 
 
+def test_show_loads_neither_the_history_reader_nor_its_charts(here: Path) -> None:
+    """``baselines history``'s git reader and charts are imported by its handler alone: the other
+    actions do not pay for them."""
+    code = (
+        "import sys\n"
+        "from pytest_gpumem.cli import main\n"
+        "assert main(['baselines', 'show']) == 0\n"
+        "names = ('pytest_gpumem.baselines.history', 'pytest_gpumem.report.trend', 'pytest_gpumem.report.artifacts')\n"
+        "print('loaded', [name for name in names if name in sys.modules])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "loaded []"
+
+
 def test_the_validations_help_and_a_bad_option_answer_without_importing_torch() -> None:
     """``validate --help`` and a usage error come from the command line's parser alone: torch,
     which the validation itself needs, is not imported for them (it takes seconds)."""

@@ -16,8 +16,15 @@ from pytest_gpumem.measurement.observe import choose_observe, observe_conflict
 from pytest_gpumem.plugin.collection import SPEC_ERROR_KEY, SPEC_KEY, gpumem_marks, marker_spec, worker_index
 from pytest_gpumem.plugin.marker import GpumemSpec, late_marker_problems, parse_marker
 from pytest_gpumem.plugin.options import Settings
-from pytest_gpumem.plugin.second_run import SECOND_RUN_KEY, SecondRun, run_test
-from pytest_gpumem.plugin.site_runs import no_second_run, no_sites_note, run_options, wants_sites
+from pytest_gpumem.plugin.site_runs import (
+    SECOND_RUN_KEY,
+    SecondRun,
+    no_second_run,
+    no_sites_note,
+    run_options,
+    run_test,
+    wants_sites,
+)
 from pytest_gpumem.plugin.torchrun import Launch
 
 if TYPE_CHECKING:
