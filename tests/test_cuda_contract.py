@@ -646,6 +646,7 @@ def test_an_emulated_device_limit_caps_the_allocator_for_the_body_only(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("census_gives_back_the_suites_freeze")  # the closing below: the run's collector starts
 def test_the_leak_check_frees_the_workspaces_on_both_sides(pytester: pytest.Pytester, cuda: RecordingCuda) -> None:
     """A positive ``retained`` under ``retained="0B"`` is confirmed as PyTorch's leak check does: up to
     three tries of settle, release the workspaces, empty the cache, read; the start compared without
