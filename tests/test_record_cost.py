@@ -43,8 +43,8 @@ def test_a_passing_tests_record_is_decoded_once_where_it_ran(
     run(pytester, "-p", "no:randomly").assert_outcomes(passed=2)
     # the judged copy of each (the process logs the record it made, not a decoded one); the run's
     # end decodes the kept records once more for the terminal summary
-    per_test = [nodeid for nodeid in decoded[:2]]
-    assert per_test == ["test_cost.py::test_many_allocations[300]", "test_cost.py::test_many_allocations[400]"]
+    per_test = ["test_cost.py::test_many_allocations[300]", "test_cost.py::test_many_allocations[400]"]
+    assert decoded[:2] == per_test
     assert len(decoded) == 4 and sorted(decoded[2:]) == per_test
 
 
