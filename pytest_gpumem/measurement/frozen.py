@@ -54,11 +54,10 @@ def references(objects: list[Any], remembered: list[weakref.ref[Any]] | None = N
     the modules of ``remembered`` (default: the plugin's) among the holders."""
     found = instances_among(objects, _MODULE_OR_TENSOR_KINDS)
     modules = [obj for obj in found if _MODULE_KINDS[type(obj)]]
+    tensors = [obj for obj in found if not _MODULE_KINDS[type(obj)]]
     held = {id(tensor) for module in (*modules, *_modules(remembered)) for tensor in _held_by(module)}
     refs: list[weakref.ref[Any]] = [weakref.ref(module) for module in modules]
-    for tensor in found:
-        if _MODULE_KINDS[type(tensor)]:
-            continue
+    for tensor in tensors:
         if id(tensor) in held:
             continue
         try:

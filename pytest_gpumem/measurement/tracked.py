@@ -13,10 +13,18 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from pytest_gpumem.budgets.formulas import tracked_psi
 from pytest_gpumem.measurement.engines.base import Engine
 
-__all__ = ["PhaseHooks", "Tracked"]
+__all__ = ["PhaseHooks", "Tracked", "check_trackable"]
 
 #: torch's warning about global module hooks at a compiled module's call (torch._dynamo.eval_frame)
 _COMPILED_MODULE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+
+
+def check_trackable(obj: Any) -> None:
+    """Raise naming the type of ``obj`` unless ``gpumem.track()`` takes it (a module or an optimizer)."""
+    if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        raise TypeError(
+            f"gpumem.track() takes torch.nn.Module and torch.optim.Optimizer objects, got {type(obj).__name__}"
+        )
 
 
 class PhaseHooks(Protocol):
@@ -64,10 +72,7 @@ class Tracked:
     def add(self, *objects: Any) -> None:
         """Track modules and optimizers (again: harmless)."""
         for obj in objects:
-            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-                raise TypeError(
-                    f"gpumem.track() takes torch.nn.Module and torch.optim.Optimizer objects, got {type(obj).__name__}"
-                )
+            check_trackable(obj)
             if id(obj) in self._ids:
                 continue
             self._ids.add(id(obj))

@@ -18,6 +18,7 @@ from pytest_gpumem.diagnose.microbatch import max_microbatch as search_microbatc
 from pytest_gpumem.judge.limits import LimitSpec, check_span_name, parse_span_limits
 from pytest_gpumem.measurement.recorder import Recorder, Span
 from pytest_gpumem.measurement.steps import train_step_span
+from pytest_gpumem.measurement.tracked import check_trackable
 from pytest_gpumem.units import parse_size
 
 __all__ = ["GpuMem", "NullEngine", "Unmeasured", "Unrecorded"]
@@ -246,10 +247,7 @@ class Unrecorded:
 
     def track(self, *objects: Any) -> None:
         for obj in objects:
-            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-                raise TypeError(
-                    f"gpumem.track() takes torch.nn.Module and torch.optim.Optimizer objects, got {type(obj).__name__}"
-                )
+            check_trackable(obj)
             if all(obj is not seen for seen in self.tracked):
                 self.tracked.append(obj)
 

@@ -196,11 +196,11 @@ class StorageTracker(TrackedSites):
     @property
     def timeline(self) -> list[tuple[int, tuple[int, ...]]] | None:
         """The samples kept since :meth:`start` with ``timeline``: (event index, bytes by category)."""
-        samples = self._samples
-        if samples is None:
+        columns = self.timeline_columns(0)
+        if columns is None:
             return None
-        width = _WIDTH
-        return [(samples[i], tuple(samples[i + 2 : i + width])) for i in range(0, len(samples), width)]
+        events, parts = columns
+        return list(zip(events, zip(*parts, strict=True), strict=True))
 
     def timeline_columns(self, start_event: int) -> tuple[list[int], list[list[int]]] | None:
         """:attr:`timeline`'s samples from ``start_event`` on, as columns: event indexes, then bytes by category."""
