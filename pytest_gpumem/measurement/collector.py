@@ -104,6 +104,9 @@ class Collector:
         self.froze = 0  # freezes so far
         self.given_back = 0  # times the frozen objects were given back during the run
         self._collecting = False
+        self._asked = False  # a ``gc.collect()`` not the plugin's is running
+        self._heap = 0  # objects alive after the last collection that saw every object
+        self._frozen_count = 0  # objects frozen since (some may have been freed)
         self._refreeze = False  # a collection not the plugin's was given everything: freeze as it ends
         self._young: list[weakref.ref[Any]] = []  # the modules and tensors not frozen as it started
 
@@ -115,13 +118,16 @@ class Collector:
         if self.active or _running is not None or not gc.isenabled() or others_frozen():
             return
         self.collect()
-        frozen.remember()
+        objects = gcfunctions.get_objects()
+        frozen.remember(objects)
+        self._heap = self._frozen_count = len(objects)
+        del objects
         gcfunctions.freeze()
         self.active = self.frozen = True
         self.froze += 1
         _running = self
         gc.callbacks.append(self._on_collection)
-        gcfunctions.install(self._on_user_call, self._yield_to_user)
+        gcfunctions.install(self._on_user_call, self._yield_to_user, self._on_users_collect)
 
     def stop(self) -> None:
         """The run is over: give every frozen object back."""
@@ -144,7 +150,7 @@ class Collector:
         """A full collection of what is not frozen, on the plugin's account."""
         self._collecting = True
         try:
-            gc.collect()
+            gcfunctions.collect()
         finally:
             self._collecting = False
 
@@ -159,6 +165,7 @@ class Collector:
         if len(objects) <= self.compact_above:
             return False
         frozen.add(objects)
+        self._frozen_count += len(objects)
         del objects
         gcfunctions.freeze()
         self.frozen = True
@@ -185,6 +192,10 @@ class Collector:
             self.given_back += 1
             self.give_back()
 
+    def _on_users_collect(self, running: bool) -> None:
+        """Around a user's ``gc.collect()``: a full collection asked for, which sees every object."""
+        self._asked = running
+
     def _yield_to_user(self) -> None:
         """After the user's own ``gc.freeze()``: the frozen objects are theirs now."""
         self._detach()
@@ -202,21 +213,33 @@ class Collector:
             _running = None
 
     def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
-        """``gc.callbacks`` hook: a full collection not the plugin's is given everything; what survives is refrozen."""
+        """``gc.callbacks`` hook: a full collection not the plugin's is given everything when the interpreter
+        alone would have run it over every object; what survives is refrozen."""
         if info["generation"] != 2 or self._collecting:
             return
         if phase == "start":
             if self.frozen:
-                self._young = frozen.references(gcfunctions.get_objects())
+                young = gcfunctions.get_objects()
+                if not self._asked and not self._interpreter_collects_all(len(young)):
+                    return
+                self._young = frozen.references(young)
+                self._frozen_count += len(young)
+                del young
                 self.given_back += 1
                 self.give_back()
                 self._refreeze = True
         elif self._refreeze:
             self._refreeze = False
             young, self._young = self._young, []
+            self._heap = self._frozen_count = max(0, self._frozen_count - info["collected"])
             if not self.active or not gc.isenabled():
                 return
             frozen.add(obj for obj in (ref() for ref in young) if obj is not None)
             gcfunctions.freeze()
             self.frozen = True
             self.froze += 1
+
+    def _interpreter_collects_all(self, young: int) -> bool:
+        """Whether the interpreter, without the freeze, would collect its oldest generation now: it does once the
+        objects that lived on since its last full collection are a quarter of those alive then (CPython's rule)."""
+        return self._frozen_count + young - self._heap >= self._heap // 4

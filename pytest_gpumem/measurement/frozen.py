@@ -67,11 +67,12 @@ def references(objects: list[Any], remembered: list[weakref.ref[Any]] | None = N
     return refs
 
 
-def remember() -> None:
-    """Remember every module and tensor the collector sees now (just before ``gc.freeze()``)."""
+def remember(objects: list[Any] | None = None) -> None:
+    """Remember every module and tensor among ``objects`` (default: what the collector sees now), just before
+    ``gc.freeze()``."""
     global _known
     _refs.clear()
-    _refs.extend(references(gcfunctions.get_objects()))
+    _refs.extend(references(gcfunctions.get_objects() if objects is None else objects))
     _known = True
 
 

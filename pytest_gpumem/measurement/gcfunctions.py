@@ -7,7 +7,16 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["freeze", "get_freeze_count", "get_objects", "get_referrers", "install", "unfreeze", "uninstall"]
+__all__ = [
+    "collect",
+    "freeze",
+    "get_freeze_count",
+    "get_objects",
+    "get_referrers",
+    "install",
+    "unfreeze",
+    "uninstall",
+]
 
 get_objects = gc.get_objects
 get_referrers = gc.get_referrers
@@ -38,16 +47,47 @@ def _wrapper(
     return call
 
 
-def install(give_back: Callable[[], None], froze: Callable[[], None]) -> None:
-    """Put wrappers in ``gc``'s place that call ``give_back()`` first, and ``froze()`` after a ``gc.freeze()``."""
+_collect_under: Callable[..., int] | None = None  #: ``gc.collect`` as it was when :func:`install` wrapped it
+
+
+def collect() -> int:
+    """A full collection through ``gc.collect`` as it is without the plugin's wrapper."""
+    return (_collect_under or gc.collect)()
+
+
+def _asked(real: Callable[..., Any], asking: Callable[[bool], None]) -> Callable[..., Any]:
+    @functools.wraps(real)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        asking(True)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            asking(False)
+
+    call._gpumem_asked = True  # type: ignore[attr-defined]
+    return call
+
+
+def install(give_back: Callable[[], None], froze: Callable[[], None], asking: Callable[[bool], None]) -> None:
+    """Put wrappers in ``gc``'s place that call ``give_back()`` first, and ``froze()`` after a ``gc.freeze()``;
+    ``gc.collect()`` is told apart from the interpreter's own collections by ``asking(True)`` while it runs."""
     for name, real in _WRAPPED.items():
         if getattr(gc, name) is real:
             setattr(gc, name, _wrapper(real, give_back, froze if name == "freeze" else None))
+    global _collect_under
+    if _collect_under is None:
+        _collect_under = gc.collect
+        gc.collect = _asked(gc.collect, asking)
 
 
 def uninstall() -> None:
     """Put ``gc``'s own functions back."""
+    global _collect_under
     for name, real in _WRAPPED.items():
         current = getattr(gc, name)
         if current is not real and getattr(current, "__wrapped__", None) is real:
             setattr(gc, name, real)
+    if _collect_under is not None:
+        if getattr(gc.collect, "_gpumem_asked", False):
+            gc.collect = _collect_under
+        _collect_under = None
