@@ -17,7 +17,7 @@ from pytest_gpumem.judge.rule import tolerance_for
 from pytest_gpumem.judge.site_changes import SiteDiff, diff_sites
 from pytest_gpumem.judge.verdict import check_limits, compare_baseline
 
-__all__ = ["JudgeOptions", "baseline_metrics", "judge", "limits_of", "metric_tolerances"]
+__all__ = ["Decision", "JudgeOptions", "baseline_metrics", "decide", "judge", "limits_of", "metric_tolerances"]
 
 #: What ``--gpumem-leak-check`` asks of every test whose marker does not bound ``retained``.
 LEAK_CHECK = LimitSpec("retained", "0B (gpumem_leak_check)", parse_budget("0"))
@@ -33,23 +33,50 @@ class JudgeOptions:
     update: bool = False
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What the judge decides of a record, without changing it: its findings in span order (limits first), the sites
+    that changed against the baselines (None where none were compared), budget errors, and the reports it adds."""
+
+    findings: tuple[Finding, ...]
+    site_changes: dict[str, SiteDiff] | None
+    errors: tuple[str, ...]
+    reports: tuple[str, ...]
+
+    def fails(self, record: TestRecord) -> bool:
+        """Whether ``record`` fails on memory once decided (see :attr:`TestRecord.failed`)."""
+        return bool(record.errors or self.errors) or any(finding.failed for finding in self.findings)
+
+
+def decide(record: TestRecord, baselines: BaselineStore | None = None, options: JudgeOptions | None = None) -> Decision:
+    """Decide ``record`` and change nothing; none of its limits are checked where its code failed."""
+    options = options or JudgeOptions()
+    findings: list[Finding] = []
+    errors: list[str] = []
+    changes = None
+    if record.passed:
+        for measurement in record.measurements:
+            findings.extend(_check(record, measurement, limits_of(record, measurement.name), errors))
+        if baselines is not None and record.environment is not None and not options.update:
+            findings.extend(_compare(record, baselines, options))
+            changes = site_changes(record, baselines)
+    leak = record.leak_report
+    if leak and leak not in record.reports and any(f.failed and f.metric == "retained" for f in findings):
+        return Decision(tuple(findings), changes, tuple(errors), (leak,))
+    return Decision(tuple(findings), changes, tuple(errors), ())
+
+
 def judge(
     record: TestRecord, baselines: BaselineStore | None = None, options: JudgeOptions | None = None
 ) -> list[Finding]:
-    """Decide ``record``: its findings (also set on it) in span order, limits first; none where its code failed."""
-    options = options or JudgeOptions()
-    findings: list[Finding] = []
-    if record.passed:
-        for measurement in record.measurements:
-            findings.extend(_check(record, measurement, limits_of(record, measurement.name)))
-        if baselines is not None and record.environment is not None and not options.update:
-            findings.extend(_compare(record, baselines, options))
-            record.site_changes = site_changes(record, baselines)
-    record.findings = findings
-    leak = record.leak_report
-    if leak and leak not in record.reports and any(f.failed and f.metric == "retained" for f in findings):
-        record.reports.append(leak)
-    return findings
+    """:func:`decide` ``record``, and set what was decided on it; returns its findings."""
+    decision = decide(record, baselines, options)
+    record.errors.extend(decision.errors)
+    if decision.site_changes is not None:
+        record.site_changes = decision.site_changes
+    record.findings = list(decision.findings)
+    record.reports.extend(decision.reports)
+    return record.findings
 
 
 def limits_of(record: TestRecord, span: str) -> list[LimitSpec]:
@@ -80,7 +107,9 @@ def site_changes(record: TestRecord, store: BaselineStore) -> dict[str, SiteDiff
     return found
 
 
-def _check(record: TestRecord, measurement: Measurement, specs: Iterable[LimitSpec]) -> list[Finding]:
+def _check(
+    record: TestRecord, measurement: Measurement, specs: Iterable[LimitSpec], errors: list[str]
+) -> list[Finding]:
     limits: list[Limit] = []
     for spec in specs:
         try:
@@ -89,7 +118,7 @@ def _check(record: TestRecord, measurement: Measurement, specs: Iterable[LimitSp
             where = "marker" if measurement.name == "call" else f"span {measurement.name!r}"
             # only a missing Ψ is cured by tracking; a negative budget or 1/Ψ with Ψ=0 is the expression's own
             hint = " (track the model with gpumem.track(model, optimizer))" if measurement.psi is None else ""
-            record.errors.append(f"{where}: {spec.metric}={spec.text!r}: {exc}{hint}")
+            errors.append(f"{where}: {spec.metric}={spec.text!r}: {exc}{hint}")
     return check_limits(record.nodeid, measurement, limits)
 
 

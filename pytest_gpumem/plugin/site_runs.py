@@ -11,7 +11,7 @@ import pytest
 
 from pytest_gpumem.baselines import BaselineFileError
 from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.judge.judgement import JudgeOptions, judge
+from pytest_gpumem.judge.judgement import JudgeOptions, decide
 from pytest_gpumem.judge.record import TestRecord
 
 if TYPE_CHECKING:
@@ -54,15 +54,15 @@ def run_options(settings: Settings, spec: GpumemSpec, *, fake: bool) -> RunOptio
 
 
 def fails_on_memory(session: BaselineSession, record: TestRecord) -> bool:
-    """Whether the judge fails ``record`` (judged on a copy)."""
-    copy = TestRecord.from_json(record.to_json(timeline=False))
+    """Whether the judge fails ``record`` (decided without changing it)."""
     options = session.options
     store = None
-    if copy.environment is not None and not options.update:
+    if record.environment is not None and not options.update:
         with contextlib.suppress(BaselineFileError):  # the run's owner reports the file
             store = session.store
-    judge(copy, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
-    return copy.failed
+    return decide(record, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update)).fails(
+        record
+    )
 
 
 def xfail_of(item: pytest.Item) -> Any:
