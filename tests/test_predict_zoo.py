@@ -50,7 +50,7 @@ from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.targets import Target, target
 from pytest_gpumem.validate.zoo import zoo
 
-#: the transformers tests, and one test per model below them, run a whole zoo step of the recorded size on real tensors
+#: zoo steps of the recorded size on real tensors: the transformers tests and the MLP and block check of fake tensors
 pytestmark = pytest.mark.slow
 
 MiB = 1 << 20
