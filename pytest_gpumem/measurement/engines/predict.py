@@ -19,7 +19,14 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from pytest_gpumem.measurement.engines.base import Reading
 from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
-from pytest_gpumem.measurement.engines.storages import Block, Kinds, instances_among
+from pytest_gpumem.measurement.engines.storages import (
+    Block,
+    Kinds,
+    fakes_counted,
+    instances_among,
+    sort_scanned,
+    tensors_among,
+)
 from pytest_gpumem.measurement.engines.tracker import OTHER, StorageTracker
 from pytest_gpumem.targets import AttentionBackend, Target, Workspace
 from pytest_gpumem.targets.allocator import CachingAllocatorModel
@@ -62,9 +69,18 @@ class _TargetTracker(StorageTracker):
         super()._register([t for t in tensors if self._not_on_host(t)], category)
 
     def _register_scanned(self, objects: list[Any], extra: Iterable[object]) -> None:
+        """The others, then the parameters (fake ones too), then their gradients in the parameters' order: the
+        allocator model's blocks do not depend on when Python made each tensor's object (at once for a fake tensor,
+        at its first use from Python for a real one)."""
         for tensor in optimizer_host_state(objects):
             self.on_host(tensor)
-        super()._register_scanned(objects, extra)
+        params, _, others = sort_scanned(itertools.chain(tensors_among(objects), tensors_among(list(extra))))
+        params += [tensor for tensor in others if isinstance(tensor, torch.nn.Parameter)]  # a fake one is a FakeTensor
+        grads = [param.grad for param in params if param.grad is not None]
+        placed = {id(tensor) for tensor in itertools.chain(params, grads)}
+        self.register([tensor for tensor in others if id(tensor) not in placed])
+        self.register(params, "parameters")
+        self.register(grads, "gradients")
 
 
 class Prediction:
@@ -478,6 +494,7 @@ class PredictEngine(CpuEngine):
         """As the CUDA engine's; the model's cache is always emptied (it has no cost to save)."""
         self.settle()
         forget_categories(self.tracker)
+        self.tracker.counts_fakes = fakes_counted()  # before the scan: a fake tensor is memory only in a fake run
         self.tracker.scan()
         self.warm_workspaces()
         if self._workspace_total is None:
