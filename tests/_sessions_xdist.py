@@ -36,7 +36,7 @@ from pytest_gpumem.diagnose.warm_ranks import IMPORT_PREFIXES, import_key
 BOOTSTRAP = "import sys;exec(eval(sys.stdin.readline()))"
 
 _ZYGOTE = r"""
-import atexit, contextlib, json, os, select, signal, socket, sys, threading, traceback
+import atexit, contextlib, json, os, select, socket, sys, threading, traceback
 import torch, pytest, execnet, execnet.gateway_base, xdist, xdist.plugin, _pytest.config
 
 address, BOOTSTRAP = sys.argv[1], sys.argv[2]
