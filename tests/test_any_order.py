@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_fresh
+from conftest import run, run_fresh
 from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.measurement.recorder import Recorder
+from tests._sessions_xdist import warm_workers
 
 CACHED_SUITE = """
 import pytest, torch
@@ -53,11 +54,15 @@ def test_serial_parallel_and_reversed_runs_write_the_same_bytes(
     pytester.makeconftest(REVERSING_CONFTEST)
     path = pytester.path / "gpumem-baselines.json"
     files = {}
-    for name, args in (("serial", ()), ("xdist", ("-n", "2")), ("reversed", ())):
+    for name in ("serial", "xdist", "reversed"):
         if name == "reversed":
             monkeypatch.setenv("GPUMEM_TEST_REVERSE", "1")
         path.unlink(missing_ok=True)
-        run_fresh(pytester, "--gpumem-update-baselines", *args).assert_outcomes(passed=5)
+        if name == "xdist":  # the workers measure, each a process of its own (tests/_sessions_xdist.py)
+            with warm_workers(monkeypatch):
+                run(pytester, "--gpumem-update-baselines", "-n", "2").assert_outcomes(passed=5)
+        else:
+            run_fresh(pytester, "--gpumem-update-baselines").assert_outcomes(passed=5)
         files[name] = path.read_text()
     assert files["xdist"] == files["serial"]
     assert files["reversed"] == files["serial"]

@@ -17,6 +17,7 @@ from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.plugin.marker import parse_marker
 from pytest_gpumem.plugin.runner import TestRun
 from pytest_gpumem.plugin.session import BaselineOptions, BaselineSession
+from tests._sessions_xdist import warm_workers
 
 pytest_plugins = ["pytester"]
 
@@ -426,19 +427,24 @@ def test_step(gpumem, n):
 
 
 @pytest.mark.slow
-def test_xdist_update_writes_exactly_what_a_serial_run_writes(pytester: pytest.Pytester) -> None:
+def test_xdist_update_writes_exactly_what_a_serial_run_writes(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(The workers start forked from a process that has imported torch: ``tests/_sessions_xdist.py``.)"""
     pytest.importorskip("xdist")
     gone = "\n@pytest.mark.gpumem\ndef test_gone():\n    x = torch.ones(8)\n"
     pytester.makepyfile(test_x=XDIST_SUITE.replace("GROWTH", "1") + gone)
     run(pytester, "--gpumem-update-baselines").assert_outcomes(passed=9)
     serial = (pytester.path / "gpumem-baselines.json").read_bytes()
     (pytester.path / "gpumem-baselines.json").unlink()
-    run(pytester, "--gpumem-update-baselines", "-n", "2").assert_outcomes(passed=9)
+    with warm_workers(monkeypatch):
+        run(pytester, "--gpumem-update-baselines", "-n", "2").assert_outcomes(passed=9)
     parallel = (pytester.path / "gpumem-baselines.json").read_bytes()
     assert parallel == serial
     # the gate works under xdist: one test grows by 4 MiB, one test is gone
     pytester.makepyfile(test_x=XDIST_SUITE.replace("GROWTH", str(2**20)))
-    result = run(pytester, "-n", "2")
+    with warm_workers(monkeypatch):
+        result = run(pytester, "-n", "2")
     result.assert_outcomes(passed=7, failed=1)
     result.stdout.fnmatch_lines(["*FAILED test_x.py::test_step[[]128[]]*"])
     result.stdout.fnmatch_lines(["*peak cost * regressed from baseline*"])

@@ -15,6 +15,7 @@ import pytest
 from conftest import recorded_folder, run
 from pytest_gpumem.baselines import load
 from pytest_gpumem.data.site_figures import OTHER_SITES, SITES_BUDGET, SiteProfile
+from tests._sessions_xdist import warm_workers
 
 pytest_plugins = ["pytester"]
 
@@ -656,7 +657,8 @@ def test_the_markdown_report_and_the_html_artifact_carry_the_sites_table(
 def test_under_xdist_the_worker_runs_the_failing_test_again_with_sites(
     suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, test = _regressed(suite, monkeypatch, "copy", "-n", "2")
+    with warm_workers(monkeypatch):  # forked from a process that has imported torch
+        _, test = _regressed(suite, monkeypatch, "copy", "-n", "2")
     new = [c for c in _changes(test) if c["status"] == "new"]
     assert len(new) == 1 and new[0]["delta"]["peak"] == BATCH * SEQ * VOCAB * F32
 

@@ -6,21 +6,23 @@ that grew against its baseline under Lightning is run again with sites and its f
 line; and a Llama-7B predicted on fake tensors that does not fit names the line of
 ``modeling_llama.py`` that allocates the largest activation.
 
-Each session runs in a process of its own: importing a framework in the suite's process (its
-tensors, its threads) would change what later tests measure."""
+The sessions run in processes of their own: importing a framework in the suite's process (its
+tensors, its threads) would change what later tests measure. The tests share three sessions,
+run once for the module (:func:`runs`): every step's sites (``--gpumem-sites=always``), the
+baselines of the two steps that grow, and the run in which they grew, with the Llama-7B."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import needs, run_fresh
+from conftest import needs
+from tests._sessions_batch import Ran, Session, run_batch
 
-pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parent.parent
 
 F32 = 4
 
@@ -38,15 +40,6 @@ def _installed(relative: str) -> str:
     assert spec is not None and spec.submodule_search_locations
     folder = Path(next(iter(spec.submodule_search_locations))).parent
     return (folder / relative).read_text(encoding="utf-8")
-
-
-def _session(pytester: pytest.Pytester, name: str, source: str, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
-    """Run ``source`` as ``<name>.py`` in a fresh process; its result and the JSON report's only test."""
-    pytester.makepyfile(**{name: source})
-    report = pytester.path / "report.json"
-    result = run_fresh(pytester, f"--gpumem-json={report}", *args)
-    (test,) = json.loads(report.read_text())["tests"]
-    return result, test
 
 
 def _sites(test: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -102,12 +95,10 @@ GPT2 = "transformers/models/gpt2/modeling_gpt2.py"
 
 @pytest.mark.slow
 def test_a_trainers_step_spans_name_lines_of_modeling_gpt2_when_transformers_is_included(
-    pytester: pytest.Pytester,
+    runs: dict[str, Ran],
 ) -> None:
     needs("transformers")
-    args = ("--gpumem-sites=always", "--gpumem-sites-include=transformers")
-    result, test = _session(pytester, "test_hf_sites", TRAINER, *args)
-    result.assert_outcomes(passed=1)
+    test = _passed(runs["always"], "test_hf_sites.py::test_trainer")
     spans = _sites(test)
     assert list(spans) == ["call", "step1", "step2"]
     source = _installed(GPT2).splitlines()
@@ -157,7 +148,7 @@ def test_trainer(callback, tmp_path):
     args = TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=2,
-        per_device_train_batch_size=int(os.environ.get("SITES_BATCH", "4")),
+        per_device_train_batch_size=int(os.environ.get("HF_BATCH", "4")),
         use_cpu=True,
         report_to=[],
         save_strategy="no",
@@ -170,7 +161,7 @@ def test_trainer(callback, tmp_path):
 
 @pytest.mark.slow
 def test_a_callback_made_in_a_fixture_names_its_steps_and_tracks_the_model_again_in_the_second_run(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    runs: dict[str, Ran],
 ) -> None:
     """The second run of a failing test reuses its fixtures' values: a callback made in a fixture
     is the first run's, and the test makes a new trainer, model and optimizer. The callback's steps
@@ -178,13 +169,9 @@ def test_a_callback_made_in_a_fixture_names_its_steps_and_tracks_the_model_again
     get no sites), and it tracks the new model and optimizer (else the second run's sites would
     not know the parameters, the gradients and the activations)."""
     needs("transformers")
-    monkeypatch.setenv("COLUMNS", "200")
-    include = "--gpumem-sites-include=transformers"
-    pytester.makepyfile(test_hf_callback=CALLBACK_IN_A_FIXTURE)
-    run_fresh(pytester, "--gpumem-update-baselines", include).assert_outcomes(passed=1)
-    monkeypatch.setenv("SITES_BATCH", "8")
-    result, test = _session(pytester, "test_hf_callback", CALLBACK_IN_A_FIXTURE, include)
-    result.assert_outcomes(failed=1)
+    nodeid = "test_hf_callback.py::test_trainer"
+    _passed(runs["baselines"], nodeid)  # at a batch of 4
+    test = _failed(runs["grown"], nodeid)  # at 8
     steps = {m["name"]: m for m in test["measurements"] if m["name"].startswith("step")}
     assert list(steps) == ["step1", "step2"]
     for name, step in steps.items():
@@ -201,7 +188,7 @@ def test_a_callback_made_in_a_fixture_names_its_steps_and_tracks_the_model_again
         # the tanh-approximated GELU keeps three (batch, 16, 128) float32 tensors: four more rows
         assert gelu["delta"]["peak"] == 3 * 4 * 16 * 128 * F32
         assert any(c["site"]["file"] == GPT2 for c in changes)
-    assert "[step1] at the peak, against the baseline (sites by growth):" in result.stdout.str()
+    assert "[step1] at the peak, against the baseline (sites by growth):" in runs["grown"].section("test_trainer")
 
 
 LIGHTNING = """\
@@ -259,10 +246,9 @@ def _wide_bytes(batch: int) -> int:
 
 
 @pytest.mark.slow
-def test_a_lightning_fits_step_spans_name_the_line_of_the_lightning_module(pytester: pytest.Pytester) -> None:
+def test_a_lightning_fits_step_spans_name_the_line_of_the_lightning_module(runs: dict[str, Ran]) -> None:
     needs("lightning")
-    result, test = _session(pytester, "test_pl_sites", LIGHTNING, "--gpumem-sites=always")
-    result.assert_outcomes(passed=1)
+    test = _passed(runs["always"], "test_pl_sites.py::test_fit")
     spans = _sites(test)
     assert list(spans) == ["call", "step1", "step2"]
     for name in ("step1", "step2"):
@@ -275,19 +261,14 @@ def test_a_lightning_fits_step_spans_name_the_line_of_the_lightning_module(pytes
 
 
 @pytest.mark.slow
-def test_a_lightning_step_that_grew_is_run_again_and_its_failure_names_the_line(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_lightning_step_that_grew_is_run_again_and_its_failure_names_the_line(runs: dict[str, Ran]) -> None:
     """The default ``rerun`` mode: the step spans' baselines are recorded (with their sites), the
     batch doubles, the test fails against them and runs once more with sites on: the second
     run's callbacks open the same step spans, whose sites name the LightningModule's line."""
     needs("lightning")
-    monkeypatch.setenv("COLUMNS", "200")  # one row a site
-    pytester.makepyfile(test_pl_sites=LIGHTNING)
-    run_fresh(pytester, "--gpumem-update-baselines").assert_outcomes(passed=1)
-    monkeypatch.setenv("SITES_BATCH", "1024")
-    result, test = _session(pytester, "test_pl_sites", LIGHTNING)
-    result.assert_outcomes(failed=1)
+    nodeid = "test_pl_sites.py::test_fit"
+    _passed(runs["baselines"], nodeid)  # at a batch of 512
+    test = _failed(runs["grown"], nodeid)  # at 1,024
     step = next(m for m in test["measurements"] if m["name"] == "step1")
     assert step["sites"]["second_run"]
     changes = test["site_changes"]["step1"]["changes"]
@@ -300,7 +281,7 @@ def test_a_lightning_step_that_grew_is_run_again_and_its_failure_names_the_line(
     )
     assert wide["delta"]["peak"] == _wide_bytes(1024) - _wide_bytes(512)
     assert max(changes, key=lambda change: change["delta"]["peak"]) is wide  # the largest growth
-    text = result.stdout.str()
+    text = runs["grown"].section("test_fit")
     assert "[step1] peak cost 1.64 MiB regressed from baseline 848.14 KiB" in text
     table = text.split("[step1] at the peak, against the baseline (sites by growth):", 1)[1].split("[step2]")[0]
     row = table.splitlines()[3]  # the first below the header and its rule: the largest growth
@@ -347,10 +328,9 @@ def test_loop(gpumem):
 
 
 @pytest.mark.slow
-def test_an_accelerate_loops_step_spans_name_the_line_of_the_model(pytester: pytest.Pytester) -> None:
+def test_an_accelerate_loops_step_spans_name_the_line_of_the_model(runs: dict[str, Ran]) -> None:
     needs("accelerate")
-    result, test = _session(pytester, "test_acc_sites", ACCELERATE, "--gpumem-sites=always")
-    result.assert_outcomes(passed=1)
+    test = _passed(runs["always"], "test_acc_sites.py::test_loop")
     spans = _sites(test)
     assert list(spans) == ["call", "step1", "step2"]
     for name in ("step1", "step2"):
@@ -397,17 +377,16 @@ LLAMA_FILE = "transformers/models/llama/modeling_llama.py"
 
 @pytest.mark.slow
 def test_a_llama_7b_that_does_not_fit_names_the_line_that_allocates_the_largest_activation(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    runs: dict[str, Ran],
 ) -> None:
     """The real Llama-7B config (32 layers, d = 4,096, SwiGLU 11,008), a full fine-tune step on
     fake tensors predicted for an H100: bf16 autocast, fp32 AdamW, 4 × 2,048 tokens. Its peak is
     at the end of the forward pass (the activations of 32 layers), beyond the 80 GB limit; on
     fake tensors the test's only run records its sites, and the failure's table of the largest
-    sites at the peak starts with the MLP's line in ``modeling_llama.py``."""
+    sites at the peak starts with the MLP's line in ``modeling_llama.py``. docs/sites.md shows
+    this module and this failure: the same text, to the character."""
     needs("transformers")
-    monkeypatch.setenv("COLUMNS", "200")  # one row a site, with its code and example
-    result, test = _session(pytester, "test_llama_fit", LLAMA, "--gpumem-sites-include=transformers")
-    result.assert_outcomes(failed=1)
+    test = _failed(runs["grown"], "test_llama_fit.py::test_a_batch_of_four_fits_an_h100")
     sites = _sites(test)["call"]
     activations = [site for site in sites if site["category"] == "activations"]
     largest = max(activations, key=lambda site: site["peak"])
@@ -424,7 +403,7 @@ def test_a_llama_7b_that_does_not_fit_names_the_line_that_allocates_the_largest_
     per_layer = 3 * tokens * wide * 2 + 2 * tokens * width * 2 + 3 * wide * width * 2
     assert (largest["phase"], largest["count"], largest["peak"]) == ("forward", 32 * 8, 32 * per_layer)
     assert "(4, 2048, 11008) bfloat16" in largest["examples"]
-    text = result.stdout.str()
+    text = runs["grown"].section("test_a_batch_of_four_fits_an_h100")
     failure = text.split("exceeds the limit 80.00 GiB (80GB)", 1)[1]
     table = failure.split("at the peak, the largest sites:", 1)[1].splitlines()
     first = table[3]  # below the header and its rule
@@ -432,3 +411,58 @@ def test_a_llama_7b_that_does_not_fit_names_the_line_that_allocates_the_largest_
     assert f"{LLAMA_FILE}:{line} LlamaMLP.forward" in first
     assert "down_proj = self.down_proj(self.act_fn(self.gat" in first and largest["examples"][0] in first
     assert "sites from a second run" not in failure  # on fake tensors the first run records them
+    source, shown = _in_the_docs()
+    assert source == LLAMA
+    assert _show(text, "peak cost") == shown
+
+
+def _in_the_docs() -> tuple[str, str]:
+    """docs/sites.md's Llama-7B module, and the failure it shows (the block after the command)."""
+    document = (ROOT / "docs" / "sites.md").read_text(encoding="utf-8")
+    source = document.split('Path("sites/test_llama_fit.py").write_text("""\n', 1)[1].split('""")', 1)[0]
+    command = '>>> show(pytest("test_llama_fit.py", "--gpumem-sites-include=transformers", columns=200), "peak cost")\n'
+    return source, document.split(command, 1)[1].split("```", 1)[0].rstrip("\n")
+
+
+def _show(output: str, first: str) -> str:
+    """docs/sites.md's ``show(output, first)``: from the line that starts with ``first`` to the next empty one."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    end = next(i for i, line in enumerate(lines) if i > start and not line)
+    return "\n".join(line.rstrip() for line in lines[start:end])
+
+
+def _passed(ran: Ran, nodeid: str) -> dict[str, Any]:
+    """The JSON report's entry of ``nodeid``, which passed in ``ran``."""
+    assert ran.outcome(nodeid) == "passed", ran.result.stdout.str()[-6000:]
+    return ran.test(nodeid)
+
+
+def _failed(ran: Ran, nodeid: str) -> dict[str, Any]:
+    """The JSON report's entry of ``nodeid``, which failed in ``ran``."""
+    assert ran.outcome(nodeid) == "failed", ran.result.stdout.str()[-6000:]
+    return ran.test(nodeid)
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest) -> dict[str, Ran]:
+    """The module's three sessions, by name, with the frameworks installed: ``always`` (every step's
+    sites: the Trainer, Lightning and accelerate), ``baselines`` (the callback made in a fixture
+    and Lightning, batches of 4 and 512) and ``grown`` (8 and 1,024, with the Llama-7B), one row a
+    site (200 columns)."""
+    has = {name: importlib.util.find_spec(name) is not None for name in ("transformers", "lightning", "accelerate")}
+    include = "--gpumem-sites-include=transformers"
+    always = {"test_hf_sites.py": TRAINER} if has["transformers"] else {}
+    always |= {"test_pl_sites.py": LIGHTNING} if has["lightning"] else {}
+    always |= {"test_acc_sites.py": ACCELERATE} if has["accelerate"] else {}
+    grows = {"test_pl_sites.py": LIGHTNING} if has["lightning"] else {}
+    grows |= {"test_hf_callback.py": CALLBACK_IN_A_FIXTURE} if has["transformers"] else {}
+    llama = {"test_llama_fit.py": LLAMA} if has["transformers"] else {}
+    columns = {"COLUMNS": "200"}
+    sessions = {
+        "always": Session(("--gpumem-sites=always", include), always, columns),
+        "baselines": Session(("--gpumem-update-baselines", include), grows, columns),
+        "grown": Session((include,), grows | llama, {**columns, "SITES_BATCH": "1024", "HF_BATCH": "8"}),
+    }
+    sessions = {name: session for name, session in sessions.items() if session.modules}
+    return dict(zip(sessions, run_batch(request, "sites-frameworks", list(sessions.values())), strict=True))

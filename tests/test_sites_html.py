@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_sites import MODEL, TEST
@@ -51,12 +52,29 @@ PROBE = """<script>
 </script>"""
 
 
-def _layout(page: Path, width: int, height: int) -> dict[str, object]:
-    """``page`` laid out by headless Chromium in a window of ``width`` × ``height`` pixels."""
+#: Gathers the probes' results, once every frame has loaded, into the frames page's ``data-results``.
+GATHER = """<script>
+window.addEventListener('load', function () {
+  const results = [];
+  for (const frame of document.querySelectorAll('iframe')) {
+    results.push(JSON.parse(frame.contentDocument.body.getAttribute('data-result')));
+  }
+  document.body.setAttribute('data-results', JSON.stringify(results));
+});
+</script>"""
+
+
+def _probed(page: Path) -> Path:
+    """A copy of ``page`` that runs :data:`PROBE`."""
     html = page.read_text(encoding="utf-8")
     html = re.sub(r'<meta http-equiv="Content-Security-Policy"[^>]*>', "", html)  # the probe is a script
     probed = page.with_name(page.stem + ".probed.html")
     probed.write_text(html.replace("</body>", PROBE + "</body>"), encoding="utf-8")
+    return probed
+
+
+def _chromium(url: str, width: int, height: int, *flags: str) -> str:
+    """The DOM of ``url`` as headless Chromium leaves it once loaded, in a window of ``width`` × ``height``."""
     assert CHROMIUM is not None
     with tempfile.TemporaryDirectory() as profile:
         done = subprocess.run(
@@ -71,17 +89,43 @@ def _layout(page: Path, width: int, height: int) -> dict[str, object]:
                 "--no-first-run",
                 f"--user-data-dir={profile}",
                 f"--window-size={width},{height}",
+                *flags,
                 "--dump-dom",
-                probed.as_uri(),
+                url,
             ],
             capture_output=True,
             text=True,
             timeout=120,
             check=False,
         )
-    found = re.search(r'data-result="([^"]*)"', done.stdout)
-    assert found is not None, done.stderr[-2000:]
+    return done.stdout + "\n" + done.stderr[-2000:]
+
+
+def _attribute(dom: str, name: str) -> Any:
+    found = re.search(rf'{name}="([^"]*)"', dom)
+    assert found is not None, dom[-3000:]
     return json.loads(found[1].replace("&quot;", '"').replace("&amp;", "&"))
+
+
+def _layout(page: Path, width: int, height: int) -> dict[str, object]:
+    """``page`` laid out by headless Chromium in a window of ``width`` × ``height`` pixels."""
+    return _attribute(_chromium(_probed(page).as_uri(), width, height), "data-result")  # type: ignore[no-any-return]
+
+
+def _layouts(pages: list[Path], windows: list[tuple[int, int]]) -> dict[tuple[Path, tuple[int, int]], dict[str, Any]]:
+    """Each of ``pages`` laid out in each of ``windows`` (width × height) by one headless Chromium: in
+    a frame of that size each, which is the window of the page in it (its width, its scrollbar),
+    beside the others on one page. Each Chromium costs about a CPU-second to start."""
+    cases = [(page, window) for page in pages for window in windows]
+    frames = "".join(
+        f'<iframe src="{_probed(page).as_uri()}" style="border:0;display:block;width:{w}px;height:{h}px"></iframe>'
+        for page, (w, h) in cases
+    )
+    outer = pages[0].parent.parent / "frames.html"
+    outer.write_text(f'<html><body style="margin:0">{frames}{GATHER}</body></html>', encoding="utf-8")
+    # the frames page reads its frames' documents: file pages are each an origin of their own without the flag
+    dom = _chromium(outer.as_uri(), 1400, 900, "--allow-file-access-from-files")
+    return dict(zip(cases, _attribute(dom, "data-results"), strict=True))
 
 
 def _pages(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
@@ -115,13 +159,38 @@ def test_no_column_is_clipped_at_1024_and_1400_pixels(
 ) -> None:
     """Each worked example's page, in windows 1024 and 1400 pixels wide (with a vertical scrollbar
     and without one): the page is no wider than the window, no card scrolls sideways, and every
-    column header lies inside the window and inside its card."""
-    for page in _pages(pytester, monkeypatch):
-        for width, height in ((1024, 900), (1024, 6000), (1400, 900)):
-            layout = _layout(page, width, height)
-            assert layout["window"] == width
-            assert layout["page"] <= width, (page.name, width, layout)
-            assert layout["scrolled"] == [] and layout["clipped"] == [], (page.parent.name, width, height, layout)
+    column header lies inside the window and inside its card. The pages are laid out in frames of
+    those sizes, by one Chromium (:func:`_layouts`): the frames' layouts are the windows' (the
+    next test)."""
+    windows = [(1024, 900), (1024, 6000), (1400, 900)]
+    for (page, (width, height)), layout in _layouts(_pages(pytester, monkeypatch), windows).items():
+        assert layout["window"] == width
+        assert layout["page"] <= width, (page.name, width, layout)
+        assert layout["scrolled"] == [] and layout["clipped"] == [], (page.parent.name, width, height, layout)
+
+
+#: A card whose table's header is 1,390 pixels wide, on a page 3,000 pixels tall.
+WIDE = """<html><head><style>body { margin: 0 } .card { display: block }</style></head><body>
+<div class="card"><h2>wide</h2><table style="border-collapse: collapse"><tr>
+<th style="box-sizing: border-box; width: 1390px; min-width: 1390px; padding: 0">a header</th></tr></table></div>
+<div style="height: 3000px"></div></body></html>"""
+
+
+@pytest.mark.slow  # four browser windows
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium (Debian's chromium package) is not installed")
+def test_a_page_in_a_frame_is_laid_out_as_in_a_window_of_the_frames_size(tmp_path: Path) -> None:
+    """What :func:`_layouts` finds in a frame is what a window of its size finds: a table 1,390
+    pixels wide is clipped at 1024 pixels, and at 1400 with the vertical scrollbar (a page taller
+    than the window), not without it."""
+    folder = tmp_path / "pages"
+    folder.mkdir()
+    page = folder / "wide.html"
+    page.write_text(WIDE, encoding="utf-8")
+    windows = [(1024, 900), (1400, 900), (1400, 6000)]
+    framed = _layouts([page], windows)
+    for width, height in windows:
+        assert framed[(page, (width, height))] == _layout(page, width, height), (width, height)
+    assert [bool(framed[(page, window)]["clipped"]) for window in windows] == [True, True, False]
 
 
 def _page(lines: dict[str, int], *, count: int = 1) -> str:
