@@ -267,6 +267,20 @@ def test_compaction_waits_for_many_objects_and_thaw_gives_them_back() -> None:
 
 
 @pytest.mark.usefixtures("nothing_frozen")
+def test_after_the_users_own_freeze_is_given_back_the_collector_freezes_again() -> None:
+    with Collector() as collector:
+        gc.freeze()  # the user's: the frozen objects are theirs, the collector yields
+        assert not collector.active and running() is None and not collector.reclaimable
+        collector.start()  # theirs are still frozen: it cannot tell them from its own
+        assert not collector.active
+        gc.unfreeze()  # given back: nothing is anyone's now
+        assert collector.reclaimable and gc.unfreeze is gcfunctions.unfreeze
+        collector.start()  # as the run does between tests
+        assert collector.active and running() is collector and collector.frozen and not collector.reclaimable
+    assert gcfunctions.get_freeze_count() == 0 and running() is None
+
+
+@pytest.mark.usefixtures("nothing_frozen")
 def test_objects_someone_else_froze_are_left_alone() -> None:
     gc.freeze()  # as a conftest, a library or an enclosing session would
     collector_module.interpreter_frozen()  # asked of a child once: its objects die before the count

@@ -256,3 +256,30 @@ def test_one():
     before = gc.get_freeze_count()  # this suite's conftest freezes once collection is done
     run(pytester).assert_outcomes(passed=1)
     assert gc.get_freeze_count() <= before  # frozen objects may die; the session froze none
+
+
+@pytest.mark.slow
+def test_once_the_users_own_freeze_is_given_back_the_next_tests_are_frozen_again(pytester: pytest.Pytester) -> None:
+    """A test that freezes and then unfreezes objects itself does not leave the rest of the run
+    walking the whole process at every collection: the plugin freezes again after it."""
+    pytester.makepyfile(
+        test_own_freeze="""
+import gc
+import pytest, torch
+from pytest_gpumem.measurement import collector
+
+pytestmark = pytest.mark.gpumem(device="cpu")
+
+def test_1_the_plugin_froze():
+    assert collector.running() is not None
+
+def test_2_freeze_and_give_back():
+    gc.freeze()
+    assert collector.running() is None  # the user's now
+    gc.unfreeze()
+
+def test_3_frozen_again():
+    assert collector.running() is not None and collector.running().frozen
+"""
+    )
+    run_fresh(pytester, "-p", "no:randomly").assert_outcomes(passed=3)

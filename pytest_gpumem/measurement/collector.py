@@ -103,6 +103,7 @@ class Collector:
         self.frozen = False  # its objects are frozen now
         self.froze = 0  # freezes so far
         self.given_back = 0  # times the frozen objects were given back during the run
+        self.reclaimable = False  # a user's freeze made it yield, and the user has given their objects back since
         self._collecting = False
         self._asked = False  # a ``gc.collect()`` not the plugin's is running
         self._heap = 0  # objects alive after the last collection that saw every object
@@ -115,8 +116,10 @@ class Collector:
     def start(self) -> None:
         """Collect garbage and freeze what exists now (unless ``gc`` is off, or someone froze objects before)."""
         global _running
+        self.reclaimable = False
         if self.active or _running is not None or not gc.isenabled() or others_frozen():
             return
+        gcfunctions.uninstall()  # the watch on the user's gc.unfreeze(), if any
         self.collect()
         objects = gcfunctions.get_objects()
         frozen.remember(objects)
@@ -131,7 +134,10 @@ class Collector:
 
     def stop(self) -> None:
         """The run is over: give every frozen object back."""
+        self.reclaimable = False
         if not self.active:
+            if _running is None:
+                gcfunctions.uninstall()  # the watch on the user's gc.unfreeze()
             return
         self._detach()
         self.give_back()
@@ -197,10 +203,16 @@ class Collector:
         self._asked = running
 
     def _yield_to_user(self) -> None:
-        """After the user's own ``gc.freeze()``: the frozen objects are theirs now."""
+        """After the user's own ``gc.freeze()``: the frozen objects are theirs now, until they give them back."""
         self._detach()
         self.frozen = False
         frozen.forget()
+        gcfunctions.watch_unfreeze(self._on_users_unfreeze)
+
+    def _on_users_unfreeze(self) -> None:
+        """After the user's ``gc.unfreeze()``: nothing is theirs now, so :meth:`start` may freeze again."""
+        gcfunctions.uninstall()
+        self.reclaimable = True
 
     def _detach(self) -> None:
         """No longer the run's collector: its ``gc`` wrappers and hook go."""

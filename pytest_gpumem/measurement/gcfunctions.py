@@ -16,6 +16,7 @@ __all__ = [
     "install",
     "unfreeze",
     "uninstall",
+    "watch_unfreeze",
 ]
 
 get_objects = gc.get_objects
@@ -78,6 +79,12 @@ def install(give_back: Callable[[], None], froze: Callable[[], None], asking: Ca
     if _collect_under is None:
         _collect_under = gc.collect
         gc.collect = _asked(gc.collect, asking)
+
+
+def watch_unfreeze(after: Callable[[], None]) -> None:
+    """Put a wrapper in ``gc.unfreeze``'s place that calls ``after()`` once it returns (until :func:`uninstall`)."""
+    if gc.unfreeze is unfreeze:
+        gc.unfreeze = _wrapper(unfreeze, lambda: None, after)
 
 
 def uninstall() -> None:

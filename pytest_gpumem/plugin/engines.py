@@ -103,7 +103,7 @@ class Freezer:
         """Between tests, and before a failing test's second run: freeze what the session built since, if a lot."""
         if self.collector.active:
             self.collector.compact()
-        elif frozen.theirs_given_back():
+        elif frozen.theirs_given_back() or self.collector.reclaimable:
             self.collector.start()
 
     def scan(self, engine: Engine) -> None:
