@@ -50,7 +50,7 @@ of a variant's rounds, in wall seconds and in CPU seconds of the session's proce
 ``resource.getrusage(RUSAGE_CHILDREN)``): on a shared machine the wall time moves with the
 neighbours' load, the CPU time much less. ``--max-seconds`` stops starting rounds when the next
 would end past it (the first untimed runs count); ``--json`` writes every round, the medians, the
-ratios and the machine. Without ``--cuda`` the default run takes about 2 to 4 minutes on a 2-core
+ratios, the machine and the untimed sessions. Without ``--cuda`` the default run takes about 2 to 4 minutes on a 2-core
 machine.
 
 Where the plugin is not installed (a checkout on a machine where pip cannot install it), the
@@ -706,6 +706,7 @@ def main(argv: list[str] | None = None) -> None:
     result = report(runs, options, stopped=stopped, rounds=rounds)
     if options.json is not None:
         result["seconds"] = time.perf_counter() - began
+        result["untimed"] = [variant.name for variant in untimed]  # the sessions run before the rounds
         options.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
