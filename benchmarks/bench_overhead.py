@@ -1,7 +1,8 @@
 """What pytest-gpumem costs a suite as users write it: the same suite with and without the plugin.
 
 Run: ``python benchmarks/bench_overhead.py [--suite tiny|encoder|transformers] [--tests N] [--repeat R]
-[--warm-up] [--anchors] [--cov] [--gc-collect] [--variants NAME ...] [--json PATH] [--max-seconds S] [--keep DIR]``,
+[--warm-up] [--anchors] [--cov] [--gc-collect] [--variants NAME ...] [--json PATH] [--max-seconds S] [--keep DIR]
+[--no-untimed]``,
 or on a CUDA GPU ``python benchmarks/bench_overhead.py --cuda [--tests 60] ...``.
 
 The script writes a suite into a temporary folder, ``--tests`` tests in 10 files, each marked
@@ -42,12 +43,14 @@ Each variant runs the suite in a fresh interpreter, ``python -m pytest -q -p no:
 
 ``--cov`` runs every variant under ``pytest --cov=. --cov-report=`` (pytest-cov); ``--gc-collect``
 starts every test with ``gc.collect()`` (an autouse fixture, as many GPU suites have). The variants run
-interleaved, ``--repeat`` rounds, the order reversed every other round; each figure is the median
+interleaved, ``--repeat`` rounds, the order reversed every other round, after an untimed session of
+``off`` and ``on`` (the file cache, torch's first import, the bytecode caches; ``--no-untimed`` leaves it
+out, and the first round pays for them: a check of the script, not a measurement); each figure is the median
 of a variant's rounds, in wall seconds and in CPU seconds of the session's process (user + system,
 ``resource.getrusage(RUSAGE_CHILDREN)``): on a shared machine the wall time moves with the
 neighbours' load, the CPU time much less. ``--max-seconds`` stops starting rounds when the next
 would end past it (the first untimed runs count); ``--json`` writes every round, the medians, the
-ratios and the machine. Without ``--cuda`` the default run takes about 2 to 4 minutes on a 2-core
+ratios, the machine and the untimed sessions. Without ``--cuda`` the default run takes about 2 to 4 minutes on a 2-core
 machine.
 
 Where the plugin is not installed (a checkout on a machine where pip cannot install it), the
@@ -613,6 +616,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-seconds", type=float, default=None, help="start no round that would end past this")
     parser.add_argument("--keep", type=Path, default=None, help="write the suite here and keep it")
     parser.add_argument(
+        "--no-untimed",
+        action="store_true",
+        help="no untimed session before the rounds (the first round pays for the caches): to check the script",
+    )
+    parser.add_argument(
         "--other",
         type=Path,
         default=None,
@@ -671,9 +679,12 @@ def main(argv: list[str] | None = None) -> None:
         write_suite(folder, options.tests, suite=options.suite)
         first = time.perf_counter()
         untimed = [variant for variant in runs if variant.name in ("off", "on", "other")] or runs[:2]
+        if options.no_untimed:
+            untimed = []
         for variant in untimed:  # the file cache, torch's first import, the bytecode caches
             run_session(folder, variant, cov=options.cov, cuda=cuda, junit=None, collect=options.gc_collect)
-        longest = (time.perf_counter() - first) / len(untimed) * len(runs)  # a round's estimate until one is timed
+        # a round's estimate until one is timed (none without the untimed sessions)
+        longest = (time.perf_counter() - first) / len(untimed) * len(runs) if untimed else 0.0
         for round_index in range(options.repeat):
             if over(longest):
                 stopped = True
@@ -695,6 +706,7 @@ def main(argv: list[str] | None = None) -> None:
     result = report(runs, options, stopped=stopped, rounds=rounds)
     if options.json is not None:
         result["seconds"] = time.perf_counter() - began
+        result["untimed"] = [variant.name for variant in untimed]  # the sessions run before the rounds
         options.json.write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -114,8 +114,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def _xdist_controller(config: pytest.Config) -> bool:
+    """Whether this process is pytest-xdist's controller: it hands the tests to its workers and runs none."""
+    distributed = config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
+    return distributed and not hasattr(config, "workerinput")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    if not config.option.collectonly:
+    # what runs no test (a collection, pytest-xdist's controller) needs no warm-up for pytester's sessions
+    if not config.option.collectonly and not _xdist_controller(config):
         _warm_up_lazy_torch_imports()
         _import_every_plugin_module()
         _patch_others_frozen()

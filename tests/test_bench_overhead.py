@@ -45,12 +45,12 @@ def test_bad_options_are_clear_errors(args: list[str], message: str) -> None:
 
 @pytest.mark.slow
 def test_the_json_holds_every_round_and_max_seconds_stops_starting_rounds(tmp_path: Path) -> None:
-    full = tmp_path / "full.json"
-    done = _bench("--tests", "2", "--repeat", "2", "--variants", "off", "on", "--json", str(full))
+    full = tmp_path / "full.json"  # no untimed sessions (the second run below has its one)
+    done = _bench("--tests", "2", "--repeat", "2", "--variants", "off", "on", "--no-untimed", "--json", str(full))
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(full.read_text())
     assert result["suite"] == "tiny" and result["tests"] == 2 and result["rounds"] == 2
-    assert not result["stopped_by_max_seconds"]
+    assert not result["stopped_by_max_seconds"] and result["untimed"] == []
     assert [v["name"] for v in result["variants"]] == ["off", "on"]
     for variant in result["variants"]:
         assert len(variant["wall_s"]) == len(variant["cpu_s"]) == 2
@@ -63,4 +63,5 @@ def test_the_json_holds_every_round_and_max_seconds_stops_starting_rounds(tmp_pa
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(short.read_text())
     assert result["rounds"] == 0 and result["stopped_by_max_seconds"] and result["ratios"] == {}
+    assert result["untimed"] == ["off"]
     assert "no round fits in --max-seconds 1.0" in done.stdout
