@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from _ranks_llama import llama_70b_ways
 from rank_steps import (
     WHAT_BREAKS_FIRST,
     ddp_bucket_view_step,
@@ -27,7 +28,6 @@ from rank_steps import (
     ddp_unused_step,
     fsdp_step,
     llama_70b_fits,
-    llama_70b_what_breaks_first,
     mlp,
     reads_a_value,
     zero_ddp_step,
@@ -405,6 +405,19 @@ BREAKS_FIRST = {
     "on-meta": ("activations", 200 * GiB),  # 80 layers' activations of 2,048 tokens
     "checkpointed-with-cast-cache": ("temporaries", 137 * GiB),  # autocast's bf16 copies of the weights
 }
+#: The decoder layers each way runs with. Built whole, all 80: its peak, the whole fp32 model before
+#: sharding, is the peak of the step only from about 43 layers on (below, the step's own peak is).
+#: The others on slices whose peak is where the 80 layers' is (the end of the forward, the start of
+#: the backward: fewer layers peak later in the backward), per layer: on meta, three slices, as its
+#: activations per layer are compared between slices; checkpointed, two, as the arithmetic has them.
+WAYS_LAYERS = {"built-whole": (80,), "on-meta": (3, 4, 5), "checkpointed-with-cast-cache": (5, 6)}
+#: the weights of a decoder layer that autocast copies to bf16: all but its two RMSNorms'
+LLAMA_LAYER_MATMUL_PSI = LLAMA_LAYER_PSI - 2 * 8192
+
+
+def _per_layer(fewer: Any, more: Any) -> dict[str, int]:
+    """What one decoder layer adds to each category of the peak's breakdown: a slice and the slice of one layer more."""
+    return {name: more.breakdown[name] - fewer.breakdown[name] for name in more.breakdown}
 
 
 @pytest.mark.slow
@@ -412,22 +425,53 @@ def test_what_breaks_first_is_named_at_the_peak(say: Callable[[str], None]) -> N
     """What does not fit an 80 GB card, and why, in the category that dominates the peak; on 8
     ranks, whose shards are 8 times those of 64 (and the category that dominates the same), and
     after the step each rank holds 16 bytes per parameter of its shard, however it was built.
-    The three ways run as ranks 0, 1 and 2 of one run (:func:`rank_steps.llama_70b_what_breaks_first`):
-    one process, each way measured as a rank of its own."""
+
+    Every run is a rank of one run (:func:`_ranks_llama.llama_70b_ways`): one process. Built whole,
+    the 80-layer model is measured. On meta and checkpointed, slices of the model are, and the
+    80-layer peak's breakdown is each category at the largest slice's peak plus what a layer adds
+    to it, for the 74 or 75 layers more: a layer adds its parameters' shard (and no gradient or
+    optimizer state); on meta, the same activations between each two slices; checkpointed, its
+    input (kept until its backward) and autocast's bf16 copies of its weight matrices, whole (and,
+    both ways, a 512-byte block of temporaries). The
+    80-layer runs' peaks, every category of them, are what the slices give, to the byte (torch
+    2.13: 267,291,163,648 B on meta, 187,489,540,096 B checkpointed)."""
     pytest.importorskip("transformers")
-    say("Llama-70B on fake tensors, built three ways, as ranks 0, 1 and 2 of 8")
-    ranks = run_ranks(llama_70b_what_breaks_first, 8, predict="h100", fake=True, ranks=[0, 1, 2], timeout=900)
-    assert list(WHAT_BREAKS_FIRST) == list(BREAKS_FIRST)
-    psi = LLAMA_70B_PSI // 8
-    seen, expected = {}, {}
-    for way, m in zip(WHAT_BREAKS_FIRST, ranks, strict=True):
+    runs = tuple((way, layers) for way, slices in WAYS_LAYERS.items() for layers in slices)
+    say(f"Llama-70B on fake tensors, built three ways, as ranks 0 to {len(runs) - 1} of 8: (way, layers) {runs}")
+    step = functools.partial(llama_70b_ways, runs)
+    ranks = run_ranks(step, 8, predict="h100", fake=True, ranks=list(range(len(runs))), timeout=900)
+    assert list(WHAT_BREAKS_FIRST) == list(BREAKS_FIRST) == list(WAYS_LAYERS)
+    measured: dict[str, list[Any]] = {way: [] for way in WAYS_LAYERS}
+    for (way, layers), m in zip(runs, ranks, strict=True):
         assert m.breakdown is not None and m.allocated_breakdown is not None
+        assert sum(m.breakdown.values()) == m.peak
+        psi = (layers * LLAMA_LAYER_PSI + LLAMA_OUTSIDE_PSI) // 8
+        assert (m.psi, [m.allocated_breakdown[name] for name in STATES]) == (psi, [4 * psi, 4 * psi, 8 * psi])
+        measured[way].append(m)
+    shard = LLAMA_LAYER_PSI // 8
+    layer = {way: _per_layer(*ms[-2:]) for way, ms in measured.items() if len(ms) > 1}
+    assert all(list(slices) == list(range(slices[0], slices[-1] + 1)) for slices in WAYS_LAYERS.values())
+    assert _per_layer(*measured["on-meta"][:2]) == layer["on-meta"]
+    assert {name: layer["on-meta"][name] for name in STATES} == {
+        "parameters": 4 * shard,
+        "gradients": 0,
+        "optimizer_state": 0,
+    }
+    checkpointed = layer["checkpointed-with-cast-cache"]
+    assert {name: checkpointed[name] for name in (*STATES, "activations")} == {
+        "parameters": 4 * shard,
+        "gradients": 0,
+        "optimizer_state": 0,
+        "activations": LLAMA_LAYER_INPUT,
+    }
+    assert layer["on-meta"]["temporaries"] == SMALL_BLOCK  # a small tensor of each layer's, both ways
+    assert checkpointed["temporaries"] == 2 * LLAMA_LAYER_MATMUL_PSI + SMALL_BLOCK
+    seen, expected = {}, {}
+    for way, ms in measured.items():
+        last, more = ms[-1], 80 - WAYS_LAYERS[way][-1]
+        assert last.breakdown is not None
+        at_80 = {name: figure + more * layer.get(way, {}).get(name, 0) for name, figure in last.breakdown.items()}
         largest, over = BREAKS_FIRST[way]
-        seen[way] = (
-            max(m.breakdown, key=m.breakdown.__getitem__),
-            m.peak > over,
-            m.psi,
-            [m.allocated_breakdown[name] for name in STATES],
-        )
-        expected[way] = (largest, True, psi, [4 * psi, 4 * psi, 8 * psi])
+        seen[way] = (max(at_80, key=at_80.__getitem__), sum(at_80.values()) > over)
+        expected[way] = (largest, True)
     assert seen == expected

@@ -55,11 +55,15 @@ def _run(folder: Path, world_size: int, **kwargs: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [{}, FAKE], ids=["gloo", "fake"])
-def test_a_warm_rank_has_imported_what_a_spawned_rank_has(
+def test_a_warm_rank_has_imported_what_a_spawned_rank_has_and_neither_sees_a_gpu(
     kwargs: dict[str, Any], reports: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When the rank's function starts, a warm rank process has imported the modules a spawned
-    one has, and no other but the fork server's client; it is the server's child, not pytest's."""
+    one has, and no other but the fork server's client; it is the server's child, not pytest's.
+    Started either way, CPU and fake ranks run as on a machine without a GPU, also on one with a
+    GPU: no device is visible to them, so code that picks the accelerator by itself (FSDP2's
+    default mesh) picks the CPU and their figures are those of CPU-only CI. The GPU check runs
+    this where CUDA is present."""
     monkeypatch.setenv(RANK_START, "spawn")
     spawned = _run(reports, 2, **kwargs)
     monkeypatch.setenv(RANK_START, "warm")
@@ -71,6 +75,7 @@ def test_a_warm_rank_has_imported_what_a_spawned_rank_has(
     for before, after in zip(spawned, warm, strict=True):
         assert set(after["modules"]) - set(before["modules"]) == WARM_ONLY
         assert set(before["modules"]) - set(after["modules"]) <= {"multiprocessing.popen_spawn_posix"}
+    assert [(r["visible_gpus"], r["cuda"], r["accelerator"]) for r in spawned + warm] == [("", False, "cpu")] * 4
 
 
 @pytest.mark.slow
@@ -108,20 +113,6 @@ def test_a_server_runs_one_thread_and_imports_only(reports: Path) -> None:
     _run(reports, 1, **FAKE)
     server = warm_ranks.server_pid("fake")
     assert [task.name for task in Path(f"/proc/{server}/task").iterdir()] == [str(server)]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("start", ["warm", "spawn"])
-@pytest.mark.parametrize("kwargs", [{}, FAKE], ids=["gloo", "fake"])
-def test_cpu_and_fake_ranks_see_no_gpu(
-    kwargs: dict[str, Any], start: str, reports: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """CPU and fake ranks run as on a machine without a GPU, also on one with a GPU: no device is
-    visible to them, so code that picks the accelerator by itself (FSDP2's default mesh) picks the
-    CPU and their figures are those of CPU-only CI. The GPU check runs this where CUDA is present."""
-    monkeypatch.setenv(RANK_START, start)
-    ranks = _run(reports, 1, **kwargs)
-    assert [(r["visible_gpus"], r["cuda"], r["accelerator"]) for r in ranks] == [("", False, "cpu")]
 
 
 def test_a_bad_start_method_is_an_error_that_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -100,6 +100,7 @@ def _measured_rank(
     **init: Any,
 ) -> Measurement:
     """Initialise the default process group as ``rank``, run ``fn`` inside :func:`measure`, end the group."""
+    import torch._dynamo  # noqa: F401  # what DDP and FSDP import at their first use (a second a rank): a warm rank has it
     import torch.distributed as dist
 
     from pytest_gpumem.measurement.active import measure

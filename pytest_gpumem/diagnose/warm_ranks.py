@@ -22,7 +22,12 @@ __all__ = ["PRELOAD", "WarmProcess", "import_key", "server_pid", "stop_servers"]
 
 #: What a rank process of each kind imports before the rank's function runs (``tests/test_warm_ranks.py`` checks it).
 PRELOAD: dict[str, tuple[str, ...]] = {
-    "gloo": ("pytest_gpumem.diagnose.distributed", "torch.distributed", "pytest_gpumem.measurement.active"),
+    "gloo": (
+        "pytest_gpumem.diagnose.distributed",
+        "torch.distributed",
+        "pytest_gpumem.measurement.active",
+        "torch._dynamo",
+    ),
     "fake": (
         "pytest_gpumem.diagnose.distributed",
         "torch.distributed",
