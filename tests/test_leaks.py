@@ -356,6 +356,7 @@ def pytest_terminal_summary(terminalreporter):
 """
 
 
+@pytest.mark.slow  # a session in a process of its own
 def test_a_leaking_test_walks_the_whole_process_twice_per_run(pytester: pytest.Pytester) -> None:
     """A leak check gives the frozen objects back so that a cycle among them that the test dropped is freed: one
     collection sees every object and what survives is frozen again, so its later tries walk only what the test
