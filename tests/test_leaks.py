@@ -319,3 +319,92 @@ def test_tensors_a_conftest_froze_are_never_counted_as_retained(pytester: pytest
             "  call  retained * 0 B    0 B  ok",
         ]
     )
+
+
+#: Counts, per test, the full collections that walk every object (nothing frozen as they start), from the test's
+#: setup to the freeze after its teardown; the interpreter's own collections are kept out of the way.
+COUNT_WHOLE_HEAP_COLLECTIONS = """
+import gc
+
+import pytest
+
+from pytest_gpumem.measurement import collector, gcfunctions
+
+WHOLE = {}
+gc.set_threshold(1_000_000, 1_000, 1_000)  # the interpreter collects nothing during these short tests
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    counted = WHOLE.setdefault(item.name, [0])
+    nothing = collector.interpreter_frozen()
+
+    def count(phase, info):  # after the collector's hook: what the collection was given is frozen no more
+        if phase == "start" and info["generation"] == 2 and gcfunctions.get_freeze_count() <= nothing:
+            counted[0] += 1
+
+    gc.callbacks.append(count)
+    try:
+        return (yield)
+    finally:
+        gc.callbacks.remove(count)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for name, (count,) in WHOLE.items():
+        terminalreporter.write_line(f"whole-heap collections {name}: {count}")
+"""
+
+
+@pytest.mark.slow  # a session in a process of its own
+def test_a_leaking_test_walks_the_whole_process_twice_per_run(pytester: pytest.Pytester) -> None:
+    """A leak check gives the frozen objects back so that a cycle among them that the test dropped is freed: one
+    collection sees every object and what survives is frozen again, so its later tries walk only what the test
+    made; the collection after the teardown sees everything once more. A second run for sites walks it twice (its
+    census gives the frozen objects back to name the holder of a tensor the test made), and never for a tensor made
+    before the test (it has no site to name a holder for). A test that leaks nothing walks it never."""
+    pytester.makeconftest(COUNT_WHOLE_HEAP_COLLECTIONS)
+    pytester.makepyfile(
+        test_leak="""
+import pytest, torch
+
+LEAKS = []
+KEPT = [torch.ones(10)]  # alive before the tests, held by a plain list: a census names it only with help
+
+
+@pytest.fixture(autouse=True)
+def _forget():
+    yield
+    LEAKS.clear()
+
+
+@pytest.mark.gpumem(device="cpu", retained="0B")
+def test_1_keeps_nothing():
+    torch.ones(1000)
+
+
+@pytest.mark.gpumem(device="cpu", retained="0B")
+def test_2_leaks():
+    LEAKS.append(torch.ones(1000))
+
+
+@pytest.mark.gpumem(device="cpu", retained="0B")
+def test_3_leaks_again():
+    LEAKS.append(torch.ones(1000))
+
+
+@pytest.mark.gpumem(device="cpu", peak="1KiB")
+def test_4_peaks_over_its_limit():
+    torch.ones(1000).sum()
+"""
+    )
+    result = run_fresh(pytester, "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=3)
+    assert result.stdout.str().count("test_leak.LEAKS[0]") == 2  # each leak report names the holder
+    counts = [line for line in result.outlines if line.startswith("whole-heap collections")]
+    assert counts == [
+        "whole-heap collections test_1_keeps_nothing: 0",
+        "whole-heap collections test_2_leaks: 4",
+        "whole-heap collections test_3_leaks_again: 4",
+        "whole-heap collections test_4_peaks_over_its_limit: 0",
+    ], result.stdout.str()

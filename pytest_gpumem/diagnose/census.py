@@ -350,8 +350,10 @@ def take_census(
     top: int | None = TOP,
     *,
     counted_only: bool = False,
+    thaw_for: Callable[[StorageGroup], bool] | None = None,
 ) -> Census:
-    """:func:`live_tensors` as a :class:`Census`; ``counted_only`` keeps only storages ``engine``'s tracker counts."""
+    """:func:`live_tensors` as a :class:`Census`; ``counted_only`` keeps only storages ``engine``'s tracker counts;
+    the frozen objects are given back to name a holder only when a group left unnamed is one ``thaw_for`` wants."""
     objects, frames = list(objects), list(frames)
     held = module_level_objects()
     local_names, labels = _frame_names(frames, [*objects, *(obj for _, obj in held.values())])
@@ -367,7 +369,7 @@ def take_census(
     if unnamed:  # what else holds them: a cache, a compiler's graph, a global container
         hints = holder_hints(unnamed, {}, thaw=False)
         rest = [i for i in range(len(unnamed)) if i not in hints]
-        if rest and collector.thaw():
+        if rest and (thaw_for is None or any(thaw_for(unnamed[i]) for i in rest)) and collector.thaw():
             # held by objects the plugin froze (an earlier test's leftovers in a cache): given back until the next test
             found = holder_hints([unnamed[i] for i in rest], {}, thaw=False)
             hints.update({rest[j]: hint for j, hint in found.items()})

@@ -5,13 +5,13 @@ from __future__ import annotations
 import gc
 import inspect
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import CodeType, FrameType
 from typing import Any
 
 import torch
 
-from pytest_gpumem.diagnose.census import stack_frames, take_census
+from pytest_gpumem.diagnose.census import StorageGroup, stack_frames, take_census
 from pytest_gpumem.measurement import gcfunctions
 
 __all__ = ["holder_pattern", "kept_by_site", "state_key", "state_options"]
@@ -40,7 +40,9 @@ def kept_by_site(
     frames = list(stack_frames(frame))
     if code is not None and all(f.f_code is not code for f in frames):
         frames[:0] = _frames_of(code)
-    census = take_census(engine.device, engine, list(tracked), frames, None, counted_only=engine.exact)
+    census = take_census(
+        engine.device, engine, list(tracked), frames, None, counted_only=engine.exact, thaw_for=_made_at_a_site(engine)
+    )
     del frames
     found: dict[tuple[str, str | None], dict[str, int]] = {}
     for tensor in census.tensors:
@@ -50,6 +52,11 @@ def kept_by_site(
         name = holder_pattern(tensor.held_by)
         holders[name] = holders.get(name, 0) + tensor.nbytes
     return found
+
+
+def _made_at_a_site(engine: Any) -> Callable[[StorageGroup], bool]:
+    """Whether a storage has a site: only those are worth giving the frozen objects back to name their holders."""
+    return lambda group: engine.site_of(group.tensors[0]) is not None
 
 
 def _frames_of(code: CodeType) -> list[FrameType]:

@@ -23,6 +23,7 @@ from pytest_gpumem.diagnose.census import (
     storage_groups,
 )
 from pytest_gpumem.diagnose.holders import referrer_names
+from pytest_gpumem.measurement import collector
 from pytest_gpumem.units import format_delta, format_size
 
 if TYPE_CHECKING:
@@ -167,6 +168,7 @@ def confirm_leak(
     leaked: tuple[LiveTensor, ...] = ()
     count = nbytes = 0
     if suspected and snapshot is not None:
+        collector.give_back()  # the leaked tensors' holders may be among the frozen objects
         leaked, count, nbytes = _leaked_tensors(engine, snapshot, top)
     return LeakCheck(
         device=str(engine.device),

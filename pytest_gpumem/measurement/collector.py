@@ -88,8 +88,8 @@ def thaw() -> bool:
         _running.give_back()
         return was_frozen
     was_frozen = frozen.known()
-    if was_frozen:
-        gcfunctions.unfreeze()
+    if was_frozen:  # someone else's freeze, its tensors lent to the plugin: given back for good, as a census does
+        frozen.give_back_theirs()
     frozen.forget()
     return was_frozen
 

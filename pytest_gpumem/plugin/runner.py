@@ -221,8 +221,13 @@ class TestRun:
             record.reports.append(oom.format())
         spec = self.spec
         if self._snapshot is not None and record.passed and call.retained and call.retained > 0:
-            collector.give_back()  # a cycle among frozen objects may hold what the test dropped
+            running = collector.running()
+            if running is not None and running.frozen:
+                # a cycle among frozen objects may hold what the test dropped: one collection sees every object, and
+                # what survives it is frozen again, so the leak check's tries walk only what is not frozen
+                running.collect_everything()
             leak = confirm_leak(engine, call.start, snapshot=self._snapshot)
+            collector.give_back()  # the collection after the teardown sees every object, as without the check
             call = replace(call, retained=leak.retained)
             if leak.retained > 0:
                 record.leak_report = leak.format()
