@@ -475,13 +475,7 @@ class Refreeze:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, unless pytest-randomly orders the run, the documents' examples, then the modules with slow
-    tests, run first (each module's tests together): xdist hands tests out in this order, and a long one handed out
-    last keeps the other workers idle until it ends. Tests marked ``cuda`` need a CUDA device: skipped with a reason
-    without one."""
-    if hasattr(config, "workerinput") and not config.pluginmanager.has_plugin("randomly"):
-        slow = {item.path for item in items if item.get_closest_marker("slow")}
-        items.sort(key=lambda item: 0 if item.path.suffix == ".md" else 1 if item.path in slow else 2)
+    """Tests marked ``cuda`` need a CUDA device: skipped with a reason without one."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none is available here)")
