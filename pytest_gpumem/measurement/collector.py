@@ -166,12 +166,16 @@ class Collector:
             return False
         if len(gcfunctions.get_objects()) <= self.compact_above:
             return False
+        walks_everything = not self.frozen
         self.collect()  # what the last test dropped is freed, never frozen
         objects = gcfunctions.get_objects()
         if len(objects) <= self.compact_above:
             return False
         frozen.add(objects)
-        self._frozen_count += len(objects)
+        if walks_everything:  # nothing was frozen: that collection saw every object
+            self._heap = self._frozen_count = len(objects)
+        else:
+            self._frozen_count += len(objects)
         del objects
         gcfunctions.freeze()
         self.frozen = True
