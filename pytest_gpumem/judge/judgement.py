@@ -12,7 +12,7 @@ from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding, Limit, Tolerance
 from pytest_gpumem.data.metrics import BASELINE_METRICS, MEASURED_BASELINE_METRICS, METRIC_INFO, metric_info
 from pytest_gpumem.judge.limits import LimitSpec
-from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.judge.record import TestRecord, memory_failed
 from pytest_gpumem.judge.rule import tolerance_for
 from pytest_gpumem.judge.site_changes import SiteDiff, diff_sites
 from pytest_gpumem.judge.verdict import check_limits, compare_baseline
@@ -45,7 +45,7 @@ class Decision:
 
     def fails(self, record: TestRecord) -> bool:
         """Whether ``record`` fails on memory once decided (see :attr:`TestRecord.failed`)."""
-        return bool(record.errors or self.errors) or any(finding.failed for finding in self.findings)
+        return memory_failed((*record.errors, *self.errors), self.findings)
 
 
 def decide(record: TestRecord, baselines: BaselineStore | None = None, options: JudgeOptions | None = None) -> Decision:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -15,10 +15,15 @@ from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.site_changes import SiteDiff
 
-__all__ = ["TIMELINE_SAMPLES", "RecordStore", "TestRecord"]
+__all__ = ["TIMELINE_SAMPLES", "RecordStore", "TestRecord", "memory_failed"]
 
 #: Most samples of a timeline kept in a test's record (for the HTML artifact).
 TIMELINE_SAMPLES = 512
+
+
+def memory_failed(errors: Sequence[str], findings: Iterable[Finding]) -> bool:
+    """The one rule for a test that fails on memory: an error, or a finding that fails."""
+    return bool(errors) or any(finding.failed for finding in findings)
 
 
 @dataclass
@@ -56,7 +61,7 @@ class TestRecord(Coded):
     @property
     def failed(self) -> bool:
         """The test fails on memory: an error, or a finding that fails (see :attr:`Finding.failed`)."""
-        return bool(self.errors) or any(finding.failed for finding in self.findings)
+        return memory_failed(self.errors, self.findings)
 
     @property
     def recordable(self) -> bool:

@@ -67,12 +67,11 @@ def references(objects: list[Any], remembered: list[weakref.ref[Any]] | None = N
     return refs
 
 
-def remember(objects: list[Any] | None = None) -> None:
-    """Remember every module and tensor among ``objects`` (default: what the collector sees now), just before
-    ``gc.freeze()``."""
+def remember(objects: list[Any]) -> None:
+    """Remember every module and tensor among ``objects`` (what the collector sees), just before ``gc.freeze()``."""
     global _known
     _refs.clear()
-    _refs.extend(references(gcfunctions.get_objects() if objects is None else objects))
+    _refs.extend(references(objects))
     _known = True
 
 

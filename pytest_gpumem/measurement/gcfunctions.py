@@ -65,7 +65,6 @@ def _asked(real: Callable[..., Any], asking: Callable[[bool], None]) -> Callable
         finally:
             asking(False)
 
-    call._gpumem_asked = True  # type: ignore[attr-defined]
     return call
 
 
@@ -94,7 +93,6 @@ def uninstall() -> None:
         current = getattr(gc, name)
         if current is not real and getattr(current, "__wrapped__", None) is real:
             setattr(gc, name, real)
-    if _collect_under is not None:
-        if getattr(gc.collect, "_gpumem_asked", False):
-            gc.collect = _collect_under
-        _collect_under = None
+    under, _collect_under = _collect_under, None
+    if under is not None and getattr(gc.collect, "__wrapped__", None) is under:
+        setattr(gc, "collect", under)  # noqa: B010  # gc's own, or what stood in its place before the run
