@@ -7,8 +7,9 @@ process forked from one that has imported torch and pytest, and nothing else, st
 what a new interpreter has once it has imported them, in a fraction of a second.
 
 One such process (the *zygote*) runs per suite process (per xdist worker) and environment: it
-imports ``torch`` and ``pytest``, runs no operator (torch's thread pools start with the first
-one, and a fork must not copy threads), and forks a session per request. The session process
+imports ``torch``, ``pytest`` and the other installed pytest plugins (each session loads them at
+its start; this project's own plugin it leaves to each session), runs no operator (torch's thread
+pools start with the first one, and a fork must not copy threads), and forks a session per request. The session process
 takes the request's working folder, environment, ``sys.path`` (the folder first, then
 ``PYTHONPATH``'s entries, then the interpreter's own, as ``python -m pytest`` has it) and
 arguments; its standard input is ``/dev/null`` and its output goes to the files pytester reads.
@@ -45,7 +46,15 @@ from pytest_gpumem.diagnose.warm_ranks import import_key
 
 _ZYGOTE = r"""
 import atexit, json, os, sys, threading, traceback
+import importlib.metadata
 import torch, pytest, pytest.__main__
+
+# the installed plugins every session loads at its start (hypothesis's imports hypothesis at its
+# end), this project's own left to each session, as a new interpreter has them
+import hypothesis
+for plugin in importlib.metadata.entry_points(group="pytest11"):
+    if not plugin.value.startswith("pytest_gpumem"):
+        plugin.load()
 
 own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 base = [p for p in sys.path[1:] if p not in own]  # the interpreter's own entries ('' of -c left out)

@@ -66,6 +66,11 @@ def test_a_warm_session_starts_fresh_and_ends_as_an_interpreter_does(
     assert "the second session fails on purpose" in second.stdout.str()
     assert (tmp_path / "thread").read_text() == "joined"
 
+    # the zygote imported the installed plugins, not this project's: a session that blocks it has none of it
+    pytester.makepyfile(test_blocked="import sys\n\ndef test_none():\n    assert 'pytest_gpumem' not in sys.modules\n")
+    blocked = runpytest_warm(pytester, "-p", "no:gpumem", "-p", "no:cacheprovider", "test_blocked.py")
+    blocked.assert_outcomes(passed=1)
+
     usage = runpytest_warm(pytester, "--no-such-option")
     assert usage.ret == pytest.ExitCode.USAGE_ERROR
     assert "unrecognized arguments: --no-such-option" in usage.stderr.str()
