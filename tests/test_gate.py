@@ -15,6 +15,7 @@ from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.plugin.marker import parse_marker
+from pytest_gpumem.plugin.plan import TestPlan
 from pytest_gpumem.plugin.runner import TestRun
 from pytest_gpumem.plugin.session import BaselineOptions, BaselineSession
 from tests._sessions_xdist import warm_workers
@@ -56,7 +57,7 @@ def measured(nodeid: str, elements: int, **marker: object) -> TestRecord:
     """A real record: ``elements`` float32 values allocated in a test on the CPU engine."""
     forget_last_failure()
     spec = parse_marker([((), marker)])
-    test = TestRun(nodeid, spec, make_engine("cpu"), environment=Environment.detect("cpu").to_dict())
+    test = TestRun(TestPlan(nodeid, spec), make_engine("cpu"), environment=Environment.detect("cpu").to_dict())
     return test.run(lambda: torch.ones(elements))
 
 

@@ -17,7 +17,8 @@ from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.plugin.engines import DeviceUnavailable, Engines, Freezer, choose_device
 from pytest_gpumem.plugin.marker import parse_marker
-from pytest_gpumem.plugin.runner import RunOptions, TestRun
+from pytest_gpumem.plugin.plan import RunOptions, TestPlan
+from pytest_gpumem.plugin.runner import TestRun
 from pytest_gpumem.report.details import failure_text
 
 F32 = 4
@@ -33,7 +34,8 @@ def engine() -> Engine:
 def run(engine: Engine, function: object, options: RunOptions | None = None, **marker: object) -> TestRecord:
     """One test run as the plugin runs it, then judged (no baseline file)."""
     spec = parse_marker([((), marker)])
-    record = TestRun("tests/test_x.py::test_y", spec, engine, environment=ENV, options=options).run(function)  # type: ignore[arg-type]
+    plan = TestPlan("tests/test_x.py::test_y", spec, options=options or RunOptions())
+    record = TestRun(plan, engine, environment=ENV).run(function)  # type: ignore[arg-type]
     judge(record)
     return record
 

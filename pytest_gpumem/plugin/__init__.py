@@ -69,4 +69,4 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem:
     run = request.node.stash.get(RUN_KEY, None)
     if run is None:
         raise pytest.UsageError(f"{request.node.nodeid}: the gpumem fixture works only in test functions")
-    return GpuMem(run.recorder, request.node.nodeid, run.spec.limits)
+    return GpuMem(run.recorder, request.node.nodeid, run.plan.spec.limits)

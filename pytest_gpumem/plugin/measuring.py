@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -12,16 +11,15 @@ import pytest
 from pytest_gpumem.baselines import BaselineFileError, Environment
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.measurement.observe import choose_observe, observe_conflict
 from pytest_gpumem.plugin.collection import SPEC_ERROR_KEY, SPEC_KEY, gpumem_marks, marker_spec, worker_index
 from pytest_gpumem.plugin.marker import GpumemSpec, late_marker_problems, parse_marker
 from pytest_gpumem.plugin.options import Settings
+from pytest_gpumem.plugin.plan import PlanError, plan_test, sites_mode
 from pytest_gpumem.plugin.site_runs import (
     SECOND_RUN_KEY,
     SecondRun,
     no_second_run,
     no_sites_note,
-    run_options,
     run_test,
     wants_sites,
 )
@@ -72,7 +70,7 @@ class Measuring:
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         """A measured test that may want its sites runs through :func:`run_test`."""
         spec = item.stash.get(SPEC_KEY, None)
-        if spec is None or (spec.sites or self.settings.sites) != "rerun" or self.settings.site_config is None:
+        if spec is None or sites_mode(spec, self.settings) != "rerun" or self.settings.site_config is None:
             return None
         return run_test(item, nextitem, self.freezer)
 
@@ -86,52 +84,31 @@ class Measuring:
             self._prepare(item, spec)
 
     def _prepare(self, item: pytest.Item, spec: GpumemSpec) -> None:
-        """The test's run (``item.stash[RUN_KEY]``); skips or fails the test where its device is not there."""
-        from pytest_gpumem.plugin.engines import DeviceUnavailable, Engines, choose_device
+        """The test's run (``item.stash[RUN_KEY]``) from its plan; skips or fails the test that cannot run."""
+        from pytest_gpumem.plugin.engines import Engines
         from pytest_gpumem.plugin.runner import TestRun
 
-        settings = self.settings
-        unavailable: DeviceUnavailable | None = None
+        problem: PlanError | None = None
         try:
-            device = choose_device(
-                spec.device or settings.device, require_gpu=settings.require_gpu, worker=self._gpu_index()
-            )
-        except DeviceUnavailable as exc:
-            unavailable = exc  # raised outside the handler: pytest would print it twice
-        if unavailable is not None:
-            if unavailable.required:
-                pytest.fail(f"{item.nodeid}: {unavailable.reason}", pytrace=False)
-            pytest.skip(unavailable.reason)
-        if self.engines is None:  # outside the run loop (pytester's inline runs)
-            self.engines = Engines(cuda_rounding=settings.cuda_rounding)
-        breakdown = spec.breakdown if spec.breakdown is not None else settings.breakdown
-        predict = spec.predict or settings.predict
-        observe = self._observe(item, spec, predict)
-        engine = self.engines.get(device, breakdown=breakdown, observe=observe, predict=predict)
-        # --gpumem-fake applies to the predicted tests; a marker's fake=True needs a prediction
-        fake = (spec.fake if spec.fake is not None else settings.fake and predict is not None) and device.type == "cpu"
-        if fake and predict is None:
-            pytest.fail(
-                f"{item.nodeid}: fake=True needs a prediction: predict= on the marker or --gpumem-predict",
-                pytrace=False,
-            )
-        options = run_options(settings, spec, fake=fake)
+            plan = plan_test(item.nodeid, spec, self.settings, worker=self._gpu_index())
+        except PlanError as exc:
+            problem = exc  # raised outside the handler: pytest would print it twice
+        if problem is not None:
+            if problem.skip:
+                pytest.skip(problem.reason)
+            pytest.fail(problem.reason, pytrace=False)
         second = item.stash.get(SECOND_RUN_KEY, None)
         if second is not None and second.running:  # the reports stay the first run's
-            options = replace(options, sites=settings.site_config, snapshots=None, reports=False)
+            plan = plan.second_run(self.settings.site_config)
+        if self.engines is None:  # outside the run loop (pytester's inline runs)
+            self.engines = Engines(cuda_rounding=self.settings.cuda_rounding)
+        assert plan.device is not None
+        engine = self.engines.get(plan.device, breakdown=plan.breakdown, observe=plan.observe, predict=plan.predict)
         environment, environment_key = self._environment(engine)
         # activations told apart where they are read: the breakdown, the fixture, a baseline
         uses_fixture = "gpumem" in getattr(item, "fixturenames", ())
-        reads_saved = breakdown or uses_fixture or self._baselined(item, environment_key)
-        item.stash[RUN_KEY] = TestRun(
-            item.nodeid,
-            spec,
-            engine,
-            environment=environment,
-            options=options,
-            fake=fake,
-            saved_tensors=reads_saved,
-        )
+        reads_saved = plan.breakdown or uses_fixture or self._baselined(item, environment_key)
+        item.stash[RUN_KEY] = TestRun(plan, engine, environment=environment, saved_tensors=reads_saved)
 
     def _baselined(self, item: pytest.Item, environment_key: str) -> bool:
         """Whether the test's figures meet a baseline (then its activations are told apart, docs/figures.md)."""
@@ -149,17 +126,6 @@ class Measuring:
         if worker is None and self.launch is not None:
             return self.launch.local_rank
         return worker
-
-    def _observe(self, item: pytest.Item, spec: GpumemSpec, predict: str | None) -> str:
-        """How the CPU engine observes this test; a conflict with a prediction or a device limit fails it."""
-        settings = self.settings
-        run_limit = None if settings.device_limit is None else f"--gpumem-device-limit={settings.device_limit}"
-        limit = None if spec.device_limit is not None else run_limit  # the marker's own: checked at collection
-        conflict = observe_conflict(spec.observe, predict=predict, limit=limit)
-        if conflict is not None:
-            pytest.fail(f"{item.nodeid}: {conflict}", pytrace=False)
-        needs_limit = spec.device_limit is not None or settings.device_limit is not None
-        return choose_observe(spec.observe, default=settings.observe, predict=predict, limit=needs_limit)
 
     def _environment(self, engine: Engine) -> tuple[dict[str, Any], str]:
         key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{engine.predicts}"
@@ -257,8 +223,8 @@ def _finish(item: pytest.Item, run: TestRun, exc: BaseException | None) -> TestR
         except SpecError as error:
             problems.append(f"invalid gpumem marker added after collection: {error}")
         else:
-            problems = late_marker_problems(markers, late, run.spec, now)
-            run.spec = replace(run.spec, limits=now.limits, tolerance=now.tolerance, min_microbatch=now.min_microbatch)
+            problems = late_marker_problems(markers, late, run.plan.spec, now)
+            run.plan = run.plan.with_marker(now)
     record = run.finish(exc)
     record.errors.extend(f"{item.nodeid}: {problem}" for problem in problems)
     return record

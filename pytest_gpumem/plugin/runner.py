@@ -8,13 +8,12 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from types import CodeType
 from typing import Any
 
 from pytest_gpumem.data.figures import Measurement, OutputNotWritten, PartialFigures, notify
-from pytest_gpumem.data.site_figures import SiteConfig
 from pytest_gpumem.diagnose.census import see_every_tensor
 from pytest_gpumem.diagnose.kept import kept_by_site, state_key, state_options
 from pytest_gpumem.diagnose.leaks import StorageSnapshot, confirm_leak, snapshot_storages
@@ -25,22 +24,11 @@ from pytest_gpumem.measurement.active import activate
 from pytest_gpumem.measurement.engines import unseen_note
 from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.measurement.recorder import Recorder
-from pytest_gpumem.plugin.marker import GpumemSpec
+from pytest_gpumem.plugin.plan import TestPlan
 from pytest_gpumem.plugin.returnwatch import watch_return
 from pytest_gpumem.report.artifacts import artifact_path
 
-__all__ = ["RunOptions", "TestRun"]
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """What the run asks of every measured test."""
-
-    leak_check: bool = False  #: check every test for leaks (as ``retained="0B"`` does)
-    snapshots: Path | None = None  #: folder for CUDA memory snapshots (``--gpumem-snapshot``)
-    device_limit: int | None = None  #: the emulated device size (bytes) of tests whose marker names none
-    sites: SiteConfig | None = None  #: record where storages are made, so chosen
-    reports: bool = True  #: the leak and out-of-memory reports (False: a second run's stay the first run's)
+__all__ = ["TestRun"]
 
 
 def _forget_last_failure() -> None:
@@ -56,32 +44,23 @@ class TestRun:
     __test__ = False  # a name pytest would otherwise collect
 
     def __init__(
-        self,
-        nodeid: str,
-        spec: GpumemSpec,
-        engine: Engine,
-        *,
-        environment: dict[str, Any],
-        options: RunOptions | None = None,
-        fake: bool = False,
-        saved_tensors: bool = True,
+        self, plan: TestPlan, engine: Engine, *, environment: dict[str, Any], saved_tensors: bool = True
     ) -> None:
-        self.nodeid = nodeid
-        self.spec = spec
+        self.plan = plan
+        self.nodeid = plan.nodeid
         self.engine = engine
         self.environment = environment
-        self.options = options or RunOptions()
         self.recorder = Recorder(
             engine,
             timeline=engine.categorizes,
             saved_tensors=saved_tensors,
-            fake=fake,
-            label=nodeid,
-            sites=self.options.sites,
+            fake=plan.fake,
+            label=plan.nodeid,
+            sites=plan.options.sites,
         )
         self.tracked: list[weakref.ref[Any]] = []  #: the objects the test tracked, once it has finished
-        self.recorder.device_limit = spec.device_limit if spec.device_limit is not None else self.options.device_limit
-        self.recorder.reserved = any(limit.metric == "reserved" for limit in spec.limits)  # the cache emptied first
+        self.recorder.device_limit = plan.device_limit
+        self.recorder.reserved = plan.reserved  # the cache emptied first
         self._stack = contextlib.ExitStack()  # the recorder's activation
         self._watches = contextlib.ExitStack()  # left just before the call span closes
         self._returned: list[tuple[int, dict[str, int] | None]] = []
@@ -93,12 +72,6 @@ class TestRun:
         self._kept: dict[tuple[str, str | None], dict[str, int]] | None = None
         self._code: CodeType | None = None
 
-    @property
-    def leak_check(self) -> bool:
-        """Whether this run snapshots the storages at its start and confirms a leak at its end."""
-        checked = self.options.leak_check or any(limit.metric == "retained" for limit in self.spec.limits)
-        return checked and self.options.reports
-
     def start(self, code: CodeType | None = None) -> None:
         """Clean the device, read the start, and begin the ``call`` span; ``allocated`` is read as ``code`` returns."""
         if self._started:
@@ -108,20 +81,20 @@ class TestRun:
         recorder = self.recorder
         if recorder.device_limit is not None:
             collector.collect_everything()  # the emulated device holds all that is alive
-        if self.leak_check:
+        if self.plan.leak_check:
             see_every_tensor()  # or someone else's frozen tensors would show as the test's
         recorder.begin()
         try:
-            self._snapshot = snapshot_storages(self.engine) if self.leak_check else None
+            self._snapshot = snapshot_storages(self.engine) if self.plan.leak_check else None
             self._stack.enter_context(activate(recorder))
             self._state = recorder.open("call")
             watches = self._watches
-            if self.options.reports:
+            if self.plan.options.reports:
                 self._watch = watches.enter_context(OomWatch(self.engine, recorder))
             if recorder.device_limit is not None:
                 watches.enter_context(self.engine.limit_memory(recorder.device_limit))
-            if self.options.snapshots is not None:
-                self._history = self._record_history(watches, self.options.snapshots)
+            if self.plan.options.snapshots is not None:
+                self._history = self._record_history(watches, self.plan.options.snapshots)
             self._code = code
             watches.enter_context(watch_return(code, self._at_return))
         except BaseException:
@@ -134,7 +107,7 @@ class TestRun:
         """The test function returns: read ``allocated`` while its locals are alive (a second run: their holders)."""
         recorder = self.recorder
         self._returned.append(recorder.allocated_now())
-        if self.options.sites is not None and not self.options.reports:
+        if self.plan.options.sites is not None and not self.plan.options.reports:
             self._kept = kept_by_site(self.engine, recorder.tracked, sys._getframe(1), self._code)
 
     def _with_holders(self, call: Measurement, tracked: list[Any]) -> Measurement:
@@ -219,7 +192,7 @@ class TestRun:
         )
         if oom is not None:
             record.reports.append(oom.format())
-        spec = self.spec
+        spec = self.plan.spec
         if self._snapshot is not None and record.passed and call.retained and call.retained > 0:
             running = collector.running()
             if running is not None and running.frozen:
@@ -232,7 +205,7 @@ class TestRun:
             if leak.retained > 0:
                 record.leak_report = leak.format()
         self._snapshot = None
-        record.leak_check = self.options.leak_check
+        record.leak_check = self.plan.options.leak_check
         record.min_microbatch = spec.min_microbatch
         record.ranks_measured = recorder.ranks_measured
         record.measurements = [call] + [span.measurement for span in recorder.spans]

@@ -16,9 +16,8 @@ from pytest_gpumem.judge.record import TestRecord
 
 if TYPE_CHECKING:
     from pytest_gpumem.plugin.engines import Freezer
-    from pytest_gpumem.plugin.marker import GpumemSpec
     from pytest_gpumem.plugin.options import Settings
-    from pytest_gpumem.plugin.runner import RunOptions, TestRun
+    from pytest_gpumem.plugin.runner import TestRun
     from pytest_gpumem.plugin.session import BaselineSession
 
 __all__ = [
@@ -27,30 +26,11 @@ __all__ = [
     "fails_on_memory",
     "no_second_run",
     "no_sites_note",
-    "run_options",
     "run_test",
     "wants_sites",
     "with_sites",
     "xfail_of",
 ]
-
-
-def _mode(settings: Settings, spec: GpumemSpec) -> str:
-    return spec.sites or settings.sites
-
-
-def run_options(settings: Settings, spec: GpumemSpec, *, fake: bool) -> RunOptions:
-    """What the run asks of this test's first run: sites on a baseline update, with ``always``, and on fake tensors."""
-    from pytest_gpumem.plugin.runner import RunOptions
-
-    mode = _mode(settings, spec)
-    sites = mode == "always" or (mode != "off" and (settings.baselines.update or fake))
-    return RunOptions(
-        leak_check=settings.leak_check,
-        snapshots=settings.artifacts if settings.snapshot else None,
-        device_limit=settings.device_limit,
-        sites=settings.site_config if sites else None,
-    )
 
 
 def fails_on_memory(session: BaselineSession, record: TestRecord) -> bool:
@@ -102,7 +82,7 @@ def wants_sites(
     """Whether the test's first run failed on memory without recording sites: its sites need a second run."""
     from pytest_gpumem.diagnose.oom import is_oom
 
-    if _mode(settings, run.spec) != "rerun" or run.options.sites is not None or settings.site_config is None:
+    if run.plan.sites != "rerun" or run.plan.options.sites is not None or settings.site_config is None:
         return False
     if not run.engine.records_sites:
         return False
