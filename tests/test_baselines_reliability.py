@@ -15,6 +15,7 @@ from filelock import FileLock
 
 from conftest import run
 from pytest_gpumem.baselines import BaselineEntry, BaselineFileError, BaselineStore, Environment, load, save, saving
+from tests._sessions_xdist import warm_workers
 
 pytest_plugins = ["pytester"]
 
@@ -334,11 +335,14 @@ def test_deselected_tests_keep_their_baselines(pytester: pytest.Pytester, desele
 
 
 @pytest.mark.slow
-def test_a_module_skipped_at_import_keeps_its_baselines_under_xdist(pytester: pytest.Pytester) -> None:
+def test_a_module_skipped_at_import_keeps_its_baselines_under_xdist(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = skipping_suite(pytester)
     (pytester.path / "library.txt").write_text("gpumem_no_such_library")
     before = path.read_bytes()
-    result = run(pytester, "--gpumem-update-baselines", "--gpumem-prune", "--gpumem-strict", "-n", "2")
+    with warm_workers(monkeypatch):
+        result = run(pytester, "--gpumem-update-baselines", "--gpumem-prune", "--gpumem-strict", "-n", "2")
     result.assert_outcomes(passed=2, skipped=1)
     assert result.ret == 0
     assert path.read_bytes() == before

@@ -14,6 +14,7 @@ import pytest
 from conftest import run
 from pytest_gpumem.data.findings import Finding
 from pytest_gpumem.report.ci import STEP_SUMMARY_LIMIT, Annotation, capped_summary, junit_properties
+from tests._sessions_xdist import warm_workers
 
 pytest_plugins = ["pytester"]
 
@@ -97,7 +98,8 @@ def test_junit_properties_under_xdist(grown: pytest.Pytester, monkeypatch: pytes
     """The controller judges, and adds the properties to the teardown report, where the JUnit file reads them."""
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
     monkeypatch.setenv("GITHUB_WORKSPACE", str(grown.path))
-    result = run(grown, "-n", "2", "--junitxml=junit.xml")
+    with warm_workers(monkeypatch):
+        result = run(grown, "-n", "2", "--junitxml=junit.xml")
     result.assert_outcomes(failed=1, passed=1)
     props = properties(grown.path / "junit.xml", "test_grows")
     assert (props["gpumem.peak.cost"], props["gpumem.peak.baseline"]) == (str(3 * MiB), str(2 * MiB))

@@ -24,6 +24,7 @@ from pytest_gpumem.baselines.staleness import (
     Collection,
     find_stale,
 )
+from tests._sessions_xdist import warm_workers
 
 pytest_plugins = ["pytester"]
 
@@ -118,9 +119,11 @@ def test_last_failed_under_xdist_keeps_the_baselines_of_the_tests_it_skipped(
 ) -> None:
     suite(pytester)
     monkeypatch.setenv("FAIL_A2", "1")
-    session(pytester, "-n", "2").assert_outcomes(passed=2, failed=1)
+    with warm_workers(monkeypatch):
+        session(pytester, "-n", "2").assert_outcomes(passed=2, failed=1)
     monkeypatch.delenv("FAIL_A2")
-    result = session(pytester, "--lf", "-n", "2", "--gpumem-update-baselines", "--gpumem-prune")
+    with warm_workers(monkeypatch):
+        result = session(pytester, "--lf", "-n", "2", "--gpumem-update-baselines", "--gpumem-prune")
     result.assert_outcomes(passed=1)
     assert recorded(pytester) == EVERY
     assert "stale" not in result.stdout.str()

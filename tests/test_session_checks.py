@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run
+from tests._sessions_xdist import warm_workers
 
 pytest_plugins = ["pytester"]
 
@@ -62,10 +63,11 @@ def recorded_tests(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("workers", [(), pytest.param(("-n", "2"), marks=pytest.mark.slow)], ids=["serial", "xdist"])
 def test_a_test_that_failed_in_any_phase_records_no_baseline(
-    pytester: pytest.Pytester, workers: tuple[str, ...]
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: tuple[str, ...]
 ) -> None:
     pytester.makepyfile(test_phases=OUTCOMES)
-    result = run(pytester, "--gpumem-update-baselines", *workers)
+    with warm_workers(monkeypatch):
+        result = run(pytester, "--gpumem-update-baselines", *workers)
     result.assert_outcomes(passed=2, failed=2, xfailed=1, xpassed=1, errors=1)
     # a non-strict XPASS is reported as passed (pytest counts it so): it records, as any passing test
     assert recorded_tests(pytester.path / "gpumem-baselines.json") == [
