@@ -6,7 +6,8 @@ start as ``tests/_warm_sessions.py`` starts sessions: execnet starts a worker as
 ``python -u -c "import sys;exec(eval(sys.stdin.readline()))"`` and speaks to it over its standard
 input and output; here it starts a small launcher instead (``python -I -S``, no imports), which
 hands its standard streams, working folder, environment and arguments to a *zygote* that has
-imported torch, pytest, execnet and xdist, and nothing else (no operator run, no thread). The
+imported torch, pytest, execnet, xdist and the other installed pytest plugins (not this project's),
+and nothing else (no operator run, no thread). The
 zygote forks; the child takes the streams, folder and environment and runs execnet's bootstrap
 line, as the new interpreter would, and its exit code goes back through the launcher. A request
 whose environment differs from the zygote's in what the interpreter or torch reads at import
@@ -37,7 +38,15 @@ BOOTSTRAP = "import sys;exec(eval(sys.stdin.readline()))"
 
 _ZYGOTE = r"""
 import atexit, contextlib, json, os, select, socket, sys, threading, traceback
+import importlib.metadata
 import torch, pytest, execnet, execnet.gateway_base, xdist, xdist.plugin, _pytest.config
+
+# the installed plugins every worker loads (hypothesis's imports hypothesis at the session's end),
+# as tests/_warm_sessions.py's zygote has them; this project's own is left to each worker
+import hypothesis
+for plugin in importlib.metadata.entry_points(group="pytest11"):
+    if not plugin.value.startswith("pytest_gpumem"):
+        plugin.load()
 
 address, BOOTSTRAP = sys.argv[1], sys.argv[2]
 own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
