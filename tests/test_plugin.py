@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from conftest import run, run_fresh
+from tests._sessions_xdist import warm_workers
 
 pytest_plugins = ["pytester"]
 
@@ -80,7 +81,9 @@ def test_other():
 
 
 @pytest.mark.slow
-def test_bad_markers_under_xdist_are_the_same_collection_errors(pytester: pytest.Pytester) -> None:
+def test_bad_markers_under_xdist_are_the_same_collection_errors(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytester.makepyfile(
         test_unit="""
 import pytest
@@ -101,7 +104,8 @@ class TestGroup:
         pass
 """,
     )
-    result = run(pytester, "-n", "2")
+    with warm_workers(monkeypatch):
+        result = run(pytester, "-n", "2")
     text = result.stdout.str() + result.stderr.str()
     assert "INTERNALERROR" not in text
     assert result.ret == pytest.ExitCode.TESTS_FAILED  # xdist's exit status for collection errors
