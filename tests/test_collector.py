@@ -227,6 +227,7 @@ def test_a_full_collection_the_plugin_did_not_ask_for_is_given_everything() -> N
     assert collector._on_collection not in gc.callbacks and not frozen.known()
 
 
+@pytest.mark.slow  # full collections of the whole process
 @pytest.mark.usefixtures("nothing_frozen")
 def test_the_interpreters_own_full_collections_see_everything_as_often_as_without_the_freeze() -> None:
     """CPython collects its oldest generation once the objects that lived on since its last full
