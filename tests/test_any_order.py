@@ -108,5 +108,5 @@ def test_a_breakdown_an_earlier_release_recorded_is_compared_without_other() -> 
     now = {"temporaries": 3000, "other": 65536, "activations": 0}  # 64 KiB cached by an earlier test
     measured = Measurement("call", "cpu", "cpu", start=65536, peak=65536 + 3000, allocated=65536, breakdown=now)
     record = TestRecord("t.py::a", environment=environment.to_dict(), measurements=[measured])
-    (peak,) = [f for f in judge(record, store) if f.metric == "peak"]
+    (peak,) = [f for f in judge(record, store).findings if f.metric == "peak"]
     assert peak.status == "regressed" and dict(peak.changed) == {"temporaries": 2000}

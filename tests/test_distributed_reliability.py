@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -280,11 +281,10 @@ def test_no_process_outlives_a_pytest_that_is_stopped_while_ranks_run(
 def _rank_record(nodeid: str, peak: int, limit: int, where: Launch) -> TestRecord:
     """A record as a rank's pytest makes it, before it is renamed for the rank."""
     call = Measurement(name="call", engine="cpu", device="cpu", start=0, peak=peak, allocated=peak)
-    record = TestRecord(nodeid, measurements=[call], environment={"engine": "cpu"})
-    record.findings = check_limits(nodeid, call, [Limit("peak", limit, f"{limit}B")])
-    record.set_tolerance("call", Tolerance(0.0, 0))
-    rename(record, where)
-    return record
+    findings = check_limits(nodeid, call, [Limit("peak", limit, f"{limit}B")])
+    tolerances = {"call": Tolerance(0.0, 0).to_dict()}
+    record = TestRecord(nodeid, [call], findings, environment={"engine": "cpu"}, tolerances=tolerances)
+    return rename(record, where)
 
 
 def test_a_ranks_limit_findings_are_named_for_its_span() -> None:
@@ -297,10 +297,8 @@ def test_a_ranks_limit_findings_are_named_for_its_span() -> None:
 def test_the_markers_tolerance_still_covers_every_span_of_a_rank() -> None:
     call = Measurement(name="call", engine="cpu", device="cpu", start=0, peak=8, allocated=8)
     forward = Measurement(name="forward", engine="cpu", device="cpu", start=0, peak=8, allocated=8)
-    record = TestRecord("t.py::test_step", measurements=[call, forward])
-    record.set_tolerance("call", Tolerance(0.0, 0))
-    record.set_tolerance("backward", Tolerance(0.5, 0))
-    rename(record, Launch(0, 2, 0))
+    tolerances = {"call": Tolerance(0.0, 0).to_dict(), "backward": Tolerance(0.5, 0).to_dict()}
+    record = rename(TestRecord("t.py::test_step", measurements=[call, forward], tolerances=tolerances), Launch(0, 2, 0))
     assert record.tolerance("call@rank0-of-2") == Tolerance(0.0, 0)
     assert record.tolerance("forward@rank0-of-2") == Tolerance(0.0, 0)  # the marker's, as without torchrun
     assert record.tolerance("backward@rank0-of-2") == Tolerance(0.5, 0)
@@ -312,9 +310,8 @@ def _both_ranks() -> list[TestRecord]:
     merged = []
     for records in (over, within):
         first, second = records
-        first.measurements += second.measurements
-        first.findings += second.findings
-        merged.append(first)
+        both = first.measurements + second.measurements
+        merged.append(replace(first, measurements=both, findings=first.findings + second.findings))
     return merged
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -90,8 +91,9 @@ def test_the_baseline_session_records_then_judges(tmp_path: Path) -> None:
 def test_the_judged_records_know_their_environments_without_being_decoded(tmp_path: Path) -> None:
     judged = session(tmp_path)
     cpu = measured("t.py::a", 1000)
-    other = measured("t.py::b", 1000)
-    other.environment = Environment.detect("cpu", cuda_rounding=True).to_dict()
+    other = dataclasses.replace(
+        measured("t.py::b", 1000), environment=Environment.detect("cpu", cuda_rounding=True).to_dict()
+    )
     judged.judge(cpu)
     judged.judge(other)
     keys = {cpu.environment_key: None, other.environment_key: None}
@@ -108,24 +110,22 @@ def test_the_judged_records_know_their_environments_without_being_decoded(tmp_pa
 
 
 def test_a_judged_record_changes_only_through_the_store(tmp_path: Path) -> None:
-    """The store keeps records as text: a decoded record is a copy, and says so; a change is kept by
-    putting the record again or by editing it in the store. There is no item access to mistake for
-    reading the record itself."""
+    """The store keeps records as text: a decoded record is a copy, which cannot be changed; a
+    change is kept by putting another record, or by the store's own ``failed_in_pytest``. There is
+    no item access to mistake for reading the record itself."""
     judged = session(tmp_path)
     judged.judge(measured("t.py::a", 1000))
     copy = judged.records.decoded("t.py::a")
-    copy.passed = False
-    assert judged.records.decoded("t.py::a").passed  # the copy's change is not kept
-    with judged.records.edit("t.py::a") as record:
-        record.passed = False
-        record.errors.append("t.py::a: failed at teardown")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        copy.passed = False  # type: ignore[misc]
+    judged.records.failed_in_pytest("t.py::a")
     kept = judged.records.decoded("t.py::a")
-    assert (kept.passed, kept.errors, kept.recordable) == (False, ["t.py::a: failed at teardown"], False)
+    assert (kept.passed, kept.recordable) == (False, False) and copy.passed
     assert judged.records.decoded_all() == [kept] and judged.records.nodeids() == ["t.py::a"]
     with pytest.raises(TypeError):
         judged.records["t.py::a"]  # type: ignore[index]
-    with pytest.raises(KeyError, match=r"t\.py::b"), judged.records.edit("t.py::b"):
-        pass
+    with pytest.raises(KeyError, match=r"t\.py::b"):
+        judged.records.failed_in_pytest("t.py::b")
 
 
 def test_a_record_tolerance_beats_the_runs(tmp_path: Path) -> None:

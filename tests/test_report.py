@@ -97,18 +97,21 @@ def suite(steps: Steps) -> list[Record]:
     """Four tests: a long id with a budget exceeded, an AdamW step that regressed, a backward, a new test."""
     call = replace(steps.call, retained=0)
     budget = Limit("peak", cost(steps.call, "peak") - 1024, BUDGET, kind="budget")
-    long = Record(LONG_ID, [call, steps.step])
-    long.findings = limit_findings(LONG_ID, call, budget) + baseline_findings(LONG_ID, steps.step, None)
-    adamw = Record(ADAMW_ID, [call, steps.step])
-    adamw.findings = [
+    long = Record(
+        LONG_ID,
+        [call, steps.step],
+        limit_findings(LONG_ID, call, budget) + baseline_findings(LONG_ID, steps.step, None),
+    )
+    adamw_findings = [
         *limit_findings(ADAMW_ID, call, Limit("peak", 64 * 2**20, "64MiB"), Limit("retained", 0, "0B")),
         *baseline_findings(ADAMW_ID, call),
         *baseline_findings(ADAMW_ID, steps.step, scale=0.5),  # the step doubled: regressed
     ]
-    backward = Record(BACKWARD_ID, [replace(steps.backward, name="backward")])
-    backward.findings = baseline_findings(BACKWARD_ID, steps.backward, scale=1.0)
-    other = Record("tests/test_steps.py::test_on_another_machine", [call])
-    other.findings = baseline_findings(other.nodeid, call, None, (CUDA_KEY, CPU_KEY))
+    adamw = Record(ADAMW_ID, [call, steps.step], adamw_findings)
+    backward_findings = baseline_findings(BACKWARD_ID, steps.backward, scale=1.0)
+    backward = Record(BACKWARD_ID, [replace(steps.backward, name="backward")], backward_findings)
+    other_id = "tests/test_steps.py::test_on_another_machine"
+    other = Record(other_id, [call], baseline_findings(other_id, call, None, (CUDA_KEY, CPU_KEY)))
     return [long, adamw, backward, other]
 
 

@@ -36,8 +36,7 @@ def run(engine: Engine, function: object, options: RunOptions | None = None, **m
     spec = parse_marker([((), marker)])
     plan = TestPlan("tests/test_x.py::test_y", spec, options=options or RunOptions())
     record = TestRun(plan, engine, environment=ENV).run(function)  # type: ignore[arg-type]
-    judge(record)
-    return record
+    return judge(record)
 
 
 def test_a_passing_test_gives_its_figures_and_checks_its_limits(engine: Engine) -> None:

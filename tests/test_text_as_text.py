@@ -26,9 +26,8 @@ HOSTILE = "a![img](http://example.invalid/x.png)<img src=x onerror=alert(1)>|`co
 def _record(test: str, span: str) -> TestRecord:
     call = Measurement("call", "cpu", "cpu", start=0, peak=400, allocated=400)
     named = Measurement(span, "cpu", "cpu", start=0, peak=100, allocated=0)
-    record = TestRecord(test, measurements=[call, named])
-    record.findings = [Finding(test, span, "peak", "baseline", "new", 100, None, detail="no baseline")]
-    return record
+    finding = Finding(test, span, "peak", "baseline", "new", 100, None, detail="no baseline")
+    return TestRecord(test, measurements=[call, named], findings=[finding])
 
 
 def _github(text: str) -> list:

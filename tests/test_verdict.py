@@ -482,23 +482,25 @@ def test_the_judge_decides_which_limits_apply_to_the_call() -> None:
 
     call = measurement(peak=MiB, allocated=0, retained=0)
     step = measurement(name="step", peak=MiB)
-    record = TestRecord(TEST, [call, step], asked={"call": [parse_limit("peak", "2MiB")]}, leak_check=True)
-    record.min_microbatch = 8
+    asked = {"call": [parse_limit("peak", "2MiB")]}
+    record = TestRecord(TEST, [call, step], asked=asked, leak_check=True, min_microbatch=8)
     assert [(s.metric, s.text) for s in limits_of(record, "call")] == [
         ("peak", "2MiB"),
         ("retained", "0B (gpumem_leak_check)"),
         ("max_microbatch", "min_microbatch=8"),
     ]
     assert limits_of(record, "step") == []  # the run's and the marker's checks are the call's
-    record.asked["call"].append(parse_limit("retained", "1KiB"))  # the marker's bound wins over the run's 0
+    record = dataclasses.replace(
+        record, asked={**record.asked, "call": [*record.asked["call"], parse_limit("retained", "1KiB")]}
+    )  # the marker's bound wins over the run's 0
     assert [s.text for s in limits_of(record, "call") if s.metric == "retained"] == ["1KiB"]
     # with ranks measured, each rank's span asked for the marker's span limits: the call keeps the rest
-    record.ranks_measured = True
+    record = dataclasses.replace(record, ranks_measured=True)
     assert [s.metric for s in limits_of(record, "call")] == ["retained", "max_microbatch"]
     # under torchrun the call span is named for its rank: the first span is still the call
     renamed = TestRecord(TEST, [dataclasses.replace(call, name="call@rank1-of-2")], leak_check=True)
     assert [s.metric for s in limits_of(renamed, "call@rank1-of-2")] == ["retained"]
-    assert [f.status for f in judge(renamed)] == ["ok"]
+    assert [f.status for f in judge(renamed).findings] == ["ok"]
 
 
 def test_the_leak_report_joins_a_failure_of_the_retained_check_only() -> None:
@@ -510,13 +512,11 @@ def test_the_leak_report_joins_a_failure_of_the_retained_check_only() -> None:
         call = measurement(peak=MiB, retained=retained)
         return TestRecord(TEST, [call], asked={"call": [parse_limit("retained", bound)]}, leak_report="leaked: x")
 
-    leaked = record("1KiB", 2 * KiB)
-    judge(leaked)
-    judge(leaked)  # judged again: the report once
+    made = record("1KiB", 2 * KiB)
+    leaked = judge(judge(made))  # judged again: the report once
     assert leaked.reports == ["leaked: x"] and leaked.failed
-    within = record("1KiB", KiB)
-    judge(within)
+    assert made.reports == [] and made.findings == []  # the record judged is not changed
+    within = judge(record("1KiB", KiB))
     assert within.reports == [] and not within.failed
-    unknown = record("16Ψ", 2 * KiB)  # Ψ unknown: an error, not a bound of 0
-    judge(unknown)
+    unknown = judge(record("16Ψ", 2 * KiB))  # Ψ unknown: an error, not a bound of 0
     assert unknown.reports == [] and unknown.findings == [] and unknown.errors

@@ -68,15 +68,16 @@ def decide(record: TestRecord, baselines: BaselineStore | None = None, options: 
 
 def judge(
     record: TestRecord, baselines: BaselineStore | None = None, options: JudgeOptions | None = None
-) -> list[Finding]:
-    """:func:`decide` ``record``, and set what was decided on it; returns its findings."""
+) -> TestRecord:
+    """:func:`decide` ``record``: the record with what was decided on it (``record`` is not changed)."""
     decision = decide(record, baselines, options)
-    record.errors.extend(decision.errors)
-    if decision.site_changes is not None:
-        record.site_changes = decision.site_changes
-    record.findings = list(decision.findings)
-    record.reports.extend(decision.reports)
-    return record.findings
+    return replace(
+        record,
+        findings=list(decision.findings),
+        errors=[*record.errors, *decision.errors],
+        reports=[*record.reports, *decision.reports],
+        site_changes=record.site_changes if decision.site_changes is None else decision.site_changes,
+    )
 
 
 def limits_of(record: TestRecord, span: str) -> list[LimitSpec]:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,11 +25,12 @@ def memory_failed(errors: Sequence[str], findings: Iterable[Finding]) -> bool:
     return bool(errors) or any(finding.failed for finding in findings)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TestRecord(Coded):
     """What the plugin learnt about one test call; sizes are bytes, spans are keyed by name (``"call"`` the marker's).
 
-    ``measurements`` holds the ``call`` span first; ``errors`` fail the test by themselves; ``environment`` is None when
+    A record is not changed once made: :func:`dataclasses.replace` makes another. ``measurements`` holds the ``call``
+    span first; ``errors`` fail the test by themselves; ``environment`` is None when
     it did not measure; ``workspaces`` are library workspaces held in every reading (never in a cost); ``asked`` holds
     the limits as written, which the judge resolves; ``leak_report`` joins ``reports`` when ``retained`` fails.
     """
@@ -77,9 +77,6 @@ class TestRecord(Coded):
         given = self.tolerances.get(span) or self.tolerances.get("call")
         return None if given is None else Tolerance.from_dict(given)
 
-    def set_tolerance(self, span: str, tolerance: Tolerance) -> None:
-        self.tolerances[span] = tolerance.to_dict()
-
     def timeline_of_call(self) -> Timeline:
         """The call's timeline, empty when none was recorded."""
         return Timeline.empty() if self.timeline is None else Timeline.from_dict(self.timeline)
@@ -121,12 +118,9 @@ class RecordStore:
         """A new copy of every record, in the order they were first kept."""
         return [TestRecord.from_json(text) for text in self._texts.values()]
 
-    @contextlib.contextmanager
-    def edit(self, nodeid: str) -> Iterator[TestRecord]:
-        """The record of ``nodeid`` for the ``with`` block to change; kept again as the block ends without an error."""
-        record = self.decoded(nodeid)
-        yield record
-        self.put(record)
+    def failed_in_pytest(self, nodeid: str) -> None:
+        """Keep the record of ``nodeid`` as a test that failed (in a phase after its call)."""
+        self.put(replace(self.decoded(nodeid), passed=False))
 
     def remove(self, nodeid: str) -> None:
         del self._texts[nodeid]

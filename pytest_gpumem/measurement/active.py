@@ -99,8 +99,7 @@ def measure(
         _ACTIVE.reset(token)
         recorder.end()
     if span.limits:
-        record = TestRecord(span.name, measurements=[span.measurement], asked={span.name: list(span.limits)})
-        judge(record)
+        record = judge(TestRecord(span.name, measurements=[span.measurement], asked={span.name: list(span.limits)}))
         if record.failed:
             broken = [finding for finding in record.findings if finding.failed]
             raise LimitExceeded("\n\n".join([*record.errors, *([failure_message(broken)] if broken else [])]))

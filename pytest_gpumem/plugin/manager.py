@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Generator
+from dataclasses import replace
 
 import pytest
 
@@ -105,7 +106,7 @@ class GpumemManager:
         if report.when != "call" or record is None:
             return report
         if self.launch is not None:  # each rank's figures are its own spans
-            rename(record, self.launch)
+            record = rename(record, self.launch)
         for measurement in record.measurements:
             prefix = "gpumem" if measurement.name == "call" else f"gpumem[{measurement.name}]"
             for metric in METRICS:
@@ -131,8 +132,7 @@ class GpumemManager:
             report.user_properties.extend(self.ending.properties.pop(report.nodeid, ()))
         if report.when == "teardown" and report.failed:  # a test that failed in any phase records no baseline
             if report.nodeid in self.baselines.records:
-                with self.baselines.records.edit(report.nodeid) as judged:
-                    judged.passed = False
+                self.baselines.records.failed_in_pytest(report.nodeid)
             return
         data = getattr(report, "gpumem", None)
         if data is None or report.when != "call":
@@ -144,13 +144,10 @@ class GpumemManager:
         # an xfail test whose code passed and whose memory fails is an expected failure
         expected = xfail is not None and record.passed and fails_on_memory(self.baselines, record)
         if report.failed and record.passed:
-            record.passed = False  # failed for pytest's reason (XPASS(strict)) or another plugin's
-        try:
-            self.baselines.judge(record)
-        except BaselineFileError as exc:  # under xdist the controller reads the file at the first record
-            self.ending.error = f"gpumem baselines: {exc}"
-            record.errors.append(self.ending.error)
-            self.baselines.records.put(record)  # with the error
+            record = replace(record, passed=False)  # failed for pytest's reason (XPASS(strict)) or another plugin's
+        record, problem = self.baselines.judged(record)
+        if problem is not None:  # under xdist the controller reads the file at the first record
+            self.ending.error = f"gpumem baselines: {problem}"
         if expected:  # reported as pytest reports an expected failure
             report.outcome = "skipped"
             report.wasxfail = str(xfail)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -195,7 +196,7 @@ class Measuring:
         if reason is None and self.launch is not None:
             reason = "pytest runs under torchrun, whose ranks would not run it again together"
         if reason is not None:
-            record.reports.append(no_sites_note(reason))
+            item.stash[RECORD_KEY] = replace(record, reports=[*record.reports, no_sites_note(reason)])
         else:
             item.stash[SECOND_RUN_KEY] = SecondRun(record)
 
@@ -226,5 +227,6 @@ def _finish(item: pytest.Item, run: TestRun, exc: BaseException | None) -> TestR
             problems = late_marker_problems(markers, late, run.plan.spec, now)
             run.plan = run.plan.with_marker(now)
     record = run.finish(exc)
-    record.errors.extend(f"{item.nodeid}: {problem}" for problem in problems)
-    return record
+    if not problems:
+        return record
+    return replace(record, errors=[*record.errors, *(f"{item.nodeid}: {problem}" for problem in problems)])

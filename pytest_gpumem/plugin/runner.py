@@ -181,19 +181,9 @@ class TestRun:
         call = replace(
             call, retained=engine.allocated() - call.start, max_microbatch=recorder.max_microbatch, notes=notes
         )
-        record = TestRecord(
-            self.nodeid,
-            environment=self.environment,
-            passed=exc is None,
-            timeline=None if timeline is None else timeline.to_dict(TIMELINE_SAMPLES),
-            snapshot=self._history,
-            device_limit=recorder.device_limit,
-            workspaces=engine.workspaces,
-        )
-        if oom is not None:
-            record.reports.append(oom.format())
+        leak_report = None
         spec = self.plan.spec
-        if self._snapshot is not None and record.passed and call.retained and call.retained > 0:
+        if self._snapshot is not None and exc is None and call.retained and call.retained > 0:
             running = collector.running()
             if running is not None and running.frozen:
                 # a cycle among frozen objects may hold what the test dropped: one collection sees every object, and
@@ -203,18 +193,29 @@ class TestRun:
             collector.give_back()  # the collection after the teardown sees every object, as without the check
             call = replace(call, retained=leak.retained)
             if leak.retained > 0:
-                record.leak_report = leak.format()
+                leak_report = leak.format()
         self._snapshot = None
-        record.leak_check = self.plan.options.leak_check
-        record.min_microbatch = spec.min_microbatch
-        record.ranks_measured = recorder.ranks_measured
-        record.measurements = [call] + [span.measurement for span in recorder.spans]
-        record.asked = {"call": list(spec.limits)} if spec.limits else {}
-        if spec.tolerance is not None:
-            record.set_tolerance("call", spec.tolerance)
+        asked = {"call": list(spec.limits)} if spec.limits else {}
+        tolerances = {"call": spec.tolerance.to_dict()} if spec.tolerance is not None else {}
         for span in recorder.spans:
             if span.tolerance is not None:
-                record.set_tolerance(span.name, span.tolerance)
+                tolerances[span.name] = span.tolerance.to_dict()
             if span.limits:
-                record.asked[span.name] = list(span.limits)
-        return record
+                asked[span.name] = list(span.limits)
+        return TestRecord(
+            self.nodeid,
+            measurements=[call] + [span.measurement for span in recorder.spans],
+            environment=self.environment,
+            tolerances=tolerances,
+            passed=exc is None,
+            reports=[] if oom is None else [oom.format()],
+            timeline=None if timeline is None else timeline.to_dict(TIMELINE_SAMPLES),
+            snapshot=self._history,
+            device_limit=recorder.device_limit,
+            workspaces=engine.workspaces,
+            asked=asked,
+            leak_check=self.plan.options.leak_check,
+            min_microbatch=spec.min_microbatch,
+            ranks_measured=recorder.ranks_measured,
+            leak_report=leak_report,
+        )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pytest_gpumem.baselines import (
@@ -66,7 +66,14 @@ class BaselineSession:
         return self._store is not None
 
     def judge(self, record: TestRecord) -> list[Finding]:
-        """Judge ``record`` with the baseline file and keep it; a file it cannot read raises after the limits."""
+        """The findings of ``record`` judged and kept; a file it cannot read raises after the limits."""
+        judged, problem = self.judged(record)
+        if problem is not None:
+            raise problem
+        return judged.findings
+
+    def judged(self, record: TestRecord) -> tuple[TestRecord, BaselineFileError | None]:
+        """``record`` judged with the baseline file and kept, and why the file could not be read (None: it could)."""
         options = self.options
         store: BaselineStore | None = None
         problem: BaselineFileError | None = None
@@ -75,11 +82,11 @@ class BaselineSession:
                 store = self.store
             except BaselineFileError as exc:
                 problem = exc
-        findings = judge(record, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
-        self.records.put(record)  # judged: with its findings
+        judged = judge(record, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
         if problem is not None:
-            raise problem
-        return findings
+            judged = replace(judged, errors=[*judged.errors, f"gpumem baselines: {problem}"])
+        self.records.put(judged)  # with its findings
+        return judged, problem
 
     def finish(self, collection: Collection | None) -> None:
         """End of the run: stale baselines (none looked for without ``collection``), pruning, recording, saving."""

@@ -173,10 +173,10 @@ def with_sites(first: TestRecord, second: TestRecord | None, outcome: str | None
         if outcome is not None:
             note = f"the second run {outcome}"
         measurements.append(replace(measurement, sites=replace(other.sites, second_run=True, note=note)))
-    first.measurements = measurements
+    reports = first.reports  # the leak and out-of-memory reports stay the first run's
     if second is None or not any(m.sites is not None for m in second.measurements):
-        first.reports.append(f"sites: the second run recorded none ({outcome or 'it measured nothing'})")
-    return first  # the leak and out-of-memory reports stay the first run's
+        reports = [*reports, f"sites: the second run recorded none ({outcome or 'it measured nothing'})"]
+    return replace(first, measurements=measurements, reports=reports)
 
 
 def _differs(first: Measurement, second: Measurement) -> str:

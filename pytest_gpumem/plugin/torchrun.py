@@ -52,16 +52,19 @@ def rank_span(name: str, rank: int, world_size: int) -> str:
     return f"{name}@rank{rank}-of-{world_size}"
 
 
-def rename(record: TestRecord, where: Launch) -> None:
-    """Give ``record``'s spans (and what refers to them) this rank's names, in place."""
+def rename(record: TestRecord, where: Launch) -> TestRecord:
+    """``record`` with its spans (and what refers to them) named for this rank."""
     rank, size = where.rank, where.world_size
-    record.measurements = [replace(m, name=rank_span(m.name, rank, size)) for m in record.measurements]
-    record.asked = {rank_span(k, rank, size): v for k, v in record.asked.items()}
-    record.findings = [replace(f, span=rank_span(f.span, rank, size)) for f in record.findings]
     tolerances = {rank_span(k, rank, size): v for k, v in record.tolerances.items()}
     if "call" in record.tolerances:
         tolerances["call"] = record.tolerances["call"]
-    record.tolerances = tolerances
+    return replace(
+        record,
+        measurements=[replace(m, name=rank_span(m.name, rank, size)) for m in record.measurements],
+        asked={rank_span(k, rank, size): v for k, v in record.asked.items()},
+        findings=[replace(f, span=rank_span(f.span, rank, size)) for f in record.findings],
+        tolerances=tolerances,
+    )
 
 
 def _interruptible(call: Callable[[], None]) -> None:
@@ -125,20 +128,23 @@ def merge(per_rank: list[list[dict[str, Any]]]) -> dict[str, TestRecord]:
     merged: dict[str, TestRecord] = {}
     for nodeid, ranks in by_test.items():
         first = ranks[0]
-        record = TestRecord.from_dict(first.to_dict())
+        errors = list(first.errors)
         for other in ranks[1:]:
-            record.measurements.extend(other.measurements)
-            record.findings.extend(other.findings)
-            record.errors.extend(other.errors)
-            record.reports.extend(other.reports)
-            record.tolerances.update(other.tolerances)
-            record.passed = record.passed and other.passed
+            errors += other.errors
             if other.environment_key != first.environment_key:
-                record.errors.append(
+                errors.append(
                     f"ranks measured in different environments ({first.environment_key} and "
                     f"{other.environment_key}): not recorded"
                 )
         if len(ranks) != len(per_rank):
-            record.errors.append(f"measured on {len(ranks)} of {len(per_rank)} ranks: not recorded")
-        merged[nodeid] = record
+            errors.append(f"measured on {len(ranks)} of {len(per_rank)} ranks: not recorded")
+        merged[nodeid] = replace(
+            first,
+            measurements=[m for one in ranks for m in one.measurements],
+            findings=[f for one in ranks for f in one.findings],
+            errors=errors,
+            reports=[r for one in ranks for r in one.reports],
+            tolerances={span: t for one in ranks for span, t in one.tolerances.items()},
+            passed=all(one.passed for one in ranks),
+        )
     return merged

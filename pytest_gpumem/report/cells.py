@@ -46,12 +46,21 @@ LEGEND_COUNT = "×N: the phase ran N times in the span (e.g. a warm-up step and 
 class RecordLike(Protocol):
     """What the reports read of a test's record (:class:`pytest_gpumem.judge.record.TestRecord`)."""
 
-    nodeid: str
-    measurements: list[Measurement]
-    findings: list[Finding]
-    errors: list[str]
-    #: the test's own code passed (in every phase)
-    passed: bool
+    @property
+    def nodeid(self) -> str: ...
+
+    @property
+    def measurements(self) -> list[Measurement]: ...
+
+    @property
+    def findings(self) -> list[Finding]: ...
+
+    @property
+    def errors(self) -> list[str]: ...
+
+    @property
+    def passed(self) -> bool:
+        """The test's own code passed (in every phase)."""
 
     @property
     def failed(self) -> bool:
