@@ -73,7 +73,7 @@ class TestRun:
         self.options = options or RunOptions()
         self.recorder = Recorder(
             engine,
-            timeline=engine.categorizes,
+            timeline=engine.categories is not None,
             saved_tensors=saved_tensors,
             fake=fake,
             label=nodeid,
@@ -200,8 +200,8 @@ class TestRun:
             release_oom(exc, engine)
         engine.settle()  # library workspaces stay: they were there at the start reading
         notes = call.notes
-        if engine.exact:  # the tracker is the engine: what did it miss?
-            unseen = engine.scan()
+        if engine.exact and engine.categories is not None:  # the tracker is the engine: what did it miss?
+            unseen = engine.categories.scan()
             if unseen > 0:
                 notes = (*notes, unseen_note(unseen))
                 notify(PartialFigures(f"{self.nodeid}: {notes[-1]}"), stacklevel=2)
