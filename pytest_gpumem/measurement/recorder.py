@@ -16,7 +16,7 @@ from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.data.site_figures import SiteConfig, build_profile
 from pytest_gpumem.judge.limits import LimitSpec, parse_span_limits
 from pytest_gpumem.measurement.engines import describe_compiled
-from pytest_gpumem.measurement.engines.base import Engine, Reading
+from pytest_gpumem.measurement.engines.base import Engine, Reading, Runtime
 from pytest_gpumem.measurement.engines.savedhooks import STEPPED_ASIDE_NOTE
 from pytest_gpumem.measurement.tracked import Tracked
 
@@ -268,7 +268,7 @@ class Recorder:
             name=name,
             start=now,
             start_reserved=engine.reserved(),
-            counters=engine.counters(),
+            counters=_counters(engine),
             start_event=0 if categories is None else categories.events,
             peak=now,
             breakdown=None if breakdown is None else tuple(breakdown.values()),
@@ -315,8 +315,8 @@ class Recorder:
             if self._phase is not None and self._phase in state.phases:
                 state.phases[self._phase].end = now
             self._open.remove(state)
-            counters = self.engine.counters()
-            used, mine = self.engine.driver() if self.driver else (None, None)
+            counters = _counters(self.engine)
+            used, mine = self.engine.driver() if self.driver and isinstance(self.engine, Runtime) else (None, None)
             end, end_breakdown = self._allocated_now() if allocated is None else allocated
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
         breakdown = self.categories(breakdown)
@@ -501,6 +501,10 @@ class Span:
     def __repr__(self) -> str:
         state = "open" if self._measurement is None else f"peak={self._measurement.peak}"
         return f"<Span {self.name!r} {state}>"
+
+
+def _counters(engine: Engine) -> dict[str, int]:
+    return engine.counters() if isinstance(engine, Runtime) else {}
 
 
 def _sites_now(engine: Engine) -> Any:

@@ -23,7 +23,7 @@ from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.active import activate
 from pytest_gpumem.measurement.engines import unseen_note
-from pytest_gpumem.measurement.engines.base import Engine
+from pytest_gpumem.measurement.engines.base import Engine, Workspaces
 from pytest_gpumem.measurement.recorder import Recorder
 from pytest_gpumem.plugin.marker import GpumemSpec
 from pytest_gpumem.plugin.returnwatch import watch_return
@@ -215,7 +215,7 @@ class TestRun:
             timeline=None if timeline is None else timeline.to_dict(TIMELINE_SAMPLES),
             snapshot=self._history,
             device_limit=recorder.device_limit,
-            workspaces=engine.workspaces,
+            workspaces=engine.workspaces if isinstance(engine, Workspaces) else None,
         )
         if oom is not None:
             record.reports.append(oom.format())

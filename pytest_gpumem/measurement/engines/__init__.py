@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from pytest_gpumem.measurement.engines.base import Categories, Engine, Reading, SiteRecording
+from pytest_gpumem.measurement.engines.base import Categories, Engine, Reading, Runtime, SiteRecording, Workspaces
 from pytest_gpumem.measurement.engines.compiled import describe_compiled
 from pytest_gpumem.measurement.engines.cuda import cuda_available, cuda_device_count
 from pytest_gpumem.measurement.engines.storages import unseen_note
@@ -18,8 +18,10 @@ __all__ = [
     "Categories",
     "Engine",
     "Reading",
+    "Runtime",
     "SiteRecording",
     "StorageTracker",
+    "Workspaces",
     "cuda_available",
     "cuda_device_count",
     "describe_compiled",

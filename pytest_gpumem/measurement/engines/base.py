@@ -1,12 +1,13 @@
 """What every engine offers (readings of one device's memory, the few actions on it the package needs), and the
-capabilities an engine may offer besides: a storage tracker's :class:`Categories`, and :class:`SiteRecording`."""
+capabilities an engine may offer besides: a storage tracker's :class:`Categories` and :class:`SiteRecording` (its
+attributes, None when absent), a :class:`Runtime` and :class:`Workspaces` (protocols it implements, or not)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -14,7 +15,7 @@ from pytest_gpumem.data.site_figures import Site, SiteConfig
 from pytest_gpumem.measurement.engines.site_tracking import Found, SiteRecorder, found_sites
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
-__all__ = ["Categories", "Engine", "Reading", "SiteRecording", "TrackerSites"]
+__all__ = ["Categories", "Engine", "Reading", "Runtime", "SiteRecording", "TrackerSites", "Workspaces"]
 
 
 @dataclass
@@ -56,10 +57,6 @@ class Engine(Protocol):
     def predicts(self) -> str | None:
         """The GPU whose figures this engine predicts from a CPU run (``"h100"``), if any."""
 
-    @property
-    def workspaces(self) -> int | None:
-        """Bytes of the library workspaces kept on the device (part of every start reading), if any."""
-
     # -- readings -------------------------------------------------------------------
 
     def allocated(self) -> int:
@@ -78,15 +75,6 @@ class Engine(Protocol):
         """A pending window's reading, allocated bytes and event count when it closed."""
         ...
 
-    def counters(self) -> dict[str, int]:
-        """Cumulative event counters (``num_alloc_retries``, ``num_ooms``) where known."""
-
-    def driver(self) -> tuple[int | None, int | None]:
-        """(device memory used by all processes, by this process) per NVML."""
-
-    def device_used(self) -> int | None:
-        """Device memory in use per the runtime (all processes); None on CPU."""
-
     def saved_bytes(self) -> int | None:
         """Bytes autograd holds for backward now (parameters excluded); None when not counted."""
 
@@ -104,15 +92,6 @@ class Engine(Protocol):
     def settle(self) -> None:
         """Collect garbage and wait for the device, so that a reading shows only what is alive."""
 
-    def warm_workspaces(self) -> None:
-        """Create the library workspaces a training step's threads get."""
-
-    def release_workspaces(self) -> None:
-        """Free what libraries keep per thread (cuBLAS workspaces), for the leak check."""
-
-    def synchronize(self) -> None:
-        """Wait for the device's queued work; a no-op on CPU."""
-
     def empty_cache(self) -> None:
         """Return the allocator's cached, unused blocks to the driver; a no-op on CPU."""
 
@@ -127,6 +106,38 @@ class Engine(Protocol):
 
     def record_history(self, path: str) -> AbstractContextManager[str | None]:
         """Record allocation history during the block and write a snapshot to ``path``; yields it, or None."""
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """A device runtime beside the allocator (the CUDA engine's): its queue, its counters, the driver's figures."""
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work."""
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative event counters (``num_alloc_retries``, ``num_ooms``)."""
+
+    def driver(self) -> tuple[int | None, int | None]:
+        """(device memory used by all processes, by this process) per NVML."""
+
+    def device_used(self) -> int | None:
+        """Device memory in use per the runtime (all processes)."""
+
+
+@runtime_checkable
+class Workspaces(Protocol):
+    """Library workspaces an engine keeps on the device (cuBLAS's), made by its clean state and part of every start."""
+
+    @property
+    def workspaces(self) -> int | None:
+        """Their bytes, once the first clean state made them."""
+
+    def warm_workspaces(self) -> None:
+        """Create the workspaces a training step's threads get."""
+
+    def release_workspaces(self) -> None:
+        """Free them (what libraries keep per thread), for the leak check."""
 
 
 class Categories:

@@ -42,10 +42,6 @@ class CpuEngine:
     def predicts(self) -> str | None:
         return None
 
-    @property
-    def workspaces(self) -> int | None:
-        return None
-
     # -- readings -------------------------------------------------------------------
 
     @property
@@ -77,15 +73,6 @@ class CpuEngine:
         window, allocated, events = self.tracker.resolve(token)
         return Reading(peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak), allocated, events
 
-    def counters(self) -> dict[str, int]:
-        return {}
-
-    def driver(self) -> tuple[int | None, int | None]:
-        return None, None
-
-    def device_used(self) -> int | None:
-        return None
-
     def saved_bytes(self) -> int | None:
         if not (self.tracker.active and self._saved_tensors):
             return None
@@ -111,15 +98,6 @@ class CpuEngine:
 
     def settle(self) -> None:
         collector.collect()
-
-    def warm_workspaces(self) -> None:
-        """Nothing to create: CPU kernels keep no workspaces the tracker counts."""
-
-    def release_workspaces(self) -> None:
-        """Nothing to release: CPU kernels keep no workspaces the tracker counts."""
-
-    def synchronize(self) -> None:
-        """CPU operators finish before they return."""
 
     def empty_cache(self) -> None:
         """No caching allocator on the CPU engine."""
