@@ -98,7 +98,9 @@ def max_microbatch(
         guard = searched.limit_memory(nbytes) if searched is not None and nbytes is not None else nullcontext()
         before = searched.allocated() if searched is not None else None
         # the search catches every OOM of a try: no report (a census of every live tensor) at its refused allocation
-        watch = categories.swap_oom_callback(None) if categories is not None else None
+        watch = None if categories is None else categories.on_oom
+        if categories is not None:
+            categories.on_oom = None
         fitted = True
         try:
             with guard:
@@ -110,7 +112,7 @@ def max_microbatch(
             fitted = False
         finally:
             if categories is not None:
-                categories.swap_oom_callback(watch)
+                categories.on_oom = watch
             if cleanup is not None:
                 cleanup()
             if before is None or searched is None or searched.allocated() > before:

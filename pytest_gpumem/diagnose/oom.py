@@ -214,8 +214,9 @@ class OomWatch:
         self._installed = False
 
     def __enter__(self) -> OomWatch:
-        if self.engine.categories is not None and not self._installed:
-            self._previous = self.engine.categories.swap_oom_callback(self._on_oom)
+        categories = self.engine.categories
+        if categories is not None and not self._installed:
+            self._previous, categories.on_oom = categories.on_oom, self._on_oom
             self._installed = True
         return self
 
@@ -225,7 +226,7 @@ class OomWatch:
     def close(self) -> None:
         """Restore the tracker's previous ``on_oom`` callback (idempotent)."""
         if self._installed and self.engine.categories is not None:
-            self.engine.categories.swap_oom_callback(self._previous)
+            self.engine.categories.on_oom = self._previous
             self._installed = False
             self._previous = None
 

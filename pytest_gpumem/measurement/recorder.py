@@ -372,7 +372,7 @@ class Recorder:
         categories = self.engine.categories
         if categories is None:
             return None
-        columns = categories.timeline_samples(start_event)
+        columns = categories.timeline_columns(start_event)
         now = categories.breakdown()
         if columns is None:
             return None

@@ -117,8 +117,8 @@ class Tracked:
         for obj in self.objects:
             if isinstance(obj, torch.nn.Module):
                 params = list(obj.parameters())
-                categories.classify(params, "parameters")
-                categories.classify([p.grad for p in params if p.grad is not None], "gradients")
+                categories.register(params, "parameters")
+                categories.register([p.grad for p in params if p.grad is not None], "gradients")
             else:
                 self.classify_optimizer(obj)
 
@@ -127,12 +127,12 @@ class Tracked:
         if categories is None:
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        categories.classify(params, "parameters")
-        categories.classify([p.grad for p in params if p.grad is not None], "gradients")
+        categories.register(params, "parameters")
+        categories.register([p.grad for p in params if p.grad is not None], "gradients")
         # a sharding wrapper (ZeroRedundancyOptimizer) keeps the rank's state in the optimizer it wraps, ``.optim``
         inner = getattr(optimizer, "optim", None)
         holders = [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
-        categories.classify(
+        categories.register(
             [
                 value
                 for holder in holders
@@ -164,4 +164,4 @@ class Tracked:
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         if self.phases.active and param.grad is not None and self.engine.categories is not None:
-            self.engine.categories.classify((param.grad,), "gradients")
+            self.engine.categories.register((param.grad,), "gradients")

@@ -140,61 +140,45 @@ class Workspaces(Protocol):
         """Free them (what libraries keep per thread), for the leak check."""
 
 
-class Categories:
+class Categories(Protocol):
     """What a storage tracker knows of the device: each storage's category, the breakdown, the timeline."""
 
-    def __init__(self, tracker: StorageTracker) -> None:
-        self._tracker = tracker
+    on_oom: Callable[[int], None] | None  #: called with the request size at an allocation an emulated limit refuses
 
     @property
     def events(self) -> int:
-        """Allocations and frees the tracker has seen: the clock of timelines."""
-        return self._tracker.events
+        """Allocations and frees seen: the clock of timelines."""
 
     @property
     def active(self) -> bool:
         """True while the tracker runs (it sees allocations)."""
-        return self._tracker.active
 
     @property
     def counts_fakes(self) -> bool:
         """True when fake tensors are memory (a measurement on fake tensors)."""
-        return self._tracker.counts_fakes
 
     @property
     def compiled_frames(self) -> Sequence[tuple[bool, str]]:
         """Frames TorchDynamo ran eagerly under the tracker: (a library's, ``qualname (file:line)``)."""
-        return self._tracker.compiled_frames
 
     @property
     def notes(self) -> Sequence[str]:
         """What the tracker could not see (work on another thread)."""
-        return self._tracker.notes
 
-    def classify(self, tensors: Iterable[Any], category: str) -> None:
-        """Count ``tensors``' storages as ``category`` from now on."""
-        self._tracker.register(tensors, category)
+    def register(self, tensors: Iterable[torch.Tensor], category: str | None = None) -> None:
+        """Count ``tensors``' storages, as ``category`` from now on."""
 
-    def category_of(self, tensor: Any) -> str | None:
+    def category_of(self, tensor: torch.Tensor) -> str | None:
         """The category ``tensor``'s storage is counted in; None when uncounted."""
-        return self._tracker.category_of(tensor)
 
     def breakdown(self) -> dict[str, int]:
         """Allocated bytes by category now."""
-        return self._tracker.breakdown()
 
-    def timeline_samples(self, start_event: int) -> tuple[list[int], list[list[int]]] | None:
-        """The tracker's samples from ``start_event`` on as columns; None when it keeps none."""
-        return self._tracker.timeline_columns(start_event)
+    def timeline_columns(self, start_event: int) -> tuple[list[int], list[list[int]]] | None:
+        """The samples from ``start_event`` on as columns: event indexes, then bytes by category; None without."""
 
-    def scan(self, extra: Iterable[Any] = ()) -> int:
-        """Count every tensor alive (and ``extra``) the tracker had not seen; returns their bytes."""
-        return self._tracker.scan(extra=extra)
-
-    def swap_oom_callback(self, callback: Callable[[int], None] | None) -> Callable[[int], None] | None:
-        """Call ``callback(nbytes)`` at an allocation an emulated limit refuses; returns the previous one."""
-        previous, self._tracker.on_oom = self._tracker.on_oom, callback
-        return previous
+    def scan(self, extra: Iterable[object] = ()) -> int:
+        """Count every tensor alive (and ``extra``) not seen yet; returns their bytes."""
 
 
 class SiteRecording(Protocol):

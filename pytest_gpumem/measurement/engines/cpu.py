@@ -30,7 +30,7 @@ class CpuEngine:
     def __init__(self, *, cuda_rounding: bool = False, tracker: StorageTracker | None = None) -> None:
         self.device = torch.device("cpu")
         self.tracker: StorageTracker = tracker or StorageTracker(self.device, cuda_rounding=cuda_rounding)
-        self.categories = Categories(self.tracker)
+        self.categories: Categories = self.tracker
         self.sites = TrackerSites(self.tracker) if self.tracker.observes == "operators" else None
         self._saved_tensors = True
 

@@ -117,7 +117,7 @@ class CudaEngine:
         if self.device.index is None:
             self.device = torch.device(self.device.type, torch.cuda.current_device())
         self.tracker = tracker
-        self.categories = None if tracker is None else Categories(tracker)
+        self.categories: Categories | None = tracker
         #: the allocator's history with Python stacks (CUDA; ROCm has it too)
         records = self.device.type == "cuda" and hasattr(torch._C, "_cuda_record_memory_history")
         self.sites = TraceSites(self) if records else None
