@@ -118,10 +118,10 @@ class CudaEngine:
             self.device = torch.device(self.device.type, torch.cuda.current_device())
         self.tracker = tracker
         self.categories: Categories | None = tracker
+        self._api = _memory_api()
         #: the allocator's history with Python stacks (CUDA; ROCm has it too)
         records = self.device.type == "cuda" and hasattr(torch._C, "_cuda_record_memory_history")
-        self.sites = TraceSites(self) if records else None
-        self._api = _memory_api()
+        self.sites = TraceSites(self.device, self._api) if records else None
         self._backend = _backend(self.device)
         self._saved = SavedTensors(self.device) if tracker is None else None
         self._count_saved = True
@@ -341,12 +341,13 @@ class TraceSites:
     """The CUDA engine's :class:`~pytest_gpumem.measurement.engines.base.SiteRecording`: the allocator's history,
     replayed (measurement/engines/traces.py)."""
 
-    def __init__(self, engine: CudaEngine) -> None:
-        self._engine = engine
+    def __init__(self, device: torch.device, api: Any) -> None:
+        self._device, self._api = device, api
         self.trace: _Trace | None = None
 
     def start(self, config: SiteConfig) -> None:
-        self.trace = _Trace(self._engine.device, SiteFilter(config), self._engine.allocated())
+        start = int(self._api.memory_allocated(self._device))  # the engine's allocated(), outside a reading
+        self.trace = _Trace(self._device, SiteFilter(config), start)
 
     def set_phase(self, phase: str | None) -> None:
         if self.trace is not None:
