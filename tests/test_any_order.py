@@ -72,22 +72,24 @@ def test_what_an_earlier_test_left_alive_is_other_in_the_next(cpu_engine: Engine
     """Categories are a test's own: a tensor one recording made (a temporary) and another tracked
     (a parameter) count as "other" when the next recording starts, until it tracks them itself."""
     model = torch.nn.Linear(64, 64)
+    categories = cpu_engine.categories
+    assert categories is not None
     first = Recorder(cpu_engine)
     first.begin()
     try:
         first.track(model)
         cache = torch.ones(1024)
-        assert cpu_engine.category_of(cache) == "temporaries"
-        assert cpu_engine.category_of(model.weight) == "parameters"
+        assert categories.category_of(cache) == "temporaries"
+        assert categories.category_of(model.weight) == "parameters"
     finally:
         first.end()
     second = Recorder(cpu_engine)
     second.begin()
     try:
-        assert cpu_engine.category_of(cache) == "other"
-        assert cpu_engine.category_of(model.weight) == "parameters"  # the scan finds parameters as such
+        assert categories.category_of(cache) == "other"
+        assert categories.category_of(model.weight) == "parameters"  # the scan finds parameters as such
         second.track(model)
-        assert cpu_engine.category_of(model.weight) == "parameters"
+        assert categories.category_of(model.weight) == "parameters"
     finally:
         second.end()
 

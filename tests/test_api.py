@@ -17,6 +17,7 @@ from pytest_gpumem import (
     max_microbatch,
     measure,
 )
+from pytest_gpumem.measurement.engines import Runtime, Workspaces
 
 
 def test_every_public_name_resolves() -> None:
@@ -40,6 +41,17 @@ def test_make_engine_takes_device_names() -> None:
     for bad in ("tpu", "cuda:x", "", "cpu:0:1"):
         with pytest.raises(ValueError, match="is not a device"):
             make_engine(bad)
+
+
+def test_each_engine_offers_the_capabilities_it_has() -> None:
+    """What an engine does besides its readings is a capability it offers or not, not its device's name."""
+    cpu, predict = make_engine("cpu"), make_engine("cpu", predict="h100")
+    allocations = make_engine("cpu", observe="allocations")
+    assert all(engine.categories is not None for engine in (cpu, predict, allocations))  # a storage tracker
+    assert cpu.sites is not None and predict.sites is not None
+    assert allocations.sites is None  # the allocator's reports carry no Python frames
+    assert isinstance(predict, Workspaces) and not isinstance(cpu, Workspaces)
+    assert not any(isinstance(engine, Runtime) for engine in (cpu, predict, allocations))
 
 
 def test_measure_span_has_the_figures_and_limits_raise_limit_exceeded() -> None:

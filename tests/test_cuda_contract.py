@@ -32,6 +32,7 @@ import torch
 from pytest_gpumem import measure
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.judge.record import TestRecord
+from pytest_gpumem.measurement.engines import Runtime, Workspaces
 from pytest_gpumem.measurement.engines import cuda as cuda_engine
 
 #: Bytes the stand-in's workspace kernels "create" when no workspace exists.
@@ -441,6 +442,12 @@ def _engine_calls(cuda: RecordingCuda, run: Callable[[], object]) -> dict[str, i
     cuda.calls.clear()
     run()
     return _counts(cuda.calls)
+
+
+def test_the_cuda_engine_offers_a_runtime_and_workspaces(cuda: RecordingCuda) -> None:
+    """Without ``breakdown`` no storage tracker, so no categories."""
+    engine = cuda_engine.CudaEngine(torch.device("cuda", 0))
+    assert isinstance(engine, Runtime) and isinstance(engine, Workspaces) and engine.categories is None
 
 
 def test_workspaces_are_made_once_per_thread(cuda: RecordingCuda, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,7 +93,7 @@ def test_the_pytest_layers_objects_declare_only_what_they_set() -> None:
 
 def test_only_the_engines_reach_a_storage_tracker() -> None:
     """Outside ``measurement/engines`` nothing reads ``.tracker`` of an engine: what the rest of
-    the package needs of a tracker is a member of the Engine protocol."""
+    the package needs of a tracker is a capability an engine offers (``Categories``, ``SiteRecording``)."""
     engines = PACKAGE / "measurement" / "engines"
     found = [
         f"{path.relative_to(PACKAGE)}:{node.lineno}"
@@ -105,6 +105,14 @@ def test_only_the_engines_reach_a_storage_tracker() -> None:
         and not (isinstance(node.value, ast.Name) and node.value.id == "self")
     ]
     assert not found, found
+
+
+def test_the_engine_protocol_is_narrow() -> None:
+    """What every engine offers is a short list; what only some can do is a capability (``engines/base.py``)."""
+    from pytest_gpumem.measurement.engines.base import Engine
+
+    members = {name for name in vars(Engine) if not name.startswith("_")} | set(Engine.__annotations__)
+    assert len(members) <= 22, sorted(members)
 
 
 def test_public_names_are_listed_once_and_each_loads() -> None:

@@ -18,7 +18,7 @@ import torch
 from pytest_gpumem.codec import Coded
 from pytest_gpumem.diagnose.holders import frame_locals, module_level_objects, referrer_names
 from pytest_gpumem.measurement import collector, frozen, gcfunctions
-from pytest_gpumem.measurement.engines import Engine
+from pytest_gpumem.measurement.engines import Categories, Engine
 from pytest_gpumem.measurement.engines.storages import _PLAIN, fakes_counted, is_fake
 from pytest_gpumem.tables import table
 from pytest_gpumem.units import cuda_rounded, format_size
@@ -110,7 +110,7 @@ def see_every_tensor() -> None:
 
 def _counts_fakes(engine: Engine | None) -> bool:
     """Whether fake tensors are memory a census counts: during and after a measurement on fake tensors only."""
-    return fakes_counted() or bool(getattr(getattr(engine, "tracker", None), "counts_fakes", False))
+    return fakes_counted() or (engine is not None and engine.categories is not None and engine.categories.counts_fakes)
 
 
 def storage_groups(
@@ -127,6 +127,7 @@ def storage_groups(
         itertools.chain(gcfunctions.get_objects(), frozen.tensors()) if frozen.known() else gcfunctions.get_objects()
     )
     fakes = _counts_fakes(engine)
+    categories = None if engine is None else engine.categories
     with _reading(engine):  # one reading of the tracker's counts for every storage asked about
         for obj in objects:
             cls = type(obj)
@@ -144,12 +145,16 @@ def storage_groups(
             group = groups.get(key)
             if group is None:
                 nbytes = int(storage.nbytes())
-                if nbytes == 0 or (counted_only and engine is not None and engine.category_of(obj) is None):
+                if nbytes == 0 or (counted_only and engine is not None and _category(categories, obj) is None):
                     continue
                 group = groups[key] = StorageGroup(storage, cuda_rounded(nbytes) if rounding else nbytes)
             listed.add(id(obj))
             group.tensors.append(obj)
     return groups
+
+
+def _category(categories: Categories | None, tensor: Any) -> str | None:
+    return None if categories is None else categories.category_of(tensor)
 
 
 def _reading(engine: Engine | None) -> contextlib.AbstractContextManager[None]:
@@ -264,8 +269,9 @@ def describe(
     named = [t for t in group.tensors if id(t) in names]
     chosen = named[0] if named else max(group.tensors, key=lambda t: t.numel())
     name, name_category = names.get(id(chosen), (hint, None))
-    category = engine.category_of(chosen) if engine is not None else None
-    site = engine.site_of(chosen) if engine is not None else None
+    categories, sites = (None, None) if engine is None else (engine.categories, engine.sites)
+    category = _category(categories, chosen)
+    site = None if sites is None else sites.site_of(chosen)
     return LiveTensor(
         site=None if site is None else site.where(),
         nbytes=group.nbytes,

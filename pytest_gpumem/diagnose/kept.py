@@ -56,7 +56,8 @@ def kept_by_site(
 
 def _made_at_a_site(engine: Any) -> Callable[[StorageGroup], bool]:
     """Whether a storage has a site: only those are worth giving the frozen objects back to name their holders."""
-    return lambda group: engine.site_of(group.tensors[0]) is not None
+    sites = engine.sites
+    return lambda group: sites is not None and sites.site_of(group.tensors[0]) is not None
 
 
 def _frames_of(code: CodeType) -> list[FrameType]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,10 +23,8 @@ from pytest_gpumem.diagnose.census import (
 )
 from pytest_gpumem.diagnose.holders import referrer_names
 from pytest_gpumem.measurement import collector
+from pytest_gpumem.measurement.engines.base import Engine, Runtime, Workspaces
 from pytest_gpumem.units import format_delta, format_size
-
-if TYPE_CHECKING:
-    from pytest_gpumem.measurement.engines.base import Engine
 
 __all__ = ["LeakCheck", "StorageSnapshot", "confirm_leak", "referrer_names", "snapshot_storages"]
 
@@ -55,19 +52,20 @@ class StorageSnapshot:
 
 def snapshot_storages(engine: Engine) -> StorageSnapshot:
     """Remember the storages alive on ``engine``'s device now (weak references only), only when a leak check is on."""
-    engine.synchronize()
+    if isinstance(engine, Runtime):
+        engine.synchronize()
     groups = storage_groups(engine.device, engine)
     refs = {key: weakref.ref(group.storage) for key, group in groups.items()}
     del groups
-    return StorageSnapshot(
-        device=str(engine.device), allocated=engine.allocated(), driver_used=engine.device_used(), _refs=refs
-    )
+    allocated, used = engine.allocated(), engine.device_used() if isinstance(engine, Runtime) else None
+    return StorageSnapshot(device=str(engine.device), allocated=allocated, driver_used=used, _refs=refs)
 
 
 def _settle(engine: Engine) -> None:
     """Collect garbage, free library workspaces and empty the cache (PyTorch's leak-check protocol)."""
     engine.settle()
-    engine.release_workspaces()
+    if isinstance(engine, Workspaces):
+        engine.release_workspaces()
     engine.empty_cache()
 
 
@@ -146,7 +144,7 @@ def confirm_leak(
     """
     if tries < 1:
         raise ValueError(f"confirm_leak: tries must be >= 1, got {tries}")
-    start = start_allocated - (engine.workspaces or 0)
+    start = start_allocated - ((engine.workspaces if isinstance(engine, Workspaces) else None) or 0)
     readings: list[int] = []
     for _ in range(tries):
         _settle(engine)
@@ -154,12 +152,13 @@ def confirm_leak(
         readings.append(reading)
         if reading <= start:
             break
-    engine.warm_workspaces()  # back to the steady state the start reading saw
+    if isinstance(engine, Workspaces):
+        engine.warm_workspaces()  # back to the steady state the start reading saw
     engine.empty_cache()
     suspected = all(reading > start for reading in readings)
     driver_retained: int | None = None
     driver_confirmed: bool | None = None
-    if snapshot is not None and snapshot.driver_used is not None:
+    if snapshot is not None and snapshot.driver_used is not None and isinstance(engine, Runtime):
         used = engine.device_used()
         if used is not None:
             driver_retained = used - snapshot.driver_used

@@ -92,12 +92,15 @@ def max_microbatch(
             "max_microbatch: on the CPU engine without a limit the step never runs out of memory; give upper="
         )
     searched = engine
+    categories = None if engine is None else engine.categories
 
     def fits(size: int) -> bool:
         guard = searched.limit_memory(nbytes) if searched is not None and nbytes is not None else nullcontext()
         before = searched.allocated() if searched is not None else None
         # the search catches every OOM of a try: no report (a census of every live tensor) at its refused allocation
-        watch = searched.swap_oom_callback(None) if searched is not None else None
+        watch = None if categories is None else categories.on_oom
+        if categories is not None:
+            categories.on_oom = None
         fitted = True
         try:
             with guard:
@@ -108,8 +111,8 @@ def max_microbatch(
             release_oom(exc, collect=False)  # drop the failed try's frames; collected below when needed
             fitted = False
         finally:
-            if searched is not None:
-                searched.swap_oom_callback(watch)
+            if categories is not None:
+                categories.on_oom = watch
             if cleanup is not None:
                 cleanup()
             if before is None or searched is None or searched.allocated() > before:

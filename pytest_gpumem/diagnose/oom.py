@@ -176,7 +176,8 @@ def oom_report(
     if recorder is not None:
         recorder.reclassify()
     live = take_census(engine.device, engine, objects, frames, top, counted_only=engine.exact)
-    site = engine.site_here() if when == "at the failed allocation" else None
+    site = engine.sites.here() if engine.sites is not None and when == "at the failed allocation" else None
+    breakdown = None if engine.categories is None else engine.categories.breakdown()
     return OomReport(
         site=None if site is None else site.where(),
         device=str(engine.device),
@@ -189,7 +190,7 @@ def oom_report(
         reserved=engine.reserved(),
         limit=engine.memory_limit(),
         phase=recorder.phase if recorder is not None else None,
-        breakdown=engine.breakdown() if recorder is None else recorder.categories(engine.breakdown()),
+        breakdown=breakdown if recorder is None else recorder.categories(breakdown),
         largest=live.tensors,
         live_count=live.count,
         live_bytes=live.nbytes,
@@ -213,8 +214,9 @@ class OomWatch:
         self._installed = False
 
     def __enter__(self) -> OomWatch:
-        if self.engine.categorizes and not self._installed:
-            self._previous = self.engine.swap_oom_callback(self._on_oom)
+        categories = self.engine.categories
+        if categories is not None and not self._installed:
+            self._previous, categories.on_oom = categories.on_oom, self._on_oom
             self._installed = True
         return self
 
@@ -223,8 +225,8 @@ class OomWatch:
 
     def close(self) -> None:
         """Restore the tracker's previous ``on_oom`` callback (idempotent)."""
-        if self._installed:
-            self.engine.swap_oom_callback(self._previous)
+        if self._installed and self.engine.categories is not None:
+            self.engine.categories.on_oom = self._previous
             self._installed = False
             self._previous = None
 

@@ -31,7 +31,8 @@ def device_limit(target: Engine | StorageTracker | str | torch.device, limit: in
             target.limit = previous
         return
     engine = engine_for(target)
-    if engine.exact and isinstance(target, (str, torch.device)) and not engine.sees_allocations:
+    watching = engine.categories is None or engine.categories.active
+    if engine.exact and isinstance(target, (str, torch.device)) and not watching:
         raise ValueError(
             f"device_limit({str(target)!r}, ...): the CPU engine sees allocations only while it measures; "
             "use it inside a measured test or a measure() block, or pass the engine"

@@ -16,7 +16,7 @@ from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.data.site_figures import SiteConfig, build_profile
 from pytest_gpumem.judge.limits import LimitSpec, parse_span_limits
 from pytest_gpumem.measurement.engines import describe_compiled
-from pytest_gpumem.measurement.engines.base import Engine, Reading
+from pytest_gpumem.measurement.engines.base import Engine, Reading, Runtime
 from pytest_gpumem.measurement.engines.savedhooks import STEPPED_ASIDE_NOTE
 from pytest_gpumem.measurement.tracked import Tracked
 
@@ -78,8 +78,8 @@ class Recorder:
         sites: SiteConfig | None = None,
     ) -> None:
         self.engine = engine
-        self.sites, self._end_sites = sites, engine.sites_now()
-        self.timeline = timeline and engine.categorizes
+        self.sites, self._end_sites = sites, _sites_now(engine)
+        self.timeline = timeline and engine.categories is not None
         self.saved_tensors = saved_tensors
         self._tracked = Tracked(engine, self)
         self._open: list[_SpanState] = []
@@ -112,7 +112,8 @@ class Recorder:
         try:
             self.engine.clean(empty_cache=self.reserved or self.device_limit is not None)
             self.engine.start(saved_tensors=self.saved_tensors, timeline=self.timeline)
-            self.engine.start_sites(self.sites)  # not on every engine: observe="allocations"
+            if self.sites is not None and self.engine.sites is not None:  # not on every engine: observe="allocations"
+                self.engine.sites.start(self.sites)
         except BaseException:
             self._faked.close()
             raise
@@ -203,11 +204,13 @@ class Recorder:
             return
         token = self._fold(defer=True)
         old, self._phase = self._phase, phase
-        self.engine.site_phase(phase)
+        if self.engine.sites is not None:
+            self.engine.sites.set_phase(phase)
         if token is not None:  # the engine reads this moment later: so is the transition
             self._deferred.append(("phase", token, old, phase))
             return
-        self._transition(old, phase, self.engine.allocated(), self.engine.events)
+        categories = self.engine.categories
+        self._transition(old, phase, self.engine.allocated(), 0 if categories is None else categories.events)
 
     def _transition(self, old: str | None, new: str | None, now: int, events: int) -> None:
         if old is not None:
@@ -222,7 +225,7 @@ class Recorder:
                 else:
                     state.count += 1
                     state.peak = max(state.peak, now)
-            if self.engine.categorizes:
+            if self.engine.categories is not None:
                 self._marks.append((events, new))
 
     # -- spans -----------------------------------------------------------------
@@ -258,21 +261,21 @@ class Recorder:
 
     def _open_state(self, name: str) -> _SpanState:
         self._fold()
-        engine = self.engine
+        engine, categories = self.engine, self.engine.categories
         now = engine.allocated()
-        breakdown = engine.breakdown()
+        breakdown = None if categories is None else categories.breakdown()
         state = _SpanState(
             name=name,
             start=now,
             start_reserved=engine.reserved(),
-            counters=engine.counters(),
-            start_event=engine.events,
+            counters=_counters(engine),
+            start_event=0 if categories is None else categories.events,
             peak=now,
             breakdown=None if breakdown is None else tuple(breakdown.values()),
             saved_peak=engine.saved_bytes(),
-            sites=engine.sites_now(),
-            compiled_from=len(engine.compiled_frames),
-            notes_from=len(engine.notes),
+            sites=_sites_now(engine),
+            compiled_from=0 if categories is None else len(categories.compiled_frames),
+            notes_from=0 if categories is None else len(categories.notes),
         )
         if self._phase is not None:
             state.phases[self._phase] = _PhaseState(now, now, now)
@@ -285,11 +288,11 @@ class Recorder:
             return self._allocated_now()
 
     def _allocated_now(self) -> tuple[int, dict[str, int] | None]:
-        self._end_sites = self.engine.sites_now()
+        self._end_sites = _sites_now(self.engine)
         now = self.engine.allocated()
-        parts = self.engine.breakdown()
-        if parts is None:
+        if self.engine.categories is None:
             return now, None
+        parts = self.engine.categories.breakdown()
         parts["other"] += max(0, now - sum(parts.values()))
         return now, self.categories(parts)
 
@@ -312,16 +315,18 @@ class Recorder:
             if self._phase is not None and self._phase in state.phases:
                 state.phases[self._phase].end = now
             self._open.remove(state)
-            counters = self.engine.counters()
-            used, mine = self.engine.driver() if self.driver else (None, None)
+            counters = _counters(self.engine)
+            used, mine = self.engine.driver() if self.driver and isinstance(self.engine, Runtime) else (None, None)
             end, end_breakdown = self._allocated_now() if allocated is None else allocated
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
         breakdown = self.categories(breakdown)
         self._warn_compiled(state)
-        notes = tuple(dict.fromkeys(self.engine.notes[state.notes_from :]))
+        categories = self.engine.categories
+        notes = () if categories is None else tuple(dict.fromkeys(categories.notes[state.notes_from :]))
         for note in notes:
             if note != STEPPED_ASIDE_NOTE:  # torch's own refusal: said in the reports, never raised (-W error)
                 notify(PartialFigures(f"span {state.name!r}: {note}"), stacklevel=2)
+        sites = self.engine.sites
         return Measurement(
             name=state.name,
             engine=self.engine.name,
@@ -343,11 +348,11 @@ class Recorder:
             psi=self.psi,
             cuda_rounding=self.engine.cuda_rounding,
             notes=notes,
-            sites=build_profile(self.engine.site_figures(state.sites, self._end_sites)),
+            sites=build_profile(None if sites is None else sites.figures(state.sites, self._end_sites)),
         )
 
     def _warn_compiled(self, state: _SpanState) -> None:
-        frames = self.engine.compiled_frames
+        frames = () if self.engine.categories is None else self.engine.categories.compiled_frames
         if len(frames) <= state.compiled_from:
             return
         shown = describe_compiled(list(frames[state.compiled_from :]))
@@ -364,14 +369,16 @@ class Recorder:
 
     def timeline_since(self, start_event: int) -> Timeline | None:
         """The tracker's samples from ``start_event`` on, as a :class:`Timeline`."""
-        engine = self.engine
-        columns = engine.timeline_samples(start_event)
-        now = engine.breakdown()
-        if columns is None or now is None:
+        categories = self.engine.categories
+        if categories is None:
+            return None
+        columns = categories.timeline_columns(start_event)
+        now = categories.breakdown()
+        if columns is None:
             return None
         events, parts = columns
-        if not events or events[-1] != engine.events:
-            events.append(engine.events)
+        if not events or events[-1] != categories.events:
+            events.append(categories.events)
             for column, value in zip(parts, now.values(), strict=True):
                 column.append(value)
         events = [event - start_event for event in events]
@@ -494,3 +501,12 @@ class Span:
     def __repr__(self) -> str:
         state = "open" if self._measurement is None else f"peak={self._measurement.peak}"
         return f"<Span {self.name!r} {state}>"
+
+
+def _counters(engine: Engine) -> dict[str, int]:
+    return engine.counters() if isinstance(engine, Runtime) else {}
+
+
+def _sites_now(engine: Engine) -> Any:
+    """``engine``'s bytes by site now; None without sites."""
+    return None if engine.sites is None else engine.sites.now()

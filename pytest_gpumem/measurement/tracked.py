@@ -83,7 +83,7 @@ class Tracked:
                     self._handles.append(register_module_forward_hook(self._forward_post))
                 self._modules.add(id(obj))
                 self.quiet()
-                if self.engine.categorizes:
+                if self.engine.categories is not None:
                     for param in obj.parameters():
                         if param.requires_grad:
                             self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
@@ -111,28 +111,28 @@ class Tracked:
 
     def classify(self) -> None:
         """Give the tracked objects' tensors their categories (parameters, gradients, optimizer state)."""
-        engine = self.engine
-        if not engine.categorizes:
+        categories = self.engine.categories
+        if categories is None:
             return
         for obj in self.objects:
             if isinstance(obj, torch.nn.Module):
                 params = list(obj.parameters())
-                engine.classify(params, "parameters")
-                engine.classify([p.grad for p in params if p.grad is not None], "gradients")
+                categories.register(params, "parameters")
+                categories.register([p.grad for p in params if p.grad is not None], "gradients")
             else:
                 self.classify_optimizer(obj)
 
     def classify_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        engine = self.engine
-        if not engine.categorizes:
+        categories = self.engine.categories
+        if categories is None:
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        engine.classify(params, "parameters")
-        engine.classify([p.grad for p in params if p.grad is not None], "gradients")
+        categories.register(params, "parameters")
+        categories.register([p.grad for p in params if p.grad is not None], "gradients")
         # a sharding wrapper (ZeroRedundancyOptimizer) keeps the rank's state in the optimizer it wraps, ``.optim``
         inner = getattr(optimizer, "optim", None)
         holders = [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
-        engine.classify(
+        categories.register(
             [
                 value
                 for holder in holders
@@ -163,5 +163,5 @@ class Tracked:
             self.phases.optimizer_post()
 
     def _grad_ready(self, param: torch.Tensor) -> None:
-        if self.phases.active and param.grad is not None:
-            self.engine.classify((param.grad,), "gradients")
+        if self.phases.active and param.grad is not None and self.engine.categories is not None:
+            self.engine.categories.register((param.grad,), "gradients")

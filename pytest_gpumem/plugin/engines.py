@@ -8,7 +8,7 @@ import torch
 from pytest_gpumem.measurement import frozen
 from pytest_gpumem.measurement.collector import Collector
 from pytest_gpumem.measurement.engines import cuda_available, make_engine, resolve_device
-from pytest_gpumem.measurement.engines.base import Engine
+from pytest_gpumem.measurement.engines.base import Categories, Engine
 
 __all__ = ["DeviceUnavailable", "Engines", "Freezer", "choose_device"]
 
@@ -68,8 +68,8 @@ class Engines:
             engine = self._engines[key] = make_engine(
                 device, breakdown=breakdown, cuda_rounding=self.cuda_rounding, observe=observe, predict=predict
             )
-            if self.freezer is not None and engine.categorizes:
-                self.freezer.scan(engine)
+            if self.freezer is not None and engine.categories is not None:
+                self.freezer.scan(engine.categories)
         return engine
 
     def cpu(self) -> Engine:
@@ -106,9 +106,9 @@ class Freezer:
         elif frozen.theirs_given_back() or self.collector.reclaimable:
             self.collector.start()
 
-    def scan(self, engine: Engine) -> None:
-        """Let ``engine``'s tracker register every tensor alive, frozen ones included."""
-        engine.scan(extra=frozen.tensors() if frozen.known() else ())
+    def scan(self, categories: Categories) -> None:
+        """Let an engine's tracker register every tensor alive, frozen ones included."""
+        categories.scan(extra=frozen.tensors() if frozen.known() else ())
 
     def stop(self) -> None:
         if self._config is not None and self._config.pluginmanager.is_registered(self):

@@ -22,7 +22,7 @@ from pytest_gpumem.judge.record import TIMELINE_SAMPLES, TestRecord
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.active import activate
 from pytest_gpumem.measurement.engines import unseen_note
-from pytest_gpumem.measurement.engines.base import Engine
+from pytest_gpumem.measurement.engines.base import Engine, Workspaces
 from pytest_gpumem.measurement.recorder import Recorder
 from pytest_gpumem.plugin.plan import TestPlan
 from pytest_gpumem.plugin.returnwatch import watch_return
@@ -52,7 +52,7 @@ class TestRun:
         self.environment = environment
         self.recorder = Recorder(
             engine,
-            timeline=engine.categorizes,
+            timeline=engine.categories is not None,
             saved_tensors=saved_tensors,
             fake=plan.fake,
             label=plan.nodeid,
@@ -173,8 +173,8 @@ class TestRun:
             release_oom(exc, engine)
         engine.settle()  # library workspaces stay: they were there at the start reading
         notes = call.notes
-        if engine.exact:  # the tracker is the engine: what did it miss?
-            unseen = engine.scan()
+        if engine.exact and engine.categories is not None:  # the tracker is the engine: what did it miss?
+            unseen = engine.categories.scan()
             if unseen > 0:
                 notes = (*notes, unseen_note(unseen))
                 notify(PartialFigures(f"{self.nodeid}: {notes[-1]}"), stacklevel=2)
@@ -212,7 +212,7 @@ class TestRun:
             timeline=None if timeline is None else timeline.to_dict(TIMELINE_SAMPLES),
             snapshot=self._history,
             device_limit=recorder.device_limit,
-            workspaces=engine.workspaces,
+            workspaces=engine.workspaces if isinstance(engine, Workspaces) else None,
             asked=asked,
             leak_check=self.plan.options.leak_check,
             min_microbatch=spec.min_microbatch,

@@ -84,7 +84,7 @@ def wants_sites(
 
     if run.plan.sites != "rerun" or run.plan.options.sites is not None or settings.site_config is None:
         return False
-    if not run.engine.records_sites:
+    if run.engine.sites is None:
         return False
     if exc is not None:
         return is_oom(exc) and not _expected(item, exc)

@@ -11,7 +11,7 @@ from torch import nn
 from pytest_gpumem.budgets.formulas import mlp_activations
 from pytest_gpumem.diagnose.leaks import confirm_leak, snapshot_storages
 from pytest_gpumem.measurement.active import activate, measure
-from pytest_gpumem.measurement.engines import make_engine
+from pytest_gpumem.measurement.engines import Workspaces, make_engine
 from pytest_gpumem.measurement.recorder import Recorder
 from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.units import cuda_rounded, format_size
@@ -59,7 +59,7 @@ def reference_linear(run: Run) -> None:
             leak = confirm_leak(engine, start, snapshot=snapshot)
         finally:
             recorder.end()
-        workspaces = engine.workspaces or 0
+        workspaces = (engine.workspaces if isinstance(engine, Workspaces) else None) or 0
         run.figures.update(cublas_workspace=workspaces, linear_raw_retained=raw, linear_retained=leak.retained)
         run.check(
             "reference",
@@ -88,6 +88,7 @@ def reference_workspaces(run: Run, models: Sequence[ZooModel]) -> None:
     device = run.device
     with run.guard("reference", "workspaces: training steps add none"):
         engine = make_engine(device)
+        assert isinstance(engine, Workspaces)  # the CUDA engine's
         engine.clean()
         kept = engine.workspaces
         for model in models:

@@ -1,4 +1,4 @@
-"""Where bytes are read: the engines (what differs is a member of the ``Engine`` protocol), and their factory."""
+"""Where bytes are read: the engines (the ``Engine`` protocol, the capabilities one may offer), and their factory."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from pytest_gpumem.measurement.engines.base import Engine, Reading
+from pytest_gpumem.measurement.engines.base import Categories, Engine, Reading, Runtime, SiteRecording, Workspaces
 from pytest_gpumem.measurement.engines.compiled import describe_compiled
 from pytest_gpumem.measurement.engines.cuda import cuda_available, cuda_device_count
 from pytest_gpumem.measurement.engines.storages import unseen_note
@@ -15,9 +15,13 @@ from pytest_gpumem.measurement.observe import observe_conflict, parse_observe
 
 __all__ = [
     "DEVICE_HELP",
+    "Categories",
     "Engine",
     "Reading",
+    "Runtime",
+    "SiteRecording",
     "StorageTracker",
+    "Workspaces",
     "cuda_available",
     "cuda_device_count",
     "describe_compiled",

@@ -1,12 +1,13 @@
-"""What every engine offers: readings of one device's memory, and the few actions on it the package needs."""
+"""What every engine offers (readings of one device's memory, the few actions on it the package needs), and the
+capabilities an engine may offer besides: a storage tracker's :class:`Categories` and :class:`SiteRecording` (its
+attributes, None when absent), a :class:`Runtime` and :class:`Workspaces` (protocols it implements, or not)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -14,7 +15,7 @@ from pytest_gpumem.data.site_figures import Site, SiteConfig
 from pytest_gpumem.measurement.engines.site_tracking import Found, SiteRecorder, found_sites
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 
-__all__ = ["Engine", "Reading", "TrackerMembers"]
+__all__ = ["Categories", "Engine", "Reading", "Runtime", "SiteRecording", "TrackerSites", "Workspaces"]
 
 
 @dataclass
@@ -33,8 +34,16 @@ class Reading:
 class Engine(Protocol):
     """Reads the memory of one device, and acts on it where the package must; peaks are read by windows."""
 
-    name: str  #: "cuda" (a caching allocator) or "cpu" (the storage tracker)
+    name: str  #: "cuda" (a caching allocator), "cpu" (the storage tracker) or "predict" (a tracker and a model)
     device: torch.device
+
+    @property
+    def categories(self) -> Categories | None:
+        """The storage tracker watching the device (breakdowns, timelines, categories), if any."""
+
+    @property
+    def sites(self) -> SiteRecording | None:
+        """Where storages are made, where this engine can record it."""
 
     @property
     def exact(self) -> bool:
@@ -44,80 +53,9 @@ class Engine(Protocol):
     def cuda_rounding(self) -> bool:
         """True when the CPU engine counts storages as the CUDA allocator's 512-byte blocks."""
 
-    # -- what the storage tracker knows (TrackerMembers) -------------------------------
-
-    @property
-    def categorizes(self) -> bool:
-        """True when a storage tracker watches the device (breakdowns, timelines, categories)."""
-
-    @property
-    def events(self) -> int:
-        """Allocations and frees the tracker has seen: the clock of timelines."""
-
-    @property
-    def compiled_frames(self) -> Sequence[tuple[bool, str]]:
-        """Frames TorchDynamo ran eagerly under the tracker: (a library's, ``qualname (file:line)``)."""
-
-    @property
-    def notes(self) -> Sequence[str]:
-        """What the tracker could not see (work on another thread)."""
-
-    @property
-    def sees_allocations(self) -> bool:
-        """True while allocations are seen (on the CPU engine, only while its tracker runs)."""
-
-    def classify(self, tensors: Iterable[Any], category: str) -> None:
-        """Count ``tensors``' storages as ``category`` from now on."""
-
-    def category_of(self, tensor: Any) -> str | None:
-        """The category the tracker counts ``tensor``'s storage in; None when uncounted."""
-
-    def breakdown(self) -> dict[str, int] | None:
-        """Allocated bytes by category now; None without a tracker."""
-
-    def timeline_samples(self, start_event: int) -> tuple[list[int], list[list[int]]] | None:
-        """The tracker's samples from ``start_event`` on as columns; None when it keeps none."""
-
-    def reading(self) -> AbstractContextManager[None]:
-        """Readings taken inside the block are of one moment."""
-
-    def scan(self, extra: Iterable[Any] = ()) -> int:
-        """Count every tensor alive (and ``extra``) the tracker had not seen; returns their bytes."""
-
-    def swap_oom_callback(self, callback: Callable[[int], None] | None) -> Callable[[int], None] | None:
-        """Call ``callback(nbytes)`` at an allocation an emulated limit refuses; returns the previous one."""
-
-    # -- sites: where storages are made ---------------------------------------------------
-
-    @property
-    def records_sites(self) -> bool:
-        """True when :meth:`start_sites` can record sites on this engine."""
-
-    def start_sites(self, config: SiteConfig | None) -> bool:
-        """Record where each storage is made from now on; False where this engine cannot."""
-
-    def site_phase(self, phase: str | None) -> None:
-        """The phase running from now on, for the sites of what is made."""
-
-    def sites_now(self) -> Any:
-        """Bytes by site now (for :meth:`site_figures`); None without sites."""
-
-    def site_figures(self, peak: Any, end: Any) -> list[Found] | None:
-        """The sites of a span from its peak's and its end's bytes by site; None without sites."""
-
-    def site_of(self, tensor: Any) -> Site | None:
-        """Where ``tensor``'s storage was made, when sites were recorded then."""
-
-    def site_here(self) -> Site | None:
-        """The site of the code running now, while sites are recorded."""
-
     @property
     def predicts(self) -> str | None:
         """The GPU whose figures this engine predicts from a CPU run (``"h100"``), if any."""
-
-    @property
-    def workspaces(self) -> int | None:
-        """Bytes of the library workspaces kept on the device (part of every start reading), if any."""
 
     # -- readings -------------------------------------------------------------------
 
@@ -127,21 +65,15 @@ class Engine(Protocol):
     def reserved(self) -> int | None:
         """Bytes the allocator holds from the driver now, if any."""
 
+    def reading(self) -> AbstractContextManager[None]:
+        """Readings taken inside the block are of one moment."""
+
     def take_window(self, *, defer: bool = False) -> Reading:
         """Figures since the previous call; opens a new window (``defer``: it may come back pending)."""
 
     def resolve(self, token: int) -> tuple[Reading, int, int]:
         """A pending window's reading, allocated bytes and event count when it closed."""
         ...
-
-    def counters(self) -> dict[str, int]:
-        """Cumulative event counters (``num_alloc_retries``, ``num_ooms``) where known."""
-
-    def driver(self) -> tuple[int | None, int | None]:
-        """(device memory used by all processes, by this process) per NVML."""
-
-    def device_used(self) -> int | None:
-        """Device memory in use per the runtime (all processes); None on CPU."""
 
     def saved_bytes(self) -> int | None:
         """Bytes autograd holds for backward now (parameters excluded); None when not counted."""
@@ -160,15 +92,6 @@ class Engine(Protocol):
     def settle(self) -> None:
         """Collect garbage and wait for the device, so that a reading shows only what is alive."""
 
-    def warm_workspaces(self) -> None:
-        """Create the library workspaces a training step's threads get."""
-
-    def release_workspaces(self) -> None:
-        """Free what libraries keep per thread (cuBLAS workspaces), for the leak check."""
-
-    def synchronize(self) -> None:
-        """Wait for the device's queued work; a no-op on CPU."""
-
     def empty_cache(self) -> None:
         """Return the allocator's cached, unused blocks to the driver; a no-op on CPU."""
 
@@ -185,80 +108,124 @@ class Engine(Protocol):
         """Record allocation history during the block and write a snapshot to ``path``; yields it, or None."""
 
 
-class TrackerMembers:
-    """The :class:`Engine` members that come from an optional storage tracker (``self.tracker``)."""
+@runtime_checkable
+class Runtime(Protocol):
+    """A device runtime beside the allocator (the CUDA engine's): its queue, its counters, the driver's figures."""
 
-    tracker: StorageTracker | None
+    def synchronize(self) -> None:
+        """Wait for the device's queued work."""
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative event counters (``num_alloc_retries``, ``num_ooms``)."""
+
+    def driver(self) -> tuple[int | None, int | None]:
+        """(device memory used by all processes, by this process) per NVML."""
+
+    def device_used(self) -> int | None:
+        """Device memory in use per the runtime (all processes)."""
+
+
+@runtime_checkable
+class Workspaces(Protocol):
+    """Library workspaces an engine keeps on the device (cuBLAS's), made by its clean state and part of every start."""
 
     @property
-    def categorizes(self) -> bool:
-        return self.tracker is not None
+    def workspaces(self) -> int | None:
+        """Their bytes, once the first clean state made them."""
+
+    def warm_workspaces(self) -> None:
+        """Create the workspaces a training step's threads get."""
+
+    def release_workspaces(self) -> None:
+        """Free them (what libraries keep per thread), for the leak check."""
+
+
+class Categories(Protocol):
+    """What a storage tracker knows of the device: each storage's category, the breakdown, the timeline."""
+
+    on_oom: Callable[[int], None] | None  #: called with the request size at an allocation an emulated limit refuses
 
     @property
     def events(self) -> int:
-        return 0 if self.tracker is None else self.tracker.events
+        """Allocations and frees seen: the clock of timelines."""
+
+    @property
+    def active(self) -> bool:
+        """True while the tracker runs (it sees allocations)."""
+
+    @property
+    def counts_fakes(self) -> bool:
+        """True when fake tensors are memory (a measurement on fake tensors)."""
 
     @property
     def compiled_frames(self) -> Sequence[tuple[bool, str]]:
-        return () if self.tracker is None else self.tracker.compiled_frames
+        """Frames TorchDynamo ran eagerly under the tracker: (a library's, ``qualname (file:line)``)."""
 
     @property
     def notes(self) -> Sequence[str]:
-        return () if self.tracker is None else self.tracker.notes
+        """What the tracker could not see (work on another thread)."""
 
-    @property
-    def sees_allocations(self) -> bool:
-        return self.tracker is None or self.tracker.active
+    def register(self, tensors: Iterable[torch.Tensor], category: str | None = None) -> None:
+        """Count ``tensors``' storages, as ``category`` from now on."""
 
-    def classify(self, tensors: Iterable[Any], category: str) -> None:
-        if self.tracker is not None:
-            self.tracker.register(tensors, category)
+    def category_of(self, tensor: torch.Tensor) -> str | None:
+        """The category ``tensor``'s storage is counted in; None when uncounted."""
 
-    def category_of(self, tensor: Any) -> str | None:
-        return None if self.tracker is None else self.tracker.category_of(tensor)
+    def breakdown(self) -> dict[str, int]:
+        """Allocated bytes by category now."""
 
-    def breakdown(self) -> dict[str, int] | None:
-        return None if self.tracker is None else self.tracker.breakdown()
+    def timeline_columns(self, start_event: int) -> tuple[list[int], list[list[int]]] | None:
+        """The samples from ``start_event`` on as columns: event indexes, then bytes by category; None without."""
 
-    def timeline_samples(self, start_event: int) -> tuple[list[int], list[list[int]]] | None:
-        return None if self.tracker is None else self.tracker.timeline_columns(start_event)
+    def scan(self, extra: Iterable[object] = ()) -> int:
+        """Count every tensor alive (and ``extra``) not seen yet; returns their bytes."""
 
-    def reading(self) -> AbstractContextManager[None]:
-        return contextlib.nullcontext() if self.tracker is None else self.tracker.reading()
 
-    def scan(self, extra: Iterable[Any] = ()) -> int:
-        return 0 if self.tracker is None else self.tracker.scan(extra=extra)
+class SiteRecording(Protocol):
+    """Where storages are made (sites), recorded from :meth:`start` until the engine stops."""
 
-    def swap_oom_callback(self, callback: Callable[[int], None] | None) -> Callable[[int], None] | None:
-        if self.tracker is None:
-            return None
-        previous, self.tracker.on_oom = self.tracker.on_oom, callback
-        return previous
+    def start(self, config: SiteConfig) -> None:
+        """Record where each storage is made from now on."""
 
-    @property
-    def records_sites(self) -> bool:
-        return self.tracker is not None and self.tracker.observes == "operators"
+    def set_phase(self, phase: str | None) -> None:
+        """The phase running from now on, for the sites of what is made."""
 
-    def start_sites(self, config: SiteConfig | None) -> bool:
-        if config is None or not self.records_sites or self.tracker is None:
-            return False
-        self.tracker.record_sites(SiteRecorder(config))
-        return True
+    def now(self) -> Any:
+        """Bytes by site now (for :meth:`figures`); None while not recording."""
 
-    def site_phase(self, phase: str | None) -> None:
-        if self.tracker is not None and self.tracker.sites is not None:
-            self.tracker.sites.phase = phase or ""
+    def figures(self, peak: Any, end: Any) -> list[Found] | None:
+        """The sites of a span from its peak's and its end's bytes by site; None without them."""
 
-    def sites_now(self) -> Any:
-        return None if self.tracker is None else self.tracker.site_snapshot()
+    def site_of(self, tensor: Any) -> Site | None:
+        """Where ``tensor``'s storage was made, when sites were recorded then."""
 
-    def site_figures(self, peak: Any, end: Any) -> list[Found] | None:
+    def here(self) -> Site | None:
+        """The site of the code running now, while sites are recorded."""
+
+
+class TrackerSites:
+    """:class:`SiteRecording` by a storage tracker that watches operators (it sees the frame making each storage)."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self._tracker = tracker
+
+    def start(self, config: SiteConfig) -> None:
+        self._tracker.record_sites(SiteRecorder(config))
+
+    def set_phase(self, phase: str | None) -> None:
+        if self._tracker.sites is not None:
+            self._tracker.sites.phase = phase or ""
+
+    def now(self) -> Any:
+        return self._tracker.site_snapshot()
+
+    def figures(self, peak: Any, end: Any) -> list[Found] | None:
         return None if end is None else found_sites(peak, end)
 
     def site_of(self, tensor: Any) -> Site | None:
-        state = None if self.tracker is None else self.tracker.site_of(tensor)
+        state = self._tracker.site_of(tensor)
         return None if state is None else state.site()
 
-    def site_here(self) -> Site | None:
-        sites = None if self.tracker is None else self.tracker.sites
+    def here(self) -> Site | None:
+        sites = self._tracker.sites
         return None if sites is None else sites.site_here()

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
 from pytest_gpumem.measurement import collector
-from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
+from pytest_gpumem.measurement.engines.base import Categories, Reading, TrackerSites
 from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.snapshots import SnapshotRecorder, write_snapshot
 from pytest_gpumem.measurement.engines.storages import fakes_counted
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["CpuEngine"]
 
 
-class CpuEngine(TrackerMembers):
+class CpuEngine:
     """Counts tensor storages on the CPU (``reserved`` is None); ``cuda_rounding``: in 512-byte blocks."""
 
     name = "cpu"
@@ -30,6 +30,8 @@ class CpuEngine(TrackerMembers):
     def __init__(self, *, cuda_rounding: bool = False, tracker: StorageTracker | None = None) -> None:
         self.device = torch.device("cpu")
         self.tracker: StorageTracker = tracker or StorageTracker(self.device, cuda_rounding=cuda_rounding)
+        self.categories: Categories = self.tracker
+        self.sites = TrackerSites(self.tracker) if self.tracker.observes == "operators" else None
         self._saved_tensors = True
 
     @property
@@ -40,16 +42,15 @@ class CpuEngine(TrackerMembers):
     def predicts(self) -> str | None:
         return None
 
-    @property
-    def workspaces(self) -> int | None:
-        return None
-
     # -- readings -------------------------------------------------------------------
 
     @property
     def observe(self) -> str:
         """How allocations are seen: "operators" (dispatch mode) or "allocations" (the allocator's reports)."""
         return self.tracker.observes
+
+    def reading(self) -> AbstractContextManager[None]:
+        return self.tracker.reading()
 
     def allocated(self) -> int:
         self.tracker.flush()
@@ -71,15 +72,6 @@ class CpuEngine(TrackerMembers):
     def resolve(self, token: int) -> tuple[Reading, int, int]:
         window, allocated, events = self.tracker.resolve(token)
         return Reading(peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak), allocated, events
-
-    def counters(self) -> dict[str, int]:
-        return {}
-
-    def driver(self) -> tuple[int | None, int | None]:
-        return None, None
-
-    def device_used(self) -> int | None:
-        return None
 
     def saved_bytes(self) -> int | None:
         if not (self.tracker.active and self._saved_tensors):
@@ -106,15 +98,6 @@ class CpuEngine(TrackerMembers):
 
     def settle(self) -> None:
         collector.collect()
-
-    def warm_workspaces(self) -> None:
-        """Nothing to create: CPU kernels keep no workspaces the tracker counts."""
-
-    def release_workspaces(self) -> None:
-        """Nothing to release: CPU kernels keep no workspaces the tracker counts."""
-
-    def synchronize(self) -> None:
-        """CPU operators finish before they return."""
 
     def empty_cache(self) -> None:
         """No caching allocator on the CPU engine."""

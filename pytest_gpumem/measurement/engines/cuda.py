@@ -19,7 +19,7 @@ from pytest_gpumem.data.figures import OutputNotWritten
 from pytest_gpumem.data.site_figures import Site, SiteConfig
 from pytest_gpumem.files import move_file
 from pytest_gpumem.measurement import collector
-from pytest_gpumem.measurement.engines.base import Reading, TrackerMembers
+from pytest_gpumem.measurement.engines.base import Categories, Reading
 from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.saved import SavedTensors
 from pytest_gpumem.measurement.engines.site_tracking import Found, SiteFilter
@@ -105,7 +105,7 @@ def _memory_api() -> Any:
     return torch.cuda
 
 
-class CudaEngine(TrackerMembers):
+class CudaEngine:
     """Reads one CUDA-like device's caching allocator; an optional storage ``tracker`` gives the breakdown."""
 
     name = "cuda"
@@ -117,12 +117,15 @@ class CudaEngine(TrackerMembers):
         if self.device.index is None:
             self.device = torch.device(self.device.type, torch.cuda.current_device())
         self.tracker = tracker
+        self.categories: Categories | None = tracker
         self._api = _memory_api()
+        #: the allocator's history with Python stacks (CUDA; ROCm has it too)
+        records = self.device.type == "cuda" and hasattr(torch._C, "_cuda_record_memory_history")
+        self.sites = TraceSites(self.device, self._api) if records else None
         self._backend = _backend(self.device)
         self._saved = SavedTensors(self.device) if tracker is None else None
         self._count_saved = True
         self._workspaces: int | None = None
-        self._sites: _TraceSites | None = None
         #: per thread: whether this thread's context, BLAS handle and workspaces were made (``warm``)
         self._threads = threading.local()
         #: ``memory_stats()`` of this moment, inside :meth:`reading` (one read serves its figures)
@@ -181,40 +184,8 @@ class CudaEngine(TrackerMembers):
             self.tracker.record_sites(None)
         elif self._saved is not None:
             self._saved.stop()
-        if self._sites is not None:
-            self._sites.stop()
-            self._sites = None
-
-    # -- sites: the allocator's history, replayed (measurement/engines/traces.py) -----------
-
-    @property
-    def records_sites(self) -> bool:
-        """The allocator's history with Python stacks (CUDA; ROCm has it too)."""
-        return self.device.type == "cuda" and hasattr(torch._C, "_cuda_record_memory_history")
-
-    def start_sites(self, config: SiteConfig | None) -> bool:
-        if config is None or not self.records_sites:
-            return False
-        self._sites = _TraceSites(self.device, SiteFilter(config), self.allocated())
-        return True
-
-    def site_phase(self, phase: str | None) -> None:
-        if self._sites is not None:
-            self._sites.set_phase(phase or "")
-
-    def sites_now(self) -> Any:
-        return None if self._sites is None else ("end", self._sites.next_stamp())
-
-    def site_figures(self, peak: Any, end: Any) -> list[Found] | None:
-        if self._sites is None or end is None:
-            return None
-        return self._sites.figures(peak, end)
-
-    def site_of(self, tensor: Any) -> Site | None:
-        return None
-
-    def site_here(self) -> Site | None:
-        return None
+        if self.sites is not None:
+            self.sites.stop()
 
     def saved_bytes(self) -> int | None:
         if not self._count_saved:
@@ -349,9 +320,10 @@ class CudaEngine(TrackerMembers):
         if self.tracker is None and self._saved is not None and self._count_saved:
             saved = self._saved.take_peak()
         reading = reading_from_stats(stats, self.tracker, saved_peak=saved)
-        if self._sites is not None:
-            reading.sites = ("window", self._sites.number)
-            self._sites.next_stamp()
+        trace = None if self.sites is None else self.sites.trace
+        if trace is not None:
+            reading.sites = ("window", trace.number)
+            trace.next_stamp()
         return reading
 
     def resolve(self, token: int) -> tuple[Reading, int, int]:
@@ -365,7 +337,41 @@ class CudaEngine(TrackerMembers):
         return nvml_memory(self.device)
 
 
-class _TraceSites:
+class TraceSites:
+    """The CUDA engine's :class:`~pytest_gpumem.measurement.engines.base.SiteRecording`: the allocator's history,
+    replayed (measurement/engines/traces.py)."""
+
+    def __init__(self, device: torch.device, api: Any) -> None:
+        self._device, self._api = device, api
+        self.trace: _Trace | None = None
+
+    def start(self, config: SiteConfig) -> None:
+        start = int(self._api.memory_allocated(self._device))  # the engine's allocated(), outside a reading
+        self.trace = _Trace(self._device, SiteFilter(config), start)
+
+    def set_phase(self, phase: str | None) -> None:
+        if self.trace is not None:
+            self.trace.set_phase(phase or "")
+
+    def now(self) -> Any:
+        return None if self.trace is None else ("end", self.trace.next_stamp())
+
+    def figures(self, peak: Any, end: Any) -> list[Found] | None:
+        return None if self.trace is None or end is None else self.trace.figures(peak, end)
+
+    def site_of(self, tensor: Any) -> Site | None:
+        return None
+
+    def here(self) -> Site | None:
+        return None
+
+    def stop(self) -> None:
+        if self.trace is not None:
+            self.trace.stop()
+            self.trace = None
+
+
+class _Trace:
     """The allocator's history while sites are recorded, stamped with window numbers."""
 
     recordings = itertools.count(1)
