@@ -671,7 +671,7 @@ def test_under_xdist_the_worker_runs_the_failing_test_again_with_sites(
     suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with warm_workers(monkeypatch):  # forked from a process that has imported torch
-        _, test = _regressed(suite, monkeypatch, "copy", "-n", "2")
+        _, test = _regressed(suite, monkeypatch, "copy", "-n", "1")
     new = [c for c in _changes(test) if c["status"] == "new"]
     assert len(new) == 1 and new[0]["delta"]["peak"] == BATCH * SEQ * VOCAB * F32
 
