@@ -94,12 +94,25 @@ def _line(source: str, text: str) -> int:
     return found[0]
 
 
+@pytest.fixture(scope="module")
+def recorded() -> dict[str, bytes]:
+    """The baseline file of :func:`suite`'s test, as the first test of the module that asks records it."""
+    return {}
+
+
 @pytest.fixture
-def suite(pytester: pytest.Pytester) -> pytest.Pytester:
+def suite(pytester: pytest.Pytester, recorded: dict[str, bytes]) -> pytest.Pytester:
+    """The model and its test, with their baseline file (sites included): recorded by a session
+    once a module, written into each test's folder (it names no path, so it is the same in each)."""
     pytester.makepyfile(tinymodel=MODEL, test_train=TEST)
     pytester.syspathinsert()
-    result = run(pytester, "--gpumem-update-baselines")
-    result.assert_outcomes(passed=1)
+    baselines = pytester.path / "gpumem-baselines.json"
+    if "baselines" not in recorded:
+        result = run(pytester, "--gpumem-update-baselines")
+        result.assert_outcomes(passed=1)
+        recorded["baselines"] = baselines.read_bytes()
+    else:
+        baselines.write_bytes(recorded["baselines"])
     return pytester
 
 
@@ -658,7 +671,7 @@ def test_under_xdist_the_worker_runs_the_failing_test_again_with_sites(
     suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with warm_workers(monkeypatch):  # forked from a process that has imported torch
-        _, test = _regressed(suite, monkeypatch, "copy", "-n", "2")
+        _, test = _regressed(suite, monkeypatch, "copy", "-n", "1")
     new = [c for c in _changes(test) if c["status"] == "new"]
     assert len(new) == 1 and new[0]["delta"]["peak"] == BATCH * SEQ * VOCAB * F32
 

@@ -7,9 +7,9 @@ line; and a Llama-7B predicted on fake tensors that does not fit names the line 
 ``modeling_llama.py`` that allocates the largest activation.
 
 The sessions run in processes of their own: importing a framework in the suite's process (its
-tensors, its threads) would change what later tests measure. The tests share three sessions,
-run once for the module (:func:`runs`): every step's sites (``--gpumem-sites=always``), the
-baselines of the two steps that grow, and the run in which they grew, with the Llama-7B."""
+tensors, its threads) would change what later tests measure. The tests share two sessions,
+run once for the module (:func:`runs`): the baselines, whose update records every step's sites
+in the test's only run, and the run in which two steps grew, with the Llama-7B."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_a_trainers_step_spans_name_lines_of_modeling_gpt2_when_transformers_is_
     runs: dict[str, Ran],
 ) -> None:
     needs("transformers")
-    test = _passed(runs["always"], "test_hf_sites.py::test_trainer")
+    test = _passed(runs["baselines"], "test_hf_sites.py::test_trainer")
     spans = _sites(test)
     assert list(spans) == ["call", "step1", "step2"]
     source = _installed(GPT2).splitlines()
@@ -248,7 +248,7 @@ def _wide_bytes(batch: int) -> int:
 @pytest.mark.slow
 def test_a_lightning_fits_step_spans_name_the_line_of_the_lightning_module(runs: dict[str, Ran]) -> None:
     needs("lightning")
-    test = _passed(runs["always"], "test_pl_sites.py::test_fit")
+    test = _passed(runs["baselines"], "test_pl_sites.py::test_fit")
     spans = _sites(test)
     assert list(spans) == ["call", "step1", "step2"]
     for name in ("step1", "step2"):
@@ -330,7 +330,7 @@ def test_loop(gpumem):
 @pytest.mark.slow
 def test_an_accelerate_loops_step_spans_name_the_line_of_the_model(runs: dict[str, Ran]) -> None:
     needs("accelerate")
-    test = _passed(runs["always"], "test_acc_sites.py::test_loop")
+    test = _passed(runs["baselines"], "test_acc_sites.py::test_loop")
     spans = _sites(test)
     assert list(spans) == ["call", "step1", "step2"]
     for name in ("step1", "step2"):
@@ -446,22 +446,20 @@ def _failed(ran: Ran, nodeid: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs(request: pytest.FixtureRequest) -> dict[str, Ran]:
-    """The module's three sessions, by name, with the frameworks installed: ``always`` (every step's
-    sites: the Trainer, Lightning and accelerate), ``baselines`` (the callback made in a fixture
-    and Lightning, batches of 4 and 512) and ``grown`` (8 and 1,024, with the Llama-7B), one row a
-    site (200 columns)."""
+    """The module's two sessions, by name, with the frameworks installed: ``baselines`` (their update
+    records every step's sites: the Trainer, Lightning and accelerate, and the callback made in a
+    fixture, batches of 4 and 512) and ``grown`` (the callback's and Lightning's, 8 and 1,024, with
+    the Llama-7B), one row a site (200 columns)."""
     has = {name: importlib.util.find_spec(name) is not None for name in ("transformers", "lightning", "accelerate")}
     include = "--gpumem-sites-include=transformers"
-    always = {"test_hf_sites.py": TRAINER} if has["transformers"] else {}
-    always |= {"test_pl_sites.py": LIGHTNING} if has["lightning"] else {}
-    always |= {"test_acc_sites.py": ACCELERATE} if has["accelerate"] else {}
+    recorded = {"test_hf_sites.py": TRAINER} if has["transformers"] else {}
+    recorded |= {"test_acc_sites.py": ACCELERATE} if has["accelerate"] else {}
     grows = {"test_pl_sites.py": LIGHTNING} if has["lightning"] else {}
     grows |= {"test_hf_callback.py": CALLBACK_IN_A_FIXTURE} if has["transformers"] else {}
     llama = {"test_llama_fit.py": LLAMA} if has["transformers"] else {}
     columns = {"COLUMNS": "200"}
     sessions = {
-        "always": Session(("--gpumem-sites=always", include), always, columns),
-        "baselines": Session(("--gpumem-update-baselines", include), grows, columns),
+        "baselines": Session(("--gpumem-update-baselines", include), recorded | grows, columns),
         "grown": Session((include,), grows | llama, {**columns, "SITES_BATCH": "1024", "HF_BATCH": "8"}),
     }
     sessions = {name: session for name, session in sessions.items() if session.modules}
