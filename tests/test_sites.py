@@ -437,6 +437,7 @@ def test_a_leak_report_names_where_each_leaked_tensor_was_made(
     assert "test_leak_site.py:6 remember" in row  # the line in remember() that made it
 
 
+@pytest.mark.slow  # leak confirmations: full collections of the whole process
 def test_a_second_run_confirms_no_leak_and_starts_with_the_collector_frozen_again(
     pytester: pytest.Pytester, nothing_frozen: None
 ) -> None:
@@ -759,6 +760,7 @@ def test_another_error_expected():
     ],
     ids=["xfail", "runxfail"],
 )
+@pytest.mark.slow  # out-of-memory reports, each a census of the live tensors
 def test_an_out_of_memory_error_its_xfail_mark_expects_is_not_run_again(
     pytester: pytest.Pytester, args: list[str], outcomes: dict[str, int], runs: list[str]
 ) -> None:
