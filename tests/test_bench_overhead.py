@@ -81,12 +81,13 @@ def test_the_json_holds_every_round_and_max_seconds_stops_starting_rounds(
     assert set(result["ratios"]["on/off"]) == {"wall", "cpu"}
     assert {"python", "torch", "cpus"} <= set(result["machine"])
 
-    short = tmp_path / "short.json"  # one variant: its untimed session alone takes over the 1 s
-    done = _bench_here(
-        capsys, "--tests", "2", "--repeat", "5", "--variants", "off", "--max-seconds", "1", "--json", str(short)
-    )
+    # one variant of the suite that runs nothing (no torch): its untimed session alone takes over the 0.2 s
+    short = tmp_path / "short.json"
+    args = ["--suite", "noop", "--tests", "2", "--repeat", "5", "--variants", "off", "--max-seconds", "0.2"]
+    done = _bench_here(capsys, *args, "--json", str(short))
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(short.read_text())
+    assert result["suite"] == "noop" and result["tests"] == 2
     assert result["rounds"] == 0 and result["stopped_by_max_seconds"] and result["ratios"] == {}
     assert result["untimed"] == ["off"]
-    assert "no round fits in --max-seconds 1.0" in done.stdout
+    assert "no round fits in --max-seconds 0.2" in done.stdout
