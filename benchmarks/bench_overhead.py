@@ -1,6 +1,6 @@
 """What pytest-gpumem costs a suite as users write it: the same suite with and without the plugin.
 
-Run: ``python benchmarks/bench_overhead.py [--suite tiny|encoder|transformers] [--tests N] [--repeat R]
+Run: ``python benchmarks/bench_overhead.py [--suite tiny|encoder|transformers|noop] [--tests N] [--repeat R]
 [--warm-up] [--anchors] [--cov] [--gc-collect] [--variants NAME ...] [--json PATH] [--max-seconds S] [--keep DIR]
 [--no-untimed]``,
 or on a CUDA GPU ``python benchmarks/bench_overhead.py --cuda [--tests 60] ...``.
@@ -15,6 +15,8 @@ The script writes a suite into a temporary folder, ``--tests`` tests in 10 files
 * ``transformers`` (40 tests): the test files import ``transformers`` at collection, as test
   files of a Hugging Face model do; each test builds a 2-layer ``BertForMaskedLM`` (hidden 64)
   and runs two AdamW steps on a batch of 4 × 32 tokens;
+* ``noop`` (10 tests): marked tests that run nothing and import no torch: a check of the script
+  itself (its rounds, ``--max-seconds``, the JSON), not a measurement;
 * ``--cuda`` (60 tests): three AdamW steps of a 2-layer ``nn.TransformerEncoder`` (d_model 256 to
   448 by test, 8 heads, batch 8 × 128 tokens) on ``cuda``, measured by the CUDA engine.
 
@@ -333,13 +335,31 @@ CUDA_TEST = textwrap.dedent(
     """
 )
 
+NOOP_TEST_FILE = textwrap.dedent(
+    '''
+    """Marked tests that run nothing: a check of bench_overhead.py itself, not a measurement."""
+
+    import pytest
+
+    {tests}
+    '''
+)
+
+NOOP_TEST = textwrap.dedent(
+    """
+    @pytest.mark.gpumem(peak="1GiB")
+    def test_noop_{index}():
+        pass
+    """
+)
+
 #: Tests a suite has by default.
-DEFAULT_TESTS = {"tiny": 200, "encoder": 40, "transformers": 40, "cuda": 60}
+DEFAULT_TESTS = {"tiny": 200, "encoder": 40, "transformers": 40, "noop": 10, "cuda": 60}
 
 
 def write_suite(folder: Path, tests: int, *, suite: str = "tiny") -> None:
     """Write ``tests`` marked training-step tests of ``suite`` (``tiny``, ``encoder``, ``transformers``
-    or ``cuda``) in ``FILES`` files, and the conftest."""
+    or ``cuda``; ``noop``: marked tests that run nothing) in ``FILES`` files, and the conftest."""
     (folder / "conftest.py").write_text(CONFTEST)
     per_file = -(-tests // FILES)
     for f in range(FILES):
@@ -351,6 +371,8 @@ def write_suite(folder: Path, tests: int, *, suite: str = "tiny") -> None:
             text = ENCODER_TEST_FILE.format(tests="".join(ENCODER_TEST.format(index=i) for i in indices))
         elif suite == "transformers":
             text = TRANSFORMERS_TEST_FILE.format(tests="".join(TRANSFORMERS_TEST.format(index=i) for i in indices))
+        elif suite == "noop":
+            text = NOOP_TEST_FILE.format(tests="".join(NOOP_TEST.format(index=i) for i in indices))
         else:
             body = "".join(TEST.format(index=i, optimizer="adamw" if i % 2 else "sgd-momentum") for i in indices)
             text = TEST_FILE.format(tests=body)
@@ -595,15 +617,26 @@ SUITES = {
     "tiny": "MLP steps on the CPU",
     "encoder": "TransformerEncoder steps on the CPU",
     "transformers": "BERT steps on the CPU, transformers imported at collection",
+    "noop": "marked tests that run nothing: a check of the script, not a measurement",
     "cuda": "TransformerEncoder steps on CUDA",
 }
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--suite", choices=("tiny", "mlp", "encoder", "transformers"), default="tiny")
+    parser.add_argument(
+        "--suite",
+        choices=("tiny", "mlp", "encoder", "transformers", "noop"),
+        default="tiny",
+        help="the suite written (default tiny); noop: marked tests that run nothing, to check the script itself",
+    )
     parser.add_argument("--cuda", action="store_true", help="the GPU suite: TransformerEncoder steps on cuda")
-    parser.add_argument("--tests", type=int, default=None, help="generated tests (tiny 200, encoder 40, cuda 60)")
+    parser.add_argument(
+        "--tests",
+        type=int,
+        default=None,
+        help="generated tests (tiny 200, encoder 40, transformers 40, noop 10, cuda 60)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; figures are medians (default 3)")
     parser.add_argument("--warm-up", action="store_true", help="add the warm-up variants (off-warm, on-warm)")
     parser.add_argument("--anchors", action="store_true", help="add pytest-memray, the profiler, MemTracker, dispatch")

@@ -26,18 +26,30 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_overhead import timed_run, write_suite
 
-from pytest_gpumem.data.site_figures import SiteConfig
-from pytest_gpumem.measurement.engines import make_engine
-from pytest_gpumem.measurement.recorder import Recorder
+if TYPE_CHECKING:
+    import torch
+
+    from pytest_gpumem.data.site_figures import SiteConfig
+    from pytest_gpumem.measurement.engines import make_engine
+    from pytest_gpumem.measurement.recorder import Recorder
+
+
+def _import_torch() -> None:
+    """Torch and the plugin's measuring modules, imported once the options parse (``--help`` needs neither)."""
+    global torch, SiteConfig, make_engine, Recorder
+    import torch
+
+    from pytest_gpumem.data.site_figures import SiteConfig
+    from pytest_gpumem.measurement.engines import make_engine
+    from pytest_gpumem.measurement.recorder import Recorder
 
 
 def encoder(device: torch.device) -> Callable[[], None]:
@@ -160,6 +172,7 @@ def main() -> None:
     parser.add_argument("--main", default=None, metavar="REV", help="also run REV's package (git archive)")
     parser.add_argument("--device", default="cpu", help="part 1's device: cpu or cuda (default cpu)")
     options = parser.parse_args()
+    _import_torch()
     torch.set_num_threads(1)
     if options.repeat:
         part_one(torch.device(options.device), options.repeat)

@@ -1,6 +1,8 @@
 """``benchmarks/bench_overhead.py`` as a command: it fails clearly where it cannot measure, and its
 JSON holds what ran, within ``--max-seconds``. No figure is asserted here: speed is measured by
-the benchmark itself, never by a test."""
+the benchmark itself, never by a test. The runs that check the JSON call the script's ``main`` in
+this process (the pytest sessions it times are new interpreters, as a user's are); the option
+errors run it as a new interpreter, as a user types it."""
 
 from __future__ import annotations
 
@@ -12,17 +14,34 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overhead.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPT = BENCHMARKS / "bench_overhead.py"
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_overhead  # noqa: E402
 
 
 def _bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
 
 
+def _bench_here(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``bench_overhead.py *args`` through its ``main`` in this process: its exit status and output."""
+    capsys.readouterr()
+    try:
+        bench_overhead.main(list(args))
+        code = 0
+    except SystemExit as stop:
+        assert isinstance(stop.code, int), stop.code
+        code = stop.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["bench_overhead.py", *args], code, out, err)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")
-def test_cuda_without_a_gpu_is_a_clear_error(tmp_path: Path) -> None:
-    done = _bench("--cuda", "--tests", "4", "--json", str(tmp_path / "never.json"))
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    done = _bench_here(capsys, "--cuda", "--tests", "4", "--json", str(tmp_path / "never.json"))
     assert done.returncode == 2
     assert "--cuda: no CUDA device is available" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "never.json").exists()
@@ -44,9 +63,13 @@ def test_bad_options_are_clear_errors(args: list[str], message: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_json_holds_every_round_and_max_seconds_stops_starting_rounds(tmp_path: Path) -> None:
+def test_the_json_holds_every_round_and_max_seconds_stops_starting_rounds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     full = tmp_path / "full.json"  # no untimed sessions (the second run below has its one)
-    done = _bench("--tests", "2", "--repeat", "2", "--variants", "off", "on", "--no-untimed", "--json", str(full))
+    done = _bench_here(
+        capsys, "--tests", "2", "--repeat", "2", "--variants", "off", "on", "--no-untimed", "--json", str(full)
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(full.read_text())
     assert result["suite"] == "tiny" and result["tests"] == 2 and result["rounds"] == 2
@@ -58,10 +81,13 @@ def test_the_json_holds_every_round_and_max_seconds_stops_starting_rounds(tmp_pa
     assert set(result["ratios"]["on/off"]) == {"wall", "cpu"}
     assert {"python", "torch", "cpus"} <= set(result["machine"])
 
-    short = tmp_path / "short.json"  # one variant: its untimed session alone takes over the 1 s
-    done = _bench("--tests", "2", "--repeat", "5", "--variants", "off", "--max-seconds", "1", "--json", str(short))
+    # one variant of the suite that runs nothing (no torch): its untimed session alone takes over the 0.2 s
+    short = tmp_path / "short.json"
+    args = ["--suite", "noop", "--tests", "2", "--repeat", "5", "--variants", "off", "--max-seconds", "0.2"]
+    done = _bench_here(capsys, *args, "--json", str(short))
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(short.read_text())
+    assert result["suite"] == "noop" and result["tests"] == 2
     assert result["rounds"] == 0 and result["stopped_by_max_seconds"] and result["ratios"] == {}
     assert result["untimed"] == ["off"]
-    assert "no round fits in --max-seconds 1.0" in done.stdout
+    assert "no round fits in --max-seconds 0.2" in done.stdout

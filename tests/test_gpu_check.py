@@ -58,7 +58,7 @@ def test_dry_run_checks_every_part_and_prints_the_plan() -> None:
 
 @pytest.mark.slow
 def test_an_option_a_script_does_not_know_fails_the_dry_run() -> None:
-    command = gpu_check.Command("bench", [sys.executable, "benchmarks/bench_accuracy.py", "--no-such-flag"], "script")
+    command = gpu_check.Command("bench", [sys.executable, "benchmarks/bench_overhead.py", "--no-such-flag"], "script")
     why = gpu_check.check_command(command, gpu_check.environment())
     assert why is not None and "does not know --no-such-flag" in why
 
