@@ -142,6 +142,8 @@ def test_what_a_finished_rank_left_running_ends_with_the_run(tmp_path: Path, mon
     assert left == set()
 
 
+# Below the test above: in file order its ranks have started this process's gloo server, and this test's
+# first, short timeout finds it warm.
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_rank_stopped_at_the_timeout_takes_its_subprocesses_with_it(
