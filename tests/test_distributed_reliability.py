@@ -125,6 +125,26 @@ def _written(folder: Path) -> list[Path]:
     return [f for f in sorted(folder.glob("rank*")) if f.read_text().endswith("\n")]
 
 
+def rank_leaves_a_child(rank: int, ctx: RankContext) -> None:
+    """A rank that finishes, leaving a subprocess of its own running."""
+    child = subprocess.Popen(["sleep", "1000"])
+    (Path(os.environ["GPUMEM_TEST_PIDS"]) / f"rank{rank}").write_text(f"{child.pid}\n")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_what_a_finished_rank_left_running_ends_with_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUMEM_TEST_PIDS", str(tmp_path))
+    assert len(run_ranks(rank_leaves_a_child, 2, timeout=600)) == 2
+    children = _pids_written(_written(tmp_path))  # written before the ranks reported
+    assert len(children) == 2
+    left = _wait_gone(children, 60)  # returns as soon as they are gone
+    _kill(left)
+    assert left == set()
+
+
+# Below the test above: in file order its ranks have started this process's gloo server, and this test's
+# first, short timeout finds it warm.
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_rank_stopped_at_the_timeout_takes_its_subprocesses_with_it(
@@ -134,7 +154,7 @@ def test_a_rank_stopped_at_the_timeout_takes_its_subprocesses_with_it(
     not even start before a short timeout: the run is tried again with a longer one until both
     had started (the event the check needs), never asserting how fast a machine is."""
     handler = signal.getsignal(signal.SIGTERM)
-    for timeout in (8, 30, 120, 480):
+    for timeout in (5, 15, 60, 240, 480):
         folder = tmp_path / f"timeout-{timeout}"
         folder.mkdir()
         monkeypatch.setenv("GPUMEM_TEST_PIDS", str(folder))
@@ -155,24 +175,6 @@ def test_a_rank_stopped_at_the_timeout_takes_its_subprocesses_with_it(
     assert multiprocessing.active_children() == []
 
 
-def rank_leaves_a_child(rank: int, ctx: RankContext) -> None:
-    """A rank that finishes, leaving a subprocess of its own running."""
-    child = subprocess.Popen(["sleep", "1000"])
-    (Path(os.environ["GPUMEM_TEST_PIDS"]) / f"rank{rank}").write_text(f"{child.pid}\n")
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_what_a_finished_rank_left_running_ends_with_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GPUMEM_TEST_PIDS", str(tmp_path))
-    assert len(run_ranks(rank_leaves_a_child, 2, timeout=600)) == 2
-    children = _pids_written(_written(tmp_path))  # written before the ranks reported
-    assert len(children) == 2
-    left = _wait_gone(children, 60)  # returns as soon as they are gone
-    _kill(left)
-    assert left == set()
-
-
 #: The conftest of a pytest that a test stops from outside: every thread's stack on SIGUSR1,
 #: into a file of its own (pytest captures the standard streams).
 STACKS_ON_SIGUSR1 = """
@@ -180,6 +182,11 @@ import faulthandler, signal
 STACKS = open("stacks.txt", "w")
 faulthandler.register(signal.SIGUSR1, file=STACKS, all_threads=True)
 """
+
+
+#: The suite's other pytest plugins, which a started pytest does not need (each costs every process its import).
+OTHER_PLUGINS_OFF = tuple(f"-pno:{name}" for name in ("hypothesispytest", "xdist", "randomly", "anyio", "timeout"))
+QUIET_ADDOPTS = " ".join(("-p", "no:cacheprovider", *OTHER_PLUGINS_OFF))
 
 
 def _interruptible_child() -> None:
@@ -235,7 +242,7 @@ def test_no_process_outlives_a_pytest_that_is_stopped_while_ranks_run(
     (tmp_path / "conftest.py").write_text(STACKS_ON_SIGUSR1)
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
-    env = {**os.environ, "GPUMEM_TEST_PIDS": str(pids_dir), "PYTEST_ADDOPTS": "-p no:randomly -p no:cacheprovider"}
+    env = {**os.environ, "GPUMEM_TEST_PIDS": str(pids_dir), "PYTEST_ADDOPTS": QUIET_ADDOPTS}
     output = tmp_path / "output.txt"
     with output.open("w") as out:
         pytest_process = subprocess.Popen(
@@ -419,8 +426,7 @@ def test_torchrun_names_each_ranks_limit_in_the_summary_and_the_json(
         "pytest",
         "-p",
         "no:cacheprovider",
-        "-p",
-        "no:randomly",
+        *OTHER_PLUGINS_OFF,
         "test_ranked.py",
         "--gpumem-json=report.json",
         "--gpumem-markdown=report.md",
@@ -531,7 +537,7 @@ def test_ctrl_c_while_rank_zero_waits_for_the_others_ends_it_at_once_and_cleanly
     ends it with a line that says what was not written, no traceback, pytest's exit status 2."""
     (tmp_path / "test_late.py").write_text(RANK_ONE_IS_LATE)
     (tmp_path / "conftest.py").write_text(GATHERING)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTEST_ADDOPTS": "-p no:randomly -p no:cacheprovider"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTEST_ADDOPTS": QUIET_ADDOPTS}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}"]
     command += ["--redirects=3", "--log-dir=logs", "-m", "pytest", "test_late.py", "--gpumem-update-baselines"]
     with open(tmp_path / "torchrun.log", "wb") as log:

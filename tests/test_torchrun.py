@@ -61,6 +61,10 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+#: The suite's other pytest plugins, which the ranks' sessions do not need (each costs every rank its import).
+OTHER_PLUGINS_OFF = tuple(f"-pno:{name}" for name in ("hypothesispytest", "xdist", "randomly", "anyio", "timeout"))
+
+
 def _torchrun(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return pytester.run(
         sys.executable,
@@ -72,6 +76,7 @@ def _torchrun(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
         "pytest",
         "-p",
         "no:cacheprovider",
+        *OTHER_PLUGINS_OFF,
         "test_ranked.py",
         *args,
         timeout=300,

@@ -79,32 +79,6 @@ def test_a_warm_rank_has_imported_what_a_spawned_rank_has_and_neither_sees_a_gpu
 
 
 @pytest.mark.slow
-def test_a_server_is_kept_while_the_environment_is_and_its_ranks_see_the_runs_environment(
-    reports: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A later run whose variables read at import (torch's, OpenMP's, the interpreter's) are the
-    same is forked by the same server, and its rank sees the environment of its own run (here the
-    test pytest says it is running, and a variable of the test's own); a run with another value
-    of one of those variables gets a new server, and the old one is stopped."""
-    now, home = os.environ["PYTEST_CURRENT_TEST"], os.environ.get("HOME")
-    first = _run(reports, 1, **FAKE)
-    server = warm_ranks.server_pid("fake")
-    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/elsewhere.py::test_other (call)")
-    monkeypatch.setenv("HOME", str(reports))
-    monkeypatch.setenv("GPUMEM_TEST_ANOTHER_VARIABLE", "1")
-    second = _run(reports, 1, **FAKE)
-    assert warm_ranks.server_pid("fake") == server
-    assert [first[0]["test"], second[0]["test"]] == [now, "tests/elsewhere.py::test_other (call)"]
-    assert first[0]["parent"] == second[0]["parent"] == server
-    assert [first[0]["home"], second[0]["home"]] == [home, str(reports)]
-    monkeypatch.setenv("TORCH_GPUMEM_TEST_ANOTHER_ENVIRONMENT", "1")
-    third = _run(reports, 1, **FAKE)
-    assert warm_ranks.server_pid("fake") not in (None, server)
-    assert third[0]["parent"] == warm_ranks.server_pid("fake")
-    assert not Path(f"/proc/{server}").exists()  # stopped, and waited for
-
-
-@pytest.mark.slow
 def test_a_server_runs_one_thread_and_imports_only(reports: Path) -> None:
     """Forking is safe from a process that has run no torch operator and whose threads are
     stopped at a fork: the server imports and waits (multiprocessing's server loop), nothing else.
@@ -173,3 +147,30 @@ def test_a_process_forked_after_warm_ranks_ran_starts_its_own_server(reports: Pa
     assert own != parents
     assert _reports(tmp_path / "child")[0]["parent"] == own
     assert warm_ranks.server_pid("fake") == parents
+
+
+# Last in the file: its last run starts a server for another environment, which the tests above would not reuse.
+@pytest.mark.slow
+def test_a_server_is_kept_while_the_environment_is_and_its_ranks_see_the_runs_environment(
+    reports: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later run whose variables read at import (torch's, OpenMP's, the interpreter's) are the
+    same is forked by the same server, and its rank sees the environment of its own run (here the
+    test pytest says it is running, and a variable of the test's own); a run with another value
+    of one of those variables gets a new server, and the old one is stopped."""
+    now, home = os.environ["PYTEST_CURRENT_TEST"], os.environ.get("HOME")
+    first = _run(reports, 1, **FAKE)
+    server = warm_ranks.server_pid("fake")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/elsewhere.py::test_other (call)")
+    monkeypatch.setenv("HOME", str(reports))
+    monkeypatch.setenv("GPUMEM_TEST_ANOTHER_VARIABLE", "1")
+    second = _run(reports, 1, **FAKE)
+    assert warm_ranks.server_pid("fake") == server
+    assert [first[0]["test"], second[0]["test"]] == [now, "tests/elsewhere.py::test_other (call)"]
+    assert first[0]["parent"] == second[0]["parent"] == server
+    assert [first[0]["home"], second[0]["home"]] == [home, str(reports)]
+    monkeypatch.setenv("TORCH_GPUMEM_TEST_ANOTHER_ENVIRONMENT", "1")
+    third = _run(reports, 1, **FAKE)
+    assert warm_ranks.server_pid("fake") not in (None, server)
+    assert third[0]["parent"] == warm_ranks.server_pid("fake")
+    assert not Path(f"/proc/{server}").exists()  # stopped, and waited for
