@@ -90,15 +90,10 @@ def plan_test(nodeid: str, spec: GpumemSpec, settings: Settings, *, worker: int 
     :class:`PlanError` when its device is not there or its settings conflict."""
     from pytest_gpumem.plugin.engines import DeviceUnavailable, choose_device
 
-    unavailable: DeviceUnavailable | None = None
     try:
         device = choose_device(spec.device or settings.device, require_gpu=settings.require_gpu, worker=worker)
-    except DeviceUnavailable as exc:
-        unavailable = exc  # raised outside the handler: pytest would print it twice
-    if unavailable is not None:
-        if unavailable.required:
-            raise PlanError(f"{nodeid}: {unavailable.reason}", skip=False)
-        raise PlanError(unavailable.reason, skip=True)
+    except DeviceUnavailable as exc:  # a run that demands a GPU fails the test, naming it; else it is skipped
+        raise PlanError(f"{nodeid}: {exc.reason}" if exc.required else exc.reason, skip=not exc.required) from None
     predict = spec.predict or settings.predict
     run_limit = None if settings.device_limit is None else f"--gpumem-device-limit={settings.device_limit}"
     limit = None if spec.device_limit is not None else run_limit  # the marker's own: checked at collection
