@@ -43,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_overhead import ENCODER_TEST_FILE
 
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
-from pytest_gpumem.plugin.engines import Engines, Freezer
 from pytest_gpumem.plugin.marker import parse_marker
+from pytest_gpumem.plugin.plan import TestPlan
+from pytest_gpumem.plugin.run_engines import Engines, Freezer
 from pytest_gpumem.plugin.runner import TestRun
 
 
@@ -98,7 +99,7 @@ def variants() -> dict[str, Callable[[], None]]:
     spec = parse_marker([((), {"peak": "1GiB"})])
 
     def measured() -> None:
-        TestRun("bench_floor.py::test_encoder", spec, engine, environment={}).run(body)
+        TestRun(TestPlan("bench_floor.py::test_encoder", spec), engine, environment={}).run(body)
 
     return {
         "plain": body,

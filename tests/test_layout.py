@@ -142,3 +142,10 @@ def test_pytest_loads_the_plugin_without_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """A module's or a package's last name says which one it is: none is used twice."""
+    names = [path.stem for path in MODULES if path.name != "__init__.py"]
+    names += [path.parent.name for path in MODULES if path.name == "__init__.py" and path.parent != PACKAGE]
+    assert sorted(name for name in set(names) if names.count(name) > 1) == []

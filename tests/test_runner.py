@@ -15,9 +15,9 @@ from pytest_gpumem.measurement import gcfunctions
 from pytest_gpumem.measurement.active import measure
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.engines.base import Engine
-from pytest_gpumem.plugin.engines import DeviceUnavailable, Engines, Freezer, choose_device
 from pytest_gpumem.plugin.marker import parse_marker
 from pytest_gpumem.plugin.plan import RunOptions, TestPlan
+from pytest_gpumem.plugin.run_engines import DeviceUnavailable, Engines, Freezer, choose_device
 from pytest_gpumem.plugin.runner import TestRun
 from pytest_gpumem.report.details import failure_text
 

@@ -56,7 +56,7 @@ _INTERNAL = (
             "diagnose/leaks.py",
             "diagnose/microbatch.py",
             "plugin/runner.py",
-            "plugin/engines.py",
+            "plugin/run_engines.py",
         )
     ),
 )

@@ -130,7 +130,7 @@ class DisabledManager:
         spec = item.stash.get(SPEC_KEY, None)
         if spec is None:
             return
-        from pytest_gpumem.plugin.engines import DeviceUnavailable, choose_device
+        from pytest_gpumem.plugin.run_engines import DeviceUnavailable, choose_device
 
         unavailable: DeviceUnavailable | None = None
         try:  # the test still runs on its device, and is skipped where there is none

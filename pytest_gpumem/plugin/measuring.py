@@ -28,7 +28,7 @@ from pytest_gpumem.plugin.torchrun import Launch
 
 if TYPE_CHECKING:
     from pytest_gpumem.measurement.engines import Engine
-    from pytest_gpumem.plugin.engines import Engines, Freezer
+    from pytest_gpumem.plugin.run_engines import Engines, Freezer
     from pytest_gpumem.plugin.runner import TestRun
     from pytest_gpumem.plugin.session import BaselineSession
 
@@ -56,7 +56,7 @@ class Measuring:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
         if any(SPEC_KEY in item.stash for item in session.items):
-            from pytest_gpumem.plugin.engines import Engines, Freezer
+            from pytest_gpumem.plugin.run_engines import Engines, Freezer
 
             self.freezer = Freezer(self.config)
             self.freezer.start()
@@ -86,7 +86,7 @@ class Measuring:
 
     def _prepare(self, item: pytest.Item, spec: GpumemSpec) -> None:
         """The test's run (``item.stash[RUN_KEY]``) from its plan; skips or fails the test that cannot run."""
-        from pytest_gpumem.plugin.engines import Engines
+        from pytest_gpumem.plugin.run_engines import Engines
         from pytest_gpumem.plugin.runner import TestRun
 
         problem: PlanError | None = None

@@ -88,7 +88,7 @@ def sites_mode(spec: GpumemSpec, settings: Settings) -> str:
 def plan_test(nodeid: str, spec: GpumemSpec, settings: Settings, *, worker: int | None = None) -> TestPlan:
     """The plan of the test ``nodeid`` marked ``spec`` in a run of ``settings``, on the GPU of ``worker``; a
     :class:`PlanError` when its device is not there or its settings conflict."""
-    from pytest_gpumem.plugin.engines import DeviceUnavailable, choose_device
+    from pytest_gpumem.plugin.run_engines import DeviceUnavailable, choose_device
 
     try:
         device = choose_device(spec.device or settings.device, require_gpu=settings.require_gpu, worker=worker)

@@ -15,8 +15,8 @@ from pytest_gpumem.judge.judgement import JudgeOptions, decide
 from pytest_gpumem.judge.record import TestRecord
 
 if TYPE_CHECKING:
-    from pytest_gpumem.plugin.engines import Freezer
     from pytest_gpumem.plugin.options import Settings
+    from pytest_gpumem.plugin.run_engines import Freezer
     from pytest_gpumem.plugin.runner import TestRun
     from pytest_gpumem.plugin.session import BaselineSession
 
