@@ -32,21 +32,16 @@ from typing import Any
 import pytest
 
 from pytest_gpumem.diagnose.warm_ranks import IMPORT_PREFIXES, import_key
+from tests._warm_sessions import PLUGINS
 
 #: What execnet runs in a new worker (``execnet.gateway_io.popen_bootstrapline``).
 BOOTSTRAP = "import sys;exec(eval(sys.stdin.readline()))"
 
-_ZYGOTE = r"""
+_ZYGOTE = (
+    PLUGINS
+    + r"""
 import atexit, contextlib, json, os, select, socket, sys, threading, traceback
-import importlib.metadata
 import torch, pytest, execnet, execnet.gateway_base, xdist, xdist.plugin, _pytest.config
-
-# the installed plugins every worker loads (hypothesis's imports hypothesis at the session's end),
-# as tests/_warm_sessions.py's zygote has them; this project's own is left to each worker
-import hypothesis
-for plugin in importlib.metadata.entry_points(group="pytest11"):
-    if not plugin.value.startswith("pytest_gpumem"):
-        plugin.load()
 
 address, BOOTSTRAP = sys.argv[1], sys.argv[2]
 own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -123,6 +118,7 @@ while True:
     for fd in fds:
         os.close(fd)
 """
+)
 
 #: The launcher: the standard library only, no site (``-I -S``). Another command than execnet's, or
 #: an environment that differs from the zygote's in :func:`key`, gets a new interpreter (``exec``).

@@ -44,17 +44,20 @@ from _pytest.pathlib import make_numbered_dir
 
 from pytest_gpumem.diagnose.warm_ranks import import_key
 
-_ZYGOTE = r"""
-import atexit, json, os, sys, threading, traceback
-import importlib.metadata
-import torch, pytest, pytest.__main__
-
-# the installed plugins every session loads at its start (hypothesis's imports hypothesis at its
-# end), this project's own left to each session, as a new interpreter has them
-import hypothesis
+#: A zygote's imports beside torch and pytest: the installed plugins every session loads at its start
+#: (hypothesis's imports hypothesis at the session's end), this project's own left to each session.
+PLUGINS = r"""
+import importlib.metadata, hypothesis
 for plugin in importlib.metadata.entry_points(group="pytest11"):
     if not plugin.value.startswith("pytest_gpumem"):
         plugin.load()
+"""
+
+_ZYGOTE = (
+    PLUGINS
+    + r"""
+import atexit, json, os, sys, threading, traceback
+import torch, pytest, pytest.__main__
 
 own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 base = [p for p in sys.path[1:] if p not in own]  # the interpreter's own entries ('' of -c left out)
@@ -101,6 +104,7 @@ while True:
     _, status = os.waitpid(pid, 0)
     os.write(1, (json.dumps(os.waitstatus_to_exitcode(status)) + "\n").encode())
 """
+)
 
 
 class _Zygote:

@@ -137,6 +137,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 #: Environments that baseline tests record under (as an H100 with torch 2.13 would describe itself).
 CPU_ENV = Environment(engine="cpu", torch_version="2.13", cuda_rounding=False)
+
+#: The suite's other pytest plugins, which a pytest the tests start (torchrun's ranks, one sent a
+#: signal) does not need: each costs every process its import.
+OTHER_PLUGINS_OFF = tuple(f"-pno:{name}" for name in ("hypothesispytest", "xdist", "randomly", "anyio", "timeout"))
 H100_ENV = Environment(
     engine="cuda",
     device_name="NVIDIA H100 80GB HBM3",

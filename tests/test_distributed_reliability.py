@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import OTHER_PLUGINS_OFF
 from pytest_gpumem import DistributedError, RankContext, run_ranks
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Limit, Tolerance
@@ -184,8 +185,6 @@ faulthandler.register(signal.SIGUSR1, file=STACKS, all_threads=True)
 """
 
 
-#: The suite's other pytest plugins, which a started pytest does not need (each costs every process its import).
-OTHER_PLUGINS_OFF = tuple(f"-pno:{name}" for name in ("hypothesispytest", "xdist", "randomly", "anyio", "timeout"))
 QUIET_ADDOPTS = " ".join(("-p", "no:cacheprovider", *OTHER_PLUGINS_OFF))
 
 

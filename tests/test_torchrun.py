@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from conftest import OTHER_PLUGINS_OFF
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.plugin.torchrun import Launch, launch, merge, rank_span
 
@@ -59,10 +60,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-#: The suite's other pytest plugins, which the ranks' sessions do not need (each costs every rank its import).
-OTHER_PLUGINS_OFF = tuple(f"-pno:{name}" for name in ("hypothesispytest", "xdist", "randomly", "anyio", "timeout"))
 
 
 def _torchrun(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:

@@ -144,7 +144,7 @@ def confirm_leak(
     """
     if tries < 1:
         raise ValueError(f"confirm_leak: tries must be >= 1, got {tries}")
-    start = start_allocated - ((engine.workspaces if isinstance(engine, Workspaces) else None) or 0)
+    start = start_allocated - (engine.workspaces or 0 if isinstance(engine, Workspaces) else 0)
     readings: list[int] = []
     for _ in range(tries):
         _settle(engine)

@@ -22,7 +22,7 @@ from pytest_gpumem.plugin.collection import (
 from pytest_gpumem.plugin.ending import RunEnd, append_section
 from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measuring
 from pytest_gpumem.plugin.options import Settings
-from pytest_gpumem.plugin.session import BaselineSession
+from pytest_gpumem.plugin.session import BaselineSession, file_problem
 from pytest_gpumem.plugin.site_runs import fails_on_memory, xfail_of
 from pytest_gpumem.plugin.torchrun import launch, rename
 from pytest_gpumem.report.details import error_section, failure_text
@@ -76,7 +76,7 @@ class GpumemManager:
             try:
                 self.baselines.store  # noqa: B018 - a bad baseline file stops the run before it starts
             except BaselineFileError as exc:
-                raise pytest.UsageError(f"gpumem baselines: {exc}") from None
+                raise pytest.UsageError(file_problem(exc)) from None
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -87,7 +87,7 @@ class GpumemManager:
             try:
                 self.baselines.store  # noqa: B018
             except BaselineFileError as exc:
-                raise pytest.UsageError(f"gpumem baselines: {exc}") from None
+                raise pytest.UsageError(file_problem(exc)) from None
 
     # -- the record, on the report (in the process that runs the test) -------------------
 
@@ -147,7 +147,7 @@ class GpumemManager:
             record = replace(record, passed=False)  # failed for pytest's reason (XPASS(strict)) or another plugin's
         record, problem = self.baselines.judged(record)
         if problem is not None:  # under xdist the controller reads the file at the first record
-            self.ending.error = f"gpumem baselines: {problem}"
+            self.ending.error = file_problem(problem)
         if expected:  # reported as pytest reports an expected failure
             report.outcome = "skipped"
             report.wasxfail = str(xfail)

@@ -22,7 +22,12 @@ from pytest_gpumem.judge.record import RecordStore, TestRecord
 from pytest_gpumem.judge.verdict import stale_findings
 from pytest_gpumem.report.formats import write_reports
 
-__all__ = ["BaselineOptions", "BaselineSession"]
+__all__ = ["BaselineOptions", "BaselineSession", "file_problem"]
+
+
+def file_problem(exc: BaselineFileError) -> str:
+    """How the run says that the baseline file cannot be read or written."""
+    return f"gpumem baselines: {exc}"
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,7 @@ class BaselineSession:
                 problem = exc
         judged = judge(record, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
         if problem is not None:
-            judged = replace(judged, errors=[*judged.errors, f"gpumem baselines: {problem}"])
+            judged = replace(judged, errors=[*judged.errors, file_problem(problem)])
         self.records.put(judged)  # with its findings
         return judged, problem
 
