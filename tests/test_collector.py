@@ -292,12 +292,18 @@ def test_objects_someone_else_froze_are_left_alone() -> None:
     gc.freeze()  # as a conftest, a library or an enclosing session would
     collector_module.interpreter_frozen()  # asked of a child once: its objects die before the count
     count = gcfunctions.get_freeze_count()
+
+    def kept() -> bool:
+        """Nothing given back (which leaves none frozen); a thread of the process (xdist's) may meanwhile free a
+        few of the frozen objects by reference counting."""
+        return count - 100 < gcfunctions.get_freeze_count() <= count
+
     with Collector() as collector:
         assert not collector.active and running() is None
         assert not collector.compact()
         gc.collect()
-        assert gcfunctions.get_freeze_count() == count  # nothing given back: it cannot tell theirs from its own
-    assert gcfunctions.get_freeze_count() == count
+        assert kept()  # nothing given back: it cannot tell theirs from its own
+    assert kept()
 
 
 @pytest.mark.usefixtures("nothing_frozen")
