@@ -14,21 +14,17 @@ from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.metrics import CATEGORIES, METRICS, metric_info
 from pytest_gpumem.units import UNITS, format_delta, format_size
 
-__all__ = ["html_text", "page_head", "render_html"]
-
-# --------------------------------------------------------------------------- HTML page
+__all__ = ["html_page", "html_text", "render_html"]
 
 #: Fill colour of each category (colour-blind-friendly Tableau 10 hues).
-_COLOURS: Mapping[str, str] = MappingProxyType(
-    {
-        "parameters": "#4e79a7",
-        "gradients": "#f28e2b",
-        "optimizer_state": "#59a14f",
-        "activations": "#e15759",
-        "temporaries": "#b07aa1",
-        "other": "#a0a0a0",
-    }
-)
+_COLOURS: Mapping[str, str] = {
+    "parameters": "#4e79a7",
+    "gradients": "#f28e2b",
+    "optimizer_state": "#59a14f",
+    "activations": "#e15759",
+    "temporaries": "#b07aa1",
+    "other": "#a0a0a0",
+}
 _LINE_COLOURS = ("#b3261e", "#1f3a5f", "#6a3d9a", "#00796b", "#8d6e00")
 _NO_LINES: Mapping[str, int] = MappingProxyType({})
 
@@ -39,11 +35,6 @@ _MAX_COLUMNS = 350  # samples drawn at most: one per ~2 horizontal units
 _CHAR_WIDTH = 6.2  # rough width of one character of 11-unit text
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
-
-#: The rows of the table of figures: the span's start, then every byte figure of the metric table.
-_FIGURE_MEANINGS: Mapping[str, str] = MappingProxyType(
-    {"start": "allocated when the span began", **{metric: metric_info(metric).about for metric in METRICS}}
-)
 
 _CSS = """
 :root { color-scheme: light; }
@@ -109,7 +100,6 @@ def render_html(
     """
     chart = _Chart(timeline, measurement, lines)
     parts = [
-        *page_head(f"{title} · pytest-gpumem", _CSS),
         f"<h1>{html_text(title)}</h1>",
         f'<p class="meta">{_meta_line(measurement)}</p>',
     ]
@@ -134,13 +124,9 @@ def render_html(
         _breakdown_table(measurement, chart.peak),
         _phases_table(measurement),
         "</div>",
-        "</main>",
-        "<footer>pytest-gpumem · self-contained page: no scripts, no network</footer>",
-        "</body>",
-        "</html>",
-        "",
     ]
-    return "\n".join(parts)
+    footer = "<footer>pytest-gpumem · self-contained page: no scripts, no network</footer>"
+    return html_page(f"{title} · pytest-gpumem", _CSS, parts, footer=[footer])
 
 
 @dataclass(frozen=True)
@@ -379,9 +365,6 @@ class _Chart:
         )
 
 
-# --------------------------------------------------------------------------- tables and helpers
-
-
 def _meta_line(m: Measurement) -> str:
     items = [
         f"span <b>{html_text(m.name)}</b>",
@@ -396,17 +379,20 @@ def _meta_line(m: Measurement) -> str:
 
 
 def _figures_table(m: Measurement) -> str:
-    rows = ['<section class="card"><h2>Figures</h2><table>']
-    rows.append('<tr><th>figure</th><th class="num">value</th><th class="num">cost</th><th>meaning</th></tr>')
-    for metric, meaning in _FIGURE_MEANINGS.items():
-        if metric == "start":
-            value, cost = _size(m.start), ""
-        elif metric_info(metric).whole_call:  # a difference already: no absolute figure
+    rows = [
+        '<section class="card"><h2>Figures</h2><table>',
+        '<tr><th>figure</th><th class="num">value</th><th class="num">cost</th><th>meaning</th></tr>',
+        f'<tr><td>start</td><td class="num">{_size(m.start)}</td><td class="num"></td>',
+        '<td class="note">allocated when the span began</td></tr>',
+    ]
+    for metric in METRICS:  # every byte figure of the metric table
+        info = metric_info(metric)
+        if info.whole_call:  # a difference already: no absolute figure
             value, cost = _cell(format_delta(m.figure(metric))), ""
         else:
             value, cost = _size(m.figure(metric)), _cell(format_delta(m.cost(metric)))
         rows.append(f'<tr><td>{metric}</td><td class="num">{value}</td><td class="num">{cost}</td>')
-        rows.append(f'<td class="note">{html_text(meaning)}</td></tr>')
+        rows.append(f'<td class="note">{html_text(info.about)}</td></tr>')
     extras = (
         ("requested peak", m.requested_peak, "highest bytes the code asked for"),
         ("saved activations", m.saved_activations, "storages saved for backward"),
@@ -434,8 +420,7 @@ def _breakdown_table(m: Measurement, peak: _Sample | None) -> str:
     rows = ['<section class="card"><h2>Breakdown at peak</h2>']
     values = _breakdown_at_peak(m, peak)
     if values is None:
-        rows.append('<p class="na">not measured (n/a)</p></section>')
-        return "".join(rows)
+        return rows[0] + '<p class="na">not measured (n/a)</p></section>'
     if m.breakdown is None:
         rows.append('<p class="na">from the highest timeline sample</p>')
     total = sum(values)
@@ -446,16 +431,14 @@ def _breakdown_table(m: Measurement, peak: _Sample | None) -> str:
             f'<tr data-category="{category}"><td><span class="swatch" style="background:{_COLOURS[category]}"></span>'
             f'{_label(category)}</td><td class="num">{_size(value)}</td><td class="num">{share}</td></tr>'
         )
-    rows.append(f'<tr class="total"><td>total</td><td class="num">{_size(total)}</td><td></td></tr>')
-    rows.append("</table></section>")
+    rows.append(f'<tr class="total"><td>total</td><td class="num">{_size(total)}</td><td></td></tr></table></section>')
     return "".join(rows)
 
 
 def _phases_table(m: Measurement) -> str:
     rows = ['<section class="card"><h2>Phases</h2>']
     if not m.phases:
-        rows.append('<p class="na">no phases recorded</p></section>')
-        return "".join(rows)
+        return rows[0] + '<p class="na">no phases recorded</p></section>'
     rows.append(
         '<table><tr><th>phase</th><th class="num">start</th><th class="num">peak</th><th class="num">end</th>'
         '<th class="num">peak − start</th></tr>'
@@ -472,9 +455,9 @@ def _phases_table(m: Measurement) -> str:
     return "".join(rows)
 
 
-def page_head(title: str, css: str) -> list[str]:
-    """The opening lines of a self-contained page, to ``<main>``: UTF-8, a fetch-nothing CSP, ``title`` and ``css``."""
-    return [
+def html_page(title: str, css: str, body: Sequence[str], *, footer: Sequence[str] = ()) -> str:
+    """A self-contained page: UTF-8, a fetch-nothing CSP, ``title`` and ``css``; ``body`` in ``<main>``, a line each."""
+    lines = [
         "<!DOCTYPE html>",
         '<html lang="en">',
         "<head>",
@@ -486,7 +469,14 @@ def page_head(title: str, css: str) -> list[str]:
         "</head>",
         "<body>",
         "<main>",
+        *body,
+        "</main>",
+        *footer,
+        "</body>",
+        "</html>",
+        "",
     ]
+    return "\n".join(lines)
 
 
 def html_text(text: object) -> str:

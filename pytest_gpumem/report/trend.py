@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pytest_gpumem.baselines.history import Commit, History, Version
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
-from pytest_gpumem.report.html import html_text, page_head
+from pytest_gpumem.report.html import html_page, html_text
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_size
 
@@ -384,10 +384,7 @@ def history_html(history: History, series: Sequence[Series], metrics: Sequence[s
     """One self-contained page: a chart per test and span of ``metrics`` over the commits, and a table of changes."""
     heading = title or f"Memory trend of {history.file.name}"
     versions = history.versions
-    parts = [
-        *page_head(f"{heading} · pytest-gpumem", _CSS),
-        f"<h1>{html_text(heading)}</h1>",
-    ]
+    parts = [f"<h1>{html_text(heading)}</h1>"]
     if versions:
         parts.append(
             f'<p class="meta">{len(versions)} commits of <code>{html_text(history.file)}</code>, from '
@@ -423,5 +420,4 @@ def history_html(history: History, series: Sequence[Series], metrics: Sequence[s
                 f'<p class="meta">{legend}</p>{chart}'
                 f"<table><tr><th>commit</th><th>date</th><th>subject</th><th>change</th></tr>{rows}</table></section>"
             )
-    parts += ["</main>", "</body>", "</html>", ""]
-    return "\n".join(parts)
+    return html_page(f"{heading} · pytest-gpumem", _CSS, parts)
