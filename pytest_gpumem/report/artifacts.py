@@ -163,8 +163,7 @@ def render_index(records: list[TestRecord], pages: dict[str, str], *, title: str
     failed = sum(1 for record in records if record.failed or not record.passed)
     rows = []
     for record in sorted(records, key=lambda r: (r.passed and not r.failed, r.nodeid)):
-        bad = record.failed or not record.passed
-        status = "failed" if bad else "passed"
+        status = "failed" if record.failed or not record.passed else "passed"
         figures = index_figures(record)
         cells = "".join(
             f'<td class="num" title="{value:,} B">{html_text(metric_info(metric).format(value))}</td>'

@@ -489,9 +489,7 @@ def _cell(text: str) -> str:
 
 
 def _size(nbytes: int | None) -> str:
-    if nbytes is None:
-        return _cell("n/a")
-    return f'<span title="{nbytes:,} B">{format_size(nbytes)}</span>'
+    return _cell("n/a") if nbytes is None else f'<span title="{nbytes:,} B">{format_size(nbytes)}</span>'
 
 
 def _label(category: str) -> str:
@@ -537,10 +535,8 @@ def _spread(positions: list[float], *, gap: float, lo: float, hi: float) -> list
         placed[-1] -= overflow
         for j in range(len(placed) - 2, -1, -1):
             placed[j] = min(placed[j], placed[j + 1] - gap)
-    result = [0.0] * len(positions)
-    for j, i in enumerate(order):
-        result[i] = placed[j]
-    return result
+    where = dict(zip(order, placed, strict=True))
+    return [where[i] for i in range(len(positions))]
 
 
 def _tick_label(nbytes: int) -> str:
