@@ -10,7 +10,6 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 from pytest_gpumem.baselines.history import Commit, History, Version
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
@@ -291,15 +290,9 @@ def _ticks(high: int) -> list[int]:
     return [step * i for i in range(math.ceil(high / step) + 1)]
 
 
-@dataclass
-class _Change:
-    index: int
-    commit: Commit
-    text: str
-
-
-def _chart(history: History, key: Series, metrics: Sequence[str]) -> tuple[str, list[_Change]]:
-    """The SVG chart of one series and its changes (each a commit that changed a figure or recorded it)."""
+def _chart(history: History, key: Series, metrics: Sequence[str]) -> tuple[str, list[tuple[int, Commit, str]]]:
+    """The SVG chart of one series and its changes: (version index, commit, what changed) of each commit that changed a
+    figure or recorded it."""
     count = len(history.versions)
     known = [(m, [(i, c, v) for i, c, v in _points(history, key, m) if v is not None]) for m in metrics]
     drawn = [(metric, points) for metric, points in known if points]
@@ -321,27 +314,27 @@ def _chart(history: History, key: Series, metrics: Sequence[str]) -> tuple[str, 
         )
     parts.append(f'<line class="axis" x1="{_LEFT}" x2="{_RIGHT}" y1="{_BOTTOM}" y2="{_BOTTOM}"/>')
     # changes: a commit where any drawn figure differs from the version before (or the span appears)
-    changes: list[_Change] = []
+    changes: list[tuple[int, Commit, str]] = []
     for index, version in enumerate(history.versions):
         previous = history.versions[index - 1] if index else None
         text = _changes(previous, version, key, [m for m, _ in drawn], exact=False) if key in version.figures else ""
         if text:
-            changes.append(_Change(index, version.commit, text))
+            changes.append((index, version.commit, text))
     last_label = [-1e9, -1e9]  # x of the last label in each of the two rows above the chart
-    for change in changes:
-        position = x(change.index)
+    for index, commit, text in changes:
+        position = x(index)
         row = 0 if position - last_label[0] >= _LABEL_GAP else 1
         label = ""
         if position - last_label[row] >= _LABEL_GAP:  # else too close to its neighbours: the tooltip names it
             last_label[row] = position
             label = (
                 f'<text x="{_n(position)}" y="{_TOP - 10 - 13 * row}" text-anchor="middle">'
-                f"{html_text(change.commit.short[:7])}</text>"
+                f"{html_text(commit.short[:7])}</text>"
             )
         parts.append(
-            f'<g class="change" data-commit="{html_text(change.commit.sha)}">'
-            f"<title>{html_text(change.commit.short)} {html_text(change.commit.day)} "
-            f"{html_text(change.commit.subject)}: {html_text(change.text)}</title>"
+            f'<g class="change" data-commit="{html_text(commit.sha)}">'
+            f"<title>{html_text(commit.short)} {html_text(commit.day)} "
+            f"{html_text(commit.subject)}: {html_text(text)}</title>"
             f'<line x1="{_n(position)}" x2="{_n(position)}" y1="{_TOP - 4}" y2="{_BOTTOM}"/>{label}</g>'
         )
     for position, (metric, points) in enumerate(drawn):
@@ -410,9 +403,9 @@ def history_html(history: History, series: Sequence[Series], metrics: Sequence[s
         for key in (s for s in series if s[0] == environment):
             chart, changes = _chart(history, key, metrics)
             rows = "".join(
-                f"<tr><td><code>{html_text(c.commit.short)}</code></td><td>{html_text(c.commit.day)}</td>"
-                f"<td>{html_text(c.commit.subject)}</td><td>{html_text(c.text)}</td></tr>"
-                for c in changes
+                f"<tr><td><code>{html_text(commit.short)}</code></td><td>{html_text(commit.day)}</td>"
+                f"<td>{html_text(commit.subject)}</td><td>{html_text(text)}</td></tr>"
+                for _, commit, text in changes
             )
             parts.append(
                 f'<section class="card" data-test="{html_text(key[1])}" data-span="{html_text(key[2])}">'
