@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,7 +56,7 @@ class BaselineSession:
         self.records = RecordStore()
         self.stale: list[Finding] = []
         #: the baselines the run could not judge stale, by why
-        self.kept: dict[str, int] = {}
+        self.kept: Counter[str] = Counter()
         self._store: BaselineStore | None = None
         self.written = False
 
@@ -100,11 +101,10 @@ class BaselineSession:
         store = self.store
         if collection is not None:
             stale = []
-            for key in self.environment_keys():
+            for key in sorted(self.environments()):
                 found = find_stale(store, collection, key)
                 stale += found.stale
-                for why, count in found.kept.items():
-                    self.kept[why] = self.kept.get(why, 0) + count
+                self.kept.update(found.kept)
             self.stale = stale_findings(stale, strict=self.options.strict)
             if self.options.update and self.options.prune and stale:
                 store.prune(stale)
@@ -124,9 +124,6 @@ class BaselineSession:
     def stale_failed(self) -> bool:
         """Stale baselines fail the run (strict mode)."""
         return any(f.failed for f in self.stale)
-
-    def environment_keys(self) -> list[str]:
-        return sorted(self.environments())
 
     def environments(self) -> dict[str, int | None]:
         """The environment keys of the records, sorted, each with the workspace bytes its device held."""
