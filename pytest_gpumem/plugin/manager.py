@@ -280,19 +280,13 @@ class GpumemManager:
             gathered = gather_records(
                 [record.to_dict() for record in self.baselines.records.decoded_all()], self.launch
             )
-        except GatherError as exc:
-            self.error = (
-                f"gpumem: the ranks' records could not be gathered ({exc}): "
-                "the baseline file and the reports were not written"
-            )
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
-            return False
-        except KeyboardInterrupt:  # Ctrl-C while this rank waits for the others
-            self.error = (
-                "gpumem: interrupted while gathering the ranks' records: "
-                "the baseline file and the reports were not written"
-            )
-            session.exitstatus = pytest.ExitCode.INTERRUPTED
+        except (GatherError, KeyboardInterrupt) as exc:  # KeyboardInterrupt: Ctrl-C while waiting for the others
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            why = f"the ranks' records could not be gathered ({exc})"
+            if interrupted:
+                why = "interrupted while gathering the ranks' records"
+            self.error = f"gpumem: {why}: the baseline file and the reports were not written"
+            session.exitstatus = pytest.ExitCode.INTERRUPTED if interrupted else pytest.ExitCode.TESTS_FAILED
             return False
         if gathered is None:
             return False
