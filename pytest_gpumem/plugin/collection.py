@@ -142,12 +142,8 @@ class CollectionBook:
     def pytest_ignore_collect(self, collection_path: Path) -> Generator[None, bool | None, bool | None]:
         """A path left out of the collection (``--ignore``) still exists: its tests are never stale."""
         ignored = yield
-        if ignored:
-            try:
-                relative = collection_path.relative_to(self.config.rootpath)
-            except ValueError:
-                return ignored
-            self._partial.setdefault(relative.as_posix(), IGNORED)
+        if ignored and collection_path.is_relative_to(self.config.rootpath):
+            self._partial.setdefault(collection_path.relative_to(self.config.rootpath).as_posix(), IGNORED)
         return ignored
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:

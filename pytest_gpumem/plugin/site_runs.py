@@ -141,12 +141,9 @@ def _timeout(item: pytest.Item) -> str | None:
     for getter in (lambda: config.getoption("timeout", None), lambda: config.getini("timeout")):
         try:
             value = getter()
-        except (ValueError, KeyError):
-            continue
-        try:
             if value not in (None, "") and float(value) > 0:
                 return f"--timeout={value}"
-        except (TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):
             continue
     return None
 
