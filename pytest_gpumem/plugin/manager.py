@@ -79,7 +79,6 @@ class GpumemManager:
         self.pages: dict[str, str] = {}
 
     def register(self, pluginmanager: pytest.PytestPluginManager) -> None:
-        """Register this manager and each of its parts with pytest."""
         pluginmanager.register(self, "gpumem-manager")
         for name in ("markers", "book", "measuring"):
             pluginmanager.register(getattr(self, name), f"gpumem-{name}")
@@ -90,8 +89,6 @@ class GpumemManager:
             self.baselines.store  # noqa: B018
         except BaselineFileError as exc:
             raise pytest.UsageError(file_problem(exc)) from None
-
-    # -- collection: the final word on which tests are measured ------------------------
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:

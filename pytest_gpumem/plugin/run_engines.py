@@ -68,7 +68,6 @@ class Engines:
         return engine
 
     def cpu(self) -> Engine:
-        """The CPU engine."""
         return self.get(torch.device("cpu"))
 
 

@@ -121,8 +121,7 @@ class BaselineSession:
             self.written = save(store, self.options.path)
 
     @property
-    def stale_failed(self) -> bool:
-        """Stale baselines fail the run (strict mode)."""
+    def stale_failed(self) -> bool:  # strict mode
         return any(f.failed for f in self.stale)
 
     def environments(self) -> dict[str, int | None]:
