@@ -22,7 +22,7 @@ from pytest_gpumem.plugin.junit_html import add_html_extras, junit_failure
 from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measuring
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.session import BaselineSession, file_problem
-from pytest_gpumem.plugin.site_runs import fails_on_memory, xfail_of
+from pytest_gpumem.plugin.site_runs import xfail_of
 from pytest_gpumem.plugin.torchrun import launch, rename
 from pytest_gpumem.report.artifacts import write_artifacts, write_index
 from pytest_gpumem.report.ci import (
@@ -159,7 +159,7 @@ class GpumemManager:
         record = handoff[1] if handoff is not None and handoff[0] is data else TestRecord.from_json(data)
         xfail = getattr(report, "gpumem_xfail", None)
         # an xfail test whose code passed and whose memory fails is an expected failure
-        expected = xfail is not None and record.passed and fails_on_memory(self.baselines, record)
+        expected = xfail is not None and record.passed and self.baselines.fails(record)
         if report.failed and record.passed:
             record = replace(record, passed=False)  # failed for pytest's reason (XPASS(strict)) or another plugin's
         record, problem = self.baselines.judged(record)

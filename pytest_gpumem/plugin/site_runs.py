@@ -3,7 +3,6 @@ own protocol (docs/sites.md)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from dataclasses import dataclass, replace
@@ -14,9 +13,7 @@ from _pytest.outcomes import Exit
 from _pytest.runner import call_and_report, runtestprotocol
 from _pytest.skipping import evaluate_xfail_marks, xfailed_key
 
-from pytest_gpumem.baselines import BaselineFileError
 from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.judge.judgement import JudgeOptions, decide
 from pytest_gpumem.judge.record import TestRecord
 
 if TYPE_CHECKING:
@@ -28,7 +25,6 @@ if TYPE_CHECKING:
 __all__ = [
     "SECOND_RUN_KEY",
     "SecondRun",
-    "fails_on_memory",
     "no_second_run",
     "no_sites_note",
     "run_test",
@@ -36,18 +32,6 @@ __all__ = [
     "with_sites",
     "xfail_of",
 ]
-
-
-def fails_on_memory(session: BaselineSession, record: TestRecord) -> bool:
-    """Whether the judge fails ``record`` (decided without changing it)."""
-    options = session.options
-    store = None
-    if record.environment is not None and not options.update:
-        with contextlib.suppress(BaselineFileError):  # the run's owner reports the file
-            store = session.store
-    return decide(record, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update)).fails(
-        record
-    )
 
 
 def xfail_of(item: pytest.Item) -> Any:
@@ -89,7 +73,7 @@ def wants_sites(
         return False
     if exc is not None:
         return is_oom(exc) and not _expected(item, exc)
-    return fails_on_memory(session, record)
+    return session.fails(record)
 
 
 #: how launchers (torchrun, mpirun, srun) tell a process how many ranks run a test together
