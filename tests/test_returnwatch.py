@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run, run_fresh
-from pytest_gpumem.plugin import returnwatch
+from pytest_gpumem.measurement import returnwatch
 
 CHECK = Path(__file__).with_name("returnwatch_check.py")
 

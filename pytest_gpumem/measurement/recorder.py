@@ -91,6 +91,7 @@ class Recorder:
         self.reserved = False  #: a limit or budget needs ``reserved`` from an empty cache
         self.driver = False  #: read the driver's figures (NVML) at a span's end
         self.max_microbatch: int | None = None  #: found by ``gpumem.max_microbatch()``
+        self.returned: tuple[int, dict[str, int] | None] | None = None  #: :meth:`read_return`'s reading
         self.fake = fake
         self.label = label
         self._faked = contextlib.ExitStack()  # the fake tensors' mode, below the tracker's dispatch mode
@@ -290,6 +291,10 @@ class Recorder:
         parts = self.engine.categories.breakdown()
         parts["other"] += max(0, now - sum(parts.values()))
         return now, self.categories(parts)
+
+    def read_return(self) -> None:
+        """Read allocated bytes now, as the measured function returns (:attr:`returned`)."""
+        self.returned = self.allocated_now()
 
     def categories(self, parts: dict[str, int] | None) -> dict[str, int] | None:
         """``parts`` as a figure shows them: without ``activations`` when ``saved_tensors`` is False."""

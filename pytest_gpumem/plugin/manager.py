@@ -119,11 +119,13 @@ class GpumemManager:
             if RECORD_KEY in item.stash:
                 del item.stash[RECORD_KEY]
             return report
-        record = item.stash.get(RECORD_KEY, None)
-        if report.when != "call" or record is None:
+        kept = item.stash.get(RECORD_KEY, None)
+        if report.when != "call" or kept is None:
             return report
+        record, text = kept
         if self.launch is not None:  # each rank's figures are its own spans
             record = rename(record, self.launch)
+            text = record.to_json()
         for measurement in record.measurements:
             prefix = "gpumem" if measurement.name == "call" else f"gpumem[{measurement.name}]"
             for metric in METRICS:
@@ -134,7 +136,7 @@ class GpumemManager:
         if xfailed is not None and xfailed.raises is None:  # a memory failure of this test is an expected failure
             report.gpumem_xfail = str(xfailed.reason)  # type: ignore[attr-defined]
         # as JSON text, which the garbage collector never traverses (reports live to the end of the run)
-        report.gpumem = text = record.to_json()  # type: ignore[attr-defined]
+        report.gpumem = text  # type: ignore[attr-defined]
         if not self.worker:
             self._handoff = (text, record)
         return report

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["MARKS_KEY", "RECORD_KEY", "RUN_KEY", "Measuring"]
 
 RUN_KEY: pytest.StashKey[TestRun] = pytest.StashKey()
-RECORD_KEY = pytest.StashKey[TestRecord]()
+RECORD_KEY = pytest.StashKey[tuple[TestRecord, str]]()  #: the call's record, and as JSON text for its report
 MARKS_KEY = pytest.StashKey[list[pytest.Mark]]()  #: the test's ``gpumem`` marks when its collection ended
 
 
@@ -161,11 +161,11 @@ class Measuring:
                 return result
             self._prepare(item, spec)
             run = item.stash[RUN_KEY]
-        from pytest_gpumem.plugin.returnwatch import ReturnWatchError, code_of
+        from pytest_gpumem.measurement.returnwatch import ReturnWatchError
 
         problem = None
         try:
-            run.start(code_of(getattr(item, "obj", None)))
+            run.start(getattr(item, "obj", None))
         except ReturnWatchError as exc:
             problem = f"{item.nodeid}: {exc}"
         if problem is not None:
@@ -187,18 +187,16 @@ class Measuring:
         if second is not None and second.running:
             second.record = record
             return
-        item.stash[RECORD_KEY] = record
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not wants_sites(
-            item, run, record, exc, self.settings, self.baselines
-        ):
-            return
-        reason = no_second_run(item, record, seconds, self.settings)
-        if reason is None and self.launch is not None:
-            reason = "pytest runs under torchrun, whose ranks would not run it again together"
-        if reason is not None:
-            item.stash[RECORD_KEY] = replace(record, reports=[*record.reports, no_sites_note(reason)])
-        else:
-            item.stash[SECOND_RUN_KEY] = SecondRun(record)
+        interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
+        if not interrupted and wants_sites(item, run, record, exc, self.settings, self.baselines):
+            reason = no_second_run(item, record, seconds, self.settings)
+            if reason is None and self.launch is not None:
+                reason = "pytest runs under torchrun, whose ranks would not run it again together"
+            if reason is not None:
+                record = replace(record, reports=[*record.reports, no_sites_note(reason)])
+            else:
+                item.stash[SECOND_RUN_KEY] = SecondRun(record)
+        item.stash[RECORD_KEY] = (record, record.to_json())
 
 
 def _spec_now(item: pytest.Item) -> GpumemSpec | None:

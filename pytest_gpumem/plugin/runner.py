@@ -24,8 +24,8 @@ from pytest_gpumem.measurement.active import activate
 from pytest_gpumem.measurement.engines import unseen_note
 from pytest_gpumem.measurement.engines.base import Engine, Workspaces
 from pytest_gpumem.measurement.recorder import Recorder
+from pytest_gpumem.measurement.returnwatch import code_of, watch_return
 from pytest_gpumem.plugin.plan import TestPlan
-from pytest_gpumem.plugin.returnwatch import watch_return
 from pytest_gpumem.report.artifacts import artifact_path
 
 __all__ = ["TestRun"]
@@ -63,7 +63,6 @@ class TestRun:
         self.recorder.reserved = plan.reserved  # the cache emptied first
         self._stack = contextlib.ExitStack()  # the recorder's activation
         self._watches = contextlib.ExitStack()  # left just before the call span closes
-        self._returned: list[tuple[int, dict[str, int] | None]] = []
         self._snapshot: StorageSnapshot | None = None
         #: the out-of-memory watch, outermost: entered before the recording begins, left as the test returns
         self._watch = OomWatch(engine, self.recorder) if plan.options.reports else None
@@ -73,8 +72,9 @@ class TestRun:
         self._kept: dict[tuple[str, str | None], dict[str, int]] | None = None
         self._code: CodeType | None = None
 
-    def start(self, code: CodeType | None = None) -> None:
-        """Clean the device, read the start, and begin the ``call`` span; ``allocated`` is read as ``code`` returns."""
+    def start(self, function: Any = None) -> None:
+        """Clean the device, read the start, and begin the ``call`` span; ``allocated`` is read as ``function``
+        returns."""
         if self._started:
             raise RuntimeError(f"{self.nodeid}: the test run has started already")
         self._started = True
@@ -100,8 +100,9 @@ class TestRun:
                 watches.enter_context(self.engine.limit_memory(recorder.device_limit))
             if self.plan.options.snapshots is not None:
                 self._history = self._record_history(watches, self.plan.options.snapshots)
-            self._code = code
-            watches.enter_context(watch_return(code, self._at_return))
+            self._code = code_of(function)
+            kept = self.plan.options.sites is not None and not self.plan.options.reports  # a second run's holders
+            watches.enter_context(watch_return(self._code, self._at_return if kept else recorder.read_return))
         except BaseException:
             self._close_watch()
             self._watches.close()
@@ -114,11 +115,10 @@ class TestRun:
             self._watch.close()
 
     def _at_return(self) -> None:
-        """The test function returns: read ``allocated`` while its locals are alive (a second run: their holders)."""
-        recorder = self.recorder
-        self._returned.append(recorder.allocated_now())
-        if self.plan.options.sites is not None and not self.plan.options.reports:
-            self._kept = kept_by_site(self.engine, recorder.tracked, sys._getframe(1), self._code)
+        """A second run's test function returns: read ``allocated`` and what holds its sites' tensors, its locals
+        alive."""
+        self.recorder.read_return()
+        self._kept = kept_by_site(self.engine, self.recorder.tracked, sys._getframe(1), self._code)
 
     def _with_holders(self, call: Measurement, tracked: list[Any]) -> Measurement:
         """``call`` whose site rows name what holds their storages (``max_exp_avg_sq (amsgrad=True)``)."""
@@ -149,7 +149,7 @@ class TestRun:
 
     def run(self, function: Callable[[], Any]) -> TestRecord:
         """:meth:`start`, call ``function``, :meth:`finish`: the whole run, outside pytest."""
-        self.start(getattr(function, "__code__", None))
+        self.start(function)
         try:
             returned = function()
         except Exception as exc:
@@ -171,7 +171,7 @@ class TestRun:
                 self._watches.close()
             if self._history is not None and not os.path.exists(self._history):
                 self._history = None  # a warning said why
-            call = recorder.close(self._state, allocated=self._returned[-1] if self._returned else None)
+            call = recorder.close(self._state, allocated=recorder.returned)
             timeline = recorder.timeline_since(self._state.start_event)
         finally:
             self.tracked = [weakref.ref(obj) for obj in recorder.tracked]
