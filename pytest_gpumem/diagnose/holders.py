@@ -17,7 +17,7 @@ import torch
 
 from pytest_gpumem.measurement import collector, gcfunctions
 
-__all__ = ["frame_locals", "library_dirs", "module_level_objects", "referrer_names"]
+__all__ = ["frame_locals", "frame_where", "library_dirs", "module_level_objects", "referrer_names"]
 
 _CO_OPTIMIZED = 0x1
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep
@@ -105,6 +105,11 @@ def frame_locals(frame: FrameType) -> dict[str, Any]:
     return values
 
 
+def frame_where(frame: FrameType) -> str:
+    """``function (file.py:line)``: where a frame is, as a report names it."""
+    return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+
+
 # -- naming what holds an object, through the collector's referrers ---------------------------------------
 
 
@@ -112,11 +117,7 @@ _DICT_OF = ".__dict__"
 
 
 def _module_dicts() -> dict[int, str]:
-    dicts: dict[int, str] = {}
-    for name, module in list(sys.modules.items()):
-        if isinstance(module, ModuleType):
-            dicts[id(module.__dict__)] = name
-    return dicts
+    return {id(module.__dict__): name for name, module in list(sys.modules.items()) if isinstance(module, ModuleType)}
 
 
 def _own_frame(obj: object) -> bool:
@@ -126,13 +127,9 @@ def _own_frame(obj: object) -> bool:
 def _attribute_of(holder: object, target: object) -> str | None:
     """The attribute name under which ``holder`` (an object with a ``__dict__``) holds ``target``."""
     try:
-        attributes = vars(holder)
+        return next((str(key) for key, value in vars(holder).items() if value is target), None)
     except TypeError:
         return None
-    for key, value in attributes.items():
-        if value is target:
-            return str(key)
-    return None
 
 
 def _links(holder: object, target: object, module_dicts: Mapping[int, str]) -> list[tuple[str, bool]]:
@@ -148,10 +145,9 @@ def _links(holder: object, target: object, module_dicts: Mapping[int, str]) -> l
             if value is target:
                 found.append((f"[{index}]", False))
     elif isinstance(holder, FrameType):
-        where = f"{holder.f_code.co_name} ({os.path.basename(holder.f_code.co_filename)}:{holder.f_lineno})"
         for var, value in frame_locals(holder).items():
             if value is target:
-                found.append((f"local '{var}' in {where}", True))
+                found.append((f"local '{var}' in {frame_where(holder)}", True))
     elif isinstance(holder, CellType):
         found.append(("a closure variable", True))
     elif isinstance(holder, (set, frozenset)):

@@ -40,12 +40,12 @@ def kept_by_site(
     frames = list(stack_frames(frame))
     if code is not None and all(f.f_code is not code for f in frames):
         frames[:0] = _frames_of(code)
-    census = take_census(
+    tensors, _, _ = take_census(
         engine.device, engine, list(tracked), frames, None, counted_only=engine.exact, thaw_for=_made_at_a_site(engine)
     )
     del frames
     found: dict[tuple[str, str | None], dict[str, int]] = {}
-    for tensor in census.tensors:
+    for tensor in tensors:
         if tensor.site is None or tensor.held_by is None:
             continue
         holders = found.setdefault((tensor.site, tensor.category), {})

@@ -175,7 +175,7 @@ def oom_report(
     objects = list(recorder.tracked) if recorder is not None else []
     if recorder is not None:
         recorder.reclassify()
-    live = take_census(engine.device, engine, objects, frames, top, counted_only=engine.exact)
+    largest, count, nbytes = take_census(engine.device, engine, objects, frames, top, counted_only=engine.exact)
     site = engine.sites.here() if engine.sites is not None and when == "at the failed allocation" else None
     breakdown = None if engine.categories is None else engine.categories.breakdown()
     return OomReport(
@@ -191,9 +191,9 @@ def oom_report(
         limit=engine.memory_limit(),
         phase=recorder.phase if recorder is not None else None,
         breakdown=breakdown if recorder is None else recorder.categories(breakdown),
-        largest=live.tensors,
-        live_count=live.count,
-        live_bytes=live.nbytes,
+        largest=largest,
+        live_count=count,
+        live_bytes=nbytes,
     )
 
 
