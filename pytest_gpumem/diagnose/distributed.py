@@ -7,9 +7,7 @@ fake process group. A failing rank fails the run with its report, and no process
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
 import os
 import pickle
 import queue
@@ -82,12 +80,6 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _device_for(rank: int, device: str) -> torch.device:
-    if device == "cuda":
-        return torch.device("cuda", rank)
-    return torch.device(device)
-
-
 def _measured_rank(
     rank: int,
     world_size: int,
@@ -121,14 +113,8 @@ def _measured_rank(
         dist.destroy_process_group()
 
 
-def _failure(rank: int, exc: BaseException) -> tuple[int, str, str]:
-    """The message a rank sends when ``exc`` ended it."""
-    oom = isinstance(exc, torch.OutOfMemoryError)
-    return (rank, "oom" if oom else "error", "".join(traceback.format_exception(exc)))
-
-
 def _rank_main(
-    rank: int,
+    ranks: list[int],
     world_size: int,
     port: int,
     backend: str,
@@ -136,26 +122,47 @@ def _rank_main(
     timeout: float,
     fn: Callable[[int, RankContext], Any],
     results: Any,
-    predict: str | None = None,
-    sites: SiteConfig | None = None,
-    environment: dict[str, str] | None = None,
+    predict: str | None,
+    sites: SiteConfig | None,
+    environment: dict[str, str],
 ) -> None:
-    """The body of one rank process (started by :func:`run_ranks`)."""
-    _adopt_environment(environment)
+    """The body of a rank process (started by :func:`run_ranks`): one rank, or all ``ranks`` one after another over
+    the fake process group."""
+    if environment != dict(os.environ):  # a warm rank inherited its server's environment
+        os.environ.clear()
+        os.environ.update(environment)
     group = own_group()
-    results.put((rank, "started", group))
+    for rank in ranks:
+        results.put((rank, "started", group))
     die_with_parent(group)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    where = _device_for(rank, device)
-    try:
-        if where.type == "cpu":
-            _without_gpus()
-        if where.type == "cuda":
-            torch.cuda.set_device(where)
-        measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict, sites)
-        results.put((rank, "ok", measurement.to_dict()))
-    except BaseException as exc:  # the parent reports it: nothing may escape as a silent exit code
-        results.put(_failure(rank, exc))
+    fake = backend == "fake"
+    if fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+        from pytest_gpumem.diagnose.fake_ddp import ddp_on_fake_ranks
+
+        ddp_on_fake_ranks()
+    else:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(ranks[0]), WORLD_SIZE=str(world_size)
+        )
+    for rank in ranks:
+        where = torch.device("cuda", rank) if device == "cuda" else torch.device(device)
+        if fake:
+            _forget_earlier_ranks()
+        try:
+            if where.type == "cpu":
+                _without_gpus()
+            if where.type == "cuda":
+                torch.cuda.set_device(where)
+            init = {"store": FakeStore()} if fake else {}
+            measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict, sites, **init)
+            results.put((rank, "ok", measurement.to_dict()))
+        except BaseException as exc:  # the parent reports it: nothing may escape as a silent exit code
+            error = _on_fake_ranks(exc) if fake else exc
+            status = "oom" if isinstance(error, torch.OutOfMemoryError) else "error"
+            results.put((rank, status, "".join(traceback.format_exception(error))))
+            return
 
 
 def _forget_earlier_ranks() -> None:
@@ -184,44 +191,6 @@ def _forget_earlier_ranks() -> None:
             continue
         clear = getattr(found, "cache_clear", found)
         clear()
-
-
-def _fake_ranks_main(
-    ranks: list[int],
-    world_size: int,
-    timeout: float,
-    fn: Callable[[int, RankContext], Any],
-    results: Any,
-    predict: str,
-    sites: SiteConfig | None = None,
-    environment: dict[str, str] | None = None,
-) -> None:
-    """The body of the one process that runs ``ranks`` over the fake process group, one after another."""
-    _adopt_environment(environment)
-    group = own_group()
-    for rank in ranks:
-        results.put((rank, "started", group))
-    die_with_parent(group)
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    from pytest_gpumem.diagnose.fake_ddp import ddp_on_fake_ranks
-
-    ddp_on_fake_ranks()
-    try:
-        _without_gpus()
-    except RuntimeError as exc:
-        results.put(_failure(ranks[0], exc))
-        return
-    for rank in ranks:
-        _forget_earlier_ranks()
-        try:
-            measurement = _measured_rank(
-                rank, world_size, "fake", torch.device("cpu"), timeout, fn, predict, sites, store=FakeStore()
-            )
-        except BaseException as exc:
-            results.put(_failure(rank, _on_fake_ranks(exc)))
-            return
-        results.put((rank, "ok", measurement.to_dict()))
 
 
 def _on_fake_ranks(exc: BaseException) -> BaseException:
@@ -266,12 +235,7 @@ def run_ranks(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if (
-        not isinstance(timeout, (int, float))
-        or isinstance(timeout, bool)
-        or not math.isfinite(timeout)
-        or not 0 < timeout <= MAX_TIMEOUT
-    ):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT:
         raise ValueError(
             f"timeout must be a positive, finite number of seconds (at most {MAX_TIMEOUT:,}: a week), got {timeout!r}"
         )
@@ -314,13 +278,16 @@ def run_ranks(
     figures: dict[int, Measurement] = {}
     reports: dict[int, str] = {}
     groups: dict[int, int | None] = {}
-    #: rank → the index of the process that runs it
-    owner = dict.fromkeys(wanted, 0) if fake else {rank: rank for rank in wanted}
+    batches = [wanted] if fake else [[rank] for rank in wanted]  # the ranks of each process: fake ranks share one
+    owner = {rank: i for i, batch in enumerate(batches) for rank in batch}
     deadline = time.monotonic() + timeout
 
-    def take(message: tuple[int, str, Any]) -> bool:
-        """File a rank's message; True when it reports a failure."""
-        rank, status, payload = message
+    def take(wait: float) -> bool | None:
+        """File the next rank's message; True when it reports a failure, None when none came within ``wait`` s."""
+        try:
+            rank, status, payload = results.get(timeout=wait)
+        except queue.Empty:
+            return None
         if status == "started":
             groups[owner[rank]] = payload
             return False
@@ -340,47 +307,29 @@ def run_ranks(
         ]
 
     with rank_processes(groups) as processes:
-        if fake:
-            starts: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
-                (_fake_ranks_main, (wanted, world_size, timeout, fn, results, predict, sites, environment))
-            ]
-        else:
-            starts = [
-                (
-                    _rank_main,
-                    (rank, world_size, port, chosen, device, timeout, fn, results, predict, sites, environment),
-                )
-                for rank in wanted
-            ]
         make: Callable[..., Any] = context.Process
         if warm:
             from pytest_gpumem.diagnose.warm_ranks import WarmProcess
 
             make = functools.partial(WarmProcess, chosen)
-        for target, args in starts:
-            process = make(target=target, args=args, daemon=True)
+        for batch in batches:
+            args = (batch, world_size, port, chosen, device, timeout, fn, results, predict, sites, environment)
+            process = make(target=_rank_main, args=args, daemon=True)
             process.start()
             processes.append(process)
-        failed = False
+        failed: bool | None = False
         while not failed and len(figures) + len(reports) < len(wanted):
-            try:
-                failed = take(results.get(timeout=0.2))
-            except queue.Empty:
-                if silent(processes):  # a rank ended: its message may still be on its way
-                    try:
-                        failed = take(results.get(timeout=1.0))
-                    except queue.Empty:
-                        failed = True
+            failed = take(0.2)
+            if failed is None:  # a rank that ended may still have its message on its way
+                failed = bool(silent(processes)) and take(1.0) is not False
             if not failed and time.monotonic() > deadline:
-                for rank in wanted:
-                    if rank not in figures:
-                        reports[rank] = f"rank {rank} did not finish within {timeout:g} s"
+                late = [rank for rank in wanted if rank not in figures]
+                reports.update({rank: f"rank {rank} did not finish within {timeout:g} s" for rank in late})
                 failed = True
         if failed:  # the others may wait on the failed rank forever: collect what is on its way, stop them
             grace = time.monotonic() + 1.0
             while time.monotonic() < grace and len(figures) + len(reports) < len(wanted):
-                with contextlib.suppress(queue.Empty):
-                    take(results.get(timeout=0.1))
+                take(0.1)
             for rank in silent(processes):  # died without a word: its peers' errors follow
                 reports[rank] = f"rank {rank} {ended(processes[owner[rank]].exitcode)}"
     if reports:
@@ -415,13 +364,6 @@ def _without_gpus() -> None:
             "in it (torch counted the devices before the rank took its environment): its step would run on "
             "the GPU, unmeasured. Please report this to pytest-gpumem with your torch version"
         )
-
-
-def _adopt_environment(environment: dict[str, str] | None) -> None:
-    """In a rank process: take the run's environment variables (a warm rank inherited its server's)."""
-    if environment is not None and environment != dict(os.environ):
-        os.environ.clear()
-        os.environ.update(environment)
 
 
 def _wanted_ranks(
