@@ -6,8 +6,9 @@ out-of-memory error means "does not fit", and the failed try is released before 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,16 +36,6 @@ def _check_size(name: str, value: int | None, minimum: int) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"max_microbatch: {name} must be an int >= {minimum}, got {value!r}")
-
-
-@contextmanager
-def _watching(engine: Engine | None, limit: int | None) -> Iterator[None]:
-    """Make sure ``engine`` sees the tries' allocations when a limit is in force (the CPU engine's tracker)."""
-    if engine is None or (limit is None and engine.memory_limit() is None):
-        yield
-        return
-    with engine.watching():
-        yield
 
 
 def max_microbatch(
@@ -101,15 +92,15 @@ def max_microbatch(
         watch = None if categories is None else categories.on_oom
         if categories is not None:
             categories.on_oom = None
-        fitted = True
         try:
             with guard:
                 step(size)
+            return True
         except Exception as exc:
             if not is_oom(exc):
                 raise
             release_oom(exc, collect=False)  # drop the failed try's frames; collected below when needed
-            fitted = False
+            return False
         finally:
             if categories is not None:
                 categories.on_oom = watch
@@ -119,9 +110,10 @@ def max_microbatch(
                 collector.collect()
             if searched is not None:
                 searched.empty_cache()
-        return fitted
 
-    with _watching(searched, nbytes):
+    # the tries' allocations must be seen (the CPU engine's tracker) when a limit is in force
+    limited = searched is not None and (nbytes is not None or searched.memory_limit() is not None)
+    with searched.watching() if searched is not None and limited else nullcontext():
         if not fits(start):
             return 0
         fit = start
@@ -175,14 +167,8 @@ def plan_for(global_batch: int, max_size: int) -> Plan:
         raise ValueError(f"plan_for: global_batch must be an int >= 1, got {global_batch!r}")
     if max_size < 1:
         raise MicrobatchError(f"no microbatch size fits (global batch {global_batch}); the largest that fit is 0")
-    best = 1
-    divisor = 1
-    while divisor * divisor <= global_batch:
-        if global_batch % divisor == 0:
-            for candidate in (divisor, global_batch // divisor):
-                if best < candidate <= max_size:
-                    best = candidate
-        divisor += 1
+    small = [d for d in range(1, math.isqrt(global_batch) + 1) if global_batch % d == 0]
+    best = max(d for d in (*small, *(global_batch // d for d in small)) if d <= max_size)
     return Plan(
         microbatch=best,
         accumulation_steps=global_batch // best,
