@@ -7,15 +7,18 @@ fake process group. A failing rank fails the run with its report, and no process
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -24,7 +27,6 @@ import torch
 
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.site_figures import SiteConfig
-from pytest_gpumem.diagnose.rank_processes import die_with_parent, ended, own_group, rank_processes
 
 __all__ = ["DistributedError", "RankContext", "run_ranks"]
 
@@ -139,8 +141,6 @@ def _rank_main(
     if fake:
         from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-        from pytest_gpumem.diagnose.fake_ddp import ddp_on_fake_ranks
-
         ddp_on_fake_ranks()
     else:
         os.environ.update(
@@ -201,8 +201,6 @@ def _on_fake_ranks(exc: BaseException) -> BaseException:
         return exc
     frames = traceback.extract_tb(exc.__traceback__)
     if any(frame.filename.replace(os.sep, "/").endswith("torch/nn/parallel/distributed.py") for frame in frames):
-        from pytest_gpumem.diagnose.fake_ddp import DDP_ON_FAKE_RANKS
-
         error = FakeModeError(DDP_ON_FAKE_RANKS)
         error.__cause__ = exc
         return error
@@ -390,3 +388,180 @@ def _wanted_ranks(
             f"ranks must be distinct ints in 0..{world_size - 1} (world_size={world_size}), at least one, got {ranks!r}"
         )
     return chosen
+
+
+# -- the rank processes, kept from outliving a run ------------------------------------------------------
+
+
+#: The signal that ends a process at once (Windows has no SIGKILL: there, terminating is killing).
+KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+
+
+def own_group() -> int | None:
+    """Make this process the leader of a process group of its own; its id, None where there are none."""
+    try:
+        os.setpgid(0, 0)
+    except (AttributeError, OSError):  # AttributeError: no process groups on this system
+        return None
+    return os.getpid()
+
+
+def die_with_parent(group: int | None) -> None:
+    """End this rank and its group when the process that started it is gone (a thread waits on its sentinel)."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        wait([sentinel])
+        if group is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(group, KILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="gpumem-parent-watch", daemon=True).start()
+
+
+def ended(exitcode: int | None) -> str:
+    """How a rank process ended before reporting, from its exit code (negative: the signal that killed it)."""
+    if exitcode is None or exitcode >= 0:
+        return f"exited with code {exitcode} before reporting"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        return f"was killed by signal {-exitcode} before reporting"
+    text = f"was killed by {name} (signal {-exitcode}) before reporting"
+    if name == "SIGKILL":
+        text += " (SIGKILL: often the system's out-of-memory killer; see the kernel log, `dmesg`)"
+    return text
+
+
+def signal_group(process: Any, group: int | None, signum: int) -> None:
+    """Send ``signum`` to a rank's process group (it and the processes it started), else to it alone."""
+    with contextlib.suppress(ProcessLookupError):
+        if group is not None:
+            os.killpg(group, signum)
+        elif process.pid is not None:
+            os.kill(process.pid, signum)
+
+
+@contextlib.contextmanager
+def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> Iterator[None]:
+    """While the ranks run, a SIGTERM kills them first, then goes to the previous handler (main thread only)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        yield
+        return
+    # None: a handler set outside Python; none can be restored, the default is
+    previous = signal.getsignal(signal.SIGTERM) or signal.SIG_DFL
+
+    def stop(signum: int, frame: Any) -> None:
+        for rank, process in enumerate(processes):
+            signal_group(process, groups.get(rank), KILL)
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def rank_processes(groups: dict[int, int | None]) -> Iterator[list[Any]]:
+    """The rank processes; on leaving, each still alive is terminated, then killed, with its process group."""
+    processes: list[Any] = []
+    try:
+        with _stopped_on_sigterm(processes, groups):
+            yield processes
+    finally:
+        for rank, process in enumerate(processes):
+            if process.is_alive():
+                signal_group(process, groups.get(rank), signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for rank, process in enumerate(processes):
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                signal_group(process, groups.get(rank), KILL)
+                process.kill()
+                process.join()
+        for rank, process in enumerate(processes):  # what a rank started and left running
+            if groups.get(rank) is not None:
+                signal_group(process, groups[rank], KILL)
+
+
+# -- DistributedDataParallel over the fake process group, in the process that runs fake ranks --------------
+
+
+#: what DistributedDataParallel cannot do over the fake process group
+DDP_ON_FAKE_RANKS = (
+    "DistributedDataParallel ran into something the fake process group cannot give: fake ranks run DDP "
+    "with its default all-reduce (gradient_as_bucket_view, bucket_cap_mb and broadcast_buffers as you "
+    "set them), but not a communication hook of your own (its collectives return no values) nor "
+    "find_unused_parameters=True or static_graph=True (DDP reads which parameters were used from tensor "
+    "values); predict this step on real ranks (fake=False)"
+)
+
+_COMM_HOOK_ON_FAKE_RANKS = (
+    "a DDP communication hook cannot run on fake ranks: the fake process group's collectives return no "
+    "values for it to use; fake ranks run DDP's default all-reduce (in place, as on real ranks): drop the "
+    "hook for the prediction, or predict on real ranks (fake=False)"
+)
+
+
+def _in_place_all_reduce(state: object, bucket: Any) -> Any:
+    """DDP's all-reduce over the fake process group: the bucket itself, as a done future (as a real one yields)."""
+    future: Any = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+# DDP checks a hook's annotations against its own classes; postponed ones are strings it rejects
+_in_place_all_reduce.__annotations__ = {}
+
+
+def ddp_on_fake_ranks() -> None:
+    """Let DistributedDataParallel run in this process, which runs fake ranks only.
+
+    The parameter-shape check across ranks is left out, the all-reduce yields the bucket in place, and the first bucket
+    rebuild runs its bookkeeping on real tensors; a user's communication hook raises :class:`FakeModeError`.
+    """
+    import torch.nn.parallel.distributed as ddp
+    from torch._C._distributed_c10d import Reducer
+
+    from pytest_gpumem.measurement.engines.fake import FakeModeError, real_bookkeeping
+
+    model_class = ddp.DistributedDataParallel
+    if getattr(model_class, "_gpumem_fake_ranks", False):
+        return
+    ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+    rebuild = Reducer._rebuild_buckets
+
+    def rebuild_buckets(reducer: Any) -> bool:
+        with real_bookkeeping():
+            return bool(rebuild(reducer))
+
+    Reducer._rebuild_buckets = rebuild_buckets  # type: ignore[method-assign,assignment]
+    built = model_class.__init__
+    register = model_class.register_comm_hook
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        built(self, *args, **kwargs)
+        if self.find_unused_parameters or self.static_graph:
+            raise FakeModeError(DDP_ON_FAKE_RANKS)
+        register(self, None, _in_place_all_reduce)
+
+    def refuse_hook(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise FakeModeError(_COMM_HOOK_ON_FAKE_RANKS)
+
+    model_class.__init__ = __init__  # type: ignore[method-assign]
+    model_class.register_comm_hook = refuse_hook  # type: ignore[method-assign]
+    model_class._register_builtin_comm_hook = refuse_hook  # type: ignore[method-assign]
+    model_class._gpumem_fake_ranks = True  # type: ignore[attr-defined]

@@ -33,7 +33,6 @@ PRELOAD: dict[str, tuple[str, ...]] = {
         "torch.distributed",
         "pytest_gpumem.measurement.active",
         "torch.testing._internal.distributed.fake_pg",
-        "pytest_gpumem.diagnose.fake_ddp",
         "pytest_gpumem.measurement.engines.fake",
         "torch.distributed.tensor.debug",
     ),
