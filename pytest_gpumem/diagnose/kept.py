@@ -86,16 +86,14 @@ def state_options(optimizers: Iterable[Any]) -> dict[str, str]:
 
 
 def _option_keys(cls: type[torch.optim.Optimizer], options: Mapping[str, Any]) -> dict[str, str]:
-    signature = inspect.signature(cls.__init__)
-    defaults = {
-        name: p.default
-        for name, p in signature.parameters.items()
-        if p.default is not inspect.Parameter.empty and name in options
-    }
+    parameters = inspect.signature(cls.__init__).parameters
     changed = {
         name: value
         for name, value in options.items()
-        if name in defaults and isinstance(value, (bool, int, float, str)) and value != defaults[name]
+        if name in parameters
+        and parameters[name].default is not inspect.Parameter.empty
+        and isinstance(value, (bool, int, float, str))
+        and value != parameters[name].default
     }
     if not changed:
         return {}

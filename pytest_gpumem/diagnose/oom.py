@@ -16,14 +16,7 @@ import torch
 
 from pytest_gpumem.codec import Coded
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.diagnose.census import (
-    TOP,
-    LiveTensor,
-    live_table,
-    stack_frames,
-    take_census,
-    traceback_frames,
-)
+from pytest_gpumem.diagnose.census import TOP, LiveTensor, live_table, stack_frames, take_census, traceback_frames
 from pytest_gpumem.diagnose.holders import library_dirs
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.tables import table
@@ -33,14 +26,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.measurement.engines.base import Engine
     from pytest_gpumem.measurement.recorder import Recorder
 
-__all__ = [
-    "OomReport",
-    "OomWatch",
-    "is_oom",
-    "oom_report",
-    "release_oom",
-    "requested_bytes",
-]
+__all__ = ["OomReport", "OomWatch", "is_oom", "oom_report", "release_oom", "requested_bytes"]
 
 #: Lower-case fragments of messages that mean "out of memory" in exceptions that are not
 #: :class:`torch.OutOfMemoryError`.
@@ -230,19 +216,16 @@ class OomWatch:
         if self._previous is not None:
             self._previous(nbytes)
         try:
-            frames = list(stack_frames(sys._getframe(1)))
             self.report = oom_report(
                 self.engine,
                 recorder=self.recorder,
                 requested=nbytes,
-                frames=frames,
+                frames=list(stack_frames(sys._getframe(1))),
                 top=self.top,
                 when="at the failed allocation",
             )
         except Exception:  # a report must never replace the OutOfMemoryError
             self.report = None
-        finally:
-            frames = []
 
     def report_for(self, exc: BaseException) -> OomReport:
         """The report for ``exc``: the one built at its refused allocation, else one built now."""
