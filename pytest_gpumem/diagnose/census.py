@@ -191,9 +191,8 @@ def tensor_names(objects: Iterable[Any], labels: Mapping[int, str] | None = None
 
 def _user_frame(frame: FrameType) -> bool:
     filename = frame.f_code.co_filename
-    if filename.startswith((_TORCH_DIR, *_INTERNAL)) and filename != _STEPS:
-        return False
-    return not any(part in filename for part in _FRAMEWORK_PARTS)
+    internal = filename.startswith((_TORCH_DIR, *_INTERNAL)) and filename != _STEPS
+    return not internal and not any(part in filename for part in _FRAMEWORK_PARTS)
 
 
 def _frame_names(
@@ -230,12 +229,11 @@ def describe(
     group: StorageGroup,
     names: Mapping[int, tuple[str, str | None]],
     engine: Engine | None,
-    hint: str | None = None,
 ) -> LiveTensor:
     """A :class:`LiveTensor` for ``group``: a named tensor if any, else its largest view."""
     named = [t for t in group.tensors if id(t) in names]
     chosen = named[0] if named else max(group.tensors, key=lambda t: t.numel())
-    name, name_category = names.get(id(chosen), (hint, None))
+    name, name_category = names.get(id(chosen), (None, None))
     categories, sites = (None, None) if engine is None else (engine.categories, engine.sites)
     category = _category(categories, chosen)
     site = None if sites is None else sites.site_of(chosen)

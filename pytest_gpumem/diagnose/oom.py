@@ -260,14 +260,6 @@ def _user_traceback(exc: BaseException) -> TracebackType | None:
     return user[0]
 
 
-def _clear_traceback(tb: TracebackType | None) -> None:
-    for frame, _ in traceback.walk_tb(tb):
-        # A generator's frame in a traceback caught the error and is suspended or running: clearing it would close it.
-        if not frame.f_code.co_flags & _GENERATOR_FLAGS:
-            with contextlib.suppress(RuntimeError):  # still executing: the frame that caught the error
-                frame.clear()
-
-
 def release_oom(exc: BaseException, engine: Engine | None = None, *, collect: bool = True) -> None:
     """Let go of what a failed step holds through ``exc``, then collect garbage (unless ``collect=False``).
 
@@ -283,10 +275,12 @@ def release_oom(exc: BaseException, engine: Engine | None = None, *, collect: bo
             continue
         seen.add(id(current))
         current.__traceback__ = _user_traceback(current)
-        _clear_traceback(current.__traceback__)
-        for linked in (current.__cause__, current.__context__):
-            if linked is not None:
-                pending.append(linked)
+        for frame, _ in traceback.walk_tb(current.__traceback__):
+            # a generator's frame in a traceback caught the error and is suspended or running: clearing would close it
+            if not frame.f_code.co_flags & _GENERATOR_FLAGS:
+                with contextlib.suppress(RuntimeError):  # still executing: the frame that caught the error
+                    frame.clear()
+        pending.extend(linked for linked in (current.__cause__, current.__context__) if linked is not None)
     if collect:
         collector.collect()
     if engine is not None:
