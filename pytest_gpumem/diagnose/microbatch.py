@@ -31,11 +31,9 @@ class MicrobatchError(RuntimeError):
     """No microbatch size fits, or every size does (the step's memory does not grow with its size)."""
 
 
-def _check_size(name: str, value: int | None, minimum: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"max_microbatch: {name} must be an int >= {minimum}, got {value!r}")
+def _check_size(function: str, name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{function}: {name} must be an int >= 1, got {value!r}")
 
 
 def max_microbatch(
@@ -67,8 +65,8 @@ def max_microbatch(
 
         with measure("max_microbatch", device="cpu", predict=predict, fake=fake):
             return max_microbatch(step, start=start, limit=limit, upper=upper, engine="cpu", cleanup=cleanup)
-    _check_size("start", start, 1)
-    _check_size("upper", upper, 1)
+    _check_size("max_microbatch", "start", start)
+    _check_size("max_microbatch", "upper", upper)
     if upper is not None and upper < start:
         raise ValueError(f"max_microbatch: upper ({upper}) is below start ({start})")
     if limit is not None and engine is None:
@@ -163,8 +161,7 @@ def plan_for(global_batch: int, max_size: int) -> Plan:
 
     Raises :class:`MicrobatchError` when ``max_size`` is 0.
     """
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"plan_for: global_batch must be an int >= 1, got {global_batch!r}")
+    _check_size("plan_for", "global_batch", global_batch)
     if max_size < 1:
         raise MicrobatchError(f"no microbatch size fits (global batch {global_batch}); the largest that fit is 0")
     small = [d for d in range(1, math.isqrt(global_batch) + 1) if global_batch % d == 0]
@@ -179,8 +176,7 @@ def plan_for(global_batch: int, max_size: int) -> Plan:
 
 def plan_accumulation(global_batch: int, step: Callable[[int], Any], **kwargs: Any) -> Plan:
     """Search the largest microbatch up to ``global_batch`` (``kwargs`` to :func:`max_microbatch`), then plan for it."""
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"plan_accumulation: global_batch must be an int >= 1, got {global_batch!r}")
+    _check_size("plan_accumulation", "global_batch", global_batch)
     upper = kwargs.pop("upper", None)
     upper = global_batch if upper is None else min(int(upper), global_batch)
     found = max_microbatch(step, upper=upper, **kwargs)
