@@ -189,8 +189,7 @@ def _forget_earlier_ranks() -> None:
                 found = getattr(found, part)
         except (ImportError, AttributeError):
             continue
-        clear = getattr(found, "cache_clear", found)
-        clear()
+        getattr(found, "cache_clear", found)()
 
 
 def _on_fake_ranks(exc: BaseException) -> BaseException:

@@ -63,12 +63,11 @@ def _made_at_a_site(engine: Any) -> Callable[[StorageGroup], bool]:
 def _frames_of(code: CodeType) -> list[FrameType]:
     """The frames of ``code`` kept alive: among what the collector walks, else among everything, the frozen objects
     given back (costly for the next freeze, so only where needed)."""
-    found: list[FrameType] = []
     for referrers in (gcfunctions.get_referrers, gc.get_referrers):
         found = [f for f in referrers(code) if isinstance(f, FrameType) and f.f_code is code]
         if found:
-            break
-    return found
+            return found
+    return []
 
 
 def state_options(optimizers: Iterable[Any]) -> dict[str, str]:
