@@ -8,15 +8,16 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import Any
 
 import torch
 
 from pytest_gpumem.codec import Coded
-from pytest_gpumem.diagnose.holders import frame_locals, module_level_objects, referrer_names
+from pytest_gpumem.diagnose.holders import frame_locals, frame_where, module_level_objects, referrer_names
 from pytest_gpumem.measurement import collector, frozen, gcfunctions
 from pytest_gpumem.measurement.engines import Categories, Engine
 from pytest_gpumem.measurement.engines.storages import _PLAIN, fakes_counted, is_fake
@@ -24,7 +25,6 @@ from pytest_gpumem.tables import table
 from pytest_gpumem.units import cuda_rounded, format_size
 
 __all__ = [
-    "Census",
     "LiveTensor",
     "StorageGroup",
     "describe",
@@ -42,23 +42,20 @@ __all__ = [
 #: Largest live tensors listed by default.
 TOP = 10
 
-
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Frames whose locals never name a tensor in a report: this package's machinery (not the step driver, not user code).
-_INTERNAL = (
-    os.path.join(_PACKAGE_DIR, "measurement") + os.sep,
-    *(
-        os.path.join(_PACKAGE_DIR, *name.split("/"))
-        for name in (
-            "diagnose/census.py",
-            "diagnose/oom.py",
-            "diagnose/leaks.py",
-            "diagnose/microbatch.py",
-            "plugin/runner.py",
-            "plugin/run_engines.py",
-        )
-    ),
+_INTERNAL = tuple(
+    os.path.join(_PACKAGE_DIR, *name.split("/"))
+    for name in (
+        "measurement/",
+        "diagnose/census.py",
+        "diagnose/oom.py",
+        "diagnose/leaks.py",
+        "diagnose/microbatch.py",
+        "plugin/runner.py",
+        "plugin/run_engines.py",
+    )
 )
 #: The training-step driver (``gpumem.train_step``): its frames hold the user's model, optimizer and batch.
 _STEPS = os.path.join(_PACKAGE_DIR, "measurement", "steps.py")
@@ -90,15 +87,13 @@ def _on_device(device: torch.device) -> Callable[[torch.Tensor], bool]:
     return lambda t: t.device.type == device.type and t.get_device() == index
 
 
+@dataclass(slots=True, eq=False)
 class StorageGroup:
     """The live tensors sharing one storage."""
 
-    __slots__ = ("nbytes", "storage", "tensors")
-
-    def __init__(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        self.storage = storage
-        self.nbytes = nbytes
-        self.tensors: list[torch.Tensor] = []
+    storage: torch.UntypedStorage
+    nbytes: int
+    tensors: list[torch.Tensor] = field(default_factory=list)
 
 
 def see_every_tensor() -> None:
@@ -106,11 +101,6 @@ def see_every_tensor() -> None:
     start: the plugin's frozen tensors are remembered, others' frozen objects given back to the collector."""
     if not frozen.known() and collector.others_frozen():
         frozen.give_back_theirs()
-
-
-def _counts_fakes(engine: Engine | None) -> bool:
-    """Whether fake tensors are memory a census counts: during and after a measurement on fake tensors only."""
-    return fakes_counted() or (engine is not None and engine.categories is not None and engine.categories.counts_fakes)
 
 
 def storage_groups(
@@ -126,8 +116,9 @@ def storage_groups(
     objects: Iterable[Any] = (
         itertools.chain(gcfunctions.get_objects(), frozen.tensors()) if frozen.known() else gcfunctions.get_objects()
     )
-    fakes = _counts_fakes(engine)
     categories = None if engine is None else engine.categories
+    # fake tensors are memory only during and after a measurement on fake tensors
+    fakes = fakes_counted() or (categories is not None and categories.counts_fakes)
     with _reading(engine):  # one reading of the tracker's counts for every storage asked about
         for obj in objects:
             cls = type(obj)
@@ -161,17 +152,6 @@ def _reading(engine: Engine | None) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext() if engine is None else engine.reading()
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-_NAME_CATEGORIES = {"parameter": "parameters", "grad": "gradients", "optimizer": "optimizer_state"}
-
-
-def _label(module: Any, labels: Mapping[int, str]) -> str:
-    return labels.get(id(module)) or type(module).__name__
-
-
 def tensor_names(objects: Iterable[Any], labels: Mapping[int, str] | None = None) -> dict[int, tuple[str, str | None]]:
     """Names of the tensors that tracked modules and optimizers hold, by ``id()``: ``(name, category)``.
 
@@ -180,28 +160,28 @@ def tensor_names(objects: Iterable[Any], labels: Mapping[int, str] | None = None
     labels = labels or {}
     names: dict[int, tuple[str, str | None]] = {}
     param_names: dict[int, str] = {}
+
+    def add_parameter(name: str, param: torch.Tensor) -> None:
+        names.setdefault(id(param), (name, "parameters"))
+        if param.grad is not None:
+            names.setdefault(id(param.grad), (f"{name}.grad", "gradients"))
+
     objects = list(objects)
     for obj in objects:
         if isinstance(obj, torch.nn.Module):
-            prefix = _label(obj, labels)
+            prefix = labels.get(id(obj)) or type(obj).__name__
             for name, param in obj.named_parameters():
-                full = f"{prefix}.{name}"
-                param_names.setdefault(id(param), full)
-                names.setdefault(id(param), (full, "parameters"))
-                if param.grad is not None:
-                    names.setdefault(id(param.grad), (f"{full}.grad", "gradients"))
+                param_names.setdefault(id(param), f"{prefix}.{name}")
+                add_parameter(f"{prefix}.{name}", param)
             for name, buffer in obj.named_buffers():
                 names.setdefault(id(buffer), (f"{prefix}.{name}", None))
     for obj in objects:
         if isinstance(obj, torch.optim.Optimizer):
-            optimizer = _label(obj, labels)
+            optimizer = labels.get(id(obj)) or type(obj).__name__
             for g, group in enumerate(obj.param_groups):
                 for i, param in enumerate(group["params"]):
                     known = param_names.get(id(param))
-                    pname = known or f"{optimizer}.param_groups[{g}]['params'][{i}]"
-                    names.setdefault(id(param), (pname, "parameters"))
-                    if param.grad is not None:
-                        names.setdefault(id(param.grad), (f"{pname}.grad", "gradients"))
+                    add_parameter(known or f"{optimizer}.param_groups[{g}]['params'][{i}]", param)
                     for key, value in obj.state.get(param, {}).items():
                         if isinstance(value, torch.Tensor):
                             state = f"{optimizer}.state[{known or f'param {g}.{i}'}][{key!r}]"
@@ -211,13 +191,8 @@ def tensor_names(objects: Iterable[Any], labels: Mapping[int, str] | None = None
 
 def _user_frame(frame: FrameType) -> bool:
     filename = frame.f_code.co_filename
-    if filename.startswith((_TORCH_DIR, *_INTERNAL)) and filename != _STEPS:
-        return False
-    return not any(part in filename for part in _FRAMEWORK_PARTS)
-
-
-def _frame_where(frame: FrameType) -> str:
-    return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+    internal = filename.startswith((_TORCH_DIR, *_INTERNAL)) and filename != _STEPS
+    return not internal and not any(part in filename for part in _FRAMEWORK_PARTS)
 
 
 def _frame_names(
@@ -227,18 +202,14 @@ def _frame_names(
     tracked_ids = {id(obj) for obj in tracked}
     names: dict[int, tuple[str, str | None]] = {}
     labels: dict[int, str] = {}
-    for count, frame in enumerate(frames):
-        if count >= 200:
-            break
+    for frame in itertools.islice(frames, 200):
         if not _user_frame(frame):
             continue
-        local_vars = frame_locals(frame)
-        for var, value in local_vars.items():
+        for var, value in frame_locals(frame).items():
             if isinstance(value, torch.Tensor):
-                names.setdefault(id(value), (f"local '{var}' in {_frame_where(frame)}", None))
+                names.setdefault(id(value), (f"local '{var}' in {frame_where(frame)}", None))
             elif id(value) in tracked_ids and not var.startswith("_") and var not in ("self", "cls"):
                 labels.setdefault(id(value), var)
-        del local_vars
     return names, labels
 
 
@@ -251,24 +222,18 @@ def stack_frames(start: FrameType | None) -> Iterator[FrameType]:
 
 def traceback_frames(tb: TracebackType | None) -> list[FrameType]:
     """The frames of a traceback, innermost first."""
-    frames: list[FrameType] = []
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    frames.reverse()
-    return frames
+    return [frame for frame, _ in traceback.walk_tb(tb)][::-1]
 
 
 def describe(
     group: StorageGroup,
     names: Mapping[int, tuple[str, str | None]],
     engine: Engine | None,
-    hint: str | None = None,
 ) -> LiveTensor:
     """A :class:`LiveTensor` for ``group``: a named tensor if any, else its largest view."""
     named = [t for t in group.tensors if id(t) in names]
     chosen = named[0] if named else max(group.tensors, key=lambda t: t.numel())
-    name, name_category = names.get(id(chosen), (hint, None))
+    name, name_category = names.get(id(chosen), (None, None))
     categories, sites = (None, None) if engine is None else (engine.categories, engine.sites)
     category = _category(categories, chosen)
     site = None if sites is None else sites.site_of(chosen)
@@ -276,7 +241,7 @@ def describe(
         site=None if site is None else site.where(),
         nbytes=group.nbytes,
         shape=tuple(int(n) for n in chosen.shape),
-        dtype=_dtype_name(chosen.dtype),
+        dtype=str(chosen.dtype).removeprefix("torch."),
         category=category or name_category,
         held_by=name,
         views=len(group.tensors),
@@ -322,15 +287,6 @@ def holder_hints(
     return hints
 
 
-@dataclass(frozen=True)
-class Census:
-    """The live storages found on a device: the largest described, how many there are, their bytes."""
-
-    tensors: tuple[LiveTensor, ...]
-    count: int
-    nbytes: int
-
-
 def live_tensors(
     device: torch.device | str,
     *,
@@ -344,8 +300,7 @@ def live_tensors(
     Tensors only C++ holds (saved for backward without the tracker, workspaces) are not found; names come from
     ``objects`` and the locals of ``frames``.
     """
-    live = take_census(torch.device(device), engine, objects, frames, top)
-    return live.tensors, live.count, live.nbytes
+    return take_census(torch.device(device), engine, objects, frames, top)
 
 
 def take_census(
@@ -357,17 +312,16 @@ def take_census(
     *,
     counted_only: bool = False,
     thaw_for: Callable[[StorageGroup], bool] | None = None,
-) -> Census:
-    """:func:`live_tensors` as a :class:`Census`; ``counted_only`` keeps only storages ``engine``'s tracker counts;
-    the frozen objects are given back to name a holder only when a group left unnamed is one ``thaw_for`` wants."""
-    objects, frames = list(objects), list(frames)
+) -> tuple[tuple[LiveTensor, ...], int, int]:
+    """:func:`live_tensors`; ``counted_only`` keeps only storages ``engine``'s tracker counts; the frozen objects are
+    given back to name a holder only when a group left unnamed is one ``thaw_for`` wants."""
+    frames = list(frames)
     held = module_level_objects()
-    local_names, labels = _frame_names(frames, [*objects, *(obj for _, obj in held.values())])
+    tracked = [*objects, *(obj for _, obj in held.values())]
+    local_names, labels = _frame_names(frames, tracked)
     for key, (name, _) in held.items():
         labels.setdefault(key, name)
-    names = tensor_names([*objects, *(obj for key, (_, obj) in held.items() if key in labels)], labels)
-    for key, value in local_names.items():
-        names.setdefault(key, value)
+    names = local_names | tensor_names(tracked, labels)  # the tracked objects' names first
     groups = storage_groups(device, engine, counted_only=counted_only)
     ordered = sorted(groups.values(), key=lambda g: g.nbytes, reverse=True)
     chosen = ordered if top is None else ordered[:top]
@@ -383,7 +337,7 @@ def take_census(
             names[id(tensor)] = (name, None)
     with _reading(engine):
         tensors = tuple(describe(group, names, engine) for group in chosen)
-    return Census(tensors, len(ordered), sum(g.nbytes for g in ordered))
+    return tensors, len(ordered), sum(g.nbytes for g in ordered)
 
 
 def live_table(tensors: Iterable[LiveTensor]) -> str:

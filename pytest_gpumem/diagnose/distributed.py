@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -26,7 +27,6 @@ import torch
 
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.site_figures import SiteConfig
-from pytest_gpumem.diagnose.rank_processes import die_with_parent, ended, own_group, rank_processes
 
 __all__ = ["DistributedError", "RankContext", "run_ranks"]
 
@@ -82,12 +82,6 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _device_for(rank: int, device: str) -> torch.device:
-    if device == "cuda":
-        return torch.device("cuda", rank)
-    return torch.device(device)
-
-
 def _measured_rank(
     rank: int,
     world_size: int,
@@ -121,14 +115,8 @@ def _measured_rank(
         dist.destroy_process_group()
 
 
-def _failure(rank: int, exc: BaseException) -> tuple[int, str, str]:
-    """The message a rank sends when ``exc`` ended it."""
-    oom = isinstance(exc, torch.OutOfMemoryError)
-    return (rank, "oom" if oom else "error", "".join(traceback.format_exception(exc)))
-
-
 def _rank_main(
-    rank: int,
+    ranks: list[int],
     world_size: int,
     port: int,
     backend: str,
@@ -136,26 +124,45 @@ def _rank_main(
     timeout: float,
     fn: Callable[[int, RankContext], Any],
     results: Any,
-    predict: str | None = None,
-    sites: SiteConfig | None = None,
-    environment: dict[str, str] | None = None,
+    predict: str | None,
+    sites: SiteConfig | None,
+    environment: dict[str, str],
 ) -> None:
-    """The body of one rank process (started by :func:`run_ranks`)."""
-    _adopt_environment(environment)
+    """The body of a rank process (started by :func:`run_ranks`): one rank, or all ``ranks`` one after another over
+    the fake process group."""
+    if environment != dict(os.environ):  # a warm rank inherited its server's environment
+        os.environ.clear()
+        os.environ.update(environment)
     group = own_group()
-    results.put((rank, "started", group))
+    for rank in ranks:
+        results.put((rank, "started", group))
     die_with_parent(group)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    where = _device_for(rank, device)
-    try:
-        if where.type == "cpu":
-            _without_gpus()
-        if where.type == "cuda":
-            torch.cuda.set_device(where)
-        measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict, sites)
-        results.put((rank, "ok", measurement.to_dict()))
-    except BaseException as exc:  # the parent reports it: nothing may escape as a silent exit code
-        results.put(_failure(rank, exc))
+    fake = backend == "fake"
+    if fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+        ddp_on_fake_ranks()
+    else:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(ranks[0]), WORLD_SIZE=str(world_size)
+        )
+    for rank in ranks:
+        where = torch.device("cuda", rank) if device == "cuda" else torch.device(device)
+        if fake:
+            _forget_earlier_ranks()
+        try:
+            if where.type == "cpu":
+                _without_gpus()
+            if where.type == "cuda":
+                torch.cuda.set_device(where)
+            init = {"store": FakeStore()} if fake else {}
+            measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict, sites, **init)
+            results.put((rank, "ok", measurement.to_dict()))
+        except BaseException as exc:  # the parent reports it: nothing may escape as a silent exit code
+            error = _on_fake_ranks(exc) if fake else exc
+            status = "oom" if isinstance(error, torch.OutOfMemoryError) else "error"
+            results.put((rank, status, "".join(traceback.format_exception(error))))
+            return
 
 
 def _forget_earlier_ranks() -> None:
@@ -182,46 +189,7 @@ def _forget_earlier_ranks() -> None:
                 found = getattr(found, part)
         except (ImportError, AttributeError):
             continue
-        clear = getattr(found, "cache_clear", found)
-        clear()
-
-
-def _fake_ranks_main(
-    ranks: list[int],
-    world_size: int,
-    timeout: float,
-    fn: Callable[[int, RankContext], Any],
-    results: Any,
-    predict: str,
-    sites: SiteConfig | None = None,
-    environment: dict[str, str] | None = None,
-) -> None:
-    """The body of the one process that runs ``ranks`` over the fake process group, one after another."""
-    _adopt_environment(environment)
-    group = own_group()
-    for rank in ranks:
-        results.put((rank, "started", group))
-    die_with_parent(group)
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    from pytest_gpumem.diagnose.fake_ddp import ddp_on_fake_ranks
-
-    ddp_on_fake_ranks()
-    try:
-        _without_gpus()
-    except RuntimeError as exc:
-        results.put(_failure(ranks[0], exc))
-        return
-    for rank in ranks:
-        _forget_earlier_ranks()
-        try:
-            measurement = _measured_rank(
-                rank, world_size, "fake", torch.device("cpu"), timeout, fn, predict, sites, store=FakeStore()
-            )
-        except BaseException as exc:
-            results.put(_failure(rank, _on_fake_ranks(exc)))
-            return
-        results.put((rank, "ok", measurement.to_dict()))
+        getattr(found, "cache_clear", found)()
 
 
 def _on_fake_ranks(exc: BaseException) -> BaseException:
@@ -232,8 +200,6 @@ def _on_fake_ranks(exc: BaseException) -> BaseException:
         return exc
     frames = traceback.extract_tb(exc.__traceback__)
     if any(frame.filename.replace(os.sep, "/").endswith("torch/nn/parallel/distributed.py") for frame in frames):
-        from pytest_gpumem.diagnose.fake_ddp import DDP_ON_FAKE_RANKS
-
         error = FakeModeError(DDP_ON_FAKE_RANKS)
         error.__cause__ = exc
         return error
@@ -266,12 +232,7 @@ def run_ranks(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if (
-        not isinstance(timeout, (int, float))
-        or isinstance(timeout, bool)
-        or not math.isfinite(timeout)
-        or not 0 < timeout <= MAX_TIMEOUT
-    ):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT:
         raise ValueError(
             f"timeout must be a positive, finite number of seconds (at most {MAX_TIMEOUT:,}: a week), got {timeout!r}"
         )
@@ -314,13 +275,16 @@ def run_ranks(
     figures: dict[int, Measurement] = {}
     reports: dict[int, str] = {}
     groups: dict[int, int | None] = {}
-    #: rank → the index of the process that runs it
-    owner = dict.fromkeys(wanted, 0) if fake else {rank: rank for rank in wanted}
+    batches = [wanted] if fake else [[rank] for rank in wanted]  # the ranks of each process: fake ranks share one
+    owner = {rank: i for i, batch in enumerate(batches) for rank in batch}
     deadline = time.monotonic() + timeout
 
-    def take(message: tuple[int, str, Any]) -> bool:
-        """File a rank's message; True when it reports a failure."""
-        rank, status, payload = message
+    def take(wait: float) -> bool | None:
+        """File the next rank's message; True when it reports a failure, None when none came within ``wait`` s."""
+        try:
+            rank, status, payload = results.get(timeout=wait)
+        except queue.Empty:
+            return None
         if status == "started":
             groups[owner[rank]] = payload
             return False
@@ -340,47 +304,29 @@ def run_ranks(
         ]
 
     with rank_processes(groups) as processes:
-        if fake:
-            starts: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
-                (_fake_ranks_main, (wanted, world_size, timeout, fn, results, predict, sites, environment))
-            ]
-        else:
-            starts = [
-                (
-                    _rank_main,
-                    (rank, world_size, port, chosen, device, timeout, fn, results, predict, sites, environment),
-                )
-                for rank in wanted
-            ]
         make: Callable[..., Any] = context.Process
         if warm:
             from pytest_gpumem.diagnose.warm_ranks import WarmProcess
 
             make = functools.partial(WarmProcess, chosen)
-        for target, args in starts:
-            process = make(target=target, args=args, daemon=True)
+        for batch in batches:
+            args = (batch, world_size, port, chosen, device, timeout, fn, results, predict, sites, environment)
+            process = make(target=_rank_main, args=args, daemon=True)
             process.start()
             processes.append(process)
-        failed = False
+        failed: bool | None = False
         while not failed and len(figures) + len(reports) < len(wanted):
-            try:
-                failed = take(results.get(timeout=0.2))
-            except queue.Empty:
-                if silent(processes):  # a rank ended: its message may still be on its way
-                    try:
-                        failed = take(results.get(timeout=1.0))
-                    except queue.Empty:
-                        failed = True
+            failed = take(0.2)
+            if failed is None:  # a rank that ended may still have its message on its way
+                failed = bool(silent(processes)) and take(1.0) is not False
             if not failed and time.monotonic() > deadline:
-                for rank in wanted:
-                    if rank not in figures:
-                        reports[rank] = f"rank {rank} did not finish within {timeout:g} s"
+                late = [rank for rank in wanted if rank not in figures]
+                reports.update({rank: f"rank {rank} did not finish within {timeout:g} s" for rank in late})
                 failed = True
         if failed:  # the others may wait on the failed rank forever: collect what is on its way, stop them
             grace = time.monotonic() + 1.0
             while time.monotonic() < grace and len(figures) + len(reports) < len(wanted):
-                with contextlib.suppress(queue.Empty):
-                    take(results.get(timeout=0.1))
+                take(0.1)
             for rank in silent(processes):  # died without a word: its peers' errors follow
                 reports[rank] = f"rank {rank} {ended(processes[owner[rank]].exitcode)}"
     if reports:
@@ -417,13 +363,6 @@ def _without_gpus() -> None:
         )
 
 
-def _adopt_environment(environment: dict[str, str] | None) -> None:
-    """In a rank process: take the run's environment variables (a warm rank inherited its server's)."""
-    if environment is not None and environment != dict(os.environ):
-        os.environ.clear()
-        os.environ.update(environment)
-
-
 def _wanted_ranks(
     world_size: int, fake: bool, predict: str | None, backend: str | None, ranks: Iterable[int] | None
 ) -> list[int]:
@@ -448,3 +387,180 @@ def _wanted_ranks(
             f"ranks must be distinct ints in 0..{world_size - 1} (world_size={world_size}), at least one, got {ranks!r}"
         )
     return chosen
+
+
+# -- the rank processes, kept from outliving a run ------------------------------------------------------
+
+
+#: The signal that ends a process at once (Windows has no SIGKILL: there, terminating is killing).
+KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+
+
+def own_group() -> int | None:
+    """Make this process the leader of a process group of its own; its id, None where there are none."""
+    try:
+        os.setpgid(0, 0)
+    except (AttributeError, OSError):  # AttributeError: no process groups on this system
+        return None
+    return os.getpid()
+
+
+def die_with_parent(group: int | None) -> None:
+    """End this rank and its group when the process that started it is gone (a thread waits on its sentinel)."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        wait([sentinel])
+        if group is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(group, KILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="gpumem-parent-watch", daemon=True).start()
+
+
+def ended(exitcode: int | None) -> str:
+    """How a rank process ended before reporting, from its exit code (negative: the signal that killed it)."""
+    if exitcode is None or exitcode >= 0:
+        return f"exited with code {exitcode} before reporting"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        return f"was killed by signal {-exitcode} before reporting"
+    text = f"was killed by {name} (signal {-exitcode}) before reporting"
+    if name == "SIGKILL":
+        text += " (SIGKILL: often the system's out-of-memory killer; see the kernel log, `dmesg`)"
+    return text
+
+
+def signal_group(process: Any, group: int | None, signum: int) -> None:
+    """Send ``signum`` to a rank's process group (it and the processes it started), else to it alone."""
+    with contextlib.suppress(ProcessLookupError):
+        if group is not None:
+            os.killpg(group, signum)
+        elif process.pid is not None:
+            os.kill(process.pid, signum)
+
+
+@contextlib.contextmanager
+def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> Iterator[None]:
+    """While the ranks run, a SIGTERM kills them first, then goes to the previous handler (main thread only)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        yield
+        return
+    # None: a handler set outside Python; none can be restored, the default is
+    previous = signal.getsignal(signal.SIGTERM) or signal.SIG_DFL
+
+    def stop(signum: int, frame: Any) -> None:
+        for rank, process in enumerate(processes):
+            signal_group(process, groups.get(rank), KILL)
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def rank_processes(groups: dict[int, int | None]) -> Iterator[list[Any]]:
+    """The rank processes; on leaving, each still alive is terminated, then killed, with its process group."""
+    processes: list[Any] = []
+    try:
+        with _stopped_on_sigterm(processes, groups):
+            yield processes
+    finally:
+        for rank, process in enumerate(processes):
+            if process.is_alive():
+                signal_group(process, groups.get(rank), signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for rank, process in enumerate(processes):
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                signal_group(process, groups.get(rank), KILL)
+                process.kill()
+                process.join()
+        for rank, process in enumerate(processes):  # what a rank started and left running
+            if groups.get(rank) is not None:
+                signal_group(process, groups[rank], KILL)
+
+
+# -- DistributedDataParallel over the fake process group, in the process that runs fake ranks --------------
+
+
+#: what DistributedDataParallel cannot do over the fake process group
+DDP_ON_FAKE_RANKS = (
+    "DistributedDataParallel ran into something the fake process group cannot give: fake ranks run DDP "
+    "with its default all-reduce (gradient_as_bucket_view, bucket_cap_mb and broadcast_buffers as you "
+    "set them), but not a communication hook of your own (its collectives return no values) nor "
+    "find_unused_parameters=True or static_graph=True (DDP reads which parameters were used from tensor "
+    "values); predict this step on real ranks (fake=False)"
+)
+
+_COMM_HOOK_ON_FAKE_RANKS = (
+    "a DDP communication hook cannot run on fake ranks: the fake process group's collectives return no "
+    "values for it to use; fake ranks run DDP's default all-reduce (in place, as on real ranks): drop the "
+    "hook for the prediction, or predict on real ranks (fake=False)"
+)
+
+
+def _in_place_all_reduce(state: object, bucket: Any) -> Any:
+    """DDP's all-reduce over the fake process group: the bucket itself, as a done future (as a real one yields)."""
+    future: Any = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+# DDP checks a hook's annotations against its own classes; postponed ones are strings it rejects
+_in_place_all_reduce.__annotations__ = {}
+
+
+def ddp_on_fake_ranks() -> None:
+    """Let DistributedDataParallel run in this process, which runs fake ranks only.
+
+    The parameter-shape check across ranks is left out, the all-reduce yields the bucket in place, and the first bucket
+    rebuild runs its bookkeeping on real tensors; a user's communication hook raises :class:`FakeModeError`.
+    """
+    import torch.nn.parallel.distributed as ddp
+    from torch._C._distributed_c10d import Reducer
+
+    from pytest_gpumem.measurement.engines.fake import FakeModeError, real_bookkeeping
+
+    model_class = ddp.DistributedDataParallel
+    if getattr(model_class, "_gpumem_fake_ranks", False):
+        return
+    ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+    rebuild = Reducer._rebuild_buckets
+
+    def rebuild_buckets(reducer: Any) -> bool:
+        with real_bookkeeping():
+            return bool(rebuild(reducer))
+
+    Reducer._rebuild_buckets = rebuild_buckets  # type: ignore[method-assign,assignment]
+    built = model_class.__init__
+    register = model_class.register_comm_hook
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        built(self, *args, **kwargs)
+        if self.find_unused_parameters or self.static_graph:
+            raise FakeModeError(DDP_ON_FAKE_RANKS)
+        register(self, None, _in_place_all_reduce)
+
+    def refuse_hook(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise FakeModeError(_COMM_HOOK_ON_FAKE_RANKS)
+
+    model_class.__init__ = __init__  # type: ignore[method-assign]
+    model_class.register_comm_hook = refuse_hook  # type: ignore[method-assign]
+    model_class._register_builtin_comm_hook = refuse_hook  # type: ignore[method-assign]
+    model_class._gpumem_fake_ranks = True  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ anything else is named through the collector's referrers, on failures only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import sysconfig
@@ -17,7 +18,7 @@ import torch
 
 from pytest_gpumem.measurement import collector, gcfunctions
 
-__all__ = ["frame_locals", "library_dirs", "module_level_objects", "referrer_names"]
+__all__ = ["frame_locals", "frame_where", "library_dirs", "module_level_objects", "referrer_names"]
 
 _CO_OPTIMIZED = 0x1
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep
@@ -105,6 +106,11 @@ def frame_locals(frame: FrameType) -> dict[str, Any]:
     return values
 
 
+def frame_where(frame: FrameType) -> str:
+    """``function (file.py:line)``: where a frame is, as a report names it."""
+    return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+
+
 # -- naming what holds an object, through the collector's referrers ---------------------------------------
 
 
@@ -112,57 +118,33 @@ _DICT_OF = ".__dict__"
 
 
 def _module_dicts() -> dict[int, str]:
-    dicts: dict[int, str] = {}
-    for name, module in list(sys.modules.items()):
-        if isinstance(module, ModuleType):
-            dicts[id(module.__dict__)] = name
-    return dicts
+    return {id(module.__dict__): name for name, module in list(sys.modules.items()) if isinstance(module, ModuleType)}
 
 
 def _own_frame(obj: object) -> bool:
     return isinstance(obj, FrameType) and os.path.abspath(obj.f_code.co_filename) in _THIS_FILES
 
 
-def _attribute_of(holder: object, target: object) -> str | None:
-    """The attribute name under which ``holder`` (an object with a ``__dict__``) holds ``target``."""
-    try:
-        attributes = vars(holder)
-    except TypeError:
-        return None
-    for key, value in attributes.items():
-        if value is target:
-            return str(key)
-    return None
-
-
 def _links(holder: object, target: object, module_dicts: Mapping[int, str]) -> list[tuple[str, bool]]:
     """How ``holder`` refers to ``target``: ``(text, final)`` pairs, final texts complete names, others accessors."""
-    found: list[tuple[str, bool]] = []
     if isinstance(holder, dict):
         module = module_dicts.get(id(holder))
-        for key, value in list(holder.items()):
-            if value is target:
-                found.append((f"{module}.{key}", True) if module is not None else (f"[{key!r}]", False))
-    elif isinstance(holder, (list, tuple)):
-        for index, value in enumerate(holder):
-            if value is target:
-                found.append((f"[{index}]", False))
-    elif isinstance(holder, FrameType):
-        where = f"{holder.f_code.co_name} ({os.path.basename(holder.f_code.co_filename)}:{holder.f_lineno})"
-        for var, value in frame_locals(holder).items():
-            if value is target:
-                found.append((f"local '{var}' in {where}", True))
-    elif isinstance(holder, CellType):
-        found.append(("a closure variable", True))
-    elif isinstance(holder, (set, frozenset)):
-        found.append(("{…}", False))
-    elif getattr(holder, "__dict__", None) is target:
-        found.append((_DICT_OF, False))
-    else:
-        attribute = _attribute_of(holder, target)
-        if attribute is not None:
-            found.append((f".{attribute}", False))
-    return found
+        keys = [key for key, value in list(holder.items()) if value is target]
+        return [(f"{module}.{key}", True) if module is not None else (f"[{key!r}]", False) for key in keys]
+    if isinstance(holder, (list, tuple)):
+        return [(f"[{index}]", False) for index, value in enumerate(holder) if value is target]
+    if isinstance(holder, FrameType):
+        local_vars = [var for var, value in frame_locals(holder).items() if value is target]
+        return [(f"local '{var}' in {frame_where(holder)}", True) for var in local_vars]
+    if isinstance(holder, CellType):
+        return [("a closure variable", True)]
+    if isinstance(holder, (set, frozenset)):
+        return [("{…}", False)]
+    if getattr(holder, "__dict__", None) is target:
+        return [(_DICT_OF, False)]
+    with contextlib.suppress(TypeError):  # an object without a __dict__
+        return [(f".{key}", False) for key, value in vars(holder).items() if value is target][:1]
+    return []
 
 
 def _container_name(container: object) -> str:

@@ -40,12 +40,12 @@ def kept_by_site(
     frames = list(stack_frames(frame))
     if code is not None and all(f.f_code is not code for f in frames):
         frames[:0] = _frames_of(code)
-    census = take_census(
+    tensors, _, _ = take_census(
         engine.device, engine, list(tracked), frames, None, counted_only=engine.exact, thaw_for=_made_at_a_site(engine)
     )
     del frames
     found: dict[tuple[str, str | None], dict[str, int]] = {}
-    for tensor in census.tensors:
+    for tensor in tensors:
         if tensor.site is None or tensor.held_by is None:
             continue
         holders = found.setdefault((tensor.site, tensor.category), {})
@@ -63,12 +63,11 @@ def _made_at_a_site(engine: Any) -> Callable[[StorageGroup], bool]:
 def _frames_of(code: CodeType) -> list[FrameType]:
     """The frames of ``code`` kept alive: among what the collector walks, else among everything, the frozen objects
     given back (costly for the next freeze, so only where needed)."""
-    found: list[FrameType] = []
     for referrers in (gcfunctions.get_referrers, gc.get_referrers):
         found = [f for f in referrers(code) if isinstance(f, FrameType) and f.f_code is code]
         if found:
-            break
-    return found
+            return found
+    return []
 
 
 def state_options(optimizers: Iterable[Any]) -> dict[str, str]:
@@ -86,16 +85,14 @@ def state_options(optimizers: Iterable[Any]) -> dict[str, str]:
 
 
 def _option_keys(cls: type[torch.optim.Optimizer], options: Mapping[str, Any]) -> dict[str, str]:
-    signature = inspect.signature(cls.__init__)
-    defaults = {
-        name: p.default
-        for name, p in signature.parameters.items()
-        if p.default is not inspect.Parameter.empty and name in options
-    }
+    parameters = inspect.signature(cls.__init__).parameters
     changed = {
         name: value
         for name, value in options.items()
-        if name in defaults and isinstance(value, (bool, int, float, str)) and value != defaults[name]
+        if name in parameters
+        and parameters[name].default is not inspect.Parameter.empty
+        and isinstance(value, (bool, int, float, str))
+        and value != parameters[name].default
     }
     if not changed:
         return {}

@@ -54,19 +54,9 @@ def snapshot_storages(engine: Engine) -> StorageSnapshot:
     """Remember the storages alive on ``engine``'s device now (weak references only), only when a leak check is on."""
     if isinstance(engine, Runtime):
         engine.synchronize()
-    groups = storage_groups(engine.device, engine)
-    refs = {key: weakref.ref(group.storage) for key, group in groups.items()}
-    del groups
+    refs = {key: weakref.ref(group.storage) for key, group in storage_groups(engine.device, engine).items()}
     allocated, used = engine.allocated(), engine.device_used() if isinstance(engine, Runtime) else None
     return StorageSnapshot(device=str(engine.device), allocated=allocated, driver_used=used, _refs=refs)
-
-
-def _settle(engine: Engine) -> None:
-    """Collect garbage, free library workspaces and empty the cache (PyTorch's leak-check protocol)."""
-    engine.settle()
-    if isinstance(engine, Workspaces):
-        engine.release_workspaces()
-    engine.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -146,8 +136,11 @@ def confirm_leak(
         raise ValueError(f"confirm_leak: tries must be >= 1, got {tries}")
     start = start_allocated - (engine.workspaces or 0 if isinstance(engine, Workspaces) else 0)
     readings: list[int] = []
-    for _ in range(tries):
-        _settle(engine)
+    for _ in range(tries):  # PyTorch's leak-check protocol: collect, free library workspaces, empty the cache
+        engine.settle()
+        if isinstance(engine, Workspaces):
+            engine.release_workspaces()
+        engine.empty_cache()
         reading = engine.allocated()
         readings.append(reading)
         if reading <= start:
@@ -157,12 +150,10 @@ def confirm_leak(
     engine.empty_cache()
     suspected = all(reading > start for reading in readings)
     driver_retained: int | None = None
-    driver_confirmed: bool | None = None
     if snapshot is not None and snapshot.driver_used is not None and isinstance(engine, Runtime):
         used = engine.device_used()
-        if used is not None:
-            driver_retained = used - snapshot.driver_used
-            driver_confirmed = driver_retained > 0
+        driver_retained = None if used is None else used - snapshot.driver_used
+    driver_confirmed = None if driver_retained is None else driver_retained > 0
     confirmed = suspected and driver_confirmed is not False
     leaked: tuple[LiveTensor, ...] = ()
     count = nbytes = 0
@@ -186,16 +177,10 @@ def confirm_leak(
 
 
 def _leaked_tensors(engine: Engine, snapshot: StorageSnapshot, top: int) -> tuple[tuple[LiveTensor, ...], int, int]:
-    groups = storage_groups(engine.device, engine)
-    new = [group for group in groups.values() if not snapshot.alive_at_start(group.storage)]
-    del groups
-    new.sort(key=lambda g: g.nbytes, reverse=True)
-    chosen = new[:top]
-    total = sum(g.nbytes for g in new)
-    count = len(new)
-    del new
+    groups = storage_groups(engine.device, engine).values()
+    new = sorted((g for g in groups if not snapshot.alive_at_start(g.storage)), key=lambda g: g.nbytes, reverse=True)
+    chosen, count, total = new[:top], len(new), sum(g.nbytes for g in new)
+    del groups, new
     hints = holder_hints(chosen, module_level_names())
     named = {id(tensor): (name, None) for tensor, name in hints.values()}
-    described = tuple(describe(group, named, engine) for group in chosen)
-    del hints
-    return described, count, total
+    return tuple(describe(group, named, engine) for group in chosen), count, total

@@ -6,8 +6,9 @@ out-of-memory error means "does not fit", and the failed try is released before 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,21 +31,9 @@ class MicrobatchError(RuntimeError):
     """No microbatch size fits, or every size does (the step's memory does not grow with its size)."""
 
 
-def _check_size(name: str, value: int | None, minimum: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"max_microbatch: {name} must be an int >= {minimum}, got {value!r}")
-
-
-@contextmanager
-def _watching(engine: Engine | None, limit: int | None) -> Iterator[None]:
-    """Make sure ``engine`` sees the tries' allocations when a limit is in force (the CPU engine's tracker)."""
-    if engine is None or (limit is None and engine.memory_limit() is None):
-        yield
-        return
-    with engine.watching():
-        yield
+def _check_size(function: str, name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{function}: {name} must be an int >= 1, got {value!r}")
 
 
 def max_microbatch(
@@ -76,8 +65,8 @@ def max_microbatch(
 
         with measure("max_microbatch", device="cpu", predict=predict, fake=fake):
             return max_microbatch(step, start=start, limit=limit, upper=upper, engine="cpu", cleanup=cleanup)
-    _check_size("start", start, 1)
-    _check_size("upper", upper, 1)
+    _check_size("max_microbatch", "start", start)
+    _check_size("max_microbatch", "upper", upper)
     if upper is not None and upper < start:
         raise ValueError(f"max_microbatch: upper ({upper}) is below start ({start})")
     if limit is not None and engine is None:
@@ -101,15 +90,15 @@ def max_microbatch(
         watch = None if categories is None else categories.on_oom
         if categories is not None:
             categories.on_oom = None
-        fitted = True
         try:
             with guard:
                 step(size)
+            return True
         except Exception as exc:
             if not is_oom(exc):
                 raise
             release_oom(exc, collect=False)  # drop the failed try's frames; collected below when needed
-            fitted = False
+            return False
         finally:
             if categories is not None:
                 categories.on_oom = watch
@@ -119,9 +108,10 @@ def max_microbatch(
                 collector.collect()
             if searched is not None:
                 searched.empty_cache()
-        return fitted
 
-    with _watching(searched, nbytes):
+    # the tries' allocations must be seen (the CPU engine's tracker) when a limit is in force
+    limited = searched is not None and (nbytes is not None or searched.memory_limit() is not None)
+    with searched.watching() if searched is not None and limited else nullcontext():
         if not fits(start):
             return 0
         fit = start
@@ -171,18 +161,11 @@ def plan_for(global_batch: int, max_size: int) -> Plan:
 
     Raises :class:`MicrobatchError` when ``max_size`` is 0.
     """
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"plan_for: global_batch must be an int >= 1, got {global_batch!r}")
+    _check_size("plan_for", "global_batch", global_batch)
     if max_size < 1:
         raise MicrobatchError(f"no microbatch size fits (global batch {global_batch}); the largest that fit is 0")
-    best = 1
-    divisor = 1
-    while divisor * divisor <= global_batch:
-        if global_batch % divisor == 0:
-            for candidate in (divisor, global_batch // divisor):
-                if best < candidate <= max_size:
-                    best = candidate
-        divisor += 1
+    small = [d for d in range(1, math.isqrt(global_batch) + 1) if global_batch % d == 0]
+    best = max(d for d in (*small, *(global_batch // d for d in small)) if d <= max_size)
     return Plan(
         microbatch=best,
         accumulation_steps=global_batch // best,
@@ -193,8 +176,7 @@ def plan_for(global_batch: int, max_size: int) -> Plan:
 
 def plan_accumulation(global_batch: int, step: Callable[[int], Any], **kwargs: Any) -> Plan:
     """Search the largest microbatch up to ``global_batch`` (``kwargs`` to :func:`max_microbatch`), then plan for it."""
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"plan_accumulation: global_batch must be an int >= 1, got {global_batch!r}")
+    _check_size("plan_accumulation", "global_batch", global_batch)
     upper = kwargs.pop("upper", None)
     upper = global_batch if upper is None else min(int(upper), global_batch)
     found = max_microbatch(step, upper=upper, **kwargs)

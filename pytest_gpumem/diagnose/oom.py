@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from pytest_gpumem.codec import Coded
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.diagnose.census import (
-    TOP,
-    LiveTensor,
-    live_table,
-    stack_frames,
-    take_census,
-    traceback_frames,
-)
+from pytest_gpumem.diagnose.census import TOP, LiveTensor, live_table, stack_frames, take_census, traceback_frames
 from pytest_gpumem.diagnose.holders import library_dirs
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.tables import table
@@ -32,14 +26,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.measurement.engines.base import Engine
     from pytest_gpumem.measurement.recorder import Recorder
 
-__all__ = [
-    "OomReport",
-    "OomWatch",
-    "is_oom",
-    "oom_report",
-    "release_oom",
-    "requested_bytes",
-]
+__all__ = ["OomReport", "OomWatch", "is_oom", "oom_report", "release_oom", "requested_bytes"]
 
 #: Lower-case fragments of messages that mean "out of memory" in exceptions that are not
 #: :class:`torch.OutOfMemoryError`.
@@ -48,7 +35,7 @@ OOM_MESSAGES: tuple[str, ...] = ("out of memory", "can't allocate memory", "cubl
 _REQUEST_RE = re.compile(
     r"tried to allocate\s+([0-9]+(?:\.[0-9]+)?)\s*(bytes|b|kib|mib|gib|tib|kb|mb|gb|tb)\b", re.IGNORECASE
 )
-_REQUEST_UNITS = {"bytes": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_REQUEST_UNITS = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}  # by the unit's first letter
 
 _GENERATOR_FLAGS = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
 
@@ -74,16 +61,14 @@ def requested_bytes(message: str) -> tuple[int, bool] | None:
     match = _REQUEST_RE.search(message)
     if match is None:
         return None
-    number, unit = match[1], match[2].lower()
-    scale = _REQUEST_UNITS[unit] if unit in ("bytes", "b") else _REQUEST_UNITS[unit[0]]
-    exact = scale == 1 and "." not in number
-    return round(float(number) * scale), exact
+    number, scale = match[1], _REQUEST_UNITS[match[2][0].lower()]
+    return round(float(number) * scale), scale == 1 and "." not in number
 
 
 # -- the report ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class OomReport(Coded):
     """What the device held when an allocation failed, in bytes.
 
@@ -175,7 +160,7 @@ def oom_report(
     objects = list(recorder.tracked) if recorder is not None else []
     if recorder is not None:
         recorder.reclassify()
-    live = take_census(engine.device, engine, objects, frames, top, counted_only=engine.exact)
+    largest, count, nbytes = take_census(engine.device, engine, objects, frames, top, counted_only=engine.exact)
     site = engine.sites.here() if engine.sites is not None and when == "at the failed allocation" else None
     breakdown = None if engine.categories is None else engine.categories.breakdown()
     return OomReport(
@@ -191,9 +176,9 @@ def oom_report(
         limit=engine.memory_limit(),
         phase=recorder.phase if recorder is not None else None,
         breakdown=breakdown if recorder is None else recorder.categories(breakdown),
-        largest=live.tensors,
-        live_count=live.count,
-        live_bytes=live.nbytes,
+        largest=largest,
+        live_count=count,
+        live_bytes=nbytes,
     )
 
 
@@ -221,10 +206,7 @@ class OomWatch:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Restore the tracker's previous ``on_oom`` callback (idempotent)."""
+        """Restore the tracker's previous ``on_oom`` callback."""
         if self._installed and self.engine.categories is not None:
             self.engine.categories.on_oom = self._previous
             self._installed = False
@@ -234,19 +216,16 @@ class OomWatch:
         if self._previous is not None:
             self._previous(nbytes)
         try:
-            frames = list(stack_frames(sys._getframe(1)))
             self.report = oom_report(
                 self.engine,
                 recorder=self.recorder,
                 requested=nbytes,
-                frames=frames,
+                frames=list(stack_frames(sys._getframe(1))),
                 top=self.top,
                 when="at the failed allocation",
             )
         except Exception:  # a report must never replace the OutOfMemoryError
             self.report = None
-        finally:
-            frames = []
 
     def report_for(self, exc: BaseException) -> OomReport:
         """The report for ``exc``: the one built at its refused allocation, else one built now."""
@@ -254,12 +233,8 @@ class OomWatch:
         if report is not None and report.requested is not None:
             marker = f"Tried to allocate {report.requested} bytes with {report.allocated} bytes allocated"
             if marker in str(exc):
-                return OomReport(**{**_fields(report), "message": _first_line(exc)})
+                return dataclasses.replace(report, message=_first_line(exc))
         return oom_report(self.engine, recorder=self.recorder, exc=exc, top=self.top)
-
-
-def _fields(report: OomReport) -> dict[str, Any]:
-    return {name: getattr(report, name) for name in report.__dataclass_fields__}
 
 
 # -- releasing what a failed step holds ---------------------------------------------------------------
@@ -272,29 +247,17 @@ def _user_traceback(exc: BaseException) -> TracebackType | None:
     hold the step's tensors) go.
     """
     libraries = library_dirs()
-    first_user: TracebackType | None = None
-    last_user: TracebackType | None = None
+    user: list[TracebackType] = []
     tb = exc.__traceback__
     while tb is not None:
         if not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(libraries):
-            first_user = first_user or tb
-            last_user = tb
+            user.append(tb)
         tb = tb.tb_next
-    if first_user is None or last_user is None:
+    if not user:
         return None
-    last_user.tb_next = None
+    user[-1].tb_next = None
     # from the first user frame on: the frames above (a test runner's) still run, so their locals cannot be cleared
-    return first_user
-
-
-def _clear_traceback(tb: TracebackType | None) -> None:
-    while tb is not None:
-        frame = tb.tb_frame
-        # A generator's frame in a traceback caught the error and is suspended or running: clearing it would close it.
-        if not frame.f_code.co_flags & _GENERATOR_FLAGS:
-            with contextlib.suppress(RuntimeError):  # still executing: the frame that caught the error
-                frame.clear()
-        tb = tb.tb_next
+    return user[0]
 
 
 def release_oom(exc: BaseException, engine: Engine | None = None, *, collect: bool = True) -> None:
@@ -312,10 +275,12 @@ def release_oom(exc: BaseException, engine: Engine | None = None, *, collect: bo
             continue
         seen.add(id(current))
         current.__traceback__ = _user_traceback(current)
-        _clear_traceback(current.__traceback__)
-        for linked in (current.__cause__, current.__context__):
-            if linked is not None:
-                pending.append(linked)
+        for frame, _ in traceback.walk_tb(current.__traceback__):
+            # a generator's frame in a traceback caught the error and is suspended or running: clearing would close it
+            if not frame.f_code.co_flags & _GENERATOR_FLAGS:
+                with contextlib.suppress(RuntimeError):  # still executing: the frame that caught the error
+                    frame.clear()
+        pending.extend(linked for linked in (current.__cause__, current.__context__) if linked is not None)
     if collect:
         collector.collect()
     if engine is not None:

@@ -20,20 +20,13 @@ from typing import Any
 
 __all__ = ["PRELOAD", "WarmProcess", "import_key", "server_pid", "stop_servers"]
 
+_EVERY_RANK = ("pytest_gpumem.diagnose.distributed", "torch.distributed", "pytest_gpumem.measurement.active")
 #: What a rank process of each kind imports before the rank's function runs (``tests/test_warm_ranks.py`` checks it).
 PRELOAD: dict[str, tuple[str, ...]] = {
-    "gloo": (
-        "pytest_gpumem.diagnose.distributed",
-        "torch.distributed",
-        "pytest_gpumem.measurement.active",
-        "torch._dynamo",
-    ),
+    "gloo": (*_EVERY_RANK, "torch._dynamo"),
     "fake": (
-        "pytest_gpumem.diagnose.distributed",
-        "torch.distributed",
-        "pytest_gpumem.measurement.active",
+        *_EVERY_RANK,
         "torch.testing._internal.distributed.fake_pg",
-        "pytest_gpumem.diagnose.fake_ddp",
         "pytest_gpumem.measurement.engines.fake",
         "torch.distributed.tensor.debug",
     ),

@@ -22,17 +22,14 @@ class GpumemCallback(TrainerCallback):
     def __init__(self, gpumem: Any, prefix: str = "step") -> None:
         self.gpumem = gpumem
         self.spans = StepSpans(gpumem, prefix)
-        self._tracked = False
-        self._run: Any = run_of(gpumem)
+        self._tracked_in: Any = object()  # the run of the test that tracks them: a new run tracks them again
 
     def _track(self, model: Any, optimizer: Any) -> None:
         run = run_of(self.gpumem)
-        if run is not self._run:  # a new run of the test (a callback made in a fixture): track them again
-            self._run, self._tracked = run, False
-        if self._tracked or model is None or optimizer is None:
+        if run is self._tracked_in or model is None or optimizer is None:
             return
         self.gpumem.track(unwrap(model), unwrap(optimizer))
-        self._tracked = True
+        self._tracked_in = run
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._track(kwargs.get("model"), kwargs.get("optimizer"))
