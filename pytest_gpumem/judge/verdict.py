@@ -13,11 +13,10 @@ from pytest_gpumem.data.metrics import (
     BASELINE_METRICS,
     CATEGORIES,
     COUNT_METRICS,
-    METRIC_TABLE,
     METRICS,
     metric_info,
 )
-from pytest_gpumem.judge.rule import baseline_status, exceeds, tolerance_for
+from pytest_gpumem.judge.rule import DEFAULT_TOLERANCES, baseline_status, default_tolerance, exceeds
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -31,14 +30,6 @@ __all__ = [
 ]
 
 _EXACT = Tolerance()
-
-#: The tolerance of each baseline figure when nothing sets one: the metric table's, with its floor.
-DEFAULT_TOLERANCES: dict[str, Tolerance] = {info.name: tolerance_for(info.name, None) for info in METRIC_TABLE}
-
-
-def default_tolerance(metric: str) -> Tolerance:
-    """The tolerance ``metric`` is compared with when nothing sets one (exact where the table has none)."""
-    return DEFAULT_TOLERANCES.get(metric, _EXACT)
 
 
 def check_limits(test: str, measurement: Measurement, limits: Iterable[Limit]) -> list[Finding]:
