@@ -17,12 +17,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from pytest_gpumem.measurement.engines.base import Reading
-from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
 from pytest_gpumem.measurement.engines.storages import (
     Block,
     Kinds,
-    fakes_counted,
     instances_among,
     sort_scanned,
     tensors_among,
@@ -87,8 +85,6 @@ class Prediction:
     """A model of the target's caching allocator that follows its own :attr:`tracker`, and its workspaces."""
 
     def __init__(self, target: Target) -> None:
-        from pytest_gpumem.targets import CachingAllocatorModel
-
         self.target = target
         self.model = CachingAllocatorModel(target.allocator)
         self._workspaces: dict[tuple[str, str], Block] = {}
@@ -118,10 +114,6 @@ class Prediction:
         if nbytes:
             self.model.malloc(key, nbytes)
 
-    def on_host(self, tensor: torch.Tensor) -> None:
-        """``tensor``, made while the tracker was set aside, lives on the target's host: never counted."""
-        self.tracker.on_host(tensor)
-
     def count_new(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count ``tensors``, made while the tracker was set aside, as this moment's allocations."""
         self.tracker.register([t for t in tensors if t is not None], "temporaries")
@@ -132,22 +124,22 @@ class Prediction:
         """The thread running operator ``name`` gets the workspaces it uses, if it has none yet."""
         thread = _BACKWARD if torch._C._current_graph_task_id() != -1 else _MAIN
         for workspace in self.target.workspaces:
-            if name in workspace.operators and (workspace.library, thread) not in self._workspaces:
-                if workspace.when == "bias" and not _has_vector_bias(args):
-                    continue
+            if name not in workspace.operators or (workspace.library, thread) in self._workspaces:
+                continue
+            if workspace.when != "bias" or _has_vector_bias(args):
                 self._create(workspace, thread)
 
     def _create(self, workspace: Workspace, thread: str) -> None:
-        key = -next(self._synthetic_keys)  # storages' keys are addresses: never negative
-        self._workspaces[(workspace.library, thread)] = self.tracker.add_block(key, workspace.nbytes)
+        """The ``thread``'s workspace of ``workspace.library``, unless it has one."""
+        if (workspace.library, thread) not in self._workspaces:
+            key = -next(self._synthetic_keys)  # storages' keys are addresses: never negative
+            self._workspaces[(workspace.library, thread)] = self.tracker.add_block(key, workspace.nbytes)
 
     def warm_workspaces(self) -> None:
         """Create every workspace a training step's threads get (the backward thread a plain matrix product's)."""
         for workspace in self.target.workspaces:
-            if (workspace.library, _MAIN) not in self._workspaces:
-                self._create(workspace, _MAIN)
-            plain = "mm" in workspace.operators and workspace.when is None
-            if plain and (workspace.library, _BACKWARD) not in self._workspaces:
+            self._create(workspace, _MAIN)
+            if "mm" in workspace.operators and workspace.when is None:
                 self._create(workspace, _BACKWARD)
 
     def release_workspaces(self) -> None:
@@ -282,10 +274,10 @@ def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 class _DeviceKernels(TorchFunctionMode):
     """Runs the target's kernels where their memory differs from the CPU's (attention, dropout, autocast)."""
 
-    def __init__(self, tracker: Prediction) -> None:
+    def __init__(self, prediction: Prediction) -> None:
         super().__init__()
-        self.tracker = tracker
-        self.target = tracker.target
+        self.prediction = prediction
+        self.target = prediction.target
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -301,10 +293,10 @@ class _DeviceKernels(TorchFunctionMode):
             # an optimizer's scalar state made on the host (AdamW's step counters, unless fused or capturable)
             with _set_aside():
                 out = func(*args, **kwargs)
-            self.tracker.on_host(out)
+            self.prediction.tracker.on_host(out)  # made while set aside, it lives on the target's host: never counted
             return out
         if func is F.scaled_dot_product_attention and self.target.attention_order:
-            return _attention(self.tracker, *args, **kwargs)
+            return _attention(self.prediction, *args, **kwargs)
         if func is F.dropout and self.target.dropout_mask == "bool":
             return _dropout(*args, **kwargs)
         if torch.is_autocast_enabled("cpu"):
@@ -456,11 +448,9 @@ class PredictEngine(CpuEngine):
         self.target = target
         self.predictor = Prediction(target)
         super().__init__(tracker=self.predictor.tracker)
+        self.predicts = target.name
+        self.snapshot_model = self.predictor.model
         self._workspace_total: int | None = None
-
-    @property
-    def predicts(self) -> str | None:
-        return self.target.name
 
     @property
     def workspaces(self) -> int | None:
@@ -492,10 +482,7 @@ class PredictEngine(CpuEngine):
 
     def clean(self, *, empty_cache: bool = True) -> None:
         """As the CUDA engine's; the model's cache is always emptied (it has no cost to save)."""
-        self.settle()
-        forget_categories(self.tracker)
-        self.tracker.counts_fakes = fakes_counted()  # before the scan: a fake tensor is memory only in a fake run
-        self.tracker.scan()
+        super().clean()
         self.warm_workspaces()
         if self._workspace_total is None:
             self._workspace_total = self.predictor.workspace_bytes
@@ -510,6 +497,3 @@ class PredictEngine(CpuEngine):
 
     def empty_cache(self) -> None:
         self.predictor.model.empty_cache()
-
-    def _snapshot_model(self) -> CachingAllocatorModel:
-        return self.predictor.model
