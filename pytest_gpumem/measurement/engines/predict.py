@@ -211,9 +211,7 @@ def optimizer_host_state(objects: list[Any]) -> Iterator[torch.Tensor]:
             if group.get("fused") or group.get("capturable"):
                 continue
             for param in group["params"]:
-                state = obj.state.get(param)
-                if not state:
-                    continue
+                state = obj.state.get(param) or {}
                 for name in HOST_SCALARS:
                     value = state.get(name)
                     if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_cpu:
