@@ -9,13 +9,7 @@ from typing import cast
 from pytest_gpumem.baselines import BaselineEntry, StaleEntry
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding, Kind, Limit, Status, Tolerance
-from pytest_gpumem.data.metrics import (
-    BASELINE_METRICS,
-    CATEGORIES,
-    COUNT_METRICS,
-    METRICS,
-    metric_info,
-)
+from pytest_gpumem.data.metrics import BASELINE_METRICS, CATEGORIES, COUNT_METRICS, METRICS, metric_info
 from pytest_gpumem.judge.rule import DEFAULT_TOLERANCES, baseline_status, default_tolerance, exceeds
 
 __all__ = [

@@ -18,13 +18,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from pytest_gpumem.measurement.engines.base import Reading
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
-from pytest_gpumem.measurement.engines.storages import (
-    Block,
-    Kinds,
-    instances_among,
-    sort_scanned,
-    tensors_among,
-)
+from pytest_gpumem.measurement.engines.storages import Block, Kinds, instances_among, sort_scanned, tensors_among
 from pytest_gpumem.measurement.engines.tracker import OTHER, StorageTracker
 from pytest_gpumem.targets import AttentionBackend, Target, Workspace
 from pytest_gpumem.targets.allocator import CachingAllocatorModel
@@ -373,13 +367,14 @@ def _attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )
         return out  # type: ignore[no-any-return]
-    options = (backend, dropout_p, is_causal, scale, enable_gqa, tracker)
+    cpu = functools.partial(  # the CPU kernel, for the values
+        F.scaled_dot_product_attention, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        options = (backend, dropout_p, cpu, tracker)
         return _FusedAttention.apply(query, key, value, attn_mask, options)  # type: ignore[no-any-return]
     with _set_aside():
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
+        out = cpu(query, key, value, attn_mask)
     tracker.count_new([out])
     return out
 
@@ -396,12 +391,10 @@ class _FusedAttention(torch.autograd.Function):
         attn_mask: torch.Tensor | None,
         options: tuple[Any, ...],
     ) -> torch.Tensor:
-        backend, dropout_p, is_causal, scale, enable_gqa, tracker = options
+        backend, dropout_p, cpu, tracker = options
         with _set_aside():
             rng = torch.get_rng_state() if dropout_p > 0 else None
-            out = F.scaled_dot_product_attention(
-                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-            )
+            out: torch.Tensor = cpu(query, key, value, attn_mask)
         tracker.count_new([out])
         rows = query.size(-2)
         multiple = backend.logsumexp_row_multiple
@@ -415,16 +408,14 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, _out, _lse, attn_mask, *_ = ctx.saved_tensors
-        _, dropout_p, is_causal, scale, enable_gqa, tracker = ctx.options
+        _, _, cpu, tracker = ctx.options
         q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in (query, key, value))
         inputs = [q, k, v]
         wanted = [t for t in inputs if t.requires_grad]
         with _set_aside(), torch.enable_grad(), torch.random.fork_rng(devices=[]):
             if ctx.rng is not None:
                 torch.set_rng_state(ctx.rng)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-            )
+            out = cpu(q, k, v, attn_mask)
             found = iter(torch.autograd.grad(out, wanted, grad_out))
         grads = [next(found) if t.requires_grad else None for t in inputs]
         tracker.count_new(grads)
