@@ -52,23 +52,14 @@ class Leaf:
 
 
 @dataclass(frozen=True)
-class Unary:
-    """``+operand`` or ``-operand``."""
+class Operation:
+    """``op`` (``+ - * /``) on two ``operands``, or a sign (``+`` or ``-``) on one."""
 
     op: str
-    operand: Node
+    operands: tuple[Node, ...]
 
 
-@dataclass(frozen=True)
-class Binary:
-    """``left op right`` with ``op`` in ``+ - * /``."""
-
-    op: str
-    left: Node
-    right: Node
-
-
-Node = Union[Leaf, Unary, Binary]  # noqa: UP007 - a runtime alias, Python 3.10
+Node = Union[Leaf, Operation]  # noqa: UP007 - a runtime alias, Python 3.10
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -216,14 +207,14 @@ class _Parser:
         while self.token.kind == "op" and self.token.text in ops:
             op = self.token.text
             self.index += 1
-            node = Binary(op, node, operand())
+            node = Operation(op, (node, operand()))
         return node
 
     def unary(self) -> Node:
         token = self.token
         if token.kind == "op" and token.text in "+-":
             self.index += 1
-            return Unary(token.text, self.nested(self.unary))
+            return Operation(token.text, (self.nested(self.unary),))
         return self.atom()
 
     def nested(self, rule: Callable[[], Node]) -> Node:
@@ -281,47 +272,38 @@ def _evaluate(node: Node, psi: int | None, text: str) -> Fraction:
         if psi is None:
             raise BudgetError(f"{text!r} uses Ψ but the number of trainable parameters is unknown")
         return Fraction(psi) * node.value
-    if isinstance(node, Unary):
-        value = _evaluate(node.operand, psi, text)
-        return -value if node.op == "-" else value
-    left = _evaluate(node.left, psi, text)
-    right = _evaluate(node.right, psi, text)
-    if node.op == "/" and right == 0:
+    values = [_evaluate(operand, psi, text) for operand in node.operands]
+    if len(values) == 1:
+        return -values[0] if node.op == "-" else values[0]
+    if node.op == "/" and values[1] == 0:
         raise BudgetError(f"{text!r}: division by zero")
-    return _OPERATIONS[node.op](left, right)
+    return _OPERATIONS[node.op](*values)
 
 
 def _precedence(node: Node) -> int:
-    if isinstance(node, Binary):
-        return _PRECEDENCE[node.op]
-    return 3 if isinstance(node, Unary) else 4
+    if isinstance(node, Leaf):
+        return 4
+    return 3 if len(node.operands) == 1 else _PRECEDENCE[node.op]
 
 
 def _format(node: Node) -> str:
     if isinstance(node, Leaf):
         return node.text
-    if isinstance(node, Unary):
-        inner = _format(node.operand)
-        return f"{node.op}({inner})" if _precedence(node.operand) < 4 else f"{node.op}{inner}"
+    if len(node.operands) == 1:
+        inner = _format(node.operands[0])
+        return f"{node.op}({inner})" if _precedence(node.operands[0]) < 4 else f"{node.op}{inner}"
     precedence = _PRECEDENCE[node.op]
-    left = _format(node.left)
-    if _precedence(node.left) < precedence:
-        left = f"({left})"
-    right = _format(node.right)
-    right_precedence = _precedence(node.right)
-    if right_precedence < precedence or (right_precedence == precedence and node.op in "-/"):
-        right = f"({right})"
-    return f"{left} {node.op} {right}"
-
-
-def _children(node: Node) -> tuple[Node, ...]:
-    if isinstance(node, Binary):
-        return (node.left, node.right)
-    return (node.operand,) if isinstance(node, Unary) else ()
+    left, right = node.operands
+    left_text, right_text = _format(left), _format(right)
+    if _precedence(left) < precedence:
+        left_text = f"({left_text})"
+    if _precedence(right) < precedence or (_precedence(right) == precedence and node.op in "-/"):
+        right_text = f"({right_text})"
+    return f"{left_text} {node.op} {right_text}"
 
 
 def _uses_psi(node: Node) -> bool:
-    return (isinstance(node, Leaf) and node.kind == "psi") or any(map(_uses_psi, _children(node)))
+    return node.kind == "psi" if isinstance(node, Leaf) else any(map(_uses_psi, node.operands))
 
 
 @dataclass(frozen=True)
@@ -397,10 +379,11 @@ def _parse_text(text: str) -> BudgetExpr:
 
 def _check_divisors(node: Node, text: str) -> None:
     """Refuse a division by a constant zero (``"16Ψ/0"``, ``"Ψ/(2-2)"``): wrong for every Ψ."""
-    for child in _children(node):
-        _check_divisors(child, text)
-    if not isinstance(node, Binary) or node.op != "/" or _uses_psi(node.right):
+    if isinstance(node, Leaf):
         return
-    if _evaluate(node.right, None, text) == 0:
-        plain = isinstance(node.right, Leaf) and node.right.kind == "number"
-        raise BudgetError(f"{text!r}: division by zero{'' if plain else f' ({_format(node.right)} = 0)'}")
+    for operand in node.operands:
+        _check_divisors(operand, text)
+    divisor = node.operands[-1]
+    if node.op == "/" and not _uses_psi(divisor) and _evaluate(divisor, None, text) == 0:
+        plain = isinstance(divisor, Leaf) and divisor.kind == "number"
+        raise BudgetError(f"{text!r}: division by zero{'' if plain else f' ({_format(divisor)} = 0)'}")
