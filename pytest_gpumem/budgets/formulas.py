@@ -102,14 +102,7 @@ def _as_modules(modules: torch.nn.Module | Iterable[torch.nn.Module]) -> tuple[t
 
 def _unique_parameters(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
     """Distinct parameters of ``modules`` in registration order (identity, not value)."""
-    seen: set[int] = set()
-    result: list[torch.nn.Parameter] = []
-    for module in modules:
-        for param in module.parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                result.append(param)
-    return result
+    return list({id(param): param for module in modules for param in module.parameters()}.values())
 
 
 def _local_numel(param: torch.Tensor) -> int:
