@@ -57,12 +57,9 @@ class SiteDiff(Coded):
     note: str = ""
 
     def at(self, moment: str = "peak") -> list[SiteChange]:
-        """The changes at the ``"peak"`` (or ``"end"``): the grown, largest first, then the shrunk."""
-        grown = [c for c in self.changes if c.delta(moment) > 0]
-        shrunk = [c for c in self.changes if c.delta(moment) < 0]
-        grown.sort(key=lambda c: (-c.delta(moment), c.figures.site.key))
-        shrunk.sort(key=lambda c: (c.delta(moment), c.figures.site.key))
-        return grown + shrunk
+        """The changes at the ``"peak"`` (or ``"end"``): the grown, largest first, then the shrunk, largest first."""
+        moved = [c for c in self.changes if c.delta(moment)]
+        return sorted(moved, key=lambda c: (c.delta(moment) < 0, -abs(c.delta(moment)), c.figures.site.key))
 
 
 def diff_sites(span: str, baseline: SiteProfile, current: SiteProfile) -> SiteDiff:
