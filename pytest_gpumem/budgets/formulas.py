@@ -213,9 +213,8 @@ class Budget(Coded):
         )
         rows = [
             (name, f"{nbytes:,}", format_size(nbytes), _per_psi(nbytes, self.psi))
-            for name, nbytes in self.items.items()
+            for name, nbytes in [*self.items.items(), ("total", self.total)]
         ]
-        rows.append(("total", f"{self.total:,}", format_size(self.total), _per_psi(self.total, self.psi)))
         return f"{title}\n{table(('item', 'bytes', 'size', 'bytes per Ψ'), rows, right=(1, 2, 3))}"
 
 
@@ -263,8 +262,7 @@ def model_states(
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    mods = _as_modules(modules)
-    params = _unique_parameters(mods)
+    params = _unique_parameters(_as_modules(modules))
     trainable = [p for p in params if p.requires_grad]
     psi = sum(p.numel() for p in trainable)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
