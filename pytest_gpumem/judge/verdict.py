@@ -141,9 +141,8 @@ def changed_categories(before: Mapping[str, int], after: Mapping[str, int]) -> d
     names = [c for c in CATEGORIES if c in before or c in after]
     names += sorted(set(before).union(after).difference(CATEGORIES))
     change = [(name, after.get(name, 0) - before.get(name, 0)) for name in names]
-    grown = sorted(((n, d) for n, d in change if d > 0), key=lambda item: -item[1])  # stable: ties keep order
-    shrunk = sorted(((n, d) for n, d in change if d < 0), key=lambda item: item[1])
-    return dict(grown + shrunk)
+    moved = [(name, delta) for name, delta in change if delta]
+    return dict(sorted(moved, key=lambda item: (item[1] < 0, -abs(item[1]))))  # stable: ties keep order
 
 
 def stale_findings(stale: Iterable[StaleEntry], *, strict: bool = False) -> list[Finding]:
