@@ -7,6 +7,7 @@ Reads and edits a baseline file without pytest or torch (docs/cli.md). Exit stat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -94,15 +95,9 @@ def _error(message: str, hint: str = "") -> None:
 def _quiet_stdout() -> None:
     """Point stdout at /dev/null so that the interpreter's final flush does not fail again."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
+    with contextlib.suppress(OSError, ValueError):  # stdout without a file descriptor
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor
-        pass
-    finally:
-        os.close(devnull)
-
-
-# --------------------------------------------------------------------------- arguments
+    os.close(devnull)
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -125,14 +120,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     sub = group.add_subparsers(dest="command", required=True, metavar="ACTION")
 
-    def common(
-        p: argparse.ArgumentParser,
-        *,
-        tests_help: str = "only tests whose node id contains one of these texts",
-        env_help: str = "only environments whose key contains TEXT (case-insensitive)",
-    ) -> None:
-        p.add_argument("tests", nargs="*", metavar="TEST", help=tests_help)
-        p.add_argument("--env", metavar="TEXT", help=env_help)
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("tests", nargs="*", metavar="TEST", help="only tests whose node id contains one of these texts")
+        p.add_argument("--env", metavar="TEXT", help="only environments whose key contains TEXT (case-insensitive)")
 
     def display(p: argparse.ArgumentParser) -> None:
         p.add_argument("--bytes", action="store_true", help="show exact byte counts instead of KiB / MiB / GiB")
@@ -201,11 +191,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         epilog="Exit status: 0 removed (or nothing to remove), 2 an error or a refusal: nothing was written.",
     )
     prune.add_argument("--file", type=Path, metavar="PATH", help=file_help)
-    common(
-        prune,
-        tests_help="node ids, or path prefixes (tests/test_old.py, tests/legacy), to remove",
-        env_help="the environment: its whole key, or a part of it that only one key contains",
-    )
+    tests_help = "node ids, or path prefixes (tests/test_old.py, tests/legacy), to remove"
+    prune.add_argument("tests", nargs="*", metavar="TEST", help=tests_help)
+    env_help = "the environment: its whole key, or a part of it that only one key contains"
+    prune.add_argument("--env", metavar="TEXT", help=env_help)
     prune.add_argument(
         "--missing",
         action="store_true",
@@ -267,9 +256,6 @@ def _tolerance(text: str) -> Tolerance:
         return parse_tolerance(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-# --------------------------------------------------------------------------- reading and filtering
 
 
 def _prog() -> str:
@@ -355,9 +341,7 @@ def _metrics(entries: Iterable[BaselineEntry]) -> list[str]:
 
 
 def _shown(metric: str, value: int | None, exact: bool) -> str:
-    if value is None:
-        return "n/a"
-    return str(value) if exact else metric_info(metric).format(value)
+    return str(value) if exact and value is not None else metric_info(metric).format(value)
 
 
 def _table(rows: list[list[str]], headers: list[str], right_from: int, markdown: bool) -> str:
@@ -371,9 +355,6 @@ def _heading(key: str, detail: str, markdown: bool) -> str:
 
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}{'' if number == 1 else 's'}"
-
-
-# --------------------------------------------------------------------------- show
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -390,8 +371,8 @@ def _show(args: argparse.Namespace) -> int:
             continue
         spans = {test: store.spans(key, test) for test in tests}
         metrics = _metrics(entry for by_name in spans.values() for entry in by_name.values())
-        rows = [
-            [test, name, *(_cell(entry, metric, args.bytes) for metric in metrics)]
+        rows = [  # n/a: unknown; empty: not recorded
+            [test, name, *(_shown(m, entry.cost(m), args.bytes) if m in entry.costs else "" for m in metrics)]
             for test in tests
             for name, entry in spans[test].items()
         ]
@@ -404,14 +385,6 @@ def _show(args: argparse.Namespace) -> int:
                     blocks.append(f"{test} [{name}] sites\n\n{sites}")
     print("\n\n".join(blocks))
     return 0
-
-
-def _cell(entry: BaselineEntry, metric: str, exact: bool) -> str:
-    """The cost of ``metric``: ``n/a`` when unknown, empty when the entry does not record it."""
-    return _shown(metric, entry.cost(metric), exact) if metric in entry.costs else ""
-
-
-# --------------------------------------------------------------------------- diff
 
 
 _CHANGE_KINDS = ("grew", "shrank", "changed", "added", "removed")
@@ -427,10 +400,6 @@ class _Change:
     metric: str
     old: int | None
     new: int | None
-
-    @property
-    def delta(self) -> int | None:
-        return None if self.old is None or self.new is None else self.new - self.old
 
     def worse(self, tolerance: Tolerance) -> bool:
         """Whether the cost got worse beyond ``tolerance``: the judge's rule with the old cost as the baseline."""
@@ -520,10 +489,9 @@ def _test_changes(test: str, old: Mapping[str, BaselineEntry], new: Mapping[str,
 
 
 def _change_row(change: _Change, exact: bool) -> list[str]:
-    delta = change.delta
-    if delta is None:
-        shown_delta = percent = ""
-    else:
+    shown_delta = percent = ""
+    if change.old is not None and change.new is not None:
+        delta = change.new - change.old
         shown_delta = f"{delta:+d}" if exact else metric_info(change.metric).format_delta(delta)
         percent = format_percent(delta, change.old)
     return [
@@ -536,9 +504,6 @@ def _change_row(change: _Change, exact: bool) -> list[str]:
         shown_delta,
         percent,
     ]
-
-
-# --------------------------------------------------------------------------- prune
 
 
 def _prune(args: argparse.Namespace) -> int:
@@ -583,19 +548,15 @@ def _prune(args: argparse.Namespace) -> int:
         print("nothing to prune")
         return 0
     print("\n".join(lines), flush=True)  # what is removed, before the file is written
-    if not args.dry_run:
-        try:
-            save(store)
-        except OSError as exc:  # the file is as it was: save() writes a temporary file, then renames it
-            raise CommandError(f"{args.file}: cannot write: {exc.strerror or exc}; the file is unchanged") from None
     if args.dry_run:
         print(f"would remove the baselines of {_count(removed, 'test')} from {args.file} (dry run: nothing written)")
-    else:
-        print(f"removed the baselines of {_count(removed, 'test')} from {args.file}")
+        return 0
+    try:
+        save(store)
+    except OSError as exc:  # the file is as it was: save() writes a temporary file, then renames it
+        raise CommandError(f"{args.file}: cannot write: {exc.strerror or exc}; the file is unchanged") from None
+    print(f"removed the baselines of {_count(removed, 'test')} from {args.file}")
     return 0
-
-
-# --------------------------------------------------------------------------- history
 
 
 def _history(args: argparse.Namespace) -> int:

@@ -149,3 +149,17 @@ def test_no_two_modules_share_a_name() -> None:
     names = [path.stem for path in MODULES if path.name != "__init__.py"]
     names += [path.parent.name for path in MODULES if path.name == "__init__.py" and path.parent != PACKAGE]
     assert sorted(name for name in set(names) if names.count(name) > 1) == []
+
+
+#: Climbs of a passing test's path (tests/_path_climbs.py): no change may add one; issue 47 asks for at most 3.
+CLIMBS = 6
+
+
+def test_one_passing_test_climbs_up_at_most_a_bound_of_times(pytester: pytest.Pytester) -> None:
+    """From the plugin's call hook to the verdict, a passing test's path goes back up a layer at most :data:`CLIMBS`
+    times (pytest layer, reports, diagnosis, measurement, judge: a step into a higher one is a climb)."""
+    from _path_climbs import describe, trace
+
+    tracer = trace(pytester)
+    print(describe(tracer))
+    assert len(tracer.climbs) <= CLIMBS, describe(tracer)

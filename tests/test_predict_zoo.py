@@ -126,12 +126,12 @@ def _predicted_now(name: str, precision: str, modelled: Target) -> tuple[tuple[s
     finally:
         engine.stop()
     window = engine.take_window()
-    assert start_reserved is not None and window.reserved_peak is not None
+    assert start_reserved is not None and "reserved" in window.highest
     figures = {
         "start": start,
         "peak": window.peak,
         "allocated": engine.allocated(),
-        "reserved": window.reserved_peak,
+        "reserved": window.highest["reserved"],
         "start_reserved": start_reserved,
     }
     return tuple(figures.items())

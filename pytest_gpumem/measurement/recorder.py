@@ -40,9 +40,7 @@ class _SpanState:
     start_event: int
     peak: int
     breakdown: tuple[int, ...] | None = None
-    reserved_peak: int | None = None
-    requested_peak: int | None = None
-    saved_peak: int | None = None
+    highest: dict[str, int] = field(default_factory=dict)  #: the engine's other figures (:attr:`Reading.highest`)
     sites: Any = None
     compiled_from: int = 0
     notes_from: int = 0
@@ -53,12 +51,8 @@ class _SpanState:
             self.peak = reading.peak
             self.breakdown = reading.breakdown
             self.sites = reading.sites
-        if reading.reserved_peak is not None:
-            self.reserved_peak = max(self.reserved_peak or 0, reading.reserved_peak)
-        if reading.requested_peak is not None:
-            self.requested_peak = max(self.requested_peak or 0, reading.requested_peak)
-        if reading.saved_peak is not None:
-            self.saved_peak = max(self.saved_peak or 0, reading.saved_peak)
+        for figure, value in reading.highest.items():
+            self.highest[figure] = max(self.highest.get(figure, 0), value)
         if phase is not None and phase in self.phases:
             state = self.phases[phase]
             state.peak = max(state.peak, reading.peak)
@@ -264,6 +258,7 @@ class Recorder:
         engine, categories = self.engine, self.engine.categories
         now = engine.allocated()
         breakdown = None if categories is None else categories.breakdown()
+        saved = engine.saved_bytes()
         state = _SpanState(
             name=name,
             start=now,
@@ -272,7 +267,7 @@ class Recorder:
             start_event=0 if categories is None else categories.events,
             peak=now,
             breakdown=None if breakdown is None else tuple(breakdown.values()),
-            saved_peak=engine.saved_bytes(),
+            highest={} if saved is None else {"saved_activations": saved},
             sites=_sites_now(engine),
             compiled_from=0 if categories is None else len(categories.compiled_frames),
             notes_from=0 if categories is None else len(categories.notes),
@@ -327,6 +322,9 @@ class Recorder:
             if note != STEPPED_ASIDE_NOTE:  # torch's own refusal: said in the reports, never raised (-W error)
                 notify(PartialFigures(f"span {state.name!r}: {note}"), stacklevel=2)
         sites = self.engine.sites
+        highest: dict[str, Any] = dict(state.highest)
+        if not self.saved_tensors:
+            highest.pop("saved_activations", None)
         return Measurement(
             name=state.name,
             engine=self.engine.name,
@@ -334,9 +332,7 @@ class Recorder:
             start=state.start,
             peak=state.peak,
             allocated=end,
-            reserved=state.reserved_peak,
             start_reserved=state.start_reserved,
-            requested_peak=state.requested_peak,
             num_alloc_retries=_diff(counters, state.counters, "num_alloc_retries"),
             num_ooms=_diff(counters, state.counters, "num_ooms"),
             driver_used=used,
@@ -344,11 +340,11 @@ class Recorder:
             breakdown=breakdown,
             allocated_breakdown=end_breakdown,
             phases={name: Phase(name, p.start, p.peak, p.end, p.count) for name, p in state.phases.items()},
-            saved_activations=state.saved_peak if self.saved_tensors else None,
             psi=self.psi,
             cuda_rounding=self.engine.cuda_rounding,
             notes=notes,
             sites=build_profile(None if sites is None else sites.figures(state.sites, self._end_sites)),
+            **highest,
         )
 
     def _warn_compiled(self, state: _SpanState) -> None:

@@ -17,9 +17,6 @@ if TYPE_CHECKING:
     from pytest_gpumem.plugin.fixture import GpuMem
 
 
-# -- options, marker, fixture, hooks --------------------------------------------------
-
-
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     pluginmanager.add_hookspecs(hookspecs)
 

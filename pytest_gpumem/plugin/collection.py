@@ -35,10 +35,6 @@ SPEC_ERROR_KEY = pytest.StashKey[str]()
 DISABLED_KEY: pytest.StashKey[torch.device] = pytest.StashKey()  #: a test's device while the plugin is disabled
 
 
-def is_worker(config: pytest.Config) -> bool:
-    return hasattr(config, "workerinput")
-
-
 def worker_index() -> int | None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
@@ -70,36 +66,23 @@ def settle_spec(item: pytest.Item, marks: list[pytest.Mark] | None = None) -> No
         del item.stash[SPEC_KEY]
 
 
-def _validate_markers(report: pytest.CollectReport) -> None:
-    """Validate the markers of the items a collector made: a bad one is a collection error."""
-    if not report.passed:
-        return
-    errors = []
-    for item in report.result:
-        if not isinstance(item, pytest.Item):
-            continue
-        try:
-            spec = marker_spec(item)
-        except SpecError as exc:
-            errors.append(f"invalid gpumem marker on {item.nodeid}: {exc}")
-            continue
-        if spec is not None:
-            item.stash[SPEC_KEY] = spec
-    if errors:
-        report.outcome = "failed"
-        report.longrepr = "\n".join(errors)
-        report.result = []
-
-
 class MarkerCheck:
-    """Validates the markers of every collected item, enabled or not: a bad one is an error."""
+    """Validates the markers of every collected item, enabled or not: a bad one is a collection error."""
 
     @pytest.hookimpl(wrapper=True)
     def pytest_make_collect_report(
         self, collector: pytest.Collector
     ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
         report = yield
-        _validate_markers(report)
+        if report.passed:
+            items = [item for item in report.result if isinstance(item, pytest.Item)]
+            for item in items:
+                settle_spec(item)
+            errors = [item.stash[SPEC_ERROR_KEY] for item in items if SPEC_ERROR_KEY in item.stash]
+            if errors:
+                report.outcome = "failed"
+                report.longrepr = "\n".join(errors)
+                report.result = []
         return report
 
 
@@ -132,13 +115,12 @@ class DisabledManager:
             return
         from pytest_gpumem.plugin.run_engines import DeviceUnavailable, choose_device
 
-        unavailable: DeviceUnavailable | None = None
         try:  # the test still runs on its device, and is skipped where there is none
             item.stash[DISABLED_KEY] = choose_device(spec.device or self.settings.device, worker=worker_index())
+            return
         except DeviceUnavailable as exc:
-            unavailable = exc
-        if unavailable is not None:
-            pytest.skip(unavailable.reason)
+            reason = exc.reason
+        pytest.skip(reason)  # outside the handler, as the plugin's other skips
 
 
 class CollectionBook:
@@ -160,12 +142,8 @@ class CollectionBook:
     def pytest_ignore_collect(self, collection_path: Path) -> Generator[None, bool | None, bool | None]:
         """A path left out of the collection (``--ignore``) still exists: its tests are never stale."""
         ignored = yield
-        if ignored:
-            try:
-                relative = collection_path.relative_to(self.config.rootpath)
-            except ValueError:
-                return ignored
-            self._partial.setdefault(relative.as_posix(), IGNORED)
+        if ignored and collection_path.is_relative_to(self.config.rootpath):
+            self._partial.setdefault(collection_path.relative_to(self.config.rootpath).as_posix(), IGNORED)
         return ignored
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpumem.data.metrics import metric_info
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.report.artifacts import index_figures
 from pytest_gpumem.report.html import html_text
@@ -44,9 +45,6 @@ def junit_failure(config: pytest.Config, message: str, near: Path) -> None:
 def add_html_extras(report: pytest.TestReport, record: TestRecord, page: str | None, html_report: str | None) -> None:
     """Add the call's figures and a link to its page (relative to ``html_report``) to pytest-html's extras."""
     extras = importlib.import_module("pytest_html.extras")  # optional: only when pytest-html runs
-
-    from pytest_gpumem.data.metrics import metric_info
-
     cells = "".join(
         f"<td>{html_text(metric)}</td><td>{html_text(metric_info(metric).format(value))}</td>"
         for metric, value in index_figures(record).items()

@@ -1,47 +1,60 @@
-"""The run's manager: owns the run's parts, and takes a test's record from its report to the judge."""
+"""The run's manager: owns the run's parts, takes a test's record from its report to the judge, and ends the run:
+the baseline file written once, the reports, the terminal summary; ranks gathered to rank 0."""
 
 from __future__ import annotations
 
+import os
 import shutil
-from collections.abc import Generator
+import warnings
+from collections.abc import Callable, Generator
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pytest_gpumem.baselines import BaselineFileError
+from pytest_gpumem.data.figures import OutputNotWritten
 from pytest_gpumem.data.metrics import METRICS
-from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.plugin.collection import (
-    SPEC_KEY,
-    CollectionBook,
-    MarkerCheck,
-    gpumem_marks,
-    is_worker,
-    settle_spec,
-)
-from pytest_gpumem.plugin.ending import RunEnd, append_section
+from pytest_gpumem.judge.record import RecordStore, TestRecord
+from pytest_gpumem.plugin.collection import SPEC_KEY, CollectionBook, MarkerCheck, gpumem_marks, settle_spec
+from pytest_gpumem.plugin.junit_html import add_html_extras, junit_failure
 from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measuring
 from pytest_gpumem.plugin.options import Settings
 from pytest_gpumem.plugin.session import BaselineSession, file_problem
-from pytest_gpumem.plugin.site_runs import fails_on_memory, xfail_of
+from pytest_gpumem.plugin.site_runs import xfail_of
 from pytest_gpumem.plugin.torchrun import launch, rename
+from pytest_gpumem.report.artifacts import write_artifacts, write_index
+from pytest_gpumem.report.ci import (
+    MAX_ANNOTATIONS,
+    Annotation,
+    failure_annotations,
+    junit_properties,
+    run_annotation,
+    workspace,
+)
 from pytest_gpumem.report.details import error_section, failure_text
+from pytest_gpumem.report.text import terminal_summary
 
 __all__ = ["RECORD_KEY", "RUN_KEY", "GpumemManager"]
 
 
-def _terminal_width(config: pytest.Config) -> int:
-    writer = getattr(config.pluginmanager.get_plugin("terminalreporter"), "_tw", None)
-    return int(writer.fullwidth) if writer is not None else shutil.get_terminal_size().columns
+def append_section(report: pytest.TestReport, title: str, text: str) -> None:
+    """Add ``text`` to a failed report's message, keeping pytest's own rendering of its error."""
+    addsection = getattr(report.longrepr, "addsection", None)
+    if addsection is not None:
+        addsection(title, text)
+    else:
+        report.longrepr = f"{report.longrepr}\n\n{text}"
 
 
 class GpumemManager:
-    """Owns the run: its settings, its parts, and the record on its way from its report to the judge."""
+    """Owns the run: its settings, its parts, the record on its way from its report to the judge, the run's end."""
 
     def __init__(self, config: pytest.Config, settings: Settings) -> None:
         self.config = config
         self.settings = settings
-        self.worker = is_worker(config)  #: an xdist worker: it measures, its controller judges and writes
+        self.worker = hasattr(config, "workerinput")  #: an xdist worker: it measures, its controller judges and writes
         try:
             self.launch = launch()  #: pytest started by torchrun: this process is one rank
         except ValueError as exc:
@@ -50,21 +63,32 @@ class GpumemManager:
         self.book = CollectionBook(config)
         self.baselines = BaselineSession(settings.baselines)
         self.measuring = Measuring(config, settings, self.baselines, self.launch)
-        self.ending = RunEnd(config, settings, self.baselines, self.book, worker=self.worker, launch=self.launch)
         self._handoff: tuple[str, TestRecord] | None = None  # the call report's record, until it is logged
+        #: what keeps the baseline file from being written: shown in red at the end
+        self.error: str | None = None
+        #: outputs that could not be written: warnings, shown in the summary
+        self.problems: list[str] = []
+        #: an :class:`OutputNotWritten` warning was made an error: the run fails
+        self.escalated = False
+        #: each judged test's JUnit properties, by node id, until its teardown report takes them
+        self.properties: dict[str, list[tuple[str, str | int]]] = {}
+        #: on GitHub Actions: the ``::error`` annotations of the tests that failed on memory
+        self.annotations: list[Annotation] = []
+        #: why the run fails where no test does (stale baselines in strict mode, a file not written)
+        self.failures: list[str] = []
+        self.pages: dict[str, str] = {}
 
     def register(self, pluginmanager: pytest.PytestPluginManager) -> None:
-        """Register this manager and each of its parts with pytest."""
         pluginmanager.register(self, "gpumem-manager")
-        for name, part in (
-            ("markers", self.markers),
-            ("book", self.book),
-            ("measuring", self.measuring),
-            ("ending", self.ending),
-        ):
-            pluginmanager.register(part, f"gpumem-{name}")
+        for name in ("markers", "book", "measuring"):
+            pluginmanager.register(getattr(self, name), f"gpumem-{name}")
 
-    # -- collection: the final word on which tests are measured ------------------------
+    def _read_baselines(self) -> None:
+        """Read the baseline file now: a bad one stops the run before it starts."""
+        try:
+            self.baselines.store  # noqa: B018
+        except BaselineFileError as exc:
+            raise pytest.UsageError(file_problem(exc)) from None
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -73,21 +97,14 @@ class GpumemManager:
             item.stash[MARKS_KEY] = marks = gpumem_marks(item)
             settle_spec(item, marks)
         if not self.worker and any(SPEC_KEY in item.stash for item in items):
-            try:
-                self.baselines.store  # noqa: B018 - a bad baseline file stops the run before it starts
-            except BaselineFileError as exc:
-                raise pytest.UsageError(file_problem(exc)) from None
+            self._read_baselines()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         """The xdist controller collects nothing: it reads an existing baseline file now, so a bad one stops the run."""
-        if self.worker or self.config.pluginmanager.getplugin("dsession") is None:
-            return
-        if self.settings.baselines.path.exists():
-            try:
-                self.baselines.store  # noqa: B018
-            except BaselineFileError as exc:
-                raise pytest.UsageError(file_problem(exc)) from None
+        controller = not self.worker and self.config.pluginmanager.getplugin("dsession") is not None
+        if controller and self.settings.baselines.path.exists():
+            self._read_baselines()
 
     # -- the record, on the report (in the process that runs the test) -------------------
 
@@ -113,9 +130,9 @@ class GpumemManager:
                 value = measurement.figure(metric)
                 if value is not None:
                     item.user_properties.append((f"{prefix}.{metric}", value))
-        reason = _xfail_reason(item) if call.excinfo is None else None
-        if reason is not None:  # a memory failure of this test is an expected failure
-            report.gpumem_xfail = reason  # type: ignore[attr-defined]
+        xfailed = xfail_of(item) if call.excinfo is None else None
+        if xfailed is not None and xfailed.raises is None:  # a memory failure of this test is an expected failure
+            report.gpumem_xfail = str(xfailed.reason)  # type: ignore[attr-defined]
         # as JSON text, which the garbage collector never traverses (reports live to the end of the run)
         report.gpumem = text = record.to_json()  # type: ignore[attr-defined]
         if not self.worker:
@@ -129,7 +146,7 @@ class GpumemManager:
         if self.worker:
             return
         if report.when == "teardown":  # the judged figures, for pytest's JUnit XML
-            report.user_properties.extend(self.ending.properties.pop(report.nodeid, ()))
+            report.user_properties.extend(self.properties.pop(report.nodeid, ()))
         if report.when == "teardown" and report.failed:  # a test that failed in any phase records no baseline
             if report.nodeid in self.baselines.records:
                 self.baselines.records.failed_in_pytest(report.nodeid)
@@ -142,30 +159,176 @@ class GpumemManager:
         record = handoff[1] if handoff is not None and handoff[0] is data else TestRecord.from_json(data)
         xfail = getattr(report, "gpumem_xfail", None)
         # an xfail test whose code passed and whose memory fails is an expected failure
-        expected = xfail is not None and record.passed and fails_on_memory(self.baselines, record)
+        expected = xfail is not None and record.passed and self.baselines.fails(record)
         if report.failed and record.passed:
             record = replace(record, passed=False)  # failed for pytest's reason (XPASS(strict)) or another plugin's
         record, problem = self.baselines.judged(record)
         if problem is not None:  # under xdist the controller reads the file at the first record
-            self.ending.error = file_problem(problem)
+            self.error = file_problem(problem)
         if expected:  # reported as pytest reports an expected failure
             report.outcome = "skipped"
             report.wasxfail = str(xfail)
-            width, verbosity = _terminal_width(self.config), int(self.config.option.verbose)
-            report.longrepr = failure_text(record, reports=record.reports, width=width, verbosity=verbosity)
+            report.longrepr = self._rendered(failure_text, record)
         elif report.passed and record.failed:  # the one place a test's outcome changes
             report.outcome = "failed"
-            width, verbosity = _terminal_width(self.config), int(self.config.option.verbose)
-            report.longrepr = failure_text(record, reports=record.reports, width=width, verbosity=verbosity)
+            report.longrepr = self._rendered(failure_text, record)
         elif report.failed and record.reports:
-            width, verbosity = _terminal_width(self.config), int(self.config.option.verbose)
-            text = error_section(record, reports=record.reports, width=width, verbosity=verbosity)
-            append_section(report, "gpumem", text)
-        self.ending.judged(report, record)
-        self.ending.artifacts(report, record)
+            append_section(report, "gpumem", self._rendered(error_section, record))
+        self.properties[report.nodeid] = junit_properties(record)
+        # a failed report only: one whose memory failure was expected (xfail) is not annotated
+        if record.failed and report.failed and os.environ.get("GITHUB_ACTIONS") == "true":
+            file, line, _ = report.location
+            location = (file, 0 if line is None else line + 1)
+            self.annotations += failure_annotations(record, location, self.config.rootpath, workspace())
+        self._artifacts(report, record)
 
+    def _rendered(self, render: Callable[..., str], record: TestRecord) -> str:
+        """``record``'s failure text, as wide as the terminal, at pytest's verbosity."""
+        writer = getattr(self.config.pluginmanager.get_plugin("terminalreporter"), "_tw", None)
+        width = int(writer.fullwidth) if writer is not None else shutil.get_terminal_size().columns
+        return render(record, reports=record.reports, width=width, verbosity=int(self.config.option.verbose))
 
-def _xfail_reason(item: pytest.Item) -> str | None:
-    """The reason of the ``xfail`` mark that applies to ``item`` without ``raises``, or None."""
-    xfailed = xfail_of(item)
-    return None if xfailed is None or xfailed.raises is not None else str(xfailed.reason)
+    def _artifacts(self, report: pytest.TestReport, record: TestRecord) -> None:
+        """The test's artifact page (a failed test's, or every test's with ``--gpumem-artifacts-all``)."""
+        page: str | None = None
+        if report.failed or self.settings.artifacts_all:
+            try:
+                written = write_artifacts(record, self.settings.artifacts)
+            except OSError as exc:
+                said = f"gpumem artifacts: {exc.strerror or exc}"
+                self._not_written(exc.strerror or str(exc))
+            else:
+                page = self.pages[record.nodeid] = written[0]
+                said = "gpumem artifacts: " + ", ".join(written)
+            if report.failed:
+                append_section(report, "gpumem artifacts", said)
+        elif record.snapshot:
+            Path(record.snapshot).unlink(missing_ok=True)
+        if self.config.pluginmanager.hasplugin("html"):
+            add_html_extras(report, record, page, self.config.getoption("htmlpath", None))
+
+    # -- the end of the run ---------------------------------------------------------------
+
+    @pytest.hookimpl(tryfirst=True)  # before pytest's JUnit XML writes its file: the run's failure goes in it
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self.worker:
+            self.book.worker_output()
+            return
+        if self.launch is not None and not self._gather(session):
+            if self.error is not None:  # the gather failed: nothing may be written but the reason, in the JUnit XML
+                self._run_failures()
+            return  # another rank writes, or the gather failed and nothing may be written
+        if self.error is None:
+            try:
+                self.baselines.finish(self.book.collection())
+            except (BaselineFileError, OSError) as exc:
+                if session.exitstatus == pytest.ExitCode.OK:
+                    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+                self.error = f"gpumem: could not write the baseline file: {exc}"
+            else:
+                if self.baselines.stale_failed and not self.settings.baselines.update:
+                    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        else:
+            session.exitstatus = pytest.ExitCode.USAGE_ERROR
+        for problem in self.baselines.write_reports():
+            self._not_written(problem)
+        if self.pages:  # the run's index.html in the artifact folder, once a page was written
+            try:
+                write_index(self.baselines.records.decoded_all(), self.settings.artifacts, self.pages)
+            except OSError as exc:
+                self._not_written(exc.strerror or str(exc))
+        if self.escalated and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        self._run_failures()
+
+    def _run_failures(self) -> None:
+        """Why the run fails where no test does, also as a failed test case ``gpumem::run`` in the JUnit XML."""
+        stale = [f for f in self.baselines.stale if f.failed]
+        if stale and not self.settings.baselines.update and self.error is None:
+            tests = sorted({f.test for f in stale})
+            self.failures.append(
+                f"gpumem: the run fails: {len(tests)} stale baseline(s) with --gpumem-strict "
+                f"(first: {tests[0]}): refresh the baseline file with --gpumem-update-baselines --gpumem-prune"
+            )
+        if self.error is not None:
+            self.failures.append(self.error)
+        if self.escalated:
+            self.failures.append(
+                "gpumem: the run fails: an output could not be written and -W error made the warning an error: "
+                + "; ".join(self.problems)
+            )
+        if self.failures:
+            junit_failure(self.config, "\n".join(self.failures), self.settings.baselines.path)
+
+    def _not_written(self, problem: str) -> None:
+        """An output that could not be written: an :class:`OutputNotWritten` warning; the run goes on."""
+        self.problems.append(problem)
+        try:
+            warnings.warn(OutputNotWritten(problem), stacklevel=1)
+        except OutputNotWritten:  # -W error::...OutputNotWritten
+            self.escalated = True
+
+    def _gather(self, session: pytest.Session) -> bool:
+        """Under torchrun: every rank's records to rank 0. True on rank 0 once it has them all."""
+        assert self.launch is not None
+        from pytest_gpumem.plugin.torchrun import GatherError, gather_records, merge
+
+        try:
+            gathered = gather_records(
+                [record.to_dict() for record in self.baselines.records.decoded_all()], self.launch
+            )
+        except (GatherError, KeyboardInterrupt) as exc:  # KeyboardInterrupt: Ctrl-C while waiting for the others
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            why = f"the ranks' records could not be gathered ({exc})"
+            if interrupted:
+                why = "interrupted while gathering the ranks' records"
+            self.error = f"gpumem: {why}: the baseline file and the reports were not written"
+            session.exitstatus = pytest.ExitCode.INTERRUPTED if interrupted else pytest.ExitCode.TESTS_FAILED
+            return False
+        if gathered is None:
+            return False
+        self.baselines.records = RecordStore(merge(gathered).values())
+        return True
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.worker:
+            return
+        if self.launch is not None and self.launch.rank != 0 and self.error is None:
+            terminalreporter.write_sep("=", "gpumem")
+            terminalreporter.write_line(
+                f"rank {self.launch.rank} of {self.launch.world_size}: records sent to rank 0, "
+                "which writes the baselines and the reports"
+            )
+            return
+        baselines, options = self.baselines, self.settings.baselines
+        update = options.update and self.error is None
+        text = terminal_summary(
+            baselines.records.decoded_all(),
+            stale=baselines.stale,
+            environments=baselines.environments(),
+            width=terminalreporter._tw.fullwidth,
+            verbosity=int(self.config.getoption("verbose")),
+            baselines=None if not update else (options.path, baselines.written),
+            pruning=options.prune and options.update,
+            kept=baselines.kept,
+        )
+        if text is not None or self.problems:
+            terminalreporter.write_sep("=", "gpumem")
+        if text is not None:
+            # a node id from a file name that is not UTF-8 holds lone surrogates: escape them
+            terminalreporter.write_line(text.encode("utf-8", "backslashreplace").decode("utf-8"))
+        for problem in self.problems:
+            terminalreporter.write_line(f"gpumem: {problem}", yellow=True)
+        # the error alone where the run ended before the failures were gathered
+        failures = self.failures or ([self.error] if self.error else [])
+        if failures and text is None and not self.problems:
+            terminalreporter.write_sep("=", "gpumem")
+        for failure in failures:
+            terminalreporter.write_line(failure, red=True)
+        if os.environ.get("GITHUB_ACTIONS") == "true":  # the tests that failed on memory, then the run's failures
+            where = options.path if options.path.is_file() else None
+            found = [*self.annotations, *(run_annotation(failure, where, workspace()) for failure in self.failures)]
+            for annotation in found[:MAX_ANNOTATIONS]:
+                terminalreporter.write_line(annotation.command())
+            if len(found) > MAX_ANNOTATIONS:
+                terminalreporter.write_line(f"gpumem: {len(found) - MAX_ANNOTATIONS} more failure(s) not annotated")

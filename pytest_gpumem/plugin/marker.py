@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import METRIC_TABLE, METRICS
 from pytest_gpumem.data.site_figures import parse_sites_mode
 from pytest_gpumem.judge.limits import LimitSpec, SpecError, parse_limit, parse_tolerance_keyword
-from pytest_gpumem.measurement.observe import ObserveError, observe_conflict, parse_observe
+from pytest_gpumem.measurement.observe import observe_conflict, parse_observe
 from pytest_gpumem.units import MAX_BYTES, SizeError, parse_size, shown
 
 __all__ = [
@@ -45,16 +46,6 @@ MARKER_KEYWORDS: tuple[str, ...] = tuple(MARKER_KEYWORD_HELP)
 assert MARKER_KEYWORDS[: len(METRICS)] == METRICS, "the limits come first, in METRICS order"
 #: The keywords that choose how a test is measured, read before its fixtures (the others are judged after the call).
 SETUP_KEYWORDS: tuple[str, ...] = ("device", "breakdown", "observe", "predict", "fake", "device_limit")
-
-
-def parse_predict(value: object) -> str:
-    """The canonical name of the prediction target ``value`` names, else a :class:`SpecError` naming it."""
-    from pytest_gpumem.targets import parse_predict as parse_target
-
-    try:
-        return parse_target(value)
-    except ValueError as exc:
-        raise SpecError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -93,18 +84,30 @@ def parse_device(value: object) -> str:
     return text
 
 
+def _spec_error(parse: Callable[[Any], T]) -> Callable[[object], T]:
+    """``parse``, whose ``ValueError`` is a :class:`SpecError` with its message."""
+
+    def parsed(value: object) -> T:
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
+
+    return parsed
+
+
+def parse_predict(value: object) -> str:
+    """The canonical name of the prediction target ``value`` names, else a :class:`SpecError` naming it."""
+    from pytest_gpumem.targets import parse_predict as parse_target
+
+    return _spec_error(parse_target)(value)
+
+
 def _size(name: str, value: object) -> int:
     try:
         return parse_size(value)
     except SizeError as exc:
         raise SpecError(f"{name}={shown(value)}: {exc}") from None
-
-
-def _observe(value: object) -> str:
-    try:
-        return parse_observe(value)
-    except ObserveError as exc:
-        raise SpecError(str(exc)) from None
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -117,6 +120,20 @@ def _bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{name}={shown(value)} must be True or False")
     return value
+
+
+#: how each keyword but the limits is validated, in the order a bad one is reported
+_PARSERS: dict[str, Callable[[object], Any]] = {
+    "device": parse_device,
+    "breakdown": partial(_bool, "breakdown"),
+    "observe": _spec_error(parse_observe),
+    "predict": parse_predict,
+    "fake": partial(_bool, "fake"),
+    "tolerance": parse_tolerance_keyword,
+    "device_limit": partial(_size, "device_limit"),
+    "min_microbatch": partial(_positive_int, "min_microbatch"),
+    "sites": _spec_error(parse_sites_mode),
+}
 
 
 def marker_help() -> str:
@@ -189,27 +206,8 @@ def parse_marker(markers: Sequence[tuple[Sequence[Any], Mapping[str, Any]]]) -> 
     )
     if conflict is not None:
         raise SpecError(conflict)
-    return GpumemSpec(
-        limits=limits,
-        device=None if merged.get("device") is None else parse_device(merged["device"]),
-        breakdown=None if merged.get("breakdown") is None else _bool("breakdown", merged["breakdown"]),
-        observe=None if merged.get("observe") is None else _observe(merged["observe"]),
-        predict=None if merged.get("predict") is None else parse_predict(merged["predict"]),
-        fake=None if merged.get("fake") is None else _bool("fake", merged["fake"]),
-        tolerance=None if merged.get("tolerance") is None else parse_tolerance_keyword(merged["tolerance"]),
-        device_limit=None if merged.get("device_limit") is None else _size("device_limit", merged["device_limit"]),
-        min_microbatch=None
-        if merged.get("min_microbatch") is None
-        else _positive_int("min_microbatch", merged["min_microbatch"]),
-        sites=None if merged.get("sites") is None else _sites(merged["sites"]),
-    )
-
-
-def _sites(value: object) -> str:
-    try:
-        return parse_sites_mode(value)
-    except ValueError as exc:
-        raise SpecError(str(exc)) from None
+    parsed = {key: parse(merged[key]) for key, parse in _PARSERS.items() if merged.get(key) is not None}
+    return GpumemSpec(limits=limits, **parsed)
 
 
 def parse_seconds(text: str) -> float:

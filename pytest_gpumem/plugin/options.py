@@ -13,12 +13,11 @@ from pytest_gpumem.baselines import DEFAULT_FILENAME
 from pytest_gpumem.data.findings import parse_tolerance
 from pytest_gpumem.data.site_figures import SiteConfig, parse_sites_mode
 from pytest_gpumem.files import unwritable
-from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.rule import describe_default_tolerances
 from pytest_gpumem.measurement.observe import parse_observe
 from pytest_gpumem.plugin.marker import parse_device, parse_predict, parse_seconds
 from pytest_gpumem.plugin.session import BaselineOptions
-from pytest_gpumem.units import SizeError, parse_size
+from pytest_gpumem.units import parse_size
 
 __all__ = ["DISABLE_ENV", "OPTIONS", "Option", "OptionError", "Settings"]
 
@@ -177,26 +176,15 @@ class Settings:
             got = value(name)
             return "" if got is None else str(got).strip()
 
-        def flag(name: str) -> bool:
-            return bool(value(name))
-
-        def path(name: str) -> Path | None:
-            found = text(name)
-            if not found:
-                return None
-            where = Path(found).expanduser()
-            return where if where.is_absolute() else rootpath / where
-
         def parsed(name: str, parse: Callable[[str], Any], default: str = "") -> Any:
             given = text(name) or default
             try:
                 return parse(given) if given else None
-            except (SpecError, SizeError, ValueError) as exc:
-                option = "--" + name.replace("_", "-")
-                raise OptionError(f"{option} / ini {name}: {exc}") from None
+            except ValueError as exc:  # SpecError and SizeError too
+                raise OptionError(f"--{name.replace('_', '-')} / ini {name}: {exc}") from None
 
-        update = flag("gpumem_update_baselines")
-        disable = flag("gpumem_disable") or _env_flag(DISABLE_ENV)
+        update = bool(value("gpumem_update_baselines"))
+        disable = bool(value("gpumem_disable")) or _env_flag(DISABLE_ENV)
         if disable and update:
             raise OptionError(
                 "--gpumem-update-baselines cannot run with --gpumem-disable (or "
@@ -204,12 +192,15 @@ class Settings:
             )
 
         def output(name: str, *, folder: bool = False, written: bool = True) -> Path | None:
-            """``path(name)`` checked before any test runs, so that a report is not lost at the end."""
-            where = path(name)
-            problem = None if where is None or disable else unwritable(where, folder=folder, written=written)
+            """The path ``name`` gives (relative to ``rootpath``), checked before any test runs, so that a report is not
+            lost at the end."""
+            found = text(name)
+            if not found:
+                return None
+            where = rootpath / Path(found).expanduser()  # an absolute path stays as it is
+            problem = None if disable else unwritable(where, folder=folder, written=written)
             if problem is not None:
-                option = "--" + name.replace("_", "-")
-                raise OptionError(f"{option} / ini {name}: {problem}")
+                raise OptionError(f"--{name.replace('_', '-')} / ini {name}: {problem}")
             return where
 
         json_path = output("gpumem_json")
@@ -221,17 +212,17 @@ class Settings:
         return cls(
             device=parsed("gpumem_device", parse_device, "auto"),
             disable=disable,
-            require_gpu=flag("gpumem_require_gpu"),
-            breakdown=flag("gpumem_breakdown"),
-            cuda_rounding=flag("gpumem_cuda_rounding"),
+            require_gpu=bool(value("gpumem_require_gpu")),
+            breakdown=bool(value("gpumem_breakdown")),
+            cuda_rounding=bool(value("gpumem_cuda_rounding")),
             observe=parsed("gpumem_observe", parse_observe, "operators"),
             predict=parsed("gpumem_predict", parse_predict),
-            fake=flag("gpumem_fake"),
+            fake=bool(value("gpumem_fake")),
             device_limit=parsed("gpumem_device_limit", parse_size),
-            leak_check=flag("gpumem_leak_check"),
+            leak_check=bool(value("gpumem_leak_check")),
             artifacts=artifacts,
-            artifacts_all=flag("gpumem_artifacts_all"),
-            snapshot=flag("gpumem_snapshot"),
+            artifacts_all=bool(value("gpumem_artifacts_all")),
+            snapshot=bool(value("gpumem_snapshot")),
             sites=parsed("gpumem_sites", parse_sites_mode, "rerun"),
             site_config=SiteConfig(str(rootpath), parsed("gpumem_sites_include", _packages) or ()),
             rerun_limit=parsed("gpumem_sites_rerun_limit", parse_seconds, "10"),
@@ -239,11 +230,11 @@ class Settings:
                 path=baselines or rootpath / DEFAULT_FILENAME,
                 tolerance=parsed("gpumem_tolerance", parse_tolerance),
                 update=update,
-                strict=flag("gpumem_strict"),
-                prune=flag("gpumem_prune"),
+                strict=bool(value("gpumem_strict")),
+                prune=bool(value("gpumem_prune")),
                 json_path=json_path,
                 markdown_path=markdown_path,
-                step_summary=not flag("gpumem_no_step_summary"),
+                step_summary=not value("gpumem_no_step_summary"),
                 generator=f"pytest-gpumem {__version__}",
             ),
         )

@@ -8,7 +8,7 @@ import torch
 from pytest_gpumem.measurement import frozen
 from pytest_gpumem.measurement.collector import Collector
 from pytest_gpumem.measurement.engines import cuda_available, make_engine, resolve_device
-from pytest_gpumem.measurement.engines.base import Categories, Engine
+from pytest_gpumem.measurement.engines.base import Engine
 
 __all__ = ["DeviceUnavailable", "Engines", "Freezer", "choose_device"]
 
@@ -25,26 +25,21 @@ class DeviceUnavailable(Exception):
 def choose_device(wanted: str, *, require_gpu: bool = False, worker: int | None = None) -> torch.device:
     """The device a test measures on (xdist's ``worker`` *i* on GPU *i mod N*), or :class:`DeviceUnavailable`."""
     has_cuda = cuda_available()
-    if wanted in ("auto", "cuda") and has_cuda:
-        count = torch.cuda.device_count()
-        if worker is not None and count > 1:
-            return torch.device("cuda", worker % count)
-    if wanted == "auto":
-        if has_cuda:
-            return resolve_device("auto")
+    if wanted == "auto" and not has_cuda:
         if require_gpu:
             raise DeviceUnavailable("--gpumem-require-gpu: no CUDA device is available", required=True)
         return torch.device("cpu")
-    device = torch.device(wanted)
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if has_cuda else 0
-        index = device.index if device.index is not None else 0
-        if index >= count:
-            plural = "s" if count != 1 else ""
-            reason = f"gpumem: device {wanted!r} is not available ({count} CUDA device{plural} visible)"
-            raise DeviceUnavailable(reason, required=require_gpu)
-        return resolve_device(wanted)
-    return device
+    device = None if wanted == "auto" else torch.device(wanted)
+    if device is not None and device.type != "cuda":
+        return device
+    count = torch.cuda.device_count() if has_cuda else 0
+    if wanted in ("auto", "cuda") and worker is not None and count > 1:
+        return torch.device("cuda", worker % count)
+    if device is not None and (device.index or 0) >= count:
+        plural = "s" if count != 1 else ""
+        reason = f"gpumem: device {wanted!r} is not available ({count} CUDA device{plural} visible)"
+        raise DeviceUnavailable(reason, required=require_gpu)
+    return resolve_device(wanted)
 
 
 class Engines:
@@ -68,12 +63,11 @@ class Engines:
             engine = self._engines[key] = make_engine(
                 device, breakdown=breakdown, cuda_rounding=self.cuda_rounding, observe=observe, predict=predict
             )
-            if self.freezer is not None and engine.categories is not None:
-                self.freezer.scan(engine.categories)
+            if self.freezer is not None and engine.categories is not None:  # every tensor alive, frozen ones too
+                engine.categories.scan(extra=frozen.tensors() if frozen.known() else ())
         return engine
 
     def cpu(self) -> Engine:
-        """The CPU engine."""
         return self.get(torch.device("cpu"))
 
 
@@ -95,20 +89,15 @@ class Freezer:
         if self._config is not None:
             self._config.pluginmanager.register(self, "gpumem-collector")
 
-    def pytest_runtest_logfinish(self) -> None:
-        """A test is done, its fixtures torn down: :meth:`refreeze`."""
-        self.refreeze()
-
     def refreeze(self) -> None:
-        """Between tests, and before a failing test's second run: freeze what the session built since, if a lot."""
+        """Between tests (their fixtures torn down), and before a failing test's second run: freeze what the session
+        built since, if a lot."""
         if self.collector.active:
             self.collector.compact()
         elif frozen.theirs_given_back() or self.collector.reclaimable:
             self.collector.start()
 
-    def scan(self, categories: Categories) -> None:
-        """Let an engine's tracker register every tensor alive, frozen ones included."""
-        categories.scan(extra=frozen.tensors() if frozen.known() else ())
+    pytest_runtest_logfinish = refreeze
 
     def stop(self) -> None:
         if self._config is not None and self._config.pluginmanager.is_registered(self):

@@ -65,7 +65,8 @@ class TestRun:
         self._watches = contextlib.ExitStack()  # left just before the call span closes
         self._returned: list[tuple[int, dict[str, int] | None]] = []
         self._snapshot: StorageSnapshot | None = None
-        self._watch: OomWatch | None = None
+        #: the out-of-memory watch, outermost: entered before the recording begins, left as the test returns
+        self._watch = OomWatch(engine, self.recorder) if plan.options.reports else None
         self._history: str | None = None
         self._started = False
         #: by site, what holds its live tensors at the return (a second run only)
@@ -78,19 +79,23 @@ class TestRun:
             raise RuntimeError(f"{self.nodeid}: the test run has started already")
         self._started = True
         _forget_last_failure()
-        recorder = self.recorder
+        recorder, leak_check = self.recorder, self.plan.leak_check
         if recorder.device_limit is not None:
             collector.collect_everything()  # the emulated device holds all that is alive
-        if self.plan.leak_check:
+        if leak_check:
             see_every_tensor()  # or someone else's frozen tensors would show as the test's
-        recorder.begin()
+        if self._watch is not None:
+            self._watch.__enter__()
         try:
-            self._snapshot = snapshot_storages(self.engine) if self.plan.leak_check else None
+            recorder.begin()
+        except BaseException:
+            self._close_watch()
+            raise
+        try:
+            self._snapshot = snapshot_storages(self.engine) if leak_check else None
             self._stack.enter_context(activate(recorder))
             self._state = recorder.open("call")
             watches = self._watches
-            if self.plan.options.reports:
-                self._watch = watches.enter_context(OomWatch(self.engine, recorder))
             if recorder.device_limit is not None:
                 watches.enter_context(self.engine.limit_memory(recorder.device_limit))
             if self.plan.options.snapshots is not None:
@@ -98,10 +103,15 @@ class TestRun:
             self._code = code
             watches.enter_context(watch_return(code, self._at_return))
         except BaseException:
+            self._close_watch()
             self._watches.close()
             self._stack.close()
             recorder.end()
             raise
+
+    def _close_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
 
     def _at_return(self) -> None:
         """The test function returns: read ``allocated`` while its locals are alive (a second run: their holders)."""
@@ -157,6 +167,7 @@ class TestRun:
                 if exc is not None and is_oom(exc) and self._watch is not None:
                     oom = self._watch.report_for(exc)
             finally:
+                self._close_watch()
                 self._watches.close()
             if self._history is not None and not os.path.exists(self._history):
                 self._history = None  # a warning said why
@@ -167,7 +178,8 @@ class TestRun:
             tracked = list(recorder.tracked) if self._kept else []
             self._stack.close()
             recorder.end()
-        call = self._with_holders(call, tracked)  # the span is closed: probing counts nowhere
+        if self._kept:
+            call = self._with_holders(call, tracked)  # the span is closed: probing counts nowhere
         del tracked
         if exc is not None and is_oom(exc):
             release_oom(exc, engine)

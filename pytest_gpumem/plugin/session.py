@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from pytest_gpumem.baselines import (
 from pytest_gpumem.baselines.staleness import Collection, find_stale
 from pytest_gpumem.data.findings import Finding, Tolerance
 from pytest_gpumem.data.site_figures import SITES_BUDGET
-from pytest_gpumem.judge.judgement import JudgeOptions, baseline_metrics, judge
+from pytest_gpumem.judge.judgement import JudgeOptions, baseline_metrics, decide, judge
 from pytest_gpumem.judge.record import RecordStore, TestRecord
 from pytest_gpumem.judge.verdict import stale_findings
 from pytest_gpumem.report.formats import write_reports
@@ -51,11 +52,12 @@ class BaselineSession:
 
     def __init__(self, options: BaselineOptions) -> None:
         self.options = options
+        self.judging = JudgeOptions(options.tolerance, strict=options.strict, update=options.update)
         #: the judged records, by node id (handed out as copies)
         self.records = RecordStore()
         self.stale: list[Finding] = []
         #: the baselines the run could not judge stale, by why
-        self.kept: dict[str, int] = {}
+        self.kept: Counter[str] = Counter()
         self._store: BaselineStore | None = None
         self.written = False
 
@@ -77,21 +79,27 @@ class BaselineSession:
             raise problem
         return judged.findings
 
+    def _store_for(self, record: TestRecord) -> tuple[BaselineStore | None, BaselineFileError | None]:
+        """The baseline file ``record`` is compared with (None: none, or it cannot be read, and why)."""
+        if not record.passed or record.environment is None or self.options.update:
+            return None, None
+        try:
+            return self.store, None
+        except BaselineFileError as exc:
+            return None, exc
+
     def judged(self, record: TestRecord) -> tuple[TestRecord, BaselineFileError | None]:
         """``record`` judged with the baseline file and kept, and why the file could not be read (None: it could)."""
-        options = self.options
-        store: BaselineStore | None = None
-        problem: BaselineFileError | None = None
-        if record.passed and record.environment is not None and not options.update:
-            try:
-                store = self.store
-            except BaselineFileError as exc:
-                problem = exc
-        judged = judge(record, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update))
+        store, problem = self._store_for(record)
+        judged = judge(record, store, self.judging)
         if problem is not None:
             judged = replace(judged, errors=[*judged.errors, file_problem(problem)])
         self.records.put(judged)  # with its findings
         return judged, problem
+
+    def fails(self, record: TestRecord) -> bool:
+        """Whether the judge fails the passed ``record``, decided without changing or keeping it."""
+        return decide(record, self._store_for(record)[0], self.judging).fails(record)  # judged() reports a bad file
 
     def finish(self, collection: Collection | None) -> None:
         """End of the run: stale baselines (none looked for without ``collection``), pruning, recording, saving."""
@@ -100,11 +108,10 @@ class BaselineSession:
         store = self.store
         if collection is not None:
             stale = []
-            for key in self.environment_keys():
+            for key in sorted(self.environments()):
                 found = find_stale(store, collection, key)
                 stale += found.stale
-                for why, count in found.kept.items():
-                    self.kept[why] = self.kept.get(why, 0) + count
+                self.kept.update(found.kept)
             self.stale = stale_findings(stale, strict=self.options.strict)
             if self.options.update and self.options.prune and stale:
                 store.prune(stale)
@@ -121,12 +128,8 @@ class BaselineSession:
             self.written = save(store, self.options.path)
 
     @property
-    def stale_failed(self) -> bool:
-        """Stale baselines fail the run (strict mode)."""
+    def stale_failed(self) -> bool:  # strict mode
         return any(f.failed for f in self.stale)
-
-    def environment_keys(self) -> list[str]:
-        return sorted(self.environments())
 
     def environments(self) -> dict[str, int | None]:
         """The environment keys of the records, sorted, each with the workspace bytes its device held."""

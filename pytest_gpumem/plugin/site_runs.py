@@ -3,15 +3,17 @@ own protocol (docs/sites.md)."""
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import replace
+import os
+import warnings
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from _pytest.outcomes import Exit
+from _pytest.runner import call_and_report, runtestprotocol
+from _pytest.skipping import evaluate_xfail_marks, xfailed_key
 
-from pytest_gpumem.baselines import BaselineFileError
 from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.judge.judgement import JudgeOptions, decide
 from pytest_gpumem.judge.record import TestRecord
 
 if TYPE_CHECKING:
@@ -23,7 +25,6 @@ if TYPE_CHECKING:
 __all__ = [
     "SECOND_RUN_KEY",
     "SecondRun",
-    "fails_on_memory",
     "no_second_run",
     "no_sites_note",
     "run_test",
@@ -33,25 +34,9 @@ __all__ = [
 ]
 
 
-def fails_on_memory(session: BaselineSession, record: TestRecord) -> bool:
-    """Whether the judge fails ``record`` (decided without changing it)."""
-    options = session.options
-    store = None
-    if record.environment is not None and not options.update:
-        with contextlib.suppress(BaselineFileError):  # the run's owner reports the file
-            store = session.store
-    return decide(record, store, JudgeOptions(options.tolerance, strict=options.strict, update=options.update)).fails(
-        record
-    )
-
-
 def xfail_of(item: pytest.Item) -> Any:
     """The ``xfail`` mark that applies to ``item`` as pytest's skipping plugin reads it, or None."""
     if getattr(item.config.option, "runxfail", False):
-        return None
-    try:
-        from _pytest.skipping import evaluate_xfail_marks, xfailed_key
-    except ImportError:  # pragma: no cover - pytest moved it
         return None
     xfailed = item.stash.get(xfailed_key, None)
     return evaluate_xfail_marks(item) if xfailed is None else xfailed
@@ -88,7 +73,7 @@ def wants_sites(
         return False
     if exc is not None:
         return is_oom(exc) and not _expected(item, exc)
-    return fails_on_memory(session, record)
+    return session.fails(record)
 
 
 #: how launchers (torchrun, mpirun, srun) tell a process how many ranks run a test together
@@ -96,8 +81,6 @@ _WORLD_SIZES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"
 
 
 def _ranks() -> int:
-    import os
-
     for name in _WORLD_SIZES:
         try:
             count = int(os.environ.get(name, ""))
@@ -142,12 +125,9 @@ def _timeout(item: pytest.Item) -> str | None:
     for getter in (lambda: config.getoption("timeout", None), lambda: config.getini("timeout")):
         try:
             value = getter()
-        except (ValueError, KeyError):
-            continue
-        try:
             if value not in (None, "") and float(value) > 0:
                 return f"--timeout={value}"
-        except (TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):
             continue
     return None
 
@@ -168,11 +148,9 @@ def with_sites(first: TestRecord, second: TestRecord | None, outcome: str | None
         other = seconds.get(measurement.name)
         if other is None or other.sites is None:
             measurements.append(measurement)
-            continue
-        note = _differs(measurement, other)
-        if outcome is not None:
-            note = f"the second run {outcome}"
-        measurements.append(replace(measurement, sites=replace(other.sites, second_run=True, note=note)))
+        else:
+            note = f"the second run {outcome}" if outcome is not None else _differs(measurement, other)
+            measurements.append(replace(measurement, sites=replace(other.sites, second_run=True, note=note)))
     reports = first.reports  # the leak and out-of-memory reports stay the first run's
     if second is None or not any(m.sites is not None for m in second.measurements):
         reports = [*reports, f"sites: the second run recorded none ({outcome or 'it measured nothing'})"]
@@ -195,13 +173,13 @@ def _differs(first: Measurement, second: Measurement) -> str:
 SECOND_RUN_KEY = pytest.StashKey["SecondRun"]()
 
 
+@dataclass
 class SecondRun:
     """A test's second run for sites: the first run's record; the second run's, once it ran."""
 
-    def __init__(self, first: TestRecord) -> None:
-        self.first = first
-        self.running = False
-        self.record: TestRecord | None = None
+    first: TestRecord
+    running: bool = False
+    record: TestRecord | None = None
 
 
 class _NextItem:
@@ -222,8 +200,6 @@ class _NextItem:
 
 def run_test(item: pytest.Item, nextitem: pytest.Item | None, freezer: Freezer | None) -> bool:
     """Run a measured test, its reports held back until a second run (if any) has attached its sites."""
-    from _pytest.runner import runtestprotocol
-
     ihook = item.ihook
     ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     reports = runtestprotocol(item, nextitem=_NextItem(item, nextitem), log=False)  # type: ignore[arg-type]
@@ -247,19 +223,17 @@ def _second_run(
     item: pytest.Item, nextitem: pytest.Item | None, second: SecondRun, freezer: Freezer | None
 ) -> str | None:
     """Run the test again with sites on, its reports and warnings dropped; what it did when it did not pass."""
-    import warnings
-
-    from _pytest.outcomes import Exit
-    from _pytest.runner import runtestprotocol
-
     if freezer is not None:
         freezer.refreeze()  # what the first run's teardown dropped is collected, as between tests
     second.running = True
     try:
         with warnings.catch_warnings(record=True):
             reports = runtestprotocol(item, nextitem=nextitem, log=False)
-    except Exit as exc:  # the session goes on: the test's own fixtures are torn down as pytest would
-        _teardown(item, nextitem)
+    except Exit as exc:  # the session goes on: the test's own fixtures are torn down as pytest would (no report)
+        call_and_report(item, "teardown", False, nextitem=nextitem)
+        if hasattr(item, "_request"):
+            item._request = False  # as runtestprotocol leaves a test that ran
+            item.funcargs = None  # type: ignore[attr-defined]
         return f"called pytest.exit ({exc.msg}), which was ignored"
     except Exception as exc:  # a hook's error: the first run's reports stand
         return f"raised {type(exc).__name__}: {exc}"
@@ -281,13 +255,3 @@ def _short(report: pytest.TestReport) -> str:
         return str(crash.message).splitlines()[0] if crash.message else "(no message)"
     lines = str(longrepr).strip().splitlines()
     return lines[-1] if lines else "(no message)"
-
-
-def _teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Tear down what the test set up, its report dropped, after its second run stopped early."""
-    from _pytest.runner import call_and_report
-
-    call_and_report(item, "teardown", False, nextitem=nextitem)
-    if hasattr(item, "_request"):
-        item._request = False  # as runtestprotocol leaves a test that ran
-        item.funcargs = None  # type: ignore[attr-defined]

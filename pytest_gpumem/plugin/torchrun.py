@@ -38,10 +38,10 @@ def launch(environ: dict[str, str] | None = None) -> Launch | None:
         return None
     try:
         rank, world_size, local_rank = (int(env[name]) for name in names)
+        valid = world_size >= 1 and 0 <= rank < world_size and local_rank >= 0
     except ValueError:
-        shown = ", ".join(f"{name}={env[name]!r}" for name in names)
-        raise ValueError(f"torchrun's environment is not a launch: {shown}") from None
-    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        valid = False
+    if not valid:
         shown = ", ".join(f"{name}={env[name]!r}" for name in names)
         raise ValueError(f"torchrun's environment is not a launch: {shown}")
     return None if world_size == 1 else Launch(rank, world_size, local_rank)

@@ -11,7 +11,7 @@ from pytest_gpumem.data.findings import failure_message
 from pytest_gpumem.data.metrics import DRAWN_METRICS, METRICS, metric_info
 from pytest_gpumem.files import write_file
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.report.html import html_text, page_head, render_html
+from pytest_gpumem.report.html import html_page, html_text, render_html
 from pytest_gpumem.report.site_tables import site_section_html
 
 __all__ = [
@@ -24,8 +24,6 @@ __all__ = [
     "write_html",
     "write_index",
 ]
-
-# --------------------------------------------------------------------------- file names
 
 #: Upper bound on the length of a file name made by :func:`artifact_path`: well under 255 bytes, so a tool's suffix
 #: still fits.
@@ -82,9 +80,6 @@ def artifact_path(directory: Path, nodeid: str, suffix: str) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------- writing
-
-
 def write_html(path: Path, html: str) -> None:
     """Write ``html`` to ``path`` as UTF-8 with :func:`~pytest_gpumem.files.write_file`."""
     write_file(path, html.encode("utf-8"))
@@ -130,8 +125,6 @@ def write_artifacts(record: TestRecord, directory: Path) -> list[str]:
     return [str(path)] + ([record.snapshot] if record.snapshot else [])
 
 
-# --------------------------------------------------------------------------- the run's index
-
 #: The file name of the run-level page in the artifact folder.
 INDEX_NAME = "index.html"
 
@@ -170,8 +163,7 @@ def render_index(records: list[TestRecord], pages: dict[str, str], *, title: str
     failed = sum(1 for record in records if record.failed or not record.passed)
     rows = []
     for record in sorted(records, key=lambda r: (r.passed and not r.failed, r.nodeid)):
-        bad = record.failed or not record.passed
-        status = "failed" if bad else "passed"
+        status = "failed" if record.failed or not record.passed else "passed"
         figures = index_figures(record)
         cells = "".join(
             f'<td class="num" title="{value:,} B">{html_text(metric_info(metric).format(value))}</td>'
@@ -193,22 +185,16 @@ def render_index(records: list[TestRecord], pages: dict[str, str], *, title: str
             f'<td><span class="status {status}">{status}</span></td>{cells}<td class="why">{html_text(why)}</td></tr>'
         )
     headers = "".join(f'<th class="num">{html_text(metric)}</th>' for metric in METRICS)
-    return "\n".join(
-        [
-            *page_head(title, _INDEX_CSS),
-            f"<h1>{html_text(title)}</h1>",
-            f'<p class="meta">{len(records)} measured tests, {failed} failed. Figures are the call\'s costs (a '
-            "figure minus the call's start); a test's name links to its page where one was written.</p>",
-            '<div class="card"><table>',
-            f"<tr><th>test</th><th>status</th>{headers}<th>why it failed</th></tr>",
-            *rows,
-            "</table></div>",
-            "</main>",
-            "</body>",
-            "</html>",
-            "",
-        ]
-    )
+    body = [
+        f"<h1>{html_text(title)}</h1>",
+        f'<p class="meta">{len(records)} measured tests, {failed} failed. Figures are the call\'s costs (a '
+        "figure minus the call's start); a test's name links to its page where one was written.</p>",
+        '<div class="card"><table>',
+        f"<tr><th>test</th><th>status</th>{headers}<th>why it failed</th></tr>",
+        *rows,
+        "</table></div>",
+    ]
+    return html_page(title, _INDEX_CSS, body)
 
 
 def write_index(records: list[TestRecord], directory: Path, pages: dict[str, str]) -> str:

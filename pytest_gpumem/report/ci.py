@@ -21,7 +21,6 @@ __all__ = [
     "failure_annotations",
     "first_line",
     "junit_properties",
-    "property_prefix",
     "run_annotation",
     "workspace",
 ]
@@ -30,11 +29,6 @@ __all__ = [
 STEP_SUMMARY_LIMIT = 1024 * 1024
 #: Most ``::error`` annotations a run prints (GitHub shows 10 of each kind a step).
 MAX_ANNOTATIONS = 10
-
-
-def property_prefix(span: str) -> str:
-    """A span's JUnit property prefix: ``gpumem`` for the test call, ``gpumem[NAME]`` for a span."""
-    return "gpumem" if span == "call" else f"gpumem[{span}]"
 
 
 def first_line(record: RecordLike) -> str:
@@ -55,34 +49,26 @@ def _status(findings: Sequence[Finding]) -> str:
 
 def junit_properties(record: RecordLike) -> list[tuple[str, str | int]]:
     """The judged figures as JUnit properties: ``PREFIX.METRIC.`` ``measured``, ``cost``, ``limit``, ``budget``,
-    ``baseline`` (each when known) and ``status`` (the worst check, ``unchecked`` when none), and ``gpumem.failure``."""
+    ``baseline`` (each when known) and ``status`` (the worst check, ``unchecked`` when none), and ``gpumem.failure``.
+    PREFIX is ``gpumem`` for the test call, ``gpumem[NAME]`` for a span."""
     properties: list[tuple[str, str | int]] = []
     for measurement in record.measurements:
-        prefix = property_prefix(measurement.name)
+        prefix = "gpumem" if measurement.name == "call" else f"gpumem[{measurement.name}]"
         findings = [f for f in record.findings if f.span == measurement.name]
         for metric in METRICS + COUNT_METRICS:
             judged = [f for f in findings if f.metric == metric]
             measured = measurement.figure(metric)
             if measured is None and not judged:
                 continue
-            name = f"{prefix}.{metric}"
-            if measured is not None:
-                properties.append((f"{name}.measured", measured))
-            cost = measurement.cost(metric)
-            if cost is not None:
-                properties.append((f"{name}.cost", cost))
+            known = {"measured": measured, "cost": measurement.cost(metric)}
             for kind in ("limit", "budget", "baseline"):
-                reference = next((f.reference for f in judged if f.kind == kind and f.reference is not None), None)
-                if reference is not None:
-                    properties.append((f"{name}.{kind}", reference))
-            properties.append((f"{name}.status", _status(judged)))
+                known[kind] = next((f.reference for f in judged if f.kind == kind and f.reference is not None), None)
+            properties += [(f"{prefix}.{metric}.{key}", value) for key, value in known.items() if value is not None]
+            properties.append((f"{prefix}.{metric}.status", _status(judged)))
     failure = first_line(record) if record.failed else ""
     if failure:
         properties.append(("gpumem.failure", failure))
     return properties
-
-
-# --------------------------------------------------------------------------- GitHub annotations
 
 
 @dataclass(frozen=True)
@@ -167,9 +153,6 @@ def workspace() -> Path | None:
     """GitHub's workspace (``$GITHUB_WORKSPACE``), which annotation paths are relative to."""
     found = os.environ.get("GITHUB_WORKSPACE")
     return Path(found) if found else None
-
-
-# --------------------------------------------------------------------------- step summary
 
 
 def capped_summary(markdown: str, room: int) -> tuple[bytes, bool]:

@@ -19,8 +19,6 @@ from pytest_gpumem.report.text import markdown_report
 
 __all__ = ["REPORT_SCHEMA", "json_report", "write_reports"]
 
-# --------------------------------------------------------------------------- JSON
-
 #: Version of the JSON report's layout (see README, "Reports").
 REPORT_SCHEMA = 1
 
@@ -37,6 +35,7 @@ def json_report(
     tests = []
     counts = dict.fromkeys(("tests", "failed", "exceeded", "regressed", "improved", "new", "n/a"), 0)
     for record in records:
+        changes = getattr(record, "site_changes", None)
         counts["tests"] += 1
         counts["failed"] += int(record.failed)
         for finding in record.findings:
@@ -49,7 +48,8 @@ def json_report(
                 "measurements": [m.to_dict() for m in record.measurements],
                 "findings": [f.to_dict() for f in record.findings],
                 "errors": list(record.errors),
-                **_site_changes(record),
+                # for a record whose sites were compared with its baselines'
+                **({"site_changes": {span: diff.to_dict() for span, diff in changes.items()}} if changes else {}),
             }
         )
     counts["stale"] = sum(1 for f in extra_findings if f.status == "stale")
@@ -61,12 +61,6 @@ def json_report(
         "other_findings": [f.to_dict() for f in extra_findings],
         "summary": counts,
     }
-
-
-def _site_changes(record: RecordLike) -> dict[str, object]:
-    """``{"site_changes": {span: ...}}`` for a record whose sites were compared with its baselines', else nothing."""
-    changes = getattr(record, "site_changes", None)
-    return {"site_changes": {span: diff.to_dict() for span, diff in changes.items()}} if changes else {}
 
 
 def write_reports(
@@ -136,18 +130,13 @@ def _append(path: Path, data: bytes) -> None:
 
 
 def _report(kind: str, path: Path, data: bytes) -> list[str]:
-    """:func:`_replace`; the line saying what could not be written (none when it was)."""
+    """Write a report with :func:`~pytest_gpumem.files.write_file`; the line saying what could not be written (none
+    when it was)."""
     try:
-        _replace(path, data)
+        write_file(path, data)
     except OSError as exc:
         name = str(exc.filename or "")
         temporary = Path(name).name.startswith(f".{path.name[:100]}.") and name.endswith(".tmp")
         where = f" ({name})" if name and name != str(path) and not temporary else ""
         return [f"could not write the {kind} report {path}: {exc.strerror or exc}{where}"]
     return []
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """Write a report with :func:`~pytest_gpumem.files.write_file`; lone surrogates in node ids are escaped as in the
-    baseline file."""
-    write_file(path, data)

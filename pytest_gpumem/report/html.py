@@ -14,21 +14,17 @@ from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.metrics import CATEGORIES, METRICS, metric_info
 from pytest_gpumem.units import UNITS, format_delta, format_size
 
-__all__ = ["html_text", "page_head", "render_html"]
-
-# --------------------------------------------------------------------------- HTML page
+__all__ = ["html_page", "html_text", "render_html"]
 
 #: Fill colour of each category (colour-blind-friendly Tableau 10 hues).
-_COLOURS: Mapping[str, str] = MappingProxyType(
-    {
-        "parameters": "#4e79a7",
-        "gradients": "#f28e2b",
-        "optimizer_state": "#59a14f",
-        "activations": "#e15759",
-        "temporaries": "#b07aa1",
-        "other": "#a0a0a0",
-    }
-)
+_COLOURS: Mapping[str, str] = {
+    "parameters": "#4e79a7",
+    "gradients": "#f28e2b",
+    "optimizer_state": "#59a14f",
+    "activations": "#e15759",
+    "temporaries": "#b07aa1",
+    "other": "#a0a0a0",
+}
 _LINE_COLOURS = ("#b3261e", "#1f3a5f", "#6a3d9a", "#00796b", "#8d6e00")
 _NO_LINES: Mapping[str, int] = MappingProxyType({})
 
@@ -39,11 +35,6 @@ _MAX_COLUMNS = 350  # samples drawn at most: one per ~2 horizontal units
 _CHAR_WIDTH = 6.2  # rough width of one character of 11-unit text
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
-
-#: The rows of the table of figures: the span's start, then every byte figure of the metric table.
-_FIGURE_MEANINGS: Mapping[str, str] = MappingProxyType(
-    {"start": "allocated when the span began", **{metric: metric_info(metric).about for metric in METRICS}}
-)
 
 _CSS = """
 :root { color-scheme: light; }
@@ -107,11 +98,8 @@ def render_html(
     figures, the breakdown and the phases. Every user string is escaped, and a Content-Security-Policy forbids fetching
     anything.
     """
-    samples = _samples(timeline)
-    peak_sample = max(samples, key=lambda s: s.total) if samples else None
-    chart = _Chart.build(samples, timeline, measurement, lines)
+    chart = _Chart(timeline, measurement, lines)
     parts = [
-        *page_head(f"{title} · pytest-gpumem", _CSS),
         f"<h1>{html_text(title)}</h1>",
         f'<p class="meta">{_meta_line(measurement)}</p>',
     ]
@@ -120,29 +108,25 @@ def render_html(
             '<section class="card details">',
             "<h2>Details</h2>",
             f"<pre>\n{html_text(chr(10).join(details))}</pre>",
+            "</section>",
         ]
-        parts.append("</section>")
     parts += [
         '<section class="card">',
         "<h2>Allocated memory over the span</h2>",
         "<figure>",
-        chart.svg(samples, peak_sample, measurement),
-        f"<figcaption>{html_text(chart.caption(len(samples), timeline))}</figcaption>",
+        chart.svg(),
+        f"<figcaption>{html_text(chart.caption())}</figcaption>",
         "</figure>",
         "</section>",
         *sections,  # HTML of its own: the sites, the baseline run's beside this run's (report/site_tables.py)
         _figures_table(measurement),
         '<div class="grid">',
-        _breakdown_table(measurement, peak_sample),
+        _breakdown_table(measurement, chart.peak),
         _phases_table(measurement),
         "</div>",
-        "</main>",
-        "<footer>pytest-gpumem · self-contained page: no scripts, no network</footer>",
-        "</body>",
-        "</html>",
-        "",
     ]
-    return "\n".join(parts)
+    footer = "<footer>pytest-gpumem · self-contained page: no scripts, no network</footer>"
+    return html_page(f"{title} · pytest-gpumem", _CSS, parts, footer=[footer])
 
 
 @dataclass(frozen=True)
@@ -179,18 +163,8 @@ def _downsample(samples: list[_Sample], lo: float, hi: float, columns: int) -> l
     if len(samples) <= columns:
         return samples
     width = (hi - lo) / columns
-    merged: list[_Sample] = []
-    bucket: list[_Sample] = []
-    current = -1
-    for sample in samples:
-        column = min(columns - 1, int((sample.start - lo) / width))
-        if bucket and column != current:
-            merged.append(_merge(bucket))
-            bucket = []
-        current = column
-        bucket.append(sample)
-    merged.append(_merge(bucket))
-    return merged
+    buckets = itertools.groupby(samples, key=lambda sample: min(columns - 1, int((sample.start - lo) / width)))
+    return [_merge(list(bucket)) for _, bucket in buckets]
 
 
 def _merge(bucket: list[_Sample]) -> _Sample:
@@ -198,36 +172,30 @@ def _merge(bucket: list[_Sample]) -> _Sample:
     return _Sample(bucket[0].start, bucket[-1].end, highest.values)
 
 
-@dataclass(frozen=True)
+def _group(name: str, items: list[str]) -> list[str]:
+    return [f'<g class="{name}">', *items, "</g>"] if items else []
+
+
 class _Chart:
-    """Scales of the chart: event range ``x_lo..x_hi`` and bytes ``0..y_top``."""
+    """The chart of one span: its samples, and scales from events ``x_lo..x_hi`` and bytes ``0..y_top``."""
 
-    x_lo: float
-    x_hi: float
-    y_top: int
-    y_step: int
-    lines: tuple[tuple[str, int], ...]
-    marks: tuple[tuple[int, str], ...]
-    downsampled: int
-
-    @classmethod
-    def build(
-        cls, samples: list[_Sample], timeline: Timeline, measurement: Measurement, lines: Mapping[str, int]
-    ) -> _Chart:
+    def __init__(self, timeline: Timeline, measurement: Measurement, lines: Mapping[str, int]) -> None:
+        self.timeline, self.measurement = timeline, measurement
+        self.samples = samples = _samples(timeline)
+        self.peak = max(samples, key=lambda s: s.total) if samples else None
         xs = [float(s.start) for s in samples] + [float(s.end) for s in samples]
         xs += [float(event) for event, _ in timeline.marks]
-        x_lo, x_hi = (min(xs), max(xs)) if xs else (0.0, 1.0)
-        if x_hi <= x_lo:
-            x_hi = x_lo + 1.0
-        ref = tuple((str(name), max(0, int(value))) for name, value in lines.items())
+        self.x_lo, self.x_hi = (min(xs), max(xs)) if xs else (0.0, 1.0)
+        if self.x_hi <= self.x_lo:
+            self.x_hi = self.x_lo + 1.0
+        self.lines = [(str(name), max(0, int(value))) for name, value in lines.items()]
+        self.marks = sorted(((int(event), str(label)) for event, label in timeline.marks), key=lambda mark: mark[0])
         highest = max([measurement.peak, *(s.total for s in samples), 1])  # the data: a limit above is a marker
-        step = 1
-        while step * 5 < highest:
-            step <<= 1
-        y_top = step * math.ceil(highest * 1.06 / step)
-        drawn = len(_downsample(samples, x_lo, x_hi, _MAX_COLUMNS))
-        marks = tuple((int(event), str(label)) for event, label in timeline.marks)
-        return cls(x_lo, x_hi, y_top, step, ref, marks, drawn if drawn < len(samples) else 0)
+        self.y_step = 1
+        while self.y_step * 5 < highest:
+            self.y_step <<= 1
+        self.y_top = self.y_step * math.ceil(highest * 1.06 / self.y_step)
+        self.drawn = _downsample(samples, self.x_lo, self.x_hi, _MAX_COLUMNS)
 
     def x(self, event: float) -> float:
         return _LEFT + (event - self.x_lo) / (self.x_hi - self.x_lo) * (_RIGHT - _LEFT)
@@ -235,34 +203,35 @@ class _Chart:
     def y(self, nbytes: float) -> float:
         return _BOTTOM - max(0.0, nbytes) / self.y_top * (_BOTTOM - _TOP)
 
-    def caption(self, count: int, timeline: Timeline) -> str:
+    def caption(self) -> str:
+        count = len(self.samples)
         if not count:
             return "No timeline samples were recorded for this span; the chart shows the measured peak only."
-        first, last = min(timeline.events), max(timeline.events)
+        first, last = min(self.timeline.events), max(self.timeline.events)
         where = f"at event {first:,}" if first == last else f"over events {first:,}–{last:,}"
         text = (
             f"{count:,} sample{'s' if count != 1 else ''} {where}"
             " (x: allocation/free event index; each sample holds until the next)."
         )
-        if self.downsampled:
-            text += f" Drawn as {self.downsampled} columns, each showing its highest sample."
+        if len(self.drawn) < count:
+            text += f" Drawn as {len(self.drawn)} columns, each showing its highest sample."
         return text + " Hover an area for its figures."
 
-    def svg(self, samples: list[_Sample], peak: _Sample | None, measurement: Measurement) -> str:
+    def svg(self) -> str:
         out = [
             f'<svg viewBox="0 0 {_WIDTH} {_HEIGHT}" role="img" aria-label="allocated bytes by category over the span">',
-            *self._legend(),
-            *self._axes(),
-            *self._bands(samples, peak, measurement),
-            *self._phases(),
-            *self._references(),
-            *self._peak(peak, measurement),
+            *_group("legend", self._legend()),
+            *_group("axes", self._axes()),
+            *_group("bands", self._bands()),
+            *_group("phases", self._phases()),
+            *_group("refs", self._references()),
+            self._peak(),
             "</svg>",
         ]
         return "\n".join(out)
 
     def _legend(self) -> list[str]:
-        out = ['<g class="legend">']
+        out = []
         x = float(_LEFT)
         for category in CATEGORIES:
             label = _label(category)
@@ -272,11 +241,10 @@ class _Chart:
                 f'<text x="{_n(x + 17)}" y="26.5">{label}</text></g>'
             )
             x += 17 + len(label) * _CHAR_WIDTH + 18
-        out.append("</g>")
         return out
 
     def _axes(self) -> list[str]:
-        out = ['<g class="axes">']
+        out = []
         for tick in range(0, self.y_top + 1, self.y_step):
             y = _n(self.y(tick))
             out.append(f'<line class="grid-line" x1="{_LEFT}" y1="{y}" x2="{_RIGHT}" y2="{y}"/>')
@@ -286,53 +254,48 @@ class _Chart:
             x = _n(self.x(tick))
             out.append(f'<line class="axis" x1="{x}" y1="{_BOTTOM}" x2="{x}" y2="{_BOTTOM + 5}"/>')
             out.append(f'<text class="tick" x="{x}" y="{_BOTTOM + 19}" text-anchor="middle">{tick:,}</text>')
-        out += [
+        return [
+            *out,
             f'<line class="axis" x1="{_LEFT}" y1="{_BOTTOM}" x2="{_RIGHT}" y2="{_BOTTOM}"/>',
             f'<line class="axis" x1="{_LEFT}" y1="{_TOP}" x2="{_LEFT}" y2="{_BOTTOM}"/>',
             f'<text class="axis-title" x="{(_LEFT + _RIGHT) // 2}" y="{_BOTTOM + 44}" text-anchor="middle">'
             "allocation / free event</text>",
             f'<text class="axis-title" x="18" y="{(_TOP + _BOTTOM) // 2}" text-anchor="middle" '
             f'transform="rotate(-90 18 {(_TOP + _BOTTOM) // 2})">allocated</text>',
-            "</g>",
         ]
-        return out
 
-    def _bands(self, samples: list[_Sample], peak: _Sample | None, measurement: Measurement) -> list[str]:
-        drawn = _downsample(samples, self.x_lo, self.x_hi, _MAX_COLUMNS)
-        at_peak = _breakdown_at_peak(measurement, peak)
-        out = ['<g class="bands">']
+    def _bands(self) -> list[str]:
+        measurement = self.measurement
+        at_peak = _breakdown_at_peak(measurement, self.peak)
+        out = []
         for k, category in enumerate(CATEGORIES):
             top: list[tuple[float, float]] = []
             bottom: list[tuple[float, float]] = []
-            for sample in drawn:
+            for sample in self.drawn:
                 below = sum(sample.values[:k])
                 x0, x1 = self.x(sample.start), self.x(sample.end)
                 y_lo, y_hi = self.y(below), self.y(below + sample.values[k])
                 top += [(x0, y_hi), (x1, y_hi)]
                 bottom += [(x0, y_lo), (x1, y_lo)]
-            ring = top + bottom[::-1]
-            highest = max((s.values[k] for s in samples), default=0)
+            highest = max((s.values[k] for s in self.samples), default=0)
             share = f" ({100 * at_peak[k] / measurement.peak:.1f}% of peak)" if at_peak and measurement.peak else ""
             hover = f"{_label(category)}: {format_size(at_peak[k]) if at_peak else 'n/a'} at peak{share}"
-            hover += f"; highest {format_size(highest)}" if samples else ""
+            hover += f"; highest {format_size(highest)}" if self.samples else ""
             out.append(
-                f'<path class="band" data-category="{category}" fill="{_COLOURS[category]}" d="{_path(ring)}">'
-                f"<title>{html_text(hover)}</title></path>"
+                f'<path class="band" data-category="{category}" fill="{_COLOURS[category]}" '
+                f'd="{_path(top + bottom[::-1])}"><title>{html_text(hover)}</title></path>'
             )
-        if not samples:
+        if not self.samples:
             out.append(
                 f'<text class="empty" x="{(_LEFT + _RIGHT) // 2}" y="{_BOTTOM - 24}" text-anchor="middle">'
                 "no timeline samples</text>"
             )
-        out.append("</g>")
         return out
 
     def _phases(self) -> list[str]:
-        if not self.marks:
-            return []
-        out = ['<g class="phases">']
+        out = []
         rows: list[float] = []  # right end of the last label in each row of labels
-        for event, label in sorted(self.marks, key=lambda mark: mark[0]):
+        for event, label in self.marks:
             x = self.x(event)
             text = _truncate(label, 24)
             width = len(text) * _CHAR_WIDTH + 8
@@ -347,13 +310,10 @@ class _Chart:
                 f'<text x="{_n(x + 4)}" y="{_TOP + 12 + 13 * row}" paint-order="stroke" stroke="#fff" '
                 f'stroke-width="3">{html_text(text)}</text></g>'
             )
-        out.append("</g>")
         return out
 
     def _references(self) -> list[str]:
-        if not self.lines:
-            return []
-        out = ['<g class="refs">']
+        out = []
         heights = [max(_TOP, self.y(value)) for _, value in self.lines]
         placed = _spread([y + 4 for y in heights], gap=13, lo=_TOP + 4, hi=_BOTTOM + 4)
         for i, ((name, value), height, label_y) in enumerate(zip(self.lines, heights, placed, strict=True)):
@@ -378,34 +338,31 @@ class _Chart:
                 f'y2="{y}" stroke="{colour}"/>'
                 f'<text x="{_RIGHT + 6}" y="{_n(label_y)}" fill="{colour}">{html_text(text)}</text></g>'
             )
-        out.append("</g>")
         return out
 
-    def _peak(self, peak: _Sample | None, measurement: Measurement) -> list[str]:
+    def _peak(self) -> str:
+        peak, measured = self.peak, self.measurement.peak
         if peak is None:
-            level, label = _n(self.y(measurement.peak)), _n(self.y(measurement.peak) - 5)
-            return [
-                f'<g class="peak"><title>measured peak: {format_size(measurement.peak)}</title>'
-                f'<line data-peak="{measurement.peak}" x1="{_LEFT}" y1="{level}" x2="{_RIGHT}" y2="{level}" '
+            level, label = _n(self.y(measured)), _n(self.y(measured) - 5)
+            return (
+                f'<g class="peak"><title>measured peak: {format_size(measured)}</title>'
+                f'<line data-peak="{measured}" x1="{_LEFT}" y1="{level}" x2="{_RIGHT}" y2="{level}" '
                 'stroke="#1d2330" stroke-width="1.2" stroke-dasharray="2 3"/>'
-                f'<text x="{_LEFT + 6}" y="{label}">peak {format_size(measurement.peak)}</text></g>'
-            ]
+                f'<text x="{_LEFT + 6}" y="{label}">peak {format_size(measured)}</text></g>'
+            )
         x, y = self.x((peak.start + peak.end) / 2), self.y(peak.total)
         text = f"peak {format_size(peak.total)} @ event {peak.start:,}"
         right = x + 8 + len(text) * _CHAR_WIDTH < _RIGHT
         label_x = x + 8 if right else x - 8
         label_y = y - 8 if y - 8 > _TOP + 30 else y + 16
-        return [
+        return (
             f'<g class="peak"><title>highest sample: {format_size(peak.total)} ({peak.total:,} B) at event '
             f"{peak.start:,}</title>"
             f'<circle data-peak="{peak.total}" cx="{_n(x)}" cy="{_n(y)}" r="4.5" fill="#fff" stroke="#1d2330" '
             'stroke-width="2"/>'
             f'<text x="{_n(label_x)}" y="{_n(label_y)}" text-anchor="{"start" if right else "end"}" '
             f'font-weight="600" paint-order="stroke" stroke="#fff" stroke-width="3">{text}</text></g>'
-        ]
-
-
-# --------------------------------------------------------------------------- tables and helpers
+        )
 
 
 def _meta_line(m: Measurement) -> str:
@@ -422,17 +379,20 @@ def _meta_line(m: Measurement) -> str:
 
 
 def _figures_table(m: Measurement) -> str:
-    rows = ['<section class="card"><h2>Figures</h2><table>']
-    rows.append('<tr><th>figure</th><th class="num">value</th><th class="num">cost</th><th>meaning</th></tr>')
-    for metric, meaning in _FIGURE_MEANINGS.items():
-        if metric == "start":
-            value, cost = _size(m.start), ""
-        elif metric_info(metric).whole_call:  # a difference already: no absolute figure
+    rows = [
+        '<section class="card"><h2>Figures</h2><table>',
+        '<tr><th>figure</th><th class="num">value</th><th class="num">cost</th><th>meaning</th></tr>',
+        f'<tr><td>start</td><td class="num">{_size(m.start)}</td><td class="num"></td>',
+        '<td class="note">allocated when the span began</td></tr>',
+    ]
+    for metric in METRICS:  # every byte figure of the metric table
+        info = metric_info(metric)
+        if info.whole_call:  # a difference already: no absolute figure
             value, cost = _cell(format_delta(m.figure(metric))), ""
         else:
             value, cost = _size(m.figure(metric)), _cell(format_delta(m.cost(metric)))
         rows.append(f'<tr><td>{metric}</td><td class="num">{value}</td><td class="num">{cost}</td>')
-        rows.append(f'<td class="note">{html_text(meaning)}</td></tr>')
+        rows.append(f'<td class="note">{html_text(info.about)}</td></tr>')
     extras = (
         ("requested peak", m.requested_peak, "highest bytes the code asked for"),
         ("saved activations", m.saved_activations, "storages saved for backward"),
@@ -460,8 +420,7 @@ def _breakdown_table(m: Measurement, peak: _Sample | None) -> str:
     rows = ['<section class="card"><h2>Breakdown at peak</h2>']
     values = _breakdown_at_peak(m, peak)
     if values is None:
-        rows.append('<p class="na">not measured (n/a)</p></section>')
-        return "".join(rows)
+        return rows[0] + '<p class="na">not measured (n/a)</p></section>'
     if m.breakdown is None:
         rows.append('<p class="na">from the highest timeline sample</p>')
     total = sum(values)
@@ -472,16 +431,14 @@ def _breakdown_table(m: Measurement, peak: _Sample | None) -> str:
             f'<tr data-category="{category}"><td><span class="swatch" style="background:{_COLOURS[category]}"></span>'
             f'{_label(category)}</td><td class="num">{_size(value)}</td><td class="num">{share}</td></tr>'
         )
-    rows.append(f'<tr class="total"><td>total</td><td class="num">{_size(total)}</td><td></td></tr>')
-    rows.append("</table></section>")
+    rows.append(f'<tr class="total"><td>total</td><td class="num">{_size(total)}</td><td></td></tr></table></section>')
     return "".join(rows)
 
 
 def _phases_table(m: Measurement) -> str:
     rows = ['<section class="card"><h2>Phases</h2>']
     if not m.phases:
-        rows.append('<p class="na">no phases recorded</p></section>')
-        return "".join(rows)
+        return rows[0] + '<p class="na">no phases recorded</p></section>'
     rows.append(
         '<table><tr><th>phase</th><th class="num">start</th><th class="num">peak</th><th class="num">end</th>'
         '<th class="num">peak − start</th></tr>'
@@ -498,9 +455,9 @@ def _phases_table(m: Measurement) -> str:
     return "".join(rows)
 
 
-def page_head(title: str, css: str) -> list[str]:
-    """The opening lines of a self-contained page, to ``<main>``: UTF-8, a fetch-nothing CSP, ``title`` and ``css``."""
-    return [
+def html_page(title: str, css: str, body: Sequence[str], *, footer: Sequence[str] = ()) -> str:
+    """A self-contained page: UTF-8, a fetch-nothing CSP, ``title`` and ``css``; ``body`` in ``<main>``, a line each."""
+    lines = [
         "<!DOCTYPE html>",
         '<html lang="en">',
         "<head>",
@@ -512,7 +469,14 @@ def page_head(title: str, css: str) -> list[str]:
         "</head>",
         "<body>",
         "<main>",
+        *body,
+        "</main>",
+        *footer,
+        "</body>",
+        "</html>",
+        "",
     ]
+    return "\n".join(lines)
 
 
 def html_text(text: object) -> str:
@@ -525,9 +489,7 @@ def _cell(text: str) -> str:
 
 
 def _size(nbytes: int | None) -> str:
-    if nbytes is None:
-        return _cell("n/a")
-    return f'<span title="{nbytes:,} B">{format_size(nbytes)}</span>'
+    return _cell("n/a") if nbytes is None else f'<span title="{nbytes:,} B">{format_size(nbytes)}</span>'
 
 
 def _label(category: str) -> str:
@@ -546,11 +508,7 @@ def _n(value: float) -> str:
 
 def _path(points: list[tuple[float, float]]) -> str:
     """SVG path data for a closed ring through ``points``: H/V where possible, collinear points dropped."""
-    rounded: list[tuple[str, str]] = []
-    for x, y in points:
-        point = (_n(x), _n(y))
-        if not rounded or rounded[-1] != point:
-            rounded.append(point)
+    rounded = [point for point, _ in itertools.groupby((_n(x), _n(y)) for x, y in points)]
     kept: list[tuple[str, str]] = []
     for i, point in enumerate(rounded):
         if 0 < i < len(rounded) - 1:
@@ -562,12 +520,7 @@ def _path(points: list[tuple[float, float]]) -> str:
         return ""
     commands = [f"M{kept[0][0]},{kept[0][1]}"]
     for (x0, y0), (x1, y1) in itertools.pairwise(kept):
-        if y0 == y1:
-            commands.append(f"H{x1}")
-        elif x0 == x1:
-            commands.append(f"V{y1}")
-        else:
-            commands.append(f"L{x1},{y1}")
+        commands.append(f"H{x1}" if y0 == y1 else f"V{y1}" if x0 == x1 else f"L{x1},{y1}")
     return "".join(commands) + "Z"
 
 
@@ -582,10 +535,8 @@ def _spread(positions: list[float], *, gap: float, lo: float, hi: float) -> list
         placed[-1] -= overflow
         for j in range(len(placed) - 2, -1, -1):
             placed[j] = min(placed[j], placed[j + 1] - gap)
-    result = [0.0] * len(positions)
-    for j, i in enumerate(order):
-        result[i] = placed[j]
-    return result
+    where = dict(zip(order, placed, strict=True))
+    return [where[i] for i in range(len(positions))]
 
 
 def _tick_label(nbytes: int) -> str:

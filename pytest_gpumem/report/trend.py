@@ -9,14 +9,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 
 from pytest_gpumem.baselines.history import Commit, History, Version
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
-from pytest_gpumem.report.html import html_text, page_head
+from pytest_gpumem.report.html import html_page, html_text
 from pytest_gpumem.tables import markdown_table, table
-from pytest_gpumem.units import format_delta, format_size
+from pytest_gpumem.units import format_size
 
 __all__ = [
     "Series",
@@ -39,15 +38,12 @@ _OTHER_COLOURS = ("#6a3d9a", "#e15759", "#4e79a7", "#59a14f")
 
 def select(history: History, tests: Sequence[str] = (), environment: str | None = None) -> list[Series]:
     """The series of ``history`` whose node id contains one of ``tests`` and whose key contains ``environment``."""
-    chosen = []
-    for series in history.series():
-        env, test, _ = series
-        if tests and not any(text in test for text in tests):
-            continue
-        if environment is not None and environment.casefold() not in env.casefold():
-            continue
-        chosen.append(series)
-    return chosen
+    return [
+        (env, test, span)
+        for env, test, span in history.series()
+        if (not tests or any(text in test for text in tests))
+        and (environment is None or environment.casefold() in env.casefold())
+    ]
 
 
 def metrics_of(history: History, series: Sequence[Series], wanted: Sequence[str] = ()) -> list[str]:
@@ -75,18 +71,13 @@ def _points(history: History, series: Series, metric: str) -> list[tuple[int, Co
 
 
 def _show(metric: str, value: int | None, exact: bool) -> str:
-    if value is None:
-        return "n/a"
-    return str(value) if exact else metric_info(metric).format(value)
+    return str(value) if exact and value is not None else metric_info(metric).format(value)
 
 
 def _delta(metric: str, before: int | None, after: int | None, exact: bool) -> str:
     if before is None or after is None:
         return f"{_show(metric, before, exact)} → {_show(metric, after, exact)}"
-    change = after - before
-    if exact or metric_info(metric).unit != "bytes":
-        return f"{change:+d}"
-    return format_delta(change)
+    return f"{after - before:+d}" if exact else metric_info(metric).format_delta(after - before)
 
 
 def _changes(before: Version | None, after: Version, series: Series, metrics: Sequence[str], exact: bool) -> str:
@@ -101,34 +92,46 @@ def _changes(before: Version | None, after: Version, series: Series, metrics: Se
     )
 
 
+def _per_environment(
+    series: Sequence[Series],
+    headers: list[str],
+    right: Sequence[int],
+    markdown: bool,
+    rows_of: Callable[[Series], list[list[str]]],
+) -> str:
+    """One table per environment of ``series``, with ``rows_of`` each series."""
+    blocks = []
+    for environment in dict.fromkeys(env for env, _, _ in series):
+        rows = [row for key in series if key[0] == environment for row in rows_of(key)]
+        if markdown:
+            blocks.append(f"### `{environment}`\n\n{markdown_table(headers, rows, right=right)}")
+        else:
+            blocks.append(f"{environment}\n{table(headers, rows, right=right)}")
+    return "\n\n".join(blocks)
+
+
 def history_table(
     history: History, series: Sequence[Series], metrics: Sequence[str], *, exact: bool = False, markdown: bool = False
 ) -> str:
     """One table per environment: a row per commit that holds a span, with its figures and what changed."""
-    blocks = []
-    for environment in dict.fromkeys(env for env, _, _ in series):
-        headers = ["test", "span", "commit", "date", "subject", *metrics, "change"]
-        rows: list[list[str]] = []
-        for key in (s for s in series if s[0] == environment):
-            previous: Version | None = None
-            for version in history.versions:
-                if key not in version.figures:
-                    if previous is not None and key in previous.figures:
-                        rows.append([key[1], key[2], version.commit.short, version.commit.day, version.commit.subject])
-                        rows[-1] += [""] * len(metrics) + ["removed"]
-                    previous = version
-                    continue
+
+    def rows_of(key: Series) -> list[list[str]]:
+        rows = []
+        previous: Version | None = None
+        for version in history.versions:
+            commit = version.commit
+            cells = [key[1], key[2], commit.short, commit.day, commit.subject]
+            if key in version.figures:
                 figures = version.figures[key]
-                cells = [key[1], key[2], version.commit.short, version.commit.day, version.commit.subject]
                 cells += [_show(metric, figures.get(metric), exact) for metric in metrics]
-                cells.append(_changes(previous, version, key, metrics, exact))
-                rows.append(cells)
-                previous = version
-        right = range(5, 5 + len(metrics))
-        title = f"### `{environment}`" if markdown else environment
-        body = markdown_table(headers, rows, right=right) if markdown else table(headers, rows, right=right)
-        blocks.append(f"{title}\n\n{body}" if markdown else f"{title}\n{body}")
-    return "\n\n".join(blocks)
+                rows.append([*cells, _changes(previous, version, key, metrics, exact)])
+            elif previous is not None and key in previous.figures:
+                rows.append([*cells, *[""] * len(metrics), "removed"])
+            previous = version
+        return rows
+
+    headers = ["test", "span", "commit", "date", "subject", *metrics, "change"]
+    return _per_environment(series, headers, range(5, 5 + len(metrics)), markdown, rows_of)
 
 
 def sparkline(values: Sequence[int | None]) -> str:
@@ -147,38 +150,35 @@ def sparklines(
 ) -> str:
     """One row per test, span and metric: its sparkline over the commits (oldest left), first and last value and change;
     one table per environment."""
-    blocks = []
-    for environment in dict.fromkeys(env for env, _, _ in series):
+
+    def rows_of(key: Series) -> list[list[str]]:
         rows = []
-        for key in (s for s in series if s[0] == environment):
-            for metric in metrics:
-                points = _points(history, key, metric)
-                values = [value for _, _, value in points]
-                if all(value is None for value in values):
-                    continue
-                first, last = values[0], values[-1]
-                changes = sum(1 for a, b in itertools.pairwise(values) if a != b)
-                rows.append(
-                    [
-                        key[1],
-                        key[2],
-                        metric,
-                        sparkline(values),
-                        _show(metric, first, exact),
-                        _show(metric, last, exact),
-                        _delta(metric, first, last, exact) if first != last else "",
-                        f"{len(points)} / {changes}",
-                    ]
-                )
-        headers = ["test", "span", "metric", "trend", "first", "last", "change", "commits / changes"]
-        right = (4, 5, 6, 7)
-        title = f"### `{environment}`" if markdown else environment
-        body = markdown_table(headers, rows, right=right) if markdown else table(headers, rows, right=right)
-        blocks.append(f"{title}\n\n{body}" if markdown else f"{title}\n{body}")
-    return "\n\n".join(blocks)
+        for metric in metrics:
+            values = [value for _, _, value in _points(history, key, metric)]
+            if all(value is None for value in values):
+                continue
+            first, last = values[0], values[-1]
+            changes = sum(1 for a, b in itertools.pairwise(values) if a != b)
+            shown = [_show(metric, first, exact), _show(metric, last, exact)]
+            change = _delta(metric, first, last, exact) if first != last else ""
+            rows.append([key[1], key[2], metric, sparkline(values), *shown, change, f"{len(values)} / {changes}"])
+        return rows
+
+    headers = ["test", "span", "metric", "trend", "first", "last", "change", "commits / changes"]
+    return _per_environment(series, headers, (4, 5, 6, 7), markdown, rows_of)
 
 
-# --------------------------------------------------------------------------- exports
+def _latest(history: History, series: Sequence[Series], metrics: Sequence[str]) -> Iterator[tuple[Series, str, int]]:
+    """(series, metric, value) of each known figure of the newest commit."""
+    latest = history.latest
+    if latest is None:
+        return
+    for key in series:
+        figures = latest.figures.get(key, {})
+        for metric in metrics:
+            value = figures.get(metric)
+            if value is not None:
+                yield key, metric, value
 
 
 def github_benchmark(history: History, series: Sequence[Series], metrics: Sequence[str]) -> list[dict[str, object]]:
@@ -193,28 +193,19 @@ def github_benchmark(history: History, series: Sequence[Series], metrics: Sequen
             f"the history holds {len(environments)} environments ({'; '.join(environments)}): "
             "choose one with --env for github-benchmark (one benchmark name per test, span and metric)"
         )
-    latest = history.latest
-    if latest is None:
+    if history.latest is None:
         return []
-    entries: list[dict[str, object]] = []
-    for key in series:
-        figures = latest.figures.get(key)
-        if figures is None:
-            continue
-        for metric in metrics:
-            info = metric_info(metric)
-            value = figures.get(metric)
-            if value is None or info.higher_is_better:
-                continue
-            entries.append(
-                {
-                    "name": f"{key[1]} [{key[2]}] {metric}",
-                    "unit": "bytes" if info.unit == "bytes" else "count",
-                    "value": value,
-                    "extra": f"commit {latest.commit.short} ({latest.commit.day}); environment {key[0]}",
-                }
-            )
-    return entries
+    commit = history.latest.commit
+    return [
+        {
+            "name": f"{key[1]} [{key[2]}] {metric}",
+            "unit": "bytes" if metric_info(metric).unit == "bytes" else "count",
+            "value": value,
+            "extra": f"commit {commit.short} ({commit.day}); environment {key[0]}",
+        }
+        for key, metric, value in _latest(history, series, metrics)
+        if not metric_info(metric).higher_is_better
+    ]
 
 
 def github_benchmark_json(history: History, series: Sequence[Series], metrics: Sequence[str]) -> str:
@@ -228,23 +219,14 @@ def _label_value(text: str) -> str:
 
 def openmetrics(history: History, series: Sequence[Series], metrics: Sequence[str]) -> str:
     """OpenMetrics text of the newest commit's figures (``gpumem_cost_bytes``, ``gpumem_cost``) ending in ``# EOF``."""
-    latest = history.latest
     families: dict[str, list[str]] = {"gpumem_cost_bytes": [], "gpumem_cost": []}
-    if latest is not None:
-        for key in series:
-            figures = latest.figures.get(key)
-            if figures is None:
-                continue
-            for metric in metrics:
-                value = figures.get(metric)
-                if value is None:
-                    continue
-                family = "gpumem_cost_bytes" if metric_info(metric).unit == "bytes" else "gpumem_cost"
-                labels = ",".join(
-                    f'{name}="{_label_value(text)}"'
-                    for name, text in (("test", key[1]), ("span", key[2]), ("metric", metric), ("environment", key[0]))
-                )
-                families[family].append(f"{family}{{{labels}}} {value}")
+    for key, metric, value in _latest(history, series, metrics):
+        family = "gpumem_cost_bytes" if metric_info(metric).unit == "bytes" else "gpumem_cost"
+        labels = ",".join(
+            f'{name}="{_label_value(text)}"'
+            for name, text in (("test", key[1]), ("span", key[2]), ("metric", metric), ("environment", key[0]))
+        )
+        families[family].append(f"{family}{{{labels}}} {value}")
     lines = []
     for family, samples in families.items():
         if not samples:
@@ -308,20 +290,14 @@ def _ticks(high: int) -> list[int]:
     return [step * i for i in range(math.ceil(high / step) + 1)]
 
 
-@dataclass
-class _Change:
-    index: int
-    commit: Commit
-    text: str
-
-
-def _chart(history: History, key: Series, metrics: Sequence[str]) -> tuple[str, list[_Change]]:
-    """The SVG chart of one series and its changes (each a commit that changed a figure or recorded it)."""
+def _chart(history: History, key: Series, metrics: Sequence[str]) -> tuple[str, list[tuple[int, Commit, str]]]:
+    """The SVG chart of one series and its changes: (version index, commit, what changed) of each commit that changed a
+    figure or recorded it."""
     count = len(history.versions)
-    drawn = [(m, _points(history, key, m)) for m in metrics]
-    drawn = [(m, points) for m, points in drawn if any(v is not None for _, _, v in points)]
-    values = [v for _, points in drawn for _, _, v in points if v is not None]
-    high = _ticks(max(values, default=0))[-1] or 1
+    known = [(m, [(i, c, v) for i, c, v in _points(history, key, m) if v is not None]) for m in metrics]
+    drawn = [(metric, points) for metric, points in known if points]
+    ticks = _ticks(max((v for _, points in drawn for _, _, v in points), default=0))
+    high = ticks[-1] or 1
     span = max(count - 1, 1)
 
     def x(index: int) -> float:
@@ -331,69 +307,57 @@ def _chart(history: History, key: Series, metrics: Sequence[str]) -> tuple[str, 
         return _BOTTOM - (_BOTTOM - _TOP) * value / high
 
     parts = [f'<svg viewBox="0 0 {_W} {_H}" role="img" aria-label="{html_text(key[1])} {html_text(key[2])}">']
-    for tick in _ticks(max(values, default=0)):
+    for tick in ticks:
         parts.append(
             f'<line class="grid-line" x1="{_LEFT}" x2="{_RIGHT}" y1="{_n(y(tick))}" y2="{_n(y(tick))}"/>'
             f'<text x="{_LEFT - 6}" y="{_n(y(tick) + 4)}" text-anchor="end">{html_text(format_size(tick))}</text>'
         )
     parts.append(f'<line class="axis" x1="{_LEFT}" x2="{_RIGHT}" y1="{_BOTTOM}" y2="{_BOTTOM}"/>')
     # changes: a commit where any drawn figure differs from the version before (or the span appears)
-    changes: list[_Change] = []
-    previous: Version | None = None
+    changes: list[tuple[int, Commit, str]] = []
     for index, version in enumerate(history.versions):
-        if key in version.figures:
-            text = _changes(previous, version, key, [m for m, _ in drawn], exact=False)
-            if text:
-                changes.append(_Change(index, version.commit, text))
-        previous = version
+        previous = history.versions[index - 1] if index else None
+        text = _changes(previous, version, key, [m for m, _ in drawn], exact=False) if key in version.figures else ""
+        if text:
+            changes.append((index, version.commit, text))
     last_label = [-1e9, -1e9]  # x of the last label in each of the two rows above the chart
-    for change in changes:
-        position = x(change.index)
+    for index, commit, text in changes:
+        position = x(index)
         row = 0 if position - last_label[0] >= _LABEL_GAP else 1
         label = ""
         if position - last_label[row] >= _LABEL_GAP:  # else too close to its neighbours: the tooltip names it
             last_label[row] = position
             label = (
                 f'<text x="{_n(position)}" y="{_TOP - 10 - 13 * row}" text-anchor="middle">'
-                f"{html_text(change.commit.short[:7])}</text>"
+                f"{html_text(commit.short[:7])}</text>"
             )
         parts.append(
-            f'<g class="change" data-commit="{html_text(change.commit.sha)}">'
-            f"<title>{html_text(change.commit.short)} {html_text(change.commit.day)} "
-            f"{html_text(change.commit.subject)}: {html_text(change.text)}</title>"
+            f'<g class="change" data-commit="{html_text(commit.sha)}">'
+            f"<title>{html_text(commit.short)} {html_text(commit.day)} "
+            f"{html_text(commit.subject)}: {html_text(text)}</title>"
             f'<line x1="{_n(position)}" x2="{_n(position)}" y1="{_TOP - 4}" y2="{_BOTTOM}"/>{label}</g>'
         )
     for position, (metric, points) in enumerate(drawn):
         colour = _colour(metric, position)
-        segments: list[list[tuple[float, float]]] = [[]]
-        before = -2
-        for index, _, value in points:
-            if value is None or index != before + 1:  # a gap: the span was not in the file, or n/a
-                segments.append([])
-            if value is not None:
-                segments[-1].append((x(index), y(value)))
-            before = index
-        for segment in segments:
+        # a line through each run of consecutive commits (a gap: the span was not in the file, or n/a)
+        for _, run in itertools.groupby(enumerate(points), key=lambda item: item[1][0] - item[0]):
+            segment = [f"{_n(x(index))},{_n(y(value))}" for _, (index, _, value) in run]
             if len(segment) > 1:
-                path = " ".join(f"{_n(px)},{_n(py)}" for px, py in segment)
                 parts.append(
-                    f'<polyline data-metric="{html_text(metric)}" points="{path}" fill="none" '
+                    f'<polyline data-metric="{html_text(metric)}" points="{" ".join(segment)}" fill="none" '
                     f'stroke="{colour}" stroke-width="2"/>'
                 )
         for index, commit, value in points:
-            if value is None:
-                continue
             parts.append(
                 f'<circle data-metric="{html_text(metric)}" cx="{_n(x(index))}" cy="{_n(y(value))}" r="3.5" '
                 f'fill="{colour}"><title>{html_text(metric)} {html_text(format_size(value))} ({value:,} B) at '
                 f"{html_text(commit.short)} {html_text(commit.day)}: {html_text(commit.subject)}</title></circle>"
             )
-        last = next((v for _, _, v in reversed(points) if v is not None), None)
-        if last is not None:
-            parts.append(
-                f'<text x="{_RIGHT + 8}" y="{_n(y(last) + 4)}" fill="{colour}" style="fill:{colour}">'
-                f"{html_text(metric)} {html_text(format_size(last))}</text>"
-            )
+        last = points[-1][2]
+        parts.append(
+            f'<text x="{_RIGHT + 8}" y="{_n(y(last) + 4)}" fill="{colour}" style="fill:{colour}">'
+            f"{html_text(metric)} {html_text(format_size(last))}</text>"
+        )
     first, last_version = history.versions[0].commit, history.versions[-1].commit
     parts.append(f'<text x="{_LEFT}" y="{_BOTTOM + 18}">{html_text(first.short[:7])} {html_text(first.day)}</text>')
     if count > 1:
@@ -413,10 +377,7 @@ def history_html(history: History, series: Sequence[Series], metrics: Sequence[s
     """One self-contained page: a chart per test and span of ``metrics`` over the commits, and a table of changes."""
     heading = title or f"Memory trend of {history.file.name}"
     versions = history.versions
-    parts = [
-        *page_head(f"{heading} · pytest-gpumem", _CSS),
-        f"<h1>{html_text(heading)}</h1>",
-    ]
+    parts = [f"<h1>{html_text(heading)}</h1>"]
     if versions:
         parts.append(
             f'<p class="meta">{len(versions)} commits of <code>{html_text(history.file)}</code>, from '
@@ -442,9 +403,9 @@ def history_html(history: History, series: Sequence[Series], metrics: Sequence[s
         for key in (s for s in series if s[0] == environment):
             chart, changes = _chart(history, key, metrics)
             rows = "".join(
-                f"<tr><td><code>{html_text(c.commit.short)}</code></td><td>{html_text(c.commit.day)}</td>"
-                f"<td>{html_text(c.commit.subject)}</td><td>{html_text(c.text)}</td></tr>"
-                for c in changes
+                f"<tr><td><code>{html_text(commit.short)}</code></td><td>{html_text(commit.day)}</td>"
+                f"<td>{html_text(commit.subject)}</td><td>{html_text(text)}</td></tr>"
+                for _, commit, text in changes
             )
             parts.append(
                 f'<section class="card" data-test="{html_text(key[1])}" data-span="{html_text(key[2])}">'
@@ -452,5 +413,4 @@ def history_html(history: History, series: Sequence[Series], metrics: Sequence[s
                 f'<p class="meta">{legend}</p>{chart}'
                 f"<table><tr><th>commit</th><th>date</th><th>subject</th><th>change</th></tr>{rows}</table></section>"
             )
-    parts += ["</main>", "</body>", "</html>", ""]
-    return "\n".join(parts)
+    return html_page(f"{heading} · pytest-gpumem", _CSS, parts)

@@ -76,8 +76,8 @@ def replay_stats(loaded: Loaded) -> list[Check]:
         reading = reading_from_stats(stats)
         pairs = (
             ("peak", reading.peak, m.peak),
-            ("reserved", reading.reserved_peak, m.reserved),
-            ("requested", reading.requested_peak, m.requested_peak),
+            ("reserved", reading.highest.get("reserved"), m.reserved),
+            ("requested", reading.highest.get("requested_peak"), m.requested_peak),
             ("allocated", int(stats.get("allocated_bytes.all.current", -1)), m.allocated),
         )
         differing = [f"{key} {ours} vs recorded {theirs}" for key, ours, theirs in pairs if ours != theirs]

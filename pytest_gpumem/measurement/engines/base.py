@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -20,13 +20,13 @@ __all__ = ["Categories", "Engine", "Reading", "Runtime", "SiteRecording", "Track
 
 @dataclass
 class Reading:
-    """Figures of a window of time, in bytes (None: unknown); ``pending``: a token for :meth:`Engine.resolve`."""
+    """Figures of a window of time, in bytes: the allocated ``peak`` and its ``breakdown``, and ``highest``, each other
+    figure's highest value keyed by its :class:`~pytest_gpumem.data.figures.Measurement` field (absent: unknown);
+    ``pending``: a token for :meth:`Engine.resolve`."""
 
     peak: int
     breakdown: tuple[int, ...] | None = None
-    reserved_peak: int | None = None
-    requested_peak: int | None = None
-    saved_peak: int | None = None
+    highest: dict[str, int] = field(default_factory=dict)
     pending: int | None = None
     sites: Any = None  #: bytes by site at the window's peak (the engine's own form)
 

@@ -63,14 +63,15 @@ class CpuEngine:
         return Reading(
             peak=window.peak,
             breakdown=window.breakdown,
-            saved_peak=window.saved_peak,
+            highest={"saved_activations": window.saved_peak},
             pending=window.pending,
             sites=window.sites,
         )
 
     def resolve(self, token: int) -> tuple[Reading, int, int]:
         window, allocated, events = self.tracker.resolve(token)
-        return Reading(peak=window.peak, breakdown=window.breakdown, saved_peak=window.saved_peak), allocated, events
+        saved = {"saved_activations": window.saved_peak}
+        return Reading(peak=window.peak, breakdown=window.breakdown, highest=saved), allocated, events
 
     def saved_bytes(self) -> int | None:
         if not (self.tracker.active and self._saved_tensors):

@@ -443,13 +443,12 @@ def reading_from_stats(
         parts[-1] += max(0, peak - sum(parts))
         breakdown = tuple(parts)
         saved_peak = window.saved_peak
-    return Reading(
-        peak=peak,
-        breakdown=breakdown,
-        saved_peak=saved_peak,
-        reserved_peak=int(stats.get("reserved_bytes.all.peak", 0)),
-        requested_peak=int(stats["requested_bytes.all.peak"]) if "requested_bytes.all.peak" in stats else None,
-    )
+    highest = {"reserved": int(stats.get("reserved_bytes.all.peak", 0))}
+    if "requested_bytes.all.peak" in stats:
+        highest["requested_peak"] = int(stats["requested_bytes.all.peak"])
+    if saved_peak is not None:
+        highest["saved_activations"] = saved_peak
+    return Reading(peak=peak, breakdown=breakdown, highest=highest)
 
 
 _nvml_state: dict[str, Any] = {}

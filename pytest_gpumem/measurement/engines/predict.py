@@ -464,8 +464,7 @@ class PredictEngine(CpuEngine):
         return Reading(
             peak=peak,
             breakdown=breakdown,
-            reserved_peak=reserved_peak,
-            saved_peak=window.saved_peak,
+            highest={"reserved": reserved_peak, "saved_activations": window.saved_peak},
             sites=window.sites,
         )
 
