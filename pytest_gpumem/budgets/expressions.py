@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Union
+from typing import Literal, Union
 
-from pytest_gpumem.units import MAX_BYTES, UNITS, SizeError, format_size, parse_size, shown
+from pytest_gpumem.units import MAX_BYTES, SizeError, format_size, parse_size, shown
 
 __all__ = ["BudgetError", "BudgetExpr", "parse_budget"]
 
@@ -24,8 +25,14 @@ _NUMBER_RE = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 _WORD_RE = re.compile(r"[A-Za-z]+")
 _UNIT_RE = re.compile(r"(?:[KMGT]I?B?|B)", re.IGNORECASE)
 _PSI_SYMBOLS = ("Ψ", "ψ")
-_OPERATORS = "+-*/"
 _OPERAND = "a number, size, Ψ or '('"
+_OPERATIONS: dict[str, Callable[[Fraction, Fraction], Fraction]] = {
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+    "/": operator.truediv,
+}
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
 
 
 class BudgetError(ValueError):
@@ -36,47 +43,23 @@ class BudgetError(ValueError):
 
 
 @dataclass(frozen=True)
-class Number:
-    """A decimal literal; ``text`` as written."""
+class Leaf:
+    """A number, a size (``value`` in bytes) or Ψ times ``value`` (``16Ψ``); ``text`` in canonical form."""
 
+    kind: Literal["number", "size", "psi"]
     value: Fraction
     text: str
 
 
 @dataclass(frozen=True)
-class Size:
-    """A size literal: ``nbytes`` as parse_size reads ``number`` + ``unit``."""
-
-    nbytes: int
-    number: str
-    unit: str  # canonical: "B", "KiB", "MiB", "GiB" or "TiB"
-
-
-@dataclass(frozen=True)
-class Psi:
-    """Ψ, optionally scaled by a number written just before it (``16Ψ``)."""
-
-    coefficient: Number | None = None
-
-
-@dataclass(frozen=True)
-class Unary:
-    """``+operand`` or ``-operand``."""
+class Operation:
+    """``op`` (``+ - * /``) on two ``operands``, or a sign (``+`` or ``-``) on one."""
 
     op: str
-    operand: Node
+    operands: tuple[Node, ...]
 
 
-@dataclass(frozen=True)
-class Binary:
-    """``left op right`` with ``op`` in ``+ - * /``."""
-
-    op: str
-    left: Node
-    right: Node
-
-
-Node = Union[Number, Size, Psi, Unary, Binary]  # noqa: UP007 - a runtime alias, Python 3.10
+Node = Union[Leaf, Operation]  # noqa: UP007 - a runtime alias, Python 3.10
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -105,44 +88,40 @@ def _is_psi_word(word: str) -> bool:
     return word == "P" or word.lower() == "psi"
 
 
-def _psi_prefix(word: str) -> str | None:
-    """The Ψ spelling a word starts with when the rest is a unit (``"PGiB"``)."""
-    if word.upper() in ("PB", "PIB"):  # petabytes, not Ψ bytes
-        return None
-    for spelling in (word[:3], word[:1]):
-        if spelling and _is_psi_word(spelling) and _UNIT_RE.fullmatch(word[len(spelling) :]):
-            return spelling
-    return None
+def _psi_then_unit(word: str) -> bool:
+    """Whether a word is a Ψ spelling followed by a unit (``"PGiB"``; ``"PB"`` is petabytes, not Ψ bytes)."""
+    return word.upper() not in ("PB", "PIB") and any(
+        _is_psi_word(word[:n]) and _UNIT_RE.fullmatch(word[n:]) for n in (3, 1)
+    )
+
+
+def _psi(coefficient: str = "") -> Leaf:
+    return Leaf("psi", Fraction(coefficient or 1), f"{coefficient}Ψ")
 
 
 def _tokenize(text: str) -> list[_Token]:
     tokens: list[_Token] = []
     pos = _skip_space(text, 0)
     while pos < len(text):
-        token, pos = _next_token(text, pos, tokens)
+        char = text[pos]
+        number = _NUMBER_RE.match(text, pos)
+        word = _WORD_RE.match(text, pos)
+        if number:
+            token = _number_token(text, number)
+        elif char in _PSI_SYMBOLS:
+            token = _Token("operand", pos, char, _psi())
+        elif char in "+-*/":
+            token = _Token("op", pos, char)
+        elif char in "()":
+            token = _Token(char, pos, char)
+        elif word:
+            token = _word_token(text, word, tokens)
+        else:
+            raise _error(text, f"unexpected character {char!r}", pos)
         tokens.append(token)
-        pos = _skip_space(text, pos)
+        pos = _skip_space(text, token.pos + len(token.text))
     tokens.append(_Token("end", len(text), ""))
     return tokens
-
-
-def _next_token(text: str, pos: int, tokens: list[_Token]) -> tuple[_Token, int]:
-    """The token starting at ``pos`` and the position just after it."""
-    char = text[pos]
-    number = _NUMBER_RE.match(text, pos)
-    if number:
-        token = _number_token(text, number)
-        return token, token.pos + len(token.text)
-    if char in _PSI_SYMBOLS:
-        return _Token("operand", pos, char, Psi()), pos + 1
-    if char in _OPERATORS:
-        return _Token("op", pos, char), pos + 1
-    if char in "()":
-        return _Token(char, pos, char), pos + 1
-    word = _WORD_RE.match(text, pos)
-    if word:
-        return _word_token(text, word, tokens), word.end()
-    raise _error(text, f"unexpected character {char!r}", pos)
 
 
 def _number_token(text: str, match: re.Match[str]) -> _Token:
@@ -155,25 +134,24 @@ def _number_token(text: str, match: re.Match[str]) -> _Token:
         raise BudgetError(
             f"{shown(text)}: the number {shown(digits)} has more than {_MAX_DIGITS} digits after the point"
         )
-    number = Number(Fraction(digits), digits)
     after = _skip_space(text, match.end())
     if after < len(text) and text[after] in _PSI_SYMBOLS:
-        return _Token("operand", start, text[start : after + 1], Psi(number))
+        return _Token("operand", start, text[start : after + 1], _psi(digits))
     word = _WORD_RE.match(text, after)
     if word is None:
-        return _Token("operand", start, digits, number)
-    name = word.group()
+        return _Token("operand", start, digits, Leaf("number", Fraction(digits), digits))
+    name, written = word.group(), text[start : word.end()]
     if _is_psi_word(name):
-        return _Token("operand", start, text[start : word.end()], Psi(number))
+        return _Token("operand", start, written, _psi(digits))
     if _UNIT_RE.fullmatch(name):
         try:
             nbytes = parse_size(digits + name)
         except SizeError as exc:
-            raise _error(text, f"invalid size {text[start : word.end()]!r} ({exc})", start) from None
+            raise _error(text, f"invalid size {written!r} ({exc})", start) from None
         prefix = name[0].upper()
-        unit = f"{prefix}iB" if prefix in UNITS and prefix else "B"
-        return _Token("operand", start, text[start : word.end()], Size(nbytes, digits, unit))
-    if _psi_prefix(name):
+        unit = "B" if prefix == "B" else f"{prefix}iB"
+        return _Token("operand", start, written, Leaf("size", Fraction(nbytes), f"{digits}{unit}"))
+    if _psi_then_unit(name):
         raise _error(text, f"a unit cannot follow Ψ: {name!r}", word.start())
     raise _error(text, f"unknown unit {name!r} (expected B, KiB, MiB, GiB, TiB or Ψ)", word.start())
 
@@ -182,10 +160,9 @@ def _word_token(text: str, match: re.Match[str], tokens: list[_Token]) -> _Token
     """A word that does not follow a number: Ψ, or an error."""
     name = match.group()
     if _is_psi_word(name):
-        return _Token("operand", match.start(), name, Psi())
-    if tokens and isinstance(tokens[-1].node, Psi) and _UNIT_RE.fullmatch(name):
-        raise _error(text, f"a unit cannot follow Ψ: {name!r}", match.start())
-    if _psi_prefix(name):
+        return _Token("operand", match.start(), name, _psi())
+    after_psi = bool(tokens) and isinstance(tokens[-1].node, Leaf) and tokens[-1].node.kind == "psi"
+    if (after_psi and _UNIT_RE.fullmatch(name)) or _psi_then_unit(name):
         raise _error(text, f"a unit cannot follow Ψ: {name!r}", match.start())
     if _UNIT_RE.fullmatch(name):
         raise _error(text, f"unit {name!r} without a number", match.start())
@@ -223,27 +200,21 @@ class _Parser:
             raise _error(self.text, f"expected an operator but found {self.describe(token)}", token.pos)
         return node
 
-    def expression(self) -> Node:
-        node = self.term()
-        while self.token.kind == "op" and self.token.text in "+-":
+    def expression(self, ops: str = "+-") -> Node:
+        """A sum of terms (``ops`` ``"+-"``), or a term: a product of unary operands (``"*/"``)."""
+        operand = self.unary if ops == "*/" else functools.partial(self.expression, "*/")
+        node = operand()
+        while self.token.kind == "op" and self.token.text in ops:
             op = self.token.text
             self.index += 1
-            node = Binary(op, node, self.term())
-        return node
-
-    def term(self) -> Node:
-        node = self.unary()
-        while self.token.kind == "op" and self.token.text in "*/":
-            op = self.token.text
-            self.index += 1
-            node = Binary(op, node, self.unary())
+            node = Operation(op, (node, operand()))
         return node
 
     def unary(self) -> Node:
         token = self.token
         if token.kind == "op" and token.text in "+-":
             self.index += 1
-            return Unary(token.text, self.nested(self.unary))
+            return Operation(token.text, (self.nested(self.unary),))
         return self.atom()
 
     def nested(self, rule: Callable[[], Node]) -> Node:
@@ -295,70 +266,44 @@ class _Parser:
 
 
 def _evaluate(node: Node, psi: int | None, text: str) -> Fraction:
-    if isinstance(node, Number):
-        return node.value
-    if isinstance(node, Size):
-        return Fraction(node.nbytes)
-    if isinstance(node, Psi):
+    if isinstance(node, Leaf):
+        if node.kind != "psi":
+            return node.value
         if psi is None:
             raise BudgetError(f"{text!r} uses Ψ but the number of trainable parameters is unknown")
-        return Fraction(psi) * (node.coefficient.value if node.coefficient else 1)
-    if isinstance(node, Unary):
-        value = _evaluate(node.operand, psi, text)
-        return -value if node.op == "-" else value
-    left = _evaluate(node.left, psi, text)
-    right = _evaluate(node.right, psi, text)
-    if node.op == "+":
-        return left + right
-    if node.op == "-":
-        return left - right
-    if node.op == "*":
-        return left * right
-    if right == 0:
+        return Fraction(psi) * node.value
+    values = [_evaluate(operand, psi, text) for operand in node.operands]
+    if len(values) == 1:
+        return -values[0] if node.op == "-" else values[0]
+    if node.op == "/" and values[1] == 0:
         raise BudgetError(f"{text!r}: division by zero")
-    return left / right
-
-
-_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+    return _OPERATIONS[node.op](*values)
 
 
 def _precedence(node: Node) -> int:
-    if isinstance(node, Binary):
-        return _PRECEDENCE[node.op]
-    if isinstance(node, Unary):
-        return 3
-    return 4
+    if isinstance(node, Leaf):
+        return 4
+    return 3 if len(node.operands) == 1 else _PRECEDENCE[node.op]
 
 
 def _format(node: Node) -> str:
-    if isinstance(node, Number):
+    if isinstance(node, Leaf):
         return node.text
-    if isinstance(node, Size):
-        return f"{node.number}{node.unit}"
-    if isinstance(node, Psi):
-        return f"{node.coefficient.text}Ψ" if node.coefficient else "Ψ"
-    if isinstance(node, Unary):
-        inner = _format(node.operand)
-        return f"{node.op}({inner})" if _precedence(node.operand) < 4 else f"{node.op}{inner}"
+    if len(node.operands) == 1:
+        inner = _format(node.operands[0])
+        return f"{node.op}({inner})" if _precedence(node.operands[0]) < 4 else f"{node.op}{inner}"
     precedence = _PRECEDENCE[node.op]
-    left = _format(node.left)
-    if _precedence(node.left) < precedence:
-        left = f"({left})"
-    right = _format(node.right)
-    right_precedence = _precedence(node.right)
-    if right_precedence < precedence or (right_precedence == precedence and node.op in "-/"):
-        right = f"({right})"
-    return f"{left} {node.op} {right}"
+    left, right = node.operands
+    left_text, right_text = _format(left), _format(right)
+    if _precedence(left) < precedence:
+        left_text = f"({left_text})"
+    if _precedence(right) < precedence or (_precedence(right) == precedence and node.op in "-/"):
+        right_text = f"({right_text})"
+    return f"{left_text} {node.op} {right_text}"
 
 
 def _uses_psi(node: Node) -> bool:
-    if isinstance(node, Psi):
-        return True
-    if isinstance(node, Unary):
-        return _uses_psi(node.operand)
-    if isinstance(node, Binary):
-        return _uses_psi(node.left) or _uses_psi(node.right)
-    return False
+    return node.kind == "psi" if isinstance(node, Leaf) else any(map(_uses_psi, node.operands))
 
 
 @dataclass(frozen=True)
@@ -416,7 +361,7 @@ def parse_budget(text: str | int) -> BudgetExpr:
             raise negative(text, Fraction(text))
         if text > MAX_BYTES:
             raise BudgetError(f"{shown(text)} is too large: a size or budget is at most 2**63 - 1 bytes (8 EiB)")
-        return BudgetExpr(str(text), Number(Fraction(text), str(text)))
+        return BudgetExpr(str(text), Leaf("number", Fraction(text), str(text)))
     if not isinstance(text, str):
         raise BudgetError(f"{text!r} is not a budget: expected a string like '16Ψ + 2GiB'")
     return _parse_text(text)
@@ -434,11 +379,11 @@ def _parse_text(text: str) -> BudgetExpr:
 
 def _check_divisors(node: Node, text: str) -> None:
     """Refuse a division by a constant zero (``"16Ψ/0"``, ``"Ψ/(2-2)"``): wrong for every Ψ."""
-    if isinstance(node, Unary):
-        _check_divisors(node.operand, text)
-    elif isinstance(node, Binary):
-        _check_divisors(node.left, text)
-        _check_divisors(node.right, text)
-        if node.op == "/" and not _uses_psi(node.right) and _evaluate(node.right, None, text) == 0:
-            shown = "" if isinstance(node.right, Number) else f" ({_format(node.right)} = 0)"
-            raise BudgetError(f"{text!r}: division by zero{shown}")
+    if isinstance(node, Leaf):
+        return
+    for operand in node.operands:
+        _check_divisors(operand, text)
+    divisor = node.operands[-1]
+    if node.op == "/" and not _uses_psi(divisor) and _evaluate(divisor, None, text) == 0:
+        plain = isinstance(divisor, Leaf) and divisor.kind == "number"
+        raise BudgetError(f"{text!r}: division by zero{'' if plain else f' ({_format(divisor)} = 0)'}")

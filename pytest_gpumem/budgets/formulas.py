@@ -102,14 +102,7 @@ def _as_modules(modules: torch.nn.Module | Iterable[torch.nn.Module]) -> tuple[t
 
 def _unique_parameters(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
     """Distinct parameters of ``modules`` in registration order (identity, not value)."""
-    seen: set[int] = set()
-    result: list[torch.nn.Parameter] = []
-    for module in modules:
-        for param in module.parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                result.append(param)
-    return result
+    return list({id(param): param for module in modules for param in module.parameters()}.values())
 
 
 def _local_numel(param: torch.Tensor) -> int:
@@ -136,21 +129,17 @@ def count_parameters(*modules: torch.nn.Module | Sequence[torch.nn.Module]) -> P
     A ``DTensor`` parameter (FSDP2, tensor parallelism) counts this process's shard.
     """
     params = _unique_parameters(module for arg in modules for module in _as_modules(arg))
-    trainable: dict[torch.dtype, int] = {}
     frozen: dict[torch.dtype, int] = {}
-    trainable_tensors = frozen_tensors = 0
+    trainable: dict[torch.dtype, int] = {}
     for param in params:
         target = trainable if param.requires_grad else frozen
         target[param.dtype] = target.get(param.dtype, 0) + _local_numel(param)
-        if param.requires_grad:
-            trainable_tensors += 1
-        else:
-            frozen_tensors += 1
+    trainable_tensors = sum(param.requires_grad for param in params)
     return ParamCount(
         trainable=sum(trainable.values()),
         frozen=sum(frozen.values()),
         trainable_tensors=trainable_tensors,
-        frozen_tensors=frozen_tensors,
+        frozen_tensors=len(params) - trainable_tensors,
         trainable_by_dtype=MappingProxyType(trainable),
         frozen_by_dtype=MappingProxyType(frozen),
     )
@@ -224,9 +213,8 @@ class Budget(Coded):
         )
         rows = [
             (name, f"{nbytes:,}", format_size(nbytes), _per_psi(nbytes, self.psi))
-            for name, nbytes in self.items.items()
+            for name, nbytes in [*self.items.items(), ("total", self.total)]
         ]
-        rows.append(("total", f"{self.total:,}", format_size(self.total), _per_psi(self.total, self.psi)))
         return f"{title}\n{table(('item', 'bytes', 'size', 'bytes per Ψ'), rows, right=(1, 2, 3))}"
 
 
@@ -274,17 +262,12 @@ def model_states(
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    mods = _as_modules(modules)
-    params = _unique_parameters(mods)
+    params = _unique_parameters(_as_modules(modules))
     trainable = [p for p in params if p.requires_grad]
     psi = sum(p.numel() for p in trainable)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
-    if device is not None:
-        budget_device = torch.device(device)
-    elif params:
-        budget_device = params[0].device
-    else:
-        budget_device = torch.device("cpu")
+    first = params[0].device if params else "cpu"
+    budget_device = torch.device(first if device is None else device)
 
     items: dict[str, _Item] = {"parameters": _Item(psi, recipe.param_bytes, 3)}
     if frozen:
@@ -295,13 +278,10 @@ def model_states(
 
     optimizer_name: str | None = None
     if optimizer is not None:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            optimizer_name = type(optimizer).__name__
-            states = optimizer_state(optimizer, options=optimizer_options)
-        else:
-            states = optimizer_state(optimizer, trainable, optimizer_options)
-            optimizer_name = registered_optimizers()[optimizer.lower()].__name__
+        named = not isinstance(optimizer, torch.optim.Optimizer)
+        states = optimizer_state(optimizer, trainable if named else (), optimizer_options)
         _add_states(items, states, recipe, budget_device)
+        optimizer_name = registered_optimizers()[str(optimizer).lower()].__name__ if named else type(optimizer).__name__
     elif optimizer_options:
         raise ValueError("optimizer_options given without an optimizer")
 
@@ -394,11 +374,7 @@ def transformer_layer_activations(seq: int, batch: int, hidden: int, heads: int,
     """Bytes one transformer layer saves for backward (Korthikanti et al. 2022, no tensor parallelism): exact
     integers."""
     _check_counts(seq=seq, batch=batch, hidden=hidden, heads=heads)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; expected one of {', '.join(repr(r) for r in RECOMPUTE)}")
     sbh = seq * batch * hidden
-    if recompute == "none":
-        return 34 * sbh + 5 * heads * seq * seq * batch
-    if recompute == "selective":
-        return 34 * sbh
-    if recompute == "full":
-        return 2 * sbh
-    raise ValueError(f"unknown recompute {recompute!r}; expected one of {', '.join(repr(r) for r in RECOMPUTE)}")
+    return {"none": 34 * sbh + 5 * heads * seq * seq * batch, "selective": 34 * sbh, "full": 2 * sbh}[recompute]

@@ -108,9 +108,7 @@ def optimizer_state(
 
 def _scalar_dtype(fused: bool = False) -> torch.dtype:
     """torch.optim.optimizer._get_scalar_dtype: float32, or float64 when it is the default dtype."""
-    if fused:
-        return torch.float32
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.float64 if not fused and torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 def _with_grad(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -122,36 +120,33 @@ def _numel(params: Iterable[torch.Tensor]) -> int:
     return sum(p.numel() for p in params)
 
 
-def _adam(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
-    live = _with_grad(params)
-    n = _numel(live)
-    elements = {"exp_avg": n, "exp_avg_sq": n}
-    if group.get("amsgrad"):
-        elements["max_exp_avg_sq"] = n
-    fused = bool(group.get("fused"))
-    return OptimizerState(
-        elements=elements,
-        scalars={"step": len(live)},
-        scalars_on_device=fused or bool(group.get("capturable")),
-        scalar_dtype=_scalar_dtype(fused),
-    )
+def _rule(
+    *names: str,
+    options: Mapping[str, str] = MappingProxyType({}),
+    scalars: tuple[str, ...] = ("step",),
+    every_tensor: bool = False,
+) -> OptimizerRule:
+    """A rule for optimizers with one full-size state per name (and per option set: ``option → name``), and scalars
+    on the CPU unless ``fused`` or ``capturable``; ``every_tensor``: state made in ``__init__`` for every tensor."""
+
+    def rule(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
+        live = list(params) if every_tensor else _with_grad(params)
+        kept = [*names, *(name for option, name in options.items() if group.get(option))]
+        fused = bool(group.get("fused"))
+        return OptimizerState(
+            elements=dict.fromkeys(kept, _numel(live)),
+            scalars=dict.fromkeys(scalars, len(live)),
+            scalars_on_device=fused or bool(group.get("capturable")),
+            scalar_dtype=_scalar_dtype(fused),
+        )
+
+    return rule
 
 
 def _sgd(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
     if not group.get("momentum"):
         return OptimizerState()
     return OptimizerState(elements={"momentum_buffer": _numel(_with_grad(params))})
-
-
-def _adagrad(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
-    # Adagrad creates its state in __init__, for every tensor of the group.
-    fused = bool(group.get("fused"))
-    return OptimizerState(
-        elements={"sum": _numel(params)},
-        scalars={"step": len(params)},
-        scalars_on_device=fused,
-        scalar_dtype=_scalar_dtype(fused),
-    )
 
 
 def _rmsprop(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
@@ -168,22 +163,6 @@ def _rmsprop(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> Optimi
         scalars_on_device=bool(group.get("capturable")),
         scalar_dtype=_scalar_dtype(),
     )
-
-
-def _capturable_rule(*names: str, scalars: tuple[str, ...] = ("step",)) -> OptimizerRule:
-    """A rule for optimizers with one full-size state per name and CPU scalars unless capturable."""
-
-    def rule(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
-        live = _with_grad(params)
-        n = _numel(live)
-        return OptimizerState(
-            elements=dict.fromkeys(names, n),
-            scalars=dict.fromkeys(scalars, len(live)),
-            scalars_on_device=bool(group.get("capturable")),
-            scalar_dtype=_scalar_dtype(),
-        )
-
-    return rule
 
 
 def _adafactor(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> OptimizerState:
@@ -208,14 +187,15 @@ def _muon(group: Mapping[str, Any], params: Sequence[torch.Tensor]) -> Optimizer
 def _register_builtins() -> None:
     optim = torch.optim
     register_optimizer(optim.SGD, _sgd)
-    register_optimizer(optim.Adam, _adam)
-    register_optimizer(optim.AdamW, _adam)
-    register_optimizer(optim.Adagrad, _adagrad)
+    adam = _rule("exp_avg", "exp_avg_sq", options={"amsgrad": "max_exp_avg_sq"})
+    register_optimizer(optim.Adam, adam)
+    register_optimizer(optim.AdamW, adam)
+    register_optimizer(optim.Adagrad, _rule("sum", every_tensor=True))  # made in __init__, for every tensor
     register_optimizer(optim.RMSprop, _rmsprop)
-    register_optimizer(optim.Adamax, _capturable_rule("exp_avg", "exp_inf"))
-    register_optimizer(optim.RAdam, _capturable_rule("exp_avg", "exp_avg_sq"))
-    register_optimizer(optim.NAdam, _capturable_rule("exp_avg", "exp_avg_sq", scalars=("step", "mu_product")))
-    register_optimizer(optim.Adadelta, _capturable_rule("square_avg", "acc_delta"))
+    register_optimizer(optim.Adamax, _rule("exp_avg", "exp_inf"))
+    register_optimizer(optim.RAdam, _rule("exp_avg", "exp_avg_sq"))
+    register_optimizer(optim.NAdam, _rule("exp_avg", "exp_avg_sq", scalars=("step", "mu_product")))
+    register_optimizer(optim.Adadelta, _rule("square_avg", "acc_delta"))
     adafactor = getattr(optim, "Adafactor", None)  # torch >= 2.5
     if adafactor is not None:
         register_optimizer(adafactor, _adafactor)

@@ -53,17 +53,17 @@ def decide(record: TestRecord, baselines: BaselineStore | None = None, options: 
     options = options or JudgeOptions()
     findings: list[Finding] = []
     errors: list[str] = []
-    changes = None
+    changes: dict[str, SiteDiff] | None = None
     if record.passed:
         for measurement in record.measurements:
             findings.extend(_check(record, measurement, limits_of(record, measurement.name), errors))
         if baselines is not None and record.environment is not None and not options.update:
-            findings.extend(_compare(record, baselines, options))
-            changes = site_changes(record, baselines)
+            compared, changes = _compare(record, baselines, options)
+            findings.extend(compared)
     leak = record.leak_report
-    if leak and leak not in record.reports and any(f.failed and f.metric == "retained" for f in findings):
-        return Decision(tuple(findings), changes, tuple(errors), (leak,))
-    return Decision(tuple(findings), changes, tuple(errors), ())
+    failed = any(f.failed and f.metric == "retained" for f in findings)
+    reports = (leak,) if leak and leak not in record.reports and failed else ()
+    return Decision(tuple(findings), changes, tuple(errors), reports)
 
 
 def judge(
@@ -95,19 +95,6 @@ def limits_of(record: TestRecord, span: str) -> list[LimitSpec]:
     return limits
 
 
-def site_changes(record: TestRecord, store: BaselineStore) -> dict[str, SiteDiff]:
-    """By span, the sites that changed against the profile stored with the span's baseline."""
-    assert record.environment is not None
-    key = Environment.from_dict(record.environment).key
-    found: dict[str, SiteDiff] = {}
-    for measurement in record.measurements:
-        entry = None if measurement.sites is None else store.entry(key, record.nodeid, measurement.name)
-        stored = None if entry is None else entry.sites
-        if measurement.sites is not None and stored is not None:
-            found[measurement.name] = diff_sites(measurement.name, stored, measurement.sites)
-    return found
-
-
 def _check(
     record: TestRecord, measurement: Measurement, specs: Iterable[LimitSpec], errors: list[str]
 ) -> list[Finding]:
@@ -123,14 +110,20 @@ def _check(
     return check_limits(record.nodeid, measurement, limits)
 
 
-def _compare(record: TestRecord, store: BaselineStore, options: JudgeOptions) -> list[Finding]:
+def _compare(
+    record: TestRecord, store: BaselineStore, options: JudgeOptions
+) -> tuple[list[Finding], dict[str, SiteDiff]]:
+    """The findings of ``record`` against its baselines, and by span the sites that changed against their profiles."""
     assert record.environment is not None
     env = Environment.from_dict(record.environment)
     others = store.environments_with(record.nodeid, exclude=env.key)
     findings: list[Finding] = []
+    site_changes: dict[str, SiteDiff] = {}
     for measurement in record.measurements:
         metrics = baseline_metrics(measurement)
         entry = store.entry(env.key, record.nodeid, measurement.name)
+        if entry is not None and entry.sites is not None and measurement.sites is not None:
+            site_changes[measurement.name] = diff_sites(measurement.name, entry.sites, measurement.sites)
         if entry is not None and measurement.breakdown is not None:  # the categories a baseline keeps, on both sides
             measurement = replace(measurement, breakdown=stored_breakdown(measurement.breakdown))
             entry = replace(entry, breakdown=stored_breakdown(entry.breakdown))
@@ -146,7 +139,7 @@ def _compare(record: TestRecord, store: BaselineStore, options: JudgeOptions) ->
             )
         )
     findings.extend(_unmeasured(record, store.spans(env.key, record.nodeid), options.strict))
-    return findings
+    return findings, site_changes
 
 
 def _unmeasured(record: TestRecord, recorded: Mapping[str, BaselineEntry], strict: bool) -> list[Finding]:

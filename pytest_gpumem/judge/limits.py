@@ -44,13 +44,9 @@ class LimitSpec(Coded):
     text: str
     expression: BudgetExpr = field(metadata=coded(write=lambda e: e.text, read=parse_budget))
 
-    @property
-    def uses_psi(self) -> bool:
-        return self.expression.uses_psi
-
     def resolve(self, psi: int | None) -> Limit:
         """The limit in bytes, Ψ being the tracked trainable parameter count."""
-        kind = "budget" if self.uses_psi else "limit"
+        kind = "budget" if self.expression.uses_psi else "limit"
         return Limit(metric=self.metric, value=self.expression.evaluate(psi), source=self.text, kind=kind)
 
 

@@ -10,8 +10,10 @@ from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import METRIC_TABLE, MetricInfo, metric_info
 
 __all__ = [
+    "DEFAULT_TOLERANCES",
     "BaselineStatus",
     "baseline_status",
+    "default_tolerance",
     "describe_default_tolerances",
     "exceeds",
     "tolerance_for",
@@ -35,11 +37,11 @@ def exceeds(metric: str, measured: int, bound: int) -> bool:
 def tolerance_for(metric: str, given: Tolerance | None) -> Tolerance:
     """The tolerance of ``metric`` when ``given`` is set (None: its default): absolute part in bytes, floored."""
     if given is None:
-        return _DEFAULTS.get(metric) or _EXACT
+        return default_tolerance(metric)
     info = metric_info(metric)
-    absolute = given.absolute if info.unit == "bytes" else 0
-    absolute = max(absolute, info.tolerance_floor)
-    return given if absolute == given.absolute else Tolerance(given.relative, absolute)
+    if info.unit != "bytes" and given.absolute:
+        given = Tolerance(given.relative)
+    return _floored(info, given)
 
 
 def _floored(info: MetricInfo, tolerance: Tolerance) -> Tolerance:
@@ -48,10 +50,16 @@ def _floored(info: MetricInfo, tolerance: Tolerance) -> Tolerance:
 
 
 _EXACT = Tolerance()
-#: Each figure's tolerance when none is set; made once, so each keeps the ratio :meth:`Tolerance.allowed` caches.
-_DEFAULTS: Mapping[str, Tolerance] = MappingProxyType(
+#: The tolerance of each baseline figure when nothing sets one: the metric table's, with its floor; made once, so each
+#: keeps the ratio :meth:`Tolerance.allowed` caches.
+DEFAULT_TOLERANCES: Mapping[str, Tolerance] = MappingProxyType(
     {info.name: _floored(info, Tolerance(*info.tolerance)) for info in METRIC_TABLE}
 )
+
+
+def default_tolerance(metric: str) -> Tolerance:
+    """The tolerance ``metric`` is compared with when nothing sets one (exact where the table has none)."""
+    return DEFAULT_TOLERANCES.get(metric, _EXACT)
 
 
 def baseline_status(metric: str, measured: int, reference: int, tolerance: Tolerance) -> BaselineStatus:

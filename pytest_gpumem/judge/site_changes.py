@@ -57,12 +57,9 @@ class SiteDiff(Coded):
     note: str = ""
 
     def at(self, moment: str = "peak") -> list[SiteChange]:
-        """The changes at the ``"peak"`` (or ``"end"``): the grown, largest first, then the shrunk."""
-        grown = [c for c in self.changes if c.delta(moment) > 0]
-        shrunk = [c for c in self.changes if c.delta(moment) < 0]
-        grown.sort(key=lambda c: (-c.delta(moment), c.figures.site.key))
-        shrunk.sort(key=lambda c: (c.delta(moment), c.figures.site.key))
-        return grown + shrunk
+        """The changes at the ``"peak"`` (or ``"end"``): the grown, largest first, then the shrunk, largest first."""
+        moved = [c for c in self.changes if c.delta(moment)]
+        return sorted(moved, key=lambda c: (c.delta(moment) < 0, -abs(c.delta(moment)), c.figures.site.key))
 
 
 def diff_sites(span: str, baseline: SiteProfile, current: SiteProfile) -> SiteDiff:
@@ -134,21 +131,14 @@ def _pair_by_code(before: list[SiteFigures], after: list[SiteFigures]) -> list[t
             key = text(row)
             if key is not None:
                 groups.setdefault(key, ([], []))[side].append(row)
-    found: list[tuple[SiteFigures, SiteFigures]] = []
-    shifts: dict[tuple[str, str], list[int]] = {}
-    for olds, news in groups.values():
-        if len(olds) == 1 and len(news) == 1:
-            found.append((olds[0], news[0]))
-            function = (news[0].site.file, news[0].site.function)
-            shifts.setdefault(function, []).append(news[0].site.offset - olds[0].site.offset)
+    found = [(olds[0], news[0]) for olds, news in groups.values() if len(olds) == 1 and len(news) == 1]
+    shifts = _shifts(found)
     for olds, news in groups.values():
         if not olds or not news or (len(olds) == 1 and len(news) == 1):
             continue
-        moved = sorted(shifts.get((news[0].site.file, news[0].site.function), [0]))
-        found += _align(sorted(olds, key=_offset), sorted(news, key=_offset), moved[len(moved) // 2])
-    paired = {id(row) for pair in found for row in pair}
-    before[:] = [row for row in before if id(row) not in paired]
-    after[:] = [row for row in after if id(row) not in paired]
+        shift = shifts.get((news[0].site.file, news[0].site.function), 0)
+        found += _align(sorted(olds, key=_offset), sorted(news, key=_offset), shift)
+    _remove_paired(before, after, found)
     return found
 
 
@@ -210,11 +200,16 @@ def _pair(
     olds = _unique(before, old_match or match)
     news = _unique(after, match)
     found = [(olds[key], news[key]) for key in olds.keys() & news.keys()]
-    paired_old = {id(old) for old, _ in found}
-    paired_new = {id(new) for _, new in found}
-    before[:] = [f for f in before if id(f) not in paired_old]
-    after[:] = [f for f in after if id(f) not in paired_new]
+    _remove_paired(before, after, found)
     return found
+
+
+def _remove_paired(
+    before: list[SiteFigures], after: list[SiteFigures], pairs: list[tuple[SiteFigures, SiteFigures]]
+) -> None:
+    paired = {id(row) for pair in pairs for row in pair}
+    before[:] = [row for row in before if id(row) not in paired]
+    after[:] = [row for row in after if id(row) not in paired]
 
 
 def _unique(figures: list[SiteFigures], match: Callable[[SiteFigures], Hashable]) -> dict[Hashable, SiteFigures]:

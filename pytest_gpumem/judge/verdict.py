@@ -9,15 +9,8 @@ from typing import cast
 from pytest_gpumem.baselines import BaselineEntry, StaleEntry
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding, Kind, Limit, Status, Tolerance
-from pytest_gpumem.data.metrics import (
-    BASELINE_METRICS,
-    CATEGORIES,
-    COUNT_METRICS,
-    METRIC_TABLE,
-    METRICS,
-    metric_info,
-)
-from pytest_gpumem.judge.rule import baseline_status, exceeds, tolerance_for
+from pytest_gpumem.data.metrics import BASELINE_METRICS, CATEGORIES, COUNT_METRICS, METRICS, metric_info
+from pytest_gpumem.judge.rule import DEFAULT_TOLERANCES, baseline_status, default_tolerance, exceeds
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -31,14 +24,6 @@ __all__ = [
 ]
 
 _EXACT = Tolerance()
-
-#: The tolerance of each baseline figure when nothing sets one: the metric table's, with its floor.
-DEFAULT_TOLERANCES: dict[str, Tolerance] = {info.name: tolerance_for(info.name, None) for info in METRIC_TABLE}
-
-
-def default_tolerance(metric: str) -> Tolerance:
-    """The tolerance ``metric`` is compared with when nothing sets one (exact where the table has none)."""
-    return DEFAULT_TOLERANCES.get(metric, _EXACT)
 
 
 def check_limits(test: str, measurement: Measurement, limits: Iterable[Limit]) -> list[Finding]:
@@ -156,9 +141,8 @@ def changed_categories(before: Mapping[str, int], after: Mapping[str, int]) -> d
     names = [c for c in CATEGORIES if c in before or c in after]
     names += sorted(set(before).union(after).difference(CATEGORIES))
     change = [(name, after.get(name, 0) - before.get(name, 0)) for name in names]
-    grown = sorted(((n, d) for n, d in change if d > 0), key=lambda item: -item[1])  # stable: ties keep order
-    shrunk = sorted(((n, d) for n, d in change if d < 0), key=lambda item: item[1])
-    return dict(grown + shrunk)
+    moved = [(name, delta) for name, delta in change if delta]
+    return dict(sorted(moved, key=lambda item: (item[1] < 0, -abs(item[1]))))  # stable: ties keep order
 
 
 def stale_findings(stale: Iterable[StaleEntry], *, strict: bool = False) -> list[Finding]:

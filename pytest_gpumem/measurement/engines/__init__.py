@@ -8,7 +8,8 @@ import torch
 
 from pytest_gpumem.measurement.engines.base import Categories, Engine, Reading, Runtime, SiteRecording, Workspaces
 from pytest_gpumem.measurement.engines.compiled import describe_compiled
-from pytest_gpumem.measurement.engines.cuda import cuda_available, cuda_device_count
+from pytest_gpumem.measurement.engines.cpu import CpuEngine
+from pytest_gpumem.measurement.engines.cuda import CudaEngine, cuda_available, cuda_device_count
 from pytest_gpumem.measurement.engines.storages import unseen_note
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 from pytest_gpumem.measurement.observe import observe_conflict, parse_observe
@@ -68,10 +69,6 @@ def make_engine(
     count CPU storages as 512-byte blocks; ``observe``: ``"operators"`` or ``"allocations"`` (CPU only); ``predict``: a
     GPU (``"h100"``) whose allocator the CPU engine's figures predict.
     """
-    from pytest_gpumem.measurement.engines.cpu import CpuEngine
-    from pytest_gpumem.measurement.engines.cuda import CudaEngine
-    from pytest_gpumem.measurement.engines.tracker import StorageTracker
-
     parse_observe(observe)
     resolved = resolve_device(device)
     if predict is not None:

@@ -32,15 +32,14 @@ class CpuEngine:
         self.tracker: StorageTracker = tracker or StorageTracker(self.device, cuda_rounding=cuda_rounding)
         self.categories: Categories = self.tracker
         self.sites = TrackerSites(self.tracker) if self.tracker.observes == "operators" else None
+        self.predicts: str | None = None
+        #: the allocator whose blocks a snapshot shows (None: every storage is a segment of its own)
+        self.snapshot_model: CachingAllocatorModel | None = None
         self._saved_tensors = True
 
     @property
     def cuda_rounding(self) -> bool:
         return self.tracker.cuda_rounding
-
-    @property
-    def predicts(self) -> str | None:
-        return None
 
     # -- readings -------------------------------------------------------------------
 
@@ -136,14 +135,10 @@ class CpuEngine:
     @contextmanager
     def record_history(self, path: str) -> Iterator[str | None]:
         """Record the tracker's allocations and frees during the block and write a memory_viz snapshot to ``path``."""
-        recorder = SnapshotRecorder(self.tracker, self._snapshot_model())
+        recorder = SnapshotRecorder(self.tracker, self.snapshot_model)
         recorder.start()
         try:
             yield path
         finally:
             recorder.stop()
             write_snapshot(path, recorder.snapshot())
-
-    def _snapshot_model(self) -> CachingAllocatorModel | None:
-        """The allocator whose blocks a snapshot shows (None: every storage is a segment of its own)."""
-        return None

@@ -17,16 +17,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from pytest_gpumem.measurement.engines.base import Reading
-from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.cpu import CpuEngine
-from pytest_gpumem.measurement.engines.storages import (
-    Block,
-    Kinds,
-    fakes_counted,
-    instances_among,
-    sort_scanned,
-    tensors_among,
-)
+from pytest_gpumem.measurement.engines.storages import Block, Kinds, instances_among, sort_scanned, tensors_among
 from pytest_gpumem.measurement.engines.tracker import OTHER, StorageTracker
 from pytest_gpumem.targets import AttentionBackend, Target, Workspace
 from pytest_gpumem.targets.allocator import CachingAllocatorModel
@@ -87,8 +79,6 @@ class Prediction:
     """A model of the target's caching allocator that follows its own :attr:`tracker`, and its workspaces."""
 
     def __init__(self, target: Target) -> None:
-        from pytest_gpumem.targets import CachingAllocatorModel
-
         self.target = target
         self.model = CachingAllocatorModel(target.allocator)
         self._workspaces: dict[tuple[str, str], Block] = {}
@@ -118,10 +108,6 @@ class Prediction:
         if nbytes:
             self.model.malloc(key, nbytes)
 
-    def on_host(self, tensor: torch.Tensor) -> None:
-        """``tensor``, made while the tracker was set aside, lives on the target's host: never counted."""
-        self.tracker.on_host(tensor)
-
     def count_new(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count ``tensors``, made while the tracker was set aside, as this moment's allocations."""
         self.tracker.register([t for t in tensors if t is not None], "temporaries")
@@ -132,22 +118,22 @@ class Prediction:
         """The thread running operator ``name`` gets the workspaces it uses, if it has none yet."""
         thread = _BACKWARD if torch._C._current_graph_task_id() != -1 else _MAIN
         for workspace in self.target.workspaces:
-            if name in workspace.operators and (workspace.library, thread) not in self._workspaces:
-                if workspace.when == "bias" and not _has_vector_bias(args):
-                    continue
+            if name not in workspace.operators or (workspace.library, thread) in self._workspaces:
+                continue
+            if workspace.when != "bias" or _has_vector_bias(args):
                 self._create(workspace, thread)
 
     def _create(self, workspace: Workspace, thread: str) -> None:
-        key = -next(self._synthetic_keys)  # storages' keys are addresses: never negative
-        self._workspaces[(workspace.library, thread)] = self.tracker.add_block(key, workspace.nbytes)
+        """The ``thread``'s workspace of ``workspace.library``, unless it has one."""
+        if (workspace.library, thread) not in self._workspaces:
+            key = -next(self._synthetic_keys)  # storages' keys are addresses: never negative
+            self._workspaces[(workspace.library, thread)] = self.tracker.add_block(key, workspace.nbytes)
 
     def warm_workspaces(self) -> None:
         """Create every workspace a training step's threads get (the backward thread a plain matrix product's)."""
         for workspace in self.target.workspaces:
-            if (workspace.library, _MAIN) not in self._workspaces:
-                self._create(workspace, _MAIN)
-            plain = "mm" in workspace.operators and workspace.when is None
-            if plain and (workspace.library, _BACKWARD) not in self._workspaces:
+            self._create(workspace, _MAIN)
+            if "mm" in workspace.operators and workspace.when is None:
                 self._create(workspace, _BACKWARD)
 
     def release_workspaces(self) -> None:
@@ -219,9 +205,7 @@ def optimizer_host_state(objects: list[Any]) -> Iterator[torch.Tensor]:
             if group.get("fused") or group.get("capturable"):
                 continue
             for param in group["params"]:
-                state = obj.state.get(param)
-                if not state:
-                    continue
+                state = obj.state.get(param) or {}
                 for name in HOST_SCALARS:
                     value = state.get(name)
                     if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_cpu:
@@ -282,10 +266,10 @@ def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 class _DeviceKernels(TorchFunctionMode):
     """Runs the target's kernels where their memory differs from the CPU's (attention, dropout, autocast)."""
 
-    def __init__(self, tracker: Prediction) -> None:
+    def __init__(self, prediction: Prediction) -> None:
         super().__init__()
-        self.tracker = tracker
-        self.target = tracker.target
+        self.prediction = prediction
+        self.target = prediction.target
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -301,10 +285,10 @@ class _DeviceKernels(TorchFunctionMode):
             # an optimizer's scalar state made on the host (AdamW's step counters, unless fused or capturable)
             with _set_aside():
                 out = func(*args, **kwargs)
-            self.tracker.on_host(out)
+            self.prediction.tracker.on_host(out)  # made while set aside, it lives on the target's host: never counted
             return out
         if func is F.scaled_dot_product_attention and self.target.attention_order:
-            return _attention(self.tracker, *args, **kwargs)
+            return _attention(self.prediction, *args, **kwargs)
         if func is F.dropout and self.target.dropout_mask == "bool":
             return _dropout(*args, **kwargs)
         if torch.is_autocast_enabled("cpu"):
@@ -383,13 +367,14 @@ def _attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )
         return out  # type: ignore[no-any-return]
-    options = (backend, dropout_p, is_causal, scale, enable_gqa, tracker)
+    cpu = functools.partial(  # the CPU kernel, for the values
+        F.scaled_dot_product_attention, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        options = (backend, dropout_p, cpu, tracker)
         return _FusedAttention.apply(query, key, value, attn_mask, options)  # type: ignore[no-any-return]
     with _set_aside():
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
+        out = cpu(query, key, value, attn_mask)
     tracker.count_new([out])
     return out
 
@@ -406,12 +391,10 @@ class _FusedAttention(torch.autograd.Function):
         attn_mask: torch.Tensor | None,
         options: tuple[Any, ...],
     ) -> torch.Tensor:
-        backend, dropout_p, is_causal, scale, enable_gqa, tracker = options
+        backend, dropout_p, cpu, tracker = options
         with _set_aside():
             rng = torch.get_rng_state() if dropout_p > 0 else None
-            out = F.scaled_dot_product_attention(
-                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-            )
+            out: torch.Tensor = cpu(query, key, value, attn_mask)
         tracker.count_new([out])
         rows = query.size(-2)
         multiple = backend.logsumexp_row_multiple
@@ -425,16 +408,14 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, _out, _lse, attn_mask, *_ = ctx.saved_tensors
-        _, dropout_p, is_causal, scale, enable_gqa, tracker = ctx.options
+        _, _, cpu, tracker = ctx.options
         q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in (query, key, value))
         inputs = [q, k, v]
         wanted = [t for t in inputs if t.requires_grad]
         with _set_aside(), torch.enable_grad(), torch.random.fork_rng(devices=[]):
             if ctx.rng is not None:
                 torch.set_rng_state(ctx.rng)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-            )
+            out = cpu(q, k, v, attn_mask)
             found = iter(torch.autograd.grad(out, wanted, grad_out))
         grads = [next(found) if t.requires_grad else None for t in inputs]
         tracker.count_new(grads)
@@ -456,11 +437,9 @@ class PredictEngine(CpuEngine):
         self.target = target
         self.predictor = Prediction(target)
         super().__init__(tracker=self.predictor.tracker)
+        self.predicts = target.name
+        self.snapshot_model = self.predictor.model
         self._workspace_total: int | None = None
-
-    @property
-    def predicts(self) -> str | None:
-        return self.target.name
 
     @property
     def workspaces(self) -> int | None:
@@ -491,10 +470,7 @@ class PredictEngine(CpuEngine):
 
     def clean(self, *, empty_cache: bool = True) -> None:
         """As the CUDA engine's; the model's cache is always emptied (it has no cost to save)."""
-        self.settle()
-        forget_categories(self.tracker)
-        self.tracker.counts_fakes = fakes_counted()  # before the scan: a fake tensor is memory only in a fake run
-        self.tracker.scan()
+        super().clean()
         self.warm_workspaces()
         if self._workspace_total is None:
             self._workspace_total = self.predictor.workspace_bytes
@@ -509,6 +485,3 @@ class PredictEngine(CpuEngine):
 
     def empty_cache(self) -> None:
         self.predictor.model.empty_cache()
-
-    def _snapshot_model(self) -> CachingAllocatorModel:
-        return self.predictor.model
