@@ -21,7 +21,6 @@ from pytest_gpumem.report.cells import (
     LEGEND_SIGNED,
     SIGNED_METRICS,
     RecordLike,
-    cost_text,
     grouped,
     one_line,
     other_environments,
@@ -69,32 +68,37 @@ STATUS_TEXT = {
     "unchecked": "unchecked: no limit or baseline compared this figure",
 }
 
+#: The summary table's columns after the test id.
+_COLS = (
+    Col("span", elastic=True, min_width=8, span=True),
+    Col("metric"),
+    Col("measured", right=True),
+    Col("cost", right=True),
+    Col("limit", right=True, optional=True),
+    Col("baseline", right=True, optional=True, drop=2),
+    Col("Δ", right=True, optional=True),
+    Col("Δ%", right=True, optional=True, joins=True, drop=1),
+    Col("status", label=""),
+)
+
 #: Columns of :func:`summary_rows`, the summary table and the Markdown report.
-SUMMARY_HEADERS = ("test", "span", "metric", "measured", "cost", "limit", "baseline", "Δ", "Δ%", "status")
+SUMMARY_HEADERS = ("test", *(col.header for col in _COLS))
 
 #: Index of each of a summary row's cells after the test id.
 _CELL = {name: i for i, name in enumerate(SUMMARY_HEADERS[1:])}
 
 
-class _Notes:
-    """Numbered notes below a table; the same text gets the same number."""
-
-    def __init__(self) -> None:
-        self.numbers: dict[str, int] = {}
-
-    @property
-    def texts(self) -> list[str]:
-        return list(self.numbers)
+class _Notes(dict[str, int]):
+    """Numbered notes below a table, text → number; the same text gets the same number."""
 
     def ref(self, text: str) -> str:
-        number = self.numbers.setdefault(text, len(self.numbers) + 1)
-        return f"[{number}]"
+        return f"[{self.setdefault(text, len(self) + 1)}]"
 
     def lines(self, width: int | None) -> list[str]:
         """``[n] text``, wrapped under its number, a line per paragraph; environment keys break only between " | "
         parts."""
         lines = []
-        for number, text in enumerate(self.texts, 1):
+        for text, number in self.items():
             mark = f"[{number}] "
             indent = " " * len(mark)
             first, *rest = text.split("\n")
@@ -105,11 +109,6 @@ class _Notes:
 
 
 # --------------------------------------------------------------------------- cells
-
-
-def _percent(delta: int, reference: int | None) -> str:
-    """Δ as a percentage of the baseline's size: a cost that frees less than its baseline grew (+)."""
-    return format_percent(delta, None if reference is None else abs(reference))
 
 
 def _plain_size(text: str) -> bool:
@@ -145,16 +144,10 @@ class _Row:
     cells: list[str]  # SUMMARY_HEADERS[1:]
     notes: dict[int, str] = field(default_factory=dict)  # cell index → what moved below the table
 
-    @property
-    def status(self) -> str:
-        return self.cells[_CELL["status"]]
 
-
-def _status_of(findings: Sequence[Finding]) -> str:
-    if not findings:
-        return "unchecked"
-    order = {status: i for i, status in enumerate(STATUS_ORDER)}
-    return min((f.status for f in findings), key=lambda s: order.get(s, len(order)))
+def _percent(baseline: Finding) -> str:
+    """Δ as a percentage of the baseline's size: a cost that frees less than its baseline grew (+)."""
+    return format_percent(baseline.delta, None if baseline.reference is None else abs(baseline.reference))
 
 
 def _metric_row(
@@ -166,24 +159,24 @@ def _metric_row(
     info = metric_info(metric)
     if info.whole_call and not findings and not value and verbosity < 1:
         return None  # nothing retained and nothing asked: shown with -v
-    limits = sorted((f for f in findings if f.kind in ("limit", "budget")), key=lambda f: not f.failed)
-    limit = limits[0] if limits else None
+    limit = min((f for f in findings if f.kind in ("limit", "budget")), key=lambda f: not f.failed, default=None)
     baseline = next((f for f in findings if f.kind == "baseline"), None)
-    status = _status_of(findings)
+    order = {status: i for i, status in enumerate(STATUS_ORDER)}
+    status = min((f.status for f in findings), key=lambda s: order.get(s, len(order)), default="unchecked")
+    cost = measurement.cost(metric)
     cells = [
         measurement.name,
         metric,
         "" if metric in COST_ONLY_METRICS else info.format(value),
-        cost_text(metric, measurement.cost(metric)),
+        info.format_cost(cost),
         "" if limit is None else info.format(limit.reference),
-        "" if baseline is None or baseline.reference is None else cost_text(metric, baseline.reference),
+        "" if baseline is None or baseline.reference is None else info.format_cost(baseline.reference),
         "" if baseline is None or baseline.delta is None else info.format_delta(baseline.delta),
-        "" if baseline is None or baseline.delta is None else _percent(baseline.delta, baseline.reference),
+        "" if baseline is None or baseline.delta is None else _percent(baseline),
         status,
     ]
     notes: dict[int, str] = {}
     note = None if limit is None else _limit_note(limit)
-    cost = measurement.cost(metric)
     bound = None if limit is None else limit.reference
     # a measured figure above a limit that passed reads like a breach: say what the limit compared
     if bound is not None and value is not None and cost is not None and value > bound >= cost:
@@ -259,7 +252,7 @@ def _legend(rows: Sequence[_Row]) -> list[str]:
         for row in rows
     ):
         lines.append(LEGEND_SIGNED)
-    shown = {row.status for row in rows}
+    shown = {row.cells[_CELL["status"]] for row in rows}
     lines += [text for status, text in STATUS_TEXT.items() if status in shown]
     return lines
 
@@ -277,20 +270,7 @@ def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markd
         )
         for row in rows
     )
-    span, metric, measured, cost, limit, baseline, delta, percent, status = SUMMARY_HEADERS[1:]
-    cols = (
-        Col(span, elastic=True, min_width=8, span=True),
-        Col(metric),
-        Col(measured, right=True),
-        Col(cost, right=True),
-        Col(limit, right=True, optional=True),
-        Col(baseline, right=True, optional=True, drop=2),
-        Col(delta, right=True, optional=True),
-        Col(percent, right=True, optional=True, joins=True, drop=1),
-        Col(status, label=""),
-    )
-    test = Col(SUMMARY_HEADERS[0])
-    return Table(cols, groups, test, lead=2, status=_CELL["status"])
+    return Table(_COLS, groups, Col("test"), lead=2, status=_CELL["status"])
 
 
 def summary_table(
@@ -319,8 +299,7 @@ def summary_table(
     if below:
         lines += ["", *below]
     if verbosity > 0 and not (only_problems or verbosity < 0):
-        measurements = [(record.nodeid, m) for record in records for m in record.measurements]
-        lines += detail_tables(measurements, width, verbosity)
+        lines += detail_tables([(test_id(r.nodeid, verbosity), m) for r in records for m in r.measurements], width)
     return "\n".join(lines)
 
 
@@ -423,7 +402,7 @@ def markdown_report(
                 lines.append("| " + " | ".join(markdown_text(cell) for cell in [title, *row]) + " |")
         if index:
             lines += ["", "</details>"]
-    below = [f"- [{number}] {markdown_text(one_line(text), cell=False)}" for number, text in enumerate(notes.texts, 1)]
+    below = [f"- [{number}] {markdown_text(one_line(text), cell=False)}" for text, number in notes.items()]
     below += [f"- {plain(text)}" for text in _legend(rows)]
     if below:
         lines += ["", *below]
