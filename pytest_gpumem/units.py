@@ -7,7 +7,7 @@ the ``B`` optional; a plain number is whole bytes, a fraction of a unit rounds t
 from __future__ import annotations
 
 import re
-from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from decimal import ROUND_HALF_UP, Decimal
 
 __all__ = [
     "CUDA_BLOCK",
@@ -105,10 +105,7 @@ def parse_size(value: object) -> int:
         raise too_large(value)
     if len(fraction) > _MAX_DIGITS:
         raise SizeError(f"{shown(value)} is not a size: more than {_MAX_DIGITS} digits after the point")
-    try:
-        number = Decimal(match["number"])
-    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
-        raise SizeError(f"{shown(value)} is not a size: {exc}") from None
+    number = Decimal(match["number"])
     if not prefix and number != number.to_integral_value():
         raise SizeError(f"{shown(value)} is not a size: a number of bytes must be whole")
     nbytes = number * UNITS[prefix]
@@ -127,10 +124,8 @@ def format_size(nbytes: int | None, precision: int = 2) -> str:
         return f"{sign}more than 8 EiB"
     if magnitude < UNITS["K"]:
         return f"{sign}{magnitude} B"
-    for prefix in ("T", "G", "M", "K"):
-        if magnitude >= UNITS[prefix]:
-            return f"{sign}{magnitude / UNITS[prefix]:.{precision}f} {prefix}iB"
-    raise AssertionError("unreachable")  # pragma: no cover
+    prefix = next(prefix for prefix in "TGMK" if magnitude >= UNITS[prefix])
+    return f"{sign}{magnitude / UNITS[prefix]:.{precision}f} {prefix}iB"
 
 
 def format_delta(nbytes: int | None, precision: int = 2) -> str:

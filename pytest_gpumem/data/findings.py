@@ -202,21 +202,13 @@ class Finding(Coded):
     def failed(self) -> bool:
         """True when this finding fails the test: exceeded, regressed, n/a on a limit or budget; the rest when
         strict."""
-        if self.status in ("exceeded", "regressed"):
-            return True
         if self.status == "n/a":
             return self.kind != "baseline"
-        if self.status in ("improved", "new", "other-environment", "stale"):
-            return self.strict
-        return False
+        informative = ("improved", "new", "other-environment", "stale")
+        return self.status in ("exceeded", "regressed") or (self.strict and self.status in informative)
 
 
 # --------------------------------------------------------------------------- messages
-
-
-def _compared(metric: str) -> str:
-    """How a message names what was compared: ``"peak cost"``; ``retained`` and counts as they are."""
-    return f"{metric} cost" if metric in COST_METRICS else metric
 
 
 def failure_message(findings: Iterable[Finding]) -> str:
@@ -246,6 +238,8 @@ def _line(f: Finding) -> str:
     if f.status == "stale":
         return f"stale baseline: {f.test} no longer exists; baselines kept for {f.detail}; prune them"
     measured, reference = info.format_pair(f.measured, f.reference)  # never the same text for two values
+    compared = f"{f.metric} cost" if f.metric in COST_METRICS else f.metric  # retained and counts as they are
+    cost = f"{where}{compared} {measured}"
     if f.kind in ("limit", "budget"):
         bound = f"{f.kind} {reference}" + (f" ({f.detail})" if f.status != "n/a" and f.detail else "")
         if f.status == "n/a":
@@ -254,7 +248,7 @@ def _line(f: Finding) -> str:
                 "remove it where this figure cannot be measured"
             )
         verb = "is below the minimum" if info.higher_is_better else "exceeds the"
-        text = f"{where}{_compared(f.metric)} {measured} {verb} {bound} by {excess}"
+        text = f"{cost} {verb} {bound} by {excess}"
         if f.kind == "budget" and f.ratio is not None:
             text += f", {_factor(f.ratio)}x the theory"
         return text
@@ -262,7 +256,6 @@ def _line(f: Finding) -> str:
     if f.tolerance is not None and f.reference is not None:
         allowed = f.tolerance.allowed(f.reference)
         tolerance = f", tolerance {f.tolerance.describe(info)}" + (f" (±{info.format(allowed)})" if allowed else "")
-    cost = f"{where}{_compared(f.metric)} {measured}"
     if f.status == "regressed":
         text = f"{cost} regressed from baseline {reference} by {excess}{tolerance}"
         if f.changed:

@@ -116,14 +116,9 @@ def split_row_key(key: str) -> tuple[str, str | None]:
 
 
 def _flat_site(site: Site) -> dict[str, Any]:
-    return {
-        "key": site.key,
-        "file": site.file,
-        "function": site.function,
-        "line": site.line,
-        "offset": site.offset,
-        "code": site.code,
-    }
+    return dict(
+        key=site.key, file=site.file, function=site.function, line=site.line, offset=site.offset, code=site.code
+    )
 
 
 @dataclass(frozen=True)
@@ -211,26 +206,6 @@ class SiteProfile(Coded):
     note: str = ""
     by_category: bool = field(default=True, metadata=coded(missing=False))  # False: stored before rows split
 
-    @property
-    def peak(self) -> int:
-        """Bytes at the peak over every site (the listed and the rest)."""
-        return sum(s.peak for s in self.sites) + self.rest_peak
-
-    @property
-    def end(self) -> int:
-        return sum(s.end for s in self.sites) + self.rest_end
-
-    def by_key(self) -> dict[str, SiteFigures]:
-        """The rows by :attr:`SiteFigures.key` (site and category)."""
-        return {s.key: s for s in self.sites}
-
-    def categories(self, moment: str = "peak") -> dict[str, int]:
-        """Bytes by category at the ``"peak"`` (or ``"end"``) over the listed rows (the rest have none)."""
-        found = dict.fromkeys(CATEGORIES, 0)
-        for s in self.sites:
-            found[s.category] += s.peak if moment == "peak" else s.end
-        return found
-
     def top(self, count: int) -> SiteProfile:
         """The profile with its ``count`` largest sites listed, the others summed in the rest."""
         kept, left = self.sites[:count], self.sites[count:]
@@ -261,13 +236,9 @@ class SiteProfile(Coded):
             stored[left[0].key] = text
             used += size
             left.pop(0)
-        rest = (
-            sum(s.peak for s in left) + self.rest_peak,
-            sum(s.end for s in left) + self.rest_end,
-            len(left) + self.rest_sites,
-        )
-        if rest[2]:
-            stored[OTHER_SITES] = f"peak={rest[0]} end={rest[1]} n={rest[2]}"
+        rest = replace(self, sites=tuple(left)).top(0)
+        if rest.rest_sites:
+            stored[OTHER_SITES] = f"peak={rest.rest_peak} end={rest.rest_end} n={rest.rest_sites}"
         return stored
 
     @classmethod
@@ -290,10 +261,8 @@ class SiteProfile(Coded):
 
 def parse_sites_mode(value: object) -> str:
     """One of :data:`SITES_MODES` (``True`` is "always", ``False`` "off"); ``ValueError`` naming the value otherwise."""
-    if value is True:
-        return "always"
-    if value is False:
-        return "off"
+    if isinstance(value, bool):
+        return "always" if value else "off"
     text = value.strip().lower() if isinstance(value, str) else None
     if text not in SITES_MODES:
         raise ValueError(f"sites={value!r} is not one of {', '.join(map(repr, SITES_MODES))} (or True/False)")
@@ -315,20 +284,15 @@ def build_profile(
     rows: dict[tuple[str, int], _Row] = {}
     for site, phase, peak, end, examples in found:
         peak, end = peak or SiteCounts(), end or SiteCounts()
-        if not (peak.total or end.total):
-            continue
-        peak_counts, end_counts = peak.by_category_counts(), end.by_category_counts()
-        for index in range(len(CATEGORIES)):
-            at_peak, at_end = peak.nbytes[index], end.nbytes[index]
+        counts = zip(peak.nbytes, end.nbytes, peak.by_category_counts(), end.by_category_counts(), strict=True)
+        for index, (at_peak, at_end, peak_count, end_count) in enumerate(counts):
             if not (at_peak or at_end):
                 continue
-            row = rows.get((site.key, index))
-            if row is None:
-                row = rows[(site.key, index)] = _Row(site)
+            row = rows.setdefault((site.key, index), _Row(site))
             row.peak += at_peak
             row.end += at_end
-            row.peak_count += peak_counts[index]
-            row.end_count += end_counts[index]
+            row.peak_count += peak_count
+            row.end_count += end_count
             row.phases[phase] = row.phases.get(phase, 0) + max(at_peak, at_end)
             row.examples = tuple(dict.fromkeys(row.examples + examples))[:2]
     figures = []

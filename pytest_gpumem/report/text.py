@@ -27,16 +27,7 @@ from pytest_gpumem.report.cells import (
 )
 from pytest_gpumem.report.details import detail_tables, test_id
 from pytest_gpumem.report.site_tables import site_markdown
-from pytest_gpumem.tables import (
-    Col,
-    Table,
-    markdown_code,
-    markdown_text,
-    plain,
-    visible,
-    wrap,
-    wrap_items,
-)
+from pytest_gpumem.tables import Col, Table, markdown_code, markdown_text, plain, visible, wrap, wrap_items
 from pytest_gpumem.units import SizeError, format_percent, format_size, parse_size
 
 __all__ = [
@@ -108,17 +99,6 @@ class _Notes(dict[str, int]):
         return lines
 
 
-# --------------------------------------------------------------------------- cells
-
-
-def _plain_size(text: str) -> bool:
-    try:
-        parse_size(text)
-    except SizeError:
-        return False
-    return True
-
-
 def _limit_note(finding: Finding) -> str | None:
     """What the limit cell cannot say: a budget's expression and ratio, why a figure is n/a, where a limit came from."""
     info = metric_info(finding.metric)
@@ -130,8 +110,11 @@ def _limit_note(finding: Finding) -> str | None:
         used = "" if ratio is None else f", ×{ratio:.3f} used"
         expression = f"{finding.detail} = " if finding.detail else ""
         return f"{finding.metric} budget {expression}{value}{used}"
-    if finding.detail and not _plain_size(finding.detail) and finding.detail != value:
-        return f"{finding.metric} limit {finding.detail}"
+    if finding.detail and finding.detail != value:
+        try:
+            parse_size(finding.detail)
+        except SizeError:  # not a plain size: say where the limit came from
+            return f"{finding.metric} limit {finding.detail}"
     return None
 
 
@@ -257,10 +240,10 @@ def _legend(rows: Sequence[_Row]) -> list[str]:
     return lines
 
 
-def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markdown: bool = False) -> Table:
+def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int) -> Table:
     groups = grouped(
         (
-            visible(row.test if markdown else test_id(row.test, verbosity)),
+            visible(test_id(row.test, verbosity)),
             [
                 [
                     visible(cell) + (f" {notes.ref(visible(row.notes[i]))}" if i in row.notes else "")
@@ -298,7 +281,7 @@ def summary_table(
         below += wrap(text, width, "", "  ")
     if below:
         lines += ["", *below]
-    if verbosity > 0 and not (only_problems or verbosity < 0):
+    if verbosity > 0 and not only_problems:
         lines += detail_tables([(test_id(r.nodeid, verbosity), m) for r in records for m in r.measurements], width)
     return "\n".join(lines)
 
@@ -362,9 +345,6 @@ def _environment_lines(keys: Sequence[str], width: int | None) -> list[str]:
     return lines
 
 
-# --------------------------------------------------------------------------- Markdown
-
-
 def markdown_report(
     records: Iterable[RecordLike],
     *,
@@ -397,7 +377,7 @@ def markdown_report(
             lines += [f"<details><summary>{passing} test(s) passing on memory</summary>", ""]
         lines.append("| " + " | ".join(SUMMARY_HEADERS) + " |")
         lines.append("|" + "---|" * len(SUMMARY_HEADERS))
-        for title, cells in _summary_table(shown, notes, 0, markdown=True).groups:
+        for title, cells in _summary_table(shown, notes, 1).groups:  # full ids
             for row in cells:
                 lines.append("| " + " | ".join(markdown_text(cell) for cell in [title, *row]) + " |")
         if index:
