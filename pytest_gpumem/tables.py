@@ -1,8 +1,4 @@
-"""The one table engine: every table pytest-gpumem prints, fitted to a width in one place (no torch).
-
-:class:`Table` narrows and elides columns, leaves optional ones out, then shows one record per block; :func:`table` is
-the plain form, :func:`wrap` wraps prose to the same width.
-"""
+"""The one table engine: every table pytest-gpumem prints, fitted to a width in one place (no torch)."""
 
 from __future__ import annotations
 
@@ -62,7 +58,7 @@ def elide_middle(text: str, width: int) -> str:
         return ELLIPSIS[: max(width, 0)]
     keep = width - len(ELLIPSIS)
     tail = keep // 2
-    return text[: keep - tail] + ELLIPSIS + (text[len(text) - tail :] if tail else "")
+    return text[: keep - tail] + ELLIPSIS + text[len(text) - tail :]
 
 
 #: The rank a span is measured on, at the end of its name: ``call@rank1-of-2``, ``rank1-of-2``,
@@ -89,10 +85,8 @@ def elide_span(name: str, width: int) -> str:
 
 
 def elide_id(nodeid: str, width: int) -> str:
-    """A node id in at most ``width`` characters, keeping its function name and parametrize id.
-
-    The part before the name is elided in its middle, then dropped; then the name itself is elided.
-    """
+    """A node id in at most ``width`` characters, keeping its function name and parametrize id (the part before the
+    name is elided in its middle, then dropped; then the name itself is elided)."""
     if len(nodeid) <= width:
         return nodeid
     base, bracket, params = nodeid.partition("[")

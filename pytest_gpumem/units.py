@@ -1,8 +1,5 @@
-"""Parsing and formatting byte sizes.
-
-K, M, G and T are 1024-based with or without ``i`` (as GPU spec sheets and pytest-memray); units are case-insensitive,
-the ``B`` optional; a plain number is whole bytes, a fraction of a unit rounds to the byte.
-"""
+"""Parsing and formatting byte sizes: K, M, G and T are 1024-based with or without ``i`` (as GPU spec sheets and
+pytest-memray)."""
 
 from __future__ import annotations
 
@@ -68,10 +65,8 @@ def too_large(value: object) -> SizeError:
 
 
 def parse_size(value: object) -> int:
-    """Return the number of bytes ``value`` (an ``int`` ≥ 0 or a string such as ``"4GB"``, ``"1.5GiB"``) stands for.
-
-    Raises :class:`SizeError` for anything else, booleans and floats included (write ``"1.5KiB"`` or an ``int``).
-    """
+    """The bytes ``value`` (an ``int`` ≥ 0 or a string such as ``"4GB"``, ``"1.5GiB"``) stands for, else
+    :class:`SizeError` (booleans and floats included); a fraction of a unit rounds to the byte."""
     if isinstance(value, bool):
         raise SizeError(f"{value!r} is not a size: use an int number of bytes or a string like '4GiB'")
     if isinstance(value, int):
@@ -148,10 +143,8 @@ def format_sizes(*counts: int | None) -> tuple[str, ...]:
 
 
 def format_percent(numerator: int | None, denominator: int | None) -> str:
-    """Format ``numerator / denominator`` as a signed percentage, ``"n/a"`` when unknown.
-
-    Small changes keep two significant digits (never ``"+0.0%"``), 1000% or more reads as a factor (``"×8,192"``).
-    """
+    """``numerator / denominator`` as a signed percentage: two significant digits when small (never ``"+0.0%"``), a
+    factor from 1000% (``"×8,192"``)."""
     if numerator is None or denominator is None:
         return "n/a"
     if denominator == 0:

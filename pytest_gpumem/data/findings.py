@@ -1,7 +1,4 @@
-"""Findings: a figure compared with a limit, a budget or a baseline, and the words for it.
-
-The judge makes :class:`Finding` objects; the reports show them. Sizes are bytes unless a metric says otherwise.
-"""
+"""Findings: a figure compared with a limit, a budget or a baseline, and the words for it."""
 
 from __future__ import annotations
 
@@ -31,8 +28,6 @@ __all__ = [
 
 Kind = Literal["limit", "budget", "baseline"]
 Status = Literal["ok", "exceeded", "regressed", "improved", "new", "other-environment", "stale", "n/a"]
-
-# --------------------------------------------------------------------------- tolerance
 
 #: The largest percentage a tolerance may hold: 10,000 times the baseline (a figure may grow that much).
 MAX_PERCENT = 1_000_000
@@ -121,9 +116,6 @@ def parse_tolerance(text: str) -> Tolerance:
     return Tolerance(relative=float(relative or 0), absolute=absolute or 0)
 
 
-# --------------------------------------------------------------------------- limits and findings
-
-
 @dataclass(frozen=True)
 class Limit:
     """A stated bound on one figure of a span: ``value`` in the metric's unit, ``source`` as written, ``kind``
@@ -153,13 +145,8 @@ _DERIVED: dict[str, Callable[[Finding], object]] = {
 
 @dataclass(frozen=True)
 class Finding(Coded):
-    """The outcome of comparing one figure of one span with one reference.
-
-    ``status`` is ``"ok"``, ``"exceeded"``, ``"regressed"``, ``"improved"``, ``"new"``, ``"other-environment"``,
-    ``"stale"`` (span and metric ``"*"`` for a whole test) or ``"n/a"``; ``measured`` is the figure's cost; ``changed``
-    holds the breakdown categories a peak regression changed by, adding up to its change; ``strict`` makes the
-    informative statuses fail.
-    """
+    """The outcome of comparing one figure (its cost) of one span with one reference; ``changed``: the categories a
+    peak regression changed by; ``strict`` makes the informative statuses fail."""
 
     test: str
     span: str
@@ -206,9 +193,6 @@ class Finding(Coded):
             return self.kind != "baseline"
         informative = ("improved", "new", "other-environment", "stale")
         return self.status in ("exceeded", "regressed") or (self.strict and self.status in informative)
-
-
-# --------------------------------------------------------------------------- messages
 
 
 def failure_message(findings: Iterable[Finding]) -> str:

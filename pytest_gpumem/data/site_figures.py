@@ -1,8 +1,7 @@
 """Where the bytes of a span were made: :class:`Site`, :class:`SiteFigures` and :class:`SiteProfile` (no torch).
 
-A site is the innermost user-code frame of an allocating stack, named by file, function and the line's offset from the
-``def`` so stored profiles survive unrelated edits; the baseline file keeps one line per site.
-"""
+A site is the innermost user-code frame of an allocating stack, named by the line's offset from its ``def`` so stored
+profiles survive unrelated edits."""
 
 from __future__ import annotations
 
@@ -191,12 +190,8 @@ def parse_stored_site(key: str, value: object) -> SiteFigures:
 
 @dataclass(frozen=True)
 class SiteProfile(Coded):
-    """The sites of one span, one row per site and category, the largest first.
-
-    With the ``rest_*`` sums of the sites left out, the rows add up to the span's peak, end and breakdown (exactly on
-    the CPU engine). ``second_run``: they come from running the test again; ``by_category`` False for an older stored
-    profile.
-    """
+    """The sites of one span, one row per site and category, the largest first; with the ``rest_*`` sums of the sites
+    left out, they add up to the span's peak, end and breakdown."""
 
     sites: tuple[SiteFigures, ...] = ()
     rest_peak: int = field(default=0, metadata=coded(key="rest.peak"))
@@ -216,8 +211,6 @@ class SiteProfile(Coded):
             rest_end=self.rest_end + sum(s.end for s in left),
             rest_sites=self.rest_sites + len(left),
         )
-
-    # -- the baseline file's form ----------------------------------------------------------
 
     def to_stored(self, budget: int = SITES_BUDGET) -> dict[str, str]:
         """The profile as the baseline file keeps it: row key → :meth:`SiteFigures.stored`, the largest rows first up to

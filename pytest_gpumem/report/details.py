@@ -37,9 +37,6 @@ def test_id(nodeid: str, verbosity: int) -> str:
     return nodeid if verbosity > 0 else short_id(nodeid)
 
 
-# --------------------------------------------------------------------------- breakdown and phases
-
-
 def _times(text: str, phase: Phase) -> str:
     """``text`` with how many times ``phase`` ran, when more than once."""
     return text if phase.count == 1 else f"{text} ×{phase.count}"
@@ -121,8 +118,6 @@ def environment_notes(records: Iterable[RecordLike]) -> list[str]:
             notes.append(f"{short_id(record.nodeid)}: {one_line(other_environments(other.detail))}")
     return notes
 
-
-# --------------------------------------------------------------------------- failure messages
 
 _FIGURE_COLS = (
     Col("span", elastic=True, min_width=8, span=True),

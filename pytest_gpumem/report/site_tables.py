@@ -1,8 +1,5 @@
-"""Sites in the reports: which lines made the bytes that grew, in the terminal, the Markdown report and the HTML.
-
-A baseline failure shows the sites whose bytes changed, a limit or budget failure the largest sites; every table comes
-from :func:`site_tables`, so the three forms agree.
-"""
+"""Sites in the reports: which lines made the bytes that grew (a baseline failure) or the most bytes (a limit), in the
+terminal, the Markdown report and the HTML, all from :func:`site_tables`."""
 
 from __future__ import annotations
 
@@ -53,11 +50,7 @@ _COLS = (
 
 _MOMENT = {"peak": "peak", "reserved": "peak", "allocated": "end", "retained": "end"}
 _AT = {"peak": "at the peak", "end": "at the end"}
-_NOTES = {
-    "new": "new since the baseline",
-    "gone": "gone",
-    "unlisted": "not among the baseline's listed sites",
-}
+_NOTES = {"new": "new since the baseline", "gone": "gone", "unlisted": "not among the baseline's listed sites"}
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,5 @@
-"""Findings and measurements → text: the terminal summary, the tables in failure messages, the reports.
-
-Columns: **measured** the absolute figure, **cost** the figure minus the span's start (what limits and baselines
-compare; signed for net changes), **limit**, **baseline** (the recorded cost), **Δ**. A table too wide for the terminal
-elides names, moves test ids above their rows, drops columns, then narrows; long details become numbered notes.
-"""
+"""Findings and measurements → text: the terminal summary and the Markdown report; long details become numbered
+notes."""
 
 from __future__ import annotations
 
@@ -210,12 +206,8 @@ def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int)
 
 
 def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False, verbosity: int = 0) -> list[list[str]]:
-    """The summary's rows as text, one per test, span and metric, in :data:`SUMMARY_HEADERS` order.
-
-    What the summary table puts in notes follows its cell in parentheses. Tests with a problem come first; a zero
-    ``retained`` nothing checked shows only when ``verbosity`` > 0 (full node ids too); ``only_problems`` (or
-    ``verbosity`` < 0) keeps failing rows and errors.
-    """
+    """The summary's rows as text in :data:`SUMMARY_HEADERS` order, what the table puts in notes in parentheses after
+    its cell."""
     table = []
     for row in _rows(records, only_problems=only_problems, verbosity=verbosity):
         cells = [cell + (f" ({one_line(row.notes[i])})" if i in row.notes else "") for i, cell in enumerate(row.cells)]
@@ -264,11 +256,8 @@ def summary_table(
     verbosity: int = 0,
     environments: Sequence[str] = (),
 ) -> str:
-    """The terminal summary: one row per test, span and metric, notes and a legend below; "" when nothing to show.
-
-    Every line fits in ``width`` (``None``: no limit). ``verbosity`` is pytest's: below 0 only problems, above 0 full
-    node ids, every ``retained`` row and the breakdown and phases of each span.
-    """
+    """The terminal summary: one row per test, span and metric, notes and a legend below, every line in ``width``;
+    ``verbosity`` is pytest's (above 0: full ids, every ``retained`` row, the breakdown and phases)."""
     records = list(records)
     lines = _environment_lines(environments, width)
     rows = _rows(records, only_problems=only_problems, verbosity=verbosity)
@@ -303,11 +292,8 @@ def terminal_summary(
     pruning: bool = False,
     kept: Mapping[str, int] | None = None,
 ) -> str | None:
-    """The gpumem section at the end of a run; None when there is nothing to say.
-
-    ``environments`` maps each key to its device's library workspace bytes; ``baselines`` is ``(path, written)``;
-    ``kept`` counts tests whose baselines the run could not judge, by why.
-    """
+    """The gpumem section at the end of a run (None: nothing to say); ``environments``: each key's library workspace
+    bytes, ``baselines``: ``(path, written)``, ``kept``: tests whose baselines the run could not judge, by why."""
     quiet = verbosity < 0
     problems = any(record.failed for record in records) or any(f.failed for f in stale)
     if (not records and not stale and baselines is None) or (quiet and not problems):
@@ -352,10 +338,7 @@ def markdown_report(
     extra_findings: Sequence[Finding] = (),
     fold_passing: bool = False,
 ) -> str:
-    """A GitHub-flavoured Markdown report: the environment and the summary as one table (the terminal's columns).
-
-    ``fold_passing`` moves the passing tests' rows into a closed ``<details>`` block.
-    """
+    """A GitHub-flavoured Markdown report of the summary; ``fold_passing`` folds the passing tests' rows away."""
     records = list(records)
     rows = _rows(records, only_problems=False, verbosity=0)
     failed = sum(1 for record in records if record.failed)
