@@ -124,14 +124,8 @@ def wrap(text: str, width: int | None, first: str = "", rest: str = "") -> list[
     if width is None:
         return [plain(first + text)]
     first, rest = indents(width, first, rest)
-    lines = textwrap.wrap(
-        SIZE_RE.sub("\\1\xa0\\2", text),  # a size's number and unit stay on one line
-        width=max(width, 1),
-        initial_indent=first,
-        subsequent_indent=rest,
-        break_long_words=True,
-        break_on_hyphens=False,
-    )
+    text = SIZE_RE.sub("\\1\xa0\\2", text)  # a size's number and unit stay on one line
+    lines = textwrap.wrap(text, max(width, 1), initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)
     return [plain(line) for line in lines] or [first.rstrip()]
 
 
@@ -261,11 +255,10 @@ class Table:
                 for i, (col, cell) in enumerate(zip(self.cols, row, strict=True)):
                     if i < self.lead or i == self.status or not cell:
                         continue
-                    label = col.header if col.label is None else col.label
                     if col.joins and pairs:
                         pairs[-1] += f" ({cell})"
                     else:
-                        pairs.append(f"{label} {cell}".strip())
+                        pairs.append(f"{col.header if col.label is None else col.label} {cell}".strip())
                 items = [item for item in head if item] + [pair + "," for pair in pairs[:-1]] + pairs[-1:]
                 if items and not pairs:
                     items[-1] = items[-1].rstrip(":;")

@@ -125,16 +125,13 @@ def format_size(nbytes: int | None, precision: int = 2) -> str:
 
 def format_delta(nbytes: int | None, precision: int = 2) -> str:
     """Format a signed difference of bytes: ``"+1.50 MiB"``, ``"-512 B"``, ``"0 B"``."""
-    if nbytes is None:
-        return "n/a"
     text = format_size(nbytes, precision)
-    return text if nbytes <= 0 else "+" + text
+    return "+" + text if nbytes is not None and nbytes > 0 else text
 
 
 def format_sizes(*counts: int | None) -> tuple[str, ...]:
     """Format byte counts to read side by side: counts that differ never read the same (more decimals, then bytes)."""
-    known = [count for count in counts if count is not None]
-    distinct = len(set(known))
+    distinct = len({count for count in counts if count is not None})
     for precision in (2, 4):
         texts = tuple(format_size(count, precision) for count in counts)
         if len({text for text, count in zip(texts, counts, strict=True) if count is not None}) == distinct:

@@ -105,13 +105,10 @@ _ROW_RE = re.compile(r"^(?P<site>.*) (?P<category>[a-z_]+)$")
 def split_row_key(key: str) -> tuple[str, str | None]:
     """A stored row's key as (site key, category): ``"t.py:f+3 gradients"``; an older one-row-a-site key has None."""
     match = _ROW_RE.match(key)
-    if (
-        match is not None
-        and match["category"] in CATEGORIES
-        and (_KEY_RE.match(match["site"]) or match["site"] in _PSEUDO)
-    ):
-        return match["site"], match["category"]
-    return key, None
+    if match is None or match["category"] not in CATEGORIES:
+        return key, None
+    site = match["site"]
+    return (site, match["category"]) if _KEY_RE.match(site) or site in _PSEUDO else (key, None)
 
 
 def _flat_site(site: Site) -> dict[str, Any]:
@@ -177,15 +174,9 @@ def parse_stored_site(key: str, value: object) -> SiteFigures:
     if phase and phase not in PHASES:
         raise ValueError(f"site {key!r}: unknown phase {phase!r} (one of {', '.join(PHASES)}, or -)")
     examples = tuple(e.strip() for e in (match["examples"] or "").split(";") if e.strip())
-    return SiteFigures(
-        Site.from_key(site_key, match["code"] or ""),
-        int(match["peak"]),
-        int(match["end"]),
-        int(match["count"]),
-        category,
-        phase,
-        examples,
-    )
+    site = Site.from_key(site_key, match["code"] or "")
+    peak, end, count = int(match["peak"]), int(match["end"]), int(match["count"])
+    return SiteFigures(site, peak, end, count, category, phase, examples)
 
 
 @dataclass(frozen=True)
@@ -340,5 +331,4 @@ class SiteCounts:
 
     @property
     def category(self) -> str:
-        best = max(range(len(CATEGORIES)), key=lambda i: (self.nbytes[i], -i))
-        return CATEGORIES[best]
+        return CATEGORIES[max(range(len(CATEGORIES)), key=lambda i: (self.nbytes[i], -i))]

@@ -153,18 +153,20 @@ def _table(span: str, moment: str, diff: SiteDiff | None, measurement: Measureme
             else f"(none of {diff.compared} sites changed {_AT[moment]}: the start or what the sites miss moved)"
         )
         title = f"{where}{_AT[moment]}, against the baseline (sites by growth):"
-        sizes = [(getattr(c, f"before_{moment}"), getattr(c, f"after_{moment}")) for c in diff.at(moment)]
+        sizes: list[tuple[int | None, int]] = [
+            (getattr(c, f"before_{moment}"), getattr(c, f"after_{moment}")) for c in diff.at(moment)
+        ]
         return SiteTable(span, moment, title, rows, footer, _second_run(diff), sizes=sizes)
     if measurement is None or measurement.sites is None:
         return None
     profile = measurement.sites
-    size = attrgetter(moment)  # the bytes of a site (or of the rest) at the moment
+    size = attrgetter(moment)  # a site's bytes at the moment
     largest = [(s, size(s)) for s in sorted(profile.sites, key=lambda s: -size(s)) if size(s) and s.site.key != BEFORE]
     rows = [_cells(figures, format_size(nbytes), held_by(figures, nbytes)) for figures, nbytes in largest]
     rest = getattr(profile, f"rest_{moment}")
     footer = f"({len(rows)} sites; {profile.rest_sites} more hold {format_size(rest)})" if profile.rest_sites else ""
     title = f"{where}{_AT[moment]}, the largest sites:"
-    sizes: list[tuple[int | None, int]] = [(None, nbytes) for _, nbytes in largest]
+    sizes = [(None, nbytes) for _, nbytes in largest]
     return SiteTable(span, moment, title, rows, footer, _second_run(profile), changes=False, sizes=sizes)
 
 

@@ -174,35 +174,36 @@ def _metric_row(
     return _Row(test, any(f.failed for f in findings), cells, notes)
 
 
-def _unmeasured_row(test: str, finding: Finding) -> _Row:
-    """A recorded span the run did not measure (a renamed or removed ``measure()`` block)."""
-    cells = [finding.span, "", "", "", "", "", "", "", finding.status]
-    return _Row(test, finding.failed, cells, {_CELL["status"]: "the span was recorded, not measured by this run"})
+def _status_row(test: str, failed: bool, span: str, status: str, note: str) -> _Row:
+    """A row of a span and a status alone, the note below the table: an error, or a span recorded, not measured."""
+    return _Row(test, failed, [span, *[""] * (len(_CELL) - 2), status], {_CELL["status"]: note})
 
 
 def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int) -> list[_Row]:
     """The summary's rows: tests with a problem first, and in each test its problem rows first."""
-    tests: list[tuple[bool, list[_Row]]] = []
+    tests: list[list[_Row]] = []
     for record in records:
-        error = [""] * (len(_CELL) - 1) + ["error"]
-        rows = [_Row(record.nodeid, True, list(error), {_CELL["status"]: text}) for text in record.errors]
+        rows = [_status_row(record.nodeid, True, "", "error", text) for text in record.errors]
         for measurement in record.measurements:
-            findings = [f for f in record.findings if f.span == measurement.name]
             for metric in METRICS + COUNT_METRICS:
-                row = _metric_row(
-                    record.nodeid, measurement, metric, [f for f in findings if f.metric == metric], verbosity
-                )
+                findings = [f for f in record.findings if (f.span, f.metric) == (measurement.name, metric)]
+                row = _metric_row(record.nodeid, measurement, metric, findings, verbosity)
                 if row is not None:
                     rows.append(row)
-        spans = {measurement.name for measurement in record.measurements}
-        rows += [_unmeasured_row(record.nodeid, f) for f in record.findings if f.span not in spans and f.span != "*"]
+        spans = {measurement.name for measurement in record.measurements} | {"*"}
+        unmeasured = "the span was recorded, not measured by this run"  # a renamed or removed measure() block
+        rows += [
+            _status_row(record.nodeid, f.failed, f.span, f.status, unmeasured)
+            for f in record.findings
+            if f.span not in spans
+        ]
         if only_problems or verbosity < 0:
             rows = [row for row in rows if row.failed]
         rows.sort(key=lambda row: not row.failed)  # stable: the order of spans and metrics stays
         if rows:
-            tests.append((any(row.failed for row in rows), rows))
-    tests.sort(key=lambda item: not item[0])
-    return [row for _, rows in tests for row in rows]
+            tests.append(rows)
+    tests.sort(key=lambda rows: not rows[0].failed)  # a test's failed rows come first
+    return [row for rows in tests for row in rows]
 
 
 def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False, verbosity: int = 0) -> list[list[str]]:
