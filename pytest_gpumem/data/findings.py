@@ -66,15 +66,12 @@ class Tolerance(Coded):
 
     def describe(self, info: MetricInfo | None = None) -> str:
         """``"2%"``, ``"1.00 MiB"``, ``"2% or 1.00 MiB, whichever is larger"`` or ``"0 (exact)"``."""
-        info = info or MetricInfo("")
-        percent = f"{(Decimal(repr(self.relative)) * 100).normalize():f}%"
-        if self.relative and self.absolute:
-            return f"{percent} or {info.format(self.absolute)}, whichever is larger"
-        if self.relative:
-            return percent
+        parts = [f"{(Decimal(repr(self.relative)) * 100).normalize():f}%"] if self.relative else []
         if self.absolute:
-            return info.format(self.absolute)
-        return "0 (exact)"
+            parts.append((info or MetricInfo("")).format(self.absolute))
+        if len(parts) == 2:
+            return f"{parts[0]} or {parts[1]}, whichever is larger"
+        return parts[0] if parts else "0 (exact)"
 
     def __str__(self) -> str:
         return self.describe()

@@ -214,12 +214,10 @@ class SiteProfile(Coded):
             row = left[0]
             text = row.stored() if row.site.key not in coded else replace(row, site=replace(row.site, code="")).stored()
             coded.add(row.site.key)
-            size = len(row.key) + len(text) + 24  # quotes, colon, indent, comma, newline
-            if used + size > budget and stored:
+            used += len(row.key) + len(text) + 24  # quotes, colon, indent, comma, newline
+            if used > budget and stored:
                 break
-            stored[left[0].key] = text
-            used += size
-            left.pop(0)
+            stored[left.pop(0).key] = text
         rest = replace(self, sites=tuple(left)).top(0)
         if rest.rest_sites:
             stored[OTHER_SITES] = f"peak={rest.rest_peak} end={rest.rest_end} n={rest.rest_sites}"

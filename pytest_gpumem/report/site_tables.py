@@ -72,17 +72,8 @@ class SiteTable:
 def _cells(figures: SiteFigures, change: str, note: str) -> list[str]:
     """A row of :data:`SITE_HEADERS`."""
     example = figures.examples[0] if figures.examples else ""
-    site = figures.site
-    return [
-        change,
-        figures.category or "-",
-        figures.phase,
-        site.where(),
-        site.code,
-        str(figures.count or ""),
-        example,
-        note,
-    ]
+    site = [figures.site.where(), figures.site.code]
+    return [change, figures.category or "-", figures.phase, *site, str(figures.count or ""), example, note]
 
 
 _OPTION = re.compile(r" \(\w+=[^()]*\)$")
@@ -106,16 +97,6 @@ def held_by(figures: SiteFigures, delta: int) -> str:
     else:
         names = [f"{name} ({format_size(nbytes)})" for name, nbytes in holders[:2]]
     return "held by " + ", ".join(names)
-
-
-def change_rows(diff: SiteDiff, moment: str) -> list[list[str]]:
-    rows = []
-    for change in diff.at(moment):
-        delta = change.delta(moment)
-        text = format_delta(delta) if change.status != "unlisted" else f"({format_delta(delta)})"
-        notes = [_NOTES.get(change.status, ""), held_by(change.figures, delta)]
-        rows.append(_cells(change.figures, text, "; ".join(note for note in notes if note)))
-    return rows
 
 
 def _second_run(profile: SiteProfile | SiteDiff) -> str:
@@ -145,7 +126,12 @@ def site_tables(record: RecordLike, *, error: bool = False) -> list[SiteTable]:
 def _table(span: str, moment: str, diff: SiteDiff | None, measurement: Measurement | None) -> SiteTable | None:
     where = "" if span == "call" else f"[{span}] "
     if diff is not None:
-        rows = change_rows(diff, moment)
+        rows = []
+        for change in diff.at(moment):
+            delta = change.delta(moment)
+            text = format_delta(delta) if change.status != "unlisted" else f"({format_delta(delta)})"
+            notes = [_NOTES.get(change.status, ""), held_by(change.figures, delta)]
+            rows.append(_cells(change.figures, text, "; ".join(note for note in notes if note)))
         changed = len(rows)
         footer = (
             f"({changed} of {diff.compared} sites changed; the rest are as recorded)"

@@ -102,8 +102,7 @@ def _limit_note(finding: Finding) -> str | None:
     if finding.status == "n/a":
         return f"{finding.metric} {finding.kind} {value} cannot be checked: {finding.detail or 'figure unknown'}"
     if finding.kind == "budget":
-        ratio = finding.ratio
-        used = "" if ratio is None else f", ×{ratio:.3f} used"
+        used = "" if finding.ratio is None else f", ×{finding.ratio:.3f} used"
         expression = f"{finding.detail} = " if finding.detail else ""
         return f"{finding.metric} budget {expression}{value}{used}"
     if finding.detail and finding.detail != value:
