@@ -111,12 +111,8 @@ def detail_tables(
 
 def environment_notes(records: Iterable[RecordLike]) -> list[str]:
     """One line per test whose baselines exist only for other environments, naming them."""
-    notes = []
-    for record in records:
-        other = next((f for f in record.findings if f.status == "other-environment"), None)
-        if other is not None:
-            notes.append(f"{short_id(record.nodeid)}: {one_line(other_environments(other.detail))}")
-    return notes
+    others = [(r, next((f for f in r.findings if f.status == "other-environment"), None)) for r in records]
+    return [f"{short_id(r.nodeid)}: {one_line(other_environments(f.detail))}" for r, f in others if f is not None]
 
 
 _FIGURE_COLS = (

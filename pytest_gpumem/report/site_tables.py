@@ -113,14 +113,12 @@ def site_tables(record: RecordLike, *, error: bool = False) -> list[SiteTable]:
         if finding.failed and moment is not None and moment not in moments.setdefault(finding.span, []):
             moments[finding.span].append(moment)
     spans = {m.name: m for m in record.measurements}
-    tables = []
-    for span, wanted in moments.items():
-        measurement = spans.get(span)
-        for moment in wanted:
-            table = _table(span, moment, record.site_changes.get(span), measurement)
-            if table is not None:
-                tables.append(table)
-    return tables
+    tables = [
+        _table(span, moment, record.site_changes.get(span), spans.get(span))
+        for span, wanted in moments.items()
+        for moment in wanted
+    ]
+    return [table for table in tables if table is not None]
 
 
 def _table(span: str, moment: str, diff: SiteDiff | None, measurement: Measurement | None) -> SiteTable | None:
@@ -171,7 +169,7 @@ def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int =
         lines += wrap(table.title, width)
         if rows:
             cols = _COLS if table.changes else (Col("bytes", right=True), *_COLS[1:])
-            rendered = Table(cols, [("", rows)], lead=1).render(None if width is None else width - 2)
+            rendered = Table(cols, [("", rows)]).render(None if width is None else width - 2)
             lines += ["  " + line for line in rendered]
         left = len(table.rows) - len(rows)
         footer = table.footer + (f" ({left} more with -v)" if left else "")

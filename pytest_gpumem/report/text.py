@@ -348,9 +348,8 @@ def markdown_report(
     lines.append(f"{len(records)} measured test(s), {failed} failing on memory.")
     notes = _Notes()
     failing = {row.test for row in rows if row.failed}
-    tables = [rows]
-    if fold_passing:
-        tables = [[row for row in rows if row.test in failing], [row for row in rows if row.test not in failing]]
+    folded = [[row for row in rows if row.test in failing], [row for row in rows if row.test not in failing]]
+    tables = folded if fold_passing else [rows]
     for index, shown in enumerate(tables):
         if not shown and (index or len(tables) > 1):
             continue
@@ -358,11 +357,9 @@ def markdown_report(
         if index:
             passing = len({row.test for row in shown})
             lines += [f"<details><summary>{passing} test(s) passing on memory</summary>", ""]
-        lines.append("| " + " | ".join(SUMMARY_HEADERS) + " |")
-        lines.append("|" + "---|" * len(SUMMARY_HEADERS))
+        lines += ["| " + " | ".join(SUMMARY_HEADERS) + " |", "|" + "---|" * len(SUMMARY_HEADERS)]
         for title, cells in _summary_table(shown, notes, 1).groups:  # full ids
-            for row in cells:
-                lines.append("| " + " | ".join(markdown_text(cell) for cell in [title, *row]) + " |")
+            lines += ["| " + " | ".join(markdown_text(cell) for cell in [title, *row]) + " |" for row in cells]
         if index:
             lines += ["", "</details>"]
     below = [f"- [{number}] {markdown_text(one_line(text), cell=False)}" for text, number in notes.items()]
