@@ -82,19 +82,18 @@ def parse_size(value: object) -> int:
     if not isinstance(value, str):
         raise SizeError(f"{value!r} is not a size: expected an int or a string like '4GiB', got {type(value).__name__}")
     text = value.strip()
+    bad = f"{value!r} is not a size"
     if not text:
         raise SizeError("'' is not a size: the string is empty")
     if text.startswith(("-", "+")):
         sign = "negative" if text.startswith("-") else "signed"
-        raise SizeError(f"{value!r} is not a size: {sign} sizes are not allowed")
+        raise SizeError(f"{bad}: {sign} sizes are not allowed")
     match = _SIZE_RE.match(text)
     if match is None:
-        raise SizeError(
-            f"{value!r} is not a size: expected a number and a unit such as '4GiB', '512 MiB', '300KB' or '0B'"
-        )
+        raise SizeError(f"{bad}: expected a number and a unit such as '4GiB', '512 MiB', '300KB' or '0B'")
     prefix = match["prefix"].upper()
     if match["i"] and not prefix:
-        raise SizeError(f"{value!r} is not a size: 'i' must follow K, M, G or T")
+        raise SizeError(f"{bad}: 'i' must follow K, M, G or T")
     whole, _, fraction = match["number"].partition(".")
     if len(whole.lstrip("0")) > _MAX_DIGITS:
         raise too_large(value)

@@ -84,31 +84,28 @@ def parse_tolerance(text: str) -> Tolerance:
         raise ValueError(f"invalid tolerance {shown(text)}: expected a string like '2%', '1MiB' or '2%,1MiB'")
     if not text.strip():
         raise ValueError(f"invalid tolerance {text!r}: the string is empty; write e.g. '2%', '1MiB' or '2%,1MiB'")
+    invalid = f"invalid tolerance {shown(text)}"
     relative: Decimal | None = None
     absolute: int | None = None
     for part in (piece.strip() for piece in text.split(",")):
         if not part:
-            raise ValueError(f"invalid tolerance {shown(text)}: empty part; write e.g. '2%,1MiB'")
+            raise ValueError(f"{invalid}: empty part; write e.g. '2%,1MiB'")
         if part.endswith("%"):
             match = _PERCENT_RE.match(part)
             if match is None:
-                raise ValueError(
-                    f"invalid tolerance {shown(text)}: {shown(part)} is not a percentage such as '2%' or '0.5%'"
-                )
+                raise ValueError(f"{invalid}: {shown(part)} is not a percentage such as '2%' or '0.5%'")
             if relative is not None:
-                raise ValueError(f"invalid tolerance {shown(text)}: more than one percentage")
+                raise ValueError(f"{invalid}: more than one percentage")
             if len(match[1].partition(".")[0].lstrip("0")) > 7 or Decimal(match[1]) > MAX_PERCENT:
-                raise ValueError(
-                    f"invalid tolerance {shown(text)}: {shown(part)} is too large (at most {MAX_PERCENT:,}%)"
-                )
+                raise ValueError(f"{invalid}: {shown(part)} is too large (at most {MAX_PERCENT:,}%)")
             relative = Decimal(match[1]) / 100
         else:
             try:
                 size = parse_size(part)
             except SizeError as exc:
-                raise ValueError(f"invalid tolerance {shown(text)}: {exc}") from None
+                raise ValueError(f"{invalid}: {exc}") from None
             if absolute is not None:
-                raise ValueError(f"invalid tolerance {shown(text)}: more than one size")
+                raise ValueError(f"{invalid}: more than one size")
             absolute = size
     return Tolerance(relative=float(relative or 0), absolute=absolute or 0)
 

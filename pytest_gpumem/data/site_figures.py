@@ -157,22 +157,21 @@ _STORED_RE = re.compile(
 
 def parse_stored_site(key: str, value: object) -> SiteFigures:
     """One stored site's row (``key``: ``value``) read back; ``ValueError`` saying what is wrong otherwise."""
+    where = f"site {key!r}"
     if not isinstance(value, str):
-        raise ValueError(f"site {key!r}: expected a string such as 'peak=1024 end=0 n=1 activations forward'")
+        raise ValueError(f"{where}: expected a string such as 'peak=1024 end=0 n=1 activations forward'")
     match = _STORED_RE.match(value)
     if match is None:
-        raise ValueError(
-            f"site {key!r}: {value[:60]!r} is not 'peak=<bytes> end=<bytes> n=<count> <category> <phase> ...'"
-        )
+        raise ValueError(f"{where}: {value[:60]!r} is not 'peak=<bytes> end=<bytes> n=<count> <category> <phase> ...'")
     category = match["category"] or "other"
     phase = "" if match["phase"] in (None, "-") else match["phase"]
     if key != OTHER_SITES and category not in CATEGORIES:
-        raise ValueError(f"site {key!r}: unknown category {category!r} (one of {', '.join(CATEGORIES)})")
+        raise ValueError(f"{where}: unknown category {category!r} (one of {', '.join(CATEGORIES)})")
     site_key, row_category = split_row_key(key)
     if row_category is not None and row_category != category:
-        raise ValueError(f"site {key!r}: the key's category {row_category!r} is not the figures' {category!r}")
+        raise ValueError(f"{where}: the key's category {row_category!r} is not the figures' {category!r}")
     if phase and phase not in PHASES:
-        raise ValueError(f"site {key!r}: unknown phase {phase!r} (one of {', '.join(PHASES)}, or -)")
+        raise ValueError(f"{where}: unknown phase {phase!r} (one of {', '.join(PHASES)}, or -)")
     examples = tuple(e.strip() for e in (match["examples"] or "").split(";") if e.strip())
     site = Site.from_key(site_key, match["code"] or "")
     peak, end, count = int(match["peak"]), int(match["end"]), int(match["count"])

@@ -42,8 +42,9 @@ def _times(text: str, phase: Phase) -> str:
     return text if phase.count == 1 else f"{text} ×{phase.count}"
 
 
-def _psi(measurement: Measurement) -> str:
-    return "" if measurement.psi is None else f"{measurement.psi:,}"
+def _saved(m: Measurement) -> list[str]:
+    """Its bytes saved for backward and its Ψ."""
+    return [format_size(m.saved_activations), "" if m.psi is None else f"{m.psi:,}"]
 
 
 def _categories(measurement: Measurement) -> list[str]:
@@ -58,8 +59,7 @@ def breakdown_rows(measurements: Sequence[tuple[str, Measurement]], *, phases: b
     for test, m in measurements:
         if m.breakdown is not None or m.phases:
             peaks = [_times(format_size(m.phases[p].peak), m.phases[p]) if p in m.phases else "" for p in PHASES]
-            saved = [format_size(m.saved_activations), _psi(m)]
-            rows.append([short_id(test), m.name, *_categories(m), *(peaks if phases else ()), *saved])
+            rows.append([short_id(test), m.name, *_categories(m), *(peaks if phases else ()), *_saved(m)])
     return rows
 
 
@@ -86,7 +86,7 @@ def _phase_cells(measurement: Measurement) -> list[list[str]]:
 
 
 def _breakdown_cells(m: Measurement) -> list[list[str]]:
-    return [] if m.breakdown is None else [[m.name, *_categories(m), format_size(m.saved_activations), _psi(m)]]
+    return [] if m.breakdown is None else [[m.name, *_categories(m), *_saved(m)]]
 
 
 def detail_tables(

@@ -246,13 +246,8 @@ def site_diff_rows(diff: SiteDiff, *, exact: bool = False) -> list[list[str]]:
     """The sites that changed between two stored profiles: site, code, status, Δ at the peak, Δ at the end."""
     order = {id(c): i for i, c in enumerate(diff.at("peak") + [c for c in diff.at("end") if not c.delta("peak")])}
     changes = sorted(diff.changes, key=lambda c: order.get(id(c), len(order)))
-    return [
-        [
-            c.figures.site.key,
-            c.figures.site.code,
-            _NOTES.get(c.status, "changed"),
-            _bytes(c.delta("peak"), exact, signed=True),
-            _bytes(c.delta("end"), exact, signed=True),
-        ]
-        for c in changes
-    ]
+    rows = []
+    for c in changes:
+        deltas = [_bytes(c.delta(moment), exact, signed=True) for moment in ("peak", "end")]
+        rows.append([c.figures.site.key, c.figures.site.code, _NOTES.get(c.status, "changed"), *deltas])
+    return rows
