@@ -159,14 +159,11 @@ def column_widths(
 ) -> list[int] | None:
     """Column widths that fit ``width``, elastic columns narrowed in order (not below ``min_width`` nor their
     header); None when impossible."""
-    natural = natural_widths(cols, rows)
-    excess = 0 if width is None else sum(natural) + len(sep) * (len(cols) - 1) - width
-    widths = list(natural)
+    widths = natural_widths(cols, rows)
+    excess = 0 if width is None else sum(widths) + len(sep) * (len(cols) - 1) - width
     for i, col in enumerate(cols):
-        if excess <= 0:
-            break
-        if col.elastic:
-            floor = min(natural[i], max(col.min_width, len(col.header)))
+        if col.elastic and excess > 0:
+            floor = min(widths[i], max(col.min_width, len(col.header)))
             if col.span:
                 floor = max([floor, *(span_floor(row[i]) for row in rows)])
             cut = min(excess, widths[i] - floor)

@@ -310,8 +310,7 @@ class SiteCounts:
         return sum(self.nbytes)
 
     def add(self, other: SiteCounts) -> None:
-        for i, nbytes in enumerate(other.nbytes):
-            self.nbytes[i] += nbytes
+        self.nbytes[:] = [mine + theirs for mine, theirs in zip(self.nbytes, other.nbytes, strict=True)]
         self.count += other.count
         if other.tensors is not None or self.tensors is not None:
             mine, theirs = self.by_category_counts(), other.by_category_counts()
@@ -322,8 +321,7 @@ class SiteCounts:
         if self.tensors is not None:
             return list(self.tensors)
         found = [0] * len(CATEGORIES)
-        if self.count:
-            found[CATEGORIES.index(self.category)] = self.count
+        found[CATEGORIES.index(self.category)] = self.count
         return found
 
     @property

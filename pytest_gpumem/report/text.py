@@ -221,11 +221,8 @@ def _legend(rows: Sequence[_Row]) -> list[str]:
     lines = [LEGEND_COST]
     if any(row.cells[_CELL["Δ"]] for row in rows):
         lines[0] += "; " + LEGEND_DELTA
-    signed = (_CELL["cost"], _CELL["baseline"])
-    if any(
-        row.cells[_CELL["metric"]] in SIGNED_METRICS and any(row.cells[i].startswith("-") for i in signed)
-        for row in rows
-    ):
+    negative = [row for row in rows if any(row.cells[_CELL[name]].startswith("-") for name in ("cost", "baseline"))]
+    if any(row.cells[_CELL["metric"]] in SIGNED_METRICS for row in negative):
         lines.append(LEGEND_SIGNED)
     shown = {row.cells[_CELL["status"]] for row in rows}
     lines += [text for status, text in STATUS_TEXT.items() if status in shown]
