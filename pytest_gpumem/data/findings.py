@@ -160,24 +160,18 @@ class Finding(Coded):
     @property
     def delta(self) -> int | None:
         """``measured - reference`` (in the metric's unit); ``None`` when either is unknown."""
-        if self.measured is None or self.reference is None:
-            return None
-        return self.measured - self.reference
+        return None if self.measured is None or self.reference is None else self.measured - self.reference
 
     @property
     def delta_pct(self) -> float | None:
         """:attr:`delta` as a percentage of :attr:`reference`; ``None`` when unknown or the reference is 0."""
         delta = self.delta
-        if delta is None or not self.reference:
-            return None
-        return 100.0 * delta / self.reference
+        return None if delta is None or not self.reference else 100.0 * delta / self.reference
 
     @property
     def ratio(self) -> float | None:
         """``measured / reference`` (for budgets: measured over theory); ``None`` when unknown or reference is 0."""
-        if self.measured is None or not self.reference:
-            return None
-        return self.measured / self.reference
+        return None if self.measured is None or not self.reference else self.measured / self.reference
 
     @property
     def failed(self) -> bool:

@@ -160,9 +160,8 @@ def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int =
     lines: list[str] = []
     for table in site_tables(record, error=error):
         if verbosity < 0:
-            if table.rows:
-                first = table.rows[0]
-                text = f"{table.title.rstrip(':')}: {first[0]} {first[1]} {first[2]} {first[3]}".replace("  ", " ")
+            if table.rows:  # change, category, phase and site of the first row
+                text = f"{table.title.rstrip(':')}: {' '.join(table.rows[0][:4])}".replace("  ", " ")
                 lines += wrap(text.strip(), width)
             continue
         rows = table.rows if verbosity > 0 else table.rows[:SHOWN]
@@ -173,9 +172,8 @@ def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int =
             lines += ["  " + line for line in rendered]
         left = len(table.rows) - len(rows)
         footer = table.footer + (f" ({left} more with -v)" if left else "")
-        for text in (footer, table.second_run):
-            if text:
-                lines += wrap(text, width, "  ", "  ")
+        for text in filter(None, (footer, table.second_run)):
+            lines += wrap(text, width, "  ", "  ")
     return [visible(line) for line in lines]
 
 

@@ -131,12 +131,9 @@ def _percent(baseline: Finding) -> str:
 def _metric_row(
     test: str, measurement: Measurement, metric: str, findings: Sequence[Finding], verbosity: int
 ) -> _Row | None:
-    value = measurement.figure(metric)
-    if value is None and not findings:
-        return None
-    info = metric_info(metric)
-    if info.whole_call and not findings and not value and verbosity < 1:
-        return None  # nothing retained and nothing asked: shown with -v
+    info, value = metric_info(metric), measurement.figure(metric)
+    if not findings and (value is None or (info.whole_call and not value and verbosity < 1)):
+        return None  # nothing to show (nothing retained and nothing asked: shown with -v)
     limit = min((f for f in findings if f.kind in ("limit", "budget")), key=lambda f: not f.failed, default=None)
     baseline = next((f for f in findings if f.kind == "baseline"), None)
     order = {status: i for i, status in enumerate(STATUS_ORDER)}
