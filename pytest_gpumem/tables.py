@@ -1,15 +1,11 @@
-"""The one table engine: every table pytest-gpumem prints, fitted to a width in one place (no torch).
-
-:class:`Table` narrows and elides columns, leaves optional ones out, then shows one record per block; :func:`table` is
-the plain form, :func:`wrap` wraps prose to the same width.
-"""
+"""The one table engine: every table pytest-gpumem prints, fitted to a width in one place (no torch)."""
 
 from __future__ import annotations
 
 import re
 import textwrap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "ELLIPSIS",
@@ -62,7 +58,7 @@ def elide_middle(text: str, width: int) -> str:
         return ELLIPSIS[: max(width, 0)]
     keep = width - len(ELLIPSIS)
     tail = keep // 2
-    return text[: keep - tail] + ELLIPSIS + (text[len(text) - tail :] if tail else "")
+    return text[: keep - tail] + ELLIPSIS + text[len(text) - tail :]
 
 
 #: The rank a span is measured on, at the end of its name: ``call@rank1-of-2``, ``rank1-of-2``,
@@ -89,10 +85,8 @@ def elide_span(name: str, width: int) -> str:
 
 
 def elide_id(nodeid: str, width: int) -> str:
-    """A node id in at most ``width`` characters, keeping its function name and parametrize id.
-
-    The part before the name is elided in its middle, then dropped; then the name itself is elided.
-    """
+    """A node id in at most ``width`` characters, keeping its function name and parametrize id (the part before the
+    name is elided in its middle, then dropped; then the name itself is elided)."""
     if len(nodeid) <= width:
         return nodeid
     base, bracket, params = nodeid.partition("[")
@@ -130,14 +124,8 @@ def wrap(text: str, width: int | None, first: str = "", rest: str = "") -> list[
     if width is None:
         return [plain(first + text)]
     first, rest = indents(width, first, rest)
-    lines = textwrap.wrap(
-        SIZE_RE.sub("\\1\xa0\\2", text),  # a size's number and unit stay on one line
-        width=max(width, 1),
-        initial_indent=first,
-        subsequent_indent=rest,
-        break_long_words=True,
-        break_on_hyphens=False,
-    )
+    text = SIZE_RE.sub("\\1\xa0\\2", text)  # a size's number and unit stay on one line
+    lines = textwrap.wrap(text, max(width, 1), initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)
     return [plain(line) for line in lines] or [first.rstrip()]
 
 
@@ -162,19 +150,20 @@ def fit(text: str, width: int, col: Col) -> str:
     return text.rjust(width) if col.right else text.ljust(width)
 
 
+def natural_widths(cols: Sequence[Col], rows: Sequence[Sequence[str]]) -> list[int]:
+    return [max([len(col.header), *(len(row[i]) for row in rows)]) for i, col in enumerate(cols)]
+
+
 def column_widths(
     cols: Sequence[Col], rows: Sequence[Sequence[str]], width: int | None, sep: str = SEP
 ) -> list[int] | None:
     """Column widths that fit ``width``, elastic columns narrowed in order (not below ``min_width`` nor their
     header); None when impossible."""
-    natural = [max([len(col.header), *(len(row[i]) for row in rows)]) for i, col in enumerate(cols)]
-    excess = 0 if width is None else sum(natural) + len(sep) * (len(cols) - 1) - width
-    widths = list(natural)
+    widths = natural_widths(cols, rows)
+    excess = 0 if width is None else sum(widths) + len(sep) * (len(cols) - 1) - width
     for i, col in enumerate(cols):
-        if excess <= 0:
-            break
-        if col.elastic:
-            floor = min(natural[i], max(col.min_width, len(col.header)))
+        if col.elastic and excess > 0:
+            floor = min(widths[i], max(col.min_width, len(col.header)))
             if col.span:
                 floor = max([floor, *(span_floor(row[i]) for row in rows)])
             cut = min(excess, widths[i] - floor)
@@ -204,12 +193,11 @@ class Table:
 
     def _keep(self, keep: Sequence[int]) -> Table:
         """The table with only the columns at ``keep``; the naming columns and the status are always kept."""
-        return Table(
-            [self.cols[i] for i in keep],
-            [(title, [[row[i] for i in keep] for row in group]) for title, group in self.groups],
-            self.title,
-            self.lead,
-            None if self.status is None else list(keep).index(self.status),
+        return replace(
+            self,
+            cols=[self.cols[i] for i in keep],
+            groups=[(title, [[row[i] for i in keep] for row in group]) for title, group in self.groups],
+            status=None if self.status is None else list(keep).index(self.status),
         )
 
     def render(self, width: int | None) -> list[str]:
@@ -264,11 +252,10 @@ class Table:
                 for i, (col, cell) in enumerate(zip(self.cols, row, strict=True)):
                     if i < self.lead or i == self.status or not cell:
                         continue
-                    label = col.header if col.label is None else col.label
                     if col.joins and pairs:
                         pairs[-1] += f" ({cell})"
                     else:
-                        pairs.append(f"{label} {cell}".strip())
+                        pairs.append(f"{col.header if col.label is None else col.label} {cell}".strip())
                 items = [item for item in head if item] + [pair + "," for pair in pairs[:-1]] + pairs[-1:]
                 if items and not pairs:
                     items[-1] = items[-1].rstrip(":;")
@@ -284,16 +271,14 @@ def wrap_items(items: Sequence[str], width: int | None, first: str, rest: str) -
     lines: list[str] = []
     line = first
     for item in items:
-        if line.strip() and len(line) + 1 + len(item) <= width:
-            line += " " + item
-        elif not line.strip() and len(line) + len(item) <= width:
-            line += item
+        sep = " " if line.strip() else ""
+        if len(line) + len(sep) + len(item) <= width:
+            line += sep + item
         else:
             if line.strip():
                 lines.append(line)
-            pieces = wrap(item, width, rest, rest)
-            lines += pieces[:-1]
-            line = pieces[-1]
+            *pieces, line = wrap(item, width, rest, rest)
+            lines += pieces
     if line.strip():
         lines.append(line)
     return lines
@@ -306,20 +291,18 @@ def table(
     widest columns first."""
     cols = [Col(header, right=i in right, elastic=True) for i, header in enumerate(headers)]
     cells = [["" if cell is None else str(cell) for cell in row] for row in rows]
+    widths = natural_widths(cols, cells)
     if width is not None:
-        natural = [max([len(col.header), *(len(row[i]) for row in cells)]) for i, col in enumerate(cols)]
-        order = sorted(range(len(cols)), key=lambda i: -natural[i])  # the widest gives way first
-        cols = [Col(col.header, right=col.right, elastic=True) for col in cols]
+        order = sorted(range(len(cols)), key=lambda i: -widths[i])  # the widest gives way first
         fitted = column_widths([cols[i] for i in order], [[row[i] for i in order] for row in cells], width)
         if fitted is not None:
-            by_column = dict(zip(order, fitted, strict=True))
-            return "\n".join(lines_of(cols, cells, [by_column[i] for i in range(len(cols))]))
-    return "\n".join(lines_of(cols, cells, column_widths(cols, cells, None) or []))
+            widths = [fitted[order.index(i)] for i in range(len(cols))]
+    return "\n".join(lines_of(cols, cells, widths))
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, right: Sequence[int] = ()) -> str:
     """A GitHub Markdown table of the same cells; a ``|`` is escaped and a line break becomes a space."""
-    cells = [[_markdown_cell(cell) for cell in row] for row in rows]
+    cells = [[markdown_text("" if cell is None else str(cell)) for cell in row] for row in rows]
     sizes = [max([len(header), 3, *(len(row[i]) for row in cells)]) for i, header in enumerate(headers)]
 
     def line(row: Sequence[str]) -> str:
@@ -330,10 +313,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, 
 
     rules = (("-" * (n + 1) + ":") if i in right else (":" + "-" * (n + 1)) for i, n in enumerate(sizes))
     return "\n".join([line(list(headers)), "|" + "|".join(rules) + "|", *(line(row) for row in cells)])
-
-
-def _markdown_cell(cell: object) -> str:
-    return markdown_text("" if cell is None else str(cell))
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")

@@ -1,13 +1,10 @@
-"""Parsing and formatting byte sizes.
-
-K, M, G and T are 1024-based with or without ``i`` (as GPU spec sheets and pytest-memray); units are case-insensitive,
-the ``B`` optional; a plain number is whole bytes, a fraction of a unit rounds to the byte.
-"""
+"""Parsing and formatting byte sizes: K, M, G and T are 1024-based with or without ``i`` (as GPU spec sheets and
+pytest-memray)."""
 
 from __future__ import annotations
 
 import re
-from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from decimal import ROUND_HALF_UP, Decimal
 
 __all__ = [
     "CUDA_BLOCK",
@@ -68,10 +65,8 @@ def too_large(value: object) -> SizeError:
 
 
 def parse_size(value: object) -> int:
-    """Return the number of bytes ``value`` (an ``int`` ≥ 0 or a string such as ``"4GB"``, ``"1.5GiB"``) stands for.
-
-    Raises :class:`SizeError` for anything else, booleans and floats included (write ``"1.5KiB"`` or an ``int``).
-    """
+    """The bytes ``value`` (an ``int`` ≥ 0 or a string such as ``"4GB"``, ``"1.5GiB"``) stands for, else
+    :class:`SizeError` (booleans and floats included); a fraction of a unit rounds to the byte."""
     if isinstance(value, bool):
         raise SizeError(f"{value!r} is not a size: use an int number of bytes or a string like '4GiB'")
     if isinstance(value, int):
@@ -87,28 +82,24 @@ def parse_size(value: object) -> int:
     if not isinstance(value, str):
         raise SizeError(f"{value!r} is not a size: expected an int or a string like '4GiB', got {type(value).__name__}")
     text = value.strip()
+    bad = f"{value!r} is not a size"
     if not text:
         raise SizeError("'' is not a size: the string is empty")
     if text.startswith(("-", "+")):
         sign = "negative" if text.startswith("-") else "signed"
-        raise SizeError(f"{value!r} is not a size: {sign} sizes are not allowed")
+        raise SizeError(f"{bad}: {sign} sizes are not allowed")
     match = _SIZE_RE.match(text)
     if match is None:
-        raise SizeError(
-            f"{value!r} is not a size: expected a number and a unit such as '4GiB', '512 MiB', '300KB' or '0B'"
-        )
+        raise SizeError(f"{bad}: expected a number and a unit such as '4GiB', '512 MiB', '300KB' or '0B'")
     prefix = match["prefix"].upper()
     if match["i"] and not prefix:
-        raise SizeError(f"{value!r} is not a size: 'i' must follow K, M, G or T")
+        raise SizeError(f"{bad}: 'i' must follow K, M, G or T")
     whole, _, fraction = match["number"].partition(".")
     if len(whole.lstrip("0")) > _MAX_DIGITS:
         raise too_large(value)
     if len(fraction) > _MAX_DIGITS:
         raise SizeError(f"{shown(value)} is not a size: more than {_MAX_DIGITS} digits after the point")
-    try:
-        number = Decimal(match["number"])
-    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
-        raise SizeError(f"{shown(value)} is not a size: {exc}") from None
+    number = Decimal(match["number"])
     if not prefix and number != number.to_integral_value():
         raise SizeError(f"{shown(value)} is not a size: a number of bytes must be whole")
     nbytes = number * UNITS[prefix]
@@ -127,24 +118,19 @@ def format_size(nbytes: int | None, precision: int = 2) -> str:
         return f"{sign}more than 8 EiB"
     if magnitude < UNITS["K"]:
         return f"{sign}{magnitude} B"
-    for prefix in ("T", "G", "M", "K"):
-        if magnitude >= UNITS[prefix]:
-            return f"{sign}{magnitude / UNITS[prefix]:.{precision}f} {prefix}iB"
-    raise AssertionError("unreachable")  # pragma: no cover
+    prefix = next(prefix for prefix in "TGMK" if magnitude >= UNITS[prefix])
+    return f"{sign}{magnitude / UNITS[prefix]:.{precision}f} {prefix}iB"
 
 
 def format_delta(nbytes: int | None, precision: int = 2) -> str:
     """Format a signed difference of bytes: ``"+1.50 MiB"``, ``"-512 B"``, ``"0 B"``."""
-    if nbytes is None:
-        return "n/a"
     text = format_size(nbytes, precision)
-    return text if nbytes <= 0 else "+" + text
+    return "+" + text if nbytes is not None and nbytes > 0 else text
 
 
 def format_sizes(*counts: int | None) -> tuple[str, ...]:
     """Format byte counts to read side by side: counts that differ never read the same (more decimals, then bytes)."""
-    known = [count for count in counts if count is not None]
-    distinct = len(set(known))
+    distinct = len({count for count in counts if count is not None})
     for precision in (2, 4):
         texts = tuple(format_size(count, precision) for count in counts)
         if len({text for text, count in zip(texts, counts, strict=True) if count is not None}) == distinct:
@@ -153,10 +139,8 @@ def format_sizes(*counts: int | None) -> tuple[str, ...]:
 
 
 def format_percent(numerator: int | None, denominator: int | None) -> str:
-    """Format ``numerator / denominator`` as a signed percentage, ``"n/a"`` when unknown.
-
-    Small changes keep two significant digits (never ``"+0.0%"``), 1000% or more reads as a factor (``"×8,192"``).
-    """
+    """``numerator / denominator`` as a signed percentage: two significant digits when small (never ``"+0.0%"``), a
+    factor from 1000% (``"×8,192"``)."""
     if numerator is None or denominator is None:
         return "n/a"
     if denominator == 0:

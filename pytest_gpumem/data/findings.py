@@ -1,7 +1,4 @@
-"""Findings: a figure compared with a limit, a budget or a baseline, and the words for it.
-
-The judge makes :class:`Finding` objects; the reports show them. Sizes are bytes unless a metric says otherwise.
-"""
+"""Findings: a figure compared with a limit, a budget or a baseline, and the words for it."""
 
 from __future__ import annotations
 
@@ -31,8 +28,6 @@ __all__ = [
 
 Kind = Literal["limit", "budget", "baseline"]
 Status = Literal["ok", "exceeded", "regressed", "improved", "new", "other-environment", "stale", "n/a"]
-
-# --------------------------------------------------------------------------- tolerance
 
 #: The largest percentage a tolerance may hold: 10,000 times the baseline (a figure may grow that much).
 MAX_PERCENT = 1_000_000
@@ -71,15 +66,12 @@ class Tolerance(Coded):
 
     def describe(self, info: MetricInfo | None = None) -> str:
         """``"2%"``, ``"1.00 MiB"``, ``"2% or 1.00 MiB, whichever is larger"`` or ``"0 (exact)"``."""
-        info = info or MetricInfo("")
-        percent = f"{(Decimal(repr(self.relative)) * 100).normalize():f}%"
-        if self.relative and self.absolute:
-            return f"{percent} or {info.format(self.absolute)}, whichever is larger"
-        if self.relative:
-            return percent
+        parts = [f"{(Decimal(repr(self.relative)) * 100).normalize():f}%"] if self.relative else []
         if self.absolute:
-            return info.format(self.absolute)
-        return "0 (exact)"
+            parts.append((info or MetricInfo("")).format(self.absolute))
+        if len(parts) == 2:
+            return f"{parts[0]} or {parts[1]}, whichever is larger"
+        return parts[0] if parts else "0 (exact)"
 
     def __str__(self) -> str:
         return self.describe()
@@ -92,36 +84,30 @@ def parse_tolerance(text: str) -> Tolerance:
         raise ValueError(f"invalid tolerance {shown(text)}: expected a string like '2%', '1MiB' or '2%,1MiB'")
     if not text.strip():
         raise ValueError(f"invalid tolerance {text!r}: the string is empty; write e.g. '2%', '1MiB' or '2%,1MiB'")
+    invalid = f"invalid tolerance {shown(text)}"
     relative: Decimal | None = None
     absolute: int | None = None
     for part in (piece.strip() for piece in text.split(",")):
         if not part:
-            raise ValueError(f"invalid tolerance {shown(text)}: empty part; write e.g. '2%,1MiB'")
+            raise ValueError(f"{invalid}: empty part; write e.g. '2%,1MiB'")
         if part.endswith("%"):
             match = _PERCENT_RE.match(part)
             if match is None:
-                raise ValueError(
-                    f"invalid tolerance {shown(text)}: {shown(part)} is not a percentage such as '2%' or '0.5%'"
-                )
+                raise ValueError(f"{invalid}: {shown(part)} is not a percentage such as '2%' or '0.5%'")
             if relative is not None:
-                raise ValueError(f"invalid tolerance {shown(text)}: more than one percentage")
+                raise ValueError(f"{invalid}: more than one percentage")
             if len(match[1].partition(".")[0].lstrip("0")) > 7 or Decimal(match[1]) > MAX_PERCENT:
-                raise ValueError(
-                    f"invalid tolerance {shown(text)}: {shown(part)} is too large (at most {MAX_PERCENT:,}%)"
-                )
+                raise ValueError(f"{invalid}: {shown(part)} is too large (at most {MAX_PERCENT:,}%)")
             relative = Decimal(match[1]) / 100
         else:
             try:
                 size = parse_size(part)
             except SizeError as exc:
-                raise ValueError(f"invalid tolerance {shown(text)}: {exc}") from None
+                raise ValueError(f"{invalid}: {exc}") from None
             if absolute is not None:
-                raise ValueError(f"invalid tolerance {shown(text)}: more than one size")
+                raise ValueError(f"{invalid}: more than one size")
             absolute = size
     return Tolerance(relative=float(relative or 0), absolute=absolute or 0)
-
-
-# --------------------------------------------------------------------------- limits and findings
 
 
 @dataclass(frozen=True)
@@ -153,13 +139,8 @@ _DERIVED: dict[str, Callable[[Finding], object]] = {
 
 @dataclass(frozen=True)
 class Finding(Coded):
-    """The outcome of comparing one figure of one span with one reference.
-
-    ``status`` is ``"ok"``, ``"exceeded"``, ``"regressed"``, ``"improved"``, ``"new"``, ``"other-environment"``,
-    ``"stale"`` (span and metric ``"*"`` for a whole test) or ``"n/a"``; ``measured`` is the figure's cost; ``changed``
-    holds the breakdown categories a peak regression changed by, adding up to its change; ``strict`` makes the
-    informative statuses fail.
-    """
+    """The outcome of comparing one figure (its cost) of one span with one reference; ``changed``: the categories a
+    peak regression changed by; ``strict`` makes the informative statuses fail."""
 
     test: str
     span: str
@@ -179,44 +160,27 @@ class Finding(Coded):
     @property
     def delta(self) -> int | None:
         """``measured - reference`` (in the metric's unit); ``None`` when either is unknown."""
-        if self.measured is None or self.reference is None:
-            return None
-        return self.measured - self.reference
+        return None if self.measured is None or self.reference is None else self.measured - self.reference
 
     @property
     def delta_pct(self) -> float | None:
         """:attr:`delta` as a percentage of :attr:`reference`; ``None`` when unknown or the reference is 0."""
         delta = self.delta
-        if delta is None or not self.reference:
-            return None
-        return 100.0 * delta / self.reference
+        return None if delta is None or not self.reference else 100.0 * delta / self.reference
 
     @property
     def ratio(self) -> float | None:
         """``measured / reference`` (for budgets: measured over theory); ``None`` when unknown or reference is 0."""
-        if self.measured is None or not self.reference:
-            return None
-        return self.measured / self.reference
+        return None if self.measured is None or not self.reference else self.measured / self.reference
 
     @property
     def failed(self) -> bool:
         """True when this finding fails the test: exceeded, regressed, n/a on a limit or budget; the rest when
         strict."""
-        if self.status in ("exceeded", "regressed"):
-            return True
         if self.status == "n/a":
             return self.kind != "baseline"
-        if self.status in ("improved", "new", "other-environment", "stale"):
-            return self.strict
-        return False
-
-
-# --------------------------------------------------------------------------- messages
-
-
-def _compared(metric: str) -> str:
-    """How a message names what was compared: ``"peak cost"``; ``retained`` and counts as they are."""
-    return f"{metric} cost" if metric in COST_METRICS else metric
+        informative = ("improved", "new", "other-environment", "stale")
+        return self.status in ("exceeded", "regressed") or (self.strict and self.status in informative)
 
 
 def failure_message(findings: Iterable[Finding]) -> str:
@@ -246,6 +210,8 @@ def _line(f: Finding) -> str:
     if f.status == "stale":
         return f"stale baseline: {f.test} no longer exists; baselines kept for {f.detail}; prune them"
     measured, reference = info.format_pair(f.measured, f.reference)  # never the same text for two values
+    compared = f"{f.metric} cost" if f.metric in COST_METRICS else f.metric  # retained and counts as they are
+    cost = f"{where}{compared} {measured}"
     if f.kind in ("limit", "budget"):
         bound = f"{f.kind} {reference}" + (f" ({f.detail})" if f.status != "n/a" and f.detail else "")
         if f.status == "n/a":
@@ -254,7 +220,7 @@ def _line(f: Finding) -> str:
                 "remove it where this figure cannot be measured"
             )
         verb = "is below the minimum" if info.higher_is_better else "exceeds the"
-        text = f"{where}{_compared(f.metric)} {measured} {verb} {bound} by {excess}"
+        text = f"{cost} {verb} {bound} by {excess}"
         if f.kind == "budget" and f.ratio is not None:
             text += f", {_factor(f.ratio)}x the theory"
         return text
@@ -262,7 +228,6 @@ def _line(f: Finding) -> str:
     if f.tolerance is not None and f.reference is not None:
         allowed = f.tolerance.allowed(f.reference)
         tolerance = f", tolerance {f.tolerance.describe(info)}" + (f" (±{info.format(allowed)})" if allowed else "")
-    cost = f"{where}{_compared(f.metric)} {measured}"
     if f.status == "regressed":
         text = f"{cost} regressed from baseline {reference} by {excess}{tolerance}"
         if f.changed:

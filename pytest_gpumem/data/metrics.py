@@ -1,8 +1,4 @@
-"""The metric table: every figure pytest-gpumem measures, limits, compares and shows, once.
-
-Every module reads what it needs from here; adding a figure is a row here, a
-:class:`~pytest_gpumem.data.figures.Measurement` field and its reading in the engines (docs/architecture.md).
-"""
+"""The metric table: every figure pytest-gpumem measures, limits, compares and shows, once (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -31,11 +27,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MetricInfo:
-    """One figure: what it means, how it is compared and how it is shown.
-
-    ``higher_is_better`` flips every comparison. A user's tolerance's absolute part is bytes, so a count is compared
-    with its relative part; :attr:`tolerance` and :attr:`tolerance_floor` are in the figure's own unit.
-    """
+    """One figure: what it means, how it is compared (``higher_is_better`` flips every comparison) and how it is
+    shown; :attr:`tolerance` and :attr:`tolerance_floor` are in the figure's own unit."""
 
     name: str
     higher_is_better: bool = False
@@ -44,11 +37,9 @@ class MetricInfo:
     meaning: str = ""
     #: what the figure is, in a few words (the HTML page's table of figures)
     about: str = ""
-    #: the Measurement field with the figure's value when its span began (cost = figure minus it); "" when compared as
-    #: it is
+    #: the Measurement field holding the figure at its span's start (cost = figure minus it); "" to compare it as is
     cost: str = ""
-    #: its cost is a net change, possibly negative (shown signed); a file's negative value for any other figure is
-    #: refused
+    #: its cost is a net change, possibly negative (shown signed); other figures refuse a negative value in a file
     signed: bool = False
     #: the whole test's net change: no absolute figure, only the ``call`` span has it
     whole_call: bool = False
@@ -143,28 +134,16 @@ METRIC_INFO: Mapping[str, MetricInfo] = {info.name: info for info in METRIC_TABL
 
 #: Byte figures that limits and baselines can name (the marker's limit keywords, in order).
 METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.unit == "bytes")
-#: Figures that are not bytes: the largest microbatch that fits (a count; higher is better).
 COUNT_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.unit == "count")
-#: Figures whose limits and baselines compare the cost (figure minus its value at the span's start).
 COST_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.cost)
-#: Figures a named span can limit (``measure(name, peak=...)``).
 SPAN_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.span_limit)
 #: Figures every baseline keeps (``null`` where the engine cannot know them).
 BASELINE_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.baseline == "always")
-#: Figures a baseline keeps only for a span that measured them (the largest microbatch).
 MEASURED_BASELINE_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.baseline == "measured")
-#: Figures drawn across the HTML timeline when a limit, budget or baseline bounds them.
 DRAWN_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.drawn)
 
 #: Breakdown categories, in report order. They sum to the peak.
-CATEGORIES: tuple[str, ...] = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "activations",
-    "temporaries",
-    "other",
-)
+CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
 
 #: Phases of a training step, in order.
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")

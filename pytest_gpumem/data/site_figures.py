@@ -1,8 +1,7 @@
 """Where the bytes of a span were made: :class:`Site`, :class:`SiteFigures` and :class:`SiteProfile` (no torch).
 
-A site is the innermost user-code frame of an allocating stack, named by file, function and the line's offset from the
-``def`` so stored profiles survive unrelated edits; the baseline file keeps one line per site.
-"""
+A site is the innermost user-code frame of an allocating stack, named by the line's offset from its ``def`` so stored
+profiles survive unrelated edits."""
 
 from __future__ import annotations
 
@@ -106,24 +105,16 @@ _ROW_RE = re.compile(r"^(?P<site>.*) (?P<category>[a-z_]+)$")
 def split_row_key(key: str) -> tuple[str, str | None]:
     """A stored row's key as (site key, category): ``"t.py:f+3 gradients"``; an older one-row-a-site key has None."""
     match = _ROW_RE.match(key)
-    if (
-        match is not None
-        and match["category"] in CATEGORIES
-        and (_KEY_RE.match(match["site"]) or match["site"] in _PSEUDO)
-    ):
-        return match["site"], match["category"]
-    return key, None
+    if match is None or match["category"] not in CATEGORIES:
+        return key, None
+    site = match["site"]
+    return (site, match["category"]) if _KEY_RE.match(site) or site in _PSEUDO else (key, None)
 
 
 def _flat_site(site: Site) -> dict[str, Any]:
-    return {
-        "key": site.key,
-        "file": site.file,
-        "function": site.function,
-        "line": site.line,
-        "offset": site.offset,
-        "code": site.code,
-    }
+    return dict(
+        key=site.key, file=site.file, function=site.function, line=site.line, offset=site.offset, code=site.code
+    )
 
 
 @dataclass(frozen=True)
@@ -166,42 +157,31 @@ _STORED_RE = re.compile(
 
 def parse_stored_site(key: str, value: object) -> SiteFigures:
     """One stored site's row (``key``: ``value``) read back; ``ValueError`` saying what is wrong otherwise."""
+    where = f"site {key!r}"
     if not isinstance(value, str):
-        raise ValueError(f"site {key!r}: expected a string such as 'peak=1024 end=0 n=1 activations forward'")
+        raise ValueError(f"{where}: expected a string such as 'peak=1024 end=0 n=1 activations forward'")
     match = _STORED_RE.match(value)
     if match is None:
-        raise ValueError(
-            f"site {key!r}: {value[:60]!r} is not 'peak=<bytes> end=<bytes> n=<count> <category> <phase> ...'"
-        )
+        raise ValueError(f"{where}: {value[:60]!r} is not 'peak=<bytes> end=<bytes> n=<count> <category> <phase> ...'")
     category = match["category"] or "other"
     phase = "" if match["phase"] in (None, "-") else match["phase"]
     if key != OTHER_SITES and category not in CATEGORIES:
-        raise ValueError(f"site {key!r}: unknown category {category!r} (one of {', '.join(CATEGORIES)})")
+        raise ValueError(f"{where}: unknown category {category!r} (one of {', '.join(CATEGORIES)})")
     site_key, row_category = split_row_key(key)
     if row_category is not None and row_category != category:
-        raise ValueError(f"site {key!r}: the key's category {row_category!r} is not the figures' {category!r}")
+        raise ValueError(f"{where}: the key's category {row_category!r} is not the figures' {category!r}")
     if phase and phase not in PHASES:
-        raise ValueError(f"site {key!r}: unknown phase {phase!r} (one of {', '.join(PHASES)}, or -)")
+        raise ValueError(f"{where}: unknown phase {phase!r} (one of {', '.join(PHASES)}, or -)")
     examples = tuple(e.strip() for e in (match["examples"] or "").split(";") if e.strip())
-    return SiteFigures(
-        Site.from_key(site_key, match["code"] or ""),
-        int(match["peak"]),
-        int(match["end"]),
-        int(match["count"]),
-        category,
-        phase,
-        examples,
-    )
+    site = Site.from_key(site_key, match["code"] or "")
+    peak, end, count = int(match["peak"]), int(match["end"]), int(match["count"])
+    return SiteFigures(site, peak, end, count, category, phase, examples)
 
 
 @dataclass(frozen=True)
 class SiteProfile(Coded):
-    """The sites of one span, one row per site and category, the largest first.
-
-    With the ``rest_*`` sums of the sites left out, the rows add up to the span's peak, end and breakdown (exactly on
-    the CPU engine). ``second_run``: they come from running the test again; ``by_category`` False for an older stored
-    profile.
-    """
+    """The sites of one span, one row per site and category, the largest first; with the ``rest_*`` sums of the sites
+    left out, they add up to the span's peak, end and breakdown."""
 
     sites: tuple[SiteFigures, ...] = ()
     rest_peak: int = field(default=0, metadata=coded(key="rest.peak"))
@@ -210,26 +190,6 @@ class SiteProfile(Coded):
     second_run: bool = False
     note: str = ""
     by_category: bool = field(default=True, metadata=coded(missing=False))  # False: stored before rows split
-
-    @property
-    def peak(self) -> int:
-        """Bytes at the peak over every site (the listed and the rest)."""
-        return sum(s.peak for s in self.sites) + self.rest_peak
-
-    @property
-    def end(self) -> int:
-        return sum(s.end for s in self.sites) + self.rest_end
-
-    def by_key(self) -> dict[str, SiteFigures]:
-        """The rows by :attr:`SiteFigures.key` (site and category)."""
-        return {s.key: s for s in self.sites}
-
-    def categories(self, moment: str = "peak") -> dict[str, int]:
-        """Bytes by category at the ``"peak"`` (or ``"end"``) over the listed rows (the rest have none)."""
-        found = dict.fromkeys(CATEGORIES, 0)
-        for s in self.sites:
-            found[s.category] += s.peak if moment == "peak" else s.end
-        return found
 
     def top(self, count: int) -> SiteProfile:
         """The profile with its ``count`` largest sites listed, the others summed in the rest."""
@@ -242,8 +202,6 @@ class SiteProfile(Coded):
             rest_sites=self.rest_sites + len(left),
         )
 
-    # -- the baseline file's form ----------------------------------------------------------
-
     def to_stored(self, budget: int = SITES_BUDGET) -> dict[str, str]:
         """The profile as the baseline file keeps it: row key → :meth:`SiteFigures.stored`, the largest rows first up to
         ``budget`` characters, the rest under :data:`OTHER_SITES`."""
@@ -255,19 +213,13 @@ class SiteProfile(Coded):
             row = left[0]
             text = row.stored() if row.site.key not in coded else replace(row, site=replace(row.site, code="")).stored()
             coded.add(row.site.key)
-            size = len(row.key) + len(text) + 24  # quotes, colon, indent, comma, newline
-            if used + size > budget and stored:
+            used += len(row.key) + len(text) + 24  # quotes, colon, indent, comma, newline
+            if used > budget and stored:
                 break
-            stored[left[0].key] = text
-            used += size
-            left.pop(0)
-        rest = (
-            sum(s.peak for s in left) + self.rest_peak,
-            sum(s.end for s in left) + self.rest_end,
-            len(left) + self.rest_sites,
-        )
-        if rest[2]:
-            stored[OTHER_SITES] = f"peak={rest[0]} end={rest[1]} n={rest[2]}"
+            stored[left.pop(0).key] = text
+        rest = replace(self, sites=tuple(left)).top(0)
+        if rest.rest_sites:
+            stored[OTHER_SITES] = f"peak={rest.rest_peak} end={rest.rest_end} n={rest.rest_sites}"
         return stored
 
     @classmethod
@@ -290,10 +242,8 @@ class SiteProfile(Coded):
 
 def parse_sites_mode(value: object) -> str:
     """One of :data:`SITES_MODES` (``True`` is "always", ``False`` "off"); ``ValueError`` naming the value otherwise."""
-    if value is True:
-        return "always"
-    if value is False:
-        return "off"
+    if isinstance(value, bool):
+        return "always" if value else "off"
     text = value.strip().lower() if isinstance(value, str) else None
     if text not in SITES_MODES:
         raise ValueError(f"sites={value!r} is not one of {', '.join(map(repr, SITES_MODES))} (or True/False)")
@@ -315,20 +265,15 @@ def build_profile(
     rows: dict[tuple[str, int], _Row] = {}
     for site, phase, peak, end, examples in found:
         peak, end = peak or SiteCounts(), end or SiteCounts()
-        if not (peak.total or end.total):
-            continue
-        peak_counts, end_counts = peak.by_category_counts(), end.by_category_counts()
-        for index in range(len(CATEGORIES)):
-            at_peak, at_end = peak.nbytes[index], end.nbytes[index]
+        counts = zip(peak.nbytes, end.nbytes, peak.by_category_counts(), end.by_category_counts(), strict=True)
+        for index, (at_peak, at_end, peak_count, end_count) in enumerate(counts):
             if not (at_peak or at_end):
                 continue
-            row = rows.get((site.key, index))
-            if row is None:
-                row = rows[(site.key, index)] = _Row(site)
+            row = rows.setdefault((site.key, index), _Row(site))
             row.peak += at_peak
             row.end += at_end
-            row.peak_count += peak_counts[index]
-            row.end_count += end_counts[index]
+            row.peak_count += peak_count
+            row.end_count += end_count
             row.phases[phase] = row.phases.get(phase, 0) + max(at_peak, at_end)
             row.examples = tuple(dict.fromkeys(row.examples + examples))[:2]
     figures = []
@@ -365,8 +310,7 @@ class SiteCounts:
         return sum(self.nbytes)
 
     def add(self, other: SiteCounts) -> None:
-        for i, nbytes in enumerate(other.nbytes):
-            self.nbytes[i] += nbytes
+        self.nbytes[:] = [mine + theirs for mine, theirs in zip(self.nbytes, other.nbytes, strict=True)]
         self.count += other.count
         if other.tensors is not None or self.tensors is not None:
             mine, theirs = self.by_category_counts(), other.by_category_counts()
@@ -377,11 +321,9 @@ class SiteCounts:
         if self.tensors is not None:
             return list(self.tensors)
         found = [0] * len(CATEGORIES)
-        if self.count:
-            found[CATEGORIES.index(self.category)] = self.count
+        found[CATEGORIES.index(self.category)] = self.count
         return found
 
     @property
     def category(self) -> str:
-        best = max(range(len(CATEGORIES)), key=lambda i: (self.nbytes[i], -i))
-        return CATEGORIES[best]
+        return CATEGORIES[max(range(len(CATEGORIES)), key=lambda i: (self.nbytes[i], -i))]

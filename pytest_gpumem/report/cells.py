@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from itertools import groupby
+from operator import itemgetter
 
-from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.data.findings import Finding
-from pytest_gpumem.data.metrics import METRIC_TABLE, metric_info
+from pytest_gpumem.data.metrics import METRIC_TABLE
+from pytest_gpumem.judge.record import TestRecord
 
 __all__ = [
     "COST_ONLY_METRICS",
@@ -17,7 +17,6 @@ __all__ = [
     "LEGEND_SIGNED",
     "SIGNED_METRICS",
     "RecordLike",
-    "cost_text",
     "grouped",
     "one_line",
     "other_environments",
@@ -26,50 +25,16 @@ __all__ = [
 #: Metrics whose cost is a net change, shown signed (they can be negative): the metric table's.
 SIGNED_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.signed)
 
-
 #: Metrics without an absolute figure: the figure is already a difference (its cost): the metric table's.
 COST_ONLY_METRICS: tuple[str, ...] = tuple(info.name for info in METRIC_TABLE if info.whole_call)
 
-
 LEGEND_COST = "cost = measured − the span's start: what limits and baselines compare"
-
-
 LEGEND_DELTA = "Δ\xa0=\xa0cost\xa0−\xa0baseline"  # no-break spaces: wrapped whole (shown as spaces)
-
-
 LEGEND_SIGNED = f"a negative {' or '.join(SIGNED_METRICS)} cost: the span freed more than it allocated"
-
-
 LEGEND_COUNT = "×N: the phase ran N times in the span (e.g. a warm-up step and the measured step)"
 
-
-class RecordLike(Protocol):
-    """What the reports read of a test's record (:class:`pytest_gpumem.judge.record.TestRecord`)."""
-
-    @property
-    def nodeid(self) -> str: ...
-
-    @property
-    def measurements(self) -> list[Measurement]: ...
-
-    @property
-    def findings(self) -> list[Finding]: ...
-
-    @property
-    def errors(self) -> list[str]: ...
-
-    @property
-    def passed(self) -> bool:
-        """The test's own code passed (in every phase)."""
-
-    @property
-    def failed(self) -> bool:
-        """The test fails on memory (the one rule: :attr:`TestRecord.failed`)."""
-
-
-def cost_text(metric: str, value: int | None) -> str:
-    """A cost (or a baseline, which is a recorded cost): signed for net changes."""
-    return metric_info(metric).format_cost(value)
+#: What the reports read: a test's record.
+RecordLike = TestRecord
 
 
 def one_line(note: str) -> str:
@@ -80,19 +45,11 @@ def one_line(note: str) -> str:
 
 def other_environments(detail: str) -> str:
     """A note on a finding's other environments, one paragraph per key (from "baselines only for: KEY; KEY")."""
-    prefix = "baselines only for: "
-    keys = (detail[len(prefix) :] if detail.startswith(prefix) else detail).split("; ")
+    keys = detail.removeprefix("baselines only for: ").split("; ")
     return "\n".join(["no baseline in this environment; baselines only for:", *keys])
 
 
 def grouped(pairs: Iterable[tuple[str, list[list[str]]]]) -> list[tuple[str, list[list[str]]]]:
     """Rows by title, consecutive rows with the same title in one group."""
-    groups: list[tuple[str, list[list[str]]]] = []
-    for title, rows in pairs:
-        if not rows:
-            continue
-        if groups and groups[-1][0] == title:
-            groups[-1][1].extend(rows)
-        else:
-            groups.append((title, list(rows)))
-    return groups
+    pairs = [(title, rows) for title, rows in pairs if rows]
+    return [(title, [row for _, rows in group for row in rows]) for title, group in groupby(pairs, key=itemgetter(0))]

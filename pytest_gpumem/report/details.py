@@ -14,22 +14,15 @@ from pytest_gpumem.report.cells import (
     LEGEND_SIGNED,
     SIGNED_METRICS,
     RecordLike,
-    cost_text,
     grouped,
     one_line,
     other_environments,
 )
 from pytest_gpumem.report.site_tables import site_lines
-from pytest_gpumem.tables import (
-    Col,
-    Table,
-    short_id,
-    wrap,
-)
+from pytest_gpumem.tables import Col, Table, short_id, wrap
 from pytest_gpumem.units import format_size
 
 __all__ = [
-    "BREAKDOWN_HEADERS",
     "breakdown_rows",
     "detail_tables",
     "environment_notes",
@@ -44,19 +37,14 @@ def test_id(nodeid: str, verbosity: int) -> str:
     return nodeid if verbosity > 0 else short_id(nodeid)
 
 
-# --------------------------------------------------------------------------- breakdown and phases
+def _times(text: str, phase: Phase) -> str:
+    """``text`` with how many times ``phase`` ran, when more than once."""
+    return text if phase.count == 1 else f"{text} ×{phase.count}"
 
 
-def _phase_name(phase: Phase) -> str:
-    return phase.name if phase.count == 1 else f"{phase.name} ×{phase.count}"
-
-
-def _phase_peak(phase: Phase) -> str:
-    return format_size(phase.peak) if phase.count == 1 else f"{format_size(phase.peak)} ×{phase.count}"
-
-
-def _psi(measurement: Measurement) -> str:
-    return "" if measurement.psi is None else f"{measurement.psi:,}"
+def _saved(m: Measurement) -> list[str]:
+    """Its bytes saved for backward and its Ψ."""
+    return [format_size(m.saved_activations), "" if m.psi is None else f"{m.psi:,}"]
 
 
 def _categories(measurement: Measurement) -> list[str]:
@@ -65,33 +53,15 @@ def _categories(measurement: Measurement) -> list[str]:
 
 
 def breakdown_rows(measurements: Sequence[tuple[str, Measurement]], *, phases: bool = True) -> list[list[str]]:
-    """One row per (test, span) with a breakdown or phases, in ``BREAKDOWN_HEADERS`` order (phase columns optional)."""
+    """One row per (test, span) with a breakdown or phases: test, span, categories, phase peaks (optional), saved for
+    backward, Ψ."""
     rows = []
-    for test, measurement in measurements:
-        if measurement.breakdown is None and not measurement.phases:
-            continue
-        peaks = [_phase_peak(measurement.phases[p]) if p in measurement.phases else "" for p in PHASES]
-        rows.append(
-            [
-                short_id(test),
-                measurement.name,
-                *_categories(measurement),
-                *(peaks if phases else ()),
-                format_size(measurement.saved_activations),
-                _psi(measurement),
-            ]
-        )
+    for test, m in measurements:
+        if m.breakdown is not None or m.phases:
+            peaks = [_times(format_size(m.phases[p].peak), m.phases[p]) if p in m.phases else "" for p in PHASES]
+            rows.append([short_id(test), m.name, *_categories(m), *(peaks if phases else ()), *_saved(m)])
     return rows
 
-
-BREAKDOWN_HEADERS = (
-    "test",
-    "span",
-    *CATEGORIES,
-    *(f"{phase} peak" for phase in PHASES),
-    "saved for backward",
-    "Ψ",
-)
 
 _BREAKDOWN_COLS = (
     Col("span", elastic=True, min_width=8, span=True),
@@ -110,49 +80,40 @@ _PHASE_COLS = (
 
 def _phase_cells(measurement: Measurement) -> list[list[str]]:
     return [
-        [measurement.name, _phase_name(p), format_size(p.start), format_size(p.peak), format_size(p.end)]
+        [measurement.name, _times(p.name, p), format_size(p.start), format_size(p.peak), format_size(p.end)]
         for p in measurement.phases.values()
     ]
 
 
-def _breakdown_cells(measurement: Measurement) -> list[list[str]]:
-    if measurement.breakdown is None:
-        return []
-    saved = format_size(measurement.saved_activations)
-    return [[measurement.name, *_categories(measurement), saved, _psi(measurement)]]
+def _breakdown_cells(m: Measurement) -> list[list[str]]:
+    return [] if m.breakdown is None else [[m.name, *_categories(m), *_saved(m)]]
 
 
-def _count_legend(measurements: Iterable[Measurement], width: int | None) -> list[str]:
-    if any(phase.count > 1 for m in measurements for phase in m.phases.values()):
-        return wrap(LEGEND_COUNT, width, "", "  ")
-    return []
-
-
-def detail_tables(measurements: Sequence[tuple[str, Measurement]], width: int | None, verbosity: int) -> list[str]:
-    """``-v``: the breakdown at the peak and the phases of every span, by test."""
-    breakdown = grouped((test_id(test, verbosity), _breakdown_cells(m)) for test, m in measurements)
-    phases = grouped((test_id(test, verbosity), _phase_cells(m)) for test, m in measurements)
-    id_col = Col("test")
+def detail_tables(
+    measurements: Sequence[tuple[str, Measurement]], width: int | None, *, failure: bool = False
+) -> list[str]:
+    """The breakdown at the peak and the phases of every span, by test id (``-v``); ``failure``: one test's, for its
+    failure message (no test column)."""
+    breakdown = grouped((test, _breakdown_cells(m)) for test, m in measurements)
+    phases = grouped((test, _phase_cells(m)) for test, m in measurements)
+    title = None if failure else Col("test")
     lines: list[str] = []
     if breakdown:
-        lines += ["", *wrap("breakdown at peak", width), *Table(_BREAKDOWN_COLS, breakdown, id_col).render(width)]
+        lines += ["", *wrap("breakdown at peak", width), *Table(_BREAKDOWN_COLS, breakdown, title).render(width)]
+        if failure and any(m.breakdown is not None and "activations" not in m.breakdown for _, m in measurements):
+            lines += wrap(LEGEND_ACTIVATIONS, width, "", "  ")
     if phases:
-        lines += ["", *wrap("phases", width), *Table(_PHASE_COLS, phases, id_col, lead=2).render(width)]
-        lines += _count_legend((m for _, m in measurements), width)
+        lines += ["", *wrap("phases", width), *Table(_PHASE_COLS, phases, title, lead=2).render(width)]
+        if any(phase.count > 1 for _, m in measurements for phase in m.phases.values()):
+            lines += wrap(LEGEND_COUNT, width, "", "  ")
     return lines
 
 
 def environment_notes(records: Iterable[RecordLike]) -> list[str]:
     """One line per test whose baselines exist only for other environments, naming them."""
-    notes = []
-    for record in records:
-        other = next((f for f in record.findings if f.status == "other-environment"), None)
-        if other is not None:
-            notes.append(f"{short_id(record.nodeid)}: {one_line(other_environments(other.detail))}")
-    return notes
+    others = [(r, next((f for f in r.findings if f.status == "other-environment"), None)) for r in records]
+    return [f"{short_id(r.nodeid)}: {one_line(other_environments(f.detail))}" for r, f in others if f is not None]
 
-
-# --------------------------------------------------------------------------- failure messages
 
 _FIGURE_COLS = (
     Col("span", elastic=True, min_width=8, span=True),
@@ -167,20 +128,11 @@ def _figure_rows(measurement: Measurement) -> list[list[str]]:
     """Span, metric, start, measured, cost: one row per known figure (a difference or a count has no start)."""
     rows = []
     for metric in METRICS + COUNT_METRICS:
-        value = measurement.figure(metric)
-        if value is None:
-            continue
-        info = metric_info(metric)
-        start: int | None = getattr(measurement, info.cost) if info.cost else None
-        rows.append(
-            [
-                measurement.name,
-                metric,
-                info.format(start) if info.cost else "",
-                "" if info.whole_call else info.format(value),
-                cost_text(metric, measurement.cost(metric)),
-            ]
-        )
+        info, value = metric_info(metric), measurement.figure(metric)
+        if value is not None:
+            start = info.format(getattr(measurement, info.cost)) if info.cost else ""
+            measured = "" if info.whole_call else info.format(value)
+            rows.append([measurement.name, metric, start, measured, info.format_cost(measurement.cost(metric))])
     return rows
 
 
@@ -203,15 +155,7 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
     legend += [f"partial figures of {m.name}: {note}" for m in measurements for note in m.notes]
     for text in legend:
         lines += wrap(text, width, "", "  ")
-    breakdown = [row for m in measurements for row in _breakdown_cells(m)]
-    if breakdown:
-        lines += ["", *wrap("breakdown at peak", width), *Table(_BREAKDOWN_COLS, [("", breakdown)]).render(width)]
-        if any(m.breakdown is not None and "activations" not in m.breakdown for m in measurements):
-            lines += wrap(LEGEND_ACTIVATIONS, width, "", "  ")
-    phases = [row for m in measurements for row in _phase_cells(m)]
-    if phases:
-        lines += ["", *wrap("phases", width), *Table(_PHASE_COLS, [("", phases)], lead=2).render(width)]
-        lines += _count_legend(measurements, width)
+    lines += detail_tables([("", m) for m in measurements], width, failure=True)
     return "\n".join(lines)
 
 
@@ -243,18 +187,14 @@ def error_section(
 #: The categories a budget of model states counts (``16Ψ``): what the others hold is named apart.
 _MODEL_STATES = ("parameters", "gradients", "optimizer_state")
 
-
 #: Under the breakdown of a span whose activations were not told apart from temporaries.
 LEGEND_ACTIVATIONS = (
     "activations n/a: counted among temporaries in this test; breakdown=True (or a baseline) tells them apart"
 )
 
 
-def _category_name(name: str, categories: Mapping[str, int]) -> str:
-    """``name`` as a line names it: temporaries that include the activations say so."""
-    if name == "temporaries" and "activations" not in categories:
-        return "temporaries (activations among them)"
-    return name
+#: The breakdown that explains a broken limit on a figure, and when it was taken.
+_BREAKDOWN_OF = {"peak": ("breakdown", "at the peak"), "allocated": ("allocated_breakdown", "at the return")}
 
 
 def _beyond_model_states(record: RecordLike, broken: Sequence[Finding]) -> list[str]:
@@ -264,18 +204,17 @@ def _beyond_model_states(record: RecordLike, broken: Sequence[Finding]) -> list[
     spans = {measurement.name: measurement for measurement in record.measurements}
     for finding in broken:
         measurement = spans.get(finding.span)
-        if finding.kind not in ("limit", "budget") or finding.status != "exceeded" or measurement is None:
+        exceeded = finding.kind in ("limit", "budget") and finding.status == "exceeded"
+        if not exceeded or measurement is None or finding.metric not in _BREAKDOWN_OF:
             continue
-        if finding.metric == "peak":
-            categories, when = measurement.breakdown, "at the peak"
-        elif finding.metric == "allocated":
-            categories, when = measurement.allocated_breakdown, "at the return"
-        else:
-            continue
+        attribute, when = _BREAKDOWN_OF[finding.metric]
+        categories: Mapping[str, int] | None = getattr(measurement, attribute)
         if not categories:
             continue
+        # temporaries that include the activations say so
+        temporaries = "temporaries" if "activations" in categories else "temporaries (activations among them)"
         beyond = [
-            f"{_category_name(name, categories)} {format_size(size)}"
+            f"{temporaries if name == 'temporaries' else name} {format_size(size)}"
             for name, size in categories.items()
             if name not in _MODEL_STATES and size
         ]

@@ -1,8 +1,5 @@
-"""Sites in the reports: which lines made the bytes that grew, in the terminal, the Markdown report and the HTML.
-
-A baseline failure shows the sites whose bytes changed, a limit or budget failure the largest sites; every table comes
-from :func:`site_rows`, so the three forms agree.
-"""
+"""Sites in the reports: which lines made the bytes that grew (a baseline failure) or the most bytes (a limit), in the
+terminal, the Markdown report and the HTML, all from :func:`site_tables`."""
 
 from __future__ import annotations
 
@@ -10,9 +7,9 @@ import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from pytest_gpumem.data.figures import Measurement
-from pytest_gpumem.data.findings import Finding
 from pytest_gpumem.data.site_figures import BEFORE, SiteFigures, SiteProfile
 from pytest_gpumem.judge.site_changes import SiteDiff
 from pytest_gpumem.report.cells import RecordLike
@@ -53,11 +50,7 @@ _COLS = (
 
 _MOMENT = {"peak": "peak", "reserved": "peak", "allocated": "end", "retained": "end"}
 _AT = {"peak": "at the peak", "end": "at the end"}
-_NOTES = {
-    "new": "new since the baseline",
-    "gone": "gone",
-    "unlisted": "not among the baseline's listed sites",
-}
+_NOTES = {"new": "new since the baseline", "gone": "gone", "unlisted": "not among the baseline's listed sites"}
 
 
 @dataclass(frozen=True)
@@ -76,22 +69,11 @@ class SiteTable:
     sizes: list[tuple[int | None, int]] = field(default_factory=list)
 
 
-def _example(figures: SiteFigures) -> str:
-    return figures.examples[0] if figures.examples else ""
-
-
 def _cells(figures: SiteFigures, change: str, note: str) -> list[str]:
-    count = f"{figures.count}" if figures.count else ""
-    return [
-        change,
-        figures.category or "-",
-        figures.phase,
-        figures.site.where(),
-        figures.site.code,
-        count,
-        _example(figures),
-        note,
-    ]
+    """A row of :data:`SITE_HEADERS`."""
+    example = figures.examples[0] if figures.examples else ""
+    site = [figures.site.where(), figures.site.code]
+    return [change, figures.category or "-", figures.phase, *site, str(figures.count or ""), example, note]
 
 
 _OPTION = re.compile(r" \(\w+=[^()]*\)$")
@@ -117,33 +99,6 @@ def held_by(figures: SiteFigures, delta: int) -> str:
     return "held by " + ", ".join(names)
 
 
-def change_rows(diff: SiteDiff, moment: str) -> list[list[str]]:
-    rows = []
-    for change in diff.at(moment):
-        delta = change.delta(moment)
-        text = format_delta(delta) if change.status != "unlisted" else f"({format_delta(delta)})"
-        notes = [_NOTES.get(change.status, ""), held_by(change.figures, delta)]
-        rows.append(_cells(change.figures, text, "; ".join(note for note in notes if note)))
-    return rows
-
-
-def _change_sizes(diff: SiteDiff, moment: str) -> list[tuple[int | None, int]]:
-    """The baseline's and this run's bytes of each of :func:`change_rows`' rows."""
-    if moment == "peak":
-        return [(change.before_peak, change.after_peak) for change in diff.at(moment)]
-    return [(change.before_end, change.after_end) for change in diff.at(moment)]
-
-
-def _largest(profile: SiteProfile, moment: str) -> list[tuple[SiteFigures, int]]:
-    """The sites holding bytes at ``moment``, largest first, with those bytes."""
-    key = (lambda s: s.peak) if moment == "peak" else (lambda s: s.end)
-    return [
-        (figures, key(figures))
-        for figures in sorted(profile.sites, key=lambda s: -key(s))
-        if key(figures) and figures.site.key != BEFORE
-    ]
-
-
 def _second_run(profile: SiteProfile | SiteDiff) -> str:
     if not profile.second_run:
         return ""
@@ -157,24 +112,24 @@ def site_tables(record: RecordLike, *, error: bool = False) -> list[SiteTable]:
         moment = _MOMENT.get(finding.metric)
         if finding.failed and moment is not None and moment not in moments.setdefault(finding.span, []):
             moments[finding.span].append(moment)
-    diffs: dict[str, SiteDiff] = getattr(record, "site_changes", {}) or {}
     spans = {m.name: m for m in record.measurements}
-    tables = []
-    for span, wanted in moments.items():
-        measurement = spans.get(span)
-        for moment in wanted:
-            table = _table(span, moment, diffs.get(span), measurement, record.findings)
-            if table is not None:
-                tables.append(table)
-    return tables
+    tables = [
+        _table(span, moment, record.site_changes.get(span), spans.get(span))
+        for span, wanted in moments.items()
+        for moment in wanted
+    ]
+    return [table for table in tables if table is not None]
 
 
-def _table(
-    span: str, moment: str, diff: SiteDiff | None, measurement: Measurement | None, findings: Sequence[Finding]
-) -> SiteTable | None:
+def _table(span: str, moment: str, diff: SiteDiff | None, measurement: Measurement | None) -> SiteTable | None:
     where = "" if span == "call" else f"[{span}] "
     if diff is not None:
-        rows = change_rows(diff, moment)
+        rows = []
+        for change in diff.at(moment):
+            delta = change.delta(moment)
+            text = format_delta(delta) if change.status != "unlisted" else f"({format_delta(delta)})"
+            notes = [_NOTES.get(change.status, ""), held_by(change.figures, delta)]
+            rows.append(_cells(change.figures, text, "; ".join(note for note in notes if note)))
         changed = len(rows)
         footer = (
             f"({changed} of {diff.compared} sites changed; the rest are as recorded)"
@@ -182,46 +137,44 @@ def _table(
             else f"(none of {diff.compared} sites changed {_AT[moment]}: the start or what the sites miss moved)"
         )
         title = f"{where}{_AT[moment]}, against the baseline (sites by growth):"
-        return SiteTable(span, moment, title, rows, footer, _second_run(diff), sizes=_change_sizes(diff, moment))
+        sizes: list[tuple[int | None, int]] = [
+            (getattr(c, f"before_{moment}"), getattr(c, f"after_{moment}")) for c in diff.at(moment)
+        ]
+        return SiteTable(span, moment, title, rows, footer, _second_run(diff), sizes=sizes)
     if measurement is None or measurement.sites is None:
         return None
     profile = measurement.sites
-    largest = _largest(profile, moment)
+    size = attrgetter(moment)  # a site's bytes at the moment
+    largest = [(s, size(s)) for s in sorted(profile.sites, key=lambda s: -size(s)) if size(s) and s.site.key != BEFORE]
     rows = [_cells(figures, format_size(nbytes), held_by(figures, nbytes)) for figures, nbytes in largest]
-    rest = profile.rest_peak if moment == "peak" else profile.rest_end
+    rest = getattr(profile, f"rest_{moment}")
     footer = f"({len(rows)} sites; {profile.rest_sites} more hold {format_size(rest)})" if profile.rest_sites else ""
     title = f"{where}{_AT[moment]}, the largest sites:"
-    sizes: list[tuple[int | None, int]] = [(None, nbytes) for _, nbytes in largest]
+    sizes = [(None, nbytes) for _, nbytes in largest]
     return SiteTable(span, moment, title, rows, footer, _second_run(profile), changes=False, sizes=sizes)
 
 
 def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0, error: bool = False) -> list[str]:
     """The failure text's sites: :data:`SHOWN` rows a table at ``verbosity`` 0, every row above, the first line below;
     control characters shown as escapes."""
-    return [visible(line) for line in _site_lines(record, width=width, verbosity=verbosity, error=error)]
-
-
-def _site_lines(record: RecordLike, *, width: int | None, verbosity: int, error: bool) -> list[str]:
     lines: list[str] = []
     for table in site_tables(record, error=error):
         if verbosity < 0:
-            first = table.rows[0] if table.rows else None
-            if first is not None:
-                text = f"{table.title.rstrip(':')}: {first[0]} {first[1]} {first[2]} {first[3]}".replace("  ", " ")
+            if table.rows:  # change, category, phase and site of the first row
+                text = f"{table.title.rstrip(':')}: {' '.join(table.rows[0][:4])}".replace("  ", " ")
                 lines += wrap(text.strip(), width)
             continue
         rows = table.rows if verbosity > 0 else table.rows[:SHOWN]
         lines += wrap(table.title, width)
         if rows:
             cols = _COLS if table.changes else (Col("bytes", right=True), *_COLS[1:])
-            rendered = Table(cols, [("", rows)], lead=1).render(None if width is None else width - 2)
+            rendered = Table(cols, [("", rows)]).render(None if width is None else width - 2)
             lines += ["  " + line for line in rendered]
         left = len(table.rows) - len(rows)
         footer = table.footer + (f" ({left} more with -v)" if left else "")
-        for text in (footer, table.second_run):
-            if text:
-                lines += wrap(text, width, "  ", "  ")
-    return lines
+        for text in filter(None, (footer, table.second_run)):
+            lines += wrap(text, width, "  ", "  ")
+    return [visible(line) for line in lines]
 
 
 def site_markdown(records: Sequence[RecordLike]) -> str:
@@ -248,10 +201,9 @@ def site_section_html(record: RecordLike) -> str:
     """The HTML artifact's card: the baseline's bytes beside this run's as two bars per site; "" when no sites."""
     cards = []
     for table in site_tables(record):
-        pairs = [(row, before, after) for row, (before, after) in zip(table.rows, table.sizes, strict=True)]
-        scale = max([1, *(max(before or 0, after) for _, before, after in pairs)])
+        scale = max([1, *(max(before or 0, after) for before, after in table.sizes)])
         body = []
-        for row, before, after in pairs:
+        for row, (before, after) in zip(table.rows, table.sizes, strict=True):
             baseline = "" if before is None else f"{_bar(before, scale, '#a0a0a0')} {_esc(format_size(before))}"
             body.append(
                 f'<tr data-site="{_esc(row[3])}"><td class="num">{_esc(row[0])}</td><td>{_esc(row[1])}</td>'
@@ -292,13 +244,8 @@ def site_diff_rows(diff: SiteDiff, *, exact: bool = False) -> list[list[str]]:
     """The sites that changed between two stored profiles: site, code, status, Δ at the peak, Δ at the end."""
     order = {id(c): i for i, c in enumerate(diff.at("peak") + [c for c in diff.at("end") if not c.delta("peak")])}
     changes = sorted(diff.changes, key=lambda c: order.get(id(c), len(order)))
-    return [
-        [
-            c.figures.site.key,
-            c.figures.site.code,
-            _NOTES.get(c.status, "changed"),
-            _bytes(c.delta("peak"), exact, signed=True),
-            _bytes(c.delta("end"), exact, signed=True),
-        ]
-        for c in changes
-    ]
+    rows = []
+    for c in changes:
+        deltas = [_bytes(c.delta(moment), exact, signed=True) for moment in ("peak", "end")]
+        rows.append([c.figures.site.key, c.figures.site.code, _NOTES.get(c.status, "changed"), *deltas])
+    return rows

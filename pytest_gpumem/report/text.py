@@ -1,9 +1,5 @@
-"""Findings and measurements → text: the terminal summary, the tables in failure messages, the reports.
-
-Columns: **measured** the absolute figure, **cost** the figure minus the span's start (what limits and baselines
-compare; signed for net changes), **limit**, **baseline** (the recorded cost), **Δ**. A table too wide for the terminal
-elides names, moves test ids above their rows, drops columns, then narrows; long details become numbered notes.
-"""
+"""Findings and measurements → text: the terminal summary and the Markdown report; long details become numbered
+notes."""
 
 from __future__ import annotations
 
@@ -21,23 +17,13 @@ from pytest_gpumem.report.cells import (
     LEGEND_SIGNED,
     SIGNED_METRICS,
     RecordLike,
-    cost_text,
     grouped,
     one_line,
     other_environments,
 )
 from pytest_gpumem.report.details import detail_tables, test_id
 from pytest_gpumem.report.site_tables import site_markdown
-from pytest_gpumem.tables import (
-    Col,
-    Table,
-    markdown_code,
-    markdown_text,
-    plain,
-    visible,
-    wrap,
-    wrap_items,
-)
+from pytest_gpumem.tables import Col, Table, markdown_code, markdown_text, plain, visible, wrap, wrap_items
 from pytest_gpumem.units import SizeError, format_percent, format_size, parse_size
 
 __all__ = [
@@ -69,32 +55,37 @@ STATUS_TEXT = {
     "unchecked": "unchecked: no limit or baseline compared this figure",
 }
 
+#: The summary table's columns after the test id.
+_COLS = (
+    Col("span", elastic=True, min_width=8, span=True),
+    Col("metric"),
+    Col("measured", right=True),
+    Col("cost", right=True),
+    Col("limit", right=True, optional=True),
+    Col("baseline", right=True, optional=True, drop=2),
+    Col("Δ", right=True, optional=True),
+    Col("Δ%", right=True, optional=True, joins=True, drop=1),
+    Col("status", label=""),
+)
+
 #: Columns of :func:`summary_rows`, the summary table and the Markdown report.
-SUMMARY_HEADERS = ("test", "span", "metric", "measured", "cost", "limit", "baseline", "Δ", "Δ%", "status")
+SUMMARY_HEADERS = ("test", *(col.header for col in _COLS))
 
 #: Index of each of a summary row's cells after the test id.
 _CELL = {name: i for i, name in enumerate(SUMMARY_HEADERS[1:])}
 
 
-class _Notes:
-    """Numbered notes below a table; the same text gets the same number."""
-
-    def __init__(self) -> None:
-        self.numbers: dict[str, int] = {}
-
-    @property
-    def texts(self) -> list[str]:
-        return list(self.numbers)
+class _Notes(dict[str, int]):
+    """Numbered notes below a table, text → number; the same text gets the same number."""
 
     def ref(self, text: str) -> str:
-        number = self.numbers.setdefault(text, len(self.numbers) + 1)
-        return f"[{number}]"
+        return f"[{self.setdefault(text, len(self) + 1)}]"
 
     def lines(self, width: int | None) -> list[str]:
         """``[n] text``, wrapped under its number, a line per paragraph; environment keys break only between " | "
         parts."""
         lines = []
-        for number, text in enumerate(self.texts, 1):
+        for text, number in self.items():
             mark = f"[{number}] "
             indent = " " * len(mark)
             first, *rest = text.split("\n")
@@ -104,22 +95,6 @@ class _Notes:
         return lines
 
 
-# --------------------------------------------------------------------------- cells
-
-
-def _percent(delta: int, reference: int | None) -> str:
-    """Δ as a percentage of the baseline's size: a cost that frees less than its baseline grew (+)."""
-    return format_percent(delta, None if reference is None else abs(reference))
-
-
-def _plain_size(text: str) -> bool:
-    try:
-        parse_size(text)
-    except SizeError:
-        return False
-    return True
-
-
 def _limit_note(finding: Finding) -> str | None:
     """What the limit cell cannot say: a budget's expression and ratio, why a figure is n/a, where a limit came from."""
     info = metric_info(finding.metric)
@@ -127,12 +102,14 @@ def _limit_note(finding: Finding) -> str | None:
     if finding.status == "n/a":
         return f"{finding.metric} {finding.kind} {value} cannot be checked: {finding.detail or 'figure unknown'}"
     if finding.kind == "budget":
-        ratio = finding.ratio
-        used = "" if ratio is None else f", ×{ratio:.3f} used"
+        used = "" if finding.ratio is None else f", ×{finding.ratio:.3f} used"
         expression = f"{finding.detail} = " if finding.detail else ""
         return f"{finding.metric} budget {expression}{value}{used}"
-    if finding.detail and not _plain_size(finding.detail) and finding.detail != value:
-        return f"{finding.metric} limit {finding.detail}"
+    if finding.detail and finding.detail != value:
+        try:
+            parse_size(finding.detail)
+        except SizeError:  # not a plain size: say where the limit came from
+            return f"{finding.metric} limit {finding.detail}"
     return None
 
 
@@ -145,45 +122,36 @@ class _Row:
     cells: list[str]  # SUMMARY_HEADERS[1:]
     notes: dict[int, str] = field(default_factory=dict)  # cell index → what moved below the table
 
-    @property
-    def status(self) -> str:
-        return self.cells[_CELL["status"]]
 
-
-def _status_of(findings: Sequence[Finding]) -> str:
-    if not findings:
-        return "unchecked"
-    order = {status: i for i, status in enumerate(STATUS_ORDER)}
-    return min((f.status for f in findings), key=lambda s: order.get(s, len(order)))
+def _percent(baseline: Finding) -> str:
+    """Δ as a percentage of the baseline's size: a cost that frees less than its baseline grew (+)."""
+    return format_percent(baseline.delta, None if baseline.reference is None else abs(baseline.reference))
 
 
 def _metric_row(
     test: str, measurement: Measurement, metric: str, findings: Sequence[Finding], verbosity: int
 ) -> _Row | None:
-    value = measurement.figure(metric)
-    if value is None and not findings:
-        return None
-    info = metric_info(metric)
-    if info.whole_call and not findings and not value and verbosity < 1:
-        return None  # nothing retained and nothing asked: shown with -v
-    limits = sorted((f for f in findings if f.kind in ("limit", "budget")), key=lambda f: not f.failed)
-    limit = limits[0] if limits else None
+    info, value = metric_info(metric), measurement.figure(metric)
+    if not findings and (value is None or (info.whole_call and not value and verbosity < 1)):
+        return None  # nothing to show (nothing retained and nothing asked: shown with -v)
+    limit = min((f for f in findings if f.kind in ("limit", "budget")), key=lambda f: not f.failed, default=None)
     baseline = next((f for f in findings if f.kind == "baseline"), None)
-    status = _status_of(findings)
+    order = {status: i for i, status in enumerate(STATUS_ORDER)}
+    status = min((f.status for f in findings), key=lambda s: order.get(s, len(order)), default="unchecked")
+    cost = measurement.cost(metric)
     cells = [
         measurement.name,
         metric,
         "" if metric in COST_ONLY_METRICS else info.format(value),
-        cost_text(metric, measurement.cost(metric)),
+        info.format_cost(cost),
         "" if limit is None else info.format(limit.reference),
-        "" if baseline is None or baseline.reference is None else cost_text(metric, baseline.reference),
+        "" if baseline is None or baseline.reference is None else info.format_cost(baseline.reference),
         "" if baseline is None or baseline.delta is None else info.format_delta(baseline.delta),
-        "" if baseline is None or baseline.delta is None else _percent(baseline.delta, baseline.reference),
+        "" if baseline is None or baseline.delta is None else _percent(baseline),
         status,
     ]
     notes: dict[int, str] = {}
     note = None if limit is None else _limit_note(limit)
-    cost = measurement.cost(metric)
     bound = None if limit is None else limit.reference
     # a measured figure above a limit that passed reads like a breach: say what the limit compared
     if bound is not None and value is not None and cost is not None and value > bound >= cost:
@@ -202,44 +170,41 @@ def _metric_row(
     return _Row(test, any(f.failed for f in findings), cells, notes)
 
 
-def _unmeasured_row(test: str, finding: Finding) -> _Row:
-    """A recorded span the run did not measure (a renamed or removed ``measure()`` block)."""
-    cells = [finding.span, "", "", "", "", "", "", "", finding.status]
-    return _Row(test, finding.failed, cells, {_CELL["status"]: "the span was recorded, not measured by this run"})
+def _status_row(test: str, failed: bool, span: str, status: str, note: str) -> _Row:
+    """A row of a span and a status alone, the note below the table: an error, or a span recorded, not measured."""
+    return _Row(test, failed, [span, *[""] * (len(_CELL) - 2), status], {_CELL["status"]: note})
 
 
 def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int) -> list[_Row]:
     """The summary's rows: tests with a problem first, and in each test its problem rows first."""
-    tests: list[tuple[bool, list[_Row]]] = []
+    tests: list[list[_Row]] = []
     for record in records:
-        error = [""] * (len(_CELL) - 1) + ["error"]
-        rows = [_Row(record.nodeid, True, list(error), {_CELL["status"]: text}) for text in record.errors]
+        rows = [_status_row(record.nodeid, True, "", "error", text) for text in record.errors]
         for measurement in record.measurements:
-            findings = [f for f in record.findings if f.span == measurement.name]
             for metric in METRICS + COUNT_METRICS:
-                row = _metric_row(
-                    record.nodeid, measurement, metric, [f for f in findings if f.metric == metric], verbosity
-                )
+                findings = [f for f in record.findings if (f.span, f.metric) == (measurement.name, metric)]
+                row = _metric_row(record.nodeid, measurement, metric, findings, verbosity)
                 if row is not None:
                     rows.append(row)
-        spans = {measurement.name for measurement in record.measurements}
-        rows += [_unmeasured_row(record.nodeid, f) for f in record.findings if f.span not in spans and f.span != "*"]
+        spans = {measurement.name for measurement in record.measurements} | {"*"}
+        unmeasured = "the span was recorded, not measured by this run"  # a renamed or removed measure() block
+        rows += [
+            _status_row(record.nodeid, f.failed, f.span, f.status, unmeasured)
+            for f in record.findings
+            if f.span not in spans
+        ]
         if only_problems or verbosity < 0:
             rows = [row for row in rows if row.failed]
         rows.sort(key=lambda row: not row.failed)  # stable: the order of spans and metrics stays
         if rows:
-            tests.append((any(row.failed for row in rows), rows))
-    tests.sort(key=lambda item: not item[0])
-    return [row for _, rows in tests for row in rows]
+            tests.append(rows)
+    tests.sort(key=lambda rows: not rows[0].failed)  # a test's failed rows come first
+    return [row for rows in tests for row in rows]
 
 
 def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False, verbosity: int = 0) -> list[list[str]]:
-    """The summary's rows as text, one per test, span and metric, in :data:`SUMMARY_HEADERS` order.
-
-    What the summary table puts in notes follows its cell in parentheses. Tests with a problem come first; a zero
-    ``retained`` nothing checked shows only when ``verbosity`` > 0 (full node ids too); ``only_problems`` (or
-    ``verbosity`` < 0) keeps failing rows and errors.
-    """
+    """The summary's rows as text in :data:`SUMMARY_HEADERS` order, what the table puts in notes in parentheses after
+    its cell."""
     table = []
     for row in _rows(records, only_problems=only_problems, verbosity=verbosity):
         cells = [cell + (f" ({one_line(row.notes[i])})" if i in row.notes else "") for i, cell in enumerate(row.cells)]
@@ -253,21 +218,18 @@ def _legend(rows: Sequence[_Row]) -> list[str]:
     lines = [LEGEND_COST]
     if any(row.cells[_CELL["Δ"]] for row in rows):
         lines[0] += "; " + LEGEND_DELTA
-    signed = (_CELL["cost"], _CELL["baseline"])
-    if any(
-        row.cells[_CELL["metric"]] in SIGNED_METRICS and any(row.cells[i].startswith("-") for i in signed)
-        for row in rows
-    ):
+    negative = [row for row in rows if any(row.cells[_CELL[name]].startswith("-") for name in ("cost", "baseline"))]
+    if any(row.cells[_CELL["metric"]] in SIGNED_METRICS for row in negative):
         lines.append(LEGEND_SIGNED)
-    shown = {row.status for row in rows}
+    shown = {row.cells[_CELL["status"]] for row in rows}
     lines += [text for status, text in STATUS_TEXT.items() if status in shown]
     return lines
 
 
-def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markdown: bool = False) -> Table:
+def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int) -> Table:
     groups = grouped(
         (
-            visible(row.test if markdown else test_id(row.test, verbosity)),
+            visible(test_id(row.test, verbosity)),
             [
                 [
                     visible(cell) + (f" {notes.ref(visible(row.notes[i]))}" if i in row.notes else "")
@@ -277,20 +239,7 @@ def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int, *, markd
         )
         for row in rows
     )
-    span, metric, measured, cost, limit, baseline, delta, percent, status = SUMMARY_HEADERS[1:]
-    cols = (
-        Col(span, elastic=True, min_width=8, span=True),
-        Col(metric),
-        Col(measured, right=True),
-        Col(cost, right=True),
-        Col(limit, right=True, optional=True),
-        Col(baseline, right=True, optional=True, drop=2),
-        Col(delta, right=True, optional=True),
-        Col(percent, right=True, optional=True, joins=True, drop=1),
-        Col(status, label=""),
-    )
-    test = Col(SUMMARY_HEADERS[0])
-    return Table(cols, groups, test, lead=2, status=_CELL["status"])
+    return Table(_COLS, groups, Col("test"), lead=2, status=_CELL["status"])
 
 
 def summary_table(
@@ -301,11 +250,8 @@ def summary_table(
     verbosity: int = 0,
     environments: Sequence[str] = (),
 ) -> str:
-    """The terminal summary: one row per test, span and metric, notes and a legend below; "" when nothing to show.
-
-    Every line fits in ``width`` (``None``: no limit). ``verbosity`` is pytest's: below 0 only problems, above 0 full
-    node ids, every ``retained`` row and the breakdown and phases of each span.
-    """
+    """The terminal summary: one row per test, span and metric, notes and a legend below, every line in ``width``;
+    ``verbosity`` is pytest's (above 0: full ids, every ``retained`` row, the breakdown and phases)."""
     records = list(records)
     lines = _environment_lines(environments, width)
     rows = _rows(records, only_problems=only_problems, verbosity=verbosity)
@@ -318,9 +264,8 @@ def summary_table(
         below += wrap(text, width, "", "  ")
     if below:
         lines += ["", *below]
-    if verbosity > 0 and not (only_problems or verbosity < 0):
-        measurements = [(record.nodeid, m) for record in records for m in record.measurements]
-        lines += detail_tables(measurements, width, verbosity)
+    if verbosity > 0 and not only_problems:
+        lines += detail_tables([(test_id(r.nodeid, verbosity), m) for r in records for m in r.measurements], width)
     return "\n".join(lines)
 
 
@@ -341,11 +286,8 @@ def terminal_summary(
     pruning: bool = False,
     kept: Mapping[str, int] | None = None,
 ) -> str | None:
-    """The gpumem section at the end of a run; None when there is nothing to say.
-
-    ``environments`` maps each key to its device's library workspace bytes; ``baselines`` is ``(path, written)``;
-    ``kept`` counts tests whose baselines the run could not judge, by why.
-    """
+    """The gpumem section at the end of a run (None: nothing to say); ``environments``: each key's library workspace
+    bytes, ``baselines``: ``(path, written)``, ``kept``: tests whose baselines the run could not judge, by why."""
     quiet = verbosity < 0
     problems = any(record.failed for record in records) or any(f.failed for f in stale)
     if (not records and not stale and baselines is None) or (quiet and not problems):
@@ -383,9 +325,6 @@ def _environment_lines(keys: Sequence[str], width: int | None) -> list[str]:
     return lines
 
 
-# --------------------------------------------------------------------------- Markdown
-
-
 def markdown_report(
     records: Iterable[RecordLike],
     *,
@@ -393,10 +332,7 @@ def markdown_report(
     extra_findings: Sequence[Finding] = (),
     fold_passing: bool = False,
 ) -> str:
-    """A GitHub-flavoured Markdown report: the environment and the summary as one table (the terminal's columns).
-
-    ``fold_passing`` moves the passing tests' rows into a closed ``<details>`` block.
-    """
+    """A GitHub-flavoured Markdown report of the summary; ``fold_passing`` folds the passing tests' rows away."""
     records = list(records)
     rows = _rows(records, only_problems=False, verbosity=0)
     failed = sum(1 for record in records if record.failed)
@@ -406,9 +342,8 @@ def markdown_report(
     lines.append(f"{len(records)} measured test(s), {failed} failing on memory.")
     notes = _Notes()
     failing = {row.test for row in rows if row.failed}
-    tables = [rows]
-    if fold_passing:
-        tables = [[row for row in rows if row.test in failing], [row for row in rows if row.test not in failing]]
+    folded = [[row for row in rows if row.test in failing], [row for row in rows if row.test not in failing]]
+    tables = folded if fold_passing else [rows]
     for index, shown in enumerate(tables):
         if not shown and (index or len(tables) > 1):
             continue
@@ -416,14 +351,12 @@ def markdown_report(
         if index:
             passing = len({row.test for row in shown})
             lines += [f"<details><summary>{passing} test(s) passing on memory</summary>", ""]
-        lines.append("| " + " | ".join(SUMMARY_HEADERS) + " |")
-        lines.append("|" + "---|" * len(SUMMARY_HEADERS))
-        for title, cells in _summary_table(shown, notes, 0, markdown=True).groups:
-            for row in cells:
-                lines.append("| " + " | ".join(markdown_text(cell) for cell in [title, *row]) + " |")
+        lines += ["| " + " | ".join(SUMMARY_HEADERS) + " |", "|" + "---|" * len(SUMMARY_HEADERS)]
+        for title, cells in _summary_table(shown, notes, 1).groups:  # full ids
+            lines += ["| " + " | ".join(markdown_text(cell) for cell in [title, *row]) + " |" for row in cells]
         if index:
             lines += ["", "</details>"]
-    below = [f"- [{number}] {markdown_text(one_line(text), cell=False)}" for number, text in enumerate(notes.texts, 1)]
+    below = [f"- [{number}] {markdown_text(one_line(text), cell=False)}" for text, number in notes.items()]
     below += [f"- {plain(text)}" for text in _legend(rows)]
     if below:
         lines += ["", *below]
