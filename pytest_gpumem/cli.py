@@ -31,6 +31,7 @@ from pytest_gpumem.data.findings import Tolerance, parse_tolerance
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRIC_INFO, METRICS, metric_info
 from pytest_gpumem.judge.rule import baseline_status, describe_default_tolerances, tolerance_for
 from pytest_gpumem.judge.site_changes import diff_sites
+from pytest_gpumem.report.cells import figure_text
 from pytest_gpumem.report.site_tables import PROFILE_HEADERS, profile_rows, site_diff_rows
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_percent
@@ -340,10 +341,6 @@ def _metrics(entries: Iterable[BaselineEntry]) -> list[str]:
     return list(dict.fromkeys(known)) + sorted(names.difference(known))
 
 
-def _shown(metric: str, value: int | None, exact: bool) -> str:
-    return str(value) if exact and value is not None else metric_info(metric).format(value)
-
-
 def _table(rows: list[list[str]], headers: list[str], right_from: int, markdown: bool) -> str:
     right = range(right_from, len(headers))
     return markdown_table(headers, rows, right=right) if markdown else table(headers, rows, right=right)
@@ -372,7 +369,7 @@ def _show(args: argparse.Namespace) -> int:
         spans = {test: store.spans(key, test) for test in tests}
         metrics = _metrics(entry for by_name in spans.values() for entry in by_name.values())
         rows = [  # n/a: unknown; empty: not recorded
-            [test, name, *(_shown(m, entry.cost(m), args.bytes) if m in entry.costs else "" for m in metrics)]
+            [test, name, *(figure_text(m, entry.cost(m), args.bytes) if m in entry.costs else "" for m in metrics)]
             for test in tests
             for name, entry in spans[test].items()
         ]
@@ -456,7 +453,7 @@ def _diff(args: argparse.Namespace) -> int:
     if args.fail_on_growth and worse:
         lines = [f"{_count(len(worse), 'cost')} got worse beyond {'its' if len(worse) == 1 else 'their'} tolerance:"]
         for change in worse:
-            was, now = (_shown(change.metric, value, args.bytes) for value in (change.old, change.new))
+            was, now = (figure_text(change.metric, value, args.bytes) for value in (change.old, change.new))
             tolerance = tolerances[change.metric].describe(metric_info(change.metric))
             lines.append(f"  {change.test} [{change.span}] {change.metric}: {was} -> {now} (tolerance {tolerance})")
         print("\n".join(lines), file=sys.stderr)
@@ -499,8 +496,8 @@ def _change_row(change: _Change, exact: bool) -> list[str]:
         change.test,
         change.span,
         change.metric,
-        "" if change.kind == "added" else _shown(change.metric, change.old, exact),
-        "" if change.kind == "removed" else _shown(change.metric, change.new, exact),
+        "" if change.kind == "added" else figure_text(change.metric, change.old, exact),
+        "" if change.kind == "removed" else figure_text(change.metric, change.new, exact),
         shown_delta,
         percent,
     ]

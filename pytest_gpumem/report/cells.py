@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from itertools import groupby
 from operator import itemgetter
 
-from pytest_gpumem.data.metrics import METRIC_TABLE
+from pytest_gpumem.data.metrics import METRIC_TABLE, metric_info
 from pytest_gpumem.judge.record import TestRecord
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "LEGEND_SIGNED",
     "SIGNED_METRICS",
     "RecordLike",
+    "figure_text",
     "grouped",
     "one_line",
     "other_environments",
@@ -53,3 +54,8 @@ def grouped(pairs: Iterable[tuple[str, list[list[str]]]]) -> list[tuple[str, lis
     """Rows by title, consecutive rows with the same title in one group."""
     pairs = [(title, rows) for title, rows in pairs if rows]
     return [(title, [row for _, rows in group for row in rows]) for title, group in groupby(pairs, key=itemgetter(0))]
+
+
+def figure_text(metric: str, value: int | None, exact: bool) -> str:
+    """``value`` of ``metric`` as the command line and the history show it: in bytes when ``exact``."""
+    return str(value) if exact and value is not None else metric_info(metric).format(value)

@@ -4,14 +4,13 @@ the step summary's size cap. No pytest."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_gpumem.data.findings import Finding, failure_message
+from pytest_gpumem.data.findings import failure_message
 from pytest_gpumem.data.metrics import COUNT_METRICS, METRICS
 from pytest_gpumem.report.cells import RecordLike
-from pytest_gpumem.report.text import STATUS_ORDER
+from pytest_gpumem.report.text import worst_status
 
 __all__ = [
     "MAX_ANNOTATIONS",
@@ -39,14 +38,6 @@ def first_line(record: RecordLike) -> str:
     return message.splitlines()[0] if message else ""
 
 
-def _status(findings: Sequence[Finding]) -> str:
-    """The worst status of a figure's findings ("unchecked" when nothing judged it)."""
-    if not findings:
-        return "unchecked"
-    order = {status: i for i, status in enumerate(STATUS_ORDER)}
-    return min((f.status for f in findings), key=lambda s: order.get(s, len(order)))
-
-
 def junit_properties(record: RecordLike) -> list[tuple[str, str | int]]:
     """The judged figures as JUnit properties: ``PREFIX.METRIC.`` ``measured``, ``cost``, ``limit``, ``budget``,
     ``baseline`` (each when known) and ``status`` (the worst check, ``unchecked`` when none), and ``gpumem.failure``.
@@ -64,7 +55,7 @@ def junit_properties(record: RecordLike) -> list[tuple[str, str | int]]:
             for kind in ("limit", "budget", "baseline"):
                 known[kind] = next((f.reference for f in judged if f.kind == kind and f.reference is not None), None)
             properties += [(f"{prefix}.{metric}.{key}", value) for key, value in known.items() if value is not None]
-            properties.append((f"{prefix}.{metric}.status", _status(judged)))
+            properties.append((f"{prefix}.{metric}.status", worst_status(judged)))
     failure = first_line(record) if record.failed else ""
     if failure:
         properties.append(("gpumem.failure", failure))
@@ -109,7 +100,7 @@ def _site_line(record: RecordLike, rootdir: Path) -> tuple[str, int, str] | None
     broken = [f for f in record.findings if f.failed]
     candidates = []
     for finding in broken:
-        changes = getattr(record, "site_changes", {}).get(finding.span)
+        changes = record.site_changes.get(finding.span)
         if finding.kind == "baseline" and changes is not None:
             grown = [c.figures.site for c in changes.at("peak") if c.status != "gone" and c.delta("peak") > 0]
             candidates += [(site, "the line whose tensors grew most") for site in grown]

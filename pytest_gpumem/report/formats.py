@@ -35,7 +35,7 @@ def json_report(
     tests = []
     counts = dict.fromkeys(("tests", "failed", "exceeded", "regressed", "improved", "new", "n/a"), 0)
     for record in records:
-        changes = getattr(record, "site_changes", None)
+        changes = record.site_changes
         counts["tests"] += 1
         counts["failed"] += int(record.failed)
         for finding in record.findings:

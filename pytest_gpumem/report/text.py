@@ -31,6 +31,7 @@ __all__ = [
     "summary_rows",
     "summary_table",
     "terminal_summary",
+    "worst_status",
 ]
 
 #: Order of statuses in the summary: problems first. "unchecked": a figure no limit or baseline compared.
@@ -46,6 +47,13 @@ STATUS_ORDER = (
     "ok",
     "unchecked",
 )
+
+
+def worst_status(findings: Iterable[Finding]) -> str:
+    """The first of :data:`STATUS_ORDER` among ``findings``' statuses ("unchecked" when nothing judged the figure)."""
+    order = {status: i for i, status in enumerate(STATUS_ORDER)}
+    return min((f.status for f in findings), key=lambda s: order.get(s, len(order)), default="unchecked")
+
 
 #: What a status asks for, in the legend under the summary (only for statuses the table shows).
 STATUS_TEXT = {
@@ -136,8 +144,7 @@ def _metric_row(
         return None  # nothing to show (nothing retained and nothing asked: shown with -v)
     limit = min((f for f in findings if f.kind in ("limit", "budget")), key=lambda f: not f.failed, default=None)
     baseline = next((f for f in findings if f.kind == "baseline"), None)
-    order = {status: i for i, status in enumerate(STATUS_ORDER)}
-    status = min((f.status for f in findings), key=lambda s: order.get(s, len(order)), default="unchecked")
+    status = worst_status(findings)
     cost = measurement.cost(metric)
     cells = [
         measurement.name,

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from pytest_gpumem.baselines.history import Commit, History, Version
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
+from pytest_gpumem.report.cells import figure_text
 from pytest_gpumem.report.html import html_page, html_text
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_size
@@ -70,13 +71,9 @@ def _points(history: History, series: Series, metric: str) -> list[tuple[int, Co
     ]
 
 
-def _show(metric: str, value: int | None, exact: bool) -> str:
-    return str(value) if exact and value is not None else metric_info(metric).format(value)
-
-
 def _delta(metric: str, before: int | None, after: int | None, exact: bool) -> str:
     if before is None or after is None:
-        return f"{_show(metric, before, exact)} → {_show(metric, after, exact)}"
+        return f"{figure_text(metric, before, exact)} → {figure_text(metric, after, exact)}"
     return f"{after - before:+d}" if exact else metric_info(metric).format_delta(after - before)
 
 
@@ -123,7 +120,7 @@ def history_table(
             cells = [key[1], key[2], commit.short, commit.day, commit.subject]
             if key in version.figures:
                 figures = version.figures[key]
-                cells += [_show(metric, figures.get(metric), exact) for metric in metrics]
+                cells += [figure_text(metric, figures.get(metric), exact) for metric in metrics]
                 rows.append([*cells, _changes(previous, version, key, metrics, exact)])
             elif previous is not None and key in previous.figures:
                 rows.append([*cells, *[""] * len(metrics), "removed"])
@@ -159,7 +156,7 @@ def sparklines(
                 continue
             first, last = values[0], values[-1]
             changes = sum(1 for a, b in itertools.pairwise(values) if a != b)
-            shown = [_show(metric, first, exact), _show(metric, last, exact)]
+            shown = [figure_text(metric, first, exact), figure_text(metric, last, exact)]
             change = _delta(metric, first, last, exact) if first != last else ""
             rows.append([key[1], key[2], metric, sparkline(values), *shown, change, f"{len(values)} / {changes}"])
         return rows
