@@ -17,11 +17,10 @@ import torch
 
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement import collector, frozen, gcfunctions
-from pytest_gpumem.measurement.engines.followers import follow_threads
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
 from pytest_gpumem.measurement.engines.storages import Block, Entry, Window, is_fake
-from pytest_gpumem.measurement.engines.tracker import TEMPORARIES, StorageTracker
+from pytest_gpumem.measurement.engines.tracker import FOLLOWERS, TEMPORARIES, StorageTracker
 from pytest_gpumem.units import cuda_rounded
 
 __all__ = ["MARK_BYTES", "AllocationTracker", "ProfilerInUse"]
@@ -119,13 +118,13 @@ class AllocationTracker(StorageTracker):
         self._begin_count(timeline)
         self._begin_session()
         self._profiling = True
-        follow_threads(self, follow=True)
+        FOLLOWERS.add(self)
         if saved_tensors:
             self._saved_hooks = SavedTensorHooks(self._pack_hook, unpack, notes=self.notes)
             self._saved_hooks.push()
 
     def stop(self) -> None:
-        follow_threads(self, follow=False)
+        FOLLOWERS.remove(self)
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.pop()

@@ -7,15 +7,14 @@ import linecache
 import os
 import sys
 import sysconfig
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import CodeType, FrameType
 from typing import Any
 
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.data.site_figures import BEFORE, CODE_CHARS, ELSEWHERE, EXAMPLE_CHARS, Site, SiteConfig, SiteCounts
-from pytest_gpumem.measurement.engines.storages import Window
 
-__all__ = ["Found", "SiteFilter", "SiteRecorder", "SiteSnapshot", "TrackedSites"]
+__all__ = ["Found", "SiteFilter", "SiteRecorder", "SiteSnapshot"]
 
 #: What the engines hand the recorder: (site, phase, bytes at the peak, bytes at the end, examples).
 Found = tuple[Site, str, SiteCounts | None, SiteCounts | None, tuple[str, ...]]
@@ -248,67 +247,6 @@ def _move(counts: SiteCounts, nbytes: int, old: int, new: int) -> None:
     if counts.tensors is not None:
         counts.tensors[old] -= 1
         counts.tensors[new] += 1
-
-
-class TrackedSites:
-    """The storage tracker's members for sites, mixed into ``StorageTracker``, whose fields these are."""
-
-    sites: SiteRecorder | None
-    current: int
-    events: int
-    saved: int
-    _lock: Any
-    _pending: bool
-    _window: Window
-    _by_category: list[int]
-    _entries: dict[int, Any]
-    _freed: Callable[[Any], None]
-    _on_freed: Callable[[Any], None]
-    _settle: Callable[[], None]
-    _key: Callable[[Any], int | None]
-
-    def site_snapshot(self) -> SiteSnapshot | None:
-        """The bytes by site now (:meth:`SiteRecorder.snapshot`); None while sites are not recorded."""
-        if self.sites is None:
-            return None
-        with self._lock:
-            return self.sites.snapshot(self._by_category, len(self._entries))
-
-    def _new_window(self) -> Window:
-        """A window opened at the count now (its peak's sites: the sites now)."""
-        return Window(self.current, tuple(self._by_category), self.events, self.saved, sites=self.site_snapshot())
-
-    def record_sites(self, sites: SiteRecorder | None) -> None:
-        """Record the site of every storage made from now on (None: stop); the open window's peak starts now."""
-        with self._lock:
-            if self._pending:
-                self._settle()
-            self.sites = sites
-            self._freed = self._on_freed if sites is None else self._freed_at_site
-            self._window.sites = self.site_snapshot()
-
-    def _freed_at_site(self, entry: Any) -> None:
-        """A storage made while sites were recorded is freed (its weak reference's callback)."""
-        with self._lock:
-            counted = self._entries.get(entry.key) is entry
-            self._on_freed(entry)
-            if counted and self.sites is not None:
-                self.sites.freed(entry)
-
-    def _site_moved(self, entry: Any, index: int, discovered: bool) -> None:
-        """``entry`` moves to category ``index`` (see ``StorageTracker._move``), at its site too."""
-        assert self.sites is not None
-        window = self._window
-        at_peak = discovered and entry.moved <= window.event
-        self.sites.moved(entry, entry.category, index, window.sites if at_peak else None)
-
-    def site_of(self, tensor: Any) -> _State | None:
-        """The site ``tensor``'s storage was made at, when sites were recorded then; None otherwise."""
-        try:
-            entry = self._entries.get(self._key(tensor.untyped_storage()) or 0)
-        except (RuntimeError, NotImplementedError):
-            return None
-        return None if entry is None else getattr(entry, "site", None)  # made while some recording was on
 
 
 def found_sites(peak: Mapping[Any, SiteCounts] | None, end: Mapping[Any, SiteCounts] | None) -> list[Found]:
