@@ -7,23 +7,19 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
+from pytest_gpumem.measurement.engines.storages import _PLAIN
 from pytest_gpumem.units import cuda_rounded
 
 __all__ = ["Held", "Released", "SavedTensors", "detached", "unpack"]
 
 _PARAMETER = torch.nn.Parameter
-
-
-#: Tensor types without a ``__torch_dispatch__`` of their own.
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 _NO_DISPATCH = torch._C._DisableTorchDispatch
 
 
 def detached(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor.detach()``, for plain tensors unseen by any dispatch mode (it is the plugin's own doing)."""
-    if type(tensor) in _PLAIN_TENSORS:
+    if type(tensor) in _PLAIN:
         with _NO_DISPATCH():
             return tensor.detach()
     return tensor.detach()
@@ -92,8 +88,6 @@ class SavedTensors:
         if self._hooks is not None:
             raise RuntimeError("the saved-tensor counter is already active")
         self._peak = self.current
-        from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
-
         self._hooks = SavedTensorHooks(self._pack, unpack)
         self._hooks.push()
 

@@ -123,7 +123,9 @@ class _State:
 
     __slots__ = ("code", "counts", "examples", "filename", "line", "owner", "phase", "where")
 
-    def __init__(self, owner: SiteRecorder, code: CodeType | None, line: int, phase: str) -> None:
+    def __init__(
+        self, owner: SiteRecorder, code: CodeType | None, line: int, phase: str, where: tuple[str, str] | None
+    ) -> None:
         self.owner = owner
         self.code = code
         self.line = line
@@ -131,7 +133,7 @@ class _State:
         self.counts = SiteCounts(tensors=[0] * len(CATEGORIES))
         #: the two largest storages' (bytes, shape and dtype as text, (shape, dtype))
         self.examples: list[tuple[int, str, Any]] = []
-        self.where: tuple[str, str] | None = None
+        self.where = where  # (file, function) in the user's code
         self.filename = "" if code is None else code.co_filename
 
     def site(self) -> Site:
@@ -159,21 +161,14 @@ class SiteRecorder:
     def here(self, frame: FrameType | None) -> _State:
         """The state of the innermost user frame from ``frame`` outwards, in the current phase."""
         code_of = self.filter.code
-        while frame is not None:
-            code = frame.f_code
-            where = code_of(code)
-            if where is not None:
-                key = (code, frame.f_lineno, self.phase)
-                state = self._states.get(key)
-                if state is None:
-                    state = self._states[key] = _State(self, code, frame.f_lineno, self.phase)
-                    state.where = where
-                return state
+        where = None
+        while frame is not None and (where := code_of(frame.f_code)) is None:
             frame = frame.f_back
-        nowhere: tuple[CodeType | None, int, str] = (None, 0, self.phase)
-        state = self._states.get(nowhere)
+        code, line = (None, 0) if frame is None else (frame.f_code, frame.f_lineno)
+        key = (code, line, self.phase)
+        state = self._states.get(key)
         if state is None:
-            state = self._states[nowhere] = _State(self, None, 0, self.phase)
+            state = self._states[key] = _State(self, code, line, self.phase, where)
         return state
 
     def site_here(self) -> Site:
