@@ -77,8 +77,6 @@ class SavedTensors:
         self.current = 0
         self._peak = 0
         self._hooks: Any = None
-        #: the hooks stepped aside where torch turned saved-tensor hooks off (torch.func)
-        self.stepped_aside = False
 
     @property
     def active(self) -> bool:
@@ -96,7 +94,6 @@ class SavedTensors:
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
             hooks.pop()
-            self.stepped_aside = self.stepped_aside or hooks.stepped_aside > 0
 
     def take_peak(self) -> int:
         """The highest bytes held for backward since the previous call; opens a new window."""

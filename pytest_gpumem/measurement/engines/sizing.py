@@ -83,7 +83,7 @@ def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: 
     tensors = [value for value in tree_flatten((args, kwargs))[0] if isinstance(value, torch.Tensor)]
     where = kwargs.get("device")
     target = torch.device(where) if where is not None else tensors[0].device if tensors else torch.device("cpu")
-    if not _same(target, device):
+    if target.type != device.type or (target.index or 0) != (device.index or 0):
         return ()  # made on another device: nothing this tracker counts
     if any(tensor.layout != torch.strided for tensor in tensors):
         return None
@@ -107,7 +107,3 @@ def _meta_copy(value: Any) -> Any:
     if isinstance(value, torch.device):
         return torch.device("meta")
     return value
-
-
-def _same(one: torch.device, other: torch.device) -> bool:
-    return one.type == other.type and (one.index or 0) == (other.index or 0)

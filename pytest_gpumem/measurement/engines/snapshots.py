@@ -4,10 +4,7 @@ it unpickles without this package)."""
 from __future__ import annotations
 
 import collections
-import contextlib
-import os
 import pickle
-import secrets
 import sys
 import time
 import warnings
@@ -15,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.data.figures import OutputNotWritten
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.files import write_file
 from pytest_gpumem.measurement.engines.compiled import PLUGIN_ROOT
 from pytest_gpumem.measurement.engines.storages import StorageObserver
 
@@ -209,15 +207,9 @@ def _segment(address: int, total: int, blocks: list[dict[str, Any]], kind: str =
 
 def write_snapshot(path: str, snapshot: dict[str, Any]) -> str | None:
     """Pickle ``snapshot`` to ``path``, whole or not at all (else an :class:`OutputNotWritten` warning)."""
-    temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(temporary, "xb") as stream:
-            pickle.dump(snapshot, stream, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(temporary, path)
+        write_file(path, pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL))
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
         warnings.warn(
             OutputNotWritten(f"could not write the memory snapshot {path}: {exc.strerror or exc}"), stacklevel=3
         )
