@@ -42,7 +42,6 @@ class SiteFilter:
     """Decides which frames are the user's code (rootdir, ``include``'d packages), and names their files."""
 
     def __init__(self, config: SiteConfig) -> None:
-        self.config = config
         self.root = os.path.normcase(os.path.abspath(config.root)) + os.sep
         self.included: list[tuple[str, str]] = []  # (a package's folder, the folder its names start from)
         for name in config.include:
@@ -55,17 +54,17 @@ class SiteFilter:
                 for _ in range(depth):
                     base = os.path.dirname(base)
                 self.included.append((folder, base + os.sep))
-        self.never = [
+        paths = sysconfig.get_paths()
+        libraries = [
+            os.path.normcase(os.path.abspath(p)) + os.sep for p in {paths.get("stdlib"), paths.get("platstdlib")} if p
+        ]
+        #: the folders of never-site packages and of the standard library
+        self.never = tuple(
             folder
             for name in _NEVER
             if not any(name == inc or name.startswith(inc + ".") for inc in config.include)
             for folder in _package_dirs(name)
-        ]
-        self.libraries = tuple(
-            os.path.normcase(os.path.abspath(p)) + os.sep
-            for p in {sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib")}
-            if p
-        )
+        ) + tuple(libraries)
         self._codes: dict[CodeType, tuple[str, str] | None] = {}
         self._files: dict[str, str | None] = {}
 
@@ -82,11 +81,9 @@ class SiteFilter:
             return None
         path = os.path.normcase(os.path.abspath(filename))
         for folder, base in self.included:
-            if path.startswith(folder) or path == folder:
+            if path.startswith(folder):
                 return path[len(base) :].replace(os.sep, "/")
-        if any(path.startswith(folder) or path == folder for folder in self.never):
-            return None
-        if not path.startswith(self.root) or path.startswith(self.libraries):
+        if not path.startswith(self.root) or path.startswith(self.never):
             return None
         relative = path[len(self.root) :]
         parts = relative.split(os.sep)
