@@ -228,32 +228,23 @@ class AllocationTracker(StorageTracker):
         placed = {mark.data_ptr(): index for index, mark in enumerate(marks)}
         applied = 0
         for _, ptr, size in stream:
+            entry: Any = self._entries.get(ptr)
+            if size < 0:
+                if type(entry) is Block:  # a block alive before the span is freed by its weak reference
+                    StorageTracker._on_freed(self, entry)
+                continue
+            if entry is not None:  # its free went unseen: the block is gone, its address reused
+                StorageTracker._on_freed(self, entry)
             index = placed.get(ptr) if size == MARK_BYTES else None
             if index is not None and index >= applied:
-                stale = self._entries.get(ptr)
-                if stale is not None:  # its free went unseen: the block is gone, its address reused
-                    StorageTracker._on_freed(self, stale)
                 for event in queued[applied : index + 1]:  # an earlier mark unseen (another thread): here
                     self._apply(event)
                 applied = index + 1
-            elif size > 0:
-                self._allocated(ptr, size)
             else:
-                self._released(ptr)
+                self._insert(Block(), ptr, cuda_rounded(size) if self.cuda_rounding else size, TEMPORARIES)
         for event in queued[applied:]:  # marks not seen (made on another thread): after everything seen
             self._apply(event)
         del marks  # their frees are reported in the next session, at addresses no block has
-
-    def _allocated(self, ptr: int, size: int) -> None:
-        stale = self._entries.get(ptr)
-        if stale is not None:  # its free went unseen: the block is gone if its address is reused
-            StorageTracker._on_freed(self, stale)
-        self._insert(Block(), ptr, cuda_rounded(size) if self.cuda_rounding else size, TEMPORARIES)
-
-    def _released(self, ptr: int) -> None:
-        entry: Any = self._entries.get(ptr)
-        if type(entry) is Block:  # a block alive before the span is freed by its weak reference
-            StorageTracker._on_freed(self, entry)
 
     def _apply(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
