@@ -113,10 +113,3 @@ class SavedTensorHooks:
         if not self._pushed and not _disabled():
             _autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
             self._pushed = True
-
-    def __enter__(self) -> SavedTensorHooks:
-        self.push()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.pop()

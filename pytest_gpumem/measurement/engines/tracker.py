@@ -687,7 +687,9 @@ class StorageTracker:
         _push_mode(mode)
         stack.callback(_pop_mode)
         if self._saved_hooks is not None:
-            stack.enter_context(SavedTensorHooks(self._pack, unpack, notes=self.notes))
+            hooks = SavedTensorHooks(self._pack, unpack, notes=self.notes)
+            hooks.push()
+            stack.callback(hooks.pop)
         if self._contexts is not None:
             for make in self.thread_contexts:
                 stack.enter_context(make())
