@@ -17,11 +17,10 @@ import torch
 
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement import collector, frozen, gcfunctions
-from pytest_gpumem.measurement.engines.followers import follow_threads
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
-from pytest_gpumem.measurement.engines.storages import Block, Entry, Window, is_fake
-from pytest_gpumem.measurement.engines.tracker import TEMPORARIES, StorageTracker
+from pytest_gpumem.measurement.engines.storages import Block, Entry, Window, is_fake, tensors_among
+from pytest_gpumem.measurement.engines.tracker import FOLLOWERS, TEMPORARIES, StorageTracker
 from pytest_gpumem.units import cuda_rounded
 
 __all__ = ["MARK_BYTES", "AllocationTracker", "ProfilerInUse"]
@@ -76,7 +75,8 @@ class AllocationTracker(StorageTracker):
         from torch._C._profiler import RecordScope, _EventType
         from torch.autograd.profiler import profile
 
-        self._api = (_prepare_profiler, _enable_profiler, _disable_profiler, _profiler_enabled)
+        self._prepare, self._enable, self._disable = _prepare_profiler, _enable_profiler, _disable_profiler
+        self._profiler_enabled = _profiler_enabled
         # the configuration torch.profiler itself would use (its fields change across versions)
         template = profile(use_cpu=True, profile_memory=True, use_kineto=True)
         self._config = template.config
@@ -97,20 +97,15 @@ class AllocationTracker(StorageTracker):
     # -- the profiler session ---------------------------------------------------------
 
     def _begin_session(self) -> None:
-        prepare, enable, _, _ = self._api
         config = self._config()
         with _quiet_stderr():
-            prepare(config, self._activities)
-            enable(config, self._activities, self._scopes)  # type: ignore[call-arg]  # torch's stub lacks scopes
-
-    def _end_session(self) -> Any:
-        with _quiet_stderr():
-            return self._api[2]()
+            self._prepare(config, self._activities)
+            self._enable(config, self._activities, self._scopes)  # type: ignore[call-arg]  # torch's stub lacks scopes
 
     def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
         if self._profiling:
             raise RuntimeError("the allocation tracker is already active")
-        if self._api[3]():
+        if self._profiler_enabled():
             raise ProfilerInUse(
                 "observe='allocations' reads allocations through PyTorch's profiler, which is already "
                 "running; measure this code with observe='operators', or profile it outside the measurement"
@@ -119,13 +114,13 @@ class AllocationTracker(StorageTracker):
         self._begin_count(timeline)
         self._begin_session()
         self._profiling = True
-        follow_threads(self, follow=True)
+        FOLLOWERS.add(self)
         if saved_tensors:
             self._saved_hooks = SavedTensorHooks(self._pack_hook, unpack, notes=self.notes)
             self._saved_hooks.push()
 
     def stop(self) -> None:
-        follow_threads(self, follow=False)
+        FOLLOWERS.remove(self)
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.pop()
@@ -136,12 +131,8 @@ class AllocationTracker(StorageTracker):
 
     def _adopt_survivors(self) -> None:
         """Give the blocks still alive weak references: once the profiler stops, their frees are not reported."""
-        tensor_type = torch.Tensor
-        for obj in itertools.chain(
-            gcfunctions.get_objects(), frozen.tensors()
-        ):  # frozen ones too (a full collection's)
-            kind = type(obj)  # type(): isinstance would ask proxies for __class__
-            if not issubclass(kind, tensor_type) or (kind is not tensor_type and is_fake(obj)):
+        for obj in tensors_among([*gcfunctions.get_objects(), *frozen.tensors()]):  # frozen ones too
+            if type(obj) is not torch.Tensor and is_fake(obj):
                 continue  # torch.compile's tracing tensors: no memory, a data pointer torch warns about
             try:
                 storage = obj.untyped_storage()
@@ -189,7 +180,7 @@ class AllocationTracker(StorageTracker):
             self._holding = False
 
     def _flush(self, *, restart: bool) -> None:
-        if not self._api[3]():
+        if not self._profiler_enabled():
             self._profiling = False
             raise ProfilerInUse(
                 "observe='allocations' lost its profiler session: the measured code stopped PyTorch's "
@@ -198,7 +189,8 @@ class AllocationTracker(StorageTracker):
         enabled = gc.isenabled()
         gc.disable()  # nothing may be freed between the two sessions: that free would go unseen
         try:
-            result = self._end_session()
+            with _quiet_stderr():
+                result = self._disable()
             queued, self._queue = self._queue, []
             marks, self._marks = self._marks, []
             if restart:
@@ -236,35 +228,23 @@ class AllocationTracker(StorageTracker):
         placed = {mark.data_ptr(): index for index, mark in enumerate(marks)}
         applied = 0
         for _, ptr, size in stream:
+            entry: Any = self._entries.get(ptr)
+            if size < 0:
+                if type(entry) is Block:  # a block alive before the span is freed by its weak reference
+                    StorageTracker._on_freed(self, entry)
+                continue
+            if entry is not None:  # its free went unseen: the block is gone, its address reused
+                StorageTracker._on_freed(self, entry)
             index = placed.get(ptr) if size == MARK_BYTES else None
             if index is not None and index >= applied:
-                stale = self._entries.get(ptr)
-                if stale is not None:  # its free went unseen: the block is gone, its address reused
-                    self._drop(stale)
                 for event in queued[applied : index + 1]:  # an earlier mark unseen (another thread): here
                     self._apply(event)
                 applied = index + 1
-            elif size > 0:
-                self._allocated(ptr, size)
             else:
-                self._released(ptr)
+                self._insert(Block(), ptr, cuda_rounded(size) if self.cuda_rounding else size, TEMPORARIES)
         for event in queued[applied:]:  # marks not seen (made on another thread): after everything seen
             self._apply(event)
         del marks  # their frees are reported in the next session, at addresses no block has
-
-    def _allocated(self, ptr: int, size: int) -> None:
-        stale = self._entries.get(ptr)
-        if stale is not None:  # its free went unseen: the block is gone if its address is reused
-            self._drop(stale)
-        self._insert(Block(), ptr, cuda_rounded(size) if self.cuda_rounding else size, TEMPORARIES)
-
-    def _released(self, ptr: int) -> None:
-        entry: Any = self._entries.get(ptr)
-        if type(entry) is Block:  # a block alive before the span is freed by its weak reference
-            self._drop(entry)
-
-    def _drop(self, entry: Any) -> None:
-        StorageTracker._on_freed(self, entry)
 
     def _apply(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
@@ -342,11 +322,7 @@ class AllocationTracker(StorageTracker):
             return Held(tensor)
         token = next(self._tokens)
         self._record((_SAVE, token, ptr))
-        return Released(tensor, self._released_save, token)
-
-    def _released_save(self, token: int) -> None:
-        """Autograd let go of the saved tensor of ``token``: queued like its save."""
-        self._record((_UNSAVE, token))
+        return Released(tensor, self._record, (_UNSAVE, token))  # autograd lets go: queued like the save
 
     # -- readings flush first ---------------------------------------------------------
 

@@ -8,12 +8,6 @@ from typing import Any
 
 import torch
 
-try:
-    from torch._ops import OpOverload
-except ImportError:  # pragma: no cover - torch moved it
-    OpOverload = None  # type: ignore[assignment,misc]
-
-
 #: The plugin's own frames are never the user's compiled code (TorchDynamo is asked about the plugin's hooks too).
 PLUGIN_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep

@@ -149,25 +149,22 @@ class FakeKernels(FakeTensorMode):
         """Besides one-element constants, small integer and boolean CPU tensors computed from constants keep values."""
         if super().may_turn_const(t):
             return True
-        return (
-            not self.is_our_fake(t)
-            and t.layout == torch.strided
-            and t.device.type == "cpu"
-            and not (t.is_floating_point() or t.is_complex())
-            and t.numel() <= CONSTANT_RANGE
-        )
+        return not self.is_our_fake(t) and t.layout == torch.strided and _small_integers(t)
 
     def _constant_range(self, func: Any, args: Any, kwargs: Any, out: torch.Tensor) -> torch.Tensor:
         """``out`` with its values when it is a small integer range on the CPU (see the module's docstring)."""
-        if out.is_floating_point() or out.is_complex() or out.device.type != "cpu" or out.numel() > CONSTANT_RANGE:
+        if not _small_integers(out):
             return out
         with unset_fake_temporarily():
             real = func(*args, **(kwargs or {}))
         return self.fake_tensor_converter.from_real_tensor(self, real, make_constant=True)
 
 
-@contextlib.contextmanager
-def fake_mode() -> Iterator[FakeKernels]:
-    """Run the block on fake tensors (see the module's docstring)."""
-    with FakeKernels() as mode:
-        yield mode
+def _small_integers(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an integer or boolean CPU tensor small enough to keep its values on fake tensors."""
+    return t.device.type == "cpu" and not (t.is_floating_point() or t.is_complex()) and t.numel() <= CONSTANT_RANGE
+
+
+def fake_mode() -> FakeKernels:
+    """A mode to run a block on fake tensors in (see the module's docstring)."""
+    return FakeKernels()

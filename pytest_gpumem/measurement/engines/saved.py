@@ -7,23 +7,19 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
+from pytest_gpumem.measurement.engines.storages import _PLAIN
 from pytest_gpumem.units import cuda_rounded
 
 __all__ = ["Held", "Released", "SavedTensors", "detached", "unpack"]
 
 _PARAMETER = torch.nn.Parameter
-
-
-#: Tensor types without a ``__torch_dispatch__`` of their own.
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 _NO_DISPATCH = torch._C._DisableTorchDispatch
 
 
 def detached(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor.detach()``, for plain tensors unseen by any dispatch mode (it is the plugin's own doing)."""
-    if type(tensor) in _PLAIN_TENSORS:
+    if type(tensor) in _PLAIN:
         with _NO_DISPATCH():
             return tensor.detach()
     return tensor.detach()
@@ -81,8 +77,6 @@ class SavedTensors:
         self.current = 0
         self._peak = 0
         self._hooks: Any = None
-        #: the hooks stepped aside where torch turned saved-tensor hooks off (torch.func)
-        self.stepped_aside = False
 
     @property
     def active(self) -> bool:
@@ -92,8 +86,6 @@ class SavedTensors:
         if self._hooks is not None:
             raise RuntimeError("the saved-tensor counter is already active")
         self._peak = self.current
-        from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
-
         self._hooks = SavedTensorHooks(self._pack, unpack)
         self._hooks.push()
 
@@ -102,7 +94,6 @@ class SavedTensors:
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
             hooks.pop()
-            self.stepped_aside = self.stepped_aside or hooks.stepped_aside > 0
 
     def take_peak(self) -> int:
         """The highest bytes held for backward since the previous call; opens a new window."""

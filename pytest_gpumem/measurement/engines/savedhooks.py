@@ -73,7 +73,6 @@ class SavedTensorHooks:
         self._notes = notes
         self._pushed = False
         self._thread: int | None = None
-        self.stepped_aside = 0
 
     def push(self) -> None:
         with _lock:
@@ -82,9 +81,7 @@ class SavedTensorHooks:
             _active.setdefault(self._thread, []).append(self)
         if _disabled():  # entered where hooks are off: pushed once they are on again
             self._aside()
-        else:
-            _autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
-            self._pushed = True
+        self._step_back()
 
     def pop(self) -> None:
         if self._pushed and self._on_top():
@@ -109,7 +106,6 @@ class SavedTensorHooks:
             self._aside()
 
     def _aside(self) -> None:
-        self.stepped_aside += 1
         if self._notes is not None and STEPPED_ASIDE_NOTE not in self._notes:
             self._notes.append(STEPPED_ASIDE_NOTE)
 
@@ -117,10 +113,3 @@ class SavedTensorHooks:
         if not self._pushed and not _disabled():
             _autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
             self._pushed = True
-
-    def __enter__(self) -> SavedTensorHooks:
-        self.push()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.pop()

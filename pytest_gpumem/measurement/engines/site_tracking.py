@@ -7,15 +7,14 @@ import linecache
 import os
 import sys
 import sysconfig
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import CodeType, FrameType
 from typing import Any
 
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.data.site_figures import BEFORE, CODE_CHARS, ELSEWHERE, EXAMPLE_CHARS, Site, SiteConfig, SiteCounts
-from pytest_gpumem.measurement.engines.storages import Window
 
-__all__ = ["Found", "SiteFilter", "SiteRecorder", "SiteSnapshot", "TrackedSites"]
+__all__ = ["Found", "SiteFilter", "SiteRecorder", "SiteSnapshot"]
 
 #: What the engines hand the recorder: (site, phase, bytes at the peak, bytes at the end, examples).
 Found = tuple[Site, str, SiteCounts | None, SiteCounts | None, tuple[str, ...]]
@@ -43,7 +42,6 @@ class SiteFilter:
     """Decides which frames are the user's code (rootdir, ``include``'d packages), and names their files."""
 
     def __init__(self, config: SiteConfig) -> None:
-        self.config = config
         self.root = os.path.normcase(os.path.abspath(config.root)) + os.sep
         self.included: list[tuple[str, str]] = []  # (a package's folder, the folder its names start from)
         for name in config.include:
@@ -56,17 +54,17 @@ class SiteFilter:
                 for _ in range(depth):
                     base = os.path.dirname(base)
                 self.included.append((folder, base + os.sep))
-        self.never = [
+        paths = sysconfig.get_paths()
+        libraries = [
+            os.path.normcase(os.path.abspath(p)) + os.sep for p in {paths.get("stdlib"), paths.get("platstdlib")} if p
+        ]
+        #: the folders of never-site packages and of the standard library
+        self.never = tuple(
             folder
             for name in _NEVER
             if not any(name == inc or name.startswith(inc + ".") for inc in config.include)
             for folder in _package_dirs(name)
-        ]
-        self.libraries = tuple(
-            os.path.normcase(os.path.abspath(p)) + os.sep
-            for p in {sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib")}
-            if p
-        )
+        ) + tuple(libraries)
         self._codes: dict[CodeType, tuple[str, str] | None] = {}
         self._files: dict[str, str | None] = {}
 
@@ -83,11 +81,9 @@ class SiteFilter:
             return None
         path = os.path.normcase(os.path.abspath(filename))
         for folder, base in self.included:
-            if path.startswith(folder) or path == folder:
+            if path.startswith(folder):
                 return path[len(base) :].replace(os.sep, "/")
-        if any(path.startswith(folder) or path == folder for folder in self.never):
-            return None
-        if not path.startswith(self.root) or path.startswith(self.libraries):
+        if not path.startswith(self.root) or path.startswith(self.never):
             return None
         relative = path[len(self.root) :]
         parts = relative.split(os.sep)
@@ -124,7 +120,9 @@ class _State:
 
     __slots__ = ("code", "counts", "examples", "filename", "line", "owner", "phase", "where")
 
-    def __init__(self, owner: SiteRecorder, code: CodeType | None, line: int, phase: str) -> None:
+    def __init__(
+        self, owner: SiteRecorder, code: CodeType | None, line: int, phase: str, where: tuple[str, str] | None
+    ) -> None:
         self.owner = owner
         self.code = code
         self.line = line
@@ -132,7 +130,7 @@ class _State:
         self.counts = SiteCounts(tensors=[0] * len(CATEGORIES))
         #: the two largest storages' (bytes, shape and dtype as text, (shape, dtype))
         self.examples: list[tuple[int, str, Any]] = []
-        self.where: tuple[str, str] | None = None
+        self.where = where  # (file, function) in the user's code
         self.filename = "" if code is None else code.co_filename
 
     def site(self) -> Site:
@@ -160,21 +158,14 @@ class SiteRecorder:
     def here(self, frame: FrameType | None) -> _State:
         """The state of the innermost user frame from ``frame`` outwards, in the current phase."""
         code_of = self.filter.code
-        while frame is not None:
-            code = frame.f_code
-            where = code_of(code)
-            if where is not None:
-                key = (code, frame.f_lineno, self.phase)
-                state = self._states.get(key)
-                if state is None:
-                    state = self._states[key] = _State(self, code, frame.f_lineno, self.phase)
-                    state.where = where
-                return state
+        where = None
+        while frame is not None and (where := code_of(frame.f_code)) is None:
             frame = frame.f_back
-        nowhere: tuple[CodeType | None, int, str] = (None, 0, self.phase)
-        state = self._states.get(nowhere)
+        code, line = (None, 0) if frame is None else (frame.f_code, frame.f_lineno)
+        key = (code, line, self.phase)
+        state = self._states.get(key)
         if state is None:
-            state = self._states[nowhere] = _State(self, None, 0, self.phase)
+            state = self._states[key] = _State(self, code, line, self.phase, where)
         return state
 
     def site_here(self) -> Site:
@@ -248,67 +239,6 @@ def _move(counts: SiteCounts, nbytes: int, old: int, new: int) -> None:
     if counts.tensors is not None:
         counts.tensors[old] -= 1
         counts.tensors[new] += 1
-
-
-class TrackedSites:
-    """The storage tracker's members for sites, mixed into ``StorageTracker``, whose fields these are."""
-
-    sites: SiteRecorder | None
-    current: int
-    events: int
-    saved: int
-    _lock: Any
-    _pending: bool
-    _window: Window
-    _by_category: list[int]
-    _entries: dict[int, Any]
-    _freed: Callable[[Any], None]
-    _on_freed: Callable[[Any], None]
-    _settle: Callable[[], None]
-    _key: Callable[[Any], int | None]
-
-    def site_snapshot(self) -> SiteSnapshot | None:
-        """The bytes by site now (:meth:`SiteRecorder.snapshot`); None while sites are not recorded."""
-        if self.sites is None:
-            return None
-        with self._lock:
-            return self.sites.snapshot(self._by_category, len(self._entries))
-
-    def _new_window(self) -> Window:
-        """A window opened at the count now (its peak's sites: the sites now)."""
-        return Window(self.current, tuple(self._by_category), self.events, self.saved, sites=self.site_snapshot())
-
-    def record_sites(self, sites: SiteRecorder | None) -> None:
-        """Record the site of every storage made from now on (None: stop); the open window's peak starts now."""
-        with self._lock:
-            if self._pending:
-                self._settle()
-            self.sites = sites
-            self._freed = self._on_freed if sites is None else self._freed_at_site
-            self._window.sites = self.site_snapshot()
-
-    def _freed_at_site(self, entry: Any) -> None:
-        """A storage made while sites were recorded is freed (its weak reference's callback)."""
-        with self._lock:
-            counted = self._entries.get(entry.key) is entry
-            self._on_freed(entry)
-            if counted and self.sites is not None:
-                self.sites.freed(entry)
-
-    def _site_moved(self, entry: Any, index: int, discovered: bool) -> None:
-        """``entry`` moves to category ``index`` (see ``StorageTracker._move``), at its site too."""
-        assert self.sites is not None
-        window = self._window
-        at_peak = discovered and entry.moved <= window.event
-        self.sites.moved(entry, entry.category, index, window.sites if at_peak else None)
-
-    def site_of(self, tensor: Any) -> _State | None:
-        """The site ``tensor``'s storage was made at, when sites were recorded then; None otherwise."""
-        try:
-            entry = self._entries.get(self._key(tensor.untyped_storage()) or 0)
-        except (RuntimeError, NotImplementedError):
-            return None
-        return None if entry is None else getattr(entry, "site", None)  # made while some recording was on
 
 
 def found_sites(peak: Mapping[Any, SiteCounts] | None, end: Mapping[Any, SiteCounts] | None) -> list[Found]:

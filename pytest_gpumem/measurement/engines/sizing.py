@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from pytest_gpumem.units import cuda_rounded
-
-__all__ = ["output_storages", "refuse_early"]
+__all__ = ["output_storages"]
 
 #: The most operator signatures :func:`output_storages` remembers (then it starts afresh).
 CACHE_LIMIT = 8192
@@ -22,29 +19,6 @@ _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 #: (id of the operator, its arguments' signatures) → the bytes of each storage it makes (torch's operators live on)
 _cache: dict[Any, tuple[int, ...] | None] = {}
 _returns_tensors: dict[int, bool] = {}
-
-
-class Limited(Protocol):
-    """What a storage tracker offers :func:`refuse_early`."""
-
-    device: torch.device
-    cuda_rounding: bool
-    limit: int | None
-    current: int
-    _lock: threading.RLock
-
-    def _refuse(self, nbytes: int) -> None: ...
-
-
-def refuse_early(tracker: Limited, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
-    """Raise the tracker's out-of-memory error when ``func(*args, **kwargs)``'s outputs would take it over its limit."""
-    sizes = output_storages(func, args, kwargs or {}, tracker.device)
-    if not sizes:
-        return
-    nbytes = sum(cuda_rounded(size) for size in sizes) if tracker.cuda_rounding else sum(sizes)
-    with tracker._lock:
-        if tracker.limit is not None and tracker.current + nbytes > tracker.limit:
-            tracker._refuse(nbytes)
 
 
 def output_storages(
@@ -109,7 +83,7 @@ def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: 
     tensors = [value for value in tree_flatten((args, kwargs))[0] if isinstance(value, torch.Tensor)]
     where = kwargs.get("device")
     target = torch.device(where) if where is not None else tensors[0].device if tensors else torch.device("cpu")
-    if not _same(target, device):
+    if target.type != device.type or (target.index or 0) != (device.index or 0):
         return ()  # made on another device: nothing this tracker counts
     if any(tensor.layout != torch.strided for tensor in tensors):
         return None
@@ -133,7 +107,3 @@ def _meta_copy(value: Any) -> Any:
     if isinstance(value, torch.device):
         return torch.device("meta")
     return value
-
-
-def _same(one: torch.device, other: torch.device) -> bool:
-    return one.type == other.type and (one.index or 0) == (other.index or 0)

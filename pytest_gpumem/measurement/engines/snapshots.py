@@ -4,10 +4,7 @@ it unpickles without this package)."""
 from __future__ import annotations
 
 import collections
-import contextlib
-import os
 import pickle
-import secrets
 import sys
 import time
 import warnings
@@ -15,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.data.figures import OutputNotWritten
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.files import write_file
 from pytest_gpumem.measurement.engines.compiled import PLUGIN_ROOT
 from pytest_gpumem.measurement.engines.storages import StorageObserver
 
@@ -65,17 +63,11 @@ def python_frames(cache: dict[tuple[Any, int], Any]) -> Frames:
 class SnapshotRecorder:
     """Records a ``tracker``'s allocations and frees as a snapshot's trace (``model``: the predicted allocator)."""
 
-    def __init__(
-        self,
-        tracker: StorageTracker,
-        model: CachingAllocatorModel | None = None,
-        *,
-        max_entries: int = SNAPSHOT_ENTRIES,
-    ) -> None:
+    def __init__(self, tracker: StorageTracker, model: CachingAllocatorModel | None = None) -> None:
         self.tracker = tracker
         self.model = model
         self.inner: StorageObserver | None = None
-        self.trace: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_entries)
+        self.trace: collections.deque[dict[str, Any]] = collections.deque(maxlen=SNAPSHOT_ENTRIES)
         #: key → (address, size, frames) of what is allocated now (CPU engine: every block counted)
         self._blocks: dict[int, tuple[int, int, Frames]] = {}
         self._next_address = _FIRST_ADDRESS
@@ -161,13 +153,10 @@ class SnapshotRecorder:
 
     # -- the snapshot ---------------------------------------------------------------
 
-    def _categories(self) -> dict[int, str]:
-        return {key: CATEGORIES[entry.category] for key, entry in list(self.tracker._entries.items())}
-
     def snapshot(self) -> dict[str, Any]:
         """The memory snapshot now: ``segments`` and ``device_traces`` (``torch.cuda.memory._snapshot()``'s form)."""
         with self.tracker._lock:
-            categories = self._categories()
+            categories = {key: CATEGORIES[entry.category] for key, entry in list(self.tracker._entries.items())}
             if self.model is None:
                 segments = [
                     _segment(address, size, [_block(address, size, size, frames, categories.get(key))])
@@ -178,16 +167,8 @@ class SnapshotRecorder:
                 for _segment_id, base, total, small, blocks in self.model.layout():
                     drawn = []
                     for offset, size, key in blocks:
-                        if key is None:
-                            drawn.append(
-                                {
-                                    "address": base + offset,
-                                    "size": size,
-                                    "requested_size": 0,
-                                    "state": "inactive",
-                                    "frames": [],
-                                }
-                            )
+                        if key is None:  # a free block
+                            drawn.append(_block(base + offset, size, 0, [], None, "inactive"))
                             continue
                         known = self._blocks.get(key)
                         frames = known[2] if known is not None else []
@@ -197,14 +178,10 @@ class SnapshotRecorder:
             return {"segments": segments, "device_traces": [list(self.trace)]}
 
 
-def _block(address: int, size: int, requested: int, frames: Frames, category: str | None) -> dict[str, Any]:
-    block = {
-        "address": address,
-        "size": size,
-        "requested_size": requested,
-        "state": "active_allocated",
-        "frames": frames,
-    }
+def _block(
+    address: int, size: int, requested: int, frames: Frames, category: str | None, state: str = "active_allocated"
+) -> dict[str, Any]:
+    block = {"address": address, "size": size, "requested_size": requested, "state": state, "frames": frames}
     if category is not None:
         block["category"] = category
     return block
@@ -230,15 +207,9 @@ def _segment(address: int, total: int, blocks: list[dict[str, Any]], kind: str =
 
 def write_snapshot(path: str, snapshot: dict[str, Any]) -> str | None:
     """Pickle ``snapshot`` to ``path``, whole or not at all (else an :class:`OutputNotWritten` warning)."""
-    temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(temporary, "xb") as stream:
-            pickle.dump(snapshot, stream, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(temporary, path)
+        write_file(path, pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL))
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
         warnings.warn(
             OutputNotWritten(f"could not write the memory snapshot {path}: {exc.strerror or exc}"), stacklevel=3
         )

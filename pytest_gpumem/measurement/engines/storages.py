@@ -5,16 +5,11 @@ from __future__ import annotations
 import itertools
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
-try:
-    from torch._ops import OpOverload
-except ImportError:  # pragma: no cover - torch moved it
-    OpOverload = None  # type: ignore[assignment,misc]
 
 from pytest_gpumem.units import format_size
 
@@ -31,36 +26,6 @@ class Window:
     pending: int | None = None
     #: bytes by site at the peak, while sites are recorded (:meth:`SiteRecorder.snapshot`)
     sites: Any = None
-
-
-#: How the tracker treats an operator's outputs, from its schema. SKIP: views and in-place writes, no storage can
-#: appear or change size; FRESH: no output aliases an input; ALIAS: an output may alias and resize an input.
-SKIP, FRESH, ALIAS = 0, 1, 2
-
-
-def output_kind(func: Any) -> int:
-    """SKIP, FRESH or ALIAS for the operator ``func`` (see above), from its schema."""
-    try:
-        schema = func._schema
-        infos = [r.alias_info for r in schema.returns]
-        has_out = any(a.is_out for a in schema.arguments)
-        name = schema.name
-    except AttributeError:
-        return FRESH
-    # lift_fresh aliases a tensor that torch.tensor(data) built outside the dispatcher: a new storage here
-    if all(info is None for info in infos) or name == "aten::lift_fresh":
-        return FRESH
-    if any(info is None for info in infos) or has_out or "resize" in name or "set_" in name:
-        return ALIAS
-    return SKIP
-
-
-def operator_of(func: Any) -> tuple[Callable[..., Any], int]:
-    """How the mode calls ``func`` (a plain ``OpOverload`` through its C++ handle), and its output kind."""
-    call = func
-    if OpOverload is not None and type(func).__call__ is OpOverload.__call__:
-        call = getattr(func, "_op", func)
-    return call, output_kind(func)
 
 
 class Entry(weakref.ref):  # type: ignore[type-arg]

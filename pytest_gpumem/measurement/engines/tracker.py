@@ -1,30 +1,38 @@
-"""An exact tensor-storage tracker at the dispatcher level: every operator's outputs, each storage's death."""
+"""An exact tensor-storage tracker at the dispatcher level: every operator's outputs, seen by its dispatch mode as they
+are made, and each storage's death; it follows new threads and storages resized in place while it watches."""
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import itertools
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import (
-    _get_current_dispatch_mode_stack,
-    _pop_mode,
-    _push_mode,
-)
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+try:
+    from torch._ops import OpOverload
+except ImportError:  # pragma: no cover - torch moved it
+    OpOverload = None  # type: ignore[assignment,misc]
+
+try:  # TorchDynamo's frame hook, a C function of torch itself: importing it does not import TorchDynamo
+    from torch._C._dynamo.eval_frame import set_eval_frame
+except ImportError:  # pragma: no cover - torch moved it: the mode keeps torch's own wrapper
+    set_eval_frame = None  # type: ignore[assignment]
 
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement import frozen, gcfunctions
-from pytest_gpumem.measurement.engines.compiled import forget_skips
-from pytest_gpumem.measurement.engines.dispatch import TrackerMode
-from pytest_gpumem.measurement.engines.followers import follow_threads, watch_resizes
+from pytest_gpumem.measurement.engines.compiled import forget_skips, skipped_frame
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
-from pytest_gpumem.measurement.engines.site_tracking import TrackedSites
+from pytest_gpumem.measurement.engines.site_tracking import SiteRecorder, SiteSnapshot, _State
+from pytest_gpumem.measurement.engines.sizing import output_storages
 from pytest_gpumem.measurement.engines.storages import (
     _PLAIN,
     Block,
@@ -39,7 +47,7 @@ from pytest_gpumem.measurement.engines.storages import (
 )
 from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded
 
-__all__ = ["CUDA_BLOCK", "StorageObserver", "StorageTracker", "Window", "cuda_rounded"]
+__all__ = ["CUDA_BLOCK", "StorageObserver", "StorageTracker", "TrackerMode", "Window", "cuda_rounded"]
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
 
@@ -47,8 +55,201 @@ TIMELINE_LIMIT = 512  #: most samples a timeline keeps; longer timelines are hal
 _WIDTH = 2 + len(CATEGORIES)  # a sample's ints: its event's index, its total, its bytes by category
 _NEVER = sys.maxsize  # the next sampled event while no timeline is kept
 
+#: How the tracker treats an operator's outputs, from its schema. SKIP: views and in-place writes, no storage can
+#: appear or change size; FRESH: no output aliases an input; ALIAS: an output may alias and resize an input.
+SKIP, FRESH, ALIAS = 0, 1, 2
 
-class StorageTracker(TrackedSites):
+_TENSOR = torch.Tensor
+
+
+def output_kind(func: Any) -> int:
+    """SKIP, FRESH or ALIAS for the operator ``func`` (see above), from its schema."""
+    try:
+        schema = func._schema
+        infos = [r.alias_info for r in schema.returns]
+        has_out = any(a.is_out for a in schema.arguments)
+        name = schema.name
+    except AttributeError:
+        return FRESH
+    # lift_fresh aliases a tensor that torch.tensor(data) built outside the dispatcher: a new storage here
+    if all(info is None for info in infos) or name == "aten::lift_fresh":
+        return FRESH
+    if any(info is None for info in infos) or has_out or "resize" in name or "set_" in name:
+        return ALIAS
+    return SKIP
+
+
+def operator_of(func: Any) -> tuple[Callable[..., Any], int]:
+    """How the mode calls ``func`` (a plain ``OpOverload`` through its C++ handle), and its output kind."""
+    call = func
+    if OpOverload is not None and type(func).__call__ is OpOverload.__call__:
+        call = getattr(func, "_op", func)
+    return call, output_kind(func)
+
+
+class TrackerMode(TorchDispatchMode):
+    """Sees each operator's outputs and reports new storages to the tracker (once per operator)."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.operators = tracker._operators
+        self.hooks = tracker.operator_hooks
+        # bound once: this runs once per operator
+        self.acquire, self.release = tracker._lock.acquire, tracker._lock.release
+        self.output, self.outputs, self.fresh = tracker._output, tracker._outputs, tracker._fresh
+        self.armed = False  #: on the stack: from then on only TorchDynamo asks :meth:`ignore_compile_internals`
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: :meth:`__torch_dispatch__` turns TorchDynamo's frame hook off itself, without importing it."""
+        return set_eval_frame is None
+
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        """False: TorchDynamo runs a compiled frame eagerly, which the tracker sees, and the frame is reported."""
+        if self.armed:  # TorchDynamo asks: it is imported
+            _never_traced()
+            frame = skipped_frame()
+            if frame is not None:
+                code, library, text = frame
+                self.tracker.compiled_frames.append((library, text))
+                if code is not None:
+                    self.tracker.skipped_codes.add(code)
+        return False
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        # TorchDynamo's frame hook must not compile the mode's own frames (see _should_skip_dynamo)
+        prior = set_eval_frame(None) if set_eval_frame is not None else None
+        try:
+            # by identity (an operator's __hash__ is Python); the entry holds the operator, so its id is not reused
+            operator = self.operators.get(id(func))
+            if operator is None:
+                hook = self.hooks.get(func._overloadpacket.__name__)
+                operator = self.operators[id(func)] = (*operator_of(func), hook, func)
+            call, kind, hook, _ = operator
+            if kind == FRESH and self.tracker.limit is not None:
+                self.tracker._refuse_early(func, args, kwargs)
+            if hook is not None:
+                self.acquire()
+                try:
+                    hook(args)
+                finally:
+                    self.release()
+            out = call(*args, **kwargs) if kwargs else call(*args)
+            if kind:
+                self.acquire()
+                try:
+                    if type(out) is _TENSOR:
+                        if kind == FRESH:
+                            self.fresh(out)
+                        else:
+                            self.output(out, False)
+                    elif isinstance(out, _TENSOR):
+                        self.output(out, kind == FRESH)
+                    else:
+                        self.outputs(out, kind == FRESH)
+                finally:
+                    self.release()
+            return out
+        finally:
+            if prior is not None:
+                set_eval_frame(prior)
+
+
+@functools.cache
+def _never_traced() -> None:
+    """Put the package among the folders TorchDynamo never traces into (its warning would fail a strict suite)."""
+    from torch._dynamo import trace_rules
+
+    trace_rules.add("pytest_gpumem")
+
+
+class Patches:
+    """Methods replaced while some tracker needs them (:meth:`add`), restored when the last one is removed."""
+
+    def __init__(self, *patches: tuple[type, str, Callable[..., Any]]) -> None:
+        self.patches = patches
+        self.trackers: list[StorageTracker] = []
+        self.originals: list[Any] = []  # the replaced methods, in the order of ``patches``, while replaced
+
+    def add(self, tracker: StorageTracker) -> None:
+        if tracker not in self.trackers:
+            self.trackers.append(tracker)
+        if not self.originals:
+            self.originals = [getattr(owner, name) for owner, name, _ in self.patches]
+            for owner, name, patched in self.patches:
+                setattr(owner, name, patched)
+
+    def remove(self, tracker: StorageTracker) -> None:
+        if tracker in self.trackers:
+            self.trackers.remove(tracker)
+        if not self.trackers and self.originals:
+            for (owner, name, _), original in zip(self.patches, self.originals, strict=True):
+                setattr(owner, name, original)
+            self.originals = []
+
+    def original(self, index: int) -> Any:
+        """The method ``patches[index]`` replaces (the one in place once restored)."""
+        if self.originals:
+            return self.originals[index]
+        owner, name, _ = self.patches[index]
+        return getattr(owner, name)
+
+
+def _resize_(storage: torch.UntypedStorage, size: int) -> Any:
+    """``UntypedStorage.resize_`` (no operator) while trackers watch: they are told of the storage's new size."""
+    result = RESIZES.original(0)(storage, size)
+    for tracker in list(RESIZES.trackers):
+        tracker._storage_resized(storage)
+    return result
+
+
+def _start(thread: threading.Thread) -> None:
+    """``Thread.start`` while trackers watch: the thread's ``run`` runs under them."""
+    trackers = [tracker for tracker in FOLLOWERS.trackers if tracker.active]
+    if trackers:
+        run = thread.run
+
+        def followed() -> None:
+            try:
+                call_followed(trackers, run)
+            finally:
+                thread.__dict__.pop("run", None)  # let go of the trackers with the thread's work
+
+        thread.run = followed  # type: ignore[method-assign]
+    FOLLOWERS.original(0)(thread)
+
+
+def _submit(executor: ThreadPoolExecutor, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``ThreadPoolExecutor.submit`` while trackers watch: ``fn`` runs under them on the pool's thread."""
+    trackers = [tracker for tracker in FOLLOWERS.trackers if tracker.active]
+    if not trackers:
+        return FOLLOWERS.original(1)(executor, fn, *args, **kwargs)
+    return FOLLOWERS.original(1)(executor, call_followed, trackers, fn, *args, **kwargs)
+
+
+def call_followed(trackers: list[StorageTracker], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on this thread, watched by those of ``trackers`` still active."""
+    with contextlib.ExitStack() as stack:
+        for tracker in trackers:
+            if tracker.active:
+                tracker._follow(stack)
+        return fn(*args, **kwargs)
+
+
+#: The trackers told of storages resized in place while they watch.
+RESIZES = Patches((torch.UntypedStorage, "resize_", _resize_))
+#: The trackers that new threads and thread pools' tasks run under while they watch (modes are per thread).
+FOLLOWERS = Patches((threading.Thread, "start", _start), (ThreadPoolExecutor, "submit", _submit))
+
+
+class StorageTracker:
     """Counts the bytes of tensor storages on a device, by category: :meth:`scan`, then :meth:`start`, :meth:`stop`."""
 
     observes = "operators"  #: how it sees allocations: "operators" (its dispatch mode) or "allocations"
@@ -90,7 +291,7 @@ class StorageTracker(TrackedSites):
         self._samples: list[int] | None = None  # flat: an event's index, then its bytes by category
         self._timeline_stride = 1
         self._next_sample = _NEVER  # the event the timeline samples next
-        self.sites = None  # where storages are made, only when asked (TrackedSites)
+        self.sites: SiteRecorder | None = None  # where storages are made, only when asked
         self.limit: int | None = None  #: emulated device limit in bytes
         self.on_oom: Callable[[int], None] | None = None  #: called with the request size before the limit raises
         strided = self._strided = torch.strided
@@ -108,11 +309,12 @@ class StorageTracker(TrackedSites):
         with self._lock:
             return dict(zip(CATEGORIES, self._by_category, strict=True))
 
-    def _add(self, storage: torch.UntypedStorage, key: int, category: int) -> None:
+    def _add(self, storage: torch.UntypedStorage, key: int, category: int, *, limited: bool = True) -> None:
+        """Count a new storage (``limited``: refused over the emulated limit; existing bytes never are)."""
         nbytes = storage.nbytes()
         if self.cuda_rounding:
             nbytes = cuda_rounded(nbytes)
-        if self.limit is not None and self.current + nbytes > self.limit:
+        if limited and self.limit is not None and self.current + nbytes > self.limit:
             self._refuse(nbytes)
         self._insert(Entry(storage, self._freed), key, nbytes, category)
 
@@ -181,17 +383,6 @@ class StorageTracker(TrackedSites):
         self._pending = False
         if self.sites is not None:  # without sites, the window has none
             self._window.sites = self.site_snapshot()
-
-    def _event(self) -> None:
-        """Count an event that may raise the count (the categories are already updated)."""
-        self.events += 1
-        window = self._window
-        if self.current > window.peak:
-            window.peak = self.current
-            window.event = self.events
-            self._pending = True
-        if self.events >= self._next_sample:
-            self._sample()
 
     @property
     def timeline(self) -> list[tuple[int, tuple[int, ...]]] | None:
@@ -309,20 +500,21 @@ class StorageTracker(TrackedSites):
             return
         key = storage._cdata
         entry = self._entries.get(key)
-        if entry is None:
-            if fresh:
-                self._add(storage, key, TEMPORARIES)
-                if self.sites is not None:
-                    self.sites.made(self._entries[key], tensor)
-            return
+        if entry is not None:
+            self._resized(entry, storage)  # resize_ / out= that grew the storage
+        elif fresh:
+            self._add(storage, key, TEMPORARIES)
+            if self.sites is not None:
+                self.sites.made(self._entries[key], tensor)
+
+    def _resized(self, entry: Entry, storage: torch.UntypedStorage) -> None:
+        """Count ``entry``'s storage at its size now, if that changed."""
         nbytes = storage.nbytes()
         if self.cuda_rounding:
             nbytes = cuda_rounded(nbytes)
-        if nbytes != entry.nbytes:  # resize_ / out= that grew the storage
-            self._resize_entry(entry, nbytes)
-
-    def _resize_entry(self, entry: Any, nbytes: int) -> None:
         delta = nbytes - entry.nbytes
+        if not delta:
+            return
         if delta > 0 and self.limit is not None and self.current + delta > self.limit:
             self._refuse(delta)
         if self.observer is not None:
@@ -334,19 +526,31 @@ class StorageTracker(TrackedSites):
         self.current += delta
         if self.sites is not None:
             self.sites.resized(entry, delta)
-        self._event()
+        self.events += 1
+        window = self._window
+        if self.current > window.peak:
+            window.peak = self.current
+            window.event = self.events
+            self._pending = True
+        if self.events >= self._next_sample:
+            self._sample()
 
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
         """A storage was resized in place, under no operator (FSDP2's unsharded parameters)."""
         with self._lock:
             entry = self._entries.get(storage._cdata)
-            if entry is None:
-                return
-            nbytes = storage.nbytes()
-            if self.cuda_rounding:
-                nbytes = cuda_rounded(nbytes)
-            if nbytes != entry.nbytes:
-                self._resize_entry(entry, nbytes)
+            if entry is not None:
+                self._resized(entry, storage)
+
+    def _refuse_early(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+        """Refuse ``func``'s outputs before its kernel runs when they would take the count over the limit."""
+        sizes = output_storages(func, args, kwargs or {}, self.device)
+        if not sizes:
+            return
+        nbytes = sum(cuda_rounded(size) for size in sizes) if self.cuda_rounding else sum(sizes)
+        with self._lock:
+            if self.limit is not None and self.current + nbytes > self.limit:
+                self._refuse(nbytes)
 
     # -- registering what exists ----------------------------------------------
 
@@ -376,11 +580,7 @@ class StorageTracker(TrackedSites):
                 continue
             entry = self._entries.get(key)
             if entry is None:
-                limit, self.limit = self.limit, None  # existing bytes never raise
-                try:
-                    self._add(storage, key, OTHER if index is None else index)
-                finally:
-                    self.limit = limit
+                self._add(storage, key, OTHER if index is None else index, limited=False)
             elif index is not None and entry.category != index:
                 self._move(entry, index)
             if index == PARAMETERS:
@@ -394,13 +594,14 @@ class StorageTracker(TrackedSites):
         if self._pending:
             self._settle()
         window = self._window
-        if discovered and entry.moved <= window.event:
+        at_peak = discovered and entry.moved <= window.event
+        if at_peak:
             parts = list(window.breakdown)
             parts[entry.category] -= entry.nbytes
             parts[index] += entry.nbytes
             window.breakdown = tuple(parts)
         if self.sites is not None:
-            self._site_moved(entry, index, discovered)
+            self.sites.moved(entry, entry.category, index, window.sites if at_peak else None)
         self._by_category[entry.category] -= entry.nbytes
         self._by_category[index] += entry.nbytes
         entry.category = index
@@ -410,11 +611,8 @@ class StorageTracker(TrackedSites):
         """Register every tensor on this device that the collector sees, and ``extra``'s; returns the new bytes."""
         with self._lock:
             before = self.current
-            self._scan(extra)
+            self._register_scanned(gcfunctions.get_objects(), itertools.chain(extra, frozen.tensors()))
             return self.current - before
-
-    def _scan(self, extra: Iterable[object] = ()) -> None:
-        self._register_scanned(gcfunctions.get_objects(), itertools.chain(extra, frozen.tensors()))
 
     def _register_scanned(self, objects: list[Any], extra: Iterable[object]) -> None:
         params, grads, others = sort_scanned(itertools.chain(tensors_among(objects), tensors_among(list(extra))))
@@ -466,11 +664,11 @@ class StorageTracker(TrackedSites):
             raise RuntimeError("the storage tracker is already active")
         self.counts_fakes = fakes_counted()
         self._begin_count(timeline)
-        self._mode = self._make_mode()
+        self._mode = TrackerMode(self)
         self._mode.__enter__()
         self._mode.armed = True
-        watch_resizes(self, watch=True)
-        follow_threads(self, follow=True)
+        RESIZES.add(self)
+        FOLLOWERS.add(self)
         if saved_tensors:
             self._saved_hooks = SavedTensorHooks(self._pack, unpack, notes=self.notes)
             self._saved_hooks.push()
@@ -483,19 +681,18 @@ class StorageTracker(TrackedSites):
         """Watch the calling thread (not the one that started the tracker) until ``stack`` closes."""
         if any(getattr(mode, "tracker", None) is self for mode in _get_current_dispatch_mode_stack()):
             return  # watched already (a pool's thread started while watching, given work)
-        mode = self._make_mode()
+        mode = TrackerMode(self)
         mode.armed = True
         # without __enter__: its process-wide flags are set already, and threads would undo them out of order
         _push_mode(mode)
         stack.callback(_pop_mode)
         if self._saved_hooks is not None:
-            stack.enter_context(SavedTensorHooks(self._pack, unpack, notes=self.notes))
+            hooks = SavedTensorHooks(self._pack, unpack, notes=self.notes)
+            hooks.push()
+            stack.callback(hooks.pop)
         if self._contexts is not None:
             for make in self.thread_contexts:
                 stack.enter_context(make())
-
-    def _make_mode(self) -> TrackerMode:
-        return TrackerMode(self)
 
     def _begin_count(self, timeline: bool) -> None:
         """Events count from here: a new window, the timeline restarted."""
@@ -518,8 +715,8 @@ class StorageTracker(TrackedSites):
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
-        watch_resizes(self, watch=False)
-        follow_threads(self, follow=False)
+        RESIZES.remove(self)
+        FOLLOWERS.remove(self)
         codes, self.skipped_codes = self.skipped_codes, set()
         forget_skips(codes)
 
@@ -577,3 +774,41 @@ class StorageTracker(TrackedSites):
                 self.saved -= entry.nbytes
                 if entry.category == ACTIVATIONS and entry() is not None:
                     self._move(entry, entry.prior, discovered=False)
+
+    # -- sites -----------------------------------------------------------------
+
+    def site_snapshot(self) -> SiteSnapshot | None:
+        """The bytes by site now (:meth:`SiteRecorder.snapshot`); None while sites are not recorded."""
+        if self.sites is None:
+            return None
+        with self._lock:
+            return self.sites.snapshot(self._by_category, len(self._entries))
+
+    def _new_window(self) -> Window:
+        """A window opened at the count now (its peak's sites: the sites now)."""
+        return Window(self.current, tuple(self._by_category), self.events, self.saved, sites=self.site_snapshot())
+
+    def record_sites(self, sites: SiteRecorder | None) -> None:
+        """Record the site of every storage made from now on (None: stop); the open window's peak starts now."""
+        with self._lock:
+            if self._pending:
+                self._settle()
+            self.sites = sites
+            self._freed = self._on_freed if sites is None else self._freed_at_site
+            self._window.sites = self.site_snapshot()
+
+    def _freed_at_site(self, entry: Any) -> None:
+        """A storage made while sites were recorded is freed (its weak reference's callback)."""
+        with self._lock:
+            counted = self._entries.get(entry.key) is entry
+            self._on_freed(entry)
+            if counted and self.sites is not None:
+                self.sites.freed(entry)
+
+    def site_of(self, tensor: Any) -> _State | None:
+        """The site ``tensor``'s storage was made at, when sites were recorded then; None otherwise."""
+        try:
+            entry = self._entries.get(self._key(tensor.untyped_storage()) or 0)
+        except (RuntimeError, NotImplementedError):
+            return None
+        return None if entry is None else getattr(entry, "site", None)  # made while some recording was on
