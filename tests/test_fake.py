@@ -191,6 +191,16 @@ def test_a_value_the_step_needs_is_an_error_naming_the_line() -> None:
     assert "needs the values of a tensor" in str(caught.value)
 
 
+def test_the_line_named_is_the_users_not_generated_codes() -> None:
+    """Code made by ``exec`` (``<string>``, as a dataclass's ``__init__``) is nobody's line: its caller's is named."""
+    namespace: dict[str, Any] = {}
+    exec("def total(x):\n    return x.sum().item()\n", namespace)
+    with pytest.raises(FakeModeError) as caught, measure("step", device="cpu", predict="h100", fake=True):
+        namespace["total"](torch.randn(4, 4))  # the line named: generated code's caller
+    line = _line_of("# the line named: generated code's caller")
+    assert f"{__file__}:{line}" in str(caught.value)
+
+
 def test_a_real_tensor_in_a_fake_step_is_an_error_naming_the_line() -> None:
     weight = torch.randn(4, 4)  # made before the block: real
     with pytest.raises(FakeModeError) as caught, measure("step", device="cpu", predict="h100", fake=True):

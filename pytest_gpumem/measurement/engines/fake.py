@@ -105,8 +105,8 @@ def user_line() -> str:
     """``file:line`` of the innermost frame that is neither torch's nor the plugin's (the user's code)."""
     frame: Any = sys._getframe(1)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith((TORCH_ROOT, PLUGIN_ROOT)) and not filename.startswith("<"):
+        name = frame.f_code.co_filename  # "<string>": code made by exec, nobody's line
+        if not name.startswith("<") and not os.path.abspath(name).startswith((TORCH_ROOT, PLUGIN_ROOT)):
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return "an unknown line"
