@@ -25,8 +25,8 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, durable: bool = Fal
     target, found = _target(path)
     if found is not None and not stat.S_ISREG(found.st_mode):
         _write_into(target, found.st_mode, data)
-        return target
-    _replace(target, data, None if found is None else stat.S_IMODE(found.st_mode), durable=durable)
+    else:
+        _replace(target, data, None if found is None else stat.S_IMODE(found.st_mode), durable=durable)
     return target
 
 
@@ -65,17 +65,6 @@ def _write_into(target: Path, mode: int, data: bytes) -> None:
         os.close(fd)
 
 
-def _temporary(target: Path) -> tuple[int, Path]:
-    """A new temporary file beside ``target``, opened for writing, and its path."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        temporary = target.parent / f".{target.name[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        try:
-            return os.open(temporary, flags, 0o666), temporary
-        except FileExistsError:  # pragma: no cover - 32 random bits collided
-            continue
-
-
 def move_file(temporary: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
     """Put the complete file ``temporary`` (beside ``path``) at ``path`` as :func:`write_file` would."""
     target, found = _target(path)
@@ -92,7 +81,12 @@ def move_file(temporary: str | os.PathLike[str], path: str | os.PathLike[str]) -
 def _replace(target: Path, data: bytes, mode: int | None, *, durable: bool) -> None:
     folder = target.parent
     folder.mkdir(parents=True, exist_ok=True)
-    fd, temporary = _temporary(target)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = -1
+    while fd < 0:  # until the name is new: 32 random bits collide almost never
+        temporary = folder / f".{target.name[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(temporary, flags, 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
             if mode is not None and hasattr(os, "fchmod"):

@@ -43,11 +43,10 @@ def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, fo
     when it cannot be written or read for the merge and, unless ``force``, instead of overwriting a file this store was
     not loaded from (``force`` writes without merging).
     """
-    if path is None and store.path is None:
+    target = store.path if path is None else Path(path)
+    if target is None:
         raise ValueError("save() needs a path for a store that was not loaded from a file")
-    target = Path(path) if path is not None else store.path
-    assert target is not None
-    ours = store.path is not None and _same_path(store.path, target)
+    ours = store.path is not None and os.path.abspath(store.path) == os.path.abspath(target)
     real = Path(os.path.realpath(target))  # through symbolic links: the file that is replaced
     with _locked(target, real):
         try:
@@ -60,22 +59,17 @@ def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, fo
         if not force and current is not None:
             if not ours:
                 raise BaselineFileError(
-                    target,
-                    "refusing to overwrite a baseline file this store was not loaded from",
-                    hint=_HINT_SAVE,
+                    target, "refusing to overwrite a baseline file this store was not loaded from", hint=_HINT_SAVE
                 )
             if current != store.fingerprint:
                 merged, current, on_disk = _merge(store, target, real)
-                data = merged.dumps()
-                if digest(data) == on_disk:  # the other run wrote what this one would
-                    store.commit(target, current, on_disk, merged=merged)
-                    return False
-        if merged is None:
-            data = store.dumps()
+        data = (store if merged is None else merged).dumps()
         new_digest = digest(data)
-        unchanged = merged is None and ours and current is not None and current == store.fingerprint
-        if unchanged and new_digest == store.digest:
+        if merged is not None and new_digest == on_disk:  # the other run wrote what this one would
+            store.commit(target, current, on_disk, merged=merged)
             return False
+        if merged is None and ours and current == store.fingerprint and new_digest == store.digest:
+            return False  # unchanged (a digest is set only with a fingerprint: the file is there)
         if current is not None:
             _check_writable(target, real)
         try:
@@ -191,26 +185,9 @@ def _cannot_write(target: Path, exc: OSError) -> BaselineFileError:
 
 
 def _atomic_write(target: Path, data: bytes) -> None:
-    """Write the baseline file with :func:`~pytest_gpumem.files.write_file`."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Write the baseline file with :func:`~pytest_gpumem.files.write_file` (its folder exists: :func:`_locked`)."""
     _remove_orphans(target)
     write_file(target, data, durable=True)
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Make the rename durable (POSIX); a no-op where folders cannot be opened."""
-    if sys.platform == "win32":  # pragma: no cover
-        return
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some file systems refuse fsync on folders
-        pass
-    finally:
-        os.close(fd)
 
 
 def _remove_orphans(target: Path) -> None:
@@ -245,10 +222,6 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:
-        return True  # it exists but belongs to someone else
+    except OSError:  # it exists but belongs to someone else
+        pass
     return True
-
-
-def _same_path(a: Path, b: Path) -> bool:
-    return os.path.abspath(a) == os.path.abspath(b)
