@@ -85,17 +85,14 @@ def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> Baseline
             ) from None
         problem = "empty file" if not text.strip() else f"not valid JSON ({exc.msg}); the file may be truncated"
         raise BaselineFileError(path, problem, line=exc.lineno, column=exc.colno, hint=restore) from None
-    except (_DuplicateKeyError, _ConstantError) as exc:
+    except _Refused as exc:
         # A conflict marker line is never valid JSON, so the happy path needs no scan for one.
         _raise_for_conflict(text, path)
-        if isinstance(exc, _DuplicateKeyError):
-            raise BaselineFileError(
-                path,
-                f"the key {exc.key!r} appears twice in one object (a bad merge?)",
-                line=_line_of_second(text, exc.key),
-                hint=f"Keep one of the two, or {lower_first(restore)}",
-            ) from None
-        raise BaselineFileError(path, f"{exc.constant} is not a valid number of bytes", hint=restore) from None
+        problem, key = exc.args
+        if key is None:
+            raise BaselineFileError(path, problem, hint=restore) from None
+        advice = f"Keep one of the two, or {lower_first(restore)}"
+        raise BaselineFileError(path, problem, line=_line_of_second(text, key), hint=advice) from None
     validate(tree, text, path)
     return BaselineStore._from_tree(tree)
 
@@ -131,16 +128,8 @@ def _find_conflict_marker(text: str) -> int | None:
     return found
 
 
-class _DuplicateKeyError(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-class _ConstantError(Exception):
-    def __init__(self, constant: str) -> None:
-        super().__init__(constant)
-        self.constant = constant
+class _Refused(Exception):
+    """JSON no baseline file holds: ``args`` are the problem and the key that appears twice (or None)."""
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -149,13 +138,13 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise _DuplicateKeyError(key)
+                raise _Refused(f"the key {key!r} appears twice in one object (a bad merge?)", key)
             seen.add(key)
     return result
 
 
 def _reject_constant(constant: str) -> Any:
-    raise _ConstantError(constant)
+    raise _Refused(f"{constant} is not a valid number of bytes", None)
 
 
 def _finite_float(literal: str) -> float:
@@ -163,7 +152,7 @@ def _finite_float(literal: str) -> float:
     back)."""
     value = float(literal)
     if math.isinf(value):
-        raise _ConstantError(literal if len(literal) <= 40 else literal[:37] + "...")
+        _reject_constant(literal if len(literal) <= 40 else literal[:37] + "...")
     return value
 
 
