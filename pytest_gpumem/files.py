@@ -1,8 +1,4 @@
-"""Writing the plugin's files without swapping anything in at the user's path.
-
-A regular or new file is replaced atomically (keeping its permissions), a symbolic link written through; a device is
-written into, a FIFO only when read, a socket refused, with an :class:`OSError` naming the path.
-"""
+"""Writing the plugin's files: a regular file replaced atomically, a link written through, a device or FIFO into."""
 
 from __future__ import annotations
 
@@ -18,10 +14,8 @@ __all__ = ["move_file", "unwritable", "write_file"]
 
 
 def write_file(path: str | os.PathLike[str], data: bytes, *, durable: bool = False) -> Path:
-    """Write ``data`` to ``path`` as the module says, making missing folders; returns the path written.
-
-    ``durable``: fsync the file and its folder (the baseline file).
-    """
+    """Write ``data`` to ``path`` as the module says, making missing folders (``durable``: fsynced); returns the path
+    written."""
     target, found = _target(path)
     if found is not None and not stat.S_ISREG(found.st_mode):
         _write_into(target, found.st_mode, data)
@@ -110,10 +104,8 @@ def _replace(target: Path, data: bytes, mode: int | None, *, durable: bool) -> N
 
 
 def unwritable(path: Path, *, folder: bool = False, written: bool = True) -> str | None:
-    """Why ``path`` cannot be written as a file (``folder``: made as a folder), or None when it can.
-
-    A missing parent folder is fine (made on writing, as ``--junitxml`` does); ``written=False`` checks only the kind.
-    """
+    """Why ``path`` cannot be written as a file (``folder``: made as a folder; ``written=False``: only the kind), or
+    None; a missing parent folder is made on writing."""
     if path.is_dir() and not folder:
         return f"{path} is a directory: give a file name"
     if path.exists() and not path.is_dir() and folder:

@@ -26,7 +26,7 @@ STORED_CATEGORIES = tuple(category for category in CATEGORIES if category != "ot
 
 def stored_breakdown(breakdown: Mapping[str, int] | None) -> dict[str, int] | None:
     """What a baseline keeps of a span's peak ``breakdown``: :data:`STORED_CATEGORIES` (0 where absent) and unknown
-    categories, never ``other``; None for None."""
+    categories."""
     if breakdown is None:
         return None
     kept = {category: int(breakdown.get(category, 0)) for category in STORED_CATEGORIES}
@@ -46,11 +46,7 @@ def render(tree: Mapping[str, Any]) -> bytes:
 
 
 def json_bytes(text: str) -> bytes:
-    """The UTF-8 bytes of a JSON ``text`` whose strings may hold a lone surrogate (:pep:`383` file names).
-
-    A surrogate is written as its JSON escape (``\\udcff``), which ``json.loads`` reads back, so such a test is found
-    again under the same node id.
-    """
+    """The UTF-8 bytes of JSON ``text``, a lone surrogate (:pep:`383` file names) as the escape ``json`` reads back."""
     return text.encode("utf-8", "backslashreplace")
 
 

@@ -194,10 +194,7 @@ def _problem(text: str) -> str | None:
 
 
 def check_key_text(what: str, text: object) -> None:
-    """Raise ``ValueError`` naming ``what`` unless ``text``, if a string, can be a part of an environment key.
-
-    No ``|``, control character, surrounding spaces or empty text, and but for the engine not ``"unknown"`` (None).
-    """
+    """Raise ``ValueError`` naming ``what`` unless ``text``, if a string, can be a part of an environment key."""
     if not isinstance(text, str):
         return
     problem = _problem(text)
@@ -210,10 +207,7 @@ def check_key_text(what: str, text: object) -> None:
 
 
 def check_label(name: object, value: object) -> None:
-    """Raise ``ValueError`` naming the label unless ``name=value`` can be part of an environment key.
-
-    The name must not contain ``=`` nor be one of :data:`ALLOCATOR_VARIABLES` (the key shows those already).
-    """
+    """Raise ``ValueError`` naming the label unless ``name=value`` can be part of an environment key."""
     shown = repr(f"{name}={value}") if isinstance(name, str) and isinstance(value, str) else f"{name!r}={value!r}"
     for what, text in (("name", name), ("value", value)):
         if not isinstance(text, str):

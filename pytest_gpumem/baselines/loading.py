@@ -27,10 +27,7 @@ _HINT_CONFLICT = (
 
 
 def load(path: str | os.PathLike[str]) -> BaselineStore:
-    """Read the baseline file at ``path``; a missing file is an empty store.
-
-    Raises :class:`BaselineFileError` naming the file, the line and column where known, and what to do.
-    """
+    """Read the baseline file at ``path`` (missing: an empty store); :class:`BaselineFileError` says why it cannot."""
     target = Path(path)
     try:
         found, data = read(target)
@@ -148,8 +145,7 @@ def _reject_constant(constant: str) -> Any:
 
 
 def _finite_float(literal: str) -> float:
-    """A JSON number with a fraction or exponent; one too large for a float is refused (it could not be written
-    back)."""
+    """A JSON number with a fraction or exponent; one too large for a float could not be written back."""
     value = float(literal)
     if math.isinf(value):
         _reject_constant(literal if len(literal) <= 40 else literal[:37] + "...")

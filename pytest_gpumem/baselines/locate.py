@@ -1,7 +1,4 @@
-"""Where a project's baseline file is, found from any folder under its rootdir as pytest would find it.
-
-No pytest: the command line reads the configuration files itself.
-"""
+"""Where a project's baseline file is, found from any folder under its rootdir as pytest would (without pytest)."""
 
 from __future__ import annotations
 

@@ -32,16 +32,12 @@ ORPHAN_AGE_S = 24 * 3600
 
 
 def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, force: bool = False) -> bool:
-    """Write ``store`` to ``path`` (default: the file it was loaded from) atomically; True when written.
+    """Write ``store`` to ``path`` (default: the file it was loaded from) atomically, under :func:`lock_path`; True
+    when written, False when the bytes would not change.
 
-    A temporary file in the same folder is fsynced then ``os.replace``d, so readers and crashes see the old file or the
-    new one; a killed save's orphan temp file is removed by a later save. Saves of one file take turns on a lock
-    (:func:`lock_path`); when the file changed on disk since loading, this store's changes are applied onto it (see
-    :meth:`BaselineStore.apply_changes`) and the store holds the merge. A symbolic link is written through.
-
-    Nothing is written when the bytes would not change. Raises :class:`BaselineFileError`, leaving the file as it was,
-    when it cannot be written or read for the merge and, unless ``force``, instead of overwriting a file this store was
-    not loaded from (``force`` writes without merging).
+    When the file changed since it was read, this store's changes are applied onto it and the store holds the merge.
+    :class:`BaselineFileError` leaves the file as it was; unless ``force`` (no merge), so does a file the store was not
+    loaded from.
     """
     target = store.path if path is None else Path(path)
     if target is None:
@@ -95,12 +91,8 @@ def _merge(store: BaselineStore, target: Path, real: Path) -> tuple[BaselineStor
 
 
 def lock_path(path: str | os.PathLike[str]) -> Path:
-    """The lock file that saves of the baseline file ``path`` take turns on.
-
-    It lies in the user's cache folder under ``pytest-gpumem/locks``, named by a hash of the resolved path, so nothing
-    beside the baseline file gets committed; it stays after a save (deleting it would let two saves lock two different
-    files).
-    """
+    """The lock file that saves of the baseline file ``path`` take turns on, in the user's cache folder (nothing beside
+    the baseline file to commit); it stays after a save, or two saves could lock two different files."""
     real = os.path.realpath(path)
     digest = hashlib.sha256(os.fsencode(real)).hexdigest()[:32]
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(real))[:40].lstrip(".")

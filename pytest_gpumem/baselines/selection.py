@@ -1,7 +1,4 @@
-"""Which tests of a baseline file a name selects (``python -m pytest_gpumem baselines prune``).
-
-A pattern that selects every test (an unset shell variable, ``.``, a glob) is refused unless asked for.
-"""
+"""Which tests of a baseline file a name selects (``python -m pytest_gpumem baselines prune``)."""
 
 from __future__ import annotations
 
@@ -69,10 +66,7 @@ def matches_anything(name: str) -> bool:
 
 
 def tests_missing(store: BaselineStore, keys: Sequence[str], rootdir: Path) -> dict[str, list[str]]:
-    """Tests of ``keys`` whose file does not exist under ``rootdir``.
-
-    Refuses when no test file exists at all: ``rootdir`` is then likely wrong, and pruning would empty the file.
-    """
+    """Tests of ``keys`` whose file does not exist under ``rootdir`` (when none exists, ``rootdir`` is wrong)."""
     if not rootdir.is_dir():
         raise SelectionError(f"--rootdir {str(rootdir)!r}: no such folder")
     exists: dict[str, bool] = {}

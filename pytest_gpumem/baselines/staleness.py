@@ -1,8 +1,4 @@
-"""Which baselines a run may call stale: :class:`Collection` (what the run saw) and :func:`find_stale`.
-
-A baseline is stale only when the run could have seen its test and did not: its file is gone, or was collected whole
-without it. Deselected tests are collected, so never stale.
-"""
+"""Which baselines a run may call stale: those of tests whose file is gone, or was collected whole without them."""
 
 from __future__ import annotations
 
@@ -46,12 +42,8 @@ NO_FILE_EXISTS = "whose files are all missing under the rootdir (is it the one t
 
 @dataclass(frozen=True)
 class Collection:
-    """What a run collected, for :func:`find_stale`, in node-id paths (relative to ``rootdir``, ``/``-separated).
-
-    ``items`` holds every collected node id, deselected ones included; ``whole`` the files collected whole; ``partial``
-    the files and folders seen in part or not at all, with why; ``everything`` a reason that keeps every baseline whose
-    file exists (``--lf``).
-    """
+    """What a run collected, in node-id paths: every node id (deselected too), the files collected ``whole``, those
+    seen ``partial``ly or not at all with why, and a reason that keeps ``everything`` whose file exists (``--lf``)."""
 
     items: frozenset[str] = frozenset()
     whole: frozenset[str] = frozenset()
@@ -81,10 +73,8 @@ class Staleness:
 
 
 def find_stale(store: BaselineStore, collection: Collection, environment: str) -> Staleness:
-    """The stale baselines of ``environment`` in ``store``, and the tests kept because the run could not judge them.
-
-    Only one environment is searched: a test may exist only where it can be collected.
-    """
+    """The stale baselines of ``environment`` (a test may exist only where it can be collected), and the tests kept
+    because the run could not judge them."""
     tests = store.tests(environment)
     files = {file_of(test) for test in tests}
     missing = {path for path in files if path not in collection.whole and _missing(collection.rootdir, path)}

@@ -161,11 +161,8 @@ FILE = _object(
 
 
 def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | None = None) -> None:
-    """Check ``tree`` against :data:`FILE`; raise :class:`BaselineFileError` on the first problem.
-
-    ``text`` (the JSON it was read from) locates the problem; ``hint`` replaces the default advice. Adds the ``tests``
-    and ``spans`` objects that may be left out.
-    """
+    """Check ``tree``, read from ``text``, against :data:`FILE` (adding the objects it may leave out); raise
+    :class:`BaselineFileError` at the first problem, with ``hint`` (when given) as the advice."""
 
     def fail(keys: tuple[str, ...], problem: str, advice: str = "") -> BaselineFileError:
         where = "".join(f"[{json.dumps(k, ensure_ascii=False)}]" for k in keys)
