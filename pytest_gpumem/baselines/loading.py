@@ -110,18 +110,14 @@ def _raise_for_conflict(text: str, path: str | os.PathLike[str]) -> None:
 
 def _find_conflict_marker(text: str) -> int | None:
     """Offset of the first line that is a git conflict marker; ``None`` when there is none."""
+    lines = "\n" + text  # a marker starts a line: "\n" + marker at offset i is the marker at i in text
     found: int | None = None
     for marker in _CONFLICT_MARKERS:
-        start = 0
-        while True:
-            index = text.find(marker, start)
-            if index < 0 or (found is not None and index > found):
-                break
-            after = text[index + 7 : index + 8]
-            if (index == 0 or text[index - 1] == "\n") and after in ("", "\n", "\r", " ", "\t"):
-                found = index
-                break
-            start = index + 1
+        index = lines.find("\n" + marker)
+        while index >= 0 and lines[index + 8 : index + 9] not in ("", "\n", "\r", " ", "\t"):
+            index = lines.find("\n" + marker, index + 1)
+        if index >= 0 and (found is None or index < found):
+            found = index
     return found
 
 

@@ -61,8 +61,7 @@ def locate(start: Path) -> Located:
             found.rootdir = folder
             if setting is not None:
                 value, source = setting
-                where = Path(value).expanduser()
-                found.path = where if where.is_absolute() else folder / where
+                found.path = folder / Path(value).expanduser()  # an absolute path stays as it is
                 found.how = f"{source} {value!r} in {folder / name}"
             else:
                 found.path = folder / DEFAULT_FILENAME

@@ -184,24 +184,19 @@ def _atomic_write(target: Path, data: bytes) -> None:
 
 def _remove_orphans(target: Path) -> None:
     """Remove temp files a killed save of ``target`` left behind: their process is gone, or they are old."""
-    prefix = f".{target.name}."
+    temporary = re.compile(re.escape(f".{target.name}.") + r"(\d+)\.[^.]*\.tmp")  # as files.write_file names them
     try:
         names = os.listdir(target.parent)
     except OSError:  # pragma: no cover
         return
     now = time.time()
-    for name in names:
-        if not (name.startswith(prefix) and name.endswith(".tmp")):
-            continue
-        parts = name[len(prefix) : -len(".tmp")].split(".")
-        if len(parts) != 2 or not parts[0].isdigit():
-            continue
-        orphan = target.parent / name
+    for match in filter(None, map(temporary.fullmatch, names)):
+        orphan = target.parent / match[0]
         try:
             old = now - orphan.stat().st_mtime > ORPHAN_AGE_S
         except OSError:
             continue
-        if old or (int(parts[0]) != os.getpid() and not _alive(int(parts[0]))):
+        if old or (int(match[1]) != os.getpid() and not _alive(int(match[1]))):
             with contextlib.suppress(OSError):
                 orphan.unlink()
 
