@@ -111,7 +111,7 @@ def to_data(value: Any) -> Any:
                 out[name] = derive(value)
         first = getattr(kind, "_codec_order", ())
         return {**{key: out.pop(key) for key in first if key in out}, **out} if first else out
-    if kind is list or kind is tuple:
+    if isinstance(value, (list, tuple)):
         return [to_data(item) for item in value]
     if kind is dict or isinstance(value, Mapping):
         return {key: to_data(item) for key, item in value.items()}
@@ -119,8 +119,6 @@ def to_data(value: Any) -> Any:
         return value.value
     if isinstance(value, (set, frozenset)):
         return sorted(to_data(item) for item in value)
-    if isinstance(value, (list, tuple)):
-        return [to_data(item) for item in value]
     return value
 
 

@@ -155,10 +155,8 @@ class Environment(Coded):
             parts += [f"CUDA {self.cuda_version}", f"cuDNN {_shown(self.cudnn_version)}"]
         if self.allocator is None:
             parts.append("allocator unknown")
-        elif not self.allocator:
-            parts.append("default allocator")
         else:
-            parts += [f"{name}={value}" for name, value in self.allocator]
+            parts += [f"{name}={value}" for name, value in self.allocator] or ["default allocator"]
         return " | ".join(parts + labels)
 
 

@@ -39,7 +39,7 @@ def tests_named(
     """Tests of ``keys`` that ``names`` (node ids or path prefixes) name; raises for a name that matches none and,
     unless ``everything``, for a pattern that matches every test."""
     every = {(key, test) for key in store.environment_keys() for test in store.tests(key)}
-    doomed: dict[str, list[str]] = {}
+    doomed: dict[str, set[str]] = {}
     for name in names:
         found = [entry for key in keys for entry in store.stale((), key, roots=[name])]
         matched = {(entry.environment, entry.test) for entry in found}
@@ -54,9 +54,7 @@ def tests_named(
                 f"TEST {name!r} matches no baseline (give a node id or a path prefix); nothing removed"
             )
         for entry in found:
-            tests = doomed.setdefault(entry.environment, [])
-            if entry.test not in tests:
-                tests.append(entry.test)
+            doomed.setdefault(entry.environment, set()).add(entry.test)
     return {key: sorted(tests) for key, tests in doomed.items()}
 
 

@@ -24,19 +24,13 @@ __all__ = [
     "find_stale",
 ]
 
-#: Why a baseline is kept (the summary prints "N <reason>"). Files outside the run's paths:
+# Why a test's baselines are kept though it was not collected (the summary prints "N <reason>").
 NOT_COLLECTED = "in files this run did not collect"
-#: Files that ``--lf`` collected only in part (or skipped):
 LAST_FAILED = "in files --lf collected only in part"
-#: Files that node ids on the command line collected in part:
 IN_PART = "in files collected in part (node ids on the command line)"
-#: Modules skipped as they were collected (``pytest.importorskip``):
 SKIPPED = "in modules skipped as they were collected"
-#: Paths left out of the collection (``--ignore``, a conftest's ``collect_ignore``):
 IGNORED = "in files left out of the collection (--ignore, collect_ignore)"
-#: Collectors whose collection failed:
 FAILED = "in files whose collection failed"
-#: No file of the environment's baselines exists: the rootdir is most likely not the one they were recorded under.
 NO_FILE_EXISTS = "whose files are all missing under the rootdir (is it the one they were recorded under?)"
 
 
@@ -55,13 +49,10 @@ class Collection:
         """Why the baselines of tests in file ``path`` (not collected whole) are kept."""
         if self.everything is not None:
             return self.everything
-        reason = self.partial.get(path)
-        if reason is not None:
-            return reason
-        for folder, why in self.partial.items():
-            if path.startswith(folder.rstrip("/") + "/"):
-                return why
-        return NOT_COLLECTED
+        if path in self.partial:
+            return self.partial[path]
+        folders = (why for folder, why in self.partial.items() if path.startswith(folder.rstrip("/") + "/"))
+        return next(folders, NOT_COLLECTED)
 
 
 @dataclass(frozen=True)
