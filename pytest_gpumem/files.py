@@ -49,14 +49,9 @@ def _write_into(target: Path, mode: int, data: bytes) -> None:
         if exc.errno == errno.ENXIO:
             raise OSError(errno.ENXIO, "is a FIFO that no process reads: not replaced", str(target)) from None
         raise
-    try:
-        if flags & os.O_NONBLOCK:
-            os.set_blocking(fd, True)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
+    with os.fdopen(fd, "wb") as handle:
+        os.set_blocking(fd, True)  # a FIFO's reader is there: wait for it to read the rest
+        handle.write(data)
 
 
 def move_file(temporary: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:

@@ -134,7 +134,7 @@ def _locked(target: Path, real: Path) -> Iterator[None]:
 
     lock = FileLock(str(lock_file), timeout=LOCK_TIMEOUT_S)
     try:
-        lock.acquire()
+        held = lock.acquire()
     except Timeout:
         raise BaselineFileError(
             target,
@@ -147,10 +147,8 @@ def _locked(target: Path, real: Path) -> Iterator[None]:
             f"cannot write the baseline file: cannot create its lock file {lock_file}: {exc.strerror or exc}",
             hint=_HINT_WRITE + " Remove what is at the lock file's name if it is not a plain file.",
         ) from None
-    try:
+    with held:  # released on leaving
         yield
-    finally:
-        lock.release()
 
 
 def _check_writable(target: Path, real: Path) -> None:

@@ -167,7 +167,7 @@ def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | 
     def fail(keys: tuple[str, ...], problem: str, advice: str = "") -> BaselineFileError:
         where = "".join(f"[{json.dumps(k, ensure_ascii=False)}]" for k in keys)
         default = f"Correct it by hand, or {lower_first(HINT_RESTORE.format(path=path))}" if hint is None else hint
-        line, column = position(text, keys) if keys else (None, None)
+        line, column = position(text, keys)
         return BaselineFileError(
             path, f"{where or 'top level'}: {problem}", line=line, column=column, hint=advice or default
         )
