@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
+import itertools
 import json
 import math
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +58,14 @@ def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> Baseline
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        line, column = _line_column(data, exc.start)
+        line, column = data.count(b"\n", 0, exc.start) + 1, exc.start - data.rfind(b"\n", 0, exc.start)
         raise BaselineFileError(path, "not UTF-8 text", line=line, column=column, hint=restore) from None
+    collecting = gc.isenabled()
+    gc.disable()  # hundreds of thousands of acyclic dicts: no point in collecting meanwhile
     try:
-        with _gc_paused():  # hundreds of thousands of acyclic dicts: no point in collecting meanwhile
-            tree = json.loads(
-                text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_float=_finite_float
-            )
+        tree = json.loads(
+            text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_float=_finite_float
+        )
     except RecursionError:
         _raise_for_conflict(text, path)
         raise BaselineFileError(
@@ -90,6 +90,9 @@ def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> Baseline
             raise BaselineFileError(path, problem, hint=restore) from None
         advice = f"Keep one of the two, or {lower_first(restore)}"
         raise BaselineFileError(path, problem, line=_line_of_second(text, key), hint=advice) from None
+    finally:
+        if collecting:
+            gc.enable()
     validate(tree, text, path)
     return BaselineStore._from_tree(tree)
 
@@ -148,17 +151,10 @@ def _finite_float(literal: str) -> float:
     return value
 
 
-def _line_column(data: bytes, offset: int) -> tuple[int, int]:
-    line_start = data.rfind(b"\n", 0, offset) + 1
-    return data.count(b"\n", 0, offset) + 1, offset - line_start + 1
-
-
 def _line_of_second(text: str, key: str) -> int | None:
-    pattern = re.compile(re.escape(json.dumps(key, ensure_ascii=False)) + r"\s*:")
-    matches = list(pattern.finditer(text))
-    if len(matches) < 2:
-        return None
-    return text.count("\n", 0, matches[1].start()) + 1
+    found = re.finditer(re.escape(json.dumps(key, ensure_ascii=False)) + r"\s*:", text)
+    second = next(itertools.islice(found, 1, None), None)
+    return None if second is None else text.count("\n", 0, second.start()) + 1
 
 
 def fingerprint(info: os.stat_result) -> Fingerprint:
@@ -169,15 +165,3 @@ def fingerprint(info: os.stat_result) -> Fingerprint:
 def digest(data: bytes) -> bytes:
     """A 16-byte hash of a file's bytes, to skip saves that would not change them."""
     return hashlib.blake2b(data, digest_size=16).digest()
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (if enabled) while building many acyclic objects."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

@@ -277,8 +277,7 @@ def position(text: str, keys: tuple[str, ...]) -> tuple[int | None, int | None]:
         pass
     if found is None:
         return None, None
-    line_start = text.rfind("\n", 0, found) + 1
-    return text.count("\n", 0, found) + 1, found - line_start + 1
+    return text.count("\n", 0, found) + 1, found - text.rfind("\n", 0, found)
 
 
 def lower_first(text: str) -> str:
