@@ -184,8 +184,7 @@ class BaselineStore:
 
     def tests(self, environment: str) -> tuple[str, ...]:
         """Node ids with baselines in the environment keyed ``environment``, sorted."""
-        env = self._envs.get(environment)
-        return () if env is None else tuple(sorted(env.get("tests", {})))
+        return tuple(sorted(self._envs.get(environment, {}).get("tests", {})))
 
     def spans(self, environment: str, test: str) -> dict[str, BaselineEntry]:
         """Every span baseline of ``test`` in ``environment``: span name → entry (empty when none)."""
