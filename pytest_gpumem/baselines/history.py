@@ -151,7 +151,7 @@ def read_history(path: str | os.PathLike[str], *, max_count: int | None = None) 
     """The versions of the baseline file at ``path`` in git, oldest first (the newest ``max_count`` when given);
     versions of another schema are read by shape, the unreadable ones skipped with why."""
     file = Path(path)
-    folder = (file.parent if str(file.parent) else Path(".")).resolve()
+    folder = file.parent.resolve()  # "." for a bare name
     if not folder.is_dir():
         raise HistoryError(f"{file}: no such folder {folder}")
     top = Path(_git(file, folder, "rev-parse", "--show-toplevel").decode().strip())

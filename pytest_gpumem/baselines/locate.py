@@ -84,9 +84,8 @@ def _config_in(folder: Path) -> tuple[str, tuple[str, str] | None] | None:
             values = _toml(path, section) if name.endswith(".toml") else _ini(path, section)
         except (OSError, ValueError, configparser.Error, UnicodeDecodeError):
             continue  # pytest would stop on it; here the next candidate is as good a guess
-        if values is None:
-            continue
-        return name, _setting(values)
+        if values is not None:
+            return name, _setting(values)
     return None
 
 
@@ -112,7 +111,7 @@ def _ini(path: Path, section: str | None) -> dict[str, Any] | None:
 
 
 def _setting(values: dict[str, Any]) -> tuple[str, str] | None:
-    """``gpumem_baselines``, else ``--gpumem-baselines`` in ``addopts`` (the value, and where set), or None."""
+    """``--gpumem-baselines`` in ``addopts``, else ``gpumem_baselines`` (the value, and where set), or None."""
     found = _in_addopts(values.get("addopts", ""))
     if found:
         return found, "--gpumem-baselines in addopts:"
