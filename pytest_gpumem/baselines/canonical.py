@@ -82,10 +82,11 @@ def canonical_test(test: Mapping[str, Any]) -> dict[str, Any]:
 
 def canonical_span(span: Mapping[str, Any]) -> dict[str, Any]:
     """One span's object in canonical order: :data:`SPAN_ORDER`, ``breakdown`` by category, the rest sorted."""
-    breakdown = span.get("breakdown")
-    if breakdown is None:
-        return ordered(span, SPAN_ORDER, span)
-    return ordered(span, SPAN_ORDER, {**span, "breakdown": ordered(breakdown, CATEGORIES, breakdown)})
+    result = ordered(span, SPAN_ORDER, span)
+    breakdown = result.get("breakdown")
+    if breakdown is not None:
+        result["breakdown"] = ordered(breakdown, CATEGORIES, breakdown)
+    return result
 
 
 def sorted_json(value: Any) -> Any:
@@ -100,5 +101,6 @@ def sorted_json(value: Any) -> Any:
 def ordered(raw: Mapping[str, Any], order: tuple[str, ...], known: Mapping[str, Any]) -> dict[str, Any]:
     """``known`` keys in ``order``, then the other keys of ``raw`` sorted, their values in canonical form."""
     result: dict[str, Any] = {key: known[key] for key in order if key in known}
-    result.update((key, sorted_json(raw[key])) for key in sorted(raw.keys() - result.keys()))
+    if not raw.keys() <= result.keys():
+        result.update((key, sorted_json(raw[key])) for key in sorted(raw.keys() - result.keys()))
     return result
