@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -112,7 +111,7 @@ def to_data(value: Any) -> Any:
                 out[name] = derive(value)
         first = getattr(kind, "_codec_order", ())
         return {**{key: out.pop(key) for key in first if key in out}, **out} if first else out
-    if isinstance(value, (list, tuple)):
+    if kind is list or kind is tuple:
         return [to_data(item) for item in value]
     if kind is dict or isinstance(value, Mapping):
         return {key: to_data(item) for key, item in value.items()}
@@ -120,6 +119,8 @@ def to_data(value: Any) -> Any:
         return value.value
     if isinstance(value, (set, frozenset)):
         return sorted(to_data(item) for item in value)
+    if isinstance(value, (list, tuple)):
+        return [to_data(item) for item in value]
     return value
 
 
@@ -168,17 +169,12 @@ def _from(cls: Any, data: Any) -> Any:
         elif raw is None:
             values[f.name] = None
         else:
-            values[f.name] = _at(".".join(f.path), f.read, raw)
+            try:
+                values[f.name] = f.read(raw)
+            except _Bad as bad:
+                bad.path.insert(0, "." + ".".join(f.path))
+                raise
     return cls(**values)
-
-
-def _at(step: str | int, read: Callable[[Any], Any], value: Any) -> Any:
-    """``read(value)``; the path of a :class:`_Bad` it raises gets ``step`` (a key, or an array's index) in front."""
-    try:
-        return read(value)
-    except _Bad as bad:
-        bad.path.insert(0, f"[{step}]" if isinstance(step, int) else f".{step}")
-        raise
 
 
 def _shown(value: Any) -> str:
@@ -211,8 +207,14 @@ def _reader(hint: Any) -> Callable[[Any], Any]:
                 raise _Bad(f"expected an array, found {_shown(value)}")
             if items is not None and len(items) != len(value):
                 raise _Bad(f"expected {len(items)} items, found {len(value)}")
-            readers = itertools.repeat(each) if items is None else items
-            return made([_at(i, read, item) for i, (read, item) in enumerate(zip(readers, value, strict=False))])
+            out = []
+            for i, item in enumerate(value):
+                try:
+                    out.append(items[i](item) if items is not None else each(item))
+                except _Bad as bad:
+                    bad.path.insert(0, f"[{i}]")
+                    raise
+            return made(out)
 
         return array
     if origin in (dict, Mapping):
@@ -221,7 +223,14 @@ def _reader(hint: Any) -> Callable[[Any], Any]:
         def mapping(value: Any) -> dict[str, Any]:
             if type(value) is not dict:
                 raise _Bad(f"expected an object, found {_shown(value)}")
-            return {str(key): _at(str(key), each, item) for key, item in value.items()}
+            out = {}
+            for key, item in value.items():
+                try:
+                    out[str(key)] = each(item)
+                except _Bad as bad:
+                    bad.path.insert(0, f".{key}")
+                    raise
+            return out
 
         return mapping
     if hint in (int, float, str, bool):
