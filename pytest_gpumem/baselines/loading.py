@@ -82,7 +82,7 @@ def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> Baseline
             ) from None
         problem = "empty file" if not text.strip() else f"not valid JSON ({exc.msg}); the file may be truncated"
         raise BaselineFileError(path, problem, line=exc.lineno, column=exc.colno, hint=restore) from None
-    except _Refused as exc:
+    except _Unreadable as exc:
         # A conflict marker line is never valid JSON, so the happy path needs no scan for one.
         _raise_for_conflict(text, path)
         problem, key = exc.args
@@ -124,7 +124,7 @@ def _find_conflict_marker(text: str) -> int | None:
     return found
 
 
-class _Refused(Exception):
+class _Unreadable(Exception):
     """JSON no baseline file holds: ``args`` are the problem and the key that appears twice (or None)."""
 
 
@@ -134,13 +134,13 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise _Refused(f"the key {key!r} appears twice in one object (a bad merge?)", key)
+                raise _Unreadable(f"the key {key!r} appears twice in one object (a bad merge?)", key)
             seen.add(key)
     return result
 
 
 def _reject_constant(constant: str) -> Any:
-    raise _Refused(f"{constant} is not a valid number of bytes", None)
+    raise _Unreadable(f"{constant} is not a valid number of bytes", None)
 
 
 def _finite_float(literal: str) -> float:
