@@ -67,19 +67,13 @@ def tests_missing(store: BaselineStore, keys: Sequence[str], rootdir: Path) -> d
     """Tests of ``keys`` whose file does not exist under ``rootdir`` (when none exists, ``rootdir`` is wrong)."""
     if not rootdir.is_dir():
         raise SelectionError(f"--rootdir {str(rootdir)!r}: no such folder")
-    exists: dict[str, bool] = {}
-    doomed: dict[str, list[str]] = {}
-    for key in keys:
-        for test in store.tests(key):
-            path = file_of(test)
-            if path not in exists:
-                exists[path] = (rootdir / path).exists()
-            if not exists[path]:
-                doomed.setdefault(key, []).append(test)
+    tests = {key: store.tests(key) for key in keys}
+    exists = {path: (rootdir / path).exists() for path in {file_of(test) for found in tests.values() for test in found}}
     if exists and not any(exists.values()):
         raise SelectionError(
             f"none of the {len(exists)} test file{'' if len(exists) == 1 else 's'} exists under {rootdir}: "
             "is it the rootdir? "
             "Pass --rootdir DIR, or name the tests to remove; nothing removed"
         )
-    return doomed
+    doomed = {key: [test for test in found if not exists[file_of(test)]] for key, found in tests.items()}
+    return {key: found for key, found in doomed.items() if found}
