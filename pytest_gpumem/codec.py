@@ -1,7 +1,4 @@
-"""One codec for the package's dataclasses: :func:`to_data` and :func:`from_data`, following the type hints.
-
-:func:`coded` field metadata says where a field differs (a renamed or nested key, an omitted default, a custom form).
-"""
+"""One codec for the package's dataclasses, led by the type hints and :func:`coded` field metadata."""
 
 from __future__ import annotations
 

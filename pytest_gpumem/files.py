@@ -1,8 +1,4 @@
-"""Writing the plugin's files without swapping anything in at the user's path.
-
-A regular or new file is replaced atomically (keeping its permissions), a symbolic link written through; a device is
-written into, a FIFO only when read, a socket refused, with an :class:`OSError` naming the path.
-"""
+"""Writing the plugin's files: a regular file replaced atomically, a link written through, a device or FIFO into."""
 
 from __future__ import annotations
 
@@ -18,15 +14,13 @@ __all__ = ["move_file", "unwritable", "write_file"]
 
 
 def write_file(path: str | os.PathLike[str], data: bytes, *, durable: bool = False) -> Path:
-    """Write ``data`` to ``path`` as the module says, making missing folders; returns the path written.
-
-    ``durable``: fsync the file and its folder (the baseline file).
-    """
+    """Write ``data`` to ``path`` as the module says, making missing folders (``durable``: fsynced); returns the path
+    written."""
     target, found = _target(path)
     if found is not None and not stat.S_ISREG(found.st_mode):
         _write_into(target, found.st_mode, data)
-        return target
-    _replace(target, data, None if found is None else stat.S_IMODE(found.st_mode), durable=durable)
+    else:
+        _replace(target, data, None if found is None else stat.S_IMODE(found.st_mode), durable=durable)
     return target
 
 
@@ -55,25 +49,9 @@ def _write_into(target: Path, mode: int, data: bytes) -> None:
         if exc.errno == errno.ENXIO:
             raise OSError(errno.ENXIO, "is a FIFO that no process reads: not replaced", str(target)) from None
         raise
-    try:
-        if flags & os.O_NONBLOCK:
-            os.set_blocking(fd, True)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-
-
-def _temporary(target: Path) -> tuple[int, Path]:
-    """A new temporary file beside ``target``, opened for writing, and its path."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        temporary = target.parent / f".{target.name[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        try:
-            return os.open(temporary, flags, 0o666), temporary
-        except FileExistsError:  # pragma: no cover - 32 random bits collided
-            continue
+    with os.fdopen(fd, "wb") as handle:
+        os.set_blocking(fd, True)  # a FIFO's reader is there: wait for it to read the rest
+        handle.write(data)
 
 
 def move_file(temporary: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
@@ -92,7 +70,12 @@ def move_file(temporary: str | os.PathLike[str], path: str | os.PathLike[str]) -
 def _replace(target: Path, data: bytes, mode: int | None, *, durable: bool) -> None:
     folder = target.parent
     folder.mkdir(parents=True, exist_ok=True)
-    fd, temporary = _temporary(target)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = -1
+    while fd < 0:  # until the name is new: 32 random bits collide almost never
+        temporary = folder / f".{target.name[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(temporary, flags, 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
             if mode is not None and hasattr(os, "fchmod"):
@@ -116,10 +99,8 @@ def _replace(target: Path, data: bytes, mode: int | None, *, durable: bool) -> N
 
 
 def unwritable(path: Path, *, folder: bool = False, written: bool = True) -> str | None:
-    """Why ``path`` cannot be written as a file (``folder``: made as a folder), or None when it can.
-
-    A missing parent folder is fine (made on writing, as ``--junitxml`` does); ``written=False`` checks only the kind.
-    """
+    """Why ``path`` cannot be written as a file (``folder``: made as a folder; ``written=False``: only the kind), or
+    None; a missing parent folder is made on writing."""
     if path.is_dir() and not folder:
         return f"{path} is a directory: give a file name"
     if path.exists() and not path.is_dir() and folder:

@@ -1,8 +1,7 @@
 """Baseline files: environment keys, load, merge, atomic save (the layout is in docs/baselines.md).
 
-Baselines store *costs* (a figure minus its span's start), so test order, ``-k``, xdist and session fixtures do not move
-them. Keys this release does not know are kept verbatim at every level, so an older release never destroys what a newer
-one added. Only :func:`load` and :func:`save` touch the file system; nothing is pickled.
+Baselines store *costs*, which test order, ``-k``, xdist and session fixtures do not move. Keys this release does not
+know are kept verbatim, so an older release never destroys what a newer one added.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ STORED_CATEGORIES = tuple(category for category in CATEGORIES if category != "ot
 
 def stored_breakdown(breakdown: Mapping[str, int] | None) -> dict[str, int] | None:
     """What a baseline keeps of a span's peak ``breakdown``: :data:`STORED_CATEGORIES` (0 where absent) and unknown
-    categories, never ``other``; None for None."""
+    categories."""
     if breakdown is None:
         return None
     kept = {category: int(breakdown.get(category, 0)) for category in STORED_CATEGORIES}
@@ -34,11 +34,9 @@ def stored_breakdown(breakdown: Mapping[str, int] | None) -> dict[str, int] | No
     return kept
 
 
-# Canonical key order inside the file. Keys not listed come after, sorted.
-TOP_ORDER = ("schema", "environments")
-ENV_ORDER = ("environment", "tests")
-TEST_ORDER = ("spans",)
+#: A span's keys in the file's order; keys not listed come after, sorted (at every level).
 SPAN_ORDER = (*METRICS, "start", "breakdown")
+ENV_ORDER = ("environment", "tests")
 _ENVIRONMENT_ORDER = tuple(f.name for f in fields(Environment))
 
 
@@ -48,11 +46,7 @@ def render(tree: Mapping[str, Any]) -> bytes:
 
 
 def json_bytes(text: str) -> bytes:
-    """The UTF-8 bytes of a JSON ``text`` whose strings may hold a lone surrogate (:pep:`383` file names).
-
-    A surrogate is written as its JSON escape (``\\udcff``), which ``json.loads`` reads back, so such a test is found
-    again under the same node id.
-    """
+    """The UTF-8 bytes of JSON ``text``, a lone surrogate (:pep:`383` file names) as the escape ``json`` reads back."""
     return text.encode("utf-8", "backslashreplace")
 
 
@@ -65,43 +59,33 @@ def canonical_top(top: Mapping[str, Any]) -> dict[str, Any]:
     """The whole file tree in canonical order (``top`` is a validated tree)."""
     raw_envs: Mapping[str, Any] = top.get("environments", {})
     envs = {key: canonical_env(raw_envs[key]) for key in sorted(raw_envs)}
-    return ordered(top, TOP_ORDER, {"schema": SCHEMA_VERSION, "environments": envs})
+    return ordered(top, ("schema", "environments"), {"schema": SCHEMA_VERSION, "environments": envs})
 
 
 def canonical_env(env: Mapping[str, Any]) -> dict[str, Any]:
     """One environment's object in canonical order."""
     described = env.get("environment") or {}
-    known = {k: sorted_json(described[k]) for k in _ENVIRONMENT_ORDER if k in described}
+    known = {k: sorted_json(v) for k, v in described.items()}
     allocator = described.get("allocator")
     if isinstance(allocator, dict):
         known["allocator"] = {name: allocator[name] for name in sorted(allocator, key=allocator_rank)}
-    environment = ordered(described, _ENVIRONMENT_ORDER, known)
     raw_tests: Mapping[str, Any] = env.get("tests", {})
     tests = {test: canonical_test(raw_tests[test]) for test in sorted(raw_tests)}
-    return ordered(env, ENV_ORDER, {"environment": environment, "tests": tests})
+    return ordered(env, ENV_ORDER, {"environment": ordered(described, _ENVIRONMENT_ORDER, known), "tests": tests})
 
 
 def canonical_test(test: Mapping[str, Any]) -> dict[str, Any]:
     """One test's object in canonical order."""
     spans = {name: canonical_span(span) for name, span in span_items(test.get("spans", {}))}
-    if len(test) == 1:  # fast path: nothing but "spans"
-        return {"spans": spans}
-    return ordered(test, TEST_ORDER, {"spans": spans})
+    return ordered(test, ("spans",), {"spans": spans})
 
 
 def canonical_span(span: Mapping[str, Any]) -> dict[str, Any]:
-    """One span's object in canonical order: the metrics, ``start``, ``breakdown`` (by category), the rest sorted."""
-    result: dict[str, Any] = {key: span[key] for key in SPAN_ORDER if key in span}
+    """One span's object in canonical order: :data:`SPAN_ORDER`, ``breakdown`` by category, the rest sorted."""
+    result = ordered(span, SPAN_ORDER, span)
     breakdown = result.get("breakdown")
     if breakdown is not None:
-        by_category = {c: breakdown[c] for c in CATEGORIES if c in breakdown}
-        if len(by_category) != len(breakdown):
-            by_category.update((c, breakdown[c]) for c in sorted(breakdown) if c not in by_category)
-        result["breakdown"] = by_category
-    if len(result) != len(span):
-        for key in sorted(span):
-            if key not in result:
-                result[key] = sorted_json(span[key])
+        result["breakdown"] = ordered(breakdown, CATEGORIES, breakdown)
     return result
 
 
@@ -117,7 +101,6 @@ def sorted_json(value: Any) -> Any:
 def ordered(raw: Mapping[str, Any], order: tuple[str, ...], known: Mapping[str, Any]) -> dict[str, Any]:
     """``known`` keys in ``order``, then the other keys of ``raw`` sorted, their values in canonical form."""
     result: dict[str, Any] = {key: known[key] for key in order if key in known}
-    for key in sorted(raw):
-        if key not in result:
-            result[key] = sorted_json(raw[key])
+    if not raw.keys() <= result.keys():
+        result.update((key, sorted_json(raw[key])) for key in sorted(raw.keys() - result.keys()))
     return result

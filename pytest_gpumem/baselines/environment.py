@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -46,13 +47,10 @@ _VERSION_RE = re.compile(r"^\s*(\d+)\.(\d+)")
 class Environment(Coded):
     """What makes memory figures comparable between two runs: runs with the same :attr:`key` compare their figures.
 
-    ``engine`` is ``"cuda"`` (a caching allocator: CUDA, ROCm, XPU), ``"cpu"`` (the tensor-storage tracker) or
-    ``"predict"`` (the CPU engine predicting a GPU: the device fields are the target's). A value that could not be found
-    out is ``None`` (``unknown`` in the key). ``labels`` are user-chosen ``(name, value)`` pairs (a mapping is
-    accepted), checked by :func:`check_label`.
-
+    ``engine`` is one of :data:`ENGINES` (``"predict"``: the CPU engine predicting the GPU the device fields describe);
+    ``None`` is a value that could not be found out; ``labels`` are user-chosen ``(name, value)`` pairs (or a mapping).
     The CPU engine's key holds only the engine, torch ``major.minor``, ``cuda_rounding`` and labels: its storage bytes
-    do not depend on the CPU or the CUDA build, so baselines recorded on a laptop hold on any CI runner.
+    do not depend on the CPU or the CUDA build.
     """
 
     engine: str = field(metadata=coded(missing="unknown"))
@@ -78,11 +76,9 @@ class Environment(Coded):
 
     def __post_init__(self) -> None:
         for name in KEYED_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, str):
-                check_key_text(name, value, shows_none=name != "engine")
+            check_key_text(name, getattr(self, name))
         for name, value in self.allocator or ():
-            check_key_text(f"allocator {name}", f"{name}={value}", shows_none=False)
+            check_key_text(f"allocator {name}", f"{name}={value}")
         object.__setattr__(self, "labels", _label_pairs(self.labels))
 
     @classmethod
@@ -94,11 +90,8 @@ class Environment(Coded):
         *,
         predict: str | None = None,
     ) -> Environment:
-        """Describe the running process's environment for ``engine`` on ``device``, without labels.
-
-        Unreadable properties are ``None`` (never raises for a missing or broken device); ``ValueError`` for an unknown
-        engine.
-        """
+        """The running process's environment for ``engine`` on ``device``, without labels; unreadable properties are
+        ``None`` (a missing or broken device raises nothing)."""
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
         import torch
@@ -124,36 +117,27 @@ class Environment(Coded):
         hip = getattr(torch.version, "hip", None)
         name, total, capability = _device_properties(dev, rocm=bool(hip))
         cuda_like = dev.type == "cuda"
-        cuda_version = _major_minor(torch.version.cuda) if cuda_like and not hip else None
-        hip_version = _major_minor(hip) if cuda_like and hip else None
-        cudnn_version: str | None = None
+        cudnn: int | None = None
         if cuda_like:
             cudnn_query: Callable[[], int | None] = torch.backends.cudnn.version
-            try:
-                number = cudnn_query()
-            except Exception:  # pragma: no cover - defensive: a broken cuDNN install
-                number = None
-            cudnn_version = None if number is None else str(number)
+            with contextlib.suppress(Exception):  # a broken cuDNN install
+                cudnn = cudnn_query()
         return cls(
             engine="cuda",
             device_name=name,
             total_memory=total,
             compute_capability=capability,
             torch_version=torch_version,
-            cuda_version=cuda_version,
-            hip_version=hip_version,
-            cudnn_version=cudnn_version,
+            cuda_version=_major_minor(torch.version.cuda) if cuda_like and not hip else None,
+            hip_version=_major_minor(hip) if cuda_like and hip else None,
+            cudnn_version=None if cudnn is None else str(cudnn),
             allocator=allocator_settings(os.environ),
-            cuda_rounding=None,
         )
 
     @property
     def key(self) -> str:
-        """A stable, human-readable key: the fields that make figures comparable, joined by ``" | "``.
-
-        For example ``"cpu | torch 2.13 | cuda_rounding off"``; labels come last. It is a function of the fields, so it
-        can be recomputed from the file's ``environment`` object.
-        """
+        """The fields that make figures comparable joined by ``" | "``, labels last: ``"cpu | torch 2.13 | cuda_rounding
+        off"``."""
         labels = [f"{name}={value}" for name, value in self.labels]
         if self.engine == "cpu":
             rounding = "unknown" if self.cuda_rounding is None else ("on" if self.cuda_rounding else "off")
@@ -171,10 +155,8 @@ class Environment(Coded):
             parts += [f"CUDA {self.cuda_version}", f"cuDNN {_shown(self.cudnn_version)}"]
         if self.allocator is None:
             parts.append("allocator unknown")
-        elif not self.allocator:
-            parts.append("default allocator")
         else:
-            parts += [f"{name}={value}" for name, value in self.allocator]
+            parts += [f"{name}={value}" for name, value in self.allocator] or ["default allocator"]
         return " | ".join(parts + labels)
 
 
@@ -209,26 +191,21 @@ def _problem(text: str) -> str | None:
     return None
 
 
-def check_key_text(what: str, text: str, *, shows_none: bool = True) -> None:
-    """Raise ``ValueError`` naming ``what`` unless ``text`` can be a part of an environment key.
-
-    No ``|``, control character, surrounding spaces or empty text, and (``shows_none``) not ``"unknown"``, the key's
-    word for None.
-    """
+def check_key_text(what: str, text: object) -> None:
+    """Raise ``ValueError`` naming ``what`` unless ``text``, if a string, can be a part of an environment key."""
+    if not isinstance(text, str):
+        return
     problem = _problem(text)
     if problem is None and (not text or text != text.strip()):
         problem = "is empty or has leading or trailing spaces"
-    if problem is None and shows_none and text == "unknown":
+    if problem is None and what != "engine" and text == "unknown":
         problem = "is 'unknown', which the key shows for None: use None"
     if problem is not None:
         raise ValueError(f"invalid environment {what} {text!r}: it {problem}")
 
 
 def check_label(name: object, value: object) -> None:
-    """Raise ``ValueError`` naming the label unless ``name=value`` can be part of an environment key.
-
-    The name must not contain ``=`` nor be one of :data:`ALLOCATOR_VARIABLES` (the key shows those already).
-    """
+    """Raise ``ValueError`` naming the label unless ``name=value`` can be part of an environment key."""
     shown = repr(f"{name}={value}") if isinstance(name, str) and isinstance(value, str) else f"{name!r}={value!r}"
     for what, text in (("name", name), ("value", value)):
         if not isinstance(text, str):
@@ -249,14 +226,10 @@ def check_label(name: object, value: object) -> None:
 
 def _label_pairs(labels: Mapping[str, Any] | Iterable[Any]) -> tuple[tuple[str, str], ...]:
     """``labels`` (pairs or a mapping) checked with :func:`check_label`, as pairs sorted by name."""
-    if isinstance(labels, Mapping):
-        items: list[Any] = list(labels.items())
-    elif isinstance(labels, (tuple, list)):
-        items = list(labels)
-    else:
+    if not isinstance(labels, (Mapping, tuple, list)):
         raise ValueError(f"invalid environment labels {labels!r}: expected (name, value) pairs or a mapping")
     pairs: dict[str, str] = {}
-    for item in items:
+    for item in labels.items() if isinstance(labels, Mapping) else labels:
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             raise ValueError(f"invalid environment label {item!r}: expected a (name, value) pair")
         name, value = item
@@ -282,23 +255,16 @@ def _device_properties(device: torch.device, *, rocm: bool) -> tuple[str | None,
     import torch
 
     try:
-        module = getattr(torch, device.type)
-        props = module.get_device_properties(device)
+        props = getattr(torch, device.type).get_device_properties(device)
     except Exception:
         return None, None, None
-    name = getattr(props, "name", None)
-    total = getattr(props, "total_memory", None)
+    name, total, arch = (getattr(props, key, None) for key in ("name", "total_memory", "gcnArchName"))
     capability: str | None = None
-    arch = getattr(props, "gcnArchName", None)
     if rocm and arch:
         capability = str(arch).split(":")[0]  # drop feature flags such as ":sramecc+:xnack-"
     elif isinstance(getattr(props, "major", None), int) and isinstance(getattr(props, "minor", None), int):
         capability = f"{props.major}.{props.minor}"
-    return (
-        None if name is None else str(name),
-        total if isinstance(total, int) else None,
-        capability,
-    )
+    return None if name is None else str(name), total if isinstance(total, int) else None, capability
 
 
 def _major_minor(version: str | None) -> str | None:

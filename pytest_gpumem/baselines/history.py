@@ -1,8 +1,4 @@
-"""The baseline file's history in git: each commit's figures, per environment, test and span.
-
-Versions of another schema are read leniently by shape; a version that is no baseline file (conflict markers, a
-truncated file) is skipped with why. Unlike the rest of this package, this module runs ``git``.
-"""
+"""The baseline file's history in git: each commit's figures, per environment, test and span (this module runs git)."""
 
 from __future__ import annotations
 
@@ -15,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.baselines.loading import parse
-from pytest_gpumem.baselines.store import BaselineStore
 from pytest_gpumem.baselines.validation import BaselineFileError
 
 __all__ = ["Commit", "Figures", "History", "HistoryError", "Skipped", "Version", "read_history"]
@@ -92,30 +87,12 @@ class History:
         return self.versions[-1] if self.versions else None
 
 
-def figures_of(store: BaselineStore) -> Figures:
-    """The recorded costs of every span in ``store``."""
-    figures: Figures = {}
-    for environment in store.environment_keys():
-        for test in store.tests(environment):
-            for span, entry in store.spans(environment, test).items():
-                figures[(environment, test, span)] = dict(entry.costs)
-    return figures
-
-
 def lenient_figures(tree: Any) -> Figures:
     """The figures of a baseline file of another schema version, read by shape alone (``ValueError`` otherwise)."""
-    if not isinstance(tree, Mapping) or not isinstance(tree.get("environments"), Mapping):
-        raise ValueError('no "environments" object')
     figures: Figures = {}
-    for environment, env in tree["environments"].items():
-        tests = env.get("tests") if isinstance(env, Mapping) else None
-        if not isinstance(tests, Mapping):
-            raise ValueError(f'environment {environment!r} has no "tests" object')
-        for test, raw in tests.items():
-            spans = raw.get("spans") if isinstance(raw, Mapping) else None
-            if not isinstance(spans, Mapping):
-                raise ValueError(f'test {test!r} has no "spans" object')
-            for span, values in spans.items():
+    for environment, env in _object_at(tree, "environments", 'no "environments" object').items():
+        for test, raw in _object_at(env, "tests", f'environment {environment!r} has no "tests" object').items():
+            for span, values in _object_at(raw, "spans", f'test {test!r} has no "spans" object').items():
                 if not isinstance(values, Mapping):
                     raise ValueError(f"span {span!r} of {test!r} is not an object")
                 figures[(environment, test, span)] = {
@@ -126,10 +103,18 @@ def lenient_figures(tree: Any) -> Figures:
     return figures
 
 
+def _object_at(value: Any, key: str, problem: str) -> Mapping[str, Any]:
+    """The object under ``key`` of ``value``; ``ValueError(problem)`` when there is none."""
+    found = value.get(key) if isinstance(value, Mapping) else None
+    if not isinstance(found, Mapping):
+        raise ValueError(problem)
+    return found
+
+
 def read_version(data: bytes, name: str) -> tuple[Figures, str | None]:
     """The figures in the bytes of one version (``name`` names it in errors), and a note when read leniently."""
     try:
-        return figures_of(parse(data, name)), None
+        store = parse(data, name)
     except BaselineFileError as exc:
         try:
             tree = json.loads(data.decode("utf-8-sig"))
@@ -142,6 +127,13 @@ def read_version(data: bytes, name: str) -> tuple[Figures, str | None]:
             return lenient_figures(tree), f"schema version {schema}, read by its shape"
         except ValueError as shape:
             raise ValueError(f"schema version {schema} in another shape ({shape})") from None
+    figures = {
+        (environment, test, span): dict(entry.costs)
+        for environment in store.environment_keys()
+        for test in store.tests(environment)
+        for span, entry in store.spans(environment, test).items()
+    }
+    return figures, None
 
 
 def _git(file: Path, folder: Path, *args: str) -> bytes:
@@ -156,12 +148,10 @@ def _git(file: Path, folder: Path, *args: str) -> bytes:
 
 
 def read_history(path: str | os.PathLike[str], *, max_count: int | None = None) -> History:
-    """The versions of the baseline file at ``path`` in git, oldest first (the newest ``max_count`` when given).
-
-    Raises :class:`HistoryError` naming the file when git cannot run, the file is in no repository or no commit has it.
-    """
+    """The versions of the baseline file at ``path`` in git, oldest first (the newest ``max_count`` when given);
+    versions of another schema are read by shape, the unreadable ones skipped with why."""
     file = Path(path)
-    folder = (file.parent if str(file.parent) else Path(".")).resolve()
+    folder = file.parent.resolve()  # "." for a bare name
     if not folder.is_dir():
         raise HistoryError(f"{file}: no such folder {folder}")
     top = Path(_git(file, folder, "rev-parse", "--show-toplevel").decode().strip())
@@ -178,18 +168,13 @@ def read_history(path: str | os.PathLike[str], *, max_count: int | None = None) 
         then = next((name.strip("\n") for name in names.split("\x00") if name.strip("\n")), relative)
         try:
             data = subprocess.run(["git", "show", f"{sha}:{then}"], cwd=top, capture_output=True, check=True).stdout
+            history.versions.append(Version(commit, then, *read_version(data, f"{commit.short}:{then}")))
         except subprocess.CalledProcessError:
             history.skipped.append(Skipped(commit, f"the commit has no {then} (it was deleted or moved)"))
-            continue
-        try:
-            figures, note = read_version(data, f"{commit.short}:{then}")
         except BaselineFileError as exc:
             history.skipped.append(Skipped(commit, str(exc).partition("\n")[0]))
-            continue
         except ValueError as exc:
             history.skipped.append(Skipped(commit, f"{commit.short}:{then}: {exc}"))
-            continue
-        history.versions.append(Version(commit, then, figures, note))
     if not history.versions and not history.skipped:
         raise HistoryError(f"{file}: git has no commit of this file (commit it first)")
     return history

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
+import itertools
 import json
 import math
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,7 @@ _HINT_CONFLICT = (
 
 
 def load(path: str | os.PathLike[str]) -> BaselineStore:
-    """Read the baseline file at ``path``; a missing file is an empty store.
-
-    Raises :class:`BaselineFileError` naming the file, the line and column where known, and what to do.
-    """
+    """Read the baseline file at ``path`` (missing: an empty store); :class:`BaselineFileError` says why it cannot."""
     target = Path(path)
     try:
         found, data = read(target)
@@ -62,13 +58,14 @@ def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> Baseline
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        line, column = _line_column(data, exc.start)
+        line, column = data.count(b"\n", 0, exc.start) + 1, exc.start - data.rfind(b"\n", 0, exc.start)
         raise BaselineFileError(path, "not UTF-8 text", line=line, column=column, hint=restore) from None
+    collecting = gc.isenabled()
+    gc.disable()  # hundreds of thousands of acyclic dicts: no point in collecting meanwhile
     try:
-        with _gc_paused():  # hundreds of thousands of acyclic dicts: no point in collecting meanwhile
-            tree = json.loads(
-                text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_float=_finite_float
-            )
+        tree = json.loads(
+            text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_float=_finite_float
+        )
     except RecursionError:
         _raise_for_conflict(text, path)
         raise BaselineFileError(
@@ -85,17 +82,17 @@ def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> Baseline
             ) from None
         problem = "empty file" if not text.strip() else f"not valid JSON ({exc.msg}); the file may be truncated"
         raise BaselineFileError(path, problem, line=exc.lineno, column=exc.colno, hint=restore) from None
-    except (_DuplicateKeyError, _ConstantError) as exc:
+    except _Unreadable as exc:
         # A conflict marker line is never valid JSON, so the happy path needs no scan for one.
         _raise_for_conflict(text, path)
-        if isinstance(exc, _DuplicateKeyError):
-            raise BaselineFileError(
-                path,
-                f"the key {exc.key!r} appears twice in one object (a bad merge?)",
-                line=_line_of_second(text, exc.key),
-                hint=f"Keep one of the two, or {lower_first(restore)}",
-            ) from None
-        raise BaselineFileError(path, f"{exc.constant} is not a valid number of bytes", hint=restore) from None
+        problem, key = exc.args
+        if key is None:
+            raise BaselineFileError(path, problem, hint=restore) from None
+        advice = f"Keep one of the two, or {lower_first(restore)}"
+        raise BaselineFileError(path, problem, line=_line_of_second(text, key), hint=advice) from None
+    finally:
+        if collecting:
+            gc.enable()
     validate(tree, text, path)
     return BaselineStore._from_tree(tree)
 
@@ -116,31 +113,19 @@ def _raise_for_conflict(text: str, path: str | os.PathLike[str]) -> None:
 
 def _find_conflict_marker(text: str) -> int | None:
     """Offset of the first line that is a git conflict marker; ``None`` when there is none."""
+    lines = "\n" + text  # a marker starts a line: "\n" + marker at offset i is the marker at i in text
     found: int | None = None
     for marker in _CONFLICT_MARKERS:
-        start = 0
-        while True:
-            index = text.find(marker, start)
-            if index < 0 or (found is not None and index > found):
-                break
-            after = text[index + 7 : index + 8]
-            if (index == 0 or text[index - 1] == "\n") and after in ("", "\n", "\r", " ", "\t"):
-                found = index
-                break
-            start = index + 1
+        index = lines.find("\n" + marker)
+        while index >= 0 and lines[index + 8 : index + 9] not in ("", "\n", "\r", " ", "\t"):
+            index = lines.find("\n" + marker, index + 1)
+        if index >= 0 and (found is None or index < found):
+            found = index
     return found
 
 
-class _DuplicateKeyError(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-class _ConstantError(Exception):
-    def __init__(self, constant: str) -> None:
-        super().__init__(constant)
-        self.constant = constant
+class _Unreadable(Exception):
+    """JSON no baseline file holds: ``args`` are the problem and the key that appears twice (or None)."""
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -149,35 +134,27 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise _DuplicateKeyError(key)
+                raise _Unreadable(f"the key {key!r} appears twice in one object (a bad merge?)", key)
             seen.add(key)
     return result
 
 
 def _reject_constant(constant: str) -> Any:
-    raise _ConstantError(constant)
+    raise _Unreadable(f"{constant} is not a valid number of bytes", None)
 
 
 def _finite_float(literal: str) -> float:
-    """A JSON number with a fraction or exponent; one too large for a float is refused (it could not be written
-    back)."""
+    """A JSON number with a fraction or exponent; one too large for a float could not be written back."""
     value = float(literal)
     if math.isinf(value):
-        raise _ConstantError(literal if len(literal) <= 40 else literal[:37] + "...")
+        _reject_constant(literal if len(literal) <= 40 else literal[:37] + "...")
     return value
 
 
-def _line_column(data: bytes, offset: int) -> tuple[int, int]:
-    line_start = data.rfind(b"\n", 0, offset) + 1
-    return data.count(b"\n", 0, offset) + 1, offset - line_start + 1
-
-
 def _line_of_second(text: str, key: str) -> int | None:
-    pattern = re.compile(re.escape(json.dumps(key, ensure_ascii=False)) + r"\s*:")
-    matches = list(pattern.finditer(text))
-    if len(matches) < 2:
-        return None
-    return text.count("\n", 0, matches[1].start()) + 1
+    found = re.finditer(re.escape(json.dumps(key, ensure_ascii=False)) + r"\s*:", text)
+    second = next(itertools.islice(found, 1, None), None)
+    return None if second is None else text.count("\n", 0, second.start()) + 1
 
 
 def fingerprint(info: os.stat_result) -> Fingerprint:
@@ -188,15 +165,3 @@ def fingerprint(info: os.stat_result) -> Fingerprint:
 def digest(data: bytes) -> bytes:
     """A 16-byte hash of a file's bytes, to skip saves that would not change them."""
     return hashlib.blake2b(data, digest_size=16).digest()
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (if enabled) while building many acyclic objects."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

@@ -1,7 +1,4 @@
-"""Where a project's baseline file is, found from any folder under its rootdir as pytest would find it.
-
-No pytest: the command line reads the configuration files itself.
-"""
+"""Where a project's baseline file is, found from any folder under its rootdir as pytest would (without pytest)."""
 
 from __future__ import annotations
 
@@ -64,8 +61,7 @@ def locate(start: Path) -> Located:
             found.rootdir = folder
             if setting is not None:
                 value, source = setting
-                where = Path(value).expanduser()
-                found.path = where if where.is_absolute() else folder / where
+                found.path = folder / Path(value).expanduser()  # an absolute path stays as it is
                 found.how = f"{source} {value!r} in {folder / name}"
             else:
                 found.path = folder / DEFAULT_FILENAME
@@ -88,9 +84,8 @@ def _config_in(folder: Path) -> tuple[str, tuple[str, str] | None] | None:
             values = _toml(path, section) if name.endswith(".toml") else _ini(path, section)
         except (OSError, ValueError, configparser.Error, UnicodeDecodeError):
             continue  # pytest would stop on it; here the next candidate is as good a guess
-        if values is None:
-            continue
-        return name, _setting(values)
+        if values is not None:
+            return name, _setting(values)
     return None
 
 
@@ -116,7 +111,7 @@ def _ini(path: Path, section: str | None) -> dict[str, Any] | None:
 
 
 def _setting(values: dict[str, Any]) -> tuple[str, str] | None:
-    """``gpumem_baselines``, else ``--gpumem-baselines`` in ``addopts`` (the value, and where set), or None."""
+    """``--gpumem-baselines`` in ``addopts``, else ``gpumem_baselines`` (the value, and where set), or None."""
     found = _in_addopts(values.get("addopts", ""))
     if found:
         return found, "--gpumem-baselines in addopts:"

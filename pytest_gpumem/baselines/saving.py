@@ -32,22 +32,17 @@ ORPHAN_AGE_S = 24 * 3600
 
 
 def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, force: bool = False) -> bool:
-    """Write ``store`` to ``path`` (default: the file it was loaded from) atomically; True when written.
+    """Write ``store`` to ``path`` (default: the file it was loaded from) atomically, under :func:`lock_path`; True
+    when written, False when the bytes would not change.
 
-    A temporary file in the same folder is fsynced then ``os.replace``d, so readers and crashes see the old file or the
-    new one; a killed save's orphan temp file is removed by a later save. Saves of one file take turns on a lock
-    (:func:`lock_path`); when the file changed on disk since loading, this store's changes are applied onto it (see
-    :meth:`BaselineStore.apply_changes`) and the store holds the merge. A symbolic link is written through.
-
-    Nothing is written when the bytes would not change. Raises :class:`BaselineFileError`, leaving the file as it was,
-    when it cannot be written or read for the merge and, unless ``force``, instead of overwriting a file this store was
-    not loaded from (``force`` writes without merging).
+    When the file changed since it was read, this store's changes are applied onto it and the store holds the merge.
+    :class:`BaselineFileError` leaves the file as it was; unless ``force`` (no merge), so does a file the store was not
+    loaded from.
     """
-    if path is None and store.path is None:
+    target = store.path if path is None else Path(path)
+    if target is None:
         raise ValueError("save() needs a path for a store that was not loaded from a file")
-    target = Path(path) if path is not None else store.path
-    assert target is not None
-    ours = store.path is not None and _same_path(store.path, target)
+    ours = store.path is not None and os.path.abspath(store.path) == os.path.abspath(target)
     real = Path(os.path.realpath(target))  # through symbolic links: the file that is replaced
     with _locked(target, real):
         try:
@@ -60,22 +55,17 @@ def save(store: BaselineStore, path: str | os.PathLike[str] | None = None, *, fo
         if not force and current is not None:
             if not ours:
                 raise BaselineFileError(
-                    target,
-                    "refusing to overwrite a baseline file this store was not loaded from",
-                    hint=_HINT_SAVE,
+                    target, "refusing to overwrite a baseline file this store was not loaded from", hint=_HINT_SAVE
                 )
             if current != store.fingerprint:
                 merged, current, on_disk = _merge(store, target, real)
-                data = merged.dumps()
-                if digest(data) == on_disk:  # the other run wrote what this one would
-                    store.commit(target, current, on_disk, merged=merged)
-                    return False
-        if merged is None:
-            data = store.dumps()
+        data = (store if merged is None else merged).dumps()
         new_digest = digest(data)
-        unchanged = merged is None and ours and current is not None and current == store.fingerprint
-        if unchanged and new_digest == store.digest:
+        if merged is not None and new_digest == on_disk:  # the other run wrote what this one would
+            store.commit(target, current, on_disk, merged=merged)
             return False
+        if merged is None and ours and current == store.fingerprint and new_digest == store.digest:
+            return False  # unchanged (a digest is set only with a fingerprint: the file is there)
         if current is not None:
             _check_writable(target, real)
         try:
@@ -101,12 +91,8 @@ def _merge(store: BaselineStore, target: Path, real: Path) -> tuple[BaselineStor
 
 
 def lock_path(path: str | os.PathLike[str]) -> Path:
-    """The lock file that saves of the baseline file ``path`` take turns on.
-
-    It lies in the user's cache folder under ``pytest-gpumem/locks``, named by a hash of the resolved path, so nothing
-    beside the baseline file gets committed; it stays after a save (deleting it would let two saves lock two different
-    files).
-    """
+    """The lock file that saves of the baseline file ``path`` take turns on, in the user's cache folder (nothing beside
+    the baseline file to commit); it stays after a save, or two saves could lock two different files."""
     real = os.path.realpath(path)
     digest = hashlib.sha256(os.fsencode(real)).hexdigest()[:32]
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(real))[:40].lstrip(".")
@@ -148,7 +134,7 @@ def _locked(target: Path, real: Path) -> Iterator[None]:
 
     lock = FileLock(str(lock_file), timeout=LOCK_TIMEOUT_S)
     try:
-        lock.acquire()
+        held = lock.acquire()
     except Timeout:
         raise BaselineFileError(
             target,
@@ -161,10 +147,8 @@ def _locked(target: Path, real: Path) -> Iterator[None]:
             f"cannot write the baseline file: cannot create its lock file {lock_file}: {exc.strerror or exc}",
             hint=_HINT_WRITE + " Remove what is at the lock file's name if it is not a plain file.",
         ) from None
-    try:
+    with held:  # released on leaving
         yield
-    finally:
-        lock.release()
 
 
 def _check_writable(target: Path, real: Path) -> None:
@@ -191,48 +175,26 @@ def _cannot_write(target: Path, exc: OSError) -> BaselineFileError:
 
 
 def _atomic_write(target: Path, data: bytes) -> None:
-    """Write the baseline file with :func:`~pytest_gpumem.files.write_file`."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Write the baseline file with :func:`~pytest_gpumem.files.write_file` (its folder exists: :func:`_locked`)."""
     _remove_orphans(target)
     write_file(target, data, durable=True)
 
 
-def _fsync_folder(folder: Path) -> None:
-    """Make the rename durable (POSIX); a no-op where folders cannot be opened."""
-    if sys.platform == "win32":  # pragma: no cover
-        return
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some file systems refuse fsync on folders
-        pass
-    finally:
-        os.close(fd)
-
-
 def _remove_orphans(target: Path) -> None:
     """Remove temp files a killed save of ``target`` left behind: their process is gone, or they are old."""
-    prefix = f".{target.name}."
+    temporary = re.compile(re.escape(f".{target.name}.") + r"(\d+)\.[^.]*\.tmp")  # as files.write_file names them
     try:
         names = os.listdir(target.parent)
     except OSError:  # pragma: no cover
         return
     now = time.time()
-    for name in names:
-        if not (name.startswith(prefix) and name.endswith(".tmp")):
-            continue
-        parts = name[len(prefix) : -len(".tmp")].split(".")
-        if len(parts) != 2 or not parts[0].isdigit():
-            continue
-        orphan = target.parent / name
+    for match in filter(None, map(temporary.fullmatch, names)):
+        orphan = target.parent / match[0]
         try:
             old = now - orphan.stat().st_mtime > ORPHAN_AGE_S
         except OSError:
             continue
-        if old or (int(parts[0]) != os.getpid() and not _alive(int(parts[0]))):
+        if old or (int(match[1]) != os.getpid() and not _alive(int(match[1]))):
             with contextlib.suppress(OSError):
                 orphan.unlink()
 
@@ -245,10 +207,6 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:
-        return True  # it exists but belongs to someone else
+    except OSError:  # it exists but belongs to someone else
+        pass
     return True
-
-
-def _same_path(a: Path, b: Path) -> bool:
-    return os.path.abspath(a) == os.path.abspath(b)

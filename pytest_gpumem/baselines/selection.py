@@ -1,7 +1,4 @@
-"""Which tests of a baseline file a name selects (``python -m pytest_gpumem baselines prune``).
-
-A pattern that selects every test (an unset shell variable, ``.``, a glob) is refused unless asked for.
-"""
+"""Which tests of a baseline file a name selects (``python -m pytest_gpumem baselines prune``)."""
 
 from __future__ import annotations
 
@@ -42,7 +39,7 @@ def tests_named(
     """Tests of ``keys`` that ``names`` (node ids or path prefixes) name; raises for a name that matches none and,
     unless ``everything``, for a pattern that matches every test."""
     every = {(key, test) for key in store.environment_keys() for test in store.tests(key)}
-    doomed: dict[str, list[str]] = {}
+    doomed: dict[str, set[str]] = {}
     for name in names:
         found = [entry for key in keys for entry in store.stale((), key, roots=[name])]
         matched = {(entry.environment, entry.test) for entry in found}
@@ -57,9 +54,7 @@ def tests_named(
                 f"TEST {name!r} matches no baseline (give a node id or a path prefix); nothing removed"
             )
         for entry in found:
-            tests = doomed.setdefault(entry.environment, [])
-            if entry.test not in tests:
-                tests.append(entry.test)
+            doomed.setdefault(entry.environment, set()).add(entry.test)
     return {key: sorted(tests) for key, tests in doomed.items()}
 
 
@@ -69,25 +64,16 @@ def matches_anything(name: str) -> bool:
 
 
 def tests_missing(store: BaselineStore, keys: Sequence[str], rootdir: Path) -> dict[str, list[str]]:
-    """Tests of ``keys`` whose file does not exist under ``rootdir``.
-
-    Refuses when no test file exists at all: ``rootdir`` is then likely wrong, and pruning would empty the file.
-    """
+    """Tests of ``keys`` whose file does not exist under ``rootdir`` (when none exists, ``rootdir`` is wrong)."""
     if not rootdir.is_dir():
         raise SelectionError(f"--rootdir {str(rootdir)!r}: no such folder")
-    exists: dict[str, bool] = {}
-    doomed: dict[str, list[str]] = {}
-    for key in keys:
-        for test in store.tests(key):
-            path = file_of(test)
-            if path not in exists:
-                exists[path] = (rootdir / path).exists()
-            if not exists[path]:
-                doomed.setdefault(key, []).append(test)
+    tests = {key: store.tests(key) for key in keys}
+    exists = {path: (rootdir / path).exists() for path in {file_of(test) for found in tests.values() for test in found}}
     if exists and not any(exists.values()):
         raise SelectionError(
             f"none of the {len(exists)} test file{'' if len(exists) == 1 else 's'} exists under {rootdir}: "
             "is it the rootdir? "
             "Pass --rootdir DIR, or name the tests to remove; nothing removed"
         )
-    return doomed
+    doomed = {key: [test for test in found if not exists[file_of(test)]] for key, found in tests.items()}
+    return {key: found for key, found in doomed.items() if found}

@@ -1,8 +1,4 @@
-"""Which baselines a run may call stale: :class:`Collection` (what the run saw) and :func:`find_stale`.
-
-A baseline is stale only when the run could have seen its test and did not: its file is gone, or was collected whole
-without it. Deselected tests are collected, so never stale.
-"""
+"""Which baselines a run may call stale: those of tests whose file is gone, or was collected whole without them."""
 
 from __future__ import annotations
 
@@ -28,30 +24,20 @@ __all__ = [
     "find_stale",
 ]
 
-#: Why a baseline is kept (the summary prints "N <reason>"). Files outside the run's paths:
+# Why a test's baselines are kept though it was not collected (the summary prints "N <reason>").
 NOT_COLLECTED = "in files this run did not collect"
-#: Files that ``--lf`` collected only in part (or skipped):
 LAST_FAILED = "in files --lf collected only in part"
-#: Files that node ids on the command line collected in part:
 IN_PART = "in files collected in part (node ids on the command line)"
-#: Modules skipped as they were collected (``pytest.importorskip``):
 SKIPPED = "in modules skipped as they were collected"
-#: Paths left out of the collection (``--ignore``, a conftest's ``collect_ignore``):
 IGNORED = "in files left out of the collection (--ignore, collect_ignore)"
-#: Collectors whose collection failed:
 FAILED = "in files whose collection failed"
-#: No file of the environment's baselines exists: the rootdir is most likely not the one they were recorded under.
 NO_FILE_EXISTS = "whose files are all missing under the rootdir (is it the one they were recorded under?)"
 
 
 @dataclass(frozen=True)
 class Collection:
-    """What a run collected, for :func:`find_stale`, in node-id paths (relative to ``rootdir``, ``/``-separated).
-
-    ``items`` holds every collected node id, deselected ones included; ``whole`` the files collected whole; ``partial``
-    the files and folders seen in part or not at all, with why; ``everything`` a reason that keeps every baseline whose
-    file exists (``--lf``).
-    """
+    """What a run collected, in node-id paths: every node id (deselected too), the files collected ``whole``, those
+    seen ``partial``ly or not at all with why, and a reason that keeps ``everything`` whose file exists (``--lf``)."""
 
     items: frozenset[str] = frozenset()
     whole: frozenset[str] = frozenset()
@@ -63,13 +49,10 @@ class Collection:
         """Why the baselines of tests in file ``path`` (not collected whole) are kept."""
         if self.everything is not None:
             return self.everything
-        reason = self.partial.get(path)
-        if reason is not None:
-            return reason
-        for folder, why in self.partial.items():
-            if path.startswith(folder.rstrip("/") + "/"):
-                return why
-        return NOT_COLLECTED
+        if path in self.partial:
+            return self.partial[path]
+        folders = (why for folder, why in self.partial.items() if path.startswith(folder.rstrip("/") + "/"))
+        return next(folders, NOT_COLLECTED)
 
 
 @dataclass(frozen=True)
@@ -81,10 +64,8 @@ class Staleness:
 
 
 def find_stale(store: BaselineStore, collection: Collection, environment: str) -> Staleness:
-    """The stale baselines of ``environment`` in ``store``, and the tests kept because the run could not judge them.
-
-    Only one environment is searched: a test may exist only where it can be collected.
-    """
+    """The stale baselines of ``environment`` (a test may exist only where it can be collected), and the tests kept
+    because the run could not judge them."""
     tests = store.tests(environment)
     files = {file_of(test) for test in tests}
     missing = {path for path in files if path not in collection.whole and _missing(collection.rootdir, path)}

@@ -36,19 +36,14 @@ __all__ = [
     "StaleEntry",
 ]
 
-#: What ``os.stat`` says of a file that changes when its bytes do (see
-#: :func:`~pytest_gpumem.baselines.loading.fingerprint`).
+#: What changes with a file's bytes, as ``os.stat`` tells it (:func:`~pytest_gpumem.baselines.loading.fingerprint`).
 Fingerprint = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
 class BaselineEntry:
-    """The baseline of one span of one test in one environment.
-
-    ``costs`` maps a metric to its recorded cost (``None`` where the engine could not know it); ``start`` is read from
-    older files, for information only; ``breakdown`` holds the categories the test's own code decides (no ``other``);
-    ``extra`` keeps keys this release does not know verbatim, ``"sites"`` among them.
-    """
+    """The baseline of one span of one test in one environment: each metric's cost (``None``: unknown), ``start`` (from
+    older files, for information), the ``breakdown`` without ``other``, and keys this release does not know verbatim."""
 
     costs: Mapping[str, int | None]
     start: int | None = None
@@ -64,10 +59,8 @@ class BaselineEntry:
         extra_costs: Mapping[str, int | None] | None = None,
         sites_budget: int = SITES_BUDGET,
     ) -> BaselineEntry:
-        """The entry that records ``measurement``'s cost of each of ``metrics``, plus ``extra_costs``.
-
-        Its site profile, if any, is kept in at most ``sites_budget`` characters.
-        """
+        """The entry that records ``measurement``'s cost of each of ``metrics`` plus ``extra_costs``, and its site
+        profile in at most ``sites_budget`` characters."""
         costs: dict[str, int | None] = {metric: measurement.cost(metric) for metric in metrics}
         if extra_costs:
             costs.update(extra_costs)
@@ -90,20 +83,17 @@ class BaselineEntry:
 
     def _raw(self) -> dict[str, Any]:
         """:meth:`to_dict` without the canonical ordering (the store orders when it writes)."""
-        data: dict[str, Any] = dict(self.extra) if self.extra else {}
-        data.update(self.costs)
+        data: dict[str, Any] = {**self.extra, **self.costs}
+        data.pop("breakdown", None)
         if self.start is not None:
             data["start"] = self.start
         if self.breakdown is not None:
             data["breakdown"] = dict(self.breakdown)
-        else:
-            data.pop("breakdown", None)
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BaselineEntry:
-        """Read a span object: integers and nulls are costs, ``start`` and ``breakdown`` themselves, the rest
-        ``extra``."""
+        """Read a span object: integers and nulls are costs, the keys this release does not know ``extra``."""
         costs: dict[str, int | None] = {}
         extra: dict[str, Any] = {}
         start: int | None = None
@@ -166,26 +156,18 @@ class StaleEntry:
     spans: tuple[str, ...]
 
 
-# --------------------------------------------------------------------------- the store
-
-
 class BaselineStore:
-    """All baselines of one file, in memory.
-
-    It keeps the JSON tree it was loaded from, so unknown keys survive a rewrite, and journals its changes since it last
-    read or wrote the file (:attr:`changes`), so a save can apply them onto the file as another run left it.
-    """
+    """All baselines of one file, in memory: the JSON tree it was read from (unknown keys survive a rewrite), and the
+    journal of its changes since, that a save applies onto the file as another run left it."""
 
     def __init__(self) -> None:
         self._top: dict[str, Any] = {"schema": SCHEMA_VERSION, "environments": {}}
         self._envs: dict[str, Any] = self._top["environments"]
-        self._path: Path | None = None
-        self._fingerprint: Fingerprint | None = None
-        self._digest: bytes | None = None
+        self.path: Path | None = None  #: the file this store was loaded from or last saved to
+        self.fingerprint: Fingerprint | None = None  #: the file's when this store last read or wrote it
+        self.digest: bytes | None = None  #: of the file's bytes when this store last read or wrote them
         self._described: set[str] = set()  # environments whose description record() completed
         self._changes: list[Change] = []
-
-    # -- reading -----------------------------------------------------------------------
 
     def __len__(self) -> int:
         """Number of (environment, test) pairs with baselines."""
@@ -202,41 +184,29 @@ class BaselineStore:
 
     def tests(self, environment: str) -> tuple[str, ...]:
         """Node ids with baselines in the environment keyed ``environment``, sorted."""
-        env = self._envs.get(environment)
-        return () if env is None else tuple(sorted(env.get("tests", {})))
+        return tuple(sorted(self._envs.get(environment, {}).get("tests", {})))
 
     def spans(self, environment: str, test: str) -> dict[str, BaselineEntry]:
         """Every span baseline of ``test`` in ``environment``: span name → entry (empty when none)."""
-        raw = self._raw_test(environment, test)
-        if raw is None:
-            return {}
-        return {name: BaselineEntry.from_dict(span) for name, span in span_items(raw.get("spans", {}))}
+        return {name: BaselineEntry.from_dict(span) for name, span in span_items(self._raw_spans(environment, test))}
 
     def span_names(self, environment: str, test: str) -> tuple[str, ...]:
         """The names of ``test``'s span baselines in ``environment``, in the file's order (empty when none)."""
-        raw = self._raw_test(environment, test)
-        return () if raw is None else tuple(name for name, _ in span_items(raw.get("spans", {})))
+        return tuple(name for name, _ in span_items(self._raw_spans(environment, test)))
 
     def entry(self, environment: str, test: str, span: str = CALL_SPAN) -> BaselineEntry | None:
         """The baseline of ``span`` of ``test`` in ``environment``; ``None`` when there is none."""
-        raw = self._raw_test(environment, test)
-        if raw is None:
-            return None
-        data = raw.get("spans", {}).get(span)
+        data = self._raw_spans(environment, test).get(span)
         return None if data is None else BaselineEntry.from_dict(data)
 
     def environments_with(self, test: str, *, exclude: str | None = None) -> tuple[str, ...]:
         """Keys of the environments that have baselines for ``test`` (sorted), leaving out ``exclude``."""
-        return tuple(sorted(k for k, env in self._envs.items() if k != exclude and test in env.get("tests", {})))
+        return tuple(sorted(k for k, env in self._envs.items() if k != exclude and test in env["tests"]))
 
-    def _raw_test(self, environment: str, test: str) -> dict[str, Any] | None:
-        env = self._envs.get(environment)
-        if env is None:
-            return None
-        raw: dict[str, Any] | None = env.get("tests", {}).get(test)
-        return raw
-
-    # -- updating ----------------------------------------------------------------------
+    def _raw_spans(self, environment: str, test: str) -> dict[str, Any]:
+        """The span objects of ``test`` in ``environment`` as the tree holds them (empty when none)."""
+        spans: dict[str, Any] = self._envs.get(environment, {}).get("tests", {}).get(test, {}).get("spans", {})
+        return spans
 
     def record(
         self,
@@ -244,11 +214,8 @@ class BaselineStore:
         test: str,
         spans: Iterable[Measurement] | Mapping[str, BaselineEntry],
     ) -> None:
-        """Record the baselines of a test that ran: ``spans`` are its measurements (or entries by span name).
-
-        The test's span set is replaced; other tests, environments and unknown keys are left as they were. Raises
-        ``ValueError`` when two measurements share a span name.
-        """
+        """Replace the span baselines of ``test`` with ``spans``, its measurements (or entries by span name), keeping
+        the unknown keys."""
         entries: dict[str, BaselineEntry] = {}
         if isinstance(spans, Mapping):
             entries = dict(spans)
@@ -258,37 +225,26 @@ class BaselineStore:
                     raise ValueError(f"{test}: two measurements of the span {measurement.name!r}")
                 entries[measurement.name] = BaselineEntry.from_measurement(measurement)
         key = environment.key
-        env = self._envs.get(key)
-        if env is None:
-            env = self._envs[key] = {"environment": environment.to_dict(), "tests": {}}
-        elif key not in self._described:
+        env = self._envs.setdefault(key, {"tests": {}})
+        if key not in self._described:
             # values already there win: machines that share a key may differ in what it rounds (total memory in GiB).
             env["environment"] = {**environment.to_dict(), **(env.get("environment") or {})}
-            env.setdefault("tests", {})
-        self._described.add(key)
-        tests: dict[str, Any] = env["tests"]
-        old_test: dict[str, Any] = tests.get(test) or {}
+            self._described.add(key)
+        old_test: dict[str, Any] = env["tests"].get(test) or {}
         old_spans: dict[str, Any] = old_test.get("spans") or {}
         new_spans: dict[str, Any] = {}
         for name, entry in entries.items():
             _check_entry(test, name, entry)
             written = entry._raw()
-            old = old_spans.get(name)
-            if old:
-                # keep unknown keys; drop a breakdown, sites, a figure it no longer has and an old release's start
-                dropped = ("breakdown", "sites", "start")
-                kept = {k: v for k, v in old.items() if k not in written and k not in dropped and k not in METRIC_INFO}
-                if kept:
-                    written = {**kept, **written}
-            new_spans[name] = written
-        tests[test] = {**old_test, "spans": new_spans}
+            # keep unknown keys; drop a breakdown, sites, a figure it no longer has and an old release's start
+            old = old_spans.get(name) or {}
+            kept = {k: v for k, v in old.items() if k not in written and k not in _REPLACED and k not in METRIC_INFO}
+            new_spans[name] = {**kept, **written}
+        env["tests"][test] = {**old_test, "spans": new_spans}
         self._changes.append(Recorded(environment, test, entries))
 
     def remove(self, environment: str, test: str) -> bool:
-        """Remove every baseline of ``test`` in ``environment``; True when there was one.
-
-        An environment left without tests goes too, unless it holds unknown keys.
-        """
+        """Remove every baseline of ``test`` in ``environment``, and the environment if nothing is left; True if any."""
         env = self._envs.get(environment)
         if env is None or test not in env.get("tests", {}):
             return False
@@ -305,21 +261,14 @@ class BaselineStore:
         *,
         roots: Iterable[str] | None = None,
     ) -> list[StaleEntry]:
-        """Baselines whose test no longer exists, sorted by environment then node id.
-
-        ``collected`` are every collected node id (deselected ones included); ``environment`` limits the search to one
-        key (None: all); a baseline outside the node-id prefixes ``roots`` is never stale (None: the whole suite). The
-        plugin passes the current environment: a test may exist only where it can be collected.
-        """
+        """The baselines, by environment then node id, of tests not in ``collected`` (every collected node id), in
+        ``environment`` (None: all) and under the node-id prefixes ``roots`` (None: the whole suite)."""
         ids = collected if isinstance(collected, (set, frozenset)) else set(collected)
         prefixes = None if roots is None else [_normalize_root(root) for root in roots]
         keys = sorted(self._envs) if environment is None else [environment]
         found: list[StaleEntry] = []
         for key in keys:
-            env = self._envs.get(key)
-            if env is None:
-                continue
-            for test in sorted(env.get("tests", {})):
+            for test in sorted(self._envs.get(key, {}).get("tests", {})):
                 if test in ids or (prefixes is not None and not any(_under(test, p) for p in prefixes)):
                     continue
                 found.append(StaleEntry(key, test, self.span_names(key, test)))
@@ -337,31 +286,13 @@ class BaselineStore:
         self._changes.append(EnvironmentRemoved(environment))
         return len(env.get("tests", {}))
 
-    # -- the file on disk ----------------------------------------------------------------
-
-    @property
-    def path(self) -> Path | None:
-        """The file this store was loaded from or last saved to; None for neither."""
-        return self._path
-
-    @property
-    def fingerprint(self) -> Fingerprint | None:
-        """The file's fingerprint when this store last read or wrote it; None when it held no file."""
-        return self._fingerprint
-
-    @property
-    def digest(self) -> bytes | None:
-        """The digest of the file's bytes when this store last read or wrote them; None when none."""
-        return self._digest
-
     @property
     def changes(self) -> tuple[Change, ...]:
         """What this store changed since it was loaded or saved, in order (:meth:`commit` empties it)."""
         return tuple(self._changes)
 
     def apply_changes(self, onto: BaselineStore) -> None:
-        """Make on ``onto`` the changes this store made since loading (tests recorded, removed, pruned; environments
-        removed)."""
+        """Make on ``onto`` the changes this store made since it read or wrote the file."""
         for change in self._changes:
             change.apply(onto)
 
@@ -373,18 +304,15 @@ class BaselineStore:
         *,
         merged: BaselineStore | None = None,
     ) -> None:
-        """This store is now what the file at ``path`` holds; with ``merged`` (:meth:`apply_changes`) it takes its
-        baselines."""
+        """This store is now what the file at ``path`` holds (with ``merged``: the baselines of that store)."""
         if merged is not None:
             self._top = merged._top
             self._envs = merged._envs
             self._described |= merged._described
         self._changes = []
-        self._path = path
-        self._fingerprint = fingerprint
-        self._digest = digest
-
-    # -- serialising -------------------------------------------------------------------
+        self.path = path
+        self.fingerprint = fingerprint
+        self.digest = digest
 
     def to_dict(self) -> dict[str, Any]:
         """The whole file as a new JSON-ready dict in canonical order (see :mod:`pytest_gpumem.baselines`)."""
@@ -402,11 +330,8 @@ class BaselineStore:
         return cls._from_tree(tree)
 
     def dumps(self) -> bytes:
-        """The file's bytes: canonical JSON, UTF-8, 2-space indent, newline at the end.
-
-        The same baselines give the same bytes whatever order they were recorded in (parallel workers reproduce a serial
-        run). Raises ``ValueError`` for a NaN or infinity in an unknown key.
-        """
+        """The file's bytes: canonical JSON, so the same baselines give the same bytes whatever order they were
+        recorded in; ``ValueError`` for a NaN or infinity in an unknown key."""
         return render(self.to_dict())
 
     @classmethod
@@ -417,6 +342,10 @@ class BaselineStore:
         store._top = tree
         store._envs = tree["environments"]
         return store
+
+
+#: The keys of an old span that a new record replaces: besides the metrics, those its entry may drop.
+_REPLACED = ("breakdown", "sites", "start")
 
 
 def _check_entry(test: str, span: str, entry: BaselineEntry) -> None:
@@ -440,6 +369,4 @@ def _normalize_root(root: str) -> str:
 
 
 def _under(test: str, root: str) -> bool:
-    if not root or test == root:
-        return True
-    return test.startswith(root) and test[len(root)] in "/:["
+    return not root or test == root or (test.startswith(root) and test[len(root)] in "/:[")

@@ -44,15 +44,8 @@ class BaselineFileError(Exception):
         self.line = line
         self.column = column
         self.hint = hint
-        location = str(path)
-        if line is not None:
-            location += f":{line}"
-            if column is not None:
-                location += f":{column}"
-        message = f"{location}: {problem}"
-        if hint:
-            message += f"\n{hint}"
-        super().__init__(message)
+        location = "".join(f":{number}" for number in (line, column) if number is not None)  # no column without a line
+        super().__init__(f"{path}{location}: {problem}" + (f"\n{hint}" if hint else ""))
 
 
 @dataclass(frozen=True)
@@ -96,11 +89,6 @@ def _check_version(_key: str, value: Any) -> None:
 _RECORD_AGAIN = "Record the baselines again with `pytest --gpumem-update-baselines`"
 
 
-def _check_key_text(key: str, value: Any) -> None:
-    if isinstance(value, str):  # a key reads one way only
-        check_key_text(key, value, shows_none=key != "engine")
-
-
 def _check_counts(_key: str, value: Any) -> None:
     bad = [(k, v) for k, v in value.items() if type(v) is not int] if isinstance(value, dict) else []
     if bad:
@@ -141,7 +129,7 @@ _KEY_PART = "A part of the environment's key: a string without '|', line breaks 
 _ENVIRONMENT = _object(
     "Where the baselines were recorded (pytest_gpumem.baselines.Environment); its key is made from it.",
     {
-        **{name: Node(description=_KEY_PART, check=_check_key_text) for name in KEYED_FIELDS},
+        **{name: Node(description=_KEY_PART, check=check_key_text) for name in KEYED_FIELDS},
         "total_memory": Node(description="The device's memory in bytes (read as null unless an integer)."),
         "allocator": Node(description="The caching allocator's settings, name → value (null unless an object)."),
         "cuda_rounding": Node(description="CPU engine: storages rounded up to CUDA's 512-byte blocks (else null)."),
@@ -173,16 +161,13 @@ FILE = _object(
 
 
 def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | None = None) -> None:
-    """Check ``tree`` against :data:`FILE`; raise :class:`BaselineFileError` on the first problem.
-
-    ``text`` (the JSON it was read from) locates the problem; ``hint`` replaces the default advice. Adds the ``tests``
-    and ``spans`` objects that may be left out.
-    """
+    """Check ``tree``, read from ``text``, against :data:`FILE` (adding the objects it may leave out); raise
+    :class:`BaselineFileError` at the first problem, with ``hint`` (when given) as the advice."""
 
     def fail(keys: tuple[str, ...], problem: str, advice: str = "") -> BaselineFileError:
         where = "".join(f"[{json.dumps(k, ensure_ascii=False)}]" for k in keys)
         default = f"Correct it by hand, or {lower_first(HINT_RESTORE.format(path=path))}" if hint is None else hint
-        line, column = position(text, keys) if keys else (None, None)
+        line, column = position(text, keys)
         return BaselineFileError(
             path, f"{where or 'top level'}: {problem}", line=line, column=column, hint=advice or default
         )
@@ -208,10 +193,11 @@ def _walk(node: Node, value: Any, keys: tuple[str, ...], fail: Callable[..., Bas
         return
     if node.type and (type(value) is not _TYPES[node.type] or isinstance(value, bool)):
         raise fail(keys, f"expected {node.expected}, found {_json_type(value)}")
-    if node.signed is not None and type(value) is int:
-        problem = _out_of_range(value, signed=node.signed)
-        if problem:
-            raise fail(keys, problem)
+    if node.signed is not None and type(value) is int:  # a figure no memory can have
+        if abs(value) > MAX_BYTES:
+            raise fail(keys, f"{shown(value)} is beyond 2**63 - 1: no memory holds that many bytes")
+        if value < 0 and not node.signed:
+            raise fail(keys, f"{value} is negative: this figure is never below 0")
     if not node.type and isinstance(value, (dict, list)) and _too_deep(value):
         raise fail(keys, f"a value nested too deeply (more than {MAX_DEPTH} levels)")
     if node.type == "object":
@@ -248,17 +234,6 @@ def _json_schema(node: Node) -> dict[str, Any]:
     if node.required:
         out["required"] = list(node.required)
     return out
-
-
-def _out_of_range(value: Any, *, signed: bool) -> str | None:
-    """Why an integer figure no memory can have is refused (beyond 2**63 - 1, or below 0 unless ``signed``), or None."""
-    if type(value) is not int:
-        return None
-    if abs(value) > MAX_BYTES:
-        return f"{shown(value)} is beyond 2**63 - 1: no memory holds that many bytes"
-    if value < 0 and not signed:
-        return f"{value} is negative: this figure is never below 0"
-    return None
 
 
 def _too_deep(value: Any) -> bool:
@@ -302,8 +277,7 @@ def position(text: str, keys: tuple[str, ...]) -> tuple[int | None, int | None]:
         pass
     if found is None:
         return None, None
-    line_start = text.rfind("\n", 0, found) + 1
-    return text.count("\n", 0, found) + 1, found - line_start + 1
+    return text.count("\n", 0, found) + 1, found - text.rfind("\n", 0, found)
 
 
 def lower_first(text: str) -> str:
