@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -301,14 +300,13 @@ def _read_side(spec: str) -> BaselineStore:
         raise CommandError(f"{spec}: no such file (write REV:PATH for a file in git)")
     if revision.startswith("-"):  # git would read it as an option
         raise CommandError(f"{spec}: no such file, and {revision!r} is not a revision")
+    from pytest_gpumem.baselines.history import HistoryError, run_git
+
     try:
-        shown = subprocess.run(["git", "show", spec], capture_output=True, check=False)
-    except OSError as exc:
-        raise CommandError(f"{spec}: cannot run git: {exc.strerror or exc}") from None
-    if shown.returncode != 0:
-        problem = shown.stderr.decode(errors="replace").strip().splitlines()
-        raise CommandError(f"{spec}: git show failed: {problem[0] if problem else f'exit {shown.returncode}'}")
-    return parse(shown.stdout, spec)
+        shown = run_git(spec, None, "show", spec)
+    except HistoryError as exc:
+        raise CommandError(str(exc)) from None
+    return parse(shown, spec)
 
 
 def _environments(stores: Iterable[BaselineStore], text: str | None) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any
 from pytest_gpumem.baselines.loading import parse
 from pytest_gpumem.baselines.validation import BaselineFileError
 
-__all__ = ["Commit", "Figures", "History", "HistoryError", "Skipped", "Version", "read_history"]
+__all__ = ["Commit", "Figures", "History", "HistoryError", "Skipped", "Version", "read_history", "run_git"]
 
 #: (environment key, test node id, span) → metric → recorded cost (None: n/a)
 Figures = dict[tuple[str, str, str], dict[str, int | None]]
@@ -136,7 +136,8 @@ def read_version(data: bytes, name: str) -> tuple[Figures, str | None]:
     return figures, None
 
 
-def _git(file: Path, folder: Path, *args: str) -> bytes:
+def run_git(file: Path | str, folder: Path | None, *args: str) -> bytes:
+    """``git ARGS``'s output, run in ``folder`` (None: here); a :class:`HistoryError` naming ``file`` if it fails."""
     try:
         done = subprocess.run(["git", *args], cwd=folder, capture_output=True, check=False)
     except OSError as exc:
@@ -154,12 +155,12 @@ def read_history(path: str | os.PathLike[str], *, max_count: int | None = None) 
     folder = file.parent.resolve()  # "." for a bare name
     if not folder.is_dir():
         raise HistoryError(f"{file}: no such folder {folder}")
-    top = Path(_git(file, folder, "rev-parse", "--show-toplevel").decode().strip())
+    top = Path(run_git(file, folder, "rev-parse", "--show-toplevel").decode().strip())
     relative = (folder / file.name).relative_to(top.resolve()).as_posix()
     log = ["log", "--follow", "--name-only", f"--format={_SEPARATOR}%H{_FIELD}%cI{_FIELD}%s", "-z"]
     if max_count is not None:
         log.append(f"--max-count={max_count}")
-    output = _git(file, top, *log, "--", relative).decode("utf-8", errors="replace")
+    output = run_git(file, top, *log, "--", relative).decode("utf-8", errors="replace")
     history = History(file)
     for chunk in reversed(output.split(_SEPARATOR)[1:]):
         header, _, names = chunk.partition("\x00")  # the header, then the file's name in that commit
