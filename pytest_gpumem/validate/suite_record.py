@@ -145,8 +145,9 @@ def _junit_counts(path: Path) -> dict[str, int | None]:
 # --------------------------------------------------------------------------- the snapshot
 
 
-def take_snapshot(device: torch.device, entries: int) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
-    """The memory snapshot so far (pickled, cut to :data:`SNAPSHOT_LIMIT`), the ``memory_stats()`` after it, a note."""
+def take_snapshot(device: torch.device, entries: int, workloads: str) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
+    """The memory snapshot so far (pickled, cut to :data:`SNAPSHOT_LIMIT`), the ``memory_stats()`` after it, a note
+    (``workloads``: what the history covers)."""
     snapshot = scrub_paths(torch.cuda.memory._snapshot())
     stats = dict(torch.cuda.memory_stats(device))
     traces = snapshot.get("device_traces") or []
@@ -163,6 +164,7 @@ def take_snapshot(device: torch.device, entries: int) -> tuple[bytes, dict[str, 
         "trace_entries": sum(kept),
         "segments": len(snapshot.get("segments", [])),
         "bytes": len(data),
+        "workloads": workloads,
     }
     return data, stats, info
 
