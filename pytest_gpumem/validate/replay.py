@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,34 +201,28 @@ def replay_snapshot(loaded: Loaded) -> list[Check]:
     ]
 
 
-#: The clean-state protocol a record was made with: 1 freed the library workspaces before every start reading, 2 makes
-#: and keeps them and compares ``reserved``'s cost within a segment. No key: protocol 1.
-
 _SUITE_ASSERT = re.compile(r"^E\s+AssertionError: assert (\d+) == (.+)$")
+_OPERATORS: dict[type[ast.operator], Callable[[int, int], int]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+}
 
 
 def _arithmetic(text: str) -> int:
     """The value of an integer expression of numbers, + - * // and parentheses (from a pytest log)."""
-    import ast
 
     def value(node: ast.AST) -> int:
-        if isinstance(node, ast.Expression):
-            return value(node.body)
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
         if isinstance(node, ast.BinOp):
             left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Add):
-                return left + right
-            if isinstance(node.op, ast.Sub):
-                return left - right
-            if isinstance(node.op, ast.Mult):
-                return left * right
-            if isinstance(node.op, ast.FloorDiv):
-                return left // right
+            if type(node.op) in _OPERATORS:
+                return _OPERATORS[type(node.op)](left, right)
         raise ValueError(f"not an integer expression: {text!r}")
 
-    return value(ast.parse(text, mode="eval"))
+    return value(ast.parse(text, mode="eval").body)
 
 
 def rejudge(loaded: Loaded) -> list[Check]:
@@ -254,14 +250,10 @@ def rejudge(loaded: Loaded) -> list[Check]:
             detail = f"protocol 1 record judged again: reserved cost {costs[0]} vs {costs[1]}"
             judged.append(Check(check.group, check.name, same and within, check.measured, check.expected, detail))
         elif check.group == "suite":
-            log = (
-                (loaded.folder / SUITE_LOG).read_text(encoding="utf-8") if (loaded.folder / SUITE_LOG).exists() else ""
-            )
-            excesses = []
-            for line in log.splitlines():
-                match = _SUITE_ASSERT.match(line)
-                if match:
-                    excesses.append(int(match[1]) - _arithmetic(match[2]))
+            path = loaded.folder / SUITE_LOG
+            log = path.read_text(encoding="utf-8") if path.exists() else ""
+            matches = [_SUITE_ASSERT.match(line) for line in log.splitlines()]
+            excesses = [int(match[1]) - _arithmetic(match[2]) for match in matches if match]
             failed = (record.get("suite") or {}).get("failures")
             explained = bool(excesses) and len(excesses) == failed and all(e == workspace for e in excesses)
             detail = (
@@ -284,6 +276,3 @@ def replay(folder: Path) -> list[Check]:
         *replay_zoo(loaded),
         *replay_snapshot(loaded),
     ]
-
-
-# --------------------------------------------------------------------------- main

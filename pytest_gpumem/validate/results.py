@@ -40,6 +40,8 @@ SUITE_LOG_LIMIT = 256 * 2**10
 #: Shapes ``(b, s, d)`` of the bf16 MLP reference per zoo size: the issue's figure on a GPU, tiny for tests.
 MLP_REFERENCE: Mapping[str, tuple[int, int, int]] = {"small": (2, 4096, 1024), "tiny": (2, 64, 64)}
 
+#: The clean-state protocol a record was made with: 1 freed the library workspaces before every start reading, 2 makes
+#: and keeps them and compares ``reserved``'s cost within a segment. No key: protocol 1.
 PROTOCOL = 2
 
 #: The workload traced by ``--trace mlp``: the zoo MLP's fp32 AdamW step on the GPU (after its warm-up).
