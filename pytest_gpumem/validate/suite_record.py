@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -64,23 +65,14 @@ def suite_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+_SUITE_ARGS = ("-m", "pytest", "tests", "-m", "cuda", "-p", "no:cacheprovider", "-rfEs")
+
+
 def run_suite(extra: Sequence[str], timeout: float) -> tuple[dict[str, Any], str]:
     """Run ``pytest tests -m cuda`` from the checkout; its counts (from junit XML) and its output."""
     with tempfile.TemporaryDirectory(prefix="gpu-validate-") as tmp:
         junit = Path(tmp) / "junit.xml"
-        command = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "tests",
-            "-m",
-            "cuda",
-            "-p",
-            "no:cacheprovider",
-            "-rfEs",
-            f"--junitxml={junit}",
-            *extra,
-        ]
+        command = [sys.executable, *_SUITE_ARGS, f"--junitxml={junit}", *extra]
         began = time.monotonic()
         try:
             done = subprocess.run(
@@ -96,7 +88,7 @@ def run_suite(extra: Sequence[str], timeout: float) -> tuple[dict[str, Any], str
         except subprocess.TimeoutExpired as exc:
             code = None
             output = _text(exc.stdout) + _text(exc.stderr) + f"\n[gpu-validate] timed out after {timeout:.0f} s\n"
-        counts = _junit_counts(junit)
+        counts = _junit_counts(_junit_suites(junit))
     shown = ["python", *(c if not c.startswith("--junitxml") else "--junitxml=<tmp>" for c in command[1:])]
     summary: dict[str, Any] = {
         "command": " ".join(shown),
@@ -110,11 +102,10 @@ def run_suite(extra: Sequence[str], timeout: float) -> tuple[dict[str, Any], str
 
 def suite_from(junit: Path, log: Path | None) -> tuple[dict[str, Any], str | None]:
     """The result of a CUDA suite that already ran, read from its JUnit XML file, and its output when given."""
-    counts = _junit_counts(junit)
-    root = ElementTree.parse(junit).getroot() if counts["tests"] is not None else None
-    suites = [] if root is None else [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    suites = _junit_suites(junit)
     if not suites:
         raise ValueError("not a JUnit XML report that pytest wrote")
+    counts = _junit_counts(suites)
     failed = (counts["failures"] or 0) + (counts["errors"] or 0)
     summary: dict[str, Any] = {
         "command": f"python -m pytest tests -m cuda (its JUnit XML: {junit.name})",
@@ -132,13 +123,19 @@ def _text(data: str | bytes | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else data
 
 
-def _junit_counts(path: Path) -> dict[str, int | None]:
-    keys = ("tests", "failures", "errors", "skipped")
+def _junit_suites(path: Path) -> list[ElementTree.Element] | None:
+    """The ``testsuite`` elements of a JUnit XML report; None without one (pytest did not start, or was killed)."""
     try:
         root = ElementTree.parse(path).getroot()
-    except (OSError, ElementTree.ParseError):  # no report: pytest did not start, or was killed writing it
+    except (OSError, ElementTree.ParseError):
+        return None
+    return [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+
+
+def _junit_counts(suites: list[ElementTree.Element] | None) -> dict[str, int | None]:
+    keys = ("tests", "failures", "errors", "skipped")
+    if suites is None:
         return dict.fromkeys(keys)
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     return {key: sum(int(suite.get(key, 0)) for suite in suites) for key in keys}
 
 
@@ -237,11 +234,7 @@ def build_record(
         "figures": dict(run.figures),
         "checks": [c.to_dict() for c in run.checks],
         "workloads": {
-            name: {
-                "measurement": o.measurement.to_dict(),
-                "counters": o.counters,
-                "stats": o.stats is not None,
-            }
+            name: {"measurement": o.measurement.to_dict(), "counters": o.counters, "stats": o.stats is not None}
             for name, o in run.outcomes.items()
         },
         "zoo": run.zoo_rows,
@@ -285,16 +278,19 @@ def _write_json(path: Path, data: Any) -> None:
 # --------------------------------------------------------------------------- paths
 
 
+#: The installation's folders and their placeholders.
+_INSTALLED = {
+    "purelib": "<site-packages>",
+    "platlib": "<site-packages>",
+    "stdlib": "<python>",
+    "platstdlib": "<python>",
+}
+
+
 def machine_paths() -> dict[str, str]:
     """This machine's folders that a record must not name, each with its placeholder (longest first when applied)."""
-    found: dict[str, str] = {}
     paths = sysconfig.get_paths()
-    for key in ("purelib", "platlib"):
-        if key in paths:
-            found[paths[key]] = "<site-packages>"
-    for key in ("stdlib", "platstdlib"):
-        if key in paths:
-            found[paths[key]] = "<python>"
+    found = {paths[key]: name for key, name in _INSTALLED.items() if key in paths}
     if CHECKOUT is not None:
         found[str(CHECKOUT)] = "<checkout>"
     found[str(Path(__file__).resolve().parents[1])] = "<checkout>/pytest_gpumem"
@@ -319,19 +315,13 @@ def scrub_paths(value: Any, paths: Mapping[str, str] | None = None) -> Any:
     standard-library and temporary folder made placeholders, so a record does not name its machine."""
     prefixes = sorted({**machine_paths(), **(paths or {})}.items(), key=lambda item: -len(item[0]))
 
-    cleaned: dict[str, str] = {}  # one object per text: a pickle stores a repeated frame's file once
-
+    @functools.cache  # one object per text: a pickle stores a repeated frame's file once
     def clean(text: str) -> str:
-        done = cleaned.get(text)
-        if done is None:
-            done = text
-            for pattern, name in _LAYOUTS:
-                done = pattern.sub(name, done)
-            for prefix, name in prefixes:
-                done = done.replace(prefix, name)
-            done = _OTHER_TMP.sub("<tmp>", done)
-            cleaned[text] = done
-        return done
+        for pattern, name in _LAYOUTS:
+            text = pattern.sub(name, text)
+        for prefix, name in prefixes:
+            text = text.replace(prefix, name)
+        return _OTHER_TMP.sub("<tmp>", text)
 
     made: dict[int, Any] = {}  # a container shared in ``value`` (a frame list) stays shared
 
