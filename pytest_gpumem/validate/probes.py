@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,8 +14,6 @@ from pytest_gpumem.measurement.engines.cpu import CpuEngine
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
 from pytest_gpumem.measurement.recorder import Recorder, Span
 from pytest_gpumem.validate.results import Outcome
-
-# --------------------------------------------------------------------------- probes
 
 
 class TensorEngine(CpuEngine):
@@ -28,22 +27,19 @@ class TensorEngine(CpuEngine):
         self.device = device
 
 
+@dataclass
 class Probe:
     """Yielded by :func:`probe`: the span, and after the block the :class:`Outcome`."""
 
-    def __init__(self, name: str, device: torch.device) -> None:
-        self.name = name
-        self.device = device
-        self.span: Span | None = None
-        self.counters: dict[str, int] | None = None
-        self.stats: dict[str, Any] | None = None
-        self._outcome: Outcome | None = None
+    name: str
+    device: torch.device
+    span: Span
+    _outcome: Outcome | None = None
 
     def allocated_now(self) -> int:
         """Allocated bytes now: PyTorch's ``memory_allocated`` on CUDA, the engine's count elsewhere."""
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
-        assert self.span is not None
         return self.span.recorder.engine.allocated()
 
     @property
@@ -67,42 +63,32 @@ def probe(
     With nothing tracked the plugin's figures must equal them to the byte; ``tensors_only`` measures with
     :class:`TensorEngine` instead.
     """
-    made = Probe(name, device)
     cuda = device.type == "cuda" and not tensors_only
-    span: Span
-    with _span(name, device, breakdown=breakdown, track=track, tensors_only=tensors_only) as span:
-        made.span = span
+    counters: dict[str, int] | None = None
+    stats: dict[str, Any] | None = None
+    with contextlib.ExitStack() as stack:
+        if tensors_only:
+            recorder = Recorder(TensorEngine(device))
+            recorder.track(*track)
+            recorder.begin()
+            stack.callback(recorder.end)
+            span = stack.enter_context(recorder.span(name))
+        else:
+            measured = measure(name, device=device, breakdown=breakdown, cuda_rounding=True, track=tuple(track))
+            span = stack.enter_context(measured)
+        made = Probe(name, device, span)
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         yield made
         if cuda:
             torch.cuda.synchronize(device)
-            made.counters = {
+            counters = {
                 "max_memory_allocated": int(torch.cuda.max_memory_allocated(device)),
                 "memory_allocated": int(torch.cuda.memory_allocated(device)),
                 "max_memory_reserved": int(torch.cuda.max_memory_reserved(device)),
             }
-            made.stats = dict(torch.cuda.memory_stats(device))
-    comparable = not track  # tracked modules open phase windows, which reset the peaks mid-span
-    made._outcome = Outcome(
-        name, span.measurement, made.counters if comparable else None, made.stats if comparable else None
-    )
-
-
-@contextlib.contextmanager
-def _span(
-    name: str, device: torch.device, *, breakdown: bool, track: Sequence[Any], tensors_only: bool
-) -> Iterator[Span]:
-    if not tensors_only:
-        with measure(name, device=device, breakdown=breakdown, cuda_rounding=True, track=tuple(track)) as span:
-            yield span
-        return
-    recorder = Recorder(TensorEngine(device))
-    recorder.track(*track)
-    recorder.begin()
-    try:
-        with recorder.span(name) as span:
-            yield span
-    finally:
-        recorder.end()
+            stats = dict(torch.cuda.memory_stats(device))
+    if track:  # tracked modules open phase windows, which reset the peaks mid-span
+        counters = stats = None
+    made._outcome = Outcome(name, span.measurement, counters, stats)
