@@ -48,9 +48,6 @@ PROTOCOL = 2
 TRACED_STEP = "trace.zoo.mlp.fp32"
 
 
-# --------------------------------------------------------------------------- results
-
-
 @dataclass
 class Check(Coded):
     """One assertion and its figures; ``passed`` is None where it does not apply (a GPU figure on a CPU-only run)."""
@@ -99,19 +96,10 @@ class Run:
         self.outcomes[outcome.name] = outcome
         return outcome
 
-    def check(
-        self,
-        group: str,
-        name: str,
-        measured: int | None,
-        expected: int | None,
-        detail: str = "",
-    ) -> Check:
+    def check(self, group: str, name: str, measured: int | None, expected: int | None, detail: str = "") -> None:
         """Record ``measured == expected`` (n/a when either is None)."""
         passed = None if measured is None or expected is None else measured == expected
-        made = Check(group, name, passed, measured, expected, detail)
-        self.checks.append(made)
-        return made
+        self.checks.append(Check(group, name, passed, measured, expected, detail))
 
     @contextlib.contextmanager
     def guard(self, group: str, name: str) -> Iterator[None]:
