@@ -6,7 +6,7 @@ import ast
 import json
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,13 @@ def load_record(folder: Path) -> Loaded:
     return Loaded(folder, record, stats, snapshot)
 
 
+def _agreeing(name: str, pairs: Sequence[tuple[str, Any, Any]], source: str) -> Check:
+    """A replay check that each pair of figures is equal (measured and expected: the first pair's); the detail names
+    those that differ, the second of each from ``source``."""
+    differing = [f"{key} {ours} vs {source} {theirs}" for key, ours, theirs in pairs if ours != theirs]
+    return Check("replay", name, not differing, pairs[0][1], pairs[0][2], "; ".join(differing))
+
+
 def replay_stats(loaded: Loaded) -> list[Check]:
     """Each raw ``memory_stats()`` dump, read by ``reading_from_stats``, gives the recorded figures."""
     checks = []
@@ -82,25 +89,16 @@ def replay_stats(loaded: Loaded) -> list[Check]:
             ("requested", reading.requested_peak, m.requested_peak),
             ("allocated", int(stats.get("allocated_bytes.all.current", -1)), m.allocated),
         )
-        differing = [f"{key} {ours} vs recorded {theirs}" for key, ours, theirs in pairs if ours != theirs]
-        checks.append(
-            Check(
-                "replay",
-                f"{name}: reading_from_stats(dump) = recorded peak / reserved / requested / allocated",
-                not differing,
-                reading.peak,
-                m.peak,
-                "; ".join(differing),
-            )
-        )
+        title = f"{name}: reading_from_stats(dump) = recorded peak / reserved / requested / allocated"
+        checks.append(_agreeing(title, pairs, "recorded"))
     return checks
 
 
 def replay_environment(loaded: Loaded) -> list[Check]:
     """``Environment.from_dict`` of each recorded environment gives back the recorded key."""
     checks = []
-    for field_name, key_name in (("environment", "environment_key"), ("cpu_environment", "cpu_environment_key")):
-        data, key = loaded.record.get(field_name), loaded.record.get(key_name)
+    for field_name in ("environment", "cpu_environment"):
+        data, key = loaded.record.get(field_name), loaded.record.get(f"{field_name}_key")
         if data is None:
             if loaded.gpu and field_name == "environment":
                 checks.append(Check("replay", "a GPU record holds its environment", False))
@@ -188,16 +186,8 @@ def replay_snapshot(loaded: Loaded) -> list[Check]:
         ("allocated", sum(int(s["allocated_size"]) for s in segments), stats.get("allocated_bytes.all.current")),
         ("segments", len(segments), stats.get("segment.all.current")),
     )
-    differing = [f"{key} {ours} vs stats {theirs}" for key, ours, theirs in pairs if ours != theirs]
     return [
-        Check(
-            "replay",
-            "snapshot segments = reserved / allocated / segment count of the stats read with it",
-            not differing,
-            pairs[0][1],
-            pairs[0][2],
-            "; ".join(differing),
-        )
+        _agreeing("snapshot segments = reserved / allocated / segment count of the stats read with it", pairs, "stats")
     ]
 
 
