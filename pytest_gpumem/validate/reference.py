@@ -20,8 +20,6 @@ from pytest_gpumem.validate.probes import probe
 from pytest_gpumem.validate.results import MLP_REFERENCE, Check, Run, reserved_slack
 from pytest_gpumem.validate.zoo import PRECISIONS, ZooModel
 
-# --------------------------------------------------------------------------- reference workloads
-
 
 def reference_linear(run: Run) -> None:
     """fp32 ``nn.Linear(256, 250)``: its bytes after rounding; its first forward costs its output alone, no leak.

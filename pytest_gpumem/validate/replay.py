@@ -31,8 +31,6 @@ from pytest_gpumem.validate.results import (
 )
 from pytest_gpumem.validate.suite_record import load_snapshot
 
-# --------------------------------------------------------------------------- replay
-
 
 @dataclass
 class Loaded:

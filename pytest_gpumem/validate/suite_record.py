@@ -195,8 +195,6 @@ def record_name(device_name: str | None, torch_version: str) -> str:
 
 def recorded_folders(directory: Path) -> list[Path]:
     """The record folders under ``directory`` (each holds a ``record.json``), sorted by name."""
-    if not directory.is_dir():
-        return []
     return sorted(path.parent for path in directory.glob(f"*/{RECORD_FILE}"))
 
 
