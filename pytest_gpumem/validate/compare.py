@@ -11,8 +11,7 @@ from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.units import format_delta, format_size
-from pytest_gpumem.validate.probes import probe
-from pytest_gpumem.validate.results import Outcome, Run, release
+from pytest_gpumem.validate.results import Outcome, Run, probe, release
 from pytest_gpumem.validate.zoo import PRECISIONS, ZooModel
 
 
