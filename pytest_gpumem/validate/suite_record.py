@@ -74,16 +74,9 @@ def run_suite(extra: Sequence[str], timeout: float) -> tuple[dict[str, Any], str
         junit = Path(tmp) / "junit.xml"
         command = [sys.executable, *_SUITE_ARGS, f"--junitxml={junit}", *extra]
         began = time.monotonic()
+        env = suite_environment(os.environ)
         try:
-            done = subprocess.run(
-                command,
-                cwd=CHECKOUT,
-                env=suite_environment(os.environ),
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                check=False,
-            )
+            done = subprocess.run(command, cwd=CHECKOUT, env=env, capture_output=True, text=True, timeout=timeout)
             code, output = done.returncode, done.stdout + done.stderr
         except subprocess.TimeoutExpired as exc:
             code = None
