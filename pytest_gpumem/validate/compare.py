@@ -103,12 +103,12 @@ def zoo_comparison(run: Run, models: Sequence[ZooModel], gpu: torch.device | Non
                 row["psi"] = outcome.measurement.psi
             if gpu is None:
                 continue
-            with run.guard("zoo", f"{label} on the GPU"):
-                row["gpu"] = run.add(zoo_step(model, precision, gpu, "cuda")).name
-            with run.guard("zoo", f"{label} on the GPU, tensors only"):
-                row["gpu_tensors"] = run.add(zoo_step(model, precision, gpu, "cuda-tensors")).name
+            for key, engine, where in (("gpu", "cuda", ""), ("gpu_tensors", "cuda-tensors", ", tensors only")):
+                with run.guard("zoo", f"{label} on the GPU{where}"):
+                    row[key] = run.add(zoo_step(model, precision, gpu, engine)).name
+    measurements = {name: o.measurement for name, o in run.outcomes.items()}
     for row in run.zoo_rows:
-        row.update(zoo_figures(row, {name: o.measurement for name, o in run.outcomes.items()}))
+        row.update(zoo_figures(row, measurements))
 
 
 def zoo_figures(row: Mapping[str, Any], measurements: Mapping[str, Measurement]) -> dict[str, Any]:

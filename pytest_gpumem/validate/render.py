@@ -74,9 +74,7 @@ GAP_LEGEND = (
 
 
 def _suite_line(suite: Mapping[str, Any] | None) -> str:
-    if suite is None:
-        return "CUDA suite: not run"
-    return suite_check(suite).detail
+    return "CUDA suite: not run" if suite is None else suite_check(suite).detail
 
 
 def render_terminal(record: Mapping[str, Any], *, width: int | None = None) -> str:
