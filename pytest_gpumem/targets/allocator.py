@@ -50,9 +50,7 @@ class AllocatorRules:
 
     def round_size(self, nbytes: int) -> int:
         """The block size a request of ``nbytes`` asks for."""
-        if nbytes < self.min_block:
-            return self.min_block
-        return -(-nbytes // self.min_block) * self.min_block
+        return max(self.min_block, -(-nbytes // self.min_block) * self.min_block)
 
     def segment_size(self, size: int) -> int:
         """The segment reserved for a rounded request of ``size`` bytes that no cached block serves."""
@@ -81,11 +79,8 @@ class _Block:
 
 
 class CachingAllocatorModel:
-    """The caching allocator's blocks and segments (see the module's docstring).
-
-    Allocations are named by a key (any hashable: the storage they back); :meth:`malloc`
-    and :meth:`free` take it.
-    """
+    """The caching allocator's blocks and segments (see the module's docstring); :meth:`malloc` and :meth:`free` name
+    an allocation by a key (any hashable: the storage it backs)."""
 
     def __init__(self, rules: AllocatorRules | None = None) -> None:
         self.rules = rules or AllocatorRules()
@@ -175,9 +170,8 @@ class CachingAllocatorModel:
         return self._segments[segment][1]
 
     def layout(self) -> list[tuple[int, int, int, bool, list[tuple[int, int, Any]]]]:
-        """Each reserved segment in the order reserved: its id, address, size, whether it is a
-        small-pool segment, and its blocks in address order as ``(offset, size, key)`` (key None:
-        a free block the allocator caches)."""
+        """Each reserved segment in the order reserved: its id, address, size, whether it is a small-pool segment, and
+        its blocks in address order as ``(offset, size, key)`` (key None: a free block the allocator caches)."""
         keys = {id(block): key for key, block in self._live.items()}
         return [
             (
