@@ -70,9 +70,7 @@ class AttentionBackend(Coded):
         return self.rng_state == "always" or (self.rng_state == "dropout" and dropout_p > 0)
 
     def accepts(self, dtype: str, head_dim: int, value_head_dim: int, masked: bool, gqa: bool) -> bool:
-        if self.name == "math":
-            return True
-        return (
+        return self.name == "math" or (
             dtype in self.dtypes
             and (self.max_head_dim is None or max(head_dim, value_head_dim) <= self.max_head_dim)
             and head_dim % self.head_dim_multiple == 0

@@ -8,7 +8,7 @@ rest is ≥ 512 B (small) or > 1 MiB (large); freed blocks merge; ``empty_cache`
 from __future__ import annotations
 
 import bisect
-import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +50,7 @@ class AllocatorRules:
 
     def round_size(self, nbytes: int) -> int:
         """The block size a request of ``nbytes`` asks for."""
-        if nbytes < self.min_block:
-            return self.min_block
-        return -(-nbytes // self.min_block) * self.min_block
+        return max(self.min_block, -(-nbytes // self.min_block) * self.min_block)
 
     def segment_size(self, size: int) -> int:
         """The segment reserved for a rounded request of ``size`` bytes that no cached block serves."""
@@ -63,17 +61,17 @@ class AllocatorRules:
         return -(-size // self.round_large) * self.round_large
 
 
+@dataclass(eq=False, slots=True)
 class _Block:
-    __slots__ = ("free", "next", "offset", "prev", "segment", "size", "small")
-
-    def __init__(self, segment: int, offset: int, size: int, small: bool) -> None:
-        self.segment = segment
-        self.offset = offset
-        self.size = size
-        self.small = small
-        self.free = True
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
+    segment: int
+    offset: int
+    size: int
+    small: bool
+    free: bool = True
+    #: the rounded size the allocation asked for (the block may be larger: not split)
+    requested: int = 0
+    prev: _Block | None = None
+    next: _Block | None = None
 
     @property
     def order(self) -> tuple[int, int, int]:
@@ -81,28 +79,22 @@ class _Block:
 
 
 class CachingAllocatorModel:
-    """The caching allocator's blocks and segments (see the module's docstring).
-
-    Allocations are named by a key (any hashable: the storage they back); :meth:`malloc`
-    and :meth:`free` take it.
-    """
+    """The caching allocator's blocks and segments (see the module's docstring); :meth:`malloc` and :meth:`free` name
+    an allocation by a key (any hashable: the storage it backs)."""
 
     def __init__(self, rules: AllocatorRules | None = None) -> None:
         self.rules = rules or AllocatorRules()
         self._pools: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] = ([], [])  # large, small
         self._free_blocks: dict[tuple[int, int, int], _Block] = {}
         self._live: dict[Any, _Block] = {}
-        self._requested: dict[Any, int] = {}
-        self._segments: dict[int, int] = {}  # segment id -> size
-        self._segment_ids = itertools.count()
-        #: segment id -> its address (an address space of its own: segments never overlap)
-        self._bases: dict[int, int] = {}
+        #: segment id -> its address (an address space of its own: segments never overlap) and size
+        self._segments: dict[int, tuple[int, int]] = {}
         self._next_base = BASE_ADDRESS
         self.allocated = 0
         self.reserved = 0
         self.peak_allocated = 0
         self.peak_reserved = 0
-        #: segments reserved so far (``num_alloc_retries`` aside, the ``segment.all.allocated`` stat)
+        #: segments reserved so far (``num_alloc_retries`` aside, the ``segment.all.allocated`` stat); the next one's id
         self.segments_reserved = 0
 
     # -- requests -------------------------------------------------------------------
@@ -122,42 +114,30 @@ class CachingAllocatorModel:
             block = self._reserve(rules.segment_size(size), small)
         remaining = block.size - size
         if remaining >= rules.min_block if small else remaining > rules.small_size:
-            rest = _Block(block.segment, block.offset + size, remaining, small)
-            rest.prev, rest.next = block, block.next
+            rest = _Block(block.segment, block.offset + size, remaining, small, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
             block.size = size
             self._cache(rest)
         block.free = False
+        block.requested = size
         self._live[key] = block
-        self._requested[key] = size
         self.allocated += block.size
-        if self.allocated > self.peak_allocated:
-            self.peak_allocated = self.allocated
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block.size
 
     def free(self, key: Any) -> int:
         """Free ``key``'s block (it stays reserved, cached for later requests); returns its size."""
         block = self._live.pop(key)
-        del self._requested[key]
         size = block.size
         self.allocated -= size
         block.free = True
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.free:
-                self._uncache(neighbour)
-                if neighbour is block.prev:
-                    neighbour.size += block.size
-                    neighbour.next = block.next
-                    if block.next is not None:
-                        block.next.prev = neighbour
-                    block = neighbour
-                else:
-                    block.size += neighbour.size
-                    block.next = neighbour.next
-                    if neighbour.next is not None:
-                        neighbour.next.prev = block
+        after = block.next
+        if block.prev is not None and block.prev.free:
+            block = _merge(self._uncache(block.prev), block)
+        if after is not None and after.free:
+            block = _merge(block, self._uncache(after))
         self._cache(block)
         return size
 
@@ -166,25 +146,16 @@ class CachingAllocatorModel:
 
     def size_of(self, key: Any) -> int | None:
         """The rounded size ``key`` asked for (its block may be larger: not split); None if not allocated."""
-        return self._requested.get(key)
+        block = self._live.get(key)
+        return None if block is None else block.requested
 
     def segments(self) -> list[tuple[int, bool, tuple[tuple[int, bool], ...]]]:
         """Each segment, in the order reserved: its size, whether it is a small-pool segment, and
         its blocks in address order as ``(size, allocated)`` (a memory snapshot's ``segments``)."""
-        firsts: dict[int, _Block] = {}
-        for known in (*self._live.values(), *self._free_blocks.values()):
-            while known.prev is not None:
-                known = known.prev
-            firsts[known.segment] = known
-        layout: list[tuple[int, bool, tuple[tuple[int, bool], ...]]] = []
-        for segment in sorted(firsts):
-            block: _Block | None = firsts[segment]
-            blocks = []
-            while block is not None:
-                blocks.append((block.size, not block.free))
-                block = block.next
-            layout.append((self._segments[segment], firsts[segment].small, tuple(blocks)))
-        return layout
+        return [
+            (self._segments[first.segment][1], first.small, tuple((block.size, not block.free) for block in blocks))
+            for first, blocks in self._chains()
+        ]
 
     def block_of(self, key: Any) -> tuple[int, int, int, int] | None:
         """Where ``key``'s block is: its segment's id and address, its offset in the segment and its
@@ -192,39 +163,32 @@ class CachingAllocatorModel:
         block = self._live.get(key)
         if block is None:
             return None
-        return block.segment, self._bases[block.segment], block.offset, block.size
+        return block.segment, self._segments[block.segment][0], block.offset, block.size
 
     def segment_bytes(self, segment: int) -> int:
         """The size of the reserved segment ``segment`` (bytes)."""
-        return self._segments[segment]
+        return self._segments[segment][1]
 
     def layout(self) -> list[tuple[int, int, int, bool, list[tuple[int, int, Any]]]]:
-        """Each reserved segment in the order reserved: its id, address, size, whether it is a
-        small-pool segment, and its blocks in address order as ``(offset, size, key)`` (key None:
-        a free block the allocator caches)."""
+        """Each reserved segment in the order reserved: its id, address, size, whether it is a small-pool segment, and
+        its blocks in address order as ``(offset, size, key)`` (key None: a free block the allocator caches)."""
         keys = {id(block): key for key, block in self._live.items()}
-        firsts: dict[int, _Block] = {}
-        for known in (*self._live.values(), *self._free_blocks.values()):
-            while known.prev is not None:
-                known = known.prev
-            firsts[known.segment] = known
-        layout = []
-        for segment in sorted(firsts):
-            block: _Block | None = firsts[segment]
-            blocks = []
-            while block is not None:
-                blocks.append((block.offset, block.size, None if block.free else keys.get(id(block))))
-                block = block.next
-            layout.append((segment, self._bases[segment], self._segments[segment], firsts[segment].small, blocks))
-        return layout
+        return [
+            (
+                first.segment,
+                *self._segments[first.segment],
+                first.small,
+                [(block.offset, block.size, None if block.free else keys.get(id(block))) for block in blocks],
+            )
+            for first, blocks in self._chains()
+        ]
 
     def empty_cache(self) -> None:
         """Release every segment no live block is in (``torch.cuda.empty_cache()``)."""
         for block in list(self._free_blocks.values()):
             if block.prev is None and block.next is None:
                 self._uncache(block)
-                self.reserved -= self._segments.pop(block.segment)
-                del self._bases[block.segment]
+                self.reserved -= self._segments.pop(block.segment)[1]
 
     def reset_peaks(self) -> None:
         """Peaks from the current figures on (``torch.cuda.reset_peak_memory_stats()``)."""
@@ -233,15 +197,28 @@ class CachingAllocatorModel:
 
     # -- internals ------------------------------------------------------------------
 
+    def _chains(self) -> Iterator[tuple[_Block, list[_Block]]]:
+        """Each segment's first block and its blocks in address order, segments in the order reserved."""
+        firsts: dict[int, _Block] = {}
+        for known in (*self._live.values(), *self._free_blocks.values()):
+            while known.prev is not None:
+                known = known.prev
+            firsts[known.segment] = known
+        for segment in sorted(firsts):
+            blocks: list[_Block] = []
+            block: _Block | None = firsts[segment]
+            while block is not None:
+                blocks.append(block)
+                block = block.next
+            yield firsts[segment], blocks
+
     def _reserve(self, size: int, small: bool) -> _Block:
-        segment = next(self._segment_ids)
-        self._segments[segment] = size
-        self._bases[segment] = self._next_base
-        self._next_base += -(-size // self.rules.round_large) * self.rules.round_large
+        segment = self.segments_reserved
         self.segments_reserved += 1
+        self._segments[segment] = (self._next_base, size)
+        self._next_base += -(-size // self.rules.round_large) * self.rules.round_large
         self.reserved += size
-        if self.reserved > self.peak_reserved:
-            self.peak_reserved = self.reserved
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
         return _Block(segment, 0, size, small)
 
     def _cache(self, block: _Block) -> None:
@@ -249,8 +226,18 @@ class CachingAllocatorModel:
         self._free_blocks[order] = block
         bisect.insort(self._pools[block.small], order)
 
-    def _uncache(self, block: _Block) -> None:
+    def _uncache(self, block: _Block) -> _Block:
         order = block.order
         del self._free_blocks[order]
         pool = self._pools[block.small]
         del pool[bisect.bisect_left(pool, order)]
+        return block
+
+
+def _merge(left: _Block, right: _Block) -> _Block:
+    """``left`` grown by its neighbour ``right``, which leaves the chain."""
+    left.size += right.size
+    left.next = right.next
+    if right.next is not None:
+        right.next.prev = left
+    return left

@@ -30,22 +30,18 @@ def differences(record: Mapping[str, Any], previous: Mapping[str, Any], name: st
     lines: list[str] = []
     same = 0
     ours, theirs = record["workloads"], previous["workloads"]
-    for workload in sorted(set(ours) & set(theirs)):
-        pairs = _figures(ours[workload]), _figures(theirs[workload])
-        for figure in sorted(set(pairs[0]) & set(pairs[1])):
-            new, old = pairs[0][figure], pairs[1][figure]
+    # (what, its figures in this record and in the previous one, whether they are bytes)
+    compared = [(w, _figures(ours[w]), _figures(theirs[w]), True) for w in sorted(set(ours) & set(theirs))]
+    compared.append(("figures", record.get("figures", {}), previous.get("figures", {}), False))
+    for what, now, before, in_bytes in compared:
+        for figure in sorted(set(now) & set(before)):
+            new, old = now[figure], before[figure]
             if new == old:
                 same += 1
-            elif isinstance(new, int) and isinstance(old, int):
-                lines.append(f"{workload} {figure}: {old:,} → {new:,} B ({new - old:+,} B)")
+            elif in_bytes and isinstance(new, int) and isinstance(old, int):
+                lines.append(f"{what} {figure}: {old:,} → {new:,} B ({new - old:+,} B)")
             else:
-                lines.append(f"{workload} {figure}: {old} → {new}")
-    for figure in sorted(set(record.get("figures", {})) & set(previous.get("figures", {}))):
-        new, old = record["figures"][figure], previous["figures"][figure]
-        if new == old:
-            same += 1
-        else:
-            lines.append(f"figures {figure}: {old} → {new}")
+                lines.append(f"{what} {figure}: {old} → {new}")
     return {
         "record": name,
         "environment": previous.get("environment_key"),

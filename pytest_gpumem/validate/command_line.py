@@ -5,19 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["MODELS", "SIZES", "SNAPSHOT_ENTRIES", "TRACES", "build_parser"]
+__all__ = ["MODELS", "SIZES", "build_parser"]
 
 #: Zoo model names, in table order (:mod:`pytest_gpumem.validate.zoo`).
 MODELS: tuple[str, ...] = ("mlp", "block", "gpt2", "llama")
 
 #: Size names: ``"small"`` for a GPU record, ``"tiny"`` for tests.
 SIZES: tuple[str, ...] = ("small", "tiny")
-
-#: Allocation-history entries kept for the memory snapshot.
-SNAPSHOT_ENTRIES = 2_000
-
-#: What the memory snapshot's allocation history may cover (``validate --trace``).
-TRACES: tuple[str, ...] = ("mlp", "reference")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,12 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
         "from that JUnit XML file instead of running it again",
     )
     parser.add_argument("--suite-log", type=Path, help="with --suite-from: that run's output, kept in the record")
-    parser.add_argument(
-        "--snapshot-entries", type=int, default=SNAPSHOT_ENTRIES, help="allocation history kept in the snapshot"
-    )
+    parser.add_argument("--snapshot-entries", type=int, default=2_000, help="allocation history kept in the snapshot")
     parser.add_argument(
         "--trace",
-        choices=TRACES,
+        choices=("mlp", "reference"),
         default="mlp",
         help="what the memory snapshot's allocation history covers: the zoo MLP's fp32 training step "
         "(default: mlp) or the reference workloads (reference)",

@@ -11,17 +11,12 @@ from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.units import format_delta, format_size
-from pytest_gpumem.validate.probes import probe
-from pytest_gpumem.validate.results import Outcome, Run, release
+from pytest_gpumem.validate.results import Outcome, Run, probe, release
 from pytest_gpumem.validate.zoo import PRECISIONS, ZooModel
-
-# --------------------------------------------------------------------------- the zoo
 
 
 def zoo_step(model: ZooModel, precision: str, device: torch.device, engine: str, *, name: str | None = None) -> Outcome:
     """One measured AdamW step of ``model`` after a warm-up step, on ``engine`` "cpu", "cuda" or "cuda-tensors"."""
-    if engine not in ("cpu", "cuda", "cuda-tensors"):
-        raise ValueError(f"unknown engine {engine!r}")
     step = model.build(device, precision)
     run_step(step.model, step.optimizer, step.batch, step.loss_fn, amp=step.amp, device=device)
     track = () if engine == "cuda" else (step.model, step.optimizer)
@@ -33,10 +28,9 @@ def zoo_step(model: ZooModel, precision: str, device: torch.device, engine: str,
     return made.outcome
 
 
-def _ratio(gpu: int | None, cpu: int | None) -> float | None:
-    if gpu is None or cpu is None or cpu == 0:
-        return None
-    return round(gpu / cpu, 4)
+def _ratio(gpu: Measurement | None, cpu: Measurement | None, metric: str) -> float | None:
+    over, under = (None if m is None else m.figure(metric) for m in (gpu, cpu))
+    return None if over is None or not under else round(over / under, 4)
 
 
 def _breakdown(m: Measurement, metric: str) -> Mapping[str, int] | None:
@@ -96,11 +90,7 @@ def zoo_comparison(run: Run, models: Sequence[ZooModel], gpu: torch.device | Non
                 "size": model.size,
                 "shape": dict(model.shape),
                 "description": model.description,
-                "psi": None,
-                "cpu": None,
-                "gpu": None,
-                "gpu_tensors": None,
-                "skipped": None,
+                **dict.fromkeys(("psi", "cpu", "gpu", "gpu_tensors", "skipped")),
             }
             run.zoo_rows.append(row)
             if not model.available:
@@ -113,28 +103,27 @@ def zoo_comparison(run: Run, models: Sequence[ZooModel], gpu: torch.device | Non
                 row["psi"] = outcome.measurement.psi
             if gpu is None:
                 continue
-            with run.guard("zoo", f"{label} on the GPU"):
-                row["gpu"] = run.add(zoo_step(model, precision, gpu, "cuda")).name
-            with run.guard("zoo", f"{label} on the GPU, tensors only"):
-                row["gpu_tensors"] = run.add(zoo_step(model, precision, gpu, "cuda-tensors")).name
+            for key, engine, where in (("gpu", "cuda", ""), ("gpu_tensors", "cuda-tensors", ", tensors only")):
+                with run.guard("zoo", f"{label} on the GPU{where}"):
+                    row[key] = run.add(zoo_step(model, precision, gpu, engine)).name
+    measurements = {name: o.measurement for name, o in run.outcomes.items()}
     for row in run.zoo_rows:
-        row.update(zoo_figures(row, {name: o.measurement for name, o in run.outcomes.items()}))
+        row.update(zoo_figures(row, measurements))
 
 
 def zoo_figures(row: Mapping[str, Any], measurements: Mapping[str, Measurement]) -> dict[str, Any]:
     """The figures, ratios, gaps and explanation of a zoo row, from the measurements it names."""
-    cpu = measurements.get(row["cpu"]) if row["cpu"] else None
-    gpu = measurements.get(row["gpu"]) if row["gpu"] else None
-    tensors = measurements.get(row["gpu_tensors"]) if row["gpu_tensors"] else None
-    figures: dict[str, Any] = {}
-    for key, m in (("cpu", cpu), ("gpu", gpu), ("gpu_tensors", tensors)):
-        figures[key] = None if m is None else {"allocated": m.allocated, "peak": m.peak, "reserved": m.reserved}
-    ratio = {
-        metric: _ratio(gpu.figure(metric) if gpu else None, cpu.figure(metric) if cpu else None)
-        for metric in ("allocated", "peak")
+    cpu, gpu, tensors = (measurements.get(row[key]) if row[key] else None for key in ("cpu", "gpu", "gpu_tensors"))
+    figures = {
+        key: None if m is None else {"allocated": m.allocated, "peak": m.peak, "reserved": m.reserved}
+        for key, m in (("cpu", cpu), ("gpu", gpu), ("gpu_tensors", tensors))
     }
-    gap = None
-    explanation = "n/a (no CPU figures)" if cpu is None else explain_gap(cpu, gpu, tensors)
-    if cpu is not None and gpu is not None:
-        gap = {metric: gap_parts(cpu, gpu, tensors, metric) for metric in ("allocated", "peak")}
-    return {"figures": figures, "ratio": ratio, "gap": gap, "explanation": explanation}
+    metrics = ("allocated", "peak")
+    return {
+        "figures": figures,
+        "ratio": {metric: _ratio(gpu, cpu, metric) for metric in metrics},
+        "gap": None
+        if cpu is None or gpu is None
+        else {metric: gap_parts(cpu, gpu, tensors, metric) for metric in metrics},
+        "explanation": "n/a (no CPU figures)" if cpu is None else explain_gap(cpu, gpu, tensors),
+    }

@@ -38,12 +38,8 @@ from pytest_gpumem.validate.suite_record import (
 from pytest_gpumem.validate.zoo import zoo
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    try:
-        path.resolve().relative_to(folder.resolve())
-    except ValueError:
-        return False
-    return True
+class _Refused(Exception):
+    """A validation that cannot run: its message goes to stderr, and the exit status is 2."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,41 +49,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(options: argparse.Namespace) -> int:
     """Run the validation the parsed ``options`` ask for (:func:`~pytest_gpumem.validate.command_line.build_parser`)."""
-    recorded = None if CHECKOUT is None else CHECKOUT / "fixtures" / "recorded"
-    if options.cpu_only:
-        if options.out is None:
-            print("gpu-validate: --cpu-only needs --out DIR (only a GPU run writes under fixtures/)", file=sys.stderr)
-            return 2
-        if recorded is not None and _inside(options.out, recorded):
-            print(f"gpu-validate: --cpu-only must not write under {recorded}: only a GPU run may", file=sys.stderr)
-            return 2
-    elif not torch.cuda.is_available():
-        print(
-            "gpu-validate: no CUDA device is available; run on a GPU machine, "
-            "or use --cpu-only --out DIR to exercise the CPU half",
-            file=sys.stderr,
-        )
-        return 2
     try:
-        models = zoo(options.size, tuple(m.strip() for m in options.models.split(",") if m.strip()))
-    except ValueError as exc:
+        return _validate(options)
+    except _Refused as exc:
         print(f"gpu-validate: {exc}", file=sys.stderr)
         return 2
 
-    if options.trace == "mlp" and not any(m.name == "mlp" and m.available for m in models):
-        print("gpu-validate: --trace mlp needs the mlp model in --models", file=sys.stderr)
-        return 2
+
+def _validate(options: argparse.Namespace) -> int:
+    recorded = None if CHECKOUT is None else CHECKOUT / "fixtures" / "recorded"
+    if options.cpu_only and options.out is None:
+        raise _Refused("--cpu-only needs --out DIR (only a GPU run writes under fixtures/)")
+    if options.cpu_only and recorded is not None and options.out.resolve().is_relative_to(recorded.resolve()):
+        raise _Refused(f"--cpu-only must not write under {recorded}: only a GPU run may")
+    if not options.cpu_only and not torch.cuda.is_available():
+        raise _Refused(
+            "no CUDA device is available; run on a GPU machine, or use --cpu-only --out DIR to exercise the CPU half"
+        )
+    try:
+        models = zoo(options.size, tuple(m.strip() for m in options.models.split(",") if m.strip()))
+    except ValueError as exc:
+        raise _Refused(str(exc)) from None
+    mlp = next((m for m in models if m.name == "mlp" and m.available), None)
+    if options.trace == "mlp" and mlp is None:
+        raise _Refused("--trace mlp needs the mlp model in --models")
     previous = None
     if options.against is not None:
         try:
             previous = load_record(options.against)
         except (OSError, ValueError) as exc:
-            print(f"gpu-validate: --against {options.against}: {exc}", file=sys.stderr)
-            return 2
+            raise _Refused(f"--against {options.against}: {exc}") from None
 
     gpu = None if options.cpu_only else _cuda_device(options.device)
-    device = gpu or torch.device("cpu")
-    run = Run(device=device, size=options.size)
+    run = Run(device=gpu or torch.device("cpu"), size=options.size)
     environment = None if gpu is None else Environment.detect("cuda", gpu)
     folder = (options.out or recorded or Path("gpumem-validation")) / record_name(
         None if environment is None else environment.device_name, torch.__version__
@@ -99,38 +93,31 @@ def run(options: argparse.Namespace) -> int:
         try:
             suite, suite_log = suite_from(options.suite_from, options.suite_log)
         except (OSError, ValueError) as exc:
-            print(f"gpu-validate: --suite-from {options.suite_from}: {exc}", file=sys.stderr)
-            return 2
-        run.checks.append(suite_check(suite))
+            raise _Refused(f"--suite-from {options.suite_from}: {exc}") from None
     elif gpu is not None and not options.skip_suite and CHECKOUT is None:
         log("the CUDA test suite runs only from a checkout of pytest-gpumem: skipped (--skip-suite)")
     elif gpu is not None and not options.skip_suite:
         log("running the CUDA test suite")
         suite, suite_log = run_suite(options.pytest_arg, options.suite_timeout)
+    if suite is not None:
         run.checks.append(suite_check(suite))
 
-    snapshot_bytes: bytes | None = None
-    snapshot_info: dict[str, Any] | None = None
-    snapshot_stats: dict[str, Any] | None = None
     if gpu is not None:
         torch.cuda.set_device(gpu)
         torch.empty(1, device=gpu)
-    with _history(run, gpu, options.trace == "reference", options.snapshot_entries) as taken:
+    with _history(run, gpu, options.trace == "reference", options) as taken:
         reference_linear(run)
         reference_adam(run)
         reference_mlp(run)
-    mlp = next((m for m in models if m.name == "mlp" and m.available), None)
     if gpu is not None and options.trace == "mlp" and mlp is not None:
-        with _history(run, gpu, True, options.snapshot_entries) as taken, run.guard("reference", "the traced MLP step"):
+        with _history(run, gpu, True, options) as taken, run.guard("reference", "the traced MLP step"):
             run.add(zoo_step(mlp, "fp32", gpu, "cuda", name=TRACED_STEP))
-    if taken:
-        snapshot_bytes, snapshot_stats, snapshot_info = taken
-        snapshot_info = {**snapshot_info, "workloads": options.trace}
+    snapshot_bytes, snapshot_stats, snapshot_info = taken or (None, None, None)
     reference_hand_counters(run)
-    first = next((m for m in models if m.available), None)
-    if first is not None:
-        reference_determinism(run, first)
-    reference_workspaces(run, [m for m in models if m.available])
+    available = [m for m in models if m.available]
+    if available:
+        reference_determinism(run, available[0])
+    reference_workspaces(run, available)
     zoo_comparison(run, models, gpu)
     counter_checks(run)
 
@@ -153,7 +140,7 @@ def run(options: argparse.Namespace) -> int:
     except Exception as exc:  # a record CI could not read: say so, keep the record for inspection
         replayed = [Check("replay", "the record reads back", False, detail=f"{type(exc).__name__}: {exc}")]
     record["checks"] += [c.to_dict() for c in replayed]
-    if previous is not None and options.against is not None:
+    if previous is not None:
         record["against"] = differences(record, previous, options.against.name)
     files = write_record(folder, record, stats, snapshot=snapshot_bytes, suite_log=suite_log)
 
@@ -162,25 +149,24 @@ def run(options: argparse.Namespace) -> int:
     print(f"record: {folder}")
     for path in files:
         print(f"  {path.name}  {path.stat().st_size:,} B")
-    checks = [Check.from_dict(c) for c in record["checks"]]
-    return 1 if any(c.passed is False for c in checks) else 0
+    return 1 if any(c["passed"] is False for c in record["checks"]) else 0
 
 
 @contextlib.contextmanager
-def _history(run: Run, gpu: torch.device | None, record: bool, entries: int) -> Iterator[list[Any]]:
+def _history(run: Run, gpu: torch.device | None, record: bool, options: argparse.Namespace) -> Iterator[list[Any]]:
     """Record the allocation history of the block's workloads; the list yielded holds the snapshot, its statistics and
     description once the block ends (empty when it failed)."""
     taken: list[Any] = []
     if gpu is None or not record:
         yield taken
         return
-    torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=options.snapshot_entries, stacks="python")
     try:
         yield taken
     finally:
         try:
             with run.guard("reference", "memory snapshot"):
-                taken.extend(take_snapshot(gpu, entries))
+                taken.extend(take_snapshot(gpu, options.snapshot_entries, options.trace))
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
 

@@ -16,11 +16,8 @@ from pytest_gpumem.measurement.recorder import Recorder
 from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.units import cuda_rounded, format_size
 from pytest_gpumem.validate.compare import zoo_step
-from pytest_gpumem.validate.probes import probe
-from pytest_gpumem.validate.results import MLP_REFERENCE, Check, Run, reserved_slack
+from pytest_gpumem.validate.results import MLP_REFERENCE, Check, Run, probe, reserved_slack
 from pytest_gpumem.validate.zoo import PRECISIONS, ZooModel
-
-# --------------------------------------------------------------------------- reference workloads
 
 
 def reference_linear(run: Run) -> None:

@@ -9,15 +9,13 @@ from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_size
 from pytest_gpumem.validate.results import Check, suite_check
 
-# --------------------------------------------------------------------------- tables
 
-
-def _bytes(value: int | None) -> str:
-    return "n/a" if value is None else f"{value:,}"
+def _shown(value: float | None, spec: str = ",") -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def check_rows(checks: Sequence[Check]) -> list[list[str]]:
-    return [[c.group, c.name, _bytes(c.measured), _bytes(c.expected), c.result, c.detail] for c in checks]
+    return [[c.group, c.name, _shown(c.measured), _shown(c.expected), c.result, c.detail] for c in checks]
 
 
 CHECK_HEADERS = ("group", "check", "measured B", "expected B", "result", "detail")
@@ -45,17 +43,17 @@ def zoo_table_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
         figures = row.get("figures") or {}
         cpu, gpu = figures.get("cpu") or {}, figures.get("gpu") or {}
         ratio = row.get("ratio") or {}
+        columns = [
+            (format_size(cpu.get(metric)), format_size(gpu.get(metric)), _shown(ratio.get(metric), ".3f"))
+            for metric in ("allocated", "peak")
+        ]
         out.append(
             [
                 row["model"],
                 row["precision"],
-                "n/a" if row.get("psi") is None else f"{row['psi']:,}",
-                format_size(cpu.get("allocated")),
-                format_size(gpu.get("allocated")),
-                "n/a" if ratio.get("allocated") is None else f"{ratio['allocated']:.3f}",
-                format_size(cpu.get("peak")),
-                format_size(gpu.get("peak")),
-                "n/a" if ratio.get("peak") is None else f"{ratio['peak']:.3f}",
+                _shown(row.get("psi")),
+                *columns[0],
+                *columns[1],
                 format_size(gpu.get("reserved")),
                 str(row.get("explanation", "")),
             ]
@@ -76,9 +74,7 @@ GAP_LEGEND = (
 
 
 def _suite_line(suite: Mapping[str, Any] | None) -> str:
-    if suite is None:
-        return "CUDA suite: not run"
-    return suite_check(suite).detail
+    return "CUDA suite: not run" if suite is None else suite_check(suite).detail
 
 
 def render_terminal(record: Mapping[str, Any], *, width: int | None = None) -> str:

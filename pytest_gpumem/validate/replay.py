@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +30,6 @@ from pytest_gpumem.validate.results import (
     reserved_slack,
 )
 from pytest_gpumem.validate.suite_record import load_snapshot
-
-# --------------------------------------------------------------------------- replay
 
 
 @dataclass
@@ -61,6 +61,13 @@ def load_record(folder: Path) -> Loaded:
     return Loaded(folder, record, stats, snapshot)
 
 
+def _agreeing(name: str, pairs: Sequence[tuple[str, Any, Any]], source: str) -> Check:
+    """A replay check that each pair of figures is equal (measured and expected: the first pair's); the detail names
+    those that differ, the second of each from ``source``."""
+    differing = [f"{key} {ours} vs {source} {theirs}" for key, ours, theirs in pairs if ours != theirs]
+    return Check("replay", name, not differing, pairs[0][1], pairs[0][2], "; ".join(differing))
+
+
 def replay_stats(loaded: Loaded) -> list[Check]:
     """Each raw ``memory_stats()`` dump, read by ``reading_from_stats``, gives the recorded figures."""
     checks = []
@@ -80,25 +87,16 @@ def replay_stats(loaded: Loaded) -> list[Check]:
             ("requested", reading.highest.get("requested_peak"), m.requested_peak),
             ("allocated", int(stats.get("allocated_bytes.all.current", -1)), m.allocated),
         )
-        differing = [f"{key} {ours} vs recorded {theirs}" for key, ours, theirs in pairs if ours != theirs]
-        checks.append(
-            Check(
-                "replay",
-                f"{name}: reading_from_stats(dump) = recorded peak / reserved / requested / allocated",
-                not differing,
-                reading.peak,
-                m.peak,
-                "; ".join(differing),
-            )
-        )
+        title = f"{name}: reading_from_stats(dump) = recorded peak / reserved / requested / allocated"
+        checks.append(_agreeing(title, pairs, "recorded"))
     return checks
 
 
 def replay_environment(loaded: Loaded) -> list[Check]:
     """``Environment.from_dict`` of each recorded environment gives back the recorded key."""
     checks = []
-    for field_name, key_name in (("environment", "environment_key"), ("cpu_environment", "cpu_environment_key")):
-        data, key = loaded.record.get(field_name), loaded.record.get(key_name)
+    for field_name in ("environment", "cpu_environment"):
+        data, key = loaded.record.get(field_name), loaded.record.get(f"{field_name}_key")
         if data is None:
             if loaded.gpu and field_name == "environment":
                 checks.append(Check("replay", "a GPU record holds its environment", False))
@@ -186,47 +184,33 @@ def replay_snapshot(loaded: Loaded) -> list[Check]:
         ("allocated", sum(int(s["allocated_size"]) for s in segments), stats.get("allocated_bytes.all.current")),
         ("segments", len(segments), stats.get("segment.all.current")),
     )
-    differing = [f"{key} {ours} vs stats {theirs}" for key, ours, theirs in pairs if ours != theirs]
     return [
-        Check(
-            "replay",
-            "snapshot segments = reserved / allocated / segment count of the stats read with it",
-            not differing,
-            pairs[0][1],
-            pairs[0][2],
-            "; ".join(differing),
-        )
+        _agreeing("snapshot segments = reserved / allocated / segment count of the stats read with it", pairs, "stats")
     ]
 
 
-#: The clean-state protocol a record was made with: 1 freed the library workspaces before every start reading, 2 makes
-#: and keeps them and compares ``reserved``'s cost within a segment. No key: protocol 1.
-
 _SUITE_ASSERT = re.compile(r"^E\s+AssertionError: assert (\d+) == (.+)$")
+_OPERATORS: dict[type[ast.operator], Callable[[int, int], int]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+}
 
 
 def _arithmetic(text: str) -> int:
     """The value of an integer expression of numbers, + - * // and parentheses (from a pytest log)."""
-    import ast
 
     def value(node: ast.AST) -> int:
-        if isinstance(node, ast.Expression):
-            return value(node.body)
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
         if isinstance(node, ast.BinOp):
             left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Add):
-                return left + right
-            if isinstance(node.op, ast.Sub):
-                return left - right
-            if isinstance(node.op, ast.Mult):
-                return left * right
-            if isinstance(node.op, ast.FloorDiv):
-                return left // right
+            if type(node.op) in _OPERATORS:
+                return _OPERATORS[type(node.op)](left, right)
         raise ValueError(f"not an integer expression: {text!r}")
 
-    return value(ast.parse(text, mode="eval"))
+    return value(ast.parse(text, mode="eval").body)
 
 
 def rejudge(loaded: Loaded) -> list[Check]:
@@ -254,14 +238,10 @@ def rejudge(loaded: Loaded) -> list[Check]:
             detail = f"protocol 1 record judged again: reserved cost {costs[0]} vs {costs[1]}"
             judged.append(Check(check.group, check.name, same and within, check.measured, check.expected, detail))
         elif check.group == "suite":
-            log = (
-                (loaded.folder / SUITE_LOG).read_text(encoding="utf-8") if (loaded.folder / SUITE_LOG).exists() else ""
-            )
-            excesses = []
-            for line in log.splitlines():
-                match = _SUITE_ASSERT.match(line)
-                if match:
-                    excesses.append(int(match[1]) - _arithmetic(match[2]))
+            path = loaded.folder / SUITE_LOG
+            log = path.read_text(encoding="utf-8") if path.exists() else ""
+            matches = [_SUITE_ASSERT.match(line) for line in log.splitlines()]
+            excesses = [int(match[1]) - _arithmetic(match[2]) for match in matches if match]
             failed = (record.get("suite") or {}).get("failures")
             explained = bool(excesses) and len(excesses) == failed and all(e == workspace for e in excesses)
             detail = (
@@ -284,6 +264,3 @@ def replay(folder: Path) -> list[Check]:
         *replay_zoo(loaded),
         *replay_snapshot(loaded),
     ]
-
-
-# --------------------------------------------------------------------------- main

@@ -1,4 +1,5 @@
-"""The results of a validation run: checks, outcomes, the run that collects them, and the record's files."""
+"""The results of a validation run: checks, outcomes and the probes that measure them, the run that collects them,
+and the record's files."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import contextlib
 import gc
 import sys
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,10 @@ import torch
 from pytest_gpumem.codec import Coded
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import METRIC_INFO
+from pytest_gpumem.measurement.active import measure
+from pytest_gpumem.measurement.engines.cpu import CpuEngine
+from pytest_gpumem.measurement.engines.tracker import StorageTracker
+from pytest_gpumem.measurement.recorder import Recorder, Span
 
 #: The source checkout this package runs from (holding ``tests/``); None when installed.
 _TOP = Path(__file__).resolve().parents[2]
@@ -40,13 +45,12 @@ SUITE_LOG_LIMIT = 256 * 2**10
 #: Shapes ``(b, s, d)`` of the bf16 MLP reference per zoo size: the issue's figure on a GPU, tiny for tests.
 MLP_REFERENCE: Mapping[str, tuple[int, int, int]] = {"small": (2, 4096, 1024), "tiny": (2, 64, 64)}
 
+#: The clean-state protocol a record was made with: 1 freed the library workspaces before every start reading, 2 makes
+#: and keeps them and compares ``reserved``'s cost within a segment. No key: protocol 1.
 PROTOCOL = 2
 
 #: The workload traced by ``--trace mlp``: the zoo MLP's fp32 AdamW step on the GPU (after its warm-up).
 TRACED_STEP = "trace.zoo.mlp.fp32"
-
-
-# --------------------------------------------------------------------------- results
 
 
 @dataclass
@@ -76,6 +80,84 @@ class Outcome:
     stats: dict[str, Any] | None = None
 
 
+class TensorEngine(CpuEngine):
+    """The storage tracker alone on any device: tensor storage bytes, rounded to 512-byte blocks (on CUDA, the
+    allocator's figures minus its bytes outside tensors)."""
+
+    name = "cuda-tensors"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(tracker=StorageTracker(device, cuda_rounding=True))
+        self.device = device
+
+
+@dataclass
+class Probe:
+    """Yielded by :func:`probe`: the span, and after the block the :class:`Outcome`."""
+
+    name: str
+    device: torch.device
+    span: Span
+    _outcome: Outcome | None = None
+
+    def allocated_now(self) -> int:
+        """Allocated bytes now: PyTorch's ``memory_allocated`` on CUDA, the engine's count elsewhere."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return self.span.recorder.engine.allocated()
+
+    @property
+    def outcome(self) -> Outcome:
+        if self._outcome is None:
+            raise RuntimeError(f"probe {self.name!r} has no outcome until its block ends")
+        return self._outcome
+
+
+@contextlib.contextmanager
+def probe(
+    name: str,
+    device: torch.device,
+    *,
+    breakdown: bool = False,
+    track: Sequence[Any] = (),
+    tensors_only: bool = False,
+) -> Iterator[Probe]:
+    """Measure the block with ``measure()`` and, on CUDA, read PyTorch's counters at its end in the same span.
+
+    With nothing tracked the plugin's figures must equal them to the byte; ``tensors_only`` measures with
+    :class:`TensorEngine` instead.
+    """
+    cuda = device.type == "cuda" and not tensors_only
+    counters: dict[str, int] | None = None
+    stats: dict[str, Any] | None = None
+    with contextlib.ExitStack() as stack:
+        if tensors_only:
+            recorder = Recorder(TensorEngine(device))
+            recorder.track(*track)
+            recorder.begin()
+            stack.callback(recorder.end)
+            span = stack.enter_context(recorder.span(name))
+        else:
+            measured = measure(name, device=device, breakdown=breakdown, cuda_rounding=True, track=tuple(track))
+            span = stack.enter_context(measured)
+        made = Probe(name, device, span)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        yield made
+        if cuda:
+            torch.cuda.synchronize(device)
+            counters = {
+                "max_memory_allocated": int(torch.cuda.max_memory_allocated(device)),
+                "memory_allocated": int(torch.cuda.memory_allocated(device)),
+                "max_memory_reserved": int(torch.cuda.max_memory_reserved(device)),
+            }
+            stats = dict(torch.cuda.memory_stats(device))
+    if track:  # tracked modules open phase windows, which reset the peaks mid-span
+        counters = stats = None
+    made._outcome = Outcome(name, span.measurement, counters, stats)
+
+
 @dataclass
 class Run:
     """What a validation run collects: outcomes by name, checks, reported figures."""
@@ -97,19 +179,10 @@ class Run:
         self.outcomes[outcome.name] = outcome
         return outcome
 
-    def check(
-        self,
-        group: str,
-        name: str,
-        measured: int | None,
-        expected: int | None,
-        detail: str = "",
-    ) -> Check:
+    def check(self, group: str, name: str, measured: int | None, expected: int | None, detail: str = "") -> None:
         """Record ``measured == expected`` (n/a when either is None)."""
         passed = None if measured is None or expected is None else measured == expected
-        made = Check(group, name, passed, measured, expected, detail)
-        self.checks.append(made)
-        return made
+        self.checks.append(Check(group, name, passed, measured, expected, detail))
 
     @contextlib.contextmanager
     def guard(self, group: str, name: str) -> Iterator[None]:
@@ -137,16 +210,11 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def cached_free(m: Measurement) -> int:
-    """Bytes the caching allocator held free at the span's start: ``reserved``'s cost moves by up to this much."""
-    if m.start_reserved is None or m.start is None:
-        return 0
-    return max(0, m.start_reserved - m.start)
-
-
 def reserved_slack(*runs: Measurement) -> int:
-    """How far ``reserved``'s cost may move between runs of one step in one process: a segment, or the cached free."""
-    return max(METRIC_INFO["reserved"].tolerance_floor, *(cached_free(m) for m in runs))
+    """How far ``reserved``'s cost may move between runs of one step in one process: a segment, or the bytes the caching
+    allocator held free at a run's start."""
+    free = [m.start_reserved - m.start for m in runs if m.start_reserved is not None and m.start is not None]
+    return max([METRIC_INFO["reserved"].tolerance_floor, *free])
 
 
 def suite_check(summary: Mapping[str, Any]) -> Check:

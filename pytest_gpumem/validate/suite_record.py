@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -64,39 +65,23 @@ def suite_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+_SUITE_ARGS = ("-m", "pytest", "tests", "-m", "cuda", "-p", "no:cacheprovider", "-rfEs")
+
+
 def run_suite(extra: Sequence[str], timeout: float) -> tuple[dict[str, Any], str]:
     """Run ``pytest tests -m cuda`` from the checkout; its counts (from junit XML) and its output."""
     with tempfile.TemporaryDirectory(prefix="gpu-validate-") as tmp:
         junit = Path(tmp) / "junit.xml"
-        command = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "tests",
-            "-m",
-            "cuda",
-            "-p",
-            "no:cacheprovider",
-            "-rfEs",
-            f"--junitxml={junit}",
-            *extra,
-        ]
+        command = [sys.executable, *_SUITE_ARGS, f"--junitxml={junit}", *extra]
         began = time.monotonic()
+        env = suite_environment(os.environ)
         try:
-            done = subprocess.run(
-                command,
-                cwd=CHECKOUT,
-                env=suite_environment(os.environ),
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                check=False,
-            )
+            done = subprocess.run(command, cwd=CHECKOUT, env=env, capture_output=True, text=True, timeout=timeout)
             code, output = done.returncode, done.stdout + done.stderr
         except subprocess.TimeoutExpired as exc:
             code = None
             output = _text(exc.stdout) + _text(exc.stderr) + f"\n[gpu-validate] timed out after {timeout:.0f} s\n"
-        counts = _junit_counts(junit)
+        counts = _junit_counts(_junit_suites(junit))
     shown = ["python", *(c if not c.startswith("--junitxml") else "--junitxml=<tmp>" for c in command[1:])]
     summary: dict[str, Any] = {
         "command": " ".join(shown),
@@ -110,11 +95,10 @@ def run_suite(extra: Sequence[str], timeout: float) -> tuple[dict[str, Any], str
 
 def suite_from(junit: Path, log: Path | None) -> tuple[dict[str, Any], str | None]:
     """The result of a CUDA suite that already ran, read from its JUnit XML file, and its output when given."""
-    counts = _junit_counts(junit)
-    root = ElementTree.parse(junit).getroot() if counts["tests"] is not None else None
-    suites = [] if root is None else [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    suites = _junit_suites(junit)
     if not suites:
         raise ValueError("not a JUnit XML report that pytest wrote")
+    counts = _junit_counts(suites)
     failed = (counts["failures"] or 0) + (counts["errors"] or 0)
     summary: dict[str, Any] = {
         "command": f"python -m pytest tests -m cuda (its JUnit XML: {junit.name})",
@@ -132,21 +116,28 @@ def _text(data: str | bytes | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else data
 
 
-def _junit_counts(path: Path) -> dict[str, int | None]:
-    keys = ("tests", "failures", "errors", "skipped")
+def _junit_suites(path: Path) -> list[ElementTree.Element] | None:
+    """The ``testsuite`` elements of a JUnit XML report; None without one (pytest did not start, or was killed)."""
     try:
         root = ElementTree.parse(path).getroot()
-    except (OSError, ElementTree.ParseError):  # no report: pytest did not start, or was killed writing it
+    except (OSError, ElementTree.ParseError):
+        return None
+    return [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+
+
+def _junit_counts(suites: list[ElementTree.Element] | None) -> dict[str, int | None]:
+    keys = ("tests", "failures", "errors", "skipped")
+    if suites is None:
         return dict.fromkeys(keys)
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     return {key: sum(int(suite.get(key, 0)) for suite in suites) for key in keys}
 
 
 # --------------------------------------------------------------------------- the snapshot
 
 
-def take_snapshot(device: torch.device, entries: int) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
-    """The memory snapshot so far (pickled, cut to :data:`SNAPSHOT_LIMIT`), the ``memory_stats()`` after it, a note."""
+def take_snapshot(device: torch.device, entries: int, workloads: str) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
+    """The memory snapshot so far (pickled, cut to :data:`SNAPSHOT_LIMIT`), the ``memory_stats()`` after it, a note
+    (``workloads``: what the history covers)."""
     snapshot = scrub_paths(torch.cuda.memory._snapshot())
     stats = dict(torch.cuda.memory_stats(device))
     traces = snapshot.get("device_traces") or []
@@ -163,6 +154,7 @@ def take_snapshot(device: torch.device, entries: int) -> tuple[bytes, dict[str, 
         "trace_entries": sum(kept),
         "segments": len(snapshot.get("segments", [])),
         "bytes": len(data),
+        "workloads": workloads,
     }
     return data, stats, info
 
@@ -196,8 +188,6 @@ def record_name(device_name: str | None, torch_version: str) -> str:
 
 def recorded_folders(directory: Path) -> list[Path]:
     """The record folders under ``directory`` (each holds a ``record.json``), sorted by name."""
-    if not directory.is_dir():
-        return []
     return sorted(path.parent for path in directory.glob(f"*/{RECORD_FILE}"))
 
 
@@ -235,11 +225,7 @@ def build_record(
         "figures": dict(run.figures),
         "checks": [c.to_dict() for c in run.checks],
         "workloads": {
-            name: {
-                "measurement": o.measurement.to_dict(),
-                "counters": o.counters,
-                "stats": o.stats is not None,
-            }
+            name: {"measurement": o.measurement.to_dict(), "counters": o.counters, "stats": o.stats is not None}
             for name, o in run.outcomes.items()
         },
         "zoo": run.zoo_rows,
@@ -283,16 +269,19 @@ def _write_json(path: Path, data: Any) -> None:
 # --------------------------------------------------------------------------- paths
 
 
+#: The installation's folders and their placeholders.
+_INSTALLED = {
+    "purelib": "<site-packages>",
+    "platlib": "<site-packages>",
+    "stdlib": "<python>",
+    "platstdlib": "<python>",
+}
+
+
 def machine_paths() -> dict[str, str]:
     """This machine's folders that a record must not name, each with its placeholder (longest first when applied)."""
-    found: dict[str, str] = {}
     paths = sysconfig.get_paths()
-    for key in ("purelib", "platlib"):
-        if key in paths:
-            found[paths[key]] = "<site-packages>"
-    for key in ("stdlib", "platstdlib"):
-        if key in paths:
-            found[paths[key]] = "<python>"
+    found = {paths[key]: name for key, name in _INSTALLED.items() if key in paths}
     if CHECKOUT is not None:
         found[str(CHECKOUT)] = "<checkout>"
     found[str(Path(__file__).resolve().parents[1])] = "<checkout>/pytest_gpumem"
@@ -317,19 +306,13 @@ def scrub_paths(value: Any, paths: Mapping[str, str] | None = None) -> Any:
     standard-library and temporary folder made placeholders, so a record does not name its machine."""
     prefixes = sorted({**machine_paths(), **(paths or {})}.items(), key=lambda item: -len(item[0]))
 
-    cleaned: dict[str, str] = {}  # one object per text: a pickle stores a repeated frame's file once
-
+    @functools.cache  # one object per text: a pickle stores a repeated frame's file once
     def clean(text: str) -> str:
-        done = cleaned.get(text)
-        if done is None:
-            done = text
-            for pattern, name in _LAYOUTS:
-                done = pattern.sub(name, done)
-            for prefix, name in prefixes:
-                done = done.replace(prefix, name)
-            done = _OTHER_TMP.sub("<tmp>", done)
-            cleaned[text] = done
-        return done
+        for pattern, name in _LAYOUTS:
+            text = pattern.sub(name, text)
+        for prefix, name in prefixes:
+            text = text.replace(prefix, name)
+        return _OTHER_TMP.sub("<tmp>", text)
 
     made: dict[int, Any] = {}  # a container shared in ``value`` (a frame list) stays shared
 
