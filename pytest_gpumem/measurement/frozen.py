@@ -69,10 +69,7 @@ def references(objects: list[Any], remembered: list[weakref.ref[Any]] | None = N
 
 def remember(objects: list[Any]) -> None:
     """Remember every module and tensor among ``objects`` (what the collector sees), just before ``gc.freeze()``."""
-    global _known
-    _refs.clear()
-    _refs.extend(references(objects))
-    _known = True
+    adopt(references(objects))
 
 
 def add(found: Iterable[Any]) -> None:
