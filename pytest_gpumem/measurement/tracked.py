@@ -54,16 +54,14 @@ class Tracked:
 
     def quiet(self) -> None:
         """Ignore torch's warning about global module hooks while they are installed (again at each span)."""
-        if not self._modules:
-            return
-        if self._quiet is not None and self._quiet in warnings.filters:
+        if not self._modules or self._quiet in warnings.filters:  # None never is
             return
         warnings.filterwarnings("ignore", message=_COMPILED_MODULE_WARNING, category=UserWarning)
         self._quiet = warnings.filters[0]
 
     def _unquiet(self) -> None:
         quiet, self._quiet = self._quiet, None
-        if quiet is not None and quiet in warnings.filters:
+        if quiet in warnings.filters:
             warnings.filters.remove(quiet)  # type: ignore[attr-defined]  # a list at run time
             mutated = getattr(warnings, "_filters_mutated", None)
             if mutated is not None:
