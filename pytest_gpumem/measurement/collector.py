@@ -160,9 +160,7 @@ class Collector:
 
     def compact(self) -> bool:
         """Between tests: when over :attr:`compact_above` objects are not frozen, collect and freeze what survives."""
-        if not self.active or not gc.isenabled():
-            return False
-        if len(gcfunctions.get_objects()) <= self.compact_above:
+        if not self.active or not gc.isenabled() or len(gcfunctions.get_objects()) <= self.compact_above:
             return False
         walks_everything = not self.frozen
         self.collect()  # what the last test dropped is freed, never frozen
