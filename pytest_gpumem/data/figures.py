@@ -103,11 +103,6 @@ class Timeline(Coded):
         series = {c: tuple(self.series[c][i] for i in keep) for c in CATEGORIES}
         return replace(self, events=tuple(self.events[i] for i in keep), series=series).to_dict()
 
-    @classmethod
-    def empty(cls) -> Timeline:
-        """A timeline without samples."""
-        return cls((), {c: () for c in CATEGORIES})
-
 
 @dataclass(frozen=True)
 class Measurement(Coded):

@@ -11,6 +11,7 @@ from pytest_gpumem.baselines import Environment
 from pytest_gpumem.codec import Coded, coded, from_data
 from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.findings import Finding, Tolerance
+from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.judge.limits import LimitSpec
 from pytest_gpumem.judge.site_changes import SiteDiff
 
@@ -79,7 +80,7 @@ class TestRecord(Coded):
 
     def timeline_of_call(self) -> Timeline:
         """The call's timeline, empty when none was recorded."""
-        return Timeline.empty() if self.timeline is None else Timeline.from_dict(self.timeline)
+        return Timeline((), {c: () for c in CATEGORIES}) if self.timeline is None else Timeline.from_dict(self.timeline)
 
     # -- wire format ------------------------------------------------------------------
 

@@ -74,31 +74,26 @@ def measure(
     if predict is not None and target is None:
         target = torch.device("cpu")
     nbytes = None if device_limit is None else parse_size(device_limit)
-    if active is not None and active.active and (target is None or target == active.engine.device):
-        active.track(*track)
-        with contextlib.ExitStack() as stack:
-            if nbytes is not None:
-                stack.enter_context(active.engine.limit_memory(nbytes))
-            span = stack.enter_context(active.span(check_span_name(name), **limits))
-            yield span
-        return
-    engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe, predict=predict)
-    recorder = Recorder(engine, timeline=timeline, fake=fake, label=name, sites=sites)
-    recorder.reserved = nbytes is not None or "reserved" in limits  # from an empty cache only then
-    recorder.driver = True  # the span's figures are the caller's to read, the driver's among them
+    recorder = joined if joined is not None and (target is None or target == joined.engine.device) else None
+    joining = recorder is not None
+    if recorder is not None:
+        name = check_span_name(name)
+    else:
+        engine = make_engine(target, breakdown=breakdown, cuda_rounding=cuda_rounding, observe=observe, predict=predict)
+        recorder = Recorder(engine, timeline=timeline, fake=fake, label=name, sites=sites)
+        recorder.reserved = nbytes is not None or "reserved" in limits  # from an empty cache only then
+        recorder.driver = True  # the span's figures are the caller's to read, the driver's among them
     recorder.track(*track)
-    recorder.begin()
-    token = _ACTIVE.set(recorder)
-    try:
-        with contextlib.ExitStack() as stack:
-            if nbytes is not None:
-                stack.enter_context(engine.limit_memory(nbytes))
-            span = stack.enter_context(recorder.span(name, **limits))
-            yield span
-    finally:
-        _ACTIVE.reset(token)
-        recorder.end()
-    if span.limits:
+    with contextlib.ExitStack() as stack:
+        if not joining:
+            recorder.begin()
+            stack.callback(recorder.end)
+            stack.callback(_ACTIVE.reset, _ACTIVE.set(recorder))
+        if nbytes is not None:
+            stack.enter_context(recorder.engine.limit_memory(nbytes))
+        span = stack.enter_context(recorder.span(name, **limits))
+        yield span
+    if not joining and span.limits:
         record = judge(TestRecord(span.name, measurements=[span.measurement], asked={span.name: list(span.limits)}))
         if record.failed:
             broken = [finding for finding in record.findings if finding.failed]

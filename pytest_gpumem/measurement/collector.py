@@ -84,9 +84,7 @@ def give_back() -> bool:
 def thaw() -> bool:
     """Give the plugin's frozen objects back, for ``gc.get_referrers``; returns whether any were frozen."""
     if _running is not None:
-        was_frozen = _running.frozen
-        _running.give_back()
-        return was_frozen
+        return give_back()
     was_frozen = frozen.known()
     if was_frozen:  # someone else's freeze, its tensors lent to the plugin: given back for good, as a census does
         frozen.give_back_theirs()
@@ -130,7 +128,7 @@ class Collector:
         self.froze += 1
         _running = self
         gc.callbacks.append(self._on_collection)
-        gcfunctions.install(self._on_user_call, self._yield_to_user, self._on_users_collect)
+        gcfunctions.install(self._hand_back, self._yield_to_user, self._on_users_collect)
 
     def stop(self) -> None:
         """The run is over: give every frozen object back."""
@@ -162,9 +160,7 @@ class Collector:
 
     def compact(self) -> bool:
         """Between tests: when over :attr:`compact_above` objects are not frozen, collect and freeze what survives."""
-        if not self.active or not gc.isenabled():
-            return False
-        if len(gcfunctions.get_objects()) <= self.compact_above:
+        if not self.active or not gc.isenabled() or len(gcfunctions.get_objects()) <= self.compact_above:
             return False
         walks_everything = not self.frozen
         self.collect()  # what the last test dropped is freed, never frozen
@@ -184,9 +180,7 @@ class Collector:
 
     def collect_everything(self) -> None:
         """A full collection on the plugin's account that sees every object; what survives is frozen again."""
-        if self.frozen:
-            self.given_back += 1
-            self.give_back()
+        self._hand_back()
         if not self.compact():
             self.collect()
 
@@ -196,8 +190,8 @@ class Collector:
             self.frozen = False
             gcfunctions.unfreeze()
 
-    def _on_user_call(self) -> None:
-        """Before a user's call of a wrapped ``gc`` function: the frozen objects go back."""
+    def _hand_back(self) -> None:
+        """Give the frozen objects back, counted in :attr:`given_back` (a user's call of a wrapped ``gc`` function)."""
         if self.frozen:
             self.given_back += 1
             self.give_back()
@@ -241,8 +235,7 @@ class Collector:
                 self._young = frozen.references(young)
                 self._frozen_count += len(young)
                 del young
-                self.given_back += 1
-                self.give_back()
+                self._hand_back()
                 self._refreeze = True
         elif self._refreeze:
             self._refreeze = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -54,25 +55,19 @@ def references(objects: list[Any], remembered: list[weakref.ref[Any]] | None = N
     the modules of ``remembered`` (default: the plugin's) among the holders."""
     found = instances_among(objects, _MODULE_OR_TENSOR_KINDS)
     modules = [obj for obj in found if _MODULE_KINDS[type(obj)]]
-    tensors = [obj for obj in found if not _MODULE_KINDS[type(obj)]]
     held = {id(tensor) for module in (*modules, *_modules(remembered)) for tensor in _held_by(module)}
     refs: list[weakref.ref[Any]] = [weakref.ref(module) for module in modules]
-    for tensor in tensors:
-        if id(tensor) in held:
+    for obj in found:
+        if _MODULE_KINDS[type(obj)] or id(obj) in held:
             continue
-        try:
-            refs.append(weakref.ref(tensor))
-        except TypeError:  # a tensor subclass without weak references
-            continue
+        with contextlib.suppress(TypeError):  # a tensor subclass without weak references
+            refs.append(weakref.ref(obj))
     return refs
 
 
 def remember(objects: list[Any]) -> None:
     """Remember every module and tensor among ``objects`` (what the collector sees), just before ``gc.freeze()``."""
-    global _known
-    _refs.clear()
-    _refs.extend(references(objects))
-    _known = True
+    adopt(references(objects))
 
 
 def add(found: Iterable[Any]) -> None:

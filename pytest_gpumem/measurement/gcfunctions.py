@@ -25,13 +25,7 @@ get_freeze_count = gc.get_freeze_count
 freeze = gc.freeze
 unfreeze = gc.unfreeze
 
-_WRAPPED = {
-    "get_objects": get_objects,
-    "get_referrers": get_referrers,
-    "get_freeze_count": get_freeze_count,
-    "freeze": freeze,
-    "unfreeze": unfreeze,
-}
+_WRAPPED = {real.__name__: real for real in (get_objects, get_referrers, get_freeze_count, freeze, unfreeze)}
 
 
 def _wrapper(

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from types import TracebackType
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline, notify
-from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.data.metrics import CATEGORIES
 from pytest_gpumem.data.site_figures import SiteConfig, build_profile
 from pytest_gpumem.judge.limits import LimitSpec, parse_span_limits
@@ -21,14 +19,6 @@ from pytest_gpumem.measurement.engines.savedhooks import STEPPED_ASIDE_NOTE
 from pytest_gpumem.measurement.tracked import Tracked
 
 __all__ = ["Recorder", "Span"]
-
-
-@dataclass
-class _PhaseState:
-    start: int
-    peak: int
-    end: int
-    count: int = 1
 
 
 @dataclass
@@ -44,7 +34,7 @@ class _SpanState:
     sites: Any = None
     compiled_from: int = 0
     notes_from: int = 0
-    phases: dict[str, _PhaseState] = field(default_factory=dict)
+    phases: dict[str, Phase] = field(default_factory=dict)
 
     def absorb(self, reading: Reading, phase: str | None) -> None:
         if reading.peak > self.peak or (reading.peak == self.peak and self.breakdown is None):
@@ -55,7 +45,7 @@ class _SpanState:
             self.highest[figure] = max(self.highest.get(figure, 0), value)
         if phase is not None and phase in self.phases:
             state = self.phases[phase]
-            state.peak = max(state.peak, reading.peak)
+            self.phases[phase] = replace(state, peak=max(state.peak, reading.peak))
 
 
 class Recorder:
@@ -78,7 +68,7 @@ class Recorder:
         self._tracked = Tracked(engine, self)
         self._open: list[_SpanState] = []
         self._handles: list[Any] = []
-        self._phase: str | None = None
+        self.phase: str | None = None  #: the training step's phase now ("forward", "backward", "optimizer")
         self._depth = 0
         self.external_phases = False  #: phases are marked by a framework adapter (:meth:`mark_phase`)
         self._marks: list[tuple[int, str]] = []
@@ -123,7 +113,7 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._phase = None
+        self.phase = None
         self.external_phases = False
         if self.fake:
             from pytest_gpumem.measurement.engines.fake import warn_tracing_paths
@@ -168,12 +158,12 @@ class Recorder:
                     self._handles.append(tensor.grad_fn.register_prehook(self._backward_reached))
 
     def _backward_reached(self, grad_outputs: Any) -> None:
-        if self._phase != "optimizer" and not self.external_phases:
+        if self.phase != "optimizer" and not self.external_phases:
             self.set_phase("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
-        if self._phase == "backward":
+        if self.phase == "backward":
             self.set_phase(None)
 
     def optimizer_pre(self) -> None:
@@ -189,16 +179,12 @@ class Recorder:
         self.external_phases = True
         self.set_phase(phase)
 
-    @property
-    def phase(self) -> str | None:
-        return self._phase
-
     def set_phase(self, phase: str | None) -> None:
         """Enter ``phase`` ("forward", "backward", "optimizer") or leave phases (None)."""
-        if phase == self._phase or not self.active:
+        if phase == self.phase or not self.active:
             return
         token = self._fold(defer=True)
-        old, self._phase = self._phase, phase
+        old, self.phase = self.phase, phase
         if self.engine.sites is not None:
             self.engine.sites.set_phase(phase)
         if token is not None:  # the engine reads this moment later: so is the transition
@@ -211,15 +197,14 @@ class Recorder:
         if old is not None:
             for span in self._open:
                 if old in span.phases:
-                    span.phases[old].end = now
+                    span.phases[old] = replace(span.phases[old], end=now)
         if new is not None:
             for span in self._open:
                 state = span.phases.get(new)
                 if state is None:
-                    span.phases[new] = _PhaseState(now, now, now)
+                    span.phases[new] = Phase(new, now, now, now)
                 else:
-                    state.count += 1
-                    state.peak = max(state.peak, now)
+                    span.phases[new] = replace(state, peak=max(state.peak, now), count=state.count + 1)
             if self.engine.categories is not None:
                 self._marks.append((events, new))
 
@@ -229,7 +214,7 @@ class Recorder:
         """Close the engine's window and give it to the open spans; returns its token when the engine reads it later."""
         reading = self.engine.take_window(defer=defer)
         if reading.pending is not None:
-            self._deferred.append(("fold", reading.pending, self._phase, None))
+            self._deferred.append(("fold", reading.pending, self.phase, None))
             return reading.pending
         if self._deferred:  # earlier windows, read by this reading's flush: theirs come first
             deferred, self._deferred = self._deferred, []
@@ -241,46 +226,39 @@ class Recorder:
                 else:
                     self._transition(phase, new, now, events)
         for span in self._open:
-            span.absorb(reading, self._phase)
+            span.absorb(reading, self.phase)
         return None
 
     def open(self, name: str) -> _SpanState:
         """Open a span; returns its state for :meth:`close`."""
         if not self.active:
             raise RuntimeError(f"cannot open span {name!r}: the recorder is not active")
-        with self._reading():
-            return self._open_state(name)
-
-    def _reading(self) -> contextlib.AbstractContextManager[None]:
-        return self.engine.reading()
-
-    def _open_state(self, name: str) -> _SpanState:
-        self._fold()
         engine, categories = self.engine, self.engine.categories
-        now = engine.allocated()
-        breakdown = None if categories is None else categories.breakdown()
-        saved = engine.saved_bytes()
-        state = _SpanState(
-            name=name,
-            start=now,
-            start_reserved=engine.reserved(),
-            counters=_counters(engine),
-            start_event=0 if categories is None else categories.events,
-            peak=now,
-            breakdown=None if breakdown is None else tuple(breakdown.values()),
-            highest={} if saved is None else {"saved_activations": saved},
-            sites=_sites_now(engine),
-            compiled_from=0 if categories is None else len(categories.compiled_frames),
-            notes_from=0 if categories is None else len(categories.notes),
-        )
-        if self._phase is not None:
-            state.phases[self._phase] = _PhaseState(now, now, now)
-        self._open.append(state)
-        return state
+        with engine.reading():
+            self._fold()
+            now = engine.allocated()
+            breakdown = None if categories is None else categories.breakdown()
+            saved = engine.saved_bytes()
+            state = _SpanState(
+                name=name,
+                start=now,
+                start_reserved=engine.reserved(),
+                counters=_counters(engine),
+                start_event=0 if categories is None else categories.events,
+                peak=now,
+                breakdown=None if breakdown is None else tuple(breakdown.values()),
+                highest={} if saved is None else {"saved_activations": saved},
+                sites=_sites_now(engine),
+                compiled_from=0 if categories is None else len(categories.compiled_frames),
+                notes_from=0 if categories is None else len(categories.notes),
+                phases={} if self.phase is None else {self.phase: Phase(self.phase, now, now, now)},
+            )
+            self._open.append(state)
+            return state
 
     def allocated_now(self) -> tuple[int, dict[str, int] | None]:
         """Allocated bytes now and, with a tracker, their breakdown."""
-        with self._reading():
+        with self.engine.reading():
             return self._allocated_now()
 
     def _allocated_now(self) -> tuple[int, dict[str, int] | None]:
@@ -302,18 +280,13 @@ class Recorder:
             parts.pop("activations", None)
         return parts
 
-    def close(
-        self,
-        state: _SpanState,
-        *,
-        allocated: tuple[int, dict[str, int] | None] | None = None,
-    ) -> Measurement:
+    def close(self, state: _SpanState, *, allocated: tuple[int, dict[str, int] | None] | None = None) -> Measurement:
         """Close a span opened by :meth:`open` and return its figures; ``allocated``: an earlier end reading."""
-        with self._reading():
+        with self.engine.reading():
             self._fold()
             now = self.engine.allocated()
-            if self._phase is not None and self._phase in state.phases:
-                state.phases[self._phase].end = now
+            if self.phase is not None and self.phase in state.phases:
+                state.phases[self.phase] = replace(state.phases[self.phase], end=now)
             self._open.remove(state)
             counters = _counters(self.engine)
             used, mine = self.engine.driver() if self.driver and isinstance(self.engine, Runtime) else (None, None)
@@ -344,7 +317,7 @@ class Recorder:
             driver_process=mine,
             breakdown=breakdown,
             allocated_breakdown=end_breakdown,
-            phases={name: Phase(name, p.start, p.peak, p.end, p.count) for name, p in state.phases.items()},
+            phases=dict(state.phases),
             psi=self.psi,
             cuda_rounding=self.engine.cuda_rounding,
             notes=notes,
@@ -421,8 +394,6 @@ class Span:
     def __init__(self, recorder: Recorder, name: str, limits: Mapping[str, Any]) -> None:
         self.recorder = recorder
         self.name = name
-        self.limits: tuple[LimitSpec, ...]
-        self.tolerance: Tolerance | None
         self.limits, self.tolerance = parse_span_limits(name, limits)
         self._state: _SpanState | None = None
         self._measurement: Measurement | None = None
@@ -434,9 +405,7 @@ class Span:
         self._state = self.recorder.open(self.name)
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         assert self._state is not None
         start_event = self._state.start_event
         self._measurement = self.recorder.close(self._state)

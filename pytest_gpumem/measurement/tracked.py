@@ -4,6 +4,7 @@ id, so nothing is stored on a user's module or optimizer)."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -45,7 +46,6 @@ class Tracked:
         self.engine = engine
         self.phases = phases
         self.objects: list[Any] = []
-        self._ids: set[int] = set()
         self._modules: set[int] = set()
         self._optimizers: set[int] = set()
         self._handles: list[Any] = []
@@ -54,16 +54,14 @@ class Tracked:
 
     def quiet(self) -> None:
         """Ignore torch's warning about global module hooks while they are installed (again at each span)."""
-        if not self._modules:
-            return
-        if self._quiet is not None and self._quiet in warnings.filters:
+        if not self._modules or self._quiet in warnings.filters:  # None never is
             return
         warnings.filterwarnings("ignore", message=_COMPILED_MODULE_WARNING, category=UserWarning)
         self._quiet = warnings.filters[0]
 
     def _unquiet(self) -> None:
         quiet, self._quiet = self._quiet, None
-        if quiet is not None and quiet in warnings.filters:
+        if quiet in warnings.filters:
             warnings.filters.remove(quiet)  # type: ignore[attr-defined]  # a list at run time
             mutated = getattr(warnings, "_filters_mutated", None)
             if mutated is not None:
@@ -73,9 +71,8 @@ class Tracked:
         """Track modules and optimizers (again: harmless)."""
         for obj in objects:
             check_trackable(obj)
-            if id(obj) in self._ids:
+            if id(obj) in self._modules or id(obj) in self._optimizers:
                 continue
-            self._ids.add(id(obj))
             self.objects.append(obj)
             if isinstance(obj, torch.nn.Module):
                 if not self._modules:
@@ -100,7 +97,6 @@ class Tracked:
             handle.remove()
         self._handles.clear()
         self.objects.clear()
-        self._ids.clear()
         self._modules.clear()
         self._optimizers.clear()
 
@@ -109,39 +105,32 @@ class Tracked:
         """Trainable parameter count of the tracked objects; None when nothing is tracked."""
         return tracked_psi(self.objects)
 
-    def classify(self) -> None:
-        """Give the tracked objects' tensors their categories (parameters, gradients, optimizer state)."""
+    def classify(self, objects: Iterable[Any] | None = None) -> None:
+        """Give the tensors of the tracked objects (or of ``objects``) their categories."""
         categories = self.engine.categories
         if categories is None:
             return
-        for obj in self.objects:
+        for obj in self.objects if objects is None else objects:
             if isinstance(obj, torch.nn.Module):
                 params = list(obj.parameters())
-                categories.register(params, "parameters")
-                categories.register([p.grad for p in params if p.grad is not None], "gradients")
             else:
-                self.classify_optimizer(obj)
-
-    def classify_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        categories = self.engine.categories
-        if categories is None:
-            return
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        categories.register(params, "parameters")
-        categories.register([p.grad for p in params if p.grad is not None], "gradients")
-        # a sharding wrapper (ZeroRedundancyOptimizer) keeps the rank's state in the optimizer it wraps, ``.optim``
-        inner = getattr(optimizer, "optim", None)
-        holders = [optimizer, inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
-        categories.register(
-            [
-                value
-                for holder in holders
-                for state in holder.state.values()
-                for value in state.values()
-                if isinstance(value, torch.Tensor)
-            ],
-            "optimizer_state",
-        )
+                params = [p for group in obj.param_groups for p in group["params"]]
+            categories.register(params, "parameters")
+            categories.register([p.grad for p in params if p.grad is not None], "gradients")
+            if isinstance(obj, torch.optim.Optimizer):
+                # a sharding wrapper (ZeroRedundancyOptimizer) keeps the rank's state in the optimizer it wraps
+                inner = getattr(obj, "optim", None)
+                holders = [obj, inner] if isinstance(inner, torch.optim.Optimizer) else [obj]
+                categories.register(
+                    [
+                        value
+                        for holder in holders
+                        for state in holder.state.values()
+                        for value in state.values()
+                        if isinstance(value, torch.Tensor)
+                    ],
+                    "optimizer_state",
+                )
 
     # -- torch's hooks, filtered by id --------------------------------------------------
 
@@ -159,7 +148,7 @@ class Tracked:
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if id(optimizer) in self._optimizers:
-            self.classify_optimizer(optimizer)
+            self.classify((optimizer,))
             self.phases.optimizer_post()
 
     def _grad_ready(self, param: torch.Tensor) -> None:

@@ -73,7 +73,6 @@ class Engine(Protocol):
 
     def resolve(self, token: int) -> tuple[Reading, int, int]:
         """A pending window's reading, allocated bytes and event count when it closed."""
-        ...
 
     def saved_bytes(self) -> int | None:
         """Bytes autograd holds for backward now (parameters excluded); None when not counted."""
