@@ -206,10 +206,7 @@ class OomWatch:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Restore the tracker's previous ``on_oom`` callback (idempotent)."""
+        """Restore the tracker's previous ``on_oom`` callback."""
         if self._installed and self.engine.categories is not None:
             self.engine.categories.on_oom = self._previous
             self._installed = False

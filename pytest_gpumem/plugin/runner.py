@@ -64,8 +64,8 @@ class TestRun:
         self._stack = contextlib.ExitStack()  # the recorder's activation
         self._watches = contextlib.ExitStack()  # left just before the call span closes
         self._snapshot: StorageSnapshot | None = None
-        #: the out-of-memory watch, outermost: entered before the recording begins, left as the test returns
-        self._watch = OomWatch(engine, self.recorder) if plan.options.reports else None
+        self._watch: OomWatch | None = None
+        self._oom = contextlib.ExitStack()  # the out-of-memory watch: entered before the recording, left first
         self._history: str | None = None
         self._started = False
         #: by site, what holds its live tensors at the return (a second run only)
@@ -84,12 +84,12 @@ class TestRun:
             collector.collect_everything()  # the emulated device holds all that is alive
         if leak_check:
             see_every_tensor()  # or someone else's frozen tensors would show as the test's
-        if self._watch is not None:
-            self._watch.__enter__()
+        if self.plan.options.reports:
+            self._watch = self._oom.enter_context(OomWatch(self.engine, recorder))
         try:
             recorder.begin()
         except BaseException:
-            self._close_watch()
+            self._oom.close()
             raise
         try:
             self._snapshot = snapshot_storages(self.engine) if leak_check else None
@@ -104,15 +104,11 @@ class TestRun:
             kept = self.plan.options.sites is not None and not self.plan.options.reports  # a second run's holders
             watches.enter_context(watch_return(self._code, self._at_return if kept else recorder.read_return))
         except BaseException:
-            self._close_watch()
+            self._oom.close()
             self._watches.close()
             self._stack.close()
             recorder.end()
             raise
-
-    def _close_watch(self) -> None:
-        if self._watch is not None:
-            self._watch.close()
 
     def _at_return(self) -> None:
         """A second run's test function returns: read ``allocated`` and what holds its sites' tensors, its locals
@@ -167,7 +163,7 @@ class TestRun:
                 if exc is not None and is_oom(exc) and self._watch is not None:
                     oom = self._watch.report_for(exc)
             finally:
-                self._close_watch()
+                self._oom.close()
                 self._watches.close()
             if self._history is not None and not os.path.exists(self._history):
                 self._history = None  # a warning said why
