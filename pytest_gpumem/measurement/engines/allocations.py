@@ -131,7 +131,7 @@ class AllocationTracker(StorageTracker):
 
     def _adopt_survivors(self) -> None:
         """Give the blocks still alive weak references: once the profiler stops, their frees are not reported."""
-        for obj in tensors_among([*gcfunctions.get_objects(), *frozen.tensors()]):  # frozen ones too
+        for obj in itertools.chain(tensors_among(gcfunctions.get_objects()), frozen.tensors()):  # frozen ones too
             if type(obj) is not torch.Tensor and is_fake(obj):
                 continue  # torch.compile's tracing tensors: no memory, a data pointer torch warns about
             try:

@@ -82,11 +82,15 @@ class CpuEngine:
     # -- actions --------------------------------------------------------------------
 
     def clean(self, *, empty_cache: bool = True) -> None:
+        self._clean_count()
+        self.tracker.take_window()
+
+    def _clean_count(self) -> None:
+        """Collect garbage and count what is alive afresh, each storage in no test's category."""
         self.settle()
         forget_categories(self.tracker)
         self.tracker.counts_fakes = fakes_counted()  # before the scan: a fake tensor is memory only in a fake run
         self.tracker.scan()
-        self.tracker.take_window()
 
     def start(self, *, saved_tensors: bool = True, timeline: bool = False) -> None:
         self._saved_tensors = saved_tensors

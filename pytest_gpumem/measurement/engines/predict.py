@@ -470,7 +470,7 @@ class PredictEngine(CpuEngine):
 
     def clean(self, *, empty_cache: bool = True) -> None:
         """As the CUDA engine's; the model's cache is always emptied (it has no cost to save)."""
-        super().clean()
+        self._clean_count()
         self.warm_workspaces()
         if self._workspace_total is None:
             self._workspace_total = self.predictor.workspace_bytes
