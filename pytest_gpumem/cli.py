@@ -30,7 +30,7 @@ from pytest_gpumem.data.findings import Tolerance, parse_tolerance
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRIC_INFO, METRICS, metric_info
 from pytest_gpumem.judge.rule import baseline_status, describe_default_tolerances, tolerance_for
 from pytest_gpumem.judge.site_changes import diff_sites
-from pytest_gpumem.report.cells import figure_text
+from pytest_gpumem.report.cells import delta_text, figure_text
 from pytest_gpumem.report.site_tables import PROFILE_HEADERS, profile_rows, site_diff_rows
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_percent
@@ -487,7 +487,7 @@ def _change_row(change: _Change, exact: bool) -> list[str]:
     shown_delta = percent = ""
     if change.old is not None and change.new is not None:
         delta = change.new - change.old
-        shown_delta = f"{delta:+d}" if exact else metric_info(change.metric).format_delta(delta)
+        shown_delta = delta_text(change.metric, delta, exact)
         percent = format_percent(delta, change.old)
     return [
         change.kind,

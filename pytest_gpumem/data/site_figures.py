@@ -309,13 +309,6 @@ class SiteCounts:
     def total(self) -> int:
         return sum(self.nbytes)
 
-    def add(self, other: SiteCounts) -> None:
-        self.nbytes[:] = [mine + theirs for mine, theirs in zip(self.nbytes, other.nbytes, strict=True)]
-        self.count += other.count
-        if other.tensors is not None or self.tensors is not None:
-            mine, theirs = self.by_category_counts(), other.by_category_counts()
-            self.tensors = [a + b for a, b in zip(mine, theirs, strict=True)]
-
     def by_category_counts(self) -> list[int]:
         """Storages by category: :attr:`tensors`, or :attr:`count` all under the largest category."""
         if self.tensors is not None:

@@ -7,7 +7,6 @@ from itertools import groupby
 from operator import itemgetter
 
 from pytest_gpumem.data.metrics import METRIC_TABLE, metric_info
-from pytest_gpumem.judge.record import TestRecord
 
 __all__ = [
     "COST_ONLY_METRICS",
@@ -16,7 +15,7 @@ __all__ = [
     "LEGEND_DELTA",
     "LEGEND_SIGNED",
     "SIGNED_METRICS",
-    "RecordLike",
+    "delta_text",
     "figure_text",
     "grouped",
     "one_line",
@@ -33,9 +32,6 @@ LEGEND_COST = "cost = measured − the span's start: what limits and baselines c
 LEGEND_DELTA = "Δ\xa0=\xa0cost\xa0−\xa0baseline"  # no-break spaces: wrapped whole (shown as spaces)
 LEGEND_SIGNED = f"a negative {' or '.join(SIGNED_METRICS)} cost: the span freed more than it allocated"
 LEGEND_COUNT = "×N: the phase ran N times in the span (e.g. a warm-up step and the measured step)"
-
-#: What the reports read: a test's record.
-RecordLike = TestRecord
 
 
 def one_line(note: str) -> str:
@@ -59,3 +55,8 @@ def grouped(pairs: Iterable[tuple[str, list[list[str]]]]) -> list[tuple[str, lis
 def figure_text(metric: str, value: int | None, exact: bool) -> str:
     """``value`` of ``metric`` as the command line and the history show it: in bytes when ``exact``."""
     return str(value) if exact and value is not None else metric_info(metric).format(value)
+
+
+def delta_text(metric: str, delta: int, exact: bool) -> str:
+    """A signed change of ``metric``, as :func:`figure_text` shows its values."""
+    return f"{delta:+d}" if exact else metric_info(metric).format_delta(delta)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pytest_gpumem.data.findings import failure_message
 from pytest_gpumem.data.metrics import COUNT_METRICS, METRICS
-from pytest_gpumem.report.cells import RecordLike
+from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.report.text import worst_status
 
 __all__ = [
@@ -30,7 +30,7 @@ STEP_SUMMARY_LIMIT = 1024 * 1024
 MAX_ANNOTATIONS = 10
 
 
-def first_line(record: RecordLike) -> str:
+def first_line(record: TestRecord) -> str:
     """The first line of a test's memory failure: its first error, else its first broken check ("" if none)."""
     if record.errors:
         return f"gpumem: {record.errors[0]}".splitlines()[0]
@@ -38,7 +38,7 @@ def first_line(record: RecordLike) -> str:
     return message.splitlines()[0] if message else ""
 
 
-def junit_properties(record: RecordLike) -> list[tuple[str, str | int]]:
+def junit_properties(record: TestRecord) -> list[tuple[str, str | int]]:
     """The judged figures as JUnit properties: ``PREFIX.METRIC.`` ``measured``, ``cost``, ``limit``, ``budget``,
     ``baseline`` (each when known) and ``status`` (the worst check, ``unchecked`` when none), and ``gpumem.failure``.
     PREFIX is ``gpumem`` for the test call, ``gpumem[NAME]`` for a span."""
@@ -94,7 +94,7 @@ def _in_workspace(path: Path, workspace: Path | None) -> str:
         return path.as_posix()
 
 
-def _site_line(record: RecordLike, rootdir: Path) -> tuple[str, int, str] | None:
+def _site_line(record: TestRecord, rootdir: Path) -> tuple[str, int, str] | None:
     """The rootdir's line that grew most against the baseline, else the largest peak site of a span that broke a limit;
     None when no site names a rootdir file with its line."""
     broken = [f for f in record.findings if f.failed]
@@ -115,7 +115,7 @@ def _site_line(record: RecordLike, rootdir: Path) -> tuple[str, int, str] | None
 
 
 def failure_annotations(
-    record: RecordLike, location: tuple[str, int] | None, rootdir: Path, workspace: Path | None
+    record: TestRecord, location: tuple[str, int] | None, rootdir: Path, workspace: Path | None
 ) -> list[Annotation]:
     """The ``::error`` annotation of a test that failed on memory: at the line that grew, else at the test's
     ``location``; none when it did not fail."""

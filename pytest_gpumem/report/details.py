@@ -7,13 +7,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from pytest_gpumem.data.figures import Measurement, Phase
 from pytest_gpumem.data.findings import Finding, failure_message
 from pytest_gpumem.data.metrics import CATEGORIES, COUNT_METRICS, METRICS, PHASES, metric_info
+from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.report.cells import (
     COST_ONLY_METRICS,
     LEGEND_COST,
     LEGEND_COUNT,
     LEGEND_SIGNED,
     SIGNED_METRICS,
-    RecordLike,
     grouped,
     one_line,
     other_environments,
@@ -52,14 +52,14 @@ def _categories(measurement: Measurement) -> list[str]:
     return [format_size(breakdown.get(c)) if breakdown is not None else "n/a" for c in CATEGORIES]
 
 
-def breakdown_rows(measurements: Sequence[tuple[str, Measurement]], *, phases: bool = True) -> list[list[str]]:
-    """One row per (test, span) with a breakdown or phases: test, span, categories, phase peaks (optional), saved for
-    backward, Ψ."""
+def breakdown_rows(measurements: Sequence[tuple[str, Measurement]]) -> list[list[str]]:
+    """One row per (test, span) with a breakdown or phases: test, span, categories, phase peaks, saved for backward,
+    Ψ."""
     rows = []
     for test, m in measurements:
         if m.breakdown is not None or m.phases:
             peaks = [_times(format_size(m.phases[p].peak), m.phases[p]) if p in m.phases else "" for p in PHASES]
-            rows.append([short_id(test), m.name, *_categories(m), *(peaks if phases else ()), *_saved(m)])
+            rows.append([short_id(test), m.name, *_categories(m), *peaks, *_saved(m)])
     return rows
 
 
@@ -109,7 +109,7 @@ def detail_tables(
     return lines
 
 
-def environment_notes(records: Iterable[RecordLike]) -> list[str]:
+def environment_notes(records: Iterable[TestRecord]) -> list[str]:
     """One line per test whose baselines exist only for other environments, naming them."""
     others = [(r, next((f for f in r.findings if f.status == "other-environment"), None)) for r in records]
     return [f"{short_id(r.nodeid)}: {one_line(other_environments(f.detail))}" for r, f in others if f is not None]
@@ -160,7 +160,7 @@ def measurement_table(measurements: Sequence[Measurement], *, width: int | None 
 
 
 def failure_text(
-    record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None, verbosity: int = 0
+    record: TestRecord, *, reports: Sequence[str] = (), width: int | None = None, verbosity: int = 0
 ) -> str:
     """The text of a test that failed on memory: its errors, the broken checks with the sites that grew, ``reports``,
     then its figures."""
@@ -176,7 +176,7 @@ def failure_text(
 
 
 def error_section(
-    record: RecordLike, *, reports: Sequence[str] = (), width: int | None = None, verbosity: int = 0
+    record: TestRecord, *, reports: Sequence[str] = (), width: int | None = None, verbosity: int = 0
 ) -> str:
     """What a test that failed for its own reason (an OOM) adds to pytest's report: ``reports``, then its peak's
     sites."""
@@ -197,7 +197,7 @@ LEGEND_ACTIVATIONS = (
 _BREAKDOWN_OF = {"peak": ("breakdown", "at the peak"), "allocated": ("allocated_breakdown", "at the return")}
 
 
-def _beyond_model_states(record: RecordLike, broken: Sequence[Finding]) -> list[str]:
+def _beyond_model_states(record: TestRecord, broken: Sequence[Finding]) -> list[str]:
     """For each broken limit or budget on ``peak`` or ``allocated``: the bytes held beyond the model states
     (activations, temporaries, other), what most often goes over a budget."""
     lines: list[str] = []

@@ -13,7 +13,6 @@ from pytest_gpumem.baselines.canonical import json_bytes
 from pytest_gpumem.data.findings import Finding
 from pytest_gpumem.files import write_file
 from pytest_gpumem.judge.record import TestRecord
-from pytest_gpumem.report.cells import RecordLike
 from pytest_gpumem.report.ci import STEP_SUMMARY_LIMIT, capped_summary
 from pytest_gpumem.report.text import markdown_report
 
@@ -24,7 +23,7 @@ REPORT_SCHEMA = 1
 
 
 def json_report(
-    records: Iterable[RecordLike],
+    records: Iterable[TestRecord],
     *,
     environments: Sequence[dict[str, object]],
     extra_findings: Sequence[Finding] = (),

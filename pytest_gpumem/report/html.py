@@ -17,14 +17,16 @@ from pytest_gpumem.units import UNITS, format_delta, format_size
 __all__ = ["html_page", "html_text", "render_html"]
 
 #: Fill colour of each category (colour-blind-friendly Tableau 10 hues).
-_COLOURS: Mapping[str, str] = {
-    "parameters": "#4e79a7",
-    "gradients": "#f28e2b",
-    "optimizer_state": "#59a14f",
-    "activations": "#e15759",
-    "temporaries": "#b07aa1",
-    "other": "#a0a0a0",
-}
+_COLOURS: Mapping[str, str] = MappingProxyType(
+    {
+        "parameters": "#4e79a7",
+        "gradients": "#f28e2b",
+        "optimizer_state": "#59a14f",
+        "activations": "#e15759",
+        "temporaries": "#b07aa1",
+        "other": "#a0a0a0",
+    }
+)
 _LINE_COLOURS = ("#b3261e", "#1f3a5f", "#6a3d9a", "#00796b", "#8d6e00")
 _NO_LINES: Mapping[str, int] = MappingProxyType({})
 

@@ -11,8 +11,8 @@ from operator import attrgetter
 
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.site_figures import BEFORE, SiteFigures, SiteProfile
+from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.judge.site_changes import SiteDiff
-from pytest_gpumem.report.cells import RecordLike
 from pytest_gpumem.report.html import html_text as _esc
 from pytest_gpumem.tables import Col, Table, markdown_table, markdown_text, visible, wrap
 from pytest_gpumem.units import format_delta, format_size
@@ -105,7 +105,7 @@ def _second_run(profile: SiteProfile | SiteDiff) -> str:
     return "sites from a second run" + (f"; {profile.note}" if profile.note else "")
 
 
-def site_tables(record: RecordLike, *, error: bool = False) -> list[SiteTable]:
+def site_tables(record: TestRecord, *, error: bool = False) -> list[SiteTable]:
     """The tables of sites for what failed in ``record``, per span and moment; ``error``: its call's peak sites."""
     moments: dict[str, list[str]] = {"call": ["peak"]} if error else {}
     for finding in record.findings:
@@ -124,12 +124,16 @@ def site_tables(record: RecordLike, *, error: bool = False) -> list[SiteTable]:
 def _table(span: str, moment: str, diff: SiteDiff | None, measurement: Measurement | None) -> SiteTable | None:
     where = "" if span == "call" else f"[{span}] "
     if diff is not None:
-        rows = []
-        for change in diff.at(moment):
+        rows, sizes = [], []
+        changes = diff.at(moment)
+        for change in changes:
             delta = change.delta(moment)
             text = format_delta(delta) if change.status != "unlisted" else f"({format_delta(delta)})"
             notes = [_NOTES.get(change.status, ""), held_by(change.figures, delta)]
             rows.append(_cells(change.figures, text, "; ".join(note for note in notes if note)))
+            sizes.append(
+                (change.before_peak, change.after_peak) if moment == "peak" else (change.before_end, change.after_end)
+            )
         changed = len(rows)
         footer = (
             f"({changed} of {diff.compared} sites changed; the rest are as recorded)"
@@ -137,9 +141,6 @@ def _table(span: str, moment: str, diff: SiteDiff | None, measurement: Measureme
             else f"(none of {diff.compared} sites changed {_AT[moment]}: the start or what the sites miss moved)"
         )
         title = f"{where}{_AT[moment]}, against the baseline (sites by growth):"
-        sizes: list[tuple[int | None, int]] = [
-            (getattr(c, f"before_{moment}"), getattr(c, f"after_{moment}")) for c in diff.at(moment)
-        ]
         return SiteTable(span, moment, title, rows, footer, _second_run(diff), sizes=sizes)
     if measurement is None or measurement.sites is None:
         return None
@@ -154,7 +155,7 @@ def _table(span: str, moment: str, diff: SiteDiff | None, measurement: Measureme
     return SiteTable(span, moment, title, rows, footer, _second_run(profile), changes=False, sizes=sizes)
 
 
-def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int = 0, error: bool = False) -> list[str]:
+def site_lines(record: TestRecord, *, width: int | None = None, verbosity: int = 0, error: bool = False) -> list[str]:
     """The failure text's sites: :data:`SHOWN` rows a table at ``verbosity`` 0, every row above, the first line below;
     control characters shown as escapes."""
     lines: list[str] = []
@@ -177,7 +178,7 @@ def site_lines(record: RecordLike, *, width: int | None = None, verbosity: int =
     return [visible(line) for line in lines]
 
 
-def site_markdown(records: Sequence[RecordLike]) -> str:
+def site_markdown(records: Sequence[TestRecord]) -> str:
     """The Markdown report's section: each failed test's tables of sites ("" when none)."""
     parts = []
     for record in records:
@@ -197,7 +198,7 @@ def _bar(nbytes: int, scale: int, colour: str) -> str:
     return f'<svg width="{width + 2}" height="10" role="img"><rect width="{width}" height="10" fill="{colour}"/></svg>'
 
 
-def site_section_html(record: RecordLike) -> str:
+def site_section_html(record: TestRecord) -> str:
     """The HTML artifact's card: the baseline's bytes beside this run's as two bars per site; "" when no sites."""
     cards = []
     for table in site_tables(record):

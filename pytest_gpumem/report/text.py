@@ -10,13 +10,13 @@ from pathlib import Path
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.findings import Finding
 from pytest_gpumem.data.metrics import COUNT_METRICS, METRICS, metric_info
+from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.report.cells import (
     COST_ONLY_METRICS,
     LEGEND_COST,
     LEGEND_DELTA,
     LEGEND_SIGNED,
     SIGNED_METRICS,
-    RecordLike,
     grouped,
     one_line,
     other_environments,
@@ -49,10 +49,12 @@ STATUS_ORDER = (
 )
 
 
+_RANK = {status: i for i, status in enumerate(STATUS_ORDER)}
+
+
 def worst_status(findings: Iterable[Finding]) -> str:
     """The first of :data:`STATUS_ORDER` among ``findings``' statuses ("unchecked" when nothing judged the figure)."""
-    order = {status: i for i, status in enumerate(STATUS_ORDER)}
-    return min((f.status for f in findings), key=lambda s: order.get(s, len(order)), default="unchecked")
+    return min((f.status for f in findings), key=lambda s: _RANK.get(s, len(_RANK)), default="unchecked")
 
 
 #: What a status asks for, in the legend under the summary (only for statuses the table shows).
@@ -182,7 +184,7 @@ def _status_row(test: str, failed: bool, span: str, status: str, note: str) -> _
     return _Row(test, failed, [span, *[""] * (len(_CELL) - 2), status], {_CELL["status"]: note})
 
 
-def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int) -> list[_Row]:
+def _rows(records: Iterable[TestRecord], *, only_problems: bool, verbosity: int) -> list[_Row]:
     """The summary's rows: tests with a problem first, and in each test its problem rows first."""
     tests: list[list[_Row]] = []
     for record in records:
@@ -209,7 +211,7 @@ def _rows(records: Iterable[RecordLike], *, only_problems: bool, verbosity: int)
     return [row for rows in tests for row in rows]
 
 
-def summary_rows(records: Iterable[RecordLike], *, only_problems: bool = False, verbosity: int = 0) -> list[list[str]]:
+def summary_rows(records: Iterable[TestRecord], *, only_problems: bool = False, verbosity: int = 0) -> list[list[str]]:
     """The summary's rows as text in :data:`SUMMARY_HEADERS` order, what the table puts in notes in parentheses after
     its cell."""
     table = []
@@ -250,7 +252,7 @@ def _summary_table(rows: Sequence[_Row], notes: _Notes, verbosity: int) -> Table
 
 
 def summary_table(
-    records: Iterable[RecordLike],
+    records: Iterable[TestRecord],
     *,
     only_problems: bool = False,
     width: int | None = None,
@@ -272,7 +274,7 @@ def summary_table(
     if below:
         lines += ["", *below]
     if verbosity > 0 and not only_problems:
-        lines += detail_tables([(test_id(r.nodeid, verbosity), m) for r in records for m in r.measurements], width)
+        lines += detail_tables([(r.nodeid, m) for r in records for m in r.measurements], width)
     return "\n".join(lines)
 
 
@@ -283,7 +285,7 @@ def _key_items(key: str) -> list[str]:
 
 
 def terminal_summary(
-    records: Sequence[RecordLike],
+    records: Sequence[TestRecord],
     *,
     stale: Sequence[Finding] = (),
     environments: Mapping[str, int | None] | None = None,
@@ -333,7 +335,7 @@ def _environment_lines(keys: Sequence[str], width: int | None) -> list[str]:
 
 
 def markdown_report(
-    records: Iterable[RecordLike],
+    records: Iterable[TestRecord],
     *,
     header: str = "",
     extra_findings: Sequence[Finding] = (),
@@ -348,9 +350,10 @@ def markdown_report(
         lines += [f"Environment: {markdown_code(header)}", ""]
     lines.append(f"{len(records)} measured test(s), {failed} failing on memory.")
     notes = _Notes()
-    failing = {row.test for row in rows if row.failed}
-    folded = [[row for row in rows if row.test in failing], [row for row in rows if row.test not in failing]]
-    tables = folded if fold_passing else [rows]
+    tables = [rows]
+    if fold_passing:
+        failing = {row.test for row in rows if row.failed}
+        tables = [[row for row in rows if row.test in failing], [row for row in rows if row.test not in failing]]
     for index, shown in enumerate(tables):
         if not shown and (index or len(tables) > 1):
             continue

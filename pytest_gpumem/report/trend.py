@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from pytest_gpumem.baselines.history import Commit, History, Version
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
-from pytest_gpumem.report.cells import figure_text
+from pytest_gpumem.report.cells import delta_text, figure_text
 from pytest_gpumem.report.html import html_page, html_text
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_size
@@ -74,7 +74,7 @@ def _points(history: History, series: Series, metric: str) -> list[tuple[int, Co
 def _delta(metric: str, before: int | None, after: int | None, exact: bool) -> str:
     if before is None or after is None:
         return f"{figure_text(metric, before, exact)} → {figure_text(metric, after, exact)}"
-    return f"{after - before:+d}" if exact else metric_info(metric).format_delta(after - before)
+    return delta_text(metric, after - before, exact)
 
 
 def _changes(before: Version | None, after: Version, series: Series, metrics: Sequence[str], exact: bool) -> str:
