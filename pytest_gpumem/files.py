@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
 import sys
 from pathlib import Path
 
-__all__ = ["move_file", "unwritable", "write_file"]
+__all__ = ["move_file", "temporary_pid", "unwritable", "write_file"]
 
 
 def write_file(path: str | os.PathLike[str], data: bytes, *, durable: bool = False) -> Path:
@@ -50,7 +51,8 @@ def _write_into(target: Path, mode: int, data: bytes) -> None:
             raise OSError(errno.ENXIO, "is a FIFO that no process reads: not replaced", str(target)) from None
         raise
     with os.fdopen(fd, "wb") as handle:
-        os.set_blocking(fd, True)  # a FIFO's reader is there: wait for it to read the rest
+        if flags & os.O_NONBLOCK:  # a FIFO's reader is there: wait for it to read the rest
+            os.set_blocking(fd, True)
         handle.write(data)
 
 
@@ -67,13 +69,24 @@ def move_file(temporary: str | os.PathLike[str], path: str | os.PathLike[str]) -
             os.unlink(temporary)
 
 
+def _temporary_prefix(target: Path) -> str:
+    return f".{target.name[:100]}."
+
+
+def temporary_pid(target: Path, name: str) -> int | None:
+    """The id of the process that made ``name``, a temporary file :func:`write_file` makes beside ``target``; None
+    for any other name."""
+    found = re.fullmatch(re.escape(_temporary_prefix(target)) + r"([0-9]+)\.[^.]*\.tmp", name)
+    return None if found is None else int(found[1])
+
+
 def _replace(target: Path, data: bytes, mode: int | None, *, durable: bool) -> None:
     folder = target.parent
     folder.mkdir(parents=True, exist_ok=True)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = -1
     while fd < 0:  # until the name is new: 32 random bits collide almost never
-        temporary = folder / f".{target.name[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        temporary = folder / f"{_temporary_prefix(target)}{os.getpid()}.{secrets.token_hex(4)}.tmp"
         with contextlib.suppress(FileExistsError):
             fd = os.open(temporary, flags, 0o666)
     try:

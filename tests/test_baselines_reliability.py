@@ -546,3 +546,23 @@ def test_the_store_survives_from_dict_with_deep_values() -> None:
         deep = [deep]
     with pytest.raises(BaselineFileError, match="nested"):
         BaselineStore.from_dict({"schema": 1, "environments": {}, "x": deep})
+
+
+def test_a_killed_saves_temporary_file_goes_whatever_the_files_name_and_no_other_name_stops_a_save(
+    tmp_path: Path,
+) -> None:
+    """A temporary file of a process that is gone is removed at the next save, also beside a file whose name is over
+    the 100 characters the temporary name keeps of it; a name that only looks like one (a pid in digits that are not
+    ASCII's) is left alone, and the save goes on."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = int(done.stdout)  # a process that has ended
+    for name in ("b.json", "b" * 120 + ".json"):
+        path = recorded(tmp_path / name, "t.py::a")
+        orphan = tmp_path / f".{path.name[:100]}.{gone}.0a1b2c3d.tmp"
+        lookalike = tmp_path / f".{path.name[:100]}.²³.0a1b2c3d.tmp"
+        orphan.write_bytes(b"{}")
+        lookalike.write_bytes(b"{}")
+        recorded(path, "t.py::b")
+        assert not orphan.exists() and lookalike.exists()
+        assert names_in(path) == ["t.py::a", "t.py::b"]
+        lookalike.unlink()

@@ -15,7 +15,7 @@ from pathlib import Path
 from pytest_gpumem.baselines.loading import digest, fingerprint, parse, read
 from pytest_gpumem.baselines.store import BaselineStore, Fingerprint
 from pytest_gpumem.baselines.validation import BaselineFileError
-from pytest_gpumem.files import write_file
+from pytest_gpumem.files import temporary_pid, write_file
 
 __all__ = ["LOCK_TIMEOUT_S", "ORPHAN_AGE_S", "lock_path", "save"]
 
@@ -182,19 +182,21 @@ def _atomic_write(target: Path, data: bytes) -> None:
 
 def _remove_orphans(target: Path) -> None:
     """Remove temp files a killed save of ``target`` left behind: their process is gone, or they are old."""
-    temporary = re.compile(re.escape(f".{target.name}.") + r"(\d+)\.[^.]*\.tmp")  # as files.write_file names them
     try:
         names = os.listdir(target.parent)
     except OSError:  # pragma: no cover
         return
     now = time.time()
-    for match in filter(None, map(temporary.fullmatch, names)):
-        orphan = target.parent / match[0]
+    for name in names:
+        pid = temporary_pid(target, name)
+        if pid is None:
+            continue
+        orphan = target.parent / name
         try:
             old = now - orphan.stat().st_mtime > ORPHAN_AGE_S
         except OSError:
             continue
-        if old or (int(match[1]) != os.getpid() and not _alive(int(match[1]))):
+        if old or (pid != os.getpid() and not _alive(pid)):
             with contextlib.suppress(OSError):
                 orphan.unlink()
 
