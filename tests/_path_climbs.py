@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import pytest_gpumem
+from conftest import _pinned
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = str(Path(pytest_gpumem.__file__).resolve().parent) + os.sep
@@ -95,7 +96,7 @@ def trace(pytester: pytest.Pytester) -> PathTracer:
     """The path of :data:`TEST`, run in a pytest session of this process."""
     pytester.makepyfile(test_path=TEST)
     tracer = PathTracer()
-    result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider", plugins=[tracer])
+    result = pytester.runpytest_inprocess(*_pinned((), "cpu"), plugins=[tracer])
     result.assert_outcomes(passed=1)
     assert tracer.steps and tracer._done, "the path was not traced from the call hook to the judge"
     return tracer

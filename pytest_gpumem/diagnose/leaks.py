@@ -52,10 +52,11 @@ class StorageSnapshot:
 
 def snapshot_storages(engine: Engine) -> StorageSnapshot:
     """Remember the storages alive on ``engine``'s device now (weak references only), only when a leak check is on."""
-    if isinstance(engine, Runtime):
-        engine.synchronize()
+    runtime = engine if isinstance(engine, Runtime) else None
+    if runtime is not None:
+        runtime.synchronize()
     refs = {key: weakref.ref(group.storage) for key, group in storage_groups(engine.device, engine).items()}
-    allocated, used = engine.allocated(), engine.device_used() if isinstance(engine, Runtime) else None
+    allocated, used = engine.allocated(), None if runtime is None else runtime.device_used()
     return StorageSnapshot(device=str(engine.device), allocated=allocated, driver_used=used, _refs=refs)
 
 
@@ -134,19 +135,20 @@ def confirm_leak(
     """
     if tries < 1:
         raise ValueError(f"confirm_leak: tries must be >= 1, got {tries}")
-    start = start_allocated - (engine.workspaces or 0 if isinstance(engine, Workspaces) else 0)
+    spaces = engine if isinstance(engine, Workspaces) else None
+    start = start_allocated - ((None if spaces is None else spaces.workspaces) or 0)
     readings: list[int] = []
     for _ in range(tries):  # PyTorch's leak-check protocol: collect, free library workspaces, empty the cache
         engine.settle()
-        if isinstance(engine, Workspaces):
-            engine.release_workspaces()
+        if spaces is not None:
+            spaces.release_workspaces()
         engine.empty_cache()
         reading = engine.allocated()
         readings.append(reading)
         if reading <= start:
             break
-    if isinstance(engine, Workspaces):
-        engine.warm_workspaces()  # back to the steady state the start reading saw
+    if spaces is not None:
+        spaces.warm_workspaces()  # back to the steady state the start reading saw
     engine.empty_cache()
     suspected = all(reading > start for reading in readings)
     driver_retained: int | None = None

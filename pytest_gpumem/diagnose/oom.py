@@ -206,7 +206,10 @@ class OomWatch:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        """Restore the tracker's previous ``on_oom`` callback."""
+        self.close()
+
+    def close(self) -> None:
+        """Restore the tracker's previous ``on_oom`` callback (idempotent)."""
         if self._installed and self.engine.categories is not None:
             self.engine.categories.on_oom = self._previous
             self._installed = False
