@@ -175,6 +175,8 @@ KEYED_FIELDS: tuple[str, ...] = (
     "hip_version",
     "cudnn_version",
 )
+#: The keyed fields the key shows as 'unknown' when None (every one but the engine, which is never None).
+_SHOWS_NONE = frozenset(KEYED_FIELDS) - {"engine"}
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
@@ -198,7 +200,7 @@ def check_key_text(what: str, text: object) -> None:
     problem = _problem(text)
     if problem is None and (not text or text != text.strip()):
         problem = "is empty or has leading or trailing spaces"
-    if problem is None and what != "engine" and text == "unknown":
+    if problem is None and what in _SHOWS_NONE and text == "unknown":
         problem = "is 'unknown', which the key shows for None: use None"
     if problem is not None:
         raise ValueError(f"invalid environment {what} {text!r}: it {problem}")

@@ -201,7 +201,7 @@ class BaselineStore:
 
     def environments_with(self, test: str, *, exclude: str | None = None) -> tuple[str, ...]:
         """Keys of the environments that have baselines for ``test`` (sorted), leaving out ``exclude``."""
-        return tuple(sorted(k for k, env in self._envs.items() if k != exclude and test in env["tests"]))
+        return tuple(sorted(k for k, env in self._envs.items() if k != exclude and test in env.get("tests", {})))
 
     def _raw_spans(self, environment: str, test: str) -> dict[str, Any]:
         """The span objects of ``test`` in ``environment`` as the tree holds them (empty when none)."""
