@@ -34,7 +34,6 @@ __all__ = [
     "module_level_names",
     "stack_frames",
     "storage_groups",
-    "take_census",
     "tensor_names",
     "traceback_frames",
 ]
@@ -294,27 +293,16 @@ def live_tensors(
     objects: Iterable[Any] = (),
     frames: Iterable[FrameType] = (),
     top: int | None = TOP,
+    counted_only: bool = False,
+    thaw_for: Callable[[StorageGroup], bool] | None = None,
 ) -> tuple[tuple[LiveTensor, ...], int, int]:
     """The ``top`` largest live tensors on ``device``, by storage, and how many storages there are and their bytes.
 
     Tensors only C++ holds (saved for backward without the tracker, workspaces) are not found; names come from
-    ``objects`` and the locals of ``frames``.
+    ``objects`` and the locals of ``frames``. ``counted_only`` keeps only storages ``engine``'s tracker counts; the
+    frozen objects are given back to name a holder only when a group left unnamed is one ``thaw_for`` wants.
     """
-    return take_census(torch.device(device), engine, objects, frames, top)
-
-
-def take_census(
-    device: torch.device,
-    engine: Engine | None = None,
-    objects: Iterable[Any] = (),
-    frames: Iterable[FrameType] = (),
-    top: int | None = TOP,
-    *,
-    counted_only: bool = False,
-    thaw_for: Callable[[StorageGroup], bool] | None = None,
-) -> tuple[tuple[LiveTensor, ...], int, int]:
-    """:func:`live_tensors`; ``counted_only`` keeps only storages ``engine``'s tracker counts; the frozen objects are
-    given back to name a holder only when a group left unnamed is one ``thaw_for`` wants."""
+    device = torch.device(device)
     frames = list(frames)
     held = module_level_objects()
     tracked = [*objects, *(obj for _, obj in held.values())]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pytest_gpumem.diagnose.census import StorageGroup, stack_frames, take_census
+from pytest_gpumem.diagnose.census import StorageGroup, live_tensors, stack_frames
 from pytest_gpumem.measurement import gcfunctions
 
 __all__ = ["holder_pattern", "kept_by_site", "state_key", "state_options"]
@@ -40,8 +40,14 @@ def kept_by_site(
     frames = list(stack_frames(frame))
     if code is not None and all(f.f_code is not code for f in frames):
         frames[:0] = _frames_of(code)
-    tensors, _, _ = take_census(
-        engine.device, engine, list(tracked), frames, None, counted_only=engine.exact, thaw_for=_made_at_a_site(engine)
+    tensors, _, _ = live_tensors(
+        engine.device,
+        engine=engine,
+        objects=list(tracked),
+        frames=frames,
+        top=None,
+        counted_only=engine.exact,
+        thaw_for=_made_at_a_site(engine),
     )
     del frames
     found: dict[tuple[str, str | None], dict[str, int]] = {}

@@ -16,7 +16,7 @@ import torch
 
 from pytest_gpumem.codec import Coded
 from pytest_gpumem.data.metrics import CATEGORIES
-from pytest_gpumem.diagnose.census import TOP, LiveTensor, live_table, stack_frames, take_census, traceback_frames
+from pytest_gpumem.diagnose.census import TOP, LiveTensor, live_table, live_tensors, stack_frames, traceback_frames
 from pytest_gpumem.diagnose.holders import library_dirs
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.tables import table
@@ -160,7 +160,9 @@ def oom_report(
     objects = list(recorder.tracked) if recorder is not None else []
     if recorder is not None:
         recorder.reclassify()
-    largest, count, nbytes = take_census(engine.device, engine, objects, frames, top, counted_only=engine.exact)
+    largest, count, nbytes = live_tensors(
+        engine.device, engine=engine, objects=objects, frames=frames, top=top, counted_only=engine.exact
+    )
     site = engine.sites.here() if engine.sites is not None and when == "at the failed allocation" else None
     breakdown = None if engine.categories is None else engine.categories.breakdown()
     return OomReport(
