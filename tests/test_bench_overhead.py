@@ -38,7 +38,6 @@ def _bench_here(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.Co
     return subprocess.CompletedProcess(["bench_overhead.py", *args], code, out, err)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")
 def test_cuda_without_a_gpu_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     done = _bench_here(capsys, "--cuda", "--tests", "4", "--json", str(tmp_path / "never.json"))
