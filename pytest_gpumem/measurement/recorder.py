@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
-
-import torch
 
 from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline, notify
 from pytest_gpumem.data.metrics import CATEGORIES
@@ -65,11 +63,8 @@ class Recorder:
         self.sites, self._end_sites = sites, _sites_now(engine)
         self.timeline = timeline and engine.categories is not None
         self.saved_tensors = saved_tensors
-        self._tracked = Tracked(engine, self)
         self._open: list[_SpanState] = []
-        self._handles: list[Any] = []
         self.phase: str | None = None  #: the training step's phase now ("forward", "backward", "optimizer")
-        self._depth = 0
         self.external_phases = False  #: phases are marked by a framework adapter (:meth:`mark_phase`)
         self._marks: list[tuple[int, str]] = []
         #: windows and phase changes the engine reads later: (kind, token, phase, new phase)
@@ -85,6 +80,7 @@ class Recorder:
         self.fake = fake
         self.label = label
         self._faked = contextlib.ExitStack()  # the fake tensors' mode, below the tracker's dispatch mode
+        self._tracked = Tracked(self)
 
     # -- life cycle ------------------------------------------------------------
 
@@ -110,9 +106,6 @@ class Recorder:
         """Stop watching; remove this recorder's hooks and let go of tracked objects."""
         self.active = False
         self.engine.stop()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
         self.phase = None
         self.external_phases = False
         if self.fake:
@@ -143,36 +136,7 @@ class Recorder:
         """Trainable parameter count of the tracked objects (None: nothing tracked)."""
         return self._tracked.psi
 
-    # -- phases, from the tracked objects' hooks ----------------------------------
-
-    def forward_pre(self) -> None:
-        if self._depth == 0 and not self.external_phases:
-            self.set_phase("forward")
-        self._depth += 1
-
-    def forward_post(self, output: Any) -> None:
-        self._depth -= 1
-        if self._depth == 0 and self.active and torch.is_grad_enabled():
-            for tensor in _tensors(output):
-                if tensor.grad_fn is not None:
-                    self._handles.append(tensor.grad_fn.register_prehook(self._backward_reached))
-
-    def _backward_reached(self, grad_outputs: Any) -> None:
-        if self.phase != "optimizer" and not self.external_phases:
-            self.set_phase("backward")
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-
-    def _backward_done(self) -> None:
-        if self.phase == "backward":
-            self.set_phase(None)
-
-    def optimizer_pre(self) -> None:
-        if not self.external_phases:
-            self.set_phase("optimizer")
-
-    def optimizer_post(self) -> None:
-        if not self.external_phases:
-            self.set_phase(None)
+    # -- phases ------------------------------------------------------------------
 
     def mark_phase(self, phase: str | None) -> None:
         """Enter ``phase`` as a framework's hooks tell it, and from now on only they do (Lightning's closures)."""
@@ -372,20 +336,6 @@ class Recorder:
 
 def _diff(now: Mapping[str, int], before: Mapping[str, int], key: str) -> int | None:
     return now[key] - before[key] if key in now and key in before else None
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif hasattr(value, "__dataclass_fields__"):
-        for name in value.__dataclass_fields__:
-            yield from _tensors(getattr(value, name, None))
 
 
 class Span:
