@@ -222,15 +222,12 @@ class Recorder:
 
     def allocated_now(self) -> tuple[int, dict[str, int] | None]:
         """Allocated bytes now and, with a tracker, their breakdown."""
-        with self.engine.reading():
-            return self._allocated_now()
-
-    def _allocated_now(self) -> tuple[int, dict[str, int] | None]:
-        self._end_sites = _sites_now(self.engine)
-        now = self.engine.allocated()
-        if self.engine.categories is None:
-            return now, None
-        parts = self.engine.categories.breakdown()
+        with self.engine.reading():  # inside a span's end reading, the same one (readings nest)
+            self._end_sites = _sites_now(self.engine)
+            now = self.engine.allocated()
+            if self.engine.categories is None:
+                return now, None
+            parts = self.engine.categories.breakdown()
         parts["other"] += max(0, now - sum(parts.values()))
         return now, self.categories(parts)
 
@@ -254,7 +251,7 @@ class Recorder:
             self._open.remove(state)
             counters = _counters(self.engine)
             used, mine = self.engine.driver() if self.driver and isinstance(self.engine, Runtime) else (None, None)
-            end, end_breakdown = self._allocated_now() if allocated is None else allocated
+            end, end_breakdown = self.allocated_now() if allocated is None else allocated
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
         breakdown = self.categories(breakdown)
         self._warn_compiled(state)
