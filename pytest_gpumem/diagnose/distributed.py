@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 import pickle
+import pkgutil
 import queue
 import signal
 import socket
@@ -159,22 +160,18 @@ def _forget_earlier_ranks() -> None:
     They are keyed by value and equal-shaped meshes compare equal across ranks, so a later rank would get results
     holding the earlier rank's meshes (``tests/test_fake_ranks.py`` checks it).
     """
-    import importlib
-
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
     caches = (
-        ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached"),
-        ("torch.distributed.tensor._redistribute", "_gen_transform_infos"),
-        ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
-        ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh"),
+        "torch.distributed.tensor._sharding_prop:ShardingPropagator._propagate_tensor_meta_cached",
+        "torch.distributed.tensor._redistribute:_gen_transform_infos",
+        "torch.distributed.tensor._redistribute:clear_redistribute_planner_cache",
+        "torch.distributed.tensor._collective_utils:MeshTopoInfo.build_from_mesh",
     )
-    for module_name, path in caches:
+    for name in caches:
         try:
-            found: Any = importlib.import_module(module_name)
-            for part in path.split("."):
-                found = getattr(found, part)
+            found = pkgutil.resolve_name(name)
         except (ImportError, AttributeError):
             continue
         getattr(found, "cache_clear", found)()
