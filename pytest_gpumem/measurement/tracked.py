@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from pytest_gpumem.budgets.formulas import tracked_psi
+from pytest_gpumem.measurement.engines.base import Engine
 
-if TYPE_CHECKING:
-    from pytest_gpumem.measurement.recorder import Recorder
-
-__all__ = ["Tracked", "check_trackable"]
+__all__ = ["PhaseHost", "Tracked", "check_trackable"]
 
 #: torch's warning about global module hooks at a compiled module's call (torch._dynamo.eval_frame)
 _COMPILED_MODULE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
@@ -30,11 +28,21 @@ def check_trackable(obj: Any) -> None:
         )
 
 
-class Tracked:
-    """The tracked modules and optimizers of one recording, and their hooks (removed by :meth:`clear`), which set the
-    recorder's phase unless a framework adapter marks the phases (:attr:`Recorder.external_phases`)."""
+class PhaseHost(Protocol):
+    """What the tracked objects' hooks read and set (the recorder)."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    engine: Engine
+    active: bool
+    phase: str | None
+    external_phases: bool  #: a framework adapter marks the phases, not these hooks
+
+    def set_phase(self, phase: str | None) -> None: ...
+
+
+class Tracked:
+    """The tracked modules and optimizers of one recording, and their hooks (removed by :meth:`clear`)."""
+
+    def __init__(self, recorder: PhaseHost) -> None:
         self.recorder = recorder
         self.engine = recorder.engine
         self.objects: list[Any] = []
