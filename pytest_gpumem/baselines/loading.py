@@ -17,7 +17,8 @@ from pytest_gpumem.baselines.validation import HINT_RESTORE, MAX_DEPTH, Baseline
 
 __all__ = ["load", "parse"]
 
-_CONFLICT_MARKERS = ("<" * 7, "=" * 7, ">" * 7, "|" * 7)
+#: A line that is a git conflict marker: the marker, then nothing or a space and a label.
+_CONFLICT_MARKER = re.compile(r"^(?:<{7}|={7}|>{7}|\|{7})(?:[ \t\r].*)?$", re.MULTILINE)
 _HINT_CONFLICT = (
     "Resolve the merge conflict first: keep one side of each conflicting block (for instance "
     "`git checkout --theirs -- {path}`), then run `pytest --gpumem-update-baselines` to record "
@@ -98,30 +99,15 @@ def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> Baseline
 
 
 def _raise_for_conflict(text: str, path: str | os.PathLike[str]) -> None:
-    marker = _find_conflict_marker(text)
+    marker = _CONFLICT_MARKER.search(text)
     if marker is not None:
-        end = text.find("\n", marker)
-        shown = text[marker : end if end >= 0 else len(text)].strip()
         raise BaselineFileError(
             path,
-            f"git conflict marker {shown[:40]!r}: the file has an unresolved merge conflict",
-            line=text.count("\n", 0, marker) + 1,
+            f"git conflict marker {marker[0].strip()[:40]!r}: the file has an unresolved merge conflict",
+            line=text.count("\n", 0, marker.start()) + 1,
             column=1,
             hint=_HINT_CONFLICT.format(path=path),
         )
-
-
-def _find_conflict_marker(text: str) -> int | None:
-    """Offset of the first line that is a git conflict marker; ``None`` when there is none."""
-    lines = "\n" + text  # a marker starts a line: "\n" + marker at offset i is the marker at i in text
-    found: int | None = None
-    for marker in _CONFLICT_MARKERS:
-        index = lines.find("\n" + marker)
-        while index >= 0 and lines[index + 8 : index + 9] not in ("", "\n", "\r", " ", "\t"):
-            index = lines.find("\n" + marker, index + 1)
-        if index >= 0 and (found is None or index < found):
-            found = index
-    return found
 
 
 class _Unreadable(Exception):
