@@ -217,6 +217,15 @@ def reserved_slack(*runs: Measurement) -> int:
     return max([METRIC_INFO["reserved"].tolerance_floor, *free])
 
 
+def agreeing(
+    group: str, name: str, pairs: Sequence[tuple[str, Any, Any]], source: str, spec: str = "", same: str = ""
+) -> Check:
+    """A check that each pair of figures is equal (measured and expected: the first pair's); the detail names those
+    that differ (formatted with ``spec``, the second of each from ``source``), else it is ``same``."""
+    differing = [f"{key} {ours:{spec}} vs {source} {theirs:{spec}}" for key, ours, theirs in pairs if ours != theirs]
+    return Check(group, name, not differing, pairs[0][1], pairs[0][2], "; ".join(differing) or same)
+
+
 def suite_check(summary: Mapping[str, Any]) -> Check:
     """The suite passed: exit 0, tests ran, none failed, none skipped (with a GPU nothing may skip)."""
     tests, skipped = summary.get("tests"), summary.get("skipped")
