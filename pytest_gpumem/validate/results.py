@@ -98,19 +98,13 @@ class Probe:
     name: str
     device: torch.device
     span: Span
-    _outcome: Outcome | None = None
+    outcome: Outcome = field(init=False)
 
     def allocated_now(self) -> int:
         """Allocated bytes now: PyTorch's ``memory_allocated`` on CUDA, the engine's count elsewhere."""
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
         return self.span.recorder.engine.allocated()
-
-    @property
-    def outcome(self) -> Outcome:
-        if self._outcome is None:
-            raise RuntimeError(f"probe {self.name!r} has no outcome until its block ends")
-        return self._outcome
 
 
 @contextlib.contextmanager
@@ -155,7 +149,7 @@ def probe(
             stats = dict(torch.cuda.memory_stats(device))
     if track:  # tracked modules open phase windows, which reset the peaks mid-span
         counters = stats = None
-    made._outcome = Outcome(name, span.measurement, counters, stats)
+    made.outcome = Outcome(name, span.measurement, counters, stats)
 
 
 @dataclass
