@@ -181,8 +181,9 @@ _SHOWS_NONE = frozenset(KEYED_FIELDS) - {"engine"}
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def _problem(text: str) -> str | None:
-    """What makes ``text`` unfit for a part of an environment key, or None."""
+def _problem(text: str, *, empty: str, spaces: str) -> str | None:
+    """What makes ``text`` unfit for a part of an environment key (``empty`` or ``spaces`` where it is blank or padded),
+    or None."""
     if "|" in text:
         return "contains '|' (the key's separator)"
     if "\n" in text or "\r" in text:
@@ -190,16 +191,17 @@ def _problem(text: str) -> str | None:
     control = _CONTROL.search(text)
     if control is not None:
         return f"contains the control character {control.group()!r}"
-    return None
+    if not text:
+        return empty
+    return spaces if text != text.strip() else None
 
 
 def check_key_text(what: str, text: object) -> None:
     """Raise ``ValueError`` naming ``what`` unless ``text``, if a string, can be a part of an environment key."""
     if not isinstance(text, str):
         return
-    problem = _problem(text)
-    if problem is None and (not text or text != text.strip()):
-        problem = "is empty or has leading or trailing spaces"
+    blank = "is empty or has leading or trailing spaces"
+    problem = _problem(text, empty=blank, spaces=blank)
     if problem is None and what in _SHOWS_NONE and text == "unknown":
         problem = "is 'unknown', which the key shows for None: use None"
     if problem is not None:
@@ -212,13 +214,9 @@ def check_label(name: object, value: object) -> None:
     for what, text in (("name", name), ("value", value)):
         if not isinstance(text, str):
             raise ValueError(f"invalid environment label {shown}: the {what} must be a string")
-        if not text:
-            raise ValueError(f"invalid environment label {shown}: the {what} is empty")
-        problem = _problem(text)
+        problem = _problem(text, empty="is empty", spaces="has leading or trailing spaces")
         if problem is not None:
             raise ValueError(f"invalid environment label {shown}: the {what} {problem}")
-        if text != text.strip():
-            raise ValueError(f"invalid environment label {shown}: the {what} has leading or trailing spaces")
     assert isinstance(name, str)
     if "=" in name:
         raise ValueError(f"invalid environment label {shown}: the name contains '='")

@@ -17,7 +17,8 @@ from pytest_gpumem.baselines.validation import HINT_RESTORE, MAX_DEPTH, Baseline
 
 __all__ = ["load", "parse"]
 
-_CONFLICT_MARKERS = ("<" * 7, "=" * 7, ">" * 7, "|" * 7)
+#: A line that is a git conflict marker: the marker, then nothing or a space and a label.
+_CONFLICT_MARKER = re.compile(r"^(?:<{7}|={7}|>{7}|\|{7})(?:[ \t\r].*)?$", re.MULTILINE)
 _HINT_CONFLICT = (
     "Resolve the merge conflict first: keep one side of each conflicting block (for instance "
     "`git checkout --theirs -- {path}`), then run `pytest --gpumem-update-baselines` to record "
@@ -54,42 +55,20 @@ def read(path: Path) -> tuple[Fingerprint, bytes]:
 
 def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> BaselineStore:
     """Build a store from the bytes of a baseline file (``path`` names it in errors); raises as :func:`load` does."""
-    restore = HINT_RESTORE.format(path=path)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line, column = data.count(b"\n", 0, exc.start) + 1, exc.start - data.rfind(b"\n", 0, exc.start)
-        raise BaselineFileError(path, "not UTF-8 text", line=line, column=column, hint=restore) from None
+        hint = HINT_RESTORE.format(path=path)
+        raise BaselineFileError(path, "not UTF-8 text", line=line, column=column, hint=hint) from None
     collecting = gc.isenabled()
     gc.disable()  # hundreds of thousands of acyclic dicts: no point in collecting meanwhile
     try:
         tree = json.loads(
             text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_float=_finite_float
         )
-    except RecursionError:
-        _raise_for_conflict(text, path)
-        raise BaselineFileError(
-            path,
-            f"not a baseline file: its values are nested too deeply (more than {MAX_DEPTH} levels)",
-            hint=restore,
-        ) from None
-    except ValueError as exc:  # json.JSONDecodeError is one; so is an integer too long to convert
-        _raise_for_conflict(text, path)
-        if not isinstance(exc, json.JSONDecodeError):  # the first sentence: Python's advice does not apply
-            reason = str(exc).split(":")[0]
-            raise BaselineFileError(
-                path, f"a number too long to be a number of bytes ({reason})", hint=restore
-            ) from None
-        problem = "empty file" if not text.strip() else f"not valid JSON ({exc.msg}); the file may be truncated"
-        raise BaselineFileError(path, problem, line=exc.lineno, column=exc.colno, hint=restore) from None
-    except _Unreadable as exc:
-        # A conflict marker line is never valid JSON, so the happy path needs no scan for one.
-        _raise_for_conflict(text, path)
-        problem, key = exc.args
-        if key is None:
-            raise BaselineFileError(path, problem, hint=restore) from None
-        advice = f"Keep one of the two, or {lower_first(restore)}"
-        raise BaselineFileError(path, problem, line=_line_of_second(text, key), hint=advice) from None
+    except (RecursionError, ValueError, _Unreadable) as exc:  # json.JSONDecodeError is a ValueError
+        raise _not_json(exc, text, path) from None
     finally:
         if collecting:
             gc.enable()
@@ -97,31 +76,34 @@ def parse(data: bytes, path: str | os.PathLike[str] = "<baselines>") -> Baseline
     return BaselineStore._from_tree(tree)
 
 
-def _raise_for_conflict(text: str, path: str | os.PathLike[str]) -> None:
-    marker = _find_conflict_marker(text)
+def _not_json(exc: Exception, text: str, path: str | os.PathLike[str]) -> BaselineFileError:
+    """The error for ``text``, which :func:`json.loads` refused with ``exc``: first, a merge conflict's marker (a
+    marker line is never valid JSON, so the happy path needs no scan for one)."""
+    marker = _CONFLICT_MARKER.search(text)
     if marker is not None:
-        end = text.find("\n", marker)
-        shown = text[marker : end if end >= 0 else len(text)].strip()
-        raise BaselineFileError(
+        return BaselineFileError(
             path,
-            f"git conflict marker {shown[:40]!r}: the file has an unresolved merge conflict",
-            line=text.count("\n", 0, marker) + 1,
+            f"git conflict marker {marker[0].strip()[:40]!r}: the file has an unresolved merge conflict",
+            line=text.count("\n", 0, marker.start()) + 1,
             column=1,
             hint=_HINT_CONFLICT.format(path=path),
         )
-
-
-def _find_conflict_marker(text: str) -> int | None:
-    """Offset of the first line that is a git conflict marker; ``None`` when there is none."""
-    lines = "\n" + text  # a marker starts a line: "\n" + marker at offset i is the marker at i in text
-    found: int | None = None
-    for marker in _CONFLICT_MARKERS:
-        index = lines.find("\n" + marker)
-        while index >= 0 and lines[index + 8 : index + 9] not in ("", "\n", "\r", " ", "\t"):
-            index = lines.find("\n" + marker, index + 1)
-        if index >= 0 and (found is None or index < found):
-            found = index
-    return found
+    restore = HINT_RESTORE.format(path=path)
+    if isinstance(exc, RecursionError):
+        problem = f"not a baseline file: its values are nested too deeply (more than {MAX_DEPTH} levels)"
+        return BaselineFileError(path, problem, hint=restore)
+    if isinstance(exc, _Unreadable):
+        problem, key = exc.args
+        if key is None:
+            return BaselineFileError(path, problem, hint=restore)
+        advice = f"Keep one of the two, or {lower_first(restore)}"
+        return BaselineFileError(path, problem, line=_line_of_second(text, key), hint=advice)
+    if not isinstance(exc, json.JSONDecodeError):  # an integer too long to convert: Python's advice does not apply
+        return BaselineFileError(
+            path, f"a number too long to be a number of bytes ({str(exc).split(':')[0]})", hint=restore
+        )
+    problem = "empty file" if not text.strip() else f"not valid JSON ({exc.msg}); the file may be truncated"
+    return BaselineFileError(path, problem, line=exc.lineno, column=exc.colno, hint=restore)
 
 
 class _Unreadable(Exception):

@@ -236,18 +236,10 @@ def _json_schema(node: Node) -> dict[str, Any]:
     return out
 
 
-def _too_deep(value: Any) -> bool:
-    """Whether ``value`` nests arrays and objects more than :data:`MAX_DEPTH` levels (without recursing)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        for child in children:
-            if isinstance(child, (dict, list)):
-                if depth >= MAX_DEPTH:
-                    return True
-                stack.append((child, depth + 1))
-    return False
+def _too_deep(value: Any, depth: int = 1) -> bool:
+    """Whether ``value`` nests arrays and objects more than :data:`MAX_DEPTH` levels (recursing no deeper)."""
+    children = value.values() if isinstance(value, dict) else value
+    return any(isinstance(c, (dict, list)) and (depth >= MAX_DEPTH or _too_deep(c, depth + 1)) for c in children)
 
 
 _SPACE = re.compile(r"[ \t\n\r]*")

@@ -256,10 +256,8 @@ def _order(figures: SiteFigures) -> tuple[int, int, str]:
 
 def build_profile(
     found: Iterable[tuple[Site, str, SiteCounts | None, SiteCounts | None, tuple[str, ...]]] | None,
-    *,
-    limit: int = CARRIED_SITES,
 ) -> SiteProfile | None:
-    """A profile of what the engines found, a row per site and category, its ``limit`` largest listed; None for None."""
+    """A profile of what the engines found, a row per site and category, its :data:`CARRIED_SITES` largest listed."""
     if found is None:
         return None
     rows: dict[tuple[str, int], _Row] = {}
@@ -281,7 +279,7 @@ def build_profile(
         phase = max(row.phases, key=lambda name: (row.phases[name], name))
         count = row.peak_count if row.peak else row.end_count
         figures.append(SiteFigures(row.site, row.peak, row.end, count, CATEGORIES[index], phase, row.examples))
-    return SiteProfile(tuple(sorted(figures, key=_order))).top(limit)
+    return SiteProfile(tuple(sorted(figures, key=_order))).top(CARRIED_SITES)
 
 
 class _Row:

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 import pickle
+import pkgutil
 import queue
 import signal
 import socket
@@ -82,39 +83,6 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _measured_rank(
-    rank: int,
-    world_size: int,
-    backend: str,
-    where: torch.device,
-    timeout: float,
-    fn: Callable[[int, RankContext], Any],
-    predict: str | None,
-    sites: SiteConfig | None = None,
-    **init: Any,
-) -> Measurement:
-    """Initialise the default process group as ``rank``, run ``fn`` inside :func:`measure`, end the group."""
-    import torch._dynamo  # noqa: F401  # what DDP and FSDP import at their first use (a second a rank): a warm rank has it
-    import torch.distributed as dist
-
-    from pytest_gpumem.measurement.active import measure
-
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=max(timeout, 1.0)), **init
-    )
-    try:
-        ctx = RankContext(rank, world_size, where, backend)
-        with measure(f"rank{rank}", device=where, predict=predict, fake=backend == "fake", sites=sites) as span:
-            ctx._recorder = span.recorder
-            try:
-                fn(rank, ctx)
-            finally:
-                ctx._recorder = None
-        return span.measurement
-    finally:
-        dist.destroy_process_group()
-
-
 def _rank_main(
     ranks: list[int],
     world_size: int,
@@ -129,11 +97,15 @@ def _rank_main(
     environment: dict[str, str],
 ) -> None:
     """The body of a rank process (started by :func:`run_ranks`): one rank, or all ``ranks`` one after another over
-    the fake process group."""
+    the fake process group, each measured between the start and the end of the default process group."""
     if environment != dict(os.environ):  # a warm rank inherited its server's environment
         os.environ.clear()
         os.environ.update(environment)
-    group = own_group()
+    try:
+        os.setpgid(0, 0)  # the leader of a process group of its own
+        group: int | None = os.getpid()
+    except (AttributeError, OSError):  # AttributeError: no process groups on this system
+        group = None
     for rank in ranks:
         results.put((rank, "started", group))
     die_with_parent(group)
@@ -155,9 +127,26 @@ def _rank_main(
                 _without_gpus()
             if where.type == "cuda":
                 torch.cuda.set_device(where)
+            # torch._dynamo: what DDP and FSDP import at their first use (a second a rank): a warm rank has it
+            import torch.distributed as dist
+            from torch import _dynamo  # noqa: F401
+
+            from pytest_gpumem.measurement.active import measure
+
             init = {"store": FakeStore()} if fake else {}
-            measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict, sites, **init)
-            results.put((rank, "ok", measurement.to_dict()))
+            timeout_delta = timedelta(seconds=max(timeout, 1.0))
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout_delta, **init)
+            try:
+                ctx = RankContext(rank, world_size, where, backend)
+                with measure(f"rank{rank}", device=where, predict=predict, fake=fake, sites=sites) as span:
+                    ctx._recorder = span.recorder
+                    try:
+                        fn(rank, ctx)
+                    finally:
+                        ctx._recorder = None
+            finally:
+                dist.destroy_process_group()
+            results.put((rank, "ok", span.measurement.to_dict()))
         except BaseException as exc:  # the parent reports it: nothing may escape as a silent exit code
             error = _on_fake_ranks(exc) if fake else exc
             status = "oom" if isinstance(error, torch.OutOfMemoryError) else "error"
@@ -171,22 +160,18 @@ def _forget_earlier_ranks() -> None:
     They are keyed by value and equal-shaped meshes compare equal across ranks, so a later rank would get results
     holding the earlier rank's meshes (``tests/test_fake_ranks.py`` checks it).
     """
-    import importlib
-
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
     caches = (
-        ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached"),
-        ("torch.distributed.tensor._redistribute", "_gen_transform_infos"),
-        ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
-        ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh"),
+        "torch.distributed.tensor._sharding_prop:ShardingPropagator._propagate_tensor_meta_cached",
+        "torch.distributed.tensor._redistribute:_gen_transform_infos",
+        "torch.distributed.tensor._redistribute:clear_redistribute_planner_cache",
+        "torch.distributed.tensor._collective_utils:MeshTopoInfo.build_from_mesh",
     )
-    for module_name, path in caches:
+    for name in caches:
         try:
-            found: Any = importlib.import_module(module_name)
-            for part in path.split("."):
-                found = getattr(found, part)
+            found = pkgutil.resolve_name(name)
         except (ImportError, AttributeError):
             continue
         getattr(found, "cache_clear", found)()
@@ -396,15 +381,6 @@ def _wanted_ranks(
 KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
 
 
-def own_group() -> int | None:
-    """Make this process the leader of a process group of its own; its id, None where there are none."""
-    try:
-        os.setpgid(0, 0)
-    except (AttributeError, OSError):  # AttributeError: no process groups on this system
-        return None
-    return os.getpid()
-
-
 def die_with_parent(group: int | None) -> None:
     """End this rank and its group when the process that started it is gone (a thread waits on its sentinel)."""
     import multiprocessing
@@ -449,13 +425,13 @@ def signal_group(process: Any, group: int | None, signum: int) -> None:
 
 
 @contextlib.contextmanager
-def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> Iterator[None]:
-    """While the ranks run, a SIGTERM kills them first, then goes to the previous handler (main thread only)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
-        yield
-        return
+def rank_processes(groups: dict[int, int | None]) -> Iterator[list[Any]]:
+    """The rank processes; on leaving, each still alive is terminated, then killed, with its process group. While they
+    run, a SIGTERM kills them first, then goes to the previous handler (main thread only)."""
+    processes: list[Any] = []
     # None: a handler set outside Python; none can be restored, the default is
     previous = signal.getsignal(signal.SIGTERM) or signal.SIG_DFL
+    handled = threading.current_thread() is threading.main_thread() and previous != signal.SIG_IGN
 
     def stop(signum: int, frame: Any) -> None:
         for rank, process in enumerate(processes):
@@ -466,21 +442,13 @@ def _stopped_on_sigterm(processes: list[Any], groups: dict[int, int | None]) -> 
         else:
             os.kill(os.getpid(), signum)
 
-    signal.signal(signal.SIGTERM, stop)
+    if handled:
+        signal.signal(signal.SIGTERM, stop)
     try:
-        yield
+        yield processes
     finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def rank_processes(groups: dict[int, int | None]) -> Iterator[list[Any]]:
-    """The rank processes; on leaving, each still alive is terminated, then killed, with its process group."""
-    processes: list[Any] = []
-    try:
-        with _stopped_on_sigterm(processes, groups):
-            yield processes
-    finally:
+        if handled:
+            signal.signal(signal.SIGTERM, previous)
         for rank, process in enumerate(processes):
             if process.is_alive():
                 signal_group(process, groups.get(rank), signal.SIGTERM)

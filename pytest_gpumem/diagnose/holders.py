@@ -7,6 +7,7 @@ anything else is named through the collector's referrers, on failures only.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import sysconfig
@@ -20,7 +21,6 @@ from pytest_gpumem.measurement import collector, gcfunctions
 
 __all__ = ["frame_locals", "frame_where", "library_dirs", "module_level_objects", "referrer_names"]
 
-_CO_OPTIMIZED = 0x1
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The naming machinery's own frames (and the reports'), never a holder's name.
@@ -101,7 +101,7 @@ def frame_locals(frame: FrameType) -> dict[str, Any]:
         values = dict(snapshot)
     except Exception:  # pragma: no cover - exotic frames
         return {}
-    if sys.version_info < (3, 13) and frame.f_code.co_flags & _CO_OPTIMIZED and isinstance(snapshot, dict):
+    if sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED and isinstance(snapshot, dict):
         snapshot.clear()
     return values
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import gc
 import inspect
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from types import CodeType, FrameType
 from typing import Any
 
 import torch
 
-from pytest_gpumem.diagnose.census import StorageGroup, live_tensors, stack_frames
+from pytest_gpumem.diagnose.census import live_tensors, stack_frames
 from pytest_gpumem.measurement import gcfunctions
 
 __all__ = ["holder_pattern", "kept_by_site", "state_key", "state_options"]
@@ -47,7 +47,8 @@ def kept_by_site(
         frames=frames,
         top=None,
         counted_only=engine.exact,
-        thaw_for=_made_at_a_site(engine),
+        # only a storage made at a site is worth giving the frozen objects back to name its holder
+        thaw_for=lambda group: engine.sites is not None and engine.sites.site_of(group.tensors[0]) is not None,
     )
     del frames
     found: dict[tuple[str, str | None], dict[str, int]] = {}
@@ -58,12 +59,6 @@ def kept_by_site(
         name = holder_pattern(tensor.held_by)
         holders[name] = holders.get(name, 0) + tensor.nbytes
     return found
-
-
-def _made_at_a_site(engine: Any) -> Callable[[StorageGroup], bool]:
-    """Whether a storage has a site: only those are worth giving the frozen objects back to name their holders."""
-    sites = engine.sites
-    return lambda group: sites is not None and sites.site_of(group.tensors[0]) is not None
 
 
 def _frames_of(code: CodeType) -> list[FrameType]:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
-
-import torch
 
 from pytest_gpumem.data.figures import CompiledCodeNotMeasured, Measurement, PartialFigures, Phase, Timeline, notify
 from pytest_gpumem.data.metrics import CATEGORIES
@@ -65,11 +63,8 @@ class Recorder:
         self.sites, self._end_sites = sites, _sites_now(engine)
         self.timeline = timeline and engine.categories is not None
         self.saved_tensors = saved_tensors
-        self._tracked = Tracked(engine, self)
         self._open: list[_SpanState] = []
-        self._handles: list[Any] = []
         self.phase: str | None = None  #: the training step's phase now ("forward", "backward", "optimizer")
-        self._depth = 0
         self.external_phases = False  #: phases are marked by a framework adapter (:meth:`mark_phase`)
         self._marks: list[tuple[int, str]] = []
         #: windows and phase changes the engine reads later: (kind, token, phase, new phase)
@@ -85,6 +80,7 @@ class Recorder:
         self.fake = fake
         self.label = label
         self._faked = contextlib.ExitStack()  # the fake tensors' mode, below the tracker's dispatch mode
+        self._tracked = Tracked(self)
 
     # -- life cycle ------------------------------------------------------------
 
@@ -110,9 +106,6 @@ class Recorder:
         """Stop watching; remove this recorder's hooks and let go of tracked objects."""
         self.active = False
         self.engine.stop()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
         self.phase = None
         self.external_phases = False
         if self.fake:
@@ -143,36 +136,7 @@ class Recorder:
         """Trainable parameter count of the tracked objects (None: nothing tracked)."""
         return self._tracked.psi
 
-    # -- phases, from the tracked objects' hooks ----------------------------------
-
-    def forward_pre(self) -> None:
-        if self._depth == 0 and not self.external_phases:
-            self.set_phase("forward")
-        self._depth += 1
-
-    def forward_post(self, output: Any) -> None:
-        self._depth -= 1
-        if self._depth == 0 and self.active and torch.is_grad_enabled():
-            for tensor in _tensors(output):
-                if tensor.grad_fn is not None:
-                    self._handles.append(tensor.grad_fn.register_prehook(self._backward_reached))
-
-    def _backward_reached(self, grad_outputs: Any) -> None:
-        if self.phase != "optimizer" and not self.external_phases:
-            self.set_phase("backward")
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-
-    def _backward_done(self) -> None:
-        if self.phase == "backward":
-            self.set_phase(None)
-
-    def optimizer_pre(self) -> None:
-        if not self.external_phases:
-            self.set_phase("optimizer")
-
-    def optimizer_post(self) -> None:
-        if not self.external_phases:
-            self.set_phase(None)
+    # -- phases ------------------------------------------------------------------
 
     def mark_phase(self, phase: str | None) -> None:
         """Enter ``phase`` as a framework's hooks tell it, and from now on only they do (Lightning's closures)."""
@@ -258,15 +222,12 @@ class Recorder:
 
     def allocated_now(self) -> tuple[int, dict[str, int] | None]:
         """Allocated bytes now and, with a tracker, their breakdown."""
-        with self.engine.reading():
-            return self._allocated_now()
-
-    def _allocated_now(self) -> tuple[int, dict[str, int] | None]:
-        self._end_sites = _sites_now(self.engine)
-        now = self.engine.allocated()
-        if self.engine.categories is None:
-            return now, None
-        parts = self.engine.categories.breakdown()
+        with self.engine.reading():  # inside a span's end reading, the same one (readings nest)
+            self._end_sites = _sites_now(self.engine)
+            now = self.engine.allocated()
+            if self.engine.categories is None:
+                return now, None
+            parts = self.engine.categories.breakdown()
         parts["other"] += max(0, now - sum(parts.values()))
         return now, self.categories(parts)
 
@@ -290,7 +251,7 @@ class Recorder:
             self._open.remove(state)
             counters = _counters(self.engine)
             used, mine = self.engine.driver() if self.driver and isinstance(self.engine, Runtime) else (None, None)
-            end, end_breakdown = self._allocated_now() if allocated is None else allocated
+            end, end_breakdown = self.allocated_now() if allocated is None else allocated
         breakdown = None if state.breakdown is None else dict(zip(CATEGORIES, state.breakdown, strict=True))
         breakdown = self.categories(breakdown)
         self._warn_compiled(state)
@@ -374,22 +335,23 @@ def _diff(now: Mapping[str, int], before: Mapping[str, int], key: str) -> int | 
     return now[key] - before[key] if key in now and key in before else None
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif hasattr(value, "__dataclass_fields__"):
-        for name in value.__dataclass_fields__:
-            yield from _tensors(getattr(value, name, None))
+def _shortcut(name: str) -> Any:
+    """A read-only attribute of :class:`Span` that is its measurement's ``name``."""
+    return property(lambda span: getattr(span.measurement, name))
 
 
 class Span:
     """A measured ``with`` block: after it, ``span.measurement`` and its shortcuts; its limits are judged later."""
+
+    start: int = _shortcut("start")
+    peak: int = _shortcut("peak")
+    allocated: int = _shortcut("allocated")
+    reserved: int | None = _shortcut("reserved")
+    breakdown: Mapping[str, int] | None = _shortcut("breakdown")
+    phases: Mapping[str, Phase] = _shortcut("phases")
+    saved_activations: int | None = _shortcut("saved_activations")
+    allocated_breakdown: Mapping[str, int] | None = _shortcut("allocated_breakdown")
+    psi: int | None = _shortcut("psi")
 
     def __init__(self, recorder: Recorder, name: str, limits: Mapping[str, Any]) -> None:
         self.recorder = recorder
@@ -427,42 +389,6 @@ class Span:
         if self._measurement is None:
             raise RuntimeError(f"span {self.name!r} has no figures until its with-block ends")
         return self._measurement
-
-    @property
-    def start(self) -> int:
-        return self.measurement.start
-
-    @property
-    def peak(self) -> int:
-        return self.measurement.peak
-
-    @property
-    def allocated(self) -> int:
-        return self.measurement.allocated
-
-    @property
-    def reserved(self) -> int | None:
-        return self.measurement.reserved
-
-    @property
-    def breakdown(self) -> Mapping[str, int] | None:
-        return self.measurement.breakdown
-
-    @property
-    def phases(self) -> Mapping[str, Phase]:
-        return self.measurement.phases
-
-    @property
-    def saved_activations(self) -> int | None:
-        return self.measurement.saved_activations
-
-    @property
-    def allocated_breakdown(self) -> Mapping[str, int] | None:
-        return self.measurement.allocated_breakdown
-
-    @property
-    def psi(self) -> int | None:
-        return self.measurement.psi
 
     def cost(self, metric: str) -> int | None:
         """What the span added to ``metric`` (figure minus start)."""

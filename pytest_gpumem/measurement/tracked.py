@@ -1,10 +1,10 @@
-"""The modules and optimizers a recording tracks: categories, Ψ, and phase hooks (torch's global ones, filtered by
-id, so nothing is stored on a user's module or optimizer)."""
+"""The modules and optimizers a recording tracks: categories, Ψ, and the hooks that mark the training step's phases
+(torch's global ones, filtered by id, so nothing is stored on a user's module or optimizer)."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from pytest_gpumem.budgets.formulas import tracked_psi
 from pytest_gpumem.measurement.engines.base import Engine
 
-__all__ = ["PhaseHooks", "Tracked", "check_trackable"]
+__all__ = ["PhaseHost", "Tracked", "check_trackable"]
 
 #: torch's warning about global module hooks at a compiled module's call (torch._dynamo.eval_frame)
 _COMPILED_MODULE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
@@ -28,27 +28,28 @@ def check_trackable(obj: Any) -> None:
         )
 
 
-class PhaseHooks(Protocol):
-    """What the tracked objects' hooks call (the recorder)."""
+class PhaseHost(Protocol):
+    """What the tracked objects' hooks read and set (the recorder)."""
 
+    engine: Engine
     active: bool
+    phase: str | None
+    external_phases: bool  #: a framework adapter marks the phases, not these hooks
 
-    def forward_pre(self) -> None: ...
-    def forward_post(self, output: Any) -> None: ...
-    def optimizer_pre(self) -> None: ...
-    def optimizer_post(self) -> None: ...
+    def set_phase(self, phase: str | None) -> None: ...
 
 
 class Tracked:
     """The tracked modules and optimizers of one recording, and their hooks (removed by :meth:`clear`)."""
 
-    def __init__(self, engine: Engine, phases: PhaseHooks) -> None:
-        self.engine = engine
-        self.phases = phases
+    def __init__(self, recorder: PhaseHost) -> None:
+        self.recorder = recorder
+        self.engine = recorder.engine
         self.objects: list[Any] = []
         self._modules: set[int] = set()
         self._optimizers: set[int] = set()
         self._handles: list[Any] = []
+        self._depth = 0  # nested calls of tracked modules: the outermost one's start and end mark the forward phase
         #: the warnings filter that ignores torch's warning about global module hooks, while inserted
         self._quiet: tuple[Any, ...] | None = None
 
@@ -135,22 +136,54 @@ class Tracked:
     # -- torch's hooks, filtered by id --------------------------------------------------
 
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if id(module) in self._modules:
-            self.phases.forward_pre()
+        if id(module) not in self._modules:
+            return
+        if self._depth == 0 and not self.recorder.external_phases:
+            self.recorder.set_phase("forward")
+        self._depth += 1
 
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if id(module) in self._modules:
-            self.phases.forward_post(output)
+        if id(module) not in self._modules:
+            return
+        self._depth -= 1
+        if self._depth == 0 and self.recorder.active and torch.is_grad_enabled():
+            for tensor in _tensors(output):
+                if tensor.grad_fn is not None:
+                    self._handles.append(tensor.grad_fn.register_prehook(self._backward_reached))
+
+    def _backward_reached(self, grad_outputs: Any) -> None:
+        if self.recorder.phase != "optimizer" and not self.recorder.external_phases:
+            self.recorder.set_phase("backward")
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        if self.recorder.phase == "backward":
+            self.recorder.set_phase(None)
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in self._optimizers:
-            self.phases.optimizer_pre()
+        if id(optimizer) in self._optimizers and not self.recorder.external_phases:
+            self.recorder.set_phase("optimizer")
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if id(optimizer) in self._optimizers:
             self.classify((optimizer,))
-            self.phases.optimizer_post()
+            if not self.recorder.external_phases:
+                self.recorder.set_phase(None)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
-        if self.phases.active and param.grad is not None and self.engine.categories is not None:
+        if self.recorder.active and param.grad is not None and self.engine.categories is not None:
             self.engine.categories.register((param.grad,), "gradients")
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            yield from _tensors(getattr(value, name, None))

@@ -38,50 +38,44 @@ from pytest_gpumem.validate.suite_record import (
 from pytest_gpumem.validate.zoo import zoo
 
 
-class _Refused(Exception):
-    """A validation that cannot run: its message goes to stderr, and the exit status is 2."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the validation; 0 when every check passed, 1 when one failed, 2 when it could not run."""
     return run(build_parser().parse_args(argv))
 
 
+def _refuse(message: str) -> int:
+    """A validation that cannot run: its message goes to stderr, and the exit status is 2."""
+    print(f"gpu-validate: {message}", file=sys.stderr)
+    return 2
+
+
 def run(options: argparse.Namespace) -> int:
     """Run the validation the parsed ``options`` ask for (:func:`~pytest_gpumem.validate.command_line.build_parser`)."""
-    try:
-        return _validate(options)
-    except _Refused as exc:
-        print(f"gpu-validate: {exc}", file=sys.stderr)
-        return 2
-
-
-def _validate(options: argparse.Namespace) -> int:
     recorded = None if CHECKOUT is None else CHECKOUT / "fixtures" / "recorded"
     if options.cpu_only and options.out is None:
-        raise _Refused("--cpu-only needs --out DIR (only a GPU run writes under fixtures/)")
+        return _refuse("--cpu-only needs --out DIR (only a GPU run writes under fixtures/)")
     if options.cpu_only and recorded is not None and options.out.resolve().is_relative_to(recorded.resolve()):
-        raise _Refused(f"--cpu-only must not write under {recorded}: only a GPU run may")
+        return _refuse(f"--cpu-only must not write under {recorded}: only a GPU run may")
     if not options.cpu_only and not torch.cuda.is_available():
-        raise _Refused(
+        return _refuse(
             "no CUDA device is available; run on a GPU machine, or use --cpu-only --out DIR to exercise the CPU half"
         )
     try:
         models = zoo(options.size, tuple(m.strip() for m in options.models.split(",") if m.strip()))
     except ValueError as exc:
-        raise _Refused(str(exc)) from None
+        return _refuse(str(exc))
     mlp = next((m for m in models if m.name == "mlp" and m.available), None)
     if options.trace == "mlp" and mlp is None:
-        raise _Refused("--trace mlp needs the mlp model in --models")
+        return _refuse("--trace mlp needs the mlp model in --models")
     previous = None
     if options.against is not None:
         try:
             previous = load_record(options.against)
         except (OSError, ValueError) as exc:
-            raise _Refused(f"--against {options.against}: {exc}") from None
+            return _refuse(f"--against {options.against}: {exc}")
 
     gpu = None if options.cpu_only else _cuda_device(options.device)
-    run = Run(device=gpu or torch.device("cpu"), size=options.size)
+    collected = Run(device=gpu or torch.device("cpu"), size=options.size)
     environment = None if gpu is None else Environment.detect("cuda", gpu)
     folder = (options.out or recorded or Path("gpumem-validation")) / record_name(
         None if environment is None else environment.device_name, torch.__version__
@@ -93,40 +87,40 @@ def _validate(options: argparse.Namespace) -> int:
         try:
             suite, suite_log = suite_from(options.suite_from, options.suite_log)
         except (OSError, ValueError) as exc:
-            raise _Refused(f"--suite-from {options.suite_from}: {exc}") from None
+            return _refuse(f"--suite-from {options.suite_from}: {exc}")
     elif gpu is not None and not options.skip_suite and CHECKOUT is None:
         log("the CUDA test suite runs only from a checkout of pytest-gpumem: skipped (--skip-suite)")
     elif gpu is not None and not options.skip_suite:
         log("running the CUDA test suite")
         suite, suite_log = run_suite(options.pytest_arg, options.suite_timeout)
     if suite is not None:
-        run.checks.append(suite_check(suite))
+        collected.checks.append(suite_check(suite))
 
     if gpu is not None:
         torch.cuda.set_device(gpu)
         torch.empty(1, device=gpu)
-    with _history(run, gpu, options.trace == "reference", options) as taken:
-        reference_linear(run)
-        reference_adam(run)
-        reference_mlp(run)
+    with _history(collected, gpu, options.trace == "reference", options) as taken:
+        reference_linear(collected)
+        reference_adam(collected)
+        reference_mlp(collected)
     if gpu is not None and options.trace == "mlp" and mlp is not None:
-        with _history(run, gpu, True, options) as taken, run.guard("reference", "the traced MLP step"):
-            run.add(zoo_step(mlp, "fp32", gpu, "cuda", name=TRACED_STEP))
+        with _history(collected, gpu, True, options) as taken, collected.guard("reference", "the traced MLP step"):
+            collected.add(zoo_step(mlp, "fp32", gpu, "cuda", name=TRACED_STEP))
     snapshot_bytes, snapshot_stats, snapshot_info = taken or (None, None, None)
-    reference_hand_counters(run)
+    reference_hand_counters(collected)
     available = [m for m in models if m.available]
     if available:
-        reference_determinism(run, available[0])
-    reference_workspaces(run, available)
-    zoo_comparison(run, models, gpu)
-    counter_checks(run)
+        reference_determinism(collected, available[0])
+    reference_workspaces(collected, available)
+    zoo_comparison(collected, models, gpu)
+    counter_checks(collected)
 
     stats = {
-        "workloads": {name: o.stats for name, o in run.outcomes.items() if o.stats is not None},
+        "workloads": {name: o.stats for name, o in collected.outcomes.items() if o.stats is not None},
         "snapshot": snapshot_stats,
     }
     record = build_record(
-        run,
+        collected,
         mode="cpu-only" if gpu is None else "gpu",
         environment=environment,
         suite=suite,

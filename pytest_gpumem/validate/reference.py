@@ -16,7 +16,7 @@ from pytest_gpumem.measurement.recorder import Recorder
 from pytest_gpumem.measurement.steps import run_step
 from pytest_gpumem.units import cuda_rounded, format_size
 from pytest_gpumem.validate.compare import zoo_step
-from pytest_gpumem.validate.results import MLP_REFERENCE, Check, Run, probe, reserved_slack
+from pytest_gpumem.validate.results import MLP_REFERENCE, Check, Run, agreeing, probe, reserved_slack
 from pytest_gpumem.validate.zoo import PRECISIONS, ZooModel
 
 
@@ -249,16 +249,6 @@ def counter_checks(run: Run) -> None:
             ("allocated", m.allocated, c["memory_allocated"]),
             ("reserved", m.reserved, c["max_memory_reserved"]),
         )
-        differing = [f"{name} {ours:,} vs torch {theirs:,}" for name, ours, theirs in pairs if ours != theirs]
-        run.checks.append(
-            Check(
-                "counters",
-                f"{outcome.name}: peak / allocated / reserved = torch's counters",
-                not differing,
-                m.peak,
-                c["max_memory_allocated"],
-                "; ".join(differing)
-                if differing
-                else f"peak {m.peak:,}, allocated {m.allocated:,}, reserved {m.reserved or 0:,}",
-            )
-        )
+        same = f"peak {m.peak:,}, allocated {m.allocated:,}, reserved {m.reserved or 0:,}"
+        title = f"{outcome.name}: peak / allocated / reserved = torch's counters"
+        run.checks.append(agreeing("counters", title, pairs, "torch", ",", same))

@@ -6,7 +6,7 @@ import ast
 import json
 import operator
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from pytest_gpumem.validate.results import (
     STATS_FILE,
     SUITE_LOG,
     Check,
+    agreeing,
     reserved_slack,
 )
 from pytest_gpumem.validate.suite_record import load_snapshot
@@ -61,13 +62,6 @@ def load_record(folder: Path) -> Loaded:
     return Loaded(folder, record, stats, snapshot)
 
 
-def _agreeing(name: str, pairs: Sequence[tuple[str, Any, Any]], source: str) -> Check:
-    """A replay check that each pair of figures is equal (measured and expected: the first pair's); the detail names
-    those that differ, the second of each from ``source``."""
-    differing = [f"{key} {ours} vs {source} {theirs}" for key, ours, theirs in pairs if ours != theirs]
-    return Check("replay", name, not differing, pairs[0][1], pairs[0][2], "; ".join(differing))
-
-
 def replay_stats(loaded: Loaded) -> list[Check]:
     """Each raw ``memory_stats()`` dump, read by ``reading_from_stats``, gives the recorded figures."""
     checks = []
@@ -88,7 +82,7 @@ def replay_stats(loaded: Loaded) -> list[Check]:
             ("allocated", int(stats.get("allocated_bytes.all.current", -1)), m.allocated),
         )
         title = f"{name}: reading_from_stats(dump) = recorded peak / reserved / requested / allocated"
-        checks.append(_agreeing(title, pairs, "recorded"))
+        checks.append(agreeing("replay", title, pairs, "recorded"))
     return checks
 
 
@@ -185,7 +179,12 @@ def replay_snapshot(loaded: Loaded) -> list[Check]:
         ("segments", len(segments), stats.get("segment.all.current")),
     )
     return [
-        _agreeing("snapshot segments = reserved / allocated / segment count of the stats read with it", pairs, "stats")
+        agreeing(
+            "replay",
+            "snapshot segments = reserved / allocated / segment count of the stats read with it",
+            pairs,
+            "stats",
+        )
     ]
 
 

@@ -98,19 +98,13 @@ class Probe:
     name: str
     device: torch.device
     span: Span
-    _outcome: Outcome | None = None
+    outcome: Outcome = field(init=False)
 
     def allocated_now(self) -> int:
         """Allocated bytes now: PyTorch's ``memory_allocated`` on CUDA, the engine's count elsewhere."""
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
         return self.span.recorder.engine.allocated()
-
-    @property
-    def outcome(self) -> Outcome:
-        if self._outcome is None:
-            raise RuntimeError(f"probe {self.name!r} has no outcome until its block ends")
-        return self._outcome
 
 
 @contextlib.contextmanager
@@ -155,7 +149,7 @@ def probe(
             stats = dict(torch.cuda.memory_stats(device))
     if track:  # tracked modules open phase windows, which reset the peaks mid-span
         counters = stats = None
-    made._outcome = Outcome(name, span.measurement, counters, stats)
+    made.outcome = Outcome(name, span.measurement, counters, stats)
 
 
 @dataclass
@@ -215,6 +209,15 @@ def reserved_slack(*runs: Measurement) -> int:
     allocator held free at a run's start."""
     free = [m.start_reserved - m.start for m in runs if m.start_reserved is not None and m.start is not None]
     return max([METRIC_INFO["reserved"].tolerance_floor, *free])
+
+
+def agreeing(
+    group: str, name: str, pairs: Sequence[tuple[str, Any, Any]], source: str, spec: str = "", same: str = ""
+) -> Check:
+    """A check that each pair of figures is equal (measured and expected: the first pair's); the detail names those
+    that differ (formatted with ``spec``, the second of each from ``source``), else it is ``same``."""
+    differing = [f"{key} {ours:{spec}} vs {source} {theirs:{spec}}" for key, ours, theirs in pairs if ours != theirs]
+    return Check(group, name, not differing, pairs[0][1], pairs[0][2], "; ".join(differing) or same)
 
 
 def suite_check(summary: Mapping[str, Any]) -> Check:
