@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import stat
 import subprocess
@@ -459,6 +460,26 @@ def test_record_rejects_duplicate_spans_and_bad_values() -> None:
     with pytest.raises(TypeError, match="breakdown"):
         store.record(CPU, "t.py::a", {"call": BaselineEntry({"peak": 1}, breakdown={"other": True})})
     assert len(store) == 0
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (BaselineEntry({"peak": -5}), "t.py::a [call] peak: -5 is negative: this figure is never below 0"),
+        (BaselineEntry({"peak": 1}, start=-1), "t.py::a [call] start: -1 is negative"),
+        (BaselineEntry({"peak": 2**63}), "t.py::a [call] peak: 9223372036854775808 is beyond 2**63 - 1"),
+        (BaselineEntry({"peak": 1}, breakdown={"other": -2}), "t.py::a [call] breakdown other: -2 is negative"),
+    ],
+)
+def test_record_refuses_figures_the_file_could_not_be_loaded_with(entry: BaselineEntry, message: str) -> None:
+    """What the loader refuses is refused when recorded, so that a saved file always loads again; a signed figure
+    (a net change) may be negative."""
+    store = BaselineStore()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        store.record(CPU, "t.py::a", {"call": entry})
+    assert len(store) == 0
+    store.record(CPU, "t.py::a", {"call": BaselineEntry({"peak": 1, "retained": -4})})
+    assert parse(store.dumps()).entry(CPU.key, "t.py::a") == store.entry(CPU.key, "t.py::a")
 
 
 def test_record_entries_by_span_name() -> None:

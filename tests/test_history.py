@@ -252,3 +252,18 @@ def test_the_openmetrics_export_parses_with_the_prometheus_client(
     latest = _costs(pytester, repository["fixed"], "test_m.py::test_mlp", "call")
     values = {(s.labels["test"], s.labels["span"], s.labels["metric"]): s.value for s in family.samples}
     assert values[("test_m.py::test_mlp", "call", "peak")] == latest["peak"] and len(values) == 6
+
+
+def test_a_commit_nested_too_deeply_is_skipped_with_why(pytester: pytest.Pytester) -> None:
+    """Deeper than Python's recursion limit, where ``json`` gives up with a RecursionError, not a ValueError."""
+    _git(pytester.path, "init", "-q")
+    path = pytester.path / FILE
+    path.write_text('{"schema": 1, "environments": {}}\n')
+    _git(pytester.path, "add", FILE)
+    _git(pytester.path, "commit", "-q", "-m", "empty")
+    path.write_text('{"schema": 1, "environments": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    _git(pytester.path, "commit", "-q", "-am", "Nested too deeply")
+    history = read_history(path)
+    assert [v.commit.subject for v in history.versions] == ["empty"]
+    (skipped,) = history.skipped
+    assert skipped.commit.subject == "Nested too deeply" and "nested too deeply" in skipped.reason, skipped.reason

@@ -118,7 +118,7 @@ def read_version(data: bytes, name: str) -> tuple[Figures, str | None]:
     except BaselineFileError as exc:
         try:
             tree = json.loads(data.decode("utf-8-sig"))
-        except ValueError:
+        except (RecursionError, ValueError):  # json gives up on deep nesting with a RecursionError
             raise exc from None
         schema = tree.get("schema") if isinstance(tree, Mapping) else None
         if type(schema) is not int or "schema version" not in str(exc):

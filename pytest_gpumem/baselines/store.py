@@ -20,7 +20,7 @@ from pytest_gpumem.baselines.canonical import (
     stored_breakdown,
 )
 from pytest_gpumem.baselines.environment import Environment
-from pytest_gpumem.baselines.validation import BaselineFileError, validate
+from pytest_gpumem.baselines.validation import BaselineFileError, check_span, validate
 from pytest_gpumem.data.figures import Measurement
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRIC_INFO
 from pytest_gpumem.data.site_figures import SITES_BUDGET, SiteProfile
@@ -236,6 +236,7 @@ class BaselineStore:
         for name, entry in entries.items():
             _check_entry(test, name, entry)
             written = entry._raw()
+            check_span(f"{test} [{name}]", written)  # nothing the file could not be loaded with
             # keep unknown keys; drop a breakdown, sites, a figure it no longer has and an old release's start
             old = old_spans.get(name) or {}
             kept = {k: v for k, v in old.items() if k not in written and k not in _REPLACED and k not in METRIC_INFO}

@@ -16,7 +16,7 @@ from pytest_gpumem.data.metrics import COUNT_METRICS, METRIC_INFO, METRICS
 from pytest_gpumem.data.site_figures import parse_stored_site
 from pytest_gpumem.units import MAX_BYTES, shown
 
-__all__ = ["FILE", "MAX_DEPTH", "BaselineFileError", "Node", "json_schema", "position", "validate"]
+__all__ = ["FILE", "MAX_DEPTH", "BaselineFileError", "Node", "check_span", "json_schema", "position", "validate"]
 
 #: How deep a value under an unknown key may nest: the layout goes 8 levels; deeper files are refused.
 MAX_DEPTH = 32
@@ -179,10 +179,20 @@ def validate(tree: Any, text: str, path: str | os.PathLike[str], *, hint: str | 
     _walk(FILE, tree, (), fail)
 
 
+def check_span(where: str, value: Mapping[str, Any]) -> None:
+    """Refuse the figures of one span (as written to the file) that loading the file would refuse: a ValueError that
+    starts with ``where``."""
+
+    def fail(keys: tuple[str, ...], problem: str, advice: str = "") -> ValueError:
+        return ValueError(f"{where}{''.join(f' {k}' for k in keys)}: {problem}")
+
+    _walk(_SPAN, dict(value), (), fail)
+
+
 _TYPES: Mapping[str, type] = {"object": dict, "integer": int, "string": str}
 
 
-def _walk(node: Node, value: Any, keys: tuple[str, ...], fail: Callable[..., BaselineFileError]) -> None:
+def _walk(node: Node, value: Any, keys: tuple[str, ...], fail: Callable[..., Exception]) -> None:
     """Check ``value`` (at ``keys``) against ``node``, and what it holds against theirs."""
     if node.check is not None:
         try:
