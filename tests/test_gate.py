@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import forget_last_failure, run
-from pytest_gpumem.baselines import Environment
+from pytest_gpumem.baselines import BaselineFileError, Environment
 from pytest_gpumem.baselines.staleness import NOT_COLLECTED, Collection, file_of
 from pytest_gpumem.data.findings import Tolerance
 from pytest_gpumem.judge.record import TestRecord
@@ -86,6 +86,24 @@ def test_the_baseline_session_records_then_judges(tmp_path: Path) -> None:
     grown = judged.judge(measured("t.py::a", 1100))
     assert [(f.metric, f.status) for f in grown if f.failed] == [("peak", "regressed"), ("allocated", "regressed")]
     assert [f.status for f in judged.judge(measured("t.py::b", 1000))] == ["new", "new"]  # reserved: n/a on CPU
+
+
+def test_a_figure_the_file_could_not_hold_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    """A measurement whose peak is below its start (no engine makes one) would give a file that does not load
+    again: the session says so, names the test, and writes nothing, so the baselines already there are kept."""
+    first = session(tmp_path, update=True)
+    first.judge(measured("t.py::a", 1000))
+    first.finish(collected("t.py::a"))
+    kept = (tmp_path / "base.json").read_bytes()
+    record = measured("t.py::a", 2000)
+    (call,) = record.measurements
+    broken = dataclasses.replace(record, measurements=[dataclasses.replace(call, peak=call.start - 1)])
+    again = session(tmp_path, update=True)
+    again.judge(broken)
+    with pytest.raises(BaselineFileError, match=r"not written: t\.py::a \[call\] peak: -1 is negative") as caught:
+        again.finish(collected("t.py::a"))
+    assert str(caught.value).startswith(str(tmp_path / "base.json"))
+    assert not again.written and (tmp_path / "base.json").read_bytes() == kept
 
 
 def test_the_judged_records_know_their_environments_without_being_decoded(tmp_path: Path) -> None:

@@ -124,7 +124,10 @@ class BaselineSession:
                         m.name: BaselineEntry.from_measurement(m, baseline_metrics(m), sites_budget=budget)
                         for m in record.measurements
                     }
-                    store.record(Environment.from_dict(record.environment), record.nodeid, entries)
+                    try:
+                        store.record(Environment.from_dict(record.environment), record.nodeid, entries)
+                    except ValueError as exc:  # a figure the file could not be loaded with: leave the file as it is
+                        raise BaselineFileError(self.options.path, f"not written: {exc}") from None
             self.written = save(store, self.options.path)
 
     @property
