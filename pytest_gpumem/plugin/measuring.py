@@ -71,7 +71,7 @@ class Measuring:
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         """A measured test that may want its sites runs through :func:`run_test`."""
         spec = item.stash.get(SPEC_KEY, None)
-        if spec is None or sites_mode(spec, self.settings) != "rerun" or self.settings.site_config is None:
+        if spec is None or sites_mode(spec, self.settings) != "rerun":
             return None
         return run_test(item, nextitem, self.freezer)
 
@@ -188,7 +188,7 @@ class Measuring:
             second.record = record
             return
         interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
-        if not interrupted and wants_sites(item, run, record, exc, self.settings, self.baselines):
+        if not interrupted and wants_sites(item, run, record, exc, self.baselines):
             reason = no_second_run(item, record, seconds, self.settings)
             if reason is None and self.launch is not None:
                 reason = "pytest runs under torchrun, whose ranks would not run it again together"
