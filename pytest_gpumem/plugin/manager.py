@@ -33,7 +33,7 @@ from pytest_gpumem.plugin.collection import (
 from pytest_gpumem.plugin.junit_html import add_html_extras, junit_failure
 from pytest_gpumem.plugin.marker import GpumemSpec, late_marker_problems, parse_marker
 from pytest_gpumem.plugin.options import Settings
-from pytest_gpumem.plugin.plan import PlanError, plan_test, sites_mode
+from pytest_gpumem.plugin.plan import PlanError, plan_test
 from pytest_gpumem.plugin.session import BaselineSession, file_problem
 from pytest_gpumem.plugin.site_runs import (
     SECOND_RUN_KEY,
@@ -159,7 +159,7 @@ class GpumemManager:
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         """A measured test that may want its sites runs through :func:`run_test`."""
         spec = item.stash.get(SPEC_KEY, None)
-        if spec is None or sites_mode(spec, self.settings) != "rerun":
+        if spec is None or (spec.sites or self.settings.sites) != "rerun":
             return None
         return run_test(item, nextitem, self.freezer)
 
@@ -178,8 +178,11 @@ class GpumemManager:
         from pytest_gpumem.plugin.runner import TestRun
 
         problem: PlanError | None = None
+        gpu = worker_index()  # the GPU this process measures on: the xdist worker's, else torchrun's local rank
+        if gpu is None and self.launch is not None:
+            gpu = self.launch.local_rank
         try:
-            plan = plan_test(item.nodeid, spec, self.settings, worker=self._gpu_index())
+            plan = plan_test(item.nodeid, spec, self.settings, worker=gpu)
         except PlanError as exc:
             problem = exc  # raised outside the handler: pytest would print it twice
         if problem is not None:
@@ -208,13 +211,6 @@ class GpumemManager:
         except BaselineFileError:
             return True  # the judge reports the file
         return bool(store.span_names(environment_key, item.nodeid))
-
-    def _gpu_index(self) -> int | None:
-        """Which GPU this process measures on: the xdist worker's, else torchrun's local rank."""
-        worker = worker_index()
-        if worker is None and self.launch is not None:
-            return self.launch.local_rank
-        return worker
 
     def _environment(self, engine: Engine) -> tuple[dict[str, Any], str]:
         key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{engine.predicts}"

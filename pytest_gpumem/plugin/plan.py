@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from pytest_gpumem.plugin.options import Settings
 
-__all__ = ["PlanError", "RunOptions", "TestPlan", "choose_device", "plan_test", "sites_mode"]
+__all__ = ["PlanError", "RunOptions", "TestPlan", "choose_device", "plan_test"]
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,6 @@ class TestPlan:
         return replace(self, spec=spec)
 
 
-def sites_mode(spec: GpumemSpec, settings: Settings) -> str:
-    """The test's sites mode: its marker's, else the run's."""
-    return spec.sites or settings.sites
-
-
 def choose_device(wanted: str, *, require_gpu: bool = False, worker: int | None = None) -> torch.device:
     """The device a test measures on (xdist's ``worker`` *i* on GPU *i mod N*), or a :class:`PlanError`."""
     import torch
@@ -130,7 +125,7 @@ def plan_test(nodeid: str, spec: GpumemSpec, settings: Settings, *, worker: int 
     if fake and predict is None:
         needs = "fake=True needs a prediction: predict= on the marker or --gpumem-predict"
         raise PlanError(f"{nodeid}: {needs}", skip=False)
-    mode = sites_mode(spec, settings)
+    mode = spec.sites or settings.sites  # the marker's, else the run's
     # sites on the first run: with "always", on a baseline update, and on fake tensors
     sites = mode == "always" or (mode != "off" and (settings.baselines.update or fake))
     options = RunOptions(
