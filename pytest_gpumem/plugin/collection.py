@@ -116,10 +116,8 @@ class DisabledManager:
             return
         try:  # the test still runs on its device, and is skipped where there is none
             item.stash[DISABLED_KEY] = choose_device(spec.device or self.settings.device, worker=worker_index())
-            return
         except PlanError as exc:
-            reason = exc.reason
-        pytest.skip(reason)  # outside the handler, as the plugin's other skips
+            raise pytest.skip.Exception(exc.reason) from None
 
 
 class CollectionBook:

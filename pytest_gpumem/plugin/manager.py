@@ -177,18 +177,15 @@ class GpumemManager:
         from pytest_gpumem.plugin.run_engines import Engines
         from pytest_gpumem.plugin.runner import TestRun
 
-        problem: PlanError | None = None
         gpu = worker_index()  # the GPU this process measures on: the xdist worker's, else torchrun's local rank
         if gpu is None and self.launch is not None:
             gpu = self.launch.local_rank
         try:
             plan = plan_test(item.nodeid, spec, self.settings, worker=gpu)
-        except PlanError as exc:
-            problem = exc  # raised outside the handler: pytest would print it twice
-        if problem is not None:
-            if problem.skip:
-                pytest.skip(problem.reason)
-            pytest.fail(problem.reason, pytrace=False)
+        except PlanError as exc:  # from None: pytest would print the PlanError too
+            if exc.skip:
+                raise pytest.skip.Exception(exc.reason) from None
+            raise pytest.fail.Exception(exc.reason, pytrace=False) from None
         second = item.stash.get(SECOND_RUN_KEY, None)
         if second is not None and second.running:  # the reports stay the first run's
             plan = plan.second_run(self.settings.site_config)
@@ -216,7 +213,6 @@ class GpumemManager:
         key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{engine.predicts}"
         if key not in self._environments:
             detected = Environment.detect(engine.name, engine.device, engine.cuda_rounding, predict=engine.predicts)
-            problem = None
             try:
                 adjusted = self.config.hook.pytest_gpumem_environment(config=self.config, environment=detected)
                 if adjusted is not None and not isinstance(adjusted, Environment):
@@ -224,9 +220,7 @@ class GpumemManager:
                 environment = adjusted or detected
                 self._environments[key] = (environment.to_dict(), environment.key)
             except (TypeError, ValueError) as exc:
-                problem = f"pytest_gpumem_environment hook: {exc}"
-            if problem is not None:
-                pytest.fail(problem, pytrace=False)
+                raise pytest.fail.Exception(f"pytest_gpumem_environment hook: {exc}", pytrace=False) from None
         return self._environments[key]
 
     @pytest.hookimpl(wrapper=True)
@@ -247,13 +241,10 @@ class GpumemManager:
             run = item.stash[RUN_KEY]
         from pytest_gpumem.measurement.returnwatch import ReturnWatchError
 
-        problem = None
         try:
             run.start(getattr(item, "obj", None))
         except ReturnWatchError as exc:
-            problem = f"{item.nodeid}: {exc}"
-        if problem is not None:
-            pytest.fail(problem, pytrace=False)
+            raise pytest.fail.Exception(f"{item.nodeid}: {exc}", pytrace=False) from None
         began = time.perf_counter()
         try:
             result = yield
@@ -514,12 +505,10 @@ class GpumemManager:
 
 def _spec_now(item: pytest.Item) -> GpumemSpec | None:
     """The item's marker as it is now; a bad one fails the test."""
-    problem = None
     try:
         return marker_spec(item)
     except SpecError as exc:
-        problem = f"invalid gpumem marker on {item.nodeid}: {exc}"
-    pytest.fail(problem, pytrace=False)
+        raise pytest.fail.Exception(f"invalid gpumem marker on {item.nodeid}: {exc}", pytrace=False) from None
 
 
 def _finish(item: pytest.Item, run: TestRun, exc: BaseException | None) -> TestRecord:
