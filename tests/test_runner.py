@@ -16,8 +16,8 @@ from pytest_gpumem.measurement.active import measure
 from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.engines.base import Engine
 from pytest_gpumem.plugin.marker import parse_marker
-from pytest_gpumem.plugin.plan import RunOptions, TestPlan
-from pytest_gpumem.plugin.run_engines import DeviceUnavailable, Engines, Freezer, choose_device
+from pytest_gpumem.plugin.plan import PlanError, RunOptions, TestPlan, choose_device
+from pytest_gpumem.plugin.run_engines import Engines, Freezer
 from pytest_gpumem.plugin.runner import TestRun
 from pytest_gpumem.report.details import failure_text
 
@@ -196,12 +196,12 @@ def test_choose_device() -> None:
     assert choose_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
         assert choose_device("auto") == torch.device("cpu")
-        with pytest.raises(DeviceUnavailable) as skipped:
+        with pytest.raises(PlanError) as skipped:
             choose_device("cuda:1")
-        assert not skipped.value.required and "not available (0 CUDA devices visible)" in skipped.value.reason
-        with pytest.raises(DeviceUnavailable) as failed:
+        assert skipped.value.skip and "not available (0 CUDA devices visible)" in skipped.value.reason
+        with pytest.raises(PlanError) as failed:
             choose_device("auto", require_gpu=True)
-        assert failed.value.required
+        assert not failed.value.skip
 
 
 def test_engines_are_made_once_per_device() -> None:

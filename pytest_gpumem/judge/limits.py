@@ -51,17 +51,14 @@ class LimitSpec(Coded):
 
 
 def parse_limit(metric: str, value: object) -> LimitSpec:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        try:
-            parse_size(value)  # produces the precise message (float, bool, other types)
-        except SizeError as exc:
-            raise SpecError(f"{metric}={shown(value)}: {exc}") from None
-    assert isinstance(value, (int, str))
     try:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            parse_size(value)  # raises the precise message (float, bool, other types)
+        assert isinstance(value, (int, str))
         expression = parse_budget(value)
         if not expression.uses_psi:
             expression.evaluate(None)  # constant limits must evaluate now: no negatives, no 1/0
-    except BudgetError as exc:
+    except (SizeError, BudgetError) as exc:
         raise SpecError(f"{metric}={shown(value)}: {exc}") from None
     return LimitSpec(metric, str(value), expression)
 

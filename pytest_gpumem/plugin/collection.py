@@ -13,6 +13,7 @@ from pytest_gpumem.baselines.staleness import FAILED, IGNORED, IN_PART, LAST_FAI
 from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.plugin.marker import GpumemSpec, closest_first, parse_marker
 from pytest_gpumem.plugin.options import Settings
+from pytest_gpumem.plugin.plan import PlanError, choose_device
 
 if TYPE_CHECKING:
     import torch
@@ -113,14 +114,10 @@ class DisabledManager:
         spec = item.stash.get(SPEC_KEY, None)
         if spec is None:
             return
-        from pytest_gpumem.plugin.run_engines import DeviceUnavailable, choose_device
-
         try:  # the test still runs on its device, and is skipped where there is none
             item.stash[DISABLED_KEY] = choose_device(spec.device or self.settings.device, worker=worker_index())
-            return
-        except DeviceUnavailable as exc:
-            reason = exc.reason
-        pytest.skip(reason)  # outside the handler, as the plugin's other skips
+        except PlanError as exc:
+            raise pytest.skip.Exception(exc.reason) from None
 
 
 class CollectionBook:

@@ -1,28 +1,49 @@
-"""The run's manager: owns the run's parts, takes a test's record from its report to the judge, and ends the run:
-the baseline file written once, the reports, the terminal summary; ranks gathered to rank 0."""
+"""The run's manager: owns the run's parts, sets up, starts and finishes each measured test's run, takes its record
+from its report to the judge, and ends the run: the baseline file written once, the reports, the terminal summary;
+ranks gathered to rank 0."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Generator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpumem.baselines import BaselineFileError
+from pytest_gpumem.baselines import BaselineFileError, Environment
 from pytest_gpumem.data.figures import OutputNotWritten
 from pytest_gpumem.data.metrics import METRICS
+from pytest_gpumem.judge.limits import SpecError
 from pytest_gpumem.judge.record import RecordStore, TestRecord
-from pytest_gpumem.plugin.collection import SPEC_KEY, CollectionBook, MarkerCheck, gpumem_marks, settle_spec
+from pytest_gpumem.plugin.collection import (
+    SPEC_ERROR_KEY,
+    SPEC_KEY,
+    CollectionBook,
+    MarkerCheck,
+    gpumem_marks,
+    marker_spec,
+    settle_spec,
+    worker_index,
+)
 from pytest_gpumem.plugin.junit_html import add_html_extras, junit_failure
-from pytest_gpumem.plugin.measuring import MARKS_KEY, RECORD_KEY, RUN_KEY, Measuring
+from pytest_gpumem.plugin.marker import GpumemSpec, late_marker_problems, parse_marker
 from pytest_gpumem.plugin.options import Settings
+from pytest_gpumem.plugin.plan import PlanError, plan_test
 from pytest_gpumem.plugin.session import BaselineSession, file_problem
-from pytest_gpumem.plugin.site_runs import xfail_of
+from pytest_gpumem.plugin.site_runs import (
+    SECOND_RUN_KEY,
+    SecondRun,
+    no_second_run,
+    no_sites_note,
+    run_test,
+    wants_sites,
+    xfail_of,
+)
 from pytest_gpumem.plugin.torchrun import launch, rename
 from pytest_gpumem.report.artifacts import write_artifacts, write_index
 from pytest_gpumem.report.ci import (
@@ -36,7 +57,16 @@ from pytest_gpumem.report.ci import (
 from pytest_gpumem.report.details import error_section, failure_text
 from pytest_gpumem.report.text import terminal_summary
 
-__all__ = ["RECORD_KEY", "RUN_KEY", "GpumemManager"]
+if TYPE_CHECKING:
+    from pytest_gpumem.measurement.engines import Engine
+    from pytest_gpumem.plugin.run_engines import Engines, Freezer
+    from pytest_gpumem.plugin.runner import TestRun
+
+__all__ = ["MARKS_KEY", "RECORD_KEY", "RUN_KEY", "GpumemManager"]
+
+RUN_KEY: pytest.StashKey[TestRun] = pytest.StashKey()
+RECORD_KEY = pytest.StashKey[tuple[TestRecord, str]]()  #: the call's record, and as JSON text for its report
+MARKS_KEY = pytest.StashKey[list[pytest.Mark]]()  #: the test's ``gpumem`` marks when its collection ended
 
 
 def append_section(report: pytest.TestReport, title: str, text: str) -> None:
@@ -49,7 +79,8 @@ def append_section(report: pytest.TestReport, title: str, text: str) -> None:
 
 
 class GpumemManager:
-    """Owns the run: its settings, its parts, the record on its way from its report to the judge, the run's end."""
+    """Owns the run: its settings, its parts, each test's run, the record on its way from its report to the judge, the
+    run's end."""
 
     def __init__(self, config: pytest.Config, settings: Settings) -> None:
         self.config = config
@@ -62,7 +93,9 @@ class GpumemManager:
         self.markers = MarkerCheck()
         self.book = CollectionBook(config)
         self.baselines = BaselineSession(settings.baselines)
-        self.measuring = Measuring(config, settings, self.baselines, self.launch)
+        self.engines: Engines | None = None  #: made when the run loop starts with a measured test
+        self.freezer: Freezer | None = None  #: the run's collector, started with the engines
+        self._environments: dict[str, tuple[dict[str, Any], str]] = {}  # by engine, as the environment hook made them
         self._handoff: tuple[str, TestRecord] | None = None  # the call report's record, until it is logged
         #: what keeps the baseline file from being written: shown in red at the end
         self.error: str | None = None
@@ -80,7 +113,7 @@ class GpumemManager:
 
     def register(self, pluginmanager: pytest.PytestPluginManager) -> None:
         pluginmanager.register(self, "gpumem-manager")
-        for name in ("markers", "book", "measuring"):
+        for name in ("markers", "book"):
             pluginmanager.register(getattr(self, name), f"gpumem-{name}")
 
     def _read_baselines(self) -> None:
@@ -105,6 +138,140 @@ class GpumemManager:
         controller = not self.worker and self.config.pluginmanager.getplugin("dsession") is not None
         if controller and self.settings.baselines.path.exists():
             self._read_baselines()
+
+    # -- the test's run (in the process that runs the test) ------------------------------
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
+        if any(SPEC_KEY in item.stash for item in session.items):
+            from pytest_gpumem.plugin.run_engines import Engines, Freezer
+
+            self.freezer = Freezer(self.config)
+            self.freezer.start()
+            self.engines = Engines(cuda_rounding=self.settings.cuda_rounding, freezer=self.freezer)
+        try:
+            return (yield)
+        finally:
+            if self.freezer is not None:
+                self.freezer.stop()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        """A measured test that may want its sites runs through :func:`run_test`."""
+        spec = item.stash.get(SPEC_KEY, None)
+        if spec is None or (spec.sites or self.settings.sites) != "rerun":
+            return None
+        return run_test(item, nextitem, self.freezer)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        error = item.stash.get(SPEC_ERROR_KEY, None)
+        if error is not None:
+            pytest.fail(error, pytrace=False)
+        spec = item.stash.get(SPEC_KEY, None)
+        if spec is not None:
+            self._prepare(item, spec)
+
+    def _prepare(self, item: pytest.Item, spec: GpumemSpec) -> None:
+        """The test's run (``item.stash[RUN_KEY]``) from its plan; skips or fails the test that cannot run."""
+        from pytest_gpumem.plugin.run_engines import Engines
+        from pytest_gpumem.plugin.runner import TestRun
+
+        gpu = worker_index()  # the GPU this process measures on: the xdist worker's, else torchrun's local rank
+        if gpu is None and self.launch is not None:
+            gpu = self.launch.local_rank
+        try:
+            plan = plan_test(item.nodeid, spec, self.settings, worker=gpu)
+        except PlanError as exc:  # from None: pytest would print the PlanError too
+            if exc.skip:
+                raise pytest.skip.Exception(exc.reason) from None
+            raise pytest.fail.Exception(exc.reason, pytrace=False) from None
+        second = item.stash.get(SECOND_RUN_KEY, None)
+        if second is not None and second.running:  # the reports stay the first run's
+            plan = plan.second_run(self.settings.site_config)
+        if self.engines is None:  # outside the run loop (pytester's inline runs)
+            self.engines = Engines(cuda_rounding=self.settings.cuda_rounding)
+        assert plan.device is not None
+        engine = self.engines.get(plan.device, breakdown=plan.breakdown, observe=plan.observe, predict=plan.predict)
+        environment, environment_key = self._environment(engine)
+        # activations told apart where they are read: the breakdown, the fixture, a baseline
+        uses_fixture = "gpumem" in getattr(item, "fixturenames", ())
+        reads_saved = plan.breakdown or uses_fixture or self._baselined(item, environment_key)
+        item.stash[RUN_KEY] = TestRun(plan, engine, environment=environment, saved_tensors=reads_saved)
+
+    def _baselined(self, item: pytest.Item, environment_key: str) -> bool:
+        """Whether the test's figures meet a baseline (then its activations are told apart, docs/figures.md)."""
+        if self.baselines.options.update:
+            return True
+        try:
+            store = self.baselines.store
+        except BaselineFileError:
+            return True  # the judge reports the file
+        return bool(store.span_names(environment_key, item.nodeid))
+
+    def _environment(self, engine: Engine) -> tuple[dict[str, Any], str]:
+        key = f"{engine.name}:{engine.device}:{engine.cuda_rounding}:{engine.predicts}"
+        if key not in self._environments:
+            detected = Environment.detect(engine.name, engine.device, engine.cuda_rounding, predict=engine.predicts)
+            try:
+                adjusted = self.config.hook.pytest_gpumem_environment(config=self.config, environment=detected)
+                if adjusted is not None and not isinstance(adjusted, Environment):
+                    raise TypeError(f"expected an Environment or None, got {type(adjusted).__name__}")
+                environment = adjusted or detected
+                self._environments[key] = (environment.to_dict(), environment.key)
+            except (TypeError, ValueError) as exc:
+                raise pytest.fail.Exception(f"pytest_gpumem_environment hook: {exc}", pytrace=False) from None
+        return self._environments[key]
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
+        run = item.stash.get(RUN_KEY, None)
+        if run is None:
+            spec = _spec_now(item)  # a fixture may have marked the test
+            if spec is None:
+                result = yield
+                if _spec_now(item) is not None:
+                    pytest.fail(
+                        f"{item.nodeid}: a gpumem marker added while the test ran is too late to measure it: "
+                        "mark the test itself, or add the marker in a fixture or pytest_collection_modifyitems",
+                        pytrace=False,
+                    )
+                return result
+            self._prepare(item, spec)
+            run = item.stash[RUN_KEY]
+        from pytest_gpumem.measurement.returnwatch import ReturnWatchError
+
+        try:
+            run.start(getattr(item, "obj", None))
+        except ReturnWatchError as exc:
+            raise pytest.fail.Exception(f"{item.nodeid}: {exc}", pytrace=False) from None
+        began = time.perf_counter()
+        try:
+            result = yield
+        except BaseException as exc:
+            self._keep(item, run, _finish(item, run, exc), exc, time.perf_counter() - began)
+            raise
+        self._keep(item, run, _finish(item, run, None), None, time.perf_counter() - began)
+        return result
+
+    def _keep(
+        self, item: pytest.Item, run: TestRun, record: TestRecord, exc: BaseException | None, seconds: float
+    ) -> None:
+        """Keep the call's record for its report; a first run that failed on memory may ask for a second run."""
+        second = item.stash.get(SECOND_RUN_KEY, None)
+        if second is not None and second.running:
+            second.record = record
+            return
+        interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
+        if not interrupted and wants_sites(item, run, record, exc, self.baselines):
+            reason = no_second_run(item, record, seconds, self.settings)
+            if reason is None and self.launch is not None:
+                reason = "pytest runs under torchrun, whose ranks would not run it again together"
+            if reason is not None:
+                record = replace(record, reports=[*record.reports, no_sites_note(reason)])
+            else:
+                item.stash[SECOND_RUN_KEY] = SecondRun(record)
+        item.stash[RECORD_KEY] = (record, record.to_json())
 
     # -- the record, on the report (in the process that runs the test) -------------------
 
@@ -334,3 +501,32 @@ class GpumemManager:
                 terminalreporter.write_line(annotation.command())
             if len(found) > MAX_ANNOTATIONS:
                 terminalreporter.write_line(f"gpumem: {len(found) - MAX_ANNOTATIONS} more failure(s) not annotated")
+
+
+def _spec_now(item: pytest.Item) -> GpumemSpec | None:
+    """The item's marker as it is now; a bad one fails the test."""
+    try:
+        return marker_spec(item)
+    except SpecError as exc:
+        raise pytest.fail.Exception(f"invalid gpumem marker on {item.nodeid}: {exc}", pytrace=False) from None
+
+
+def _finish(item: pytest.Item, run: TestRun, exc: BaseException | None) -> TestRecord:
+    """``run.finish(exc)`` with the markers as they are now: what a late marker can no longer change is an error."""
+    collected = item.stash.get(MARKS_KEY, None)
+    marks = gpumem_marks(item)
+    late = [collected is not None and not any(mark is other for other in collected) for mark in marks]
+    problems: list[str] = []
+    if any(late):
+        markers = [(mark.args, mark.kwargs) for mark in marks]
+        try:
+            now = parse_marker(markers)
+        except SpecError as error:
+            problems.append(f"invalid gpumem marker added after collection: {error}")
+        else:
+            problems = late_marker_problems(markers, late, run.plan.spec, now)
+            run.plan = run.plan.with_marker(now)
+    record = run.finish(exc)
+    if not problems:
+        return record
+    return replace(record, errors=[*record.errors, *(f"{item.nodeid}: {problem}" for problem in problems)])

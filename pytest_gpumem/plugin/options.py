@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +27,25 @@ DISABLE_ENV = "PYTEST_GPUMEM_DISABLE"
 
 @dataclass(frozen=True)
 class Option:
-    """One ``--gpumem-NAME`` option and its ini setting ``gpumem_NAME``; a ``flag`` takes no value."""
+    """One ``--gpumem-NAME`` option and its ini setting ``gpumem_NAME``; a ``flag`` takes no value, another is read by
+    ``parse`` (None: a path, checked as one)."""
 
     name: str
     help: str
     flag: bool = False
     default: str = ""
     metavar: str | None = None
+    parse: Callable[[str], Any] | None = None
 
     @property
     def dest(self) -> str:
         """The option's destination and its ini setting's name: ``gpumem_update_baselines``."""
         return "gpumem_" + self.name.replace("-", "_")
+
+    @property
+    def key(self) -> str:
+        """The name its value has when read: ``update_baselines``."""
+        return self.name.replace("-", "_")
 
     @property
     def flag_name(self) -> str:
@@ -52,6 +59,21 @@ class Option:
         return f"{text[:1].upper()}{text[1:]} ({kind}{self.flag_name} overrides it)."
 
 
+def _packages(text: str) -> tuple[str, ...]:
+    """Comma-separated package names, each installed (found without importing it)."""
+    import importlib.util
+
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise ValueError(f"no package or module named {name!r} is installed")
+    return names
+
+
 #: Every option, in ``--help`` order.
 OPTIONS: tuple[Option, ...] = (
     Option(
@@ -59,6 +81,7 @@ OPTIONS: tuple[Option, ...] = (
         "device measured tests run on: auto (CUDA when available, else CPU), cpu, cuda or cuda:N. Default: auto.",
         default="auto",
         metavar="DEVICE",
+        parse=parse_device,
     ),
     Option(
         "disable",
@@ -79,12 +102,14 @@ OPTIONS: tuple[Option, ...] = (
         "allocator's reports to PyTorch's profiler: torch.compile'd code runs as compiled). Ignored on CUDA.",
         default="operators",
         metavar="HOW",
+        parse=parse_observe,
     ),
     Option(
         "predict",
         "CPU engine: report what this GPU would show (h100): its caching allocator's blocks and segments "
         "and its library workspaces, from the CPU run's allocations. Ignored on CUDA.",
         metavar="GPU",
+        parse=parse_predict,
     ),
     Option(
         "fake",
@@ -99,6 +124,7 @@ OPTIONS: tuple[Option, ...] = (
         "tolerance of baseline comparisons: '2%', '1MiB', '2%,1MiB' or '0'; a size bounds byte figures only "
         f"(default: {describe_default_tolerances()}).",
         metavar="TOL",
+        parse=parse_tolerance,
     ),
     Option("strict", "fail on new, improved, other-environment and stale baselines too (ratcheting CI).", flag=True),
     Option("prune", "with --gpumem-update-baselines: remove baselines of tests that no longer exist.", flag=True),
@@ -109,6 +135,7 @@ OPTIONS: tuple[Option, ...] = (
         "device-limit",
         "run every measured test as if the device had SIZE bytes (e.g. 24GiB); the marker's device_limit wins.",
         metavar="SIZE",
+        parse=parse_size,
     ),
     Option("leak-check", "check every measured test for leaks (as retained='0B' does).", flag=True),
     Option(
@@ -125,6 +152,7 @@ OPTIONS: tuple[Option, ...] = (
         "call once more with sites on), always (in every run: costs each test a frame walk per allocation) or off.",
         default="rerun",
         metavar="MODE",
+        parse=parse_sites_mode,
     ),
     Option(
         "sites-rerun-limit",
@@ -132,12 +160,14 @@ OPTIONS: tuple[Option, ...] = (
         "its sites (the failure says how to get them). Default: 10.",
         default="10",
         metavar="SECONDS",
+        parse=parse_seconds,
     ),
     Option(
         "sites-include",
         "comma-separated packages whose frames count as your code for sites (e.g. transformers); by "
         "default only files under the rootdir do.",
         metavar="PKGS",
+        parse=_packages,
     ),
 )
 
@@ -156,103 +186,65 @@ class Settings:
     breakdown: bool
     cuda_rounding: bool
     observe: str
-    predict: str | None
     fake: bool
-    device_limit: int | None
     leak_check: bool
     artifacts: Path
     artifacts_all: bool
     snapshot: bool
+    sites: str
+    sites_rerun_limit: float
+    site_config: SiteConfig
     baselines: BaselineOptions
-    sites: str = "rerun"
-    site_config: SiteConfig | None = None
-    rerun_limit: float = 10.0
+    predict: str | None = None
+    device_limit: int | None = None
 
     @classmethod
     def read(cls, value: Callable[[str], Any], rootpath: Path, cache_dir: Callable[[], Path] | None = None) -> Settings:
         """The settings: each the command line's value, else the ini file's; paths relative to ``rootpath``."""
-
-        def text(name: str) -> str:
-            got = value(name)
-            return "" if got is None else str(got).strip()
-
-        def parsed(name: str, parse: Callable[[str], Any], default: str = "") -> Any:
-            given = text(name) or default
-            try:
-                return parse(given) if given else None
-            except ValueError as exc:  # SpecError and SizeError too
-                raise OptionError(f"--{name.replace('_', '-')} / ini {name}: {exc}") from None
-
-        update = bool(value("gpumem_update_baselines"))
-        disable = bool(value("gpumem_disable")) or _env_flag(DISABLE_ENV)
+        flags = {option.key: bool(value(option.dest)) for option in OPTIONS if option.flag}
+        disable = flags["disable"] = flags["disable"] or _env_flag(DISABLE_ENV)
+        update = flags["update_baselines"]
         if disable and update:
             raise OptionError(
                 "--gpumem-update-baselines cannot run with --gpumem-disable (or "
                 f"{DISABLE_ENV}): nothing is measured, so nothing could be recorded"
             )
-
-        def output(name: str, *, folder: bool = False, written: bool = True) -> Path | None:
-            """The path ``name`` gives (relative to ``rootpath``), checked before any test runs, so that a report is not
-            lost at the end."""
-            found = text(name)
-            if not found:
-                return None
-            where = rootpath / Path(found).expanduser()  # an absolute path stays as it is
-            problem = None if disable else unwritable(where, folder=folder, written=written)
-            if problem is not None:
-                raise OptionError(f"--{name.replace('_', '-')} / ini {name}: {problem}")
-            return where
-
-        json_path = output("gpumem_json")
-        markdown_path = output("gpumem_markdown")
-        baselines = output("gpumem_baselines", written=update)
-        artifacts = output("gpumem_artifacts", folder=True)
-        if artifacts is None:
-            artifacts = cache_dir() if cache_dir is not None else rootpath / ".gpumem-artifacts"
+        values: dict[str, Any] = {}
+        for option in OPTIONS:
+            given = value(option.dest)
+            text = ("" if given is None else str(given).strip()) or option.default
+            try:
+                if option.flag or not text:
+                    continue
+                if option.parse is not None:
+                    values[option.key] = option.parse(text)
+                    continue
+                # a path, checked before any test runs, so that a report is not lost at the end
+                where = rootpath / Path(text).expanduser()  # an absolute path stays as it is
+                folder, written = option.name == "artifacts", option.name != "baselines" or update
+                problem = None if disable else unwritable(where, folder=folder, written=written)
+                if problem is not None:
+                    raise ValueError(problem)
+                values[option.key] = where
+            except ValueError as exc:  # SpecError and SizeError too
+                raise OptionError(f"{option.flag_name} / ini {option.dest}: {exc}") from None
+        own = {field.name for field in fields(cls)} - {"artifacts", "baselines"}
         return cls(
-            device=parsed("gpumem_device", parse_device, "auto"),
-            disable=disable,
-            require_gpu=bool(value("gpumem_require_gpu")),
-            breakdown=bool(value("gpumem_breakdown")),
-            cuda_rounding=bool(value("gpumem_cuda_rounding")),
-            observe=parsed("gpumem_observe", parse_observe, "operators"),
-            predict=parsed("gpumem_predict", parse_predict),
-            fake=bool(value("gpumem_fake")),
-            device_limit=parsed("gpumem_device_limit", parse_size),
-            leak_check=bool(value("gpumem_leak_check")),
-            artifacts=artifacts,
-            artifacts_all=bool(value("gpumem_artifacts_all")),
-            snapshot=bool(value("gpumem_snapshot")),
-            sites=parsed("gpumem_sites", parse_sites_mode, "rerun"),
-            site_config=SiteConfig(str(rootpath), parsed("gpumem_sites_include", _packages) or ()),
-            rerun_limit=parsed("gpumem_sites_rerun_limit", parse_seconds, "10"),
+            **{key: found for key, found in {**flags, **values}.items() if key in own},
+            artifacts=values.get("artifacts") or (cache_dir() if cache_dir else rootpath / ".gpumem-artifacts"),
+            site_config=SiteConfig(str(rootpath), values.get("sites_include", ())),
             baselines=BaselineOptions(
-                path=baselines or rootpath / DEFAULT_FILENAME,
-                tolerance=parsed("gpumem_tolerance", parse_tolerance),
+                path=values.get("baselines", rootpath / DEFAULT_FILENAME),
+                tolerance=values.get("tolerance"),
                 update=update,
-                strict=bool(value("gpumem_strict")),
-                prune=bool(value("gpumem_prune")),
-                json_path=json_path,
-                markdown_path=markdown_path,
-                step_summary=not value("gpumem_no_step_summary"),
+                strict=flags["strict"],
+                prune=flags["prune"],
+                json_path=values.get("json"),
+                markdown_path=values.get("markdown"),
+                step_summary=not flags["no_step_summary"],
                 generator=f"pytest-gpumem {__version__}",
             ),
         )
-
-
-def _packages(text: str) -> tuple[str, ...]:
-    """Comma-separated package names, each installed (found without importing it)."""
-    import importlib.util
-
-    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    for name in names:
-        try:
-            found = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
-            raise ValueError(f"no package or module named {name!r} is installed")
-    return names
 
 
 def _env_flag(name: str) -> bool:

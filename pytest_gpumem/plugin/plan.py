@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from pytest_gpumem.plugin.options import Settings
 
-__all__ = ["PlanError", "RunOptions", "TestPlan", "plan_test", "sites_mode"]
+__all__ = ["PlanError", "RunOptions", "TestPlan", "choose_device", "plan_test"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class RunOptions:
 
 
 class PlanError(Exception):
-    """The test cannot run as it asks: skipped (``skip``: its device is not there) or failed."""
+    """The test cannot run as it asks: skipped (``skip``: its device is not there) or failed (a run that demands a GPU,
+    conflicting settings)."""
 
     def __init__(self, reason: str, *, skip: bool) -> None:
         super().__init__(reason)
@@ -80,20 +81,37 @@ class TestPlan:
         return replace(self, spec=spec)
 
 
-def sites_mode(spec: GpumemSpec, settings: Settings) -> str:
-    """The test's sites mode: its marker's, else the run's."""
-    return spec.sites or settings.sites
+def choose_device(wanted: str, *, require_gpu: bool = False, worker: int | None = None) -> torch.device:
+    """The device a test measures on (xdist's ``worker`` *i* on GPU *i mod N*), or a :class:`PlanError`."""
+    import torch
+
+    from pytest_gpumem.measurement.engines import cuda_available, resolve_device
+
+    has_cuda = cuda_available()
+    if wanted == "auto" and not has_cuda:
+        if require_gpu:
+            raise PlanError("--gpumem-require-gpu: no CUDA device is available", skip=False)
+        return torch.device("cpu")
+    device = None if wanted == "auto" else torch.device(wanted)
+    if device is not None and device.type != "cuda":
+        return device
+    count = torch.cuda.device_count() if has_cuda else 0
+    if wanted in ("auto", "cuda") and worker is not None and count > 1:
+        return torch.device("cuda", worker % count)
+    if device is not None and (device.index or 0) >= count:
+        plural = "s" if count != 1 else ""
+        reason = f"gpumem: device {wanted!r} is not available ({count} CUDA device{plural} visible)"
+        raise PlanError(reason, skip=not require_gpu)
+    return resolve_device(wanted)
 
 
 def plan_test(nodeid: str, spec: GpumemSpec, settings: Settings, *, worker: int | None = None) -> TestPlan:
     """The plan of the test ``nodeid`` marked ``spec`` in a run of ``settings``, on the GPU of ``worker``; a
     :class:`PlanError` when its device is not there or its settings conflict."""
-    from pytest_gpumem.plugin.run_engines import DeviceUnavailable, choose_device
-
     try:
         device = choose_device(spec.device or settings.device, require_gpu=settings.require_gpu, worker=worker)
-    except DeviceUnavailable as exc:  # a run that demands a GPU fails the test, naming it; else it is skipped
-        raise PlanError(f"{nodeid}: {exc.reason}" if exc.required else exc.reason, skip=not exc.required) from None
+    except PlanError as exc:  # a run that demands a GPU fails the test, naming it; else it is skipped
+        raise PlanError(exc.reason if exc.skip else f"{nodeid}: {exc.reason}", skip=exc.skip) from None
     predict = spec.predict or settings.predict
     run_limit = None if settings.device_limit is None else f"--gpumem-device-limit={settings.device_limit}"
     limit = None if spec.device_limit is not None else run_limit  # the marker's own: checked at collection
@@ -107,7 +125,7 @@ def plan_test(nodeid: str, spec: GpumemSpec, settings: Settings, *, worker: int 
     if fake and predict is None:
         needs = "fake=True needs a prediction: predict= on the marker or --gpumem-predict"
         raise PlanError(f"{nodeid}: {needs}", skip=False)
-    mode = sites_mode(spec, settings)
+    mode = spec.sites or settings.sites  # the marker's, else the run's
     # sites on the first run: with "always", on a baseline update, and on fake tensors
     sites = mode == "always" or (mode != "off" and (settings.baselines.update or fake))
     options = RunOptions(

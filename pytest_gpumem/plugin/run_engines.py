@@ -1,4 +1,4 @@
-"""The run's engines: a test's device, one engine per kind for the run, and the run's collector."""
+"""The run's engines: one engine per kind for the run, and the run's collector."""
 
 from __future__ import annotations
 
@@ -7,39 +7,10 @@ import torch
 
 from pytest_gpumem.measurement import frozen
 from pytest_gpumem.measurement.collector import Collector
-from pytest_gpumem.measurement.engines import cuda_available, make_engine, resolve_device
+from pytest_gpumem.measurement.engines import make_engine
 from pytest_gpumem.measurement.engines.base import Engine
 
-__all__ = ["DeviceUnavailable", "Engines", "Freezer", "choose_device"]
-
-
-class DeviceUnavailable(Exception):
-    """The device a test asks for is not there; ``required``: the run demands a GPU (fail, don't skip)."""
-
-    def __init__(self, reason: str, *, required: bool) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.required = required
-
-
-def choose_device(wanted: str, *, require_gpu: bool = False, worker: int | None = None) -> torch.device:
-    """The device a test measures on (xdist's ``worker`` *i* on GPU *i mod N*), or :class:`DeviceUnavailable`."""
-    has_cuda = cuda_available()
-    if wanted == "auto" and not has_cuda:
-        if require_gpu:
-            raise DeviceUnavailable("--gpumem-require-gpu: no CUDA device is available", required=True)
-        return torch.device("cpu")
-    device = None if wanted == "auto" else torch.device(wanted)
-    if device is not None and device.type != "cuda":
-        return device
-    count = torch.cuda.device_count() if has_cuda else 0
-    if wanted in ("auto", "cuda") and worker is not None and count > 1:
-        return torch.device("cuda", worker % count)
-    if device is not None and (device.index or 0) >= count:
-        plural = "s" if count != 1 else ""
-        reason = f"gpumem: device {wanted!r} is not available ({count} CUDA device{plural} visible)"
-        raise DeviceUnavailable(reason, required=require_gpu)
-    return resolve_device(wanted)
+__all__ = ["Engines", "Freezer"]
 
 
 class Engines:

@@ -6,7 +6,6 @@ import contextlib
 import os
 import sys
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -58,7 +57,6 @@ class TestRun:
             label=plan.nodeid,
             sites=plan.options.sites,
         )
-        self.tracked: list[weakref.ref[Any]] = []  #: the objects the test tracked, once it has finished
         self.recorder.device_limit = plan.device_limit
         self.recorder.reserved = plan.reserved  # the cache emptied first
         self._stack = contextlib.ExitStack()  # the recorder's activation
@@ -170,7 +168,6 @@ class TestRun:
             call = recorder.close(self._state, allocated=recorder.returned)
             timeline = recorder.timeline_since(self._state.start_event)
         finally:
-            self.tracked = [weakref.ref(obj) for obj in recorder.tracked]
             tracked = list(recorder.tracked) if self._kept else []
             self._stack.close()
             recorder.end()
@@ -203,13 +200,10 @@ class TestRun:
             if leak.retained > 0:
                 leak_report = leak.format()
         self._snapshot = None
-        asked = {"call": list(spec.limits)} if spec.limits else {}
-        tolerances = {"call": spec.tolerance.to_dict()} if spec.tolerance is not None else {}
-        for span in recorder.spans:
-            if span.tolerance is not None:
-                tolerances[span.name] = span.tolerance.to_dict()
-            if span.limits:
-                asked[span.name] = list(span.limits)
+        # what each span asked for: the call its marker's, each measure() block its own
+        asking = [("call", spec.limits, spec.tolerance), *((s.name, s.limits, s.tolerance) for s in recorder.spans)]
+        asked = {name: list(limits) for name, limits, _ in asking if limits}
+        tolerances = {name: tolerance.to_dict() for name, _, tolerance in asking if tolerance is not None}
         return TestRecord(
             self.nodeid,
             measurements=[call] + [span.measurement for span in recorder.spans],

@@ -61,15 +61,12 @@ def wants_sites(
     run: TestRun,
     record: TestRecord,
     exc: BaseException | None,
-    settings: Settings,
     session: BaselineSession,
 ) -> bool:
     """Whether the test's first run failed on memory without recording sites: its sites need a second run."""
     from pytest_gpumem.diagnose.oom import is_oom
 
-    if run.plan.sites != "rerun" or run.plan.options.sites is not None or settings.site_config is None:
-        return False
-    if run.engine.sites is None:
+    if run.plan.sites != "rerun" or run.plan.options.sites is not None or run.engine.sites is None:
         return False
     if exc is not None:
         return is_oom(exc) and not _expected(item, exc)
@@ -99,8 +96,8 @@ def no_second_run(item: pytest.Item, record: TestRecord, seconds: float, setting
         return f"it runs on {ranks} ranks (a launcher started them), which would not run it again together"
     if record.ranks_measured:
         return "the test ran ranks (gpumem.distributed), which would not run it again together"
-    if seconds > settings.rerun_limit:
-        return f"its call took {seconds:.1f} s, over --gpumem-sites-rerun-limit={settings.rerun_limit:g} s"
+    if seconds > settings.sites_rerun_limit:
+        return f"its call took {seconds:.1f} s, over --gpumem-sites-rerun-limit={settings.sites_rerun_limit:g} s"
     timeout = _timeout(item)
     if timeout is not None:
         return f"a per-test timeout is set ({timeout})"
