@@ -30,35 +30,31 @@ from pytest_gpumem.measurement.engines.tracker import StorageTracker
 __all__ = ["CudaEngine", "cuda_available", "cuda_device_count", "nvml_memory"]
 
 
-#: ``torch.cuda.is_available`` as last called, and its answer: torch asks the driver at every call.
-_available: list[Any] = [None, False]
+#: A ``torch.cuda`` function's name → (the function as last called, its answer): torch asks the driver at every call.
+_answers: dict[str, tuple[Any, int]] = {}
+
+
+def _asked_once(name: str) -> int:
+    """``torch.cuda.<name>()``, asked once a process unless the function was replaced since (0 where it fails)."""
+    function = getattr(torch.cuda, name)
+    known = _answers.get(name)
+    if known is None or known[0] is not function:
+        try:
+            found = int(function())
+        except Exception:  # a broken driver must read as "no device", not crash collection
+            found = 0
+        known = _answers[name] = (function, found)
+    return known[1]
 
 
 def cuda_available() -> bool:
-    """True when torch sees a CUDA (or ROCm) device; asked once a process, unless the function was replaced since."""
-    function = torch.cuda.is_available
-    if _available[0] is not function:
-        try:
-            found = bool(function())
-        except Exception:  # a broken driver must read as "no device", not crash collection
-            found = False
-        _available[:] = [function, found]
-    return bool(_available[1])
-
-
-_counted: list[Any] = [None, 0]
+    """True when torch sees a CUDA (or ROCm) device; asked once a process (:func:`_asked_once`)."""
+    return bool(_asked_once("is_available"))
 
 
 def cuda_device_count() -> int:
     """The number of CUDA devices torch sees (0 where none), asked once a process as :func:`cuda_available`."""
-    function = torch.cuda.device_count
-    if _counted[0] is not function:
-        try:
-            found = int(function()) if cuda_available() else 0
-        except Exception:
-            found = 0
-        _counted[:] = [function, found]
-    return int(_counted[1])
+    return _asked_once("device_count") if cuda_available() else 0
 
 
 #: Entries of allocation history kept while sites are recorded: the ring drops its oldest, which a span's sites need.
