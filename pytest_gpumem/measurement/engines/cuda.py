@@ -107,6 +107,7 @@ class CudaEngine:
     name = "cuda"
     exact = False
     cuda_rounding = False
+    predicts: str | None = None
 
     def __init__(self, device: torch.device, tracker: StorageTracker | None = None) -> None:
         self.device = torch.device(device)
@@ -121,21 +122,13 @@ class CudaEngine:
         self._backend = _backend(self.device)
         self._saved = SavedTensors(self.device) if tracker is None else None
         self._count_saved = True
-        self._workspaces: int | None = None
+        #: bytes of the cuBLAS/cuBLASLt workspaces the clean-state protocol keeps (see docs/figures.md)
+        self.workspaces: int | None = None
         #: per thread: whether this thread's context, BLAS handle and workspaces were made (``warm``)
         self._threads = threading.local()
         #: ``memory_stats()`` of this moment, inside :meth:`reading` (one read serves its figures)
         self._stats: dict[str, Any] | None = None
         self._in_reading = False
-
-    @property
-    def predicts(self) -> str | None:
-        return None
-
-    @property
-    def workspaces(self) -> int | None:
-        """Bytes of the cuBLAS/cuBLASLt workspaces the clean-state protocol keeps (see docs/figures.md)."""
-        return self._workspaces
 
     # -- actions --------------------------------------------------------------------
 
@@ -146,11 +139,11 @@ class CudaEngine:
             threads = self._threads
             if not getattr(threads, "warm", False) or workspaces_may_be_freed():
                 _initialize(self.device)
-                if self._workspaces is None:  # the first time: how many bytes they hold
+                if self.workspaces is None:  # the first time: how many bytes they hold
                     self.release_workspaces()
                     before = self.allocated()
                     self.warm_workspaces()
-                    self._workspaces = self.allocated() - before
+                    self.workspaces = self.allocated() - before
                 else:
                     self.warm_workspaces()
                 threads.warm = True
