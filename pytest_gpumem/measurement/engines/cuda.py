@@ -309,10 +309,9 @@ class CudaEngine:
         if self.tracker is None and self._saved is not None and self._count_saved:
             saved = self._saved.take_peak()
         reading = reading_from_stats(stats, self.tracker, saved_peak=saved)
-        trace = None if self.sites is None else self.sites.trace
-        if trace is not None:
-            reading.sites = ("window", trace.number)
-            trace.next_stamp()
+        if self.sites is not None and self.sites.recording:
+            reading.sites = ("window", self.sites.number)
+            self.sites.next_stamp()
         return reading
 
     def resolve(self, token: int) -> tuple[Reading, int, int]:
@@ -327,53 +326,31 @@ class CudaEngine:
 
 
 class TraceSites:
-    """The CUDA engine's :class:`~pytest_gpumem.measurement.engines.base.SiteRecording`: the allocator's history,
-    replayed (measurement/engines/traces.py)."""
-
-    def __init__(self, device: torch.device, api: Any) -> None:
-        self._device, self._api = device, api
-        self.trace: _Trace | None = None
-
-    def start(self, config: SiteConfig) -> None:
-        start = int(self._api.memory_allocated(self._device))  # the engine's allocated(), outside a reading
-        self.trace = _Trace(self._device, SiteFilter(config), start)
-
-    def set_phase(self, phase: str | None) -> None:
-        if self.trace is not None:
-            self.trace.set_phase(phase or "")
-
-    def now(self) -> Any:
-        return None if self.trace is None else ("end", self.trace.next_stamp())
-
-    def figures(self, peak: Any, end: Any) -> list[Found] | None:
-        return None if self.trace is None or end is None else self.trace.figures(peak, end)
-
-    def site_of(self, tensor: Any) -> Site | None:
-        return None
-
-    def here(self) -> Site | None:
-        return None
-
-    def stop(self) -> None:
-        if self.trace is not None:
-            self.trace.stop()
-            self.trace = None
-
-
-class _Trace:
-    """The allocator's history while sites are recorded, stamped with window numbers."""
+    """The CUDA engine's :class:`~pytest_gpumem.measurement.engines.base.SiteRecording`: the allocator's history while
+    sites are recorded, its events stamped with window numbers, replayed (measurement/engines/traces.py)."""
 
     recordings = itertools.count(1)
 
-    def __init__(self, device: torch.device, sites: SiteFilter, start: int) -> None:
-        self.device = device
-        self.filter = sites
-        self.start = start
+    def __init__(self, device: torch.device, api: Any) -> None:
+        self._device, self._api = device, api
         self.memory = torch.cuda.memory
-        self.prefix = f"gpumem{next(self.recordings)}:"
+        self.filter: SiteFilter | None = None  #: the user's frames, while sites are recorded
+        self.start_bytes = 0
+        self.prefix = ""
         self.number = 0
         self.phase = ""
         self.phases: dict[int, str] = {}
+
+    @property
+    def recording(self) -> bool:
+        return self.filter is not None
+
+    def start(self, config: SiteConfig) -> None:
+        start = int(self._api.memory_allocated(self._device))  # the engine's allocated(), outside a reading
+        self.filter = SiteFilter(config)
+        self.start_bytes = start
+        self.prefix = f"gpumem{next(self.recordings)}:"
+        self.number, self.phase, self.phases = 0, "", {}
         record = self.memory._record_memory_history
         options: dict[str, Any] = {"context": "alloc", "stacks": "python", "max_entries": SITE_ENTRIES}
         if "clear_history" in inspect.signature(record).parameters:
@@ -390,13 +367,19 @@ class _Trace:
         self.phases[self.number] = self.phase
         return self.number
 
-    def set_phase(self, phase: str) -> None:
-        self.phase = self.phases[self.number] = phase
+    def set_phase(self, phase: str | None) -> None:
+        if self.recording:
+            self.phase = self.phases[self.number] = phase or ""
 
-    def figures(self, peak: Any, end: Any) -> list[Found]:
+    def now(self) -> Any:
+        return ("end", self.next_stamp()) if self.recording else None
+
+    def figures(self, peak: Any, end: Any) -> list[Found] | None:
+        if self.filter is None or end is None:
+            return None
         snapshot = self.memory._snapshot()
         traces = snapshot.get("device_traces") or []
-        index = self.device.index or 0
+        index = self._device.index or 0
         events = traces[index] if index < len(traces) else []
         first = next((i for i, e in enumerate(events) if str(e.get("user_metadata", "")).startswith(self.prefix)), 0)
         events = events[first:]  # without clear_history: older recordings' events before ours
@@ -404,7 +387,7 @@ class _Trace:
         at_peak, at_end = replay_trace(
             events,
             self.filter.file,
-            start=self.start,
+            start=self.start_bytes,
             windows=[peak[1]] if window else [],
             ends=[end[1]] if window else [end[1], peak[1]],
             prefix=self.prefix,
@@ -413,11 +396,19 @@ class _Trace:
         found_peak = at_peak.get(peak[1], []) if window else at_end[peak[1]]  # no window: its peak was as it opened
         return merge_found(found_peak, at_end[end[1]])
 
+    def site_of(self, tensor: Any) -> Site | None:
+        return None
+
+    def here(self) -> Site | None:
+        return None
+
     def stop(self) -> None:
-        setter = getattr(self.memory, "_set_memory_metadata", None)
-        if setter is not None:
-            setter("")
-        self.memory._record_memory_history(enabled=None)
+        if self.filter is not None:
+            setter = getattr(self.memory, "_set_memory_metadata", None)
+            if setter is not None:
+                setter("")
+            self.memory._record_memory_history(enabled=None)
+            self.filter = None
 
 
 def reading_from_stats(
