@@ -70,11 +70,9 @@ class SiteFilter:
 
     def file(self, filename: str) -> str | None:
         """The name ``filename`` goes by in a site (``/``-separated), or None when it is not the user's code."""
-        known = self._files.get(filename, "?")
-        if known != "?":
-            return known
-        name = self._files[filename] = self._name(filename)
-        return name
+        if filename not in self._files:
+            self._files[filename] = self._name(filename)
+        return self._files[filename]
 
     def _name(self, filename: str) -> str | None:
         if filename.startswith("<"):
