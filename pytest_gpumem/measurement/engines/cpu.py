@@ -10,7 +10,6 @@ import torch
 
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Categories, Reading, TrackerSites
-from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.snapshots import SnapshotRecorder, write_snapshot
 from pytest_gpumem.measurement.engines.storages import Window, fakes_counted
 from pytest_gpumem.measurement.engines.tracker import StorageTracker
@@ -75,7 +74,7 @@ class CpuEngine:
     def _clean_count(self) -> None:
         """Collect garbage and count what is alive afresh, each storage in no test's category."""
         self.settle()
-        forget_categories(self.tracker)
+        self.tracker.forget_categories()
         self.tracker.counts_fakes = fakes_counted()  # before the scan: a fake tensor is memory only in a fake run
         self.tracker.scan()
 

@@ -20,7 +20,6 @@ from pytest_gpumem.data.site_figures import Site, SiteConfig
 from pytest_gpumem.files import move_file
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Categories, Reading
-from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.saved import SavedTensors
 from pytest_gpumem.measurement.engines.site_tracking import Found, SiteFilter
 from pytest_gpumem.measurement.engines.snapshots import SNAPSHOT_ENTRIES
@@ -151,7 +150,7 @@ class CudaEngine:
                 self.empty_cache()
             self._api.reset_peak_memory_stats(self.device)
         if self.tracker is not None:
-            forget_categories(self.tracker)
+            self.tracker.forget_categories()
             self.tracker.scan()
             self.tracker.take_window()
 

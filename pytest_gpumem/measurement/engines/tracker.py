@@ -614,6 +614,15 @@ class StorageTracker:
             self._register_scanned(gcfunctions.get_objects(), itertools.chain(extra, frozen.tensors()))
             return self.current - before
 
+    def forget_categories(self) -> None:
+        """Count every storage as "other", before the scan that finds parameters and gradients again: a test's
+        categories are its own (what an earlier test made, saved or tracked is "other" to the next)."""
+        self.flush()
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.category != OTHER:
+                    self._move(entry, OTHER, discovered=False)
+
     def _register_scanned(self, objects: list[Any], extra: Iterable[object]) -> None:
         params, grads, others = sort_scanned(itertools.chain(tensors_among(objects), tensors_among(list(extra))))
         self.register(others)
