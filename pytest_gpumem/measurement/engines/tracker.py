@@ -429,11 +429,9 @@ class StorageTracker:
         self._timeline_stride *= 2
 
     def _outputs(self, out: Any, fresh: bool) -> None:
-        """Count the storages of an operator's outputs; ``fresh``: it creates them."""
+        """Count the storages of an operator's outputs, a tuple or a list (``fresh``: it creates them)."""
         tensor_type = torch.Tensor
-        if isinstance(out, tensor_type):
-            self._output(out, fresh)
-        elif isinstance(out, (tuple, list)):
+        if isinstance(out, (tuple, list)):
             for item in out:
                 if fresh and type(item) is tensor_type:
                     self._fresh(item)
