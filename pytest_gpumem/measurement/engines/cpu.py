@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from pytest_gpumem.measurement import collector
-from pytest_gpumem.measurement.engines.base import Categories, Reading, TrackerSites
+from pytest_gpumem.measurement.engines.base import Categories, Reading
 from pytest_gpumem.measurement.engines.snapshots import SnapshotRecorder, write_snapshot
 from pytest_gpumem.measurement.engines.storages import Window, fakes_counted
-from pytest_gpumem.measurement.engines.tracker import StorageTracker
+from pytest_gpumem.measurement.engines.tracker import StorageTracker, TrackerSites
 
 if TYPE_CHECKING:
     from pytest_gpumem.targets.allocator import CachingAllocatorModel
