@@ -87,11 +87,6 @@ def _workspace_kernels(device: torch.device) -> None:
         total.backward()
 
 
-def workspaces_may_be_freed() -> bool:
-    """Whether code here may have freed the cuBLAS workspaces (Inductor's CUDA graph trees do)."""
-    return "torch._inductor.cudagraph_trees" in sys.modules
-
-
 def _memory_api() -> Any:
     accelerator = getattr(torch, "accelerator", None)
     memory = getattr(accelerator, "memory", None)
@@ -136,7 +131,8 @@ class CudaEngine:
         with self._backend.device(self.device):
             self.settle()
             threads = self._threads
-            if not getattr(threads, "warm", False) or workspaces_may_be_freed():
+            # Inductor's CUDA graph trees, once imported, may have freed the cuBLAS workspaces
+            if not getattr(threads, "warm", False) or "torch._inductor.cudagraph_trees" in sys.modules:
                 _initialize(self.device)
                 if self.workspaces is None:  # the first time: how many bytes they hold
                     self.release_workspaces()
