@@ -166,10 +166,6 @@ class SiteRecorder:
             state = self._states[key] = _State(self, code, line, self.phase, where)
         return state
 
-    def site_here(self) -> Site:
-        """The site of the code running now (the allocation an emulated limit refuses)."""
-        return self.here(sys._getframe(1)).site()
-
     def made(self, entry: Any, tensor: Any) -> None:
         """``entry`` (a storage just counted) was made for ``tensor`` here."""
         state = self.here(sys._getframe(2))

@@ -843,5 +843,6 @@ class TrackerSites:
         return None if state is None else state.site()
 
     def here(self) -> Site | None:
+        """The site of the code running now (the allocation an emulated limit refuses)."""
         sites = self._tracker.sites
-        return None if sites is None else sites.site_here()
+        return None if sites is None else sites.here(sys._getframe()).site()
