@@ -12,10 +12,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from pytest_gpumem.data.site_figures import Site, SiteConfig
-from pytest_gpumem.measurement.engines.site_tracking import Found, SiteRecorder, found_sites
-from pytest_gpumem.measurement.engines.tracker import StorageTracker
+from pytest_gpumem.measurement.engines.site_tracking import Found
 
-__all__ = ["Categories", "Engine", "Reading", "Runtime", "SiteRecording", "TrackerSites", "Workspaces"]
+__all__ = ["Categories", "Engine", "Reading", "Runtime", "SiteRecording", "Workspaces"]
 
 
 @dataclass
@@ -200,31 +199,3 @@ class SiteRecording(Protocol):
 
     def here(self) -> Site | None:
         """The site of the code running now, while sites are recorded."""
-
-
-class TrackerSites:
-    """:class:`SiteRecording` by a storage tracker that watches operators (it sees the frame making each storage)."""
-
-    def __init__(self, tracker: StorageTracker) -> None:
-        self._tracker = tracker
-
-    def start(self, config: SiteConfig) -> None:
-        self._tracker.record_sites(SiteRecorder(config))
-
-    def set_phase(self, phase: str | None) -> None:
-        if self._tracker.sites is not None:
-            self._tracker.sites.phase = phase or ""
-
-    def now(self) -> Any:
-        return self._tracker.site_snapshot()
-
-    def figures(self, peak: Any, end: Any) -> list[Found] | None:
-        return None if end is None else found_sites(peak, end)
-
-    def site_of(self, tensor: Any) -> Site | None:
-        state = self._tracker.site_of(tensor)
-        return None if state is None else state.site()
-
-    def here(self) -> Site | None:
-        sites = self._tracker.sites
-        return None if sites is None else sites.site_here()

@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from pytest_gpumem.measurement import collector
-from pytest_gpumem.measurement.engines.base import Categories, Reading, TrackerSites
-from pytest_gpumem.measurement.engines.categories import forget_categories
+from pytest_gpumem.measurement.engines.base import Categories, Reading
 from pytest_gpumem.measurement.engines.snapshots import SnapshotRecorder, write_snapshot
-from pytest_gpumem.measurement.engines.storages import fakes_counted
-from pytest_gpumem.measurement.engines.tracker import StorageTracker
+from pytest_gpumem.measurement.engines.storages import Window, fakes_counted
+from pytest_gpumem.measurement.engines.tracker import StorageTracker, TrackerSites
 
 if TYPE_CHECKING:
     from pytest_gpumem.targets.allocator import CachingAllocatorModel
@@ -43,11 +42,6 @@ class CpuEngine:
 
     # -- readings -------------------------------------------------------------------
 
-    @property
-    def observe(self) -> str:
-        """How allocations are seen: "operators" (dispatch mode) or "allocations" (the allocator's reports)."""
-        return self.tracker.observes
-
     def reading(self) -> AbstractContextManager[None]:
         return self.tracker.reading()
 
@@ -59,19 +53,11 @@ class CpuEngine:
         return None
 
     def take_window(self, *, defer: bool = False) -> Reading:
-        window = self.tracker.take_window(defer=defer)
-        return Reading(
-            peak=window.peak,
-            breakdown=window.breakdown,
-            highest={"saved_activations": window.saved_peak},
-            pending=window.pending,
-            sites=window.sites,
-        )
+        return _reading(self.tracker.take_window(defer=defer))
 
     def resolve(self, token: int) -> tuple[Reading, int, int]:
         window, allocated, events = self.tracker.resolve(token)
-        saved = {"saved_activations": window.saved_peak}
-        return Reading(peak=window.peak, breakdown=window.breakdown, highest=saved), allocated, events
+        return _reading(window), allocated, events
 
     def saved_bytes(self) -> int | None:
         if not (self.tracker.active and self._saved_tensors):
@@ -88,7 +74,7 @@ class CpuEngine:
     def _clean_count(self) -> None:
         """Collect garbage and count what is alive afresh, each storage in no test's category."""
         self.settle()
-        forget_categories(self.tracker)
+        self.tracker.forget_categories()
         self.tracker.counts_fakes = fakes_counted()  # before the scan: a fake tensor is memory only in a fake run
         self.tracker.scan()
 
@@ -112,7 +98,7 @@ class CpuEngine:
     @contextmanager
     def limit_memory(self, nbytes: int) -> Iterator[int]:
         """Refuse allocations, while the tracker runs, that would take its allocated bytes over ``nbytes``."""
-        if self.observe != "operators":
+        if self.tracker.observes != "operators":
             raise ValueError(
                 "an emulated device limit needs observe='operators' on the CPU engine: allocations read "
                 "from the profiler's reports are seen after they happen and cannot be refused"
@@ -146,3 +132,9 @@ class CpuEngine:
         finally:
             recorder.stop()
             write_snapshot(path, recorder.snapshot())
+
+
+def _reading(window: Window) -> Reading:
+    """A tracker's window as the engine reads it."""
+    highest = {"saved_activations": window.saved_peak}
+    return Reading(window.peak, window.breakdown, highest, pending=window.pending, sites=window.sites)

@@ -20,7 +20,6 @@ from pytest_gpumem.data.site_figures import Site, SiteConfig
 from pytest_gpumem.files import move_file
 from pytest_gpumem.measurement import collector
 from pytest_gpumem.measurement.engines.base import Categories, Reading
-from pytest_gpumem.measurement.engines.categories import forget_categories
 from pytest_gpumem.measurement.engines.saved import SavedTensors
 from pytest_gpumem.measurement.engines.site_tracking import Found, SiteFilter
 from pytest_gpumem.measurement.engines.snapshots import SNAPSHOT_ENTRIES
@@ -30,35 +29,31 @@ from pytest_gpumem.measurement.engines.tracker import StorageTracker
 __all__ = ["CudaEngine", "cuda_available", "cuda_device_count", "nvml_memory"]
 
 
-#: ``torch.cuda.is_available`` as last called, and its answer: torch asks the driver at every call.
-_available: list[Any] = [None, False]
+#: A ``torch.cuda`` function's name → (the function as last called, its answer): torch asks the driver at every call.
+_answers: dict[str, tuple[Any, int]] = {}
+
+
+def _asked_once(name: str) -> int:
+    """``torch.cuda.<name>()``, asked once a process unless the function was replaced since (0 where it fails)."""
+    function = getattr(torch.cuda, name)
+    known = _answers.get(name)
+    if known is None or known[0] is not function:
+        try:
+            found = int(function())
+        except Exception:  # a broken driver must read as "no device", not crash collection
+            found = 0
+        known = _answers[name] = (function, found)
+    return known[1]
 
 
 def cuda_available() -> bool:
-    """True when torch sees a CUDA (or ROCm) device; asked once a process, unless the function was replaced since."""
-    function = torch.cuda.is_available
-    if _available[0] is not function:
-        try:
-            found = bool(function())
-        except Exception:  # a broken driver must read as "no device", not crash collection
-            found = False
-        _available[:] = [function, found]
-    return bool(_available[1])
-
-
-_counted: list[Any] = [None, 0]
+    """True when torch sees a CUDA (or ROCm) device; asked once a process (:func:`_asked_once`)."""
+    return bool(_asked_once("is_available"))
 
 
 def cuda_device_count() -> int:
     """The number of CUDA devices torch sees (0 where none), asked once a process as :func:`cuda_available`."""
-    function = torch.cuda.device_count
-    if _counted[0] is not function:
-        try:
-            found = int(function()) if cuda_available() else 0
-        except Exception:
-            found = 0
-        _counted[:] = [function, found]
-    return int(_counted[1])
+    return _asked_once("device_count") if cuda_available() else 0
 
 
 #: Entries of allocation history kept while sites are recorded: the ring drops its oldest, which a span's sites need.
@@ -92,11 +87,6 @@ def _workspace_kernels(device: torch.device) -> None:
         total.backward()
 
 
-def workspaces_may_be_freed() -> bool:
-    """Whether code here may have freed the cuBLAS workspaces (Inductor's CUDA graph trees do)."""
-    return "torch._inductor.cudagraph_trees" in sys.modules
-
-
 def _memory_api() -> Any:
     accelerator = getattr(torch, "accelerator", None)
     memory = getattr(accelerator, "memory", None)
@@ -111,6 +101,7 @@ class CudaEngine:
     name = "cuda"
     exact = False
     cuda_rounding = False
+    predicts: str | None = None
 
     def __init__(self, device: torch.device, tracker: StorageTracker | None = None) -> None:
         self.device = torch.device(device)
@@ -125,21 +116,13 @@ class CudaEngine:
         self._backend = _backend(self.device)
         self._saved = SavedTensors(self.device) if tracker is None else None
         self._count_saved = True
-        self._workspaces: int | None = None
+        #: bytes of the cuBLAS/cuBLASLt workspaces the clean-state protocol keeps (see docs/figures.md)
+        self.workspaces: int | None = None
         #: per thread: whether this thread's context, BLAS handle and workspaces were made (``warm``)
         self._threads = threading.local()
         #: ``memory_stats()`` of this moment, inside :meth:`reading` (one read serves its figures)
         self._stats: dict[str, Any] | None = None
         self._in_reading = False
-
-    @property
-    def predicts(self) -> str | None:
-        return None
-
-    @property
-    def workspaces(self) -> int | None:
-        """Bytes of the cuBLAS/cuBLASLt workspaces the clean-state protocol keeps (see docs/figures.md)."""
-        return self._workspaces
 
     # -- actions --------------------------------------------------------------------
 
@@ -148,13 +131,14 @@ class CudaEngine:
         with self._backend.device(self.device):
             self.settle()
             threads = self._threads
-            if not getattr(threads, "warm", False) or workspaces_may_be_freed():
+            # Inductor's CUDA graph trees, once imported, may have freed the cuBLAS workspaces
+            if not getattr(threads, "warm", False) or "torch._inductor.cudagraph_trees" in sys.modules:
                 _initialize(self.device)
-                if self._workspaces is None:  # the first time: how many bytes they hold
+                if self.workspaces is None:  # the first time: how many bytes they hold
                     self.release_workspaces()
                     before = self.allocated()
                     self.warm_workspaces()
-                    self._workspaces = self.allocated() - before
+                    self.workspaces = self.allocated() - before
                 else:
                     self.warm_workspaces()
                 threads.warm = True
@@ -162,7 +146,7 @@ class CudaEngine:
                 self.empty_cache()
             self._api.reset_peak_memory_stats(self.device)
         if self.tracker is not None:
-            forget_categories(self.tracker)
+            self.tracker.forget_categories()
             self.tracker.scan()
             self.tracker.take_window()
 
@@ -320,10 +304,9 @@ class CudaEngine:
         if self.tracker is None and self._saved is not None and self._count_saved:
             saved = self._saved.take_peak()
         reading = reading_from_stats(stats, self.tracker, saved_peak=saved)
-        trace = None if self.sites is None else self.sites.trace
-        if trace is not None:
-            reading.sites = ("window", trace.number)
-            trace.next_stamp()
+        if self.sites is not None and self.sites.recording:
+            reading.sites = ("window", self.sites.number)
+            self.sites.next_stamp()
         return reading
 
     def resolve(self, token: int) -> tuple[Reading, int, int]:
@@ -338,53 +321,31 @@ class CudaEngine:
 
 
 class TraceSites:
-    """The CUDA engine's :class:`~pytest_gpumem.measurement.engines.base.SiteRecording`: the allocator's history,
-    replayed (measurement/engines/traces.py)."""
-
-    def __init__(self, device: torch.device, api: Any) -> None:
-        self._device, self._api = device, api
-        self.trace: _Trace | None = None
-
-    def start(self, config: SiteConfig) -> None:
-        start = int(self._api.memory_allocated(self._device))  # the engine's allocated(), outside a reading
-        self.trace = _Trace(self._device, SiteFilter(config), start)
-
-    def set_phase(self, phase: str | None) -> None:
-        if self.trace is not None:
-            self.trace.set_phase(phase or "")
-
-    def now(self) -> Any:
-        return None if self.trace is None else ("end", self.trace.next_stamp())
-
-    def figures(self, peak: Any, end: Any) -> list[Found] | None:
-        return None if self.trace is None or end is None else self.trace.figures(peak, end)
-
-    def site_of(self, tensor: Any) -> Site | None:
-        return None
-
-    def here(self) -> Site | None:
-        return None
-
-    def stop(self) -> None:
-        if self.trace is not None:
-            self.trace.stop()
-            self.trace = None
-
-
-class _Trace:
-    """The allocator's history while sites are recorded, stamped with window numbers."""
+    """The CUDA engine's :class:`~pytest_gpumem.measurement.engines.base.SiteRecording`: the allocator's history while
+    sites are recorded, its events stamped with window numbers, replayed (measurement/engines/traces.py)."""
 
     recordings = itertools.count(1)
 
-    def __init__(self, device: torch.device, sites: SiteFilter, start: int) -> None:
-        self.device = device
-        self.filter = sites
-        self.start = start
+    def __init__(self, device: torch.device, api: Any) -> None:
+        self._device, self._api = device, api
         self.memory = torch.cuda.memory
-        self.prefix = f"gpumem{next(self.recordings)}:"
+        self.filter: SiteFilter | None = None  #: the user's frames, while sites are recorded
+        self.start_bytes = 0
+        self.prefix = ""
         self.number = 0
         self.phase = ""
         self.phases: dict[int, str] = {}
+
+    @property
+    def recording(self) -> bool:
+        return self.filter is not None
+
+    def start(self, config: SiteConfig) -> None:
+        start = int(self._api.memory_allocated(self._device))  # the engine's allocated(), outside a reading
+        self.filter = SiteFilter(config)
+        self.start_bytes = start
+        self.prefix = f"gpumem{next(self.recordings)}:"
+        self.number, self.phase, self.phases = 0, "", {}
         record = self.memory._record_memory_history
         options: dict[str, Any] = {"context": "alloc", "stacks": "python", "max_entries": SITE_ENTRIES}
         if "clear_history" in inspect.signature(record).parameters:
@@ -401,13 +362,19 @@ class _Trace:
         self.phases[self.number] = self.phase
         return self.number
 
-    def set_phase(self, phase: str) -> None:
-        self.phase = self.phases[self.number] = phase
+    def set_phase(self, phase: str | None) -> None:
+        if self.recording:
+            self.phase = self.phases[self.number] = phase or ""
 
-    def figures(self, peak: Any, end: Any) -> list[Found]:
+    def now(self) -> Any:
+        return ("end", self.next_stamp()) if self.recording else None
+
+    def figures(self, peak: Any, end: Any) -> list[Found] | None:
+        if self.filter is None or end is None:
+            return None
         snapshot = self.memory._snapshot()
         traces = snapshot.get("device_traces") or []
-        index = self.device.index or 0
+        index = self._device.index or 0
         events = traces[index] if index < len(traces) else []
         first = next((i for i, e in enumerate(events) if str(e.get("user_metadata", "")).startswith(self.prefix)), 0)
         events = events[first:]  # without clear_history: older recordings' events before ours
@@ -415,7 +382,7 @@ class _Trace:
         at_peak, at_end = replay_trace(
             events,
             self.filter.file,
-            start=self.start,
+            start=self.start_bytes,
             windows=[peak[1]] if window else [],
             ends=[end[1]] if window else [end[1], peak[1]],
             prefix=self.prefix,
@@ -424,11 +391,19 @@ class _Trace:
         found_peak = at_peak.get(peak[1], []) if window else at_end[peak[1]]  # no window: its peak was as it opened
         return merge_found(found_peak, at_end[end[1]])
 
+    def site_of(self, tensor: Any) -> Site | None:
+        return None
+
+    def here(self) -> Site | None:
+        return None
+
     def stop(self) -> None:
-        setter = getattr(self.memory, "_set_memory_metadata", None)
-        if setter is not None:
-            setter("")
-        self.memory._record_memory_history(enabled=None)
+        if self.filter is not None:
+            setter = getattr(self.memory, "_set_memory_metadata", None)
+            if setter is not None:
+                setter("")
+            self.memory._record_memory_history(enabled=None)
+            self.filter = None
 
 
 def reading_from_stats(

@@ -23,7 +23,7 @@ from pytest_gpumem.measurement.engines.tracker import OTHER, StorageTracker
 from pytest_gpumem.targets import AttentionBackend, Target, Workspace
 from pytest_gpumem.targets.allocator import CachingAllocatorModel
 
-__all__ = ["PredictEngine", "Prediction"]
+__all__ = ["PredictEngine"]
 
 #: The thread a workspace belongs to: the caller's, or the autograd engine's device thread (a CUDA backward's).
 _MAIN, _BACKWARD = "main", "backward"
@@ -75,24 +75,11 @@ class _TargetTracker(StorageTracker):
         self.register(grads, "gradients")
 
 
-class Prediction:
-    """A model of the target's caching allocator that follows its own :attr:`tracker`, and its workspaces."""
+class _ModelObserver:
+    """The target's caching allocator model, following the tracker's blocks."""
 
-    def __init__(self, target: Target) -> None:
-        self.target = target
-        self.model = CachingAllocatorModel(target.allocator)
-        self._workspaces: dict[tuple[str, str], Block] = {}
-        self._synthetic_keys = itertools.count(1)
-        operators = frozenset().union(*(w.operators for w in target.workspaces))
-        self.tracker = _TargetTracker(
-            torch.device("cpu"),
-            cuda_rounding=True,
-            observer=self,
-            operator_hooks={name: functools.partial(self.matrix_product, name) for name in operators},
-            thread_contexts=(lambda: _DeviceKernels(self),),
-        )
-
-    # -- the model follows the tracker's blocks ------------------------------------------
+    def __init__(self, model: CachingAllocatorModel) -> None:
+        self.model = model
 
     def allocated(self, key: int, nbytes: int) -> None:
         self.model.malloc(key, nbytes)
@@ -107,44 +94,6 @@ class Prediction:
             self.model.free(key)
         if nbytes:
             self.model.malloc(key, nbytes)
-
-    def count_new(self, tensors: Iterable[torch.Tensor | None]) -> None:
-        """Count ``tensors``, made while the tracker was set aside, as this moment's allocations."""
-        self.tracker.register([t for t in tensors if t is not None], "temporaries")
-
-    # -- workspaces ----------------------------------------------------------------
-
-    def matrix_product(self, name: str, args: tuple[Any, ...]) -> None:  # called under the tracker's lock
-        """The thread running operator ``name`` gets the workspaces it uses, if it has none yet."""
-        thread = _BACKWARD if torch._C._current_graph_task_id() != -1 else _MAIN
-        for workspace in self.target.workspaces:
-            if name not in workspace.operators or (workspace.library, thread) in self._workspaces:
-                continue
-            if workspace.when != "bias" or _has_vector_bias(args):
-                self._create(workspace, thread)
-
-    def _create(self, workspace: Workspace, thread: str) -> None:
-        """The ``thread``'s workspace of ``workspace.library``, unless it has one."""
-        if (workspace.library, thread) not in self._workspaces:
-            key = -next(self._synthetic_keys)  # storages' keys are addresses: never negative
-            self._workspaces[(workspace.library, thread)] = self.tracker.add_block(key, workspace.nbytes)
-
-    def warm_workspaces(self) -> None:
-        """Create every workspace a training step's threads get (the backward thread a plain matrix product's)."""
-        for workspace in self.target.workspaces:
-            self._create(workspace, _MAIN)
-            if "mm" in workspace.operators and workspace.when is None:
-                self._create(workspace, _BACKWARD)
-
-    def release_workspaces(self) -> None:
-        """Free every workspace (what ``torch._C._cuda_clearCublasWorkspaces()`` does)."""
-        for block in self._workspaces.values():
-            self.tracker.remove_block(block)
-        self._workspaces.clear()
-
-    @property
-    def workspace_bytes(self) -> int:
-        return sum(entry.nbytes for entry in self._workspaces.values())
 
 
 @contextmanager
@@ -266,10 +215,10 @@ def _backward_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 class _DeviceKernels(TorchFunctionMode):
     """Runs the target's kernels where their memory differs from the CPU's (attention, dropout, autocast)."""
 
-    def __init__(self, prediction: Prediction) -> None:
+    def __init__(self, engine: PredictEngine) -> None:
         super().__init__()
-        self.prediction = prediction
-        self.target = prediction.target
+        self.engine = engine
+        self.target = engine.target
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -285,10 +234,10 @@ class _DeviceKernels(TorchFunctionMode):
             # an optimizer's scalar state made on the host (AdamW's step counters, unless fused or capturable)
             with _set_aside():
                 out = func(*args, **kwargs)
-            self.prediction.tracker.on_host(out)  # made while set aside, it lives on the target's host: never counted
+            self.engine.tracker.on_host(out)  # made while set aside, it lives on the target's host: never counted
             return out
         if func is F.scaled_dot_product_attention and self.target.attention_order:
-            return _attention(self.prediction, *args, **kwargs)
+            return _attention(self.engine, *args, **kwargs)
         if func is F.dropout and self.target.dropout_mask == "bool":
             return _dropout(*args, **kwargs)
         if torch.is_autocast_enabled("cpu"):
@@ -348,7 +297,7 @@ def choose_backend(
 
 
 def _attention(
-    tracker: Prediction,
+    engine: PredictEngine,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -361,7 +310,7 @@ def _attention(
     if torch.is_autocast_enabled("cpu"):
         # cast here, as the target's autocast would, before its backend is chosen
         query, key, value, attn_mask = _cast((query, key, value, attn_mask), torch.get_autocast_dtype("cpu"))
-    backend = choose_backend(tracker.target, query, key, value, attn_mask, enable_gqa)
+    backend = choose_backend(engine.target, query, key, value, attn_mask, enable_gqa)
     if backend.name == "math":  # the composite CUDA runs too: its operators are the target's
         out, _ = torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
@@ -371,11 +320,11 @@ def _attention(
         F.scaled_dot_product_attention, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        options = (backend, dropout_p, cpu, tracker)
+        options = (backend, dropout_p, cpu, engine)
         return _FusedAttention.apply(query, key, value, attn_mask, options)  # type: ignore[no-any-return]
     with _set_aside():
         out = cpu(query, key, value, attn_mask)
-    tracker.count_new([out])
+    engine.count_new([out])
     return out
 
 
@@ -391,11 +340,11 @@ class _FusedAttention(torch.autograd.Function):
         attn_mask: torch.Tensor | None,
         options: tuple[Any, ...],
     ) -> torch.Tensor:
-        backend, dropout_p, cpu, tracker = options
+        backend, dropout_p, cpu, engine = options
         with _set_aside():
             rng = torch.get_rng_state() if dropout_p > 0 else None
             out: torch.Tensor = cpu(query, key, value, attn_mask)
-        tracker.count_new([out])
+        engine.count_new([out])
         rows = query.size(-2)
         multiple = backend.logsumexp_row_multiple
         logsumexp = torch.empty((*query.shape[:-2], math.ceil(rows / multiple) * multiple), dtype=torch.float32)
@@ -408,7 +357,7 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, _out, _lse, attn_mask, *_ = ctx.saved_tensors
-        _, _, cpu, tracker = ctx.options
+        _, _, cpu, engine = ctx.options
         q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in (query, key, value))
         inputs = [q, k, v]
         wanted = [t for t in inputs if t.requires_grad]
@@ -418,7 +367,7 @@ class _FusedAttention(torch.autograd.Function):
             out = cpu(q, k, v, attn_mask)
             found = iter(torch.autograd.grad(out, wanted, grad_out))
         grads = [next(found) if t.requires_grad else None for t in inputs]
-        tracker.count_new(grads)
+        engine.count_new(grads)
         return (*grads, None, None)
 
 
@@ -428,32 +377,45 @@ def _has_vector_bias(args: tuple[Any, ...]) -> bool:
 
 
 class PredictEngine(CpuEngine):
-    """A CPU run whose figures are those the ``target`` GPU's caching allocator would show."""
+    """A CPU run whose figures are those the ``target`` GPU's caching allocator would show, and its workspaces."""
 
     name = "predict"
     exact = True
+    tracker: _TargetTracker
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self.predictor = Prediction(target)
-        super().__init__(tracker=self.predictor.tracker)
+        self.model = CachingAllocatorModel(target.allocator)
+        self._workspaces: dict[tuple[str, str], Block] = {}
+        self._synthetic_keys = itertools.count(1)
+        operators = frozenset().union(*(w.operators for w in target.workspaces))
+        tracker = _TargetTracker(
+            torch.device("cpu"),
+            cuda_rounding=True,
+            observer=_ModelObserver(self.model),
+            operator_hooks={name: functools.partial(self.matrix_product, name) for name in operators},
+            thread_contexts=(lambda: _DeviceKernels(self),),
+        )
+        super().__init__(tracker=tracker)
         self.predicts = target.name
-        self.snapshot_model = self.predictor.model
-        self._workspace_total: int | None = None
+        self.snapshot_model = self.model
+        self.workspaces: int | None = None  #: their bytes, once the first clean state made them
 
-    @property
-    def workspaces(self) -> int | None:
-        return self._workspace_total
+    def count_new(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Count ``tensors``, made while the tracker was set aside, as this moment's allocations."""
+        self.tracker.register([t for t in tensors if t is not None], "temporaries")
+
+    # -- readings and actions ------------------------------------------------------
 
     def allocated(self) -> int:
-        return self.predictor.model.allocated
+        return self.model.allocated
 
     def reserved(self) -> int | None:
-        return self.predictor.model.reserved
+        return self.model.reserved
 
     def take_window(self, *, defer: bool = False) -> Reading:
         window = self.tracker.take_window()
-        model = self.predictor.model
+        model = self.model
         peak, reserved_peak = model.peak_allocated, model.peak_reserved
         model.reset_peaks()
         breakdown = window.breakdown
@@ -472,16 +434,40 @@ class PredictEngine(CpuEngine):
         """As the CUDA engine's; the model's cache is always emptied (it has no cost to save)."""
         self._clean_count()
         self.warm_workspaces()
-        if self._workspace_total is None:
-            self._workspace_total = self.predictor.workspace_bytes
+        if self.workspaces is None:
+            self.workspaces = sum(block.nbytes for block in self._workspaces.values())
         self.empty_cache()
         self.take_window()
 
+    def empty_cache(self) -> None:
+        self.model.empty_cache()
+
+    # -- workspaces ----------------------------------------------------------------
+
+    def matrix_product(self, name: str, args: tuple[Any, ...]) -> None:  # called under the tracker's lock
+        """The thread running operator ``name`` gets the workspaces it uses, if it has none yet."""
+        thread = _BACKWARD if torch._C._current_graph_task_id() != -1 else _MAIN
+        for workspace in self.target.workspaces:
+            if name not in workspace.operators or (workspace.library, thread) in self._workspaces:
+                continue
+            if workspace.when != "bias" or _has_vector_bias(args):
+                self._create(workspace, thread)
+
+    def _create(self, workspace: Workspace, thread: str) -> None:
+        """The ``thread``'s workspace of ``workspace.library``, unless it has one."""
+        if (workspace.library, thread) not in self._workspaces:
+            key = -next(self._synthetic_keys)  # storages' keys are addresses: never negative
+            self._workspaces[(workspace.library, thread)] = self.tracker.add_block(key, workspace.nbytes)
+
     def warm_workspaces(self) -> None:
-        self.predictor.warm_workspaces()
+        """Create every workspace a training step's threads get (the backward thread a plain matrix product's)."""
+        for workspace in self.target.workspaces:
+            self._create(workspace, _MAIN)
+            if "mm" in workspace.operators and workspace.when is None:
+                self._create(workspace, _BACKWARD)
 
     def release_workspaces(self) -> None:
-        self.predictor.release_workspaces()
-
-    def empty_cache(self) -> None:
-        self.predictor.model.empty_cache()
+        """Free every workspace (what ``torch._C._cuda_clearCublasWorkspaces()`` does)."""
+        for block in self._workspaces.values():
+            self.tracker.remove_block(block)
+        self._workspaces.clear()

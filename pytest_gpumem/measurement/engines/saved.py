@@ -11,18 +11,10 @@ from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
 from pytest_gpumem.measurement.engines.storages import _PLAIN
 from pytest_gpumem.units import cuda_rounded
 
-__all__ = ["Held", "Released", "SavedTensors", "detached", "unpack"]
+__all__ = ["Held", "Released", "SavedTensors", "unpack"]
 
 _PARAMETER = torch.nn.Parameter
 _NO_DISPATCH = torch._C._DisableTorchDispatch
-
-
-def detached(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor.detach()``, for plain tensors unseen by any dispatch mode (it is the plugin's own doing)."""
-    if type(tensor) in _PLAIN:
-        with _NO_DISPATCH():
-            return tensor.detach()
-    return tensor.detach()
 
 
 class Held:
@@ -32,7 +24,13 @@ class Held:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor if tensor.is_leaf else detached(tensor)
+        if tensor.is_leaf:
+            self.tensor = tensor
+        elif type(tensor) in _PLAIN:  # detached unseen by any dispatch mode: it is the plugin's own doing
+            with _NO_DISPATCH():
+                self.tensor = tensor.detach()
+        else:
+            self.tensor = tensor.detach()
         self.version = tensor._version
 
 

@@ -70,11 +70,9 @@ class SiteFilter:
 
     def file(self, filename: str) -> str | None:
         """The name ``filename`` goes by in a site (``/``-separated), or None when it is not the user's code."""
-        known = self._files.get(filename, "?")
-        if known != "?":
-            return known
-        name = self._files[filename] = self._name(filename)
-        return name
+        if filename not in self._files:
+            self._files[filename] = self._name(filename)
+        return self._files[filename]
 
     def _name(self, filename: str) -> str | None:
         if filename.startswith("<"):
@@ -167,10 +165,6 @@ class SiteRecorder:
         if state is None:
             state = self._states[key] = _State(self, code, line, self.phase, where)
         return state
-
-    def site_here(self) -> Site:
-        """The site of the code running now (the allocation an emulated limit refuses)."""
-        return self.here(sys._getframe(1)).site()
 
     def made(self, entry: Any, tensor: Any) -> None:
         """``entry`` (a storage just counted) was made for ``tensor`` here."""

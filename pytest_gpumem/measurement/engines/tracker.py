@@ -27,11 +27,12 @@ except ImportError:  # pragma: no cover - torch moved it: the mode keeps torch's
     set_eval_frame = None  # type: ignore[assignment]
 
 from pytest_gpumem.data.metrics import CATEGORIES
+from pytest_gpumem.data.site_figures import Site, SiteConfig
 from pytest_gpumem.measurement import frozen, gcfunctions
 from pytest_gpumem.measurement.engines.compiled import forget_skips, skipped_frame
 from pytest_gpumem.measurement.engines.saved import Held, Released, unpack
 from pytest_gpumem.measurement.engines.savedhooks import SavedTensorHooks
-from pytest_gpumem.measurement.engines.site_tracking import SiteRecorder, SiteSnapshot, _State
+from pytest_gpumem.measurement.engines.site_tracking import Found, SiteRecorder, SiteSnapshot, _State, found_sites
 from pytest_gpumem.measurement.engines.sizing import output_storages
 from pytest_gpumem.measurement.engines.storages import (
     _PLAIN,
@@ -47,7 +48,7 @@ from pytest_gpumem.measurement.engines.storages import (
 )
 from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded
 
-__all__ = ["CUDA_BLOCK", "StorageObserver", "StorageTracker", "TrackerMode", "Window", "cuda_rounded"]
+__all__ = ["CUDA_BLOCK", "StorageObserver", "StorageTracker", "TrackerMode", "TrackerSites", "Window", "cuda_rounded"]
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
 
@@ -429,11 +430,9 @@ class StorageTracker:
         self._timeline_stride *= 2
 
     def _outputs(self, out: Any, fresh: bool) -> None:
-        """Count the storages of an operator's outputs; ``fresh``: it creates them."""
+        """Count the storages of an operator's outputs, a tuple or a list (``fresh``: it creates them)."""
         tensor_type = torch.Tensor
-        if isinstance(out, tensor_type):
-            self._output(out, fresh)
-        elif isinstance(out, (tuple, list)):
+        if isinstance(out, (tuple, list)):
             for item in out:
                 if fresh and type(item) is tensor_type:
                     self._fresh(item)
@@ -613,6 +612,15 @@ class StorageTracker:
             before = self.current
             self._register_scanned(gcfunctions.get_objects(), itertools.chain(extra, frozen.tensors()))
             return self.current - before
+
+    def forget_categories(self) -> None:
+        """Count every storage as "other", before the scan that finds parameters and gradients again: a test's
+        categories are its own (what an earlier test made, saved or tracked is "other" to the next)."""
+        self.flush()
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.category != OTHER:
+                    self._move(entry, OTHER, discovered=False)
 
     def _register_scanned(self, objects: list[Any], extra: Iterable[object]) -> None:
         params, grads, others = sort_scanned(itertools.chain(tensors_among(objects), tensors_among(list(extra))))
@@ -805,10 +813,36 @@ class StorageTracker:
             if counted and self.sites is not None:
                 self.sites.freed(entry)
 
-    def site_of(self, tensor: Any) -> _State | None:
-        """The site ``tensor``'s storage was made at, when sites were recorded then; None otherwise."""
+
+class TrackerSites:
+    """:class:`~pytest_gpumem.measurement.engines.base.SiteRecording` by a storage tracker that watches operators
+    (it sees the frame making each storage)."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self._tracker = tracker
+
+    def start(self, config: SiteConfig) -> None:
+        self._tracker.record_sites(SiteRecorder(config))
+
+    def set_phase(self, phase: str | None) -> None:
+        if self._tracker.sites is not None:
+            self._tracker.sites.phase = phase or ""
+
+    def now(self) -> Any:
+        return self._tracker.site_snapshot()
+
+    def figures(self, peak: Any, end: Any) -> list[Found] | None:
+        return None if end is None else found_sites(peak, end)
+
+    def site_of(self, tensor: Any) -> Site | None:
         try:
-            entry = self._entries.get(self._key(tensor.untyped_storage()) or 0)
+            entry = self._tracker._entries.get(self._tracker._key(tensor.untyped_storage()) or 0)
         except (RuntimeError, NotImplementedError):
             return None
-        return None if entry is None else getattr(entry, "site", None)  # made while some recording was on
+        state: _State | None = getattr(entry, "site", None)  # made while some recording was on
+        return None if state is None else state.site()
+
+    def here(self) -> Site | None:
+        """The site of the code running now (the allocation an emulated limit refuses)."""
+        sites = self._tracker.sites
+        return None if sites is None else sites.here(sys._getframe()).site()
