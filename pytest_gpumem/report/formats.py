@@ -11,7 +11,7 @@ from typing import Any
 
 from pytest_gpumem.baselines.canonical import json_bytes
 from pytest_gpumem.data.findings import Finding
-from pytest_gpumem.files import write_file
+from pytest_gpumem.files import temporary_pid, write_file
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.report.ci import STEP_SUMMARY_LIMIT, capped_summary
 from pytest_gpumem.report.text import markdown_report
@@ -135,7 +135,7 @@ def _report(kind: str, path: Path, data: bytes) -> list[str]:
         write_file(path, data)
     except OSError as exc:
         name = str(exc.filename or "")
-        temporary = Path(name).name.startswith(f".{path.name[:100]}.") and name.endswith(".tmp")
+        temporary = temporary_pid(path, Path(name).name) is not None  # write_file's own file beside it
         where = f" ({name})" if name and name != str(path) and not temporary else ""
         return [f"could not write the {kind} report {path}: {exc.strerror or exc}{where}"]
     return []

@@ -57,7 +57,6 @@ _NOTES = {"new": "new since the baseline", "gone": "gone", "unlisted": "not amon
 class SiteTable:
     """One table of sites: its title, its rows (cells of :data:`SITE_HEADERS`), the line below it."""
 
-    span: str
     moment: str
     title: str
     rows: list[list[str]]
@@ -141,7 +140,7 @@ def _table(span: str, moment: str, diff: SiteDiff | None, measurement: Measureme
             else f"(none of {diff.compared} sites changed {_AT[moment]}: the start or what the sites miss moved)"
         )
         title = f"{where}{_AT[moment]}, against the baseline (sites by growth):"
-        return SiteTable(span, moment, title, rows, footer, _second_run(diff), sizes=sizes)
+        return SiteTable(moment, title, rows, footer, _second_run(diff), sizes=sizes)
     if measurement is None or measurement.sites is None:
         return None
     profile = measurement.sites
@@ -152,7 +151,7 @@ def _table(span: str, moment: str, diff: SiteDiff | None, measurement: Measureme
     footer = f"({len(rows)} sites; {profile.rest_sites} more hold {format_size(rest)})" if profile.rest_sites else ""
     title = f"{where}{_AT[moment]}, the largest sites:"
     sizes = [(None, nbytes) for _, nbytes in largest]
-    return SiteTable(span, moment, title, rows, footer, _second_run(profile), changes=False, sizes=sizes)
+    return SiteTable(moment, title, rows, footer, _second_run(profile), changes=False, sizes=sizes)
 
 
 def site_lines(record: TestRecord, *, width: int | None = None, verbosity: int = 0, error: bool = False) -> list[str]:

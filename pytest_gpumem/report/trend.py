@@ -14,13 +14,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pytest_gpumem.baselines.history import Commit, History, Version
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
 from pytest_gpumem.report.cells import delta_text, figure_text
-from pytest_gpumem.report.html import html_page, html_text
+from pytest_gpumem.report.html import _n, html_page, html_text
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_size
 
 __all__ = [
     "Series",
-    "github_benchmark",
+    "github_benchmark_json",
     "history_html",
     "history_table",
     "metrics_of",
@@ -178,8 +178,8 @@ def _latest(history: History, series: Sequence[Series], metrics: Sequence[str]) 
                 yield key, metric, value
 
 
-def github_benchmark(history: History, series: Sequence[Series], metrics: Sequence[str]) -> list[dict[str, object]]:
-    """github-action-benchmark's ``customSmallerIsBetter`` entries for the newest commit, one per test, span and metric.
+def github_benchmark_json(history: History, series: Sequence[Series], metrics: Sequence[str]) -> str:
+    """github-action-benchmark's ``customSmallerIsBetter`` JSON: the newest commit, an entry per test, span and metric.
 
     n/a figures and ``max_microbatch`` are left out. Raises ``ValueError`` when the series span several environments
     (the names would collide): choose one with ``--env``.
@@ -190,10 +190,8 @@ def github_benchmark(history: History, series: Sequence[Series], metrics: Sequen
             f"the history holds {len(environments)} environments ({'; '.join(environments)}): "
             "choose one with --env for github-benchmark (one benchmark name per test, span and metric)"
         )
-    if history.latest is None:
-        return []
-    commit = history.latest.commit
-    return [
+    commit = None if history.latest is None else history.latest.commit
+    entries = [
         {
             "name": f"{key[1]} [{key[2]}] {metric}",
             "unit": "bytes" if metric_info(metric).unit == "bytes" else "count",
@@ -201,13 +199,9 @@ def github_benchmark(history: History, series: Sequence[Series], metrics: Sequen
             "extra": f"commit {commit.short} ({commit.day}); environment {key[0]}",
         }
         for key, metric, value in _latest(history, series, metrics)
-        if not metric_info(metric).higher_is_better
+        if commit is not None and not metric_info(metric).higher_is_better
     ]
-
-
-def github_benchmark_json(history: History, series: Sequence[Series], metrics: Sequence[str]) -> str:
-    """:func:`github_benchmark` as the JSON text the action reads."""
-    return json.dumps(github_benchmark(history, series, metrics), indent=2, ensure_ascii=False) + "\n"
+    return json.dumps(entries, indent=2, ensure_ascii=False) + "\n"
 
 
 def _label_value(text: str) -> str:
@@ -270,11 +264,6 @@ td.num { text-align: right; white-space: nowrap; } code { font-size: 12px; }
 
 def _colour(metric: str, index: int) -> str:
     return _COLOURS.get(metric, _OTHER_COLOURS[index % len(_OTHER_COLOURS)])
-
-
-def _n(value: float) -> str:
-    text = f"{value:.1f}"
-    return text[:-2] if text.endswith(".0") else text
 
 
 def _ticks(high: int) -> list[int]:
