@@ -335,23 +335,8 @@ def _diff(now: Mapping[str, int], before: Mapping[str, int], key: str) -> int | 
     return now[key] - before[key] if key in now and key in before else None
 
 
-def _shortcut(name: str) -> Any:
-    """A read-only attribute of :class:`Span` that is its measurement's ``name``."""
-    return property(lambda span: getattr(span.measurement, name))
-
-
 class Span:
     """A measured ``with`` block: after it, ``span.measurement`` and its shortcuts; its limits are judged later."""
-
-    start: int = _shortcut("start")
-    peak: int = _shortcut("peak")
-    allocated: int = _shortcut("allocated")
-    reserved: int | None = _shortcut("reserved")
-    breakdown: Mapping[str, int] | None = _shortcut("breakdown")
-    phases: Mapping[str, Phase] = _shortcut("phases")
-    saved_activations: int | None = _shortcut("saved_activations")
-    allocated_breakdown: Mapping[str, int] | None = _shortcut("allocated_breakdown")
-    psi: int | None = _shortcut("psi")
 
     def __init__(self, recorder: Recorder, name: str, limits: Mapping[str, Any]) -> None:
         self.recorder = recorder
@@ -389,6 +374,42 @@ class Span:
         if self._measurement is None:
             raise RuntimeError(f"span {self.name!r} has no figures until its with-block ends")
         return self._measurement
+
+    @property
+    def start(self) -> int:
+        return self.measurement.start
+
+    @property
+    def peak(self) -> int:
+        return self.measurement.peak
+
+    @property
+    def allocated(self) -> int:
+        return self.measurement.allocated
+
+    @property
+    def reserved(self) -> int | None:
+        return self.measurement.reserved
+
+    @property
+    def breakdown(self) -> Mapping[str, int] | None:
+        return self.measurement.breakdown
+
+    @property
+    def phases(self) -> Mapping[str, Phase]:
+        return self.measurement.phases
+
+    @property
+    def saved_activations(self) -> int | None:
+        return self.measurement.saved_activations
+
+    @property
+    def allocated_breakdown(self) -> Mapping[str, int] | None:
+        return self.measurement.allocated_breakdown
+
+    @property
+    def psi(self) -> int | None:
+        return self.measurement.psi
 
     def cost(self, metric: str) -> int | None:
         """What the span added to ``metric`` (figure minus start)."""
