@@ -127,31 +127,48 @@ def _rank_main(
                 _without_gpus()
             if where.type == "cuda":
                 torch.cuda.set_device(where)
-            # torch._dynamo: what DDP and FSDP import at their first use (a second a rank): a warm rank has it
-            import torch.distributed as dist
-            from torch import _dynamo  # noqa: F401
-
-            from pytest_gpumem.measurement.active import measure
-
             init = {"store": FakeStore()} if fake else {}
-            timeout_delta = timedelta(seconds=max(timeout, 1.0))
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout_delta, **init)
-            try:
-                ctx = RankContext(rank, world_size, where, backend)
-                with measure(f"rank{rank}", device=where, predict=predict, fake=fake, sites=sites) as span:
-                    ctx._recorder = span.recorder
-                    try:
-                        fn(rank, ctx)
-                    finally:
-                        ctx._recorder = None
-            finally:
-                dist.destroy_process_group()
-            results.put((rank, "ok", span.measurement.to_dict()))
+            measurement = _measured_rank(rank, world_size, backend, where, timeout, fn, predict, sites, **init)
+            results.put((rank, "ok", measurement.to_dict()))
         except BaseException as exc:  # the parent reports it: nothing may escape as a silent exit code
             error = _on_fake_ranks(exc) if fake else exc
             status = "oom" if isinstance(error, torch.OutOfMemoryError) else "error"
             results.put((rank, status, "".join(traceback.format_exception(error))))
             return
+
+
+def _measured_rank(
+    rank: int,
+    world_size: int,
+    backend: str,
+    where: torch.device,
+    timeout: float,
+    fn: Callable[[int, RankContext], Any],
+    predict: str | None,
+    sites: SiteConfig | None,
+    **init: Any,
+) -> Measurement:
+    """Start the default process group as ``rank``, run ``fn`` inside :func:`measure`, end the group (the rank's
+    recorder and engine are garbage once it returns, before the next fake rank starts)."""
+    # torch._dynamo: what DDP and FSDP import at their first use (a second a rank): a warm rank has it
+    import torch.distributed as dist
+    from torch import _dynamo  # noqa: F401
+
+    from pytest_gpumem.measurement.active import measure
+
+    timeout_delta = timedelta(seconds=max(timeout, 1.0))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout_delta, **init)
+    try:
+        ctx = RankContext(rank, world_size, where, backend)
+        with measure(f"rank{rank}", device=where, predict=predict, fake=backend == "fake", sites=sites) as span:
+            ctx._recorder = span.recorder
+            try:
+                fn(rank, ctx)
+            finally:
+                ctx._recorder = None
+        return span.measurement
+    finally:
+        dist.destroy_process_group()
 
 
 def _forget_earlier_ranks() -> None:
