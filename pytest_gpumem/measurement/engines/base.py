@@ -65,7 +65,8 @@ class Engine(Protocol):
         """Bytes the allocator holds from the driver now, if any."""
 
     def reading(self) -> AbstractContextManager[None]:
-        """Readings taken inside the block are of one moment."""
+        """Readings taken inside the block are of one moment; a block inside another is part of it (``Recorder.close``
+        reads ``allocated_now`` inside its own)."""
 
     def take_window(self, *, defer: bool = False) -> Reading:
         """Figures since the previous call; opens a new window (``defer``: it may come back pending)."""

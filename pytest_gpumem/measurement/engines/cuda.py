@@ -342,7 +342,6 @@ class TraceSites:
 
     def start(self, config: SiteConfig) -> None:
         start = int(self._api.memory_allocated(self._device))  # the engine's allocated(), outside a reading
-        self.filter = SiteFilter(config)
         self.start_bytes = start
         self.prefix = f"gpumem{next(self.recordings)}:"
         self.number, self.phase, self.phases = 0, "", {}
@@ -352,6 +351,7 @@ class TraceSites:
             options["clear_history"] = True  # the trace holds this recording's events only
         record(enabled="all", **options)
         self.next_stamp()
+        self.filter = SiteFilter(config)  # recording only once the history is
 
     def next_stamp(self) -> int:
         """Stamp the events from now on with a new window's number; returns it."""

@@ -386,7 +386,7 @@ class PredictEngine(CpuEngine):
     def __init__(self, target: Target) -> None:
         self.target = target
         self.model = CachingAllocatorModel(target.allocator)
-        self._workspaces: dict[tuple[str, str], Block] = {}
+        self._blocks: dict[tuple[str, str], Block] = {}
         self._synthetic_keys = itertools.count(1)
         operators = frozenset().union(*(w.operators for w in target.workspaces))
         tracker = _TargetTracker(
@@ -435,7 +435,7 @@ class PredictEngine(CpuEngine):
         self._clean_count()
         self.warm_workspaces()
         if self.workspaces is None:
-            self.workspaces = sum(block.nbytes for block in self._workspaces.values())
+            self.workspaces = sum(block.nbytes for block in self._blocks.values())
         self.empty_cache()
         self.take_window()
 
@@ -448,16 +448,16 @@ class PredictEngine(CpuEngine):
         """The thread running operator ``name`` gets the workspaces it uses, if it has none yet."""
         thread = _BACKWARD if torch._C._current_graph_task_id() != -1 else _MAIN
         for workspace in self.target.workspaces:
-            if name not in workspace.operators or (workspace.library, thread) in self._workspaces:
+            if name not in workspace.operators or (workspace.library, thread) in self._blocks:
                 continue
             if workspace.when != "bias" or _has_vector_bias(args):
                 self._create(workspace, thread)
 
     def _create(self, workspace: Workspace, thread: str) -> None:
         """The ``thread``'s workspace of ``workspace.library``, unless it has one."""
-        if (workspace.library, thread) not in self._workspaces:
+        if (workspace.library, thread) not in self._blocks:
             key = -next(self._synthetic_keys)  # storages' keys are addresses: never negative
-            self._workspaces[(workspace.library, thread)] = self.tracker.add_block(key, workspace.nbytes)
+            self._blocks[(workspace.library, thread)] = self.tracker.add_block(key, workspace.nbytes)
 
     def warm_workspaces(self) -> None:
         """Create every workspace a training step's threads get (the backward thread a plain matrix product's)."""
@@ -468,6 +468,6 @@ class PredictEngine(CpuEngine):
 
     def release_workspaces(self) -> None:
         """Free every workspace (what ``torch._C._cuda_clearCublasWorkspaces()`` does)."""
-        for block in self._workspaces.values():
+        for block in self._blocks.values():
             self.tracker.remove_block(block)
-        self._workspaces.clear()
+        self._blocks.clear()
