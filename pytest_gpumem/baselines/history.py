@@ -116,12 +116,14 @@ def read_version(data: bytes, name: str) -> tuple[Figures, str | None]:
     try:
         store = parse(data, name)
     except BaselineFileError as exc:
+        if "schema version" not in str(exc):  # only another schema's file is read again, by its shape
+            raise
         try:
             tree = json.loads(data.decode("utf-8-sig"))
         except (RecursionError, ValueError):  # json gives up on deep nesting with a RecursionError
             raise exc from None
         schema = tree.get("schema") if isinstance(tree, Mapping) else None
-        if type(schema) is not int or "schema version" not in str(exc):
+        if type(schema) is not int:
             raise
         try:
             return lenient_figures(tree), f"schema version {schema}, read by its shape"

@@ -33,7 +33,7 @@ from pytest_gpumem.plugin.collection import (
 from pytest_gpumem.plugin.junit_html import add_html_extras, junit_failure
 from pytest_gpumem.plugin.marker import GpumemSpec, late_marker_problems, parse_marker
 from pytest_gpumem.plugin.options import Settings
-from pytest_gpumem.plugin.plan import PlanError, plan_test
+from pytest_gpumem.plugin.plan import PlanError, plan_test, sites_mode
 from pytest_gpumem.plugin.session import BaselineSession, file_problem
 from pytest_gpumem.plugin.site_runs import (
     SECOND_RUN_KEY,
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.plugin.run_engines import Engines, Freezer
     from pytest_gpumem.plugin.runner import TestRun
 
-__all__ = ["MARKS_KEY", "RECORD_KEY", "RUN_KEY", "GpumemManager"]
+__all__ = ["RUN_KEY", "GpumemManager"]
 
 RUN_KEY: pytest.StashKey[TestRun] = pytest.StashKey()
 RECORD_KEY = pytest.StashKey[tuple[TestRecord, str]]()  #: the call's record, and as JSON text for its report
@@ -159,7 +159,7 @@ class GpumemManager:
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         """A measured test that may want its sites runs through :func:`run_test`."""
         spec = item.stash.get(SPEC_KEY, None)
-        if spec is None or (spec.sites or self.settings.sites) != "rerun":
+        if spec is None or sites_mode(spec, self.settings) != "rerun":
             return None
         return run_test(item, nextitem, self.freezer)
 

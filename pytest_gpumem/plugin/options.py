@@ -211,11 +211,13 @@ class Settings:
             )
         values: dict[str, Any] = {}
         for option in OPTIONS:
+            if option.flag:  # read above
+                continue
             given = value(option.dest)
             text = ("" if given is None else str(given).strip()) or option.default
+            if not text:
+                continue
             try:
-                if option.flag or not text:
-                    continue
                 if option.parse is not None:
                     values[option.key] = option.parse(text)
                     continue

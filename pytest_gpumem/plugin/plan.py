@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from pytest_gpumem.plugin.options import Settings
 
-__all__ = ["PlanError", "RunOptions", "TestPlan", "choose_device", "plan_test"]
+__all__ = ["PlanError", "RunOptions", "TestPlan", "choose_device", "plan_test", "sites_mode"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,11 @@ def choose_device(wanted: str, *, require_gpu: bool = False, worker: int | None 
     return resolve_device(wanted)
 
 
+def sites_mode(spec: GpumemSpec, settings: Settings) -> str:
+    """The test's sites mode: its marker's, else the run's."""
+    return spec.sites or settings.sites
+
+
 def plan_test(nodeid: str, spec: GpumemSpec, settings: Settings, *, worker: int | None = None) -> TestPlan:
     """The plan of the test ``nodeid`` marked ``spec`` in a run of ``settings``, on the GPU of ``worker``; a
     :class:`PlanError` when its device is not there or its settings conflict."""
@@ -125,7 +130,7 @@ def plan_test(nodeid: str, spec: GpumemSpec, settings: Settings, *, worker: int 
     if fake and predict is None:
         needs = "fake=True needs a prediction: predict= on the marker or --gpumem-predict"
         raise PlanError(f"{nodeid}: {needs}", skip=False)
-    mode = spec.sites or settings.sites  # the marker's, else the run's
+    mode = sites_mode(spec, settings)
     # sites on the first run: with "always", on a baseline update, and on fake tensors
     sites = mode == "always" or (mode != "off" and (settings.baselines.update or fake))
     options = RunOptions(

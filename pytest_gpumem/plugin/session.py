@@ -124,10 +124,13 @@ class BaselineSession:
                         m.name: BaselineEntry.from_measurement(m, baseline_metrics(m), sites_budget=budget)
                         for m in record.measurements
                     }
+                    environment = Environment.from_dict(record.environment)
                     try:
-                        store.record(Environment.from_dict(record.environment), record.nodeid, entries)
-                    except ValueError as exc:  # a figure the file could not be loaded with: leave the file as it is
-                        raise BaselineFileError(self.options.path, f"not written: {exc}") from None
+                        store.record(environment, record.nodeid, entries)
+                    except ValueError as exc:  # a figure the file could not be loaded with
+                        raise BaselineFileError(
+                            self.options.path, f"{exc} (the file would not load again; left as it was)"
+                        ) from None
             self.written = save(store, self.options.path)
 
     @property

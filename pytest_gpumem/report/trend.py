@@ -190,7 +190,9 @@ def github_benchmark_json(history: History, series: Sequence[Series], metrics: S
             f"the history holds {len(environments)} environments ({'; '.join(environments)}): "
             "choose one with --env for github-benchmark (one benchmark name per test, span and metric)"
         )
-    commit = None if history.latest is None else history.latest.commit
+    if history.latest is None:
+        return "[]\n"
+    commit = history.latest.commit
     entries = [
         {
             "name": f"{key[1]} [{key[2]}] {metric}",
@@ -199,7 +201,7 @@ def github_benchmark_json(history: History, series: Sequence[Series], metrics: S
             "extra": f"commit {commit.short} ({commit.day}); environment {key[0]}",
         }
         for key, metric, value in _latest(history, series, metrics)
-        if commit is not None and not metric_info(metric).higher_is_better
+        if not metric_info(metric).higher_is_better
     ]
     return json.dumps(entries, indent=2, ensure_ascii=False) + "\n"
 

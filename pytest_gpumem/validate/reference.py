@@ -251,4 +251,4 @@ def counter_checks(run: Run) -> None:
         )
         same = f"peak {m.peak:,}, allocated {m.allocated:,}, reserved {m.reserved or 0:,}"
         title = f"{outcome.name}: peak / allocated / reserved = torch's counters"
-        run.checks.append(agreeing("counters", title, pairs, "torch", ",", same))
+        run.checks.append(agreeing("counters", title, pairs, "torch", spec=",", same=same))
