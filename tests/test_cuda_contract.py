@@ -7,7 +7,8 @@ functions that :class:`~pytest_gpumem.measurement.engines.cuda.CudaEngine` calls
 tests "on cuda:0" through the plugin. The tests pin what one measured test costs on a GPU
 (synchronizations, garbage collections and their generations, cache empties, peak resets,
 workspace warm-ups and releases, NVML reads), which ``memory_stats()`` key lands in which
-figure, and the calls of the emulated device limit and of the leak check.
+figure, and the calls of the emulated device limit, of the leak check and of site recording (the
+allocator's history).
 
 These are facts about OUR code, not about the driver or the caching allocator: the
 stand-in's numbers are invented, distinct per key so that a figure read from the wrong
@@ -31,6 +32,7 @@ import torch
 
 from pytest_gpumem import measure
 from pytest_gpumem.data.figures import Measurement
+from pytest_gpumem.data.site_figures import SiteConfig
 from pytest_gpumem.judge.record import TestRecord
 from pytest_gpumem.measurement.engines import Runtime, Workspaces
 from pytest_gpumem.measurement.engines import cuda as cuda_engine
@@ -686,3 +688,58 @@ def test_the_leak_check_frees_the_workspaces_on_both_sides(pytester: pytest.Pyte
     assert report.startswith(f"memory leak confirmed on cuda:0: 976.56 KiB ({leaked} B) retained")
     assert f"allocated at start: {BEFORE['allocated_bytes.all.current'] - WORKSPACES} B" in report
     assert cuda.workspaces_alive  # the device is back in its steady state
+
+
+class _History:
+    """A stand-in for ``torch.cuda.memory``'s history functions: it records the calls made to it."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.fails = fails
+
+    def _record_memory_history(
+        self,
+        enabled: str | None = "all",
+        context: str = "",
+        stacks: str = "",
+        max_entries: int = 0,
+        clear_history: bool = False,
+    ) -> None:
+        if self.fails and enabled is not None:
+            raise RuntimeError("no history on this device")
+        self.calls.append(("history", (enabled, context, stacks, max_entries, clear_history)))
+
+    def _set_memory_metadata(self, text: str) -> None:
+        self.calls.append(("metadata", text))
+
+
+def test_sites_on_cuda_record_the_allocators_history_stamped_by_window(cuda: RecordingCuda) -> None:
+    """Sites on CUDA: the allocator's history on (this recording's events only), each window's events stamped with
+    its number, the phase of each window kept, and the history off and unstamped at the end."""
+    sites = cuda_engine.TraceSites(torch.device("cuda", 0), cuda)
+    sites.memory = history = _History()  # type: ignore[assignment]
+    sites.start(SiteConfig(root="/project"))
+    prefix = sites.prefix
+    assert sites.recording and prefix.startswith("gpumem") and prefix.endswith(":")
+    assert history.calls == [
+        ("history", ("all", "alloc", "python", cuda_engine.SITE_ENTRIES, True)),
+        ("metadata", f"{prefix}1"),
+    ]
+    sites.set_phase("forward")
+    assert sites.now() == ("end", 2)
+    sites.set_phase(None)
+    assert history.calls[-1] == ("metadata", f"{prefix}2") and sites.phases == {1: "forward", 2: ""}
+    sites.stop()
+    assert not sites.recording and history.calls[-2:] == [("metadata", ""), ("history", (None, "", "", 0, False))]
+    sites.stop()  # once stopped, nothing more is asked
+    assert len(history.calls) == 5 and sites.now() is None
+
+
+def test_sites_on_cuda_whose_history_cannot_start_record_nothing(cuda: RecordingCuda) -> None:
+    sites = cuda_engine.TraceSites(torch.device("cuda", 0), cuda)
+    sites.memory = history = _History(fails=True)  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="no history"):
+        sites.start(SiteConfig(root="/project"))
+    assert not sites.recording and sites.now() is None
+    sites.stop()
+    assert history.calls == []  # nothing to turn off

@@ -350,8 +350,8 @@ class TraceSites:
         if "clear_history" in inspect.signature(record).parameters:
             options["clear_history"] = True  # the trace holds this recording's events only
         record(enabled="all", **options)
+        self.filter = SiteFilter(config)  # recording once the history is: stop() then turns it off
         self.next_stamp()
-        self.filter = SiteFilter(config)  # recording only once the history is
 
     def next_stamp(self) -> int:
         """Stamp the events from now on with a new window's number; returns it."""
