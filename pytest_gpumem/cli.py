@@ -120,9 +120,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     sub = group.add_subparsers(dest="command", required=True, metavar="ACTION")
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("tests", nargs="*", metavar="TEST", help="only tests whose node id contains one of these texts")
-        p.add_argument("--env", metavar="TEXT", help="only environments whose key contains TEXT (case-insensitive)")
+    def common(
+        p: argparse.ArgumentParser,
+        *,
+        tests_help: str = "only tests whose node id contains one of these texts",
+        env_help: str = "only environments whose key contains TEXT (case-insensitive)",
+    ) -> None:
+        p.add_argument("tests", nargs="*", metavar="TEST", help=tests_help)
+        p.add_argument("--env", metavar="TEXT", help=env_help)
 
     def display(p: argparse.ArgumentParser) -> None:
         p.add_argument("--bytes", action="store_true", help="show exact byte counts instead of KiB / MiB / GiB")
@@ -191,10 +196,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         epilog="Exit status: 0 removed (or nothing to remove), 2 an error or a refusal: nothing was written.",
     )
     prune.add_argument("--file", type=Path, metavar="PATH", help=file_help)
-    tests_help = "node ids, or path prefixes (tests/test_old.py, tests/legacy), to remove"
-    prune.add_argument("tests", nargs="*", metavar="TEST", help=tests_help)
-    env_help = "the environment: its whole key, or a part of it that only one key contains"
-    prune.add_argument("--env", metavar="TEXT", help=env_help)
+    common(
+        prune,
+        tests_help="node ids, or path prefixes (tests/test_old.py, tests/legacy), to remove",
+        env_help="the environment: its whole key, or a part of it that only one key contains",
+    )
     prune.add_argument(
         "--missing",
         action="store_true",

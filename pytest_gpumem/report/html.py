@@ -14,7 +14,7 @@ from pytest_gpumem.data.figures import Measurement, Timeline
 from pytest_gpumem.data.metrics import CATEGORIES, METRICS, metric_info
 from pytest_gpumem.units import UNITS, format_delta, format_size
 
-__all__ = ["html_page", "html_text", "render_html"]
+__all__ = ["html_page", "html_text", "render_html", "svg_number"]
 
 #: Fill colour of each category (colour-blind-friendly Tableau 10 hues).
 _COLOURS: Mapping[str, str] = MappingProxyType(
@@ -502,10 +502,13 @@ def _truncate(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _n(value: float) -> str:
+def svg_number(value: float) -> str:
     """A coordinate with one decimal, without a trailing ``.0``."""
     text = f"{value:.1f}"
     return text[:-2] if text.endswith(".0") else text
+
+
+_n = svg_number  # short, for the chart's f-strings
 
 
 def _path(points: list[tuple[float, float]]) -> str:

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pytest_gpumem.baselines.history import Commit, History, Version
 from pytest_gpumem.data.metrics import BASELINE_METRICS, METRICS, metric_info
 from pytest_gpumem.report.cells import delta_text, figure_text
-from pytest_gpumem.report.html import _n, html_page, html_text
+from pytest_gpumem.report.html import html_page, html_text
+from pytest_gpumem.report.html import svg_number as _n
 from pytest_gpumem.tables import markdown_table, table
 from pytest_gpumem.units import format_size
 
