@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from pytest_gpumem.measurement import collector, gcfunctions
+from pytest_gpumem.measurement.engines.compiled import TORCH_ROOT
 
 __all__ = ["frame_locals", "frame_where", "library_dirs", "module_level_objects", "referrer_names"]
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The naming machinery's own frames (and the reports'), never a holder's name.
 _THIS_FILES = tuple(
@@ -36,7 +36,7 @@ def library_dirs() -> tuple[str, ...]:
     """The folders of code that is not the user's: the standard library, site-packages, torch and this package."""
     paths = sysconfig.get_paths()
     found = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
-    return (*(os.path.abspath(path) + os.sep for path in sorted(found)), _TORCH_DIR, _PACKAGE_DIR + os.sep)
+    return (*(os.path.abspath(path) + os.sep for path in sorted(found)), TORCH_ROOT, _PACKAGE_DIR + os.sep)
 
 
 def module_level_objects() -> dict[int, tuple[str, Any]]:

@@ -25,15 +25,15 @@ class CpuEngine:
 
     name = "cpu"
     exact = True
+    predicts: str | None = None
+    #: the allocator whose blocks a snapshot shows (None: every storage is a segment of its own)
+    model: CachingAllocatorModel | None = None
 
     def __init__(self, *, cuda_rounding: bool = False, tracker: StorageTracker | None = None) -> None:
         self.device = torch.device("cpu")
         self.tracker: StorageTracker = tracker or StorageTracker(self.device, cuda_rounding=cuda_rounding)
         self.categories: Categories = self.tracker
         self.sites = TrackerSites(self.tracker) if self.tracker.observes == "operators" else None
-        self.predicts: str | None = None
-        #: the allocator whose blocks a snapshot shows (None: every storage is a segment of its own)
-        self.snapshot_model: CachingAllocatorModel | None = None
         self._saved_tensors = True
 
     @property
@@ -125,7 +125,7 @@ class CpuEngine:
     @contextmanager
     def record_history(self, path: str) -> Iterator[str | None]:
         """Record the tracker's allocations and frees during the block and write a memory_viz snapshot to ``path``."""
-        recorder = SnapshotRecorder(self.tracker, self.snapshot_model)
+        recorder = SnapshotRecorder(self.tracker, self.model)
         recorder.start()
         try:
             yield path

@@ -341,6 +341,7 @@ class TraceSites:
         return self.filter is not None
 
     def start(self, config: SiteConfig) -> None:
+        sites = SiteFilter(config)  # before the history: a bad include raises with nothing to turn off
         start = int(self._api.memory_allocated(self._device))  # the engine's allocated(), outside a reading
         self.start_bytes = start
         self.prefix = f"gpumem{next(self.recordings)}:"
@@ -350,7 +351,7 @@ class TraceSites:
         if "clear_history" in inspect.signature(record).parameters:
             options["clear_history"] = True  # the trace holds this recording's events only
         record(enabled="all", **options)
-        self.filter = SiteFilter(config)  # recording once the history is: stop() then turns it off
+        self.filter = sites  # recording once the history is: stop() then turns it off
         self.next_stamp()
 
     def next_stamp(self) -> int:

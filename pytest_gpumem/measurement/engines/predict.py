@@ -382,6 +382,7 @@ class PredictEngine(CpuEngine):
     name = "predict"
     exact = True
     tracker: _TargetTracker
+    model: CachingAllocatorModel
 
     def __init__(self, target: Target) -> None:
         self.target = target
@@ -398,7 +399,6 @@ class PredictEngine(CpuEngine):
         )
         super().__init__(tracker=tracker)
         self.predicts = target.name
-        self.snapshot_model = self.model
         self.workspaces: int | None = None  #: their bytes, once the first clean state made them
 
     def count_new(self, tensors: Iterable[torch.Tensor | None]) -> None:

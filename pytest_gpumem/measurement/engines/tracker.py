@@ -46,9 +46,9 @@ from pytest_gpumem.measurement.engines.storages import (
     sort_scanned,
     tensors_among,
 )
-from pytest_gpumem.units import CUDA_BLOCK, cuda_rounded
+from pytest_gpumem.units import cuda_rounded
 
-__all__ = ["CUDA_BLOCK", "StorageObserver", "StorageTracker", "TrackerMode", "TrackerSites", "Window", "cuda_rounded"]
+__all__ = ["FOLLOWERS", "OTHER", "TEMPORARIES", "TIMELINE_LIMIT", "StorageTracker", "TrackerSites"]
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER = range(len(CATEGORIES))
 
