@@ -380,8 +380,7 @@ def test_what_one_measured_test_costs_on_a_gpu(pytester: pytest.Pytester, cuda: 
 
 def test_the_driver_is_asked_once_a_session(pytester: pytest.Pytester, cuda: RecordingCuda) -> None:
     """``torch.cuda.is_available()`` asks the driver at every call: once in a session of three
-    tests, whatever the plugin asks of it per test. (``device_count`` is asked twice a test by the
-    device choice: torch answers it from its own cache once CUDA is initialized.)"""
+    tests, whatever the plugin asks of it per test."""
     pytester.makepyfile(INNER)
     _session(pytester, cuda)
     assert cuda.calls.count("is_available") == 1

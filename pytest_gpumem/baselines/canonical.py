@@ -65,7 +65,7 @@ def canonical_top(top: Mapping[str, Any]) -> dict[str, Any]:
 def canonical_env(env: Mapping[str, Any]) -> dict[str, Any]:
     """One environment's object in canonical order."""
     described = env.get("environment") or {}
-    known = {k: sorted_json(v) for k, v in described.items()}
+    known = {k: sorted_json(described[k]) for k in _ENVIRONMENT_ORDER if k in described}
     allocator = described.get("allocator")
     if isinstance(allocator, dict):
         known["allocator"] = {name: allocator[name] for name in sorted(allocator, key=allocator_rank)}

@@ -271,6 +271,8 @@ class GpumemManager:
                 record = replace(record, reports=[*record.reports, no_sites_note(reason)])
             else:
                 item.stash[SECOND_RUN_KEY] = SecondRun(record)
+        if self.launch is not None:  # each rank's figures are its own spans
+            record = rename(record, self.launch)
         item.stash[RECORD_KEY] = (record, record.to_json())
 
     # -- the record, on the report (in the process that runs the test) -------------------
@@ -290,9 +292,6 @@ class GpumemManager:
         if report.when != "call" or kept is None:
             return report
         record, text = kept
-        if self.launch is not None:  # each rank's figures are its own spans
-            record = rename(record, self.launch)
-            text = record.to_json()
         for measurement in record.measurements:
             prefix = "gpumem" if measurement.name == "call" else f"gpumem[{measurement.name}]"
             for metric in METRICS:

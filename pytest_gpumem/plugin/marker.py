@@ -134,6 +134,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "min_microbatch": partial(_positive_int, "min_microbatch"),
     "sites": _spec_error(parse_sites_mode),
 }
+assert tuple(_PARSERS) == MARKER_KEYWORDS[len(METRICS) :], "every other keyword is parsed, in its order"
 
 
 def marker_help() -> str:

@@ -40,7 +40,7 @@ class Option:
     @property
     def dest(self) -> str:
         """The option's destination and its ini setting's name: ``gpumem_update_baselines``."""
-        return "gpumem_" + self.name.replace("-", "_")
+        return "gpumem_" + self.key
 
     @property
     def key(self) -> str:

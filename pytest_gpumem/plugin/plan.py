@@ -85,7 +85,7 @@ def choose_device(wanted: str, *, require_gpu: bool = False, worker: int | None 
     """The device a test measures on (xdist's ``worker`` *i* on GPU *i mod N*), or a :class:`PlanError`."""
     import torch
 
-    from pytest_gpumem.measurement.engines import cuda_available, resolve_device
+    from pytest_gpumem.measurement.engines import cuda_available, cuda_device_count, resolve_device
 
     has_cuda = cuda_available()
     if wanted == "auto" and not has_cuda:
@@ -95,7 +95,7 @@ def choose_device(wanted: str, *, require_gpu: bool = False, worker: int | None 
     device = None if wanted == "auto" else torch.device(wanted)
     if device is not None and device.type != "cuda":
         return device
-    count = torch.cuda.device_count() if has_cuda else 0
+    count = cuda_device_count()  # 0 without CUDA
     if wanted in ("auto", "cuda") and worker is not None and count > 1:
         return torch.device("cuda", worker % count)
     if device is not None and (device.index or 0) >= count:
