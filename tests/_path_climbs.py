@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 import pytest_gpumem
-from conftest import _pinned
+from conftest import run
+from pytest_gpumem.baselines.locate import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = str(Path(pytest_gpumem.__file__).resolve().parent) + os.sep
@@ -41,7 +42,6 @@ def test_step():
 
 def _ranks() -> dict[str, int]:
     """Each top-level module or folder of the package and its layer's height (higher: a higher layer)."""
-    tomllib = pytest.importorskip("tomllib", reason="Python 3.11's tomllib reads pyproject.toml")
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     (layers,) = [c["layers"] for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
     return {name.strip(): len(layers) - i for i, layer in enumerate(layers) for name in layer.split("|")}
@@ -96,7 +96,7 @@ def trace(pytester: pytest.Pytester) -> PathTracer:
     """The path of :data:`TEST`, run in a pytest session of this process."""
     pytester.makepyfile(test_path=TEST)
     tracer = PathTracer()
-    result = pytester.runpytest_inprocess(*_pinned((), "cpu"), plugins=[tracer])
+    result = run(pytester, plugins=[tracer])
     result.assert_outcomes(passed=1)
     assert tracer.steps and tracer._done, "the path was not traced from the call hook to the judge"
     return tracer

@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,14 +158,16 @@ def _pinned(args: tuple[str, ...], device: str | None) -> tuple[str, ...]:
     return (*base, *(() if device is None else (f"--gpumem-device={device}",)), *args)
 
 
-def run(pytester: pytest.Pytester, *args: str, device: str | None = "cpu") -> pytest.RunResult:
+def run(
+    pytester: pytest.Pytester, *args: str, device: str | None = "cpu", plugins: Sequence[object] = ()
+) -> pytest.RunResult:
     """A pytest session in this process: fast, but tensors that earlier sessions left
     alive count in its figures; use :func:`run_fresh` to assert absolute figures.
 
     The session measures on ``device`` (the CPU engine, whatever the machine has: these
     suites allocate CPU tensors); None leaves the device to the session's own options.
     """
-    return pytester.runpytest_inprocess(*_pinned(args, device))
+    return pytester.runpytest_inprocess(*_pinned(args, device), plugins=list(plugins))
 
 
 def run_fresh(pytester: pytest.Pytester, *args: str, device: str | None = "cpu") -> pytest.RunResult:
